@@ -1,0 +1,64 @@
+"""Backend choice. GPU packages are imported only when a GPU backend is asked for."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import BackendUnavailable
+from .base import Backend
+
+BACKENDS = ("auto", "cpu", "pinned", "kvikio")
+
+
+def gpu_available() -> bool:
+    """Whether CuPy imports and sees at least one device (False, not an error, on machines without one)."""
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def gds_available() -> bool:
+    """Whether KvikIO would do true GPUDirect Storage here (nvidia-fs driver loaded, compat mode off)."""
+    try:
+        import kvikio
+        import kvikio.cufile_driver
+        import kvikio.defaults
+
+        return bool(kvikio.cufile_driver.get("is_gds_available")) and not kvikio.defaults.is_compat_mode_preferred()
+    except Exception:
+        return False
+
+
+def resolve(name: str) -> tuple[str, str]:
+    """The concrete backend for ``name`` and why it was chosen."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r} (expected one of {BACKENDS})")
+    if name != "auto":
+        return name, "requested"
+    if not gpu_available():
+        return "cpu", "no usable GPU (CuPy missing or no device)"
+    if gds_available():
+        return "kvikio", "GPUDirect Storage is available"
+    return "pinned", "GDS unavailable (no nvidia-fs driver): pinned staging beats KvikIO compat mode"
+
+
+def make_backend(name: str, device_id: int = 0, **options: Any) -> Backend:
+    """Construct a concrete backend; GPU backends raise BackendUnavailable without a GPU."""
+    if name == "cpu":
+        from .cpu import CpuBackend
+
+        return CpuBackend(**options)
+    if not gpu_available():
+        raise BackendUnavailable(f"backend {name!r} needs a CUDA GPU and CuPy (pip install 'gdsload[gpu]')")
+    if name == "pinned":
+        from .pinned import PinnedBackend
+
+        return PinnedBackend(device_id=device_id, **options)
+    if name == "kvikio":
+        from .kvikio import KvikioBackend
+
+        return KvikioBackend(device_id=device_id, **options)
+    raise ValueError(f"unknown backend {name!r} (expected one of {BACKENDS})")

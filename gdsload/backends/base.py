@@ -1,0 +1,136 @@
+"""What every backend shares: the request types, the fill contract, and POSIX reads that name their file."""
+
+from __future__ import annotations
+
+import os
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from ..errors import ReadError
+
+
+class ReadRequest(NamedTuple):
+    """Read ``nbytes`` at ``offset`` of ``path`` into the window buffer at ``dest_offset``."""
+
+    path: str
+    offset: int
+    nbytes: int
+    dest_offset: int
+
+
+class FillRequest(NamedTuple):
+    """Set ``nbytes`` of the window buffer at ``dest_offset`` to a repeated fill pattern (a missing block)."""
+
+    dest_offset: int
+    nbytes: int
+    pattern: bytes
+
+
+Request = ReadRequest | FillRequest
+
+
+def coalesce(requests: Sequence[ReadRequest], max_bytes: int) -> list[ReadRequest]:
+    """Merge reads that are adjacent both in their file and in the buffer into reads of at most
+    ``max_bytes``: fewer, larger reads are faster on every path (whole-shard reads ran 46 GB/s against
+    39 GB/s block by block on the H100 machine)."""
+    out: list[ReadRequest] = []
+    for r in requests:
+        if out:
+            p = out[-1]
+            if (p.path == r.path and p.offset + p.nbytes == r.offset and p.dest_offset + p.nbytes == r.dest_offset
+                    and p.nbytes + r.nbytes <= max_bytes):
+                out[-1] = p._replace(nbytes=p.nbytes + r.nbytes)
+                continue
+        out.append(r)
+    return out
+
+
+def split(request: ReadRequest, chunk_bytes: int) -> list[ReadRequest]:
+    """Cut one read into pieces of at most ``chunk_bytes`` (so several threads can share it)."""
+    return [request._replace(offset=request.offset + o, nbytes=min(chunk_bytes, request.nbytes - o),
+                             dest_offset=request.dest_offset + o)
+            for o in range(0, request.nbytes, chunk_bytes)]
+
+
+def pread_full(fd: int, view: memoryview, offset: int, path: str) -> None:
+    """Fill ``view`` from ``fd`` at ``offset``; a short file or an OS error raises ReadError naming both."""
+    got, n = 0, len(view)
+    while got < n:
+        try:
+            k = os.preadv(fd, [view[got:]], offset + got)
+        except OSError as e:
+            raise ReadError(f"{path}: read of {n} bytes at offset {offset} failed ({e})") from e
+        if k == 0:
+            raise ReadError(f"{path}: file ends at offset {offset + got} (expected {n} bytes from offset {offset})")
+        got += k
+
+
+def fill_pattern(dest: Any, r: FillRequest) -> None:
+    """Write a fill request's repeated pattern into a numpy or cupy uint8 buffer."""
+    import numpy as np
+
+    region = dest[r.dest_offset:r.dest_offset + r.nbytes]
+    unit = np.frombuffer(r.pattern, dtype=np.uint8)
+    if not unit.any():
+        region.fill(0)
+        return
+    tile = np.tile(unit, r.nbytes // len(unit))
+    if isinstance(region, np.ndarray):
+        region[...] = tile
+    else:
+        region.set(tile)
+
+
+class FileHandles:
+    """File descriptors opened once per path and kept for the dataset's life (opening per read costs ~25 %)."""
+
+    def __init__(self, flags: int = os.O_RDONLY):
+        self._flags = flags
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def get(self, path: str) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            with self._lock:
+                fd = self._fds.get(path)
+                if fd is None:
+                    try:
+                        fd = os.open(path, self._flags)
+                    except OSError as e:
+                        raise ReadError(f"{path}: cannot open ({e})") from e
+                    self._fds[path] = fd
+        return fd
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+class Backend(ABC):
+    """Moves blocks from files into a window buffer: host memory (cpu) or device memory (GPU backends)."""
+
+    name: str
+    #: What actually moves the bytes: "cpu", "pinned", "pinned-odirect", "gds" or "kvikio-compat".
+    io_mode: str
+    #: Preferred window size: large enough to keep every reader busy, small enough to double-buffer.
+    window_bytes_hint: int = 64 << 20
+
+    @abstractmethod
+    def allocate(self, nbytes: int) -> Any:
+        """A uint8 window buffer of ``nbytes`` (allocated once per dataset, reused every window)."""
+
+    @abstractmethod
+    def fill(self, dest: Any, requests: Sequence[Request], stop: threading.Event) -> Any:
+        """Carry out ``requests`` into ``dest``; block until the data is in ``dest`` or queued on a stream.
+
+        Returns an event the consumer's stream must wait on before reading ``dest`` (None if the data is
+        already there). Stops early, leaving ``dest`` partly filled, once ``stop`` is set.
+        """
+
+    def close(self) -> None:
+        """Stop threads and free memory the backend holds."""

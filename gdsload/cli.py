@@ -1,0 +1,189 @@
+"""Command line: ``gdsload info [PATH]``, ``gdsload demo``, ``gdsload shard`` (same as scripts/shard.py)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from .errors import GDSLoadError
+
+_UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
+          "kb": 1000, "mb": 1000**2, "gb": 1000**3}
+
+
+def parse_bytes(text: str) -> int:
+    """'4MiB', '4M', '512k', '1GiB', '4096' -> bytes (binary units unless 'kB/MB/GB')."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4096, 4MiB, 1GiB)")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+# -- info ------------------------------------------------------------------------------------------
+def describe_dataset(path: str) -> str:
+    from .format import DatasetLayout, read_metadata
+
+    meta = read_metadata(path)
+    layout = DatasetLayout(meta)
+    lines = [f"dataset: {meta.path}", f"samples: {meta.num_samples}   samples_per_block: {meta.samples_per_block}"
+             f"   blocks: {meta.num_blocks}"]
+    total = 0
+    for name, f in meta.fields.items():
+        shards = meta.num_shards(name)
+        missing = int((layout.block_offsets[name] < 0).sum())
+        nbytes = f.sample_bytes * meta.num_samples
+        total += nbytes
+        lines.append(f"  {name}: dtype {f.dtype.str} ({f.dtype.name}), sample shape {f.sample_shape}, "
+                     f"block {_human(f.block_bytes)}, {shards} shard(s) of {f.blocks_per_shard} blocks, "
+                     f"{_human(nbytes)}" + (f", {missing} block(s) never written (fill value)" if missing else ""))
+    lines.append(f"fields: {len(meta.fields)}   shards: {len(layout.shard_paths())}   bytes: {_human(total)}")
+    return "\n".join(lines)
+
+
+def describe_system() -> str:
+    from .backends import resolve
+    from .sysinfo import system_info
+
+    info = system_info(bandwidth=True)
+    lines = [f"gdsload {info.get('gdsload')}  python {info['python']}  numpy {info['numpy']}  zarr {info['zarr']}"
+             f"  cores {info['cpu_cores']}"]
+    if not info.get("gpu"):
+        lines.append(f"GPU: none ({info.get('reason')})")
+    else:
+        lines.append(f"GPU: {info['gpu']} ({info['memory_gib']} GiB, {info['device_count']} device(s))  "
+                     f"driver CUDA {info['driver']}  runtime {info['cuda_runtime']}  CuPy {info['cupy']}")
+        if info.get("kvikio"):
+            lines.append(f"KvikIO {info['kvikio']}: GDS driver available: {info.get('is_gds_available')}  "
+                         f"nvidia-fs loaded: {info.get('nvidia_fs_loaded')}  compat mode preferred: "
+                         f"{info.get('compat_mode_preferred')}  -> io mode {info['io_mode']}")
+        else:
+            lines.append(f"KvikIO: not installed ({info.get('kvikio_error')})")
+        if "pinned_h2d_gbps" in info:
+            lines.append(f"pinned host->device copy: {info['pinned_h2d_gbps']} GB/s")
+        else:
+            lines.append(f"pinned host->device copy: failed ({info.get('pinned_h2d_error')})")
+    name, why = resolve("auto")
+    lines.append(f"backend auto -> {name} ({why})")
+    return "\n".join(lines)
+
+
+# -- demo ------------------------------------------------------------------------------------------
+def run_demo(samples: int, backend: str, batch_size: int, workdir: str | None) -> str:
+    from . import GDSDataset
+    from .sources import ArraySource
+    from .writer import write_dataset
+
+    labels = np.arange(samples, dtype=np.int64)
+    # Image i is filled with (i % 251): every batch can be checked against its labels.
+    images = np.broadcast_to((labels % 251).astype(np.uint8)[:, None, None, None], (samples, 64, 64, 3))
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        path = os.path.join(tmp, "demo.gds")
+        write_dataset(path, {"image": ArraySource("demo:image", images), "label": ArraySource("demo:label", labels)},
+                      block_bytes=1 << 20, progress=False)
+        with GDSDataset(path, batch_size=batch_size, backend=backend, shuffle=True, seed=0) as ds:
+            seen = 0
+            t0 = time.perf_counter()
+            for batch in ds:
+                img, lab = batch["image"], batch["label"]
+                ok = (img[:, 0, 0, 0].astype(np.int64) == lab % 251).all() and (img == img[:, :1, :1, :1]).all()
+                if not bool(ok):
+                    raise GDSLoadError(f"{path}: demo batch content does not match its labels")
+                seen += int(lab.shape[0])
+            wall = time.perf_counter() - t0
+            if seen != samples:
+                raise GDSLoadError(f"{path}: demo read {seen} samples (expected {samples})")
+            nbytes = ds.stats.bytes_read if ds.stats else 0
+            return (f"backend {ds.backend_name} ({ds.backend_reason}), io mode {ds.io_mode}\n"
+                    f"read {samples} samples ({_human(nbytes)}) in {wall:.3f} s: {samples / wall:,.0f} samples/s, "
+                    f"{nbytes / wall / 1e9:.2f} GB/s, consumer stalled {ds.stats.stall_s:.3f} s; "
+                    f"every batch checked against its labels")
+
+
+# -- shard -----------------------------------------------------------------------------------------
+def shard_parser(prog: str = "shard.py") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Convert .npy / .npz / directories of them / zarr arrays "
+                                "into a gdsload dataset (a Zarr v3 group of sharded arrays).")
+    p.add_argument("inputs", nargs="*", help="input paths; one field per array, named after the file or key")
+    p.add_argument("-o", "--output", required=True, help="dataset directory to write (e.g. mydata.gds)")
+    p.add_argument("--field", action="append", default=[], metavar="NAME=PATH",
+                   help="add a field with an explicit name (PATH may be FILE.npz:KEY)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--block-bytes", type=parse_bytes, default=None,
+                      help="target block size (default 4MiB); whole samples, 4 KiB aligned where possible")
+    size.add_argument("--samples-per-block", type=int, default=None, help="samples per block, exactly")
+    p.add_argument("--shard-bytes", type=parse_bytes, default=None, help="target shard file size (default 1GiB)")
+    p.add_argument("--slice-bytes", type=parse_bytes, default=None, help="input read size (bounds memory; 64MiB)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def shard_main(argv: Sequence[str] | None = None, prog: str = "shard.py") -> int:
+    from .writer import convert
+
+    args = shard_parser(prog).parse_args(argv)
+    named = {}
+    for spec in args.field:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            print(f"{prog}: error: --field expects NAME=PATH (found {spec!r})", file=sys.stderr)
+            return 2
+        named[name] = path
+    options = {k: v for k, v in {"block_bytes": args.block_bytes, "samples_per_block": args.samples_per_block,
+                                 "shard_bytes": args.shard_bytes, "slice_bytes": args.slice_bytes}.items()
+               if v is not None}
+    try:
+        meta = convert(args.inputs, args.output, named, overwrite=args.overwrite,
+                       progress=False if args.quiet else None, **options)
+    except GDSLoadError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    print(describe_dataset(meta.path))
+    return 0
+
+
+# -- entry point -----------------------------------------------------------------------------------
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["shard"]:
+        return shard_main(argv[1:], prog="gdsload shard")
+    p = argparse.ArgumentParser(prog="gdsload", description="Sharded datasets from NVMe into GPU memory.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    info = sub.add_parser("info", help="GPU, CUDA, KvikIO and GDS status; with PATH, a dataset summary")
+    info.add_argument("path", nargs="?")
+    demo = sub.add_parser("demo", help="write a small synthetic dataset and read one epoch of it")
+    demo.add_argument("--samples", type=int, default=8192)
+    demo.add_argument("--batch-size", type=int, default=256)
+    demo.add_argument("--backend", default="auto", choices=["auto", "cpu", "pinned", "kvikio"])
+    demo.add_argument("--workdir", default=None, help="where the temporary dataset goes (default: system temp)")
+    sub.add_parser("shard", help="convert arrays into a dataset (see 'gdsload shard --help')")
+    args = p.parse_args(argv)
+    try:
+        if args.cmd == "info":
+            print(describe_dataset(args.path) if args.path else describe_system())
+        elif args.cmd == "demo":
+            print(run_demo(args.samples, args.backend, args.batch_size, args.workdir))
+    except GDSLoadError as e:
+        print(f"gdsload: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

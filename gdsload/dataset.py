@@ -1,0 +1,203 @@
+"""GDSDataset: the user-facing iterable over batches of a gdsload dataset."""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from .backends import make_backend, resolve
+from .format import DatasetLayout, read_metadata
+from .pipeline import EpochStats, Pipeline, WindowLayout, WindowSlot
+from .plan import EpochPlan, PlanConfig, epoch_plan
+
+_STATE_KEYS = ("num_samples", "samples_per_block", "batch_size", "window_blocks", "shuffle", "seed",
+               "drop_last", "rank", "world_size")
+
+
+def _distributed() -> tuple[int, int]:
+    """(rank, world_size) from torch.distributed when initialised, else RANK / WORLD_SIZE, else (0, 1)."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+    except ImportError:
+        pass
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+class GDSDataset:
+    """Batches of a gdsload dataset, read ahead into device (or host) window buffers.
+
+    Parameters
+    ----------
+    path : dataset directory written by ``scripts/shard.py``.
+    batch_size : samples per batch; the last batch of an epoch may be smaller unless ``drop_last``.
+    fields : fields to read (default: all).
+    backend : ``"auto"`` (kvikio with GDS, else pinned, else cpu without a GPU), ``"kvikio"``, ``"pinned"``
+        or ``"cpu"``.
+    shuffle, seed : permute blocks per epoch and samples inside each window; same seed, same order.
+    window_blocks : blocks read together into one window buffer. Default: enough for a batch and about the
+        backend's preferred window size (64-256 MiB). Memory held is about ``prefetch`` windows.
+    prefetch : window buffers; with 2 the backend fills one while the consumer draws from the other.
+    output : ``"numpy"`` / ``"torch"`` for the cpu backend, ``"cupy"`` (default) / ``"torch"`` on GPU.
+    rank, world_size : this process's share of each epoch (default: torch.distributed, else RANK /
+        WORLD_SIZE). With ``drop_last=False`` shorter ranks repeat a few samples so all ranks yield the
+        same batches; with ``drop_last=True`` the remainder is dropped instead.
+    device : CUDA device id (default: LOCAL_RANK, else 0).
+    backend_options : passed to the backend (e.g. ``num_threads``, ``task_bytes``, ``pool_bytes``).
+
+    Notes
+    -----
+    Blocks are the unit of reading: a block size that is a multiple of 4 KiB keeps reads aligned for GDS
+    and O_DIRECT. Yielded arrays are fresh allocations, never overwritten by later reads, and ready on the
+    consumer's current stream.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], batch_size: int, fields: Sequence[str] | None = None, *,
+                 backend: str = "auto", shuffle: bool = False, seed: int = 0, window_blocks: int | None = None,
+                 prefetch: int = 2, drop_last: bool = False, output: str | None = None, rank: int | None = None,
+                 world_size: int | None = None, device: int | None = None,
+                 backend_options: dict[str, Any] | None = None):
+        if prefetch < 1:
+            raise ValueError(f"prefetch must be at least 1 (found {prefetch})")
+        self.meta = read_metadata(path)
+        self.layout = DatasetLayout(self.meta, tuple(fields) if fields is not None else None)
+        self.fields = self.layout.fields
+        self.backend_name, self.backend_reason = resolve(backend)
+        on_gpu = self.backend_name != "cpu"
+        output = output or ("cupy" if on_gpu else "numpy")
+        allowed = ("cupy", "torch") if on_gpu else ("numpy", "torch")
+        if output not in allowed:
+            raise ValueError(f"output {output!r} does not fit backend {self.backend_name!r} (expected one of {allowed})")
+        self.output = output
+        self.device = int(os.environ.get("LOCAL_RANK", 0)) if device is None else device
+        if rank is None or world_size is None:
+            env_rank, env_world = _distributed()
+            rank = env_rank if rank is None else rank
+            world_size = env_world if world_size is None else world_size
+        self.backend = make_backend(self.backend_name, self.device, **(backend_options or {}))
+        spb = self.meta.samples_per_block
+        if window_blocks is None:
+            block_bytes = sum(self.meta.fields[f].block_bytes for f in self.fields)
+            by_size = max(1, self.backend.window_bytes_hint // block_bytes)
+            per_rank = -(-self.meta.num_blocks // max(1, world_size))
+            window_blocks = max(1, min(max(-(-batch_size // spb), by_size), per_rank))
+        self.config = PlanConfig(num_samples=self.meta.num_samples, samples_per_block=spb, batch_size=batch_size,
+                                 window_blocks=window_blocks, shuffle=shuffle, seed=seed, drop_last=drop_last,
+                                 rank=rank, world_size=world_size)
+        self.prefetch = prefetch
+        self.window_layout = WindowLayout([self.meta.fields[f] for f in self.fields], window_blocks)
+        self.epoch = 0
+        self.stats: EpochStats | None = None
+        self._resume: tuple[int, int] | None = None  # (epoch, batches already yielded)
+        self._batches_yielded = 0
+        self._plan_cache: tuple[int, EpochPlan] | None = None
+        self._slots: list[WindowSlot] = []
+        self._active: list[Pipeline] = []  # at most one; a list so the finalizer can see it without self
+        self._finalizer = weakref.finalize(self, _shutdown, self._active, self.backend, self._slots)
+
+    # -- properties ------------------------------------------------------------------------------------
+    @property
+    def io_mode(self) -> str:
+        """How bytes move: "gds", "kvikio-compat", "pinned", "pinned-odirect" or "cpu"."""
+        return self.backend.io_mode
+
+    @property
+    def num_samples(self) -> int:
+        return self.meta.num_samples
+
+    def __len__(self) -> int:
+        """Batches this rank yields per epoch."""
+        return self._plan(self.epoch).num_batches
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"GDSDataset({self.meta.path!r}, batch_size={c.batch_size}, fields={list(self.fields)}, "
+                f"backend={self.backend_name!r}, io_mode={self.io_mode!r}, rank={c.rank}/{c.world_size})")
+
+    # -- epochs and resume -----------------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose order the next iteration follows (a resumed epoch keeps its position)."""
+        self.epoch = int(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where iteration stands: epoch, batches yielded in it, and the config the order depends on."""
+        state = {"epoch": self.epoch, "batches_yielded": self._batches_yielded}
+        state.update({k: getattr(self.config, k) for k in _STATE_KEYS})
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``: the next iteration yields exactly the batches not yet yielded."""
+        mismatched = {k: (state.get(k), getattr(self.config, k)) for k in _STATE_KEYS
+                      if state.get(k) != getattr(self.config, k)}
+        if mismatched:
+            detail = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in mismatched.items())
+            raise ValueError(f"state does not match this dataset's configuration ({detail})")
+        self.epoch = int(state["epoch"])
+        self._batches_yielded = int(state["batches_yielded"])
+        self._resume = (self.epoch, self._batches_yielded)
+
+    def _plan(self, epoch: int) -> EpochPlan:
+        if self._plan_cache is None or self._plan_cache[0] != epoch:
+            self._plan_cache = (epoch, epoch_plan(self.config, epoch))
+        return self._plan_cache[1]
+
+    # -- iteration -------------------------------------------------------------------------------------
+    def _ops(self) -> Any:
+        if self.backend_name == "cpu":
+            from .device import HostOps, TorchHostOps
+
+            return TorchHostOps() if self.output == "torch" else HostOps()
+        from .device import CudaOps
+
+        return CudaOps(self.device, self.output)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        self._close_active()
+        epoch = self.epoch
+        plan = self._plan(epoch)
+        start = self._resume[1] if self._resume and self._resume[0] == epoch else 0
+        self._resume = None
+        needed = max(self.prefetch, plan.max_windows_per_batch())
+        while len(self._slots) < needed:
+            self._slots.append(WindowSlot(self.backend.allocate(self.window_layout.nbytes)))
+        pipeline = Pipeline(self.backend, self._ops(), self.layout, self.window_layout, self._slots, plan, start,
+                            self.fields)
+        self._active.append(pipeline)
+        self.stats = pipeline.stats
+        return self._run(pipeline, start)
+
+    def _run(self, pipeline: Pipeline, start: int) -> Iterator[dict[str, Any]]:
+        self._batches_yielded = start
+        try:
+            for batch in pipeline.batches():
+                self._batches_yielded += 1
+                yield batch
+        finally:
+            pipeline.close()
+            if pipeline in self._active:
+                self._active.remove(pipeline)
+
+    def _close_active(self) -> None:
+        while self._active:
+            self._active.pop().close()
+
+    def close(self) -> None:
+        """Stop background readers and free buffers and file handles. Idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> GDSDataset:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _shutdown(active: list[Pipeline], backend: Any, slots: list[WindowSlot]) -> None:
+    while active:
+        active.pop().close()
+    backend.close()
+    slots.clear()

@@ -1,0 +1,125 @@
+"""The consumer's side of the device: its stream, the events that order it against the readers, gathers.
+
+Host arrays need none of this (numpy is synchronous), so :class:`HostOps` is all no-ops and the same
+pipeline code runs on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+class HostOps:
+    """numpy outputs: work is done when the call returns."""
+
+    xp = np
+
+    def begin(self) -> None:
+        """Called before each batch: pick up the consumer's current stream."""
+
+    def record(self) -> Any:
+        return None
+
+    def wait(self, event: Any) -> None:
+        pass
+
+    def synchronize(self, event: Any) -> None:
+        pass
+
+    def index_array(self, a: np.ndarray) -> Any:
+        return a
+
+    def take(self, src: Any, idx: Any, out: Any) -> None:
+        """``out[:] = src[idx]`` along axis 0; ``idx`` is an index array or a slice."""
+        if isinstance(idx, slice):
+            np.copyto(out, src[idx])
+        else:
+            np.take(src, idx, axis=0, out=out)
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+        return np.empty(shape, dtype=dtype)
+
+    def export(self, a: Any) -> Any:
+        return a
+
+
+class TorchHostOps(HostOps):
+    """numpy work, handed out as CPU torch tensors sharing the same memory."""
+
+    def export(self, a: Any) -> Any:
+        import torch
+
+        return torch.from_numpy(a)
+
+
+class CudaOps:
+    """CuPy work issued on the consumer's current stream (CuPy's, or torch's for torch outputs).
+
+    Every gather of a batch runs on that stream after it waited on the window's "filled" event, and the
+    window's "released" event is recorded on it, so the user needs no synchronization of their own.
+    """
+
+    def __init__(self, device_id: int, output: str):
+        import cupy
+
+        self.cupy = cupy
+        self.xp = cupy
+        self.device = cupy.cuda.Device(device_id)
+        self.output = output
+        self.torch = None
+        if output == "torch":
+            import torch
+
+            self.torch = torch
+        self.stream: Any = None
+
+    def _current_stream(self) -> Any:
+        if self.torch is not None:
+            ptr = self.torch.cuda.current_stream(self.device.id).cuda_stream
+            if self.stream is not None and self.stream.ptr == ptr:
+                return self.stream
+            return self.cupy.cuda.ExternalStream(ptr, self.device.id)
+        return self.cupy.cuda.get_current_stream(self.device.id)
+
+    def begin(self) -> None:
+        stream = self._current_stream()
+        if self.stream is not None and stream.ptr != self.stream.ptr:
+            # The consumer switched streams: work already queued on the old one must come first.
+            stream.wait_event(self.stream.record())
+        self.stream = stream
+
+    def record(self) -> Any:
+        with self.device:
+            return (self.stream or self._current_stream()).record()
+
+    def wait(self, event: Any) -> None:
+        if event is not None:
+            self.stream.wait_event(event)
+
+    def synchronize(self, event: Any) -> None:
+        if event is not None:
+            event.synchronize()
+
+    def index_array(self, a: np.ndarray) -> Any:
+        with self.device, self.stream:
+            return self.cupy.asarray(a)
+
+    def take(self, src: Any, idx: Any, out: Any) -> None:
+        with self.device, self.stream:
+            if isinstance(idx, slice):
+                out[...] = src[idx]
+            else:
+                self.cupy.take(src, idx, axis=0, out=out)
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+        with self.device, self.stream:
+            return self.cupy.empty(shape, dtype=dtype)
+
+    def export(self, a: Any) -> Any:
+        if self.torch is None:
+            return a
+        # CuPy's current stream equals torch's here, so DLPack adds no cross-stream synchronization.
+        with self.device, self.stream:
+            return self.torch.from_dlpack(a)

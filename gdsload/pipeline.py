@@ -1,0 +1,237 @@
+"""The double-buffered iterator: a reader thread fills window buffers while the consumer gathers batches.
+
+Ownership of a window buffer passes reader -> consumer through the ``ready`` queue (with the event that
+says its data has landed) and consumer -> reader through the ``free`` queue (with the event recorded after
+the consumer's last gather from it). The reader waits on that event before overwriting the buffer; the
+consumer's stream waits on the "filled" event before its first gather. Nothing else is shared.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .backends.base import Backend, FillRequest, ReadRequest, Request
+from .errors import GDSLoadError, ReadError
+from .format import DatasetLayout, FieldMeta
+from .plan import EpochPlan
+
+ALIGN = 4096
+_POLL_S = 0.05
+
+
+@dataclass
+class WindowSlot:
+    """One window buffer and the event after which its previous contents are no longer read."""
+
+    buffer: Any
+    released: Any = None
+
+
+class WindowLayout:
+    """Where each field's blocks lie inside a window buffer: per field, W blocks back to back."""
+
+    def __init__(self, fields: Sequence[FieldMeta], window_blocks: int):
+        self.fields = {f.name: f for f in fields}
+        self.window_blocks = window_blocks
+        self.offsets: dict[str, int] = {}
+        pos = 0
+        for f in fields:
+            self.offsets[f.name] = pos
+            pos += -(-(f.block_bytes * window_blocks) // ALIGN) * ALIGN
+        self.nbytes = pos
+
+    def requests(self, layout: DatasetLayout, blocks: np.ndarray) -> list[Request]:
+        reqs: list[Request] = []
+        for name, f in self.fields.items():
+            base = self.offsets[name]
+            for j, b in enumerate(blocks):
+                dest = base + j * f.block_bytes
+                loc = layout.locate(name, int(b))
+                if loc is None:
+                    reqs.append(FillRequest(dest, f.block_bytes, f.fill_bytes()))
+                else:
+                    reqs.append(ReadRequest(loc.path, loc.offset, loc.nbytes, dest))
+        return reqs
+
+    def view(self, buffer: Any, name: str) -> Any:
+        f = self.fields[name]
+        off = self.offsets[name]
+        raw = buffer[off:off + f.block_bytes * self.window_blocks]
+        return raw.view(f.dtype).reshape(self.window_blocks * f.samples_per_block, *f.sample_shape)
+
+
+@dataclass
+class EpochStats:
+    """What one pass over the data cost: bytes read, wall time, and time the consumer waited for data."""
+
+    io_mode: str
+    batches: int = 0
+    samples: int = 0
+    bytes_read: int = 0
+    wall_s: float = 0.0
+    stall_s: float = 0.0
+    read_s: float = 0.0
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes_read / self.wall_s / 1e9 if self.wall_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"io_mode": self.io_mode, "batches": self.batches, "samples": self.samples,
+                "bytes_read": self.bytes_read, "wall_s": self.wall_s, "stall_s": self.stall_s,
+                "read_s": self.read_s, "gb_per_s": self.gb_per_s}
+
+
+_END = object()
+
+
+@dataclass
+class _Failure:
+    error: BaseException
+    window: int
+    blocks: list[int] = field(default_factory=list)
+
+
+class Pipeline:
+    """Runs one epoch plan from ``start_batch``: a reader thread ahead, batches gathered on demand."""
+
+    def __init__(self, backend: Backend, ops: Any, layout: DatasetLayout, window_layout: WindowLayout,
+                 slots: Sequence[WindowSlot], plan: EpochPlan, start_batch: int, output_fields: Sequence[str]):
+        self.backend, self.ops, self.layout, self.wl = backend, ops, layout, window_layout
+        self.plan, self.start_batch, self.output_fields = plan, start_batch, tuple(output_fields)
+        self.slots = list(slots)
+        self.stats = EpochStats(io_mode=backend.io_mode)
+        self._stop = threading.Event()
+        self._free: queue.Queue[WindowSlot] = queue.Queue()
+        self._ready: queue.Queue[Any] = queue.Queue()
+        for s in self.slots:
+            self._free.put(s)
+        self._last_batch = plan.last_batch_of_window()
+        first_window = int(plan.window_of[plan.batch_bounds(start_batch)[0]]) if start_batch < plan.num_batches else 0
+        self._first_window = first_window
+        self._thread = threading.Thread(target=self._read_loop, name="gdsload-reader", daemon=True)
+        self._started = time.perf_counter()
+        self._closed = False
+        if start_batch < plan.num_batches:
+            self._thread.start()
+
+    # -- reader thread -------------------------------------------------------------------------------
+    def _next_free(self) -> WindowSlot | None:
+        while not self._stop.is_set():
+            try:
+                return self._free.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+        return None
+
+    def _read_loop(self) -> None:
+        w = self._first_window
+        try:
+            for w in range(self._first_window, len(self.plan.windows)):
+                slot = self._next_free()
+                if slot is None:
+                    return
+                self.ops.synchronize(slot.released)  # the consumer's last gather from it is done
+                reqs = self.wl.requests(self.layout, self.plan.windows[w])
+                t0 = time.perf_counter()
+                filled = self.backend.fill(slot.buffer, reqs, self._stop)
+                self.stats.read_s += time.perf_counter() - t0
+                if self._stop.is_set():
+                    return
+                self.stats.bytes_read += sum(r.nbytes for r in reqs if isinstance(r, ReadRequest))
+                self._ready.put((w, slot, filled))
+            self._ready.put(_END)
+        except BaseException as e:  # surfaced in the consumer, which owns the error from here
+            self._ready.put(_Failure(e, w, [int(b) for b in self.plan.windows[w]]))
+
+    # -- consumer ------------------------------------------------------------------------------------
+    def _take_ready(self) -> tuple[int, WindowSlot, Any]:
+        t0 = time.perf_counter()
+        while True:
+            try:
+                item = self._ready.get(timeout=_POLL_S)
+                break
+            except queue.Empty:
+                if self._stop.is_set():
+                    raise GDSLoadError("this iterator was closed (the dataset was closed or a new pass "
+                                       "over it started)") from None
+        self.stats.stall_s += time.perf_counter() - t0
+        if isinstance(item, _Failure):
+            e = item.error
+            msg = str(e) if isinstance(e, ReadError) else f"{type(e).__name__}: {e}"
+            raise ReadError(f"reading window {item.window} (blocks {item.blocks[:8]}"
+                            f"{'...' if len(item.blocks) > 8 else ''}) failed: {msg}") from e
+        if item is _END:
+            raise ReadError("internal error: the reader finished before the plan did")
+        return item
+
+    def batches(self) -> Iterator[dict[str, Any]]:
+        """Yield each batch as a dict of fresh arrays; always stops the reader on the way out."""
+        plan, ops, wl = self.plan, self.ops, self.wl
+        resident: dict[int, WindowSlot] = {}
+        slots_dev = None  # the epoch's slot array on the consumer's device, uploaded once
+        try:
+            for i in range(self.start_batch, plan.num_batches):
+                ops.begin()
+                segments = plan.batch(i)
+                for seg in segments:
+                    while seg.window not in resident:
+                        w, slot, filled = self._take_ready()
+                        ops.wait(filled)
+                        resident[w] = slot
+                lo, hi = plan.batch_bounds(i)
+                out = {name: ops.empty((hi - lo, *wl.fields[name].sample_shape), wl.fields[name].dtype)
+                       for name in self.output_fields}
+                pos = 0
+                for seg in segments:
+                    if _consecutive(seg.slots):
+                        idx: Any = slice(int(seg.slots[0]), int(seg.slots[-1]) + 1)
+                    else:
+                        if slots_dev is None:
+                            small = plan.slots.max(initial=0) < 2**31
+                            slots_dev = ops.index_array(plan.slots.astype(np.int32 if small else np.int64))
+                        idx = slots_dev[seg.start:seg.stop]
+                    for name in self.output_fields:
+                        src = wl.view(resident[seg.window].buffer, name)
+                        ops.take(src, idx, out[name][pos:pos + len(seg.slots)])
+                    pos += len(seg.slots)
+                for seg in segments:
+                    if self._last_batch[seg.window] == i and seg.window in resident:
+                        slot = resident.pop(seg.window)
+                        slot.released = ops.record()
+                        self._free.put(slot)
+                self.stats.batches += 1
+                self.stats.samples += hi - lo
+                self.stats.wall_s = time.perf_counter() - self._started
+                yield {name: ops.export(a) for name, a in out.items()}
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop the reader and wait for it; idempotent, safe from any thread but the reader's."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+        self.stats.wall_s = time.perf_counter() - self._started
+        try:
+            # Gathers the consumer queued may still read any buffer: whoever fills it next waits for them.
+            released = self.ops.record()
+        except Exception:  # interpreter or CUDA context shutting down: nothing left to order against
+            return
+        for slot in self.slots:
+            slot.released = released
+
+
+def _consecutive(slots: np.ndarray) -> bool:
+    """Whether slots are a run n, n+1, ...: then the gather is a plain copy of a slice."""
+    return bool(len(slots)) and int(slots[-1] - slots[0]) == len(slots) - 1 and bool((np.diff(slots) == 1).all())

@@ -1,0 +1,173 @@
+"""The read plan of one epoch on one rank: pure numpy, no I/O.
+
+Blocks are permuted per epoch (seeded), split across ranks, grouped into windows of ``window_blocks``
+blocks read together; samples are permuted inside each window and cut into batches. Windowed shuffling
+trades mixing for memory: only W blocks need be resident, at the cost of samples from one window landing
+near each other in the epoch. Everything is a function of the config and the epoch, so resuming means
+recomputing the plan and skipping batches; no index arrays are ever stored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    num_samples: int
+    samples_per_block: int
+    batch_size: int
+    window_blocks: int
+    shuffle: bool = False
+    seed: int = 0
+    drop_last: bool = False
+    rank: int = 0
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("num_samples", "samples_per_block", "batch_size", "window_blocks", "world_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1 (found {getattr(self, name)})")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}) (found {self.rank})")
+        if self.world_size > self.num_blocks:
+            raise ValueError(
+                f"world_size {self.world_size} exceeds the dataset's {self.num_blocks} blocks "
+                "(every rank needs at least one block; write smaller blocks)"
+            )
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.num_samples // self.samples_per_block)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Part of a batch that comes from one window: stream positions [start, stop) of the epoch plan."""
+
+    window: int
+    start: int
+    stop: int
+    slots: np.ndarray  # sample slots in the window buffer (block position in window * K + sample in block)
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """Windows to read, in order, and the stream of (window, slot) pairs that batches are cut from."""
+
+    config: PlanConfig
+    windows: tuple[np.ndarray, ...]  # block ids of each window
+    window_of: np.ndarray  # window index of each stream position (non-decreasing)
+    slots: np.ndarray  # slot of each stream position inside its window
+
+    @property
+    def num_batches(self) -> int:
+        return -(-len(self.slots) // self.config.batch_size)
+
+    def batch_bounds(self, i: int) -> tuple[int, int]:
+        b = self.config.batch_size
+        return i * b, min((i + 1) * b, len(self.slots))
+
+    def batch(self, i: int) -> list[Segment]:
+        """Segments of batch ``i``, in output order."""
+        lo, hi = self.batch_bounds(i)
+        win = self.window_of[lo:hi]
+        cuts = np.flatnonzero(np.diff(win)) + 1
+        starts = np.concatenate(([0], cuts))
+        stops = np.concatenate((cuts, [hi - lo]))
+        return [Segment(int(win[a]), lo + int(a), lo + int(b), self.slots[lo + a:lo + b])
+                for a, b in zip(starts, stops)]
+
+    def last_batch_of_window(self) -> np.ndarray:
+        """For each window, the index of the last batch that draws from it (when it can be released)."""
+        b = self.config.batch_size
+        last = np.full(len(self.windows), -1, dtype=np.int64)
+        positions = np.arange(len(self.window_of))
+        np.maximum.at(last, self.window_of, positions // b)
+        return last
+
+    def max_windows_per_batch(self) -> int:
+        if not len(self.window_of):
+            return 1
+        b = self.config.batch_size
+        firsts = self.window_of[::b]
+        lasts = self.window_of[np.minimum(np.arange(b - 1, len(self.window_of) + b - 1, b), len(self.window_of) - 1)]
+        return int((lasts - firsts).max()) + 1
+
+    def sample_ids(self) -> np.ndarray:
+        """Global sample index of every stream position (for tests and checks; the pipeline never needs it)."""
+        k = self.config.samples_per_block
+        if not self.windows:
+            return np.zeros(0, np.int64)
+        flat = np.concatenate(self.windows)
+        starts = np.cumsum([0] + [len(w) for w in self.windows[:-1]])
+        blocks = flat[starts[self.window_of] + self.slots // k]
+        return blocks * k + self.slots % k
+
+
+def block_order(num_blocks: int, shuffle: bool, seed: int, epoch: int) -> np.ndarray:
+    """All block ids in this epoch's order (identical on every rank)."""
+    if not shuffle:
+        return np.arange(num_blocks, dtype=np.int64)
+    return np.random.default_rng([seed, epoch]).permutation(num_blocks).astype(np.int64)
+
+
+def rank_blocks(order: np.ndarray, rank: int, world_size: int) -> np.ndarray:
+    """This rank's contiguous share of the epoch's block order (sizes differ by at most one)."""
+    return np.array_split(order, world_size)[rank]
+
+
+def block_sizes(blocks: np.ndarray, num_samples: int, samples_per_block: int) -> np.ndarray:
+    """Valid samples in each block (the dataset's last block may be partial)."""
+    return np.minimum(samples_per_block, num_samples - blocks * samples_per_block)
+
+
+def _target_samples(cfg: PlanConfig, order: np.ndarray) -> int:
+    """Samples each rank yields: ranks are made equal by dropping (drop_last) or padding by wrapping."""
+    counts = [int(block_sizes(rank_blocks(order, r, cfg.world_size), cfg.num_samples, cfg.samples_per_block).sum())
+              for r in range(cfg.world_size)]
+    if cfg.drop_last:
+        return (min(counts) // cfg.batch_size) * cfg.batch_size
+    return max(counts)
+
+
+def epoch_plan(cfg: PlanConfig, epoch: int) -> EpochPlan:
+    """The plan of ``epoch`` for ``cfg.rank``.
+
+    With ``drop_last`` every rank yields the same number of full batches and the remainder is dropped.
+    Without it, ranks holding fewer samples are padded up to the largest rank's count by repeating samples
+    of their own last window (already resident, so padding costs no extra reads); a rank's last batch may
+    be partial, and all ranks' batches have the same sizes.
+    """
+    k, w = cfg.samples_per_block, cfg.window_blocks
+    order = block_order(cfg.num_blocks, cfg.shuffle, cfg.seed, epoch)
+    mine = rank_blocks(order, cfg.rank, cfg.world_size)
+    target = _target_samples(cfg, order)
+    rng = np.random.default_rng([cfg.seed, epoch, 1 + cfg.rank]) if cfg.shuffle else None
+
+    windows, window_of, slots = [], [], []
+    total = 0
+    for i in range(0, len(mine), w):
+        if total >= target:
+            break
+        blocks = mine[i:i + w]
+        sizes = block_sizes(blocks, cfg.num_samples, k)
+        local = np.concatenate([j * k + np.arange(n, dtype=np.int64) for j, n in enumerate(sizes)])
+        if rng is not None:
+            local = rng.permutation(local)
+        windows.append(blocks)
+        window_of.append(np.full(len(local), len(windows) - 1, dtype=np.int64))
+        slots.append(local)
+        total += len(local)
+    window_of_a = np.concatenate(window_of) if window_of else np.zeros(0, np.int64)
+    slots_a = np.concatenate(slots) if slots else np.zeros(0, np.int64)
+    if total > target:
+        window_of_a, slots_a = window_of_a[:target], slots_a[:target]
+    elif total < target:
+        last = slots[-1]
+        extra = last[np.arange(target - total) % len(last)]
+        window_of_a = np.concatenate([window_of_a, np.full(len(extra), len(windows) - 1, dtype=np.int64)])
+        slots_a = np.concatenate([slots_a, extra])
+    return EpochPlan(cfg, tuple(windows), window_of_a, slots_a)

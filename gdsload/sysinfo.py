@@ -1,0 +1,109 @@
+"""What the machine offers: GPU, CUDA, CuPy/KvikIO versions, GDS status, and a pinned H2D check.
+
+Every probe reports what it found or why it could not, never a guess; benchmarks print the same facts.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from typing import Any
+
+
+def _version(module: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(module)
+    except Exception:
+        return None
+
+
+def kvikio_info() -> dict[str, Any]:
+    """KvikIO version and how it would move bytes: "gds" or "kvikio-compat" (and why)."""
+    info: dict[str, Any] = {"kvikio": None}
+    try:
+        import kvikio
+        import kvikio.cufile_driver
+        import kvikio.defaults
+    except Exception as e:
+        info["kvikio_error"] = f"{type(e).__name__}: {e}"
+        return info
+    info["kvikio"] = getattr(kvikio, "__version__", None) or _version("kvikio-cu13")
+    try:
+        info["compat_mode_preferred"] = bool(kvikio.defaults.is_compat_mode_preferred())
+    except Exception as e:
+        info["compat_mode_error"] = f"{type(e).__name__}: {e}"
+    try:
+        info["is_gds_available"] = bool(kvikio.cufile_driver.get("is_gds_available"))
+    except Exception as e:
+        info["is_gds_available"] = False
+        info["gds_error"] = f"{type(e).__name__}: {e}"
+    info["nvidia_fs_loaded"] = os.path.exists("/proc/driver/nvidia-fs")
+    gds = info.get("is_gds_available") and not info.get("compat_mode_preferred", True)
+    info["io_mode"] = "gds" if gds else "kvikio-compat"
+    try:
+        info["num_threads"] = kvikio.defaults.get("num_threads")
+        info["task_size"] = kvikio.defaults.get("task_size")
+    except Exception:
+        pass
+    return info
+
+
+def gpu_info(device_id: int = 0) -> dict[str, Any]:
+    """GPU name, driver and runtime versions through CuPy; {"gpu": None, "reason": ...} without one."""
+    try:
+        import cupy
+
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:
+        return {"gpu": None, "reason": f"{type(e).__name__}: {e}".strip()}
+    if n < 1:
+        return {"gpu": None, "reason": "no CUDA device"}
+    props = cupy.cuda.runtime.getDeviceProperties(device_id)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+
+    def fmt(v: int) -> str:
+        return f"{v // 1000}.{(v % 1000) // 10}"
+
+    return {"gpu": name, "device_count": n, "memory_gib": round(props["totalGlobalMem"] / 2**30, 1),
+            "driver": fmt(cupy.cuda.runtime.driverGetVersion()),
+            "cuda_runtime": fmt(cupy.cuda.runtime.runtimeGetVersion()), "cupy": cupy.__version__}
+
+
+def pinned_h2d_gbps(nbytes: int = 256 << 20, repeats: int = 5, device_id: int = 0) -> float:
+    """Best-of-``repeats`` host-to-device copy rate from pinned memory, in GB/s (the pinned path's ceiling)."""
+    import cupy
+    import numpy as np
+
+    with cupy.cuda.Device(device_id):
+        mem = cupy.cuda.alloc_pinned_memory(nbytes)
+        host = np.frombuffer(mem, dtype=np.uint8, count=nbytes)
+        host[:] = 1
+        dev = cupy.empty(nbytes, dtype=np.uint8)
+        stream = cupy.cuda.Stream(non_blocking=True)
+        best = float("inf")
+        for _ in range(repeats):
+            stream.synchronize()
+            t0 = time.perf_counter()
+            dev.data.copy_from_host_async(host.ctypes.data, nbytes, stream)
+            stream.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        del dev, host, mem
+    return nbytes / best / 1e9
+
+
+def system_info(device_id: int = 0, bandwidth: bool = False) -> dict[str, Any]:
+    """Everything above plus host facts, as one JSON-ready dict."""
+    info: dict[str, Any] = {"python": platform.python_version(), "cpu_cores": os.cpu_count(),
+                            "numpy": _version("numpy"), "zarr": _version("zarr"), "gdsload": _version("gdsload")}
+    info.update(gpu_info(device_id))
+    if info.get("gpu"):
+        info.update(kvikio_info())
+        if bandwidth:
+            try:
+                info["pinned_h2d_gbps"] = round(pinned_h2d_gbps(device_id=device_id), 1)
+            except Exception as e:
+                info["pinned_h2d_error"] = f"{type(e).__name__}: {e}"
+    return info
