@@ -90,6 +90,7 @@ class EpochStats:
 
 
 _END = object()
+_CLOSED = "this iterator was closed (the dataset was closed or a new pass over it started)"
 
 
 @dataclass
@@ -160,8 +161,7 @@ class Pipeline:
                 break
             except queue.Empty:
                 if self._stop.is_set():
-                    raise GDSLoadError("this iterator was closed (the dataset was closed or a new pass "
-                                       "over it started)") from None
+                    raise GDSLoadError(_CLOSED) from None
         self.stats.stall_s += time.perf_counter() - t0
         if isinstance(item, _Failure):
             e = item.error
@@ -179,6 +179,8 @@ class Pipeline:
         slots_dev = None  # the epoch's slot array on the consumer's device, uploaded once
         try:
             for i in range(self.start_batch, plan.num_batches):
+                if self._closed:
+                    raise GDSLoadError(_CLOSED)
                 ops.begin()
                 segments = plan.batch(i)
                 for seg in segments:

@@ -1,0 +1,7 @@
+"""``python -m gdsload ...`` is the ``gdsload`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,106 @@
+"""The kvikio backend: ``CuFile.pread`` straight into the device window buffer.
+
+With the nvidia-fs driver this is GPUDirect Storage (disk DMA into GPU memory, no host copy). Without it
+KvikIO runs in compat mode: POSIX reads through its own pinned bounce buffers, which is what ``io_mode``
+then says. File handles stay open for the dataset's life (re-opening per pass cost ~25 % on the H100).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import ReadError
+from .base import Backend, FillRequest, ReadRequest, Request, coalesce, fill_pattern
+
+DEFAULT_THREADS = 16
+DEFAULT_TASK_BYTES = 4 << 20
+DEFAULT_MAX_READ_BYTES = 64 << 20
+
+
+class KvikioBackend(Backend):
+    name = "kvikio"
+    window_bytes_hint = 256 << 20
+
+    def __init__(self, device_id: int = 0, num_threads: int = DEFAULT_THREADS, task_bytes: int = DEFAULT_TASK_BYTES,
+                 max_read_bytes: int = DEFAULT_MAX_READ_BYTES):
+        """``num_threads`` and ``task_bytes`` set KvikIO's process-wide thread pool and task size (its own
+        default is one thread); adjacent blocks are merged into reads of up to ``max_read_bytes``."""
+        import cupy
+        import kvikio
+        import kvikio.defaults
+
+        from . import gds_available
+
+        self.cupy, self.kvikio = cupy, kvikio
+        self.device_id = device_id
+        self.max_read_bytes = max_read_bytes
+        kvikio.defaults.set({"num_threads": num_threads, "task_size": task_bytes})
+        self.io_mode = "gds" if gds_available() else "kvikio-compat"
+        with cupy.cuda.Device(device_id):
+            self.stream = cupy.cuda.Stream(non_blocking=True)
+        self._handles: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def _handle(self, path: str) -> Any:
+        f = self._handles.get(path)
+        if f is None:
+            with self._lock:
+                f = self._handles.get(path)
+                if f is None:
+                    try:
+                        f = self.kvikio.CuFile(path, "r")
+                    except Exception as e:
+                        raise ReadError(f"{path}: cannot open with KvikIO ({type(e).__name__}: {e})") from e
+                    self._handles[path] = f
+        return f
+
+    def allocate(self, nbytes: int) -> Any:
+        with self.cupy.cuda.Device(self.device_id):
+            return self.cupy.empty(nbytes, dtype=self.cupy.uint8)
+
+    def fill(self, dest: Any, requests: Sequence[Request], stop: threading.Event) -> Any:
+        with self.cupy.cuda.Device(self.device_id):
+            fills = [r for r in requests if isinstance(r, FillRequest)]
+            if fills:
+                with self.stream:
+                    for r in fills:
+                        fill_pattern(dest, r)
+                self.stream.synchronize()
+            reads = coalesce([r for r in requests if isinstance(r, ReadRequest)], self.max_read_bytes)
+            pending = []
+            error: BaseException | None = None
+            for r in reads:
+                if stop.is_set():
+                    break
+                try:
+                    view = dest[r.dest_offset:r.dest_offset + r.nbytes]
+                    pending.append((r, self._handle(r.path).pread(view, r.nbytes, r.offset)))
+                except BaseException as e:
+                    error = _wrap(r, e)
+                    break
+            # Every submitted read writes into ``dest``: all must finish before the buffer changes hands.
+            for r, future in pending:
+                try:
+                    n = future.get()
+                except BaseException as e:
+                    error = error or _wrap(r, e)
+                    continue
+                if n != r.nbytes and error is None:
+                    error = ReadError(f"{r.path}: read {n} of {r.nbytes} bytes at offset {r.offset} (file too short)")
+            if error is not None:
+                raise error
+        return None  # KvikIO's reads are complete in device memory when their futures return
+
+    def close(self) -> None:
+        with self._lock:
+            for f in self._handles.values():
+                f.close()
+            self._handles.clear()
+
+
+def _wrap(r: ReadRequest, e: BaseException) -> ReadError:
+    if isinstance(e, ReadError):
+        return e
+    return ReadError(f"{r.path}: KvikIO read of {r.nbytes} bytes at offset {r.offset} failed ({type(e).__name__}: {e})")

@@ -1,0 +1,103 @@
+"""The pinned backend: threads read into a small pool of pinned host slots, copies go async to the device.
+
+Without the GDS driver this is the fastest path we measured to device memory: page cache into pinned
+buffers with 16 threads runs ~43 GB/s, and the host-to-device copy from pinned memory ~55 GB/s runs
+beside it on a dedicated non-blocking stream.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ..pool import PinnedPool
+from .base import Backend, FileHandles, FillRequest, ReadRequest, Request, coalesce, fill_pattern, pread_full, split
+from .cpu import run_tasks
+
+DEFAULT_THREADS = 16
+DEFAULT_SLOT_BYTES = 8 << 20
+DEFAULT_POOL_BYTES = 256 << 20
+_ALIGN = 4096
+_H2D = 1  # cudaMemcpyHostToDevice
+
+
+class PinnedBackend(Backend):
+    name = "pinned"
+    window_bytes_hint = 256 << 20
+
+    def __init__(self, device_id: int = 0, num_threads: int = DEFAULT_THREADS, slot_bytes: int = DEFAULT_SLOT_BYTES,
+                 pool_bytes: int = DEFAULT_POOL_BYTES, direct: bool = False):
+        """``pool_bytes`` bounds the pinned memory held (``pool_bytes // slot_bytes`` slots); ``direct`` reads
+        aligned blocks with O_DIRECT, bypassing the page cache (for datasets larger than RAM)."""
+        import cupy
+
+        if num_threads < 1:
+            raise ValueError(f"num_threads must be positive (found {num_threads})")
+        if pool_bytes < slot_bytes:
+            raise ValueError(f"pool_bytes ({pool_bytes}) must hold at least one slot of {slot_bytes} bytes")
+        self.cupy = cupy
+        self.device_id = device_id
+        self.num_threads = num_threads
+        self.direct = direct
+        self.io_mode = "pinned-odirect" if direct else "pinned"
+        self.pool = PinnedPool(slot_bytes, pool_bytes // slot_bytes, device_id)
+        with cupy.cuda.Device(device_id):
+            self.stream = cupy.cuda.Stream(non_blocking=True)
+        self._files = FileHandles()
+        self._direct_files = FileHandles(os.O_RDONLY | os.O_DIRECT) if direct else None
+        self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="gdsload-pinned",
+                                            initializer=cupy.cuda.runtime.setDevice, initargs=(device_id,))
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.pool.total_bytes
+
+    def allocate(self, nbytes: int) -> Any:
+        with self.cupy.cuda.Device(self.device_id):
+            return self.cupy.empty(nbytes, dtype=self.cupy.uint8)
+
+    def _copy_piece(self, dest_ptr: int, p: ReadRequest, stop: threading.Event) -> None:
+        slot = self.pool.acquire(stop)
+        if slot is None:
+            return
+        event = None
+        try:
+            aligned = p.offset % _ALIGN == 0 and p.nbytes % _ALIGN == 0
+            files = self._direct_files if (self._direct_files is not None and aligned) else self._files
+            pread_full(files.get(p.path), self.pool.view(slot, p.nbytes), p.offset, p.path)
+            self.cupy.cuda.runtime.memcpyAsync(dest_ptr + p.dest_offset, self.pool.ptr(slot), p.nbytes, _H2D,
+                                               self.stream.ptr)
+            event = self.cupy.cuda.Event(disable_timing=True)
+            event.record(self.stream)
+        finally:
+            self.pool.release(slot, event)
+
+    def fill(self, dest: Any, requests: Sequence[Request], stop: threading.Event) -> Any:
+        with self.cupy.cuda.Device(self.device_id), self.stream:
+            for r in requests:
+                if isinstance(r, FillRequest):
+                    fill_pattern(dest, r)
+        reads = [r for r in requests if isinstance(r, ReadRequest)]
+        pieces = [p for r in coalesce(reads, 1 << 62) for p in split(r, self.pool.slot_bytes)]
+        dest_ptr = int(dest.data.ptr)
+
+        def task(p: ReadRequest) -> Callable[[], None]:
+            return lambda: self._copy_piece(dest_ptr, p, stop)
+
+        try:
+            run_tasks(self._executor, [task(p) for p in pieces], stop)
+        finally:
+            done = self.cupy.cuda.Event(disable_timing=True)
+            done.record(self.stream)
+        return done
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        self.stream.synchronize()
+        self.pool.close()
+        self._files.close()
+        if self._direct_files is not None:
+            self._direct_files.close()

@@ -1,0 +1,82 @@
+"""A fixed pool of pinned host slots: allocated once, reused, never grown.
+
+A slot has one owner at a time: a reader thread acquires it, reads into it, queues its host-to-device copy
+and hands it back with the copy's event; the next owner waits on that event before writing. Pinned bytes
+held are exactly ``num_slots * slot_bytes`` from construction to ``close()``.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any
+
+import numpy as np
+
+_POLL_S = 0.05
+
+
+class PinnedPool:
+    def __init__(self, slot_bytes: int, num_slots: int, device_id: int = 0):
+        import cupy
+
+        if slot_bytes < 4096 or slot_bytes % 4096 or num_slots < 1:
+            raise ValueError(f"slot_bytes must be a positive multiple of 4096 and num_slots >= 1 "
+                             f"(found {slot_bytes}, {num_slots})")
+        self.slot_bytes, self.num_slots = slot_bytes, num_slots
+        self.total_bytes = slot_bytes * num_slots
+        with cupy.cuda.Device(device_id):
+            # Not from CuPy's pinned pool: that one caches freed memory, and close() must really free it.
+            self._mem: Any = cupy.cuda.PinnedMemory(self.total_bytes)
+        self._base = np.frombuffer(cupy.cuda.PinnedMemoryPointer(self._mem, 0), dtype=np.uint8,
+                                   count=self.total_bytes)
+        self._free: queue.Queue[int] = queue.Queue()
+        for i in range(num_slots):
+            self._free.put(i)
+        self._events: list[Any] = [None] * num_slots
+        self._lock = threading.Lock()
+        self.in_use = 0
+        self.peak_in_use = 0
+
+    @property
+    def peak_bytes_in_use(self) -> int:
+        return self.peak_in_use * self.slot_bytes
+
+    def acquire(self, stop: threading.Event) -> int | None:
+        """A free slot whose last copy has finished, or None once ``stop`` is set."""
+        while not stop.is_set():
+            try:
+                i = self._free.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+            event = self._events[i]
+            if event is not None:
+                event.synchronize()
+            with self._lock:
+                self.in_use += 1
+                self.peak_in_use = max(self.peak_in_use, self.in_use)
+            return i
+        return None
+
+    def release(self, i: int, event: Any) -> None:
+        """Give slot ``i`` back; ``event`` (or None) marks the end of the last copy out of it."""
+        self._events[i] = event
+        with self._lock:
+            self.in_use -= 1
+        self._free.put(i)
+
+    def view(self, i: int, nbytes: int) -> memoryview:
+        start = i * self.slot_bytes
+        return memoryview(self._base[start:start + nbytes])
+
+    def ptr(self, i: int) -> int:
+        return int(self._base.ctypes.data) + i * self.slot_bytes
+
+    def close(self) -> None:
+        """Wait for copies still reading the slots, then free the pinned memory."""
+        for e in self._events:
+            if e is not None:
+                e.synchronize()
+        self._events = [None] * self.num_slots
+        self._base = np.zeros(0, np.uint8)
+        self._mem = None

@@ -1,0 +1,57 @@
+"""Fixtures: tiny datasets written through the real converter, and a GPU switch."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from gdsload.backends import gpu_available
+from gdsload.sources import ArraySource
+from gdsload.writer import write_dataset
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if gpu_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU with CuPy")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def make_dataset(tmp_path: os.PathLike[str]) -> Callable[..., str]:
+    """Write ``arrays`` (name -> numpy array) as a dataset and return its path."""
+    counter = iter(range(1_000_000))
+
+    def make(arrays: dict[str, np.ndarray], **options: object) -> str:
+        path = os.path.join(tmp_path, f"ds{next(counter)}.gds")
+        options.setdefault("progress", False)
+        write_dataset(path, {k: ArraySource(f"<{k}>", v) for k, v in arrays.items()}, **options)
+        return path
+
+    return make
+
+
+def labelled(n: int, shape: tuple[int, ...] = (3, 5), dtype: str = "float32") -> dict[str, np.ndarray]:
+    """Samples whose content is derived from their index, so any batch can be checked on its own."""
+    idx = np.arange(n, dtype=np.int64)
+    x = (idx.reshape(-1, *([1] * len(shape))) * 1000 + np.arange(int(np.prod(shape))).reshape(shape)).astype(dtype)
+    return {"x": x, "idx": idx}
+
+
+def reader_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("gdsload-reader")]
+
+
+def wait_no_readers(timeout_s: float = 2.0) -> list[threading.Thread]:
+    """Reader threads still alive after ``timeout_s`` (should be none)."""
+    deadline = time.monotonic() + timeout_s
+    while reader_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return reader_threads()

@@ -1,0 +1,53 @@
+"""Command line: shard.py as a user runs it, gdsload info and demo."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "PYTHONPATH": ROOT}
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=300)
+
+
+def test_shard_script_and_info(tmp_path):
+    np.save(tmp_path / "image.npy", np.zeros((300, 8, 8, 3), np.uint8))
+    np.save(tmp_path / "label.npy", np.arange(300))
+    out = tmp_path / "d.gds"
+    res = run("scripts/shard.py", str(tmp_path / "image.npy"), str(tmp_path / "label.npy"), "-o", str(out),
+              "--block-bytes", "12KiB", "--quiet")
+    assert res.returncode == 0, res.stderr
+    assert "samples: 300" in res.stdout
+    res = run("-m", "gdsload.cli", "info", str(out))
+    assert res.returncode == 0, res.stderr
+    assert "image: dtype |u1 (uint8), sample shape (8, 8, 3), block 12.0 KiB" in res.stdout
+    assert "label: dtype <i8 (int64), sample shape ()" in res.stdout and "shards: 2" in res.stdout
+
+
+def test_shard_script_bad_input_exit_code(tmp_path):
+    res = run("scripts/shard.py", str(tmp_path / "nope.npy"), "-o", str(tmp_path / "d.gds"))
+    assert res.returncode == 2
+    assert res.stderr.strip() == f"shard.py: error: {tmp_path}/nope.npy: input does not exist"
+    res = run("scripts/shard.py", "x.npy", "-o", "d.gds", "--block-bytes", "lots")
+    assert res.returncode == 2 and "not a size: 'lots'" in res.stderr
+
+
+def test_info_on_bad_dataset(tmp_path):
+    res = run("-m", "gdsload.cli", "info", str(tmp_path))
+    assert res.returncode == 2 and "gdsload: error:" in res.stderr and "not a Zarr v3 group" in res.stderr
+
+
+def test_system_info_and_demo(tmp_path):
+    res = run("-m", "gdsload.cli", "info")
+    assert res.returncode == 0, res.stderr
+    assert "GPU:" in res.stdout and "backend auto ->" in res.stdout
+    res = run("-m", "gdsload.cli", "demo", "--samples", "3000", "--workdir", str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    assert "read 3000 samples" in res.stdout and "every batch checked against its labels" in res.stdout
+    assert os.listdir(tmp_path) == []

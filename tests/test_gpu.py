@@ -1,0 +1,218 @@
+"""GPU backends (kvikio, pinned): content, streams, torch, pinned-memory bounds, lifecycle, errors.
+
+Skipped without a CUDA GPU and CuPy. Run on the GPU machine with ``python3 -m pytest -m gpu``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+import zarr
+
+from conftest import labelled, wait_no_readers
+from gdsload import GDSDataset, ReadError
+from gdsload.plan import epoch_plan
+from gdsload.sources import ArraySource
+from gdsload.writer import write_dataset
+
+pytestmark = pytest.mark.gpu
+BACKENDS = ["kvikio", "pinned"]
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    data = labelled(1999, shape=(7, 9), dtype="float32")
+    path = str(tmp_path_factory.mktemp("gpu") / "small.gds")
+    write_dataset(path, {k: ArraySource(k, v) for k, v in data.items()}, samples_per_block=16,
+                  shard_bytes=16 * 252 * 8, progress=False)
+    return path, data
+
+
+def to_host(a):
+    import cupy
+
+    return cupy.asnumpy(a)
+
+
+def check(batch, data):
+    idx = to_host(batch["idx"])
+    np.testing.assert_array_equal(to_host(batch["x"]), data["x"][idx])
+    return idx
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("options", [
+    {},
+    {"shuffle": True, "seed": 1, "window_blocks": 3},
+    {"window_blocks": 1, "batch_size": 100, "prefetch": 3},  # batches span several windows
+    {"shuffle": True, "drop_last": True, "window_blocks": 5},
+])
+def test_every_sample_matches_and_all_batches_stay_valid(small, backend, options):
+    import cupy
+
+    path, data = small
+    options = {"batch_size": 64, **options}
+    with GDSDataset(path, backend=backend, **options) as ds:
+        assert ds.output == "cupy"
+        batches = list(ds)  # all kept alive: later reads must not overwrite any of them
+        cupy.cuda.get_current_stream().synchronize()
+        seen = np.concatenate([check(b, data) for b in batches])
+        np.testing.assert_array_equal(seen, epoch_plan(ds.config, 0).sample_ids())
+        assert isinstance(batches[0]["x"], cupy.ndarray)
+        assert ds.stats.bytes_read > 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_consumer_on_a_non_default_cupy_stream(small, backend):
+    import cupy
+
+    path, data = small
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with GDSDataset(path, batch_size=128, backend=backend, shuffle=True, window_blocks=2) as ds, stream:
+        sums = [(b["idx"], b["x"].sum(axis=(1, 2))) for b in ds]  # queued on `stream`, no sync by us
+        stream.synchronize()
+    idx = np.concatenate([to_host(i) for i, _ in sums])
+    got = np.concatenate([to_host(s) for _, s in sums])
+    np.testing.assert_allclose(got, data["x"][idx].sum(axis=(1, 2)), rtol=1e-6)
+    assert sorted(idx.tolist()) == list(range(1999))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_torch_output_on_a_non_default_torch_stream(small, backend):
+    torch = pytest.importorskip("torch")
+    path, data = small
+    stream = torch.cuda.Stream()
+    results = []
+    with GDSDataset(path, batch_size=100, backend=backend, output="torch", shuffle=True, window_blocks=2) as ds:
+        with torch.cuda.stream(stream):
+            for b in ds:
+                assert isinstance(b["x"], torch.Tensor) and b["x"].is_cuda
+                results.append((b["idx"], (b["x"] * 2).sum(dim=(1, 2))))
+        stream.synchronize()
+    idx = torch.cat([i for i, _ in results]).cpu().numpy()
+    got = torch.cat([s for _, s in results]).cpu().numpy()
+    np.testing.assert_allclose(got, 2 * data["x"][idx].sum(axis=(1, 2)), rtol=1e-5)
+    assert sorted(idx.tolist()) == list(range(1999))
+
+
+def test_pinned_pool_is_bounded_and_freed(small):
+    path, data = small
+    pool_bytes = 3 * 8192
+    opts = {"pool_bytes": pool_bytes, "slot_bytes": 8192, "num_threads": 8}  # blocks (8064 B) span slots
+    ds = GDSDataset(path, batch_size=64, backend="pinned", backend_options=opts, window_blocks=8)
+    pool = ds.backend.pool
+    assert pool.total_bytes == pool_bytes
+    for b in ds:
+        check(b, data)
+    assert 0 < pool.peak_bytes_in_use <= pool_bytes
+    assert pool.in_use == 0
+    ds.close()
+    assert pool._mem is None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lifecycle_threads_and_errors(small, backend, tmp_path):
+    path, data = small
+    before = threading.active_count()
+    ds = GDSDataset(path, batch_size=16, backend=backend, window_blocks=1)
+    for i, b in enumerate(ds):
+        check(b, data)
+        if i == 5:
+            break
+    assert wait_no_readers() == []
+    it = iter(ds)
+    next(it)
+    ds.close()
+    assert wait_no_readers() == []
+    assert threading.active_count() <= before + (0 if backend == "pinned" else 64)  # KvikIO's pool is global
+
+    broken = str(tmp_path / "broken.gds")
+    write_dataset(broken, {k: ArraySource(k, v) for k, v in data.items()}, samples_per_block=16,
+                  shard_bytes=16 * 252 * 4, progress=False)
+    with GDSDataset(broken, batch_size=16, backend=backend, window_blocks=2) as ds:
+        shard = os.path.join(broken, "x", "c", "2", "0", "0")
+        os.truncate(shard, 1000)
+        with pytest.raises(ReadError) as info:
+            for b in ds:
+                check(b, data)
+        assert shard in str(info.value) and "offset" in str(info.value)
+    assert wait_no_readers() == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_missing_chunks_read_as_fill_value(tmp_path, backend):
+    path = str(tmp_path / "z.gds")
+    g = zarr.open_group(path, mode="w", zarr_format=3)
+    g.attrs["gdsload"] = {"format": 1, "num_samples": 12, "samples_per_block": 3, "fields": {"x": {"kind": "fixed"}}}
+    a = g.create_array("x", shape=(12, 2), dtype="int16", chunks=(3, 2), shards=(6, 2), fill_value=-5,
+                       compressors=None)
+    want = np.arange(24, dtype=np.int16).reshape(12, 2)
+    want[3:6] = -5
+    a[:] = want
+    with GDSDataset(path, batch_size=5, backend=backend) as ds:
+        got = np.concatenate([to_host(b["x"]) for b in ds])
+    np.testing.assert_array_equal(got, want)
+
+
+def test_io_mode_is_reported_honestly(small):
+    from gdsload.backends import gds_available
+
+    path, _ = small
+    with GDSDataset(path, batch_size=8, backend="kvikio") as ds:
+        assert ds.io_mode == ("gds" if gds_available() else "kvikio-compat")
+    with GDSDataset(path, batch_size=8, backend="pinned") as ds:
+        assert ds.io_mode == "pinned"
+    with GDSDataset(path, batch_size=8) as ds:
+        assert ds.backend_name == ("kvikio" if gds_available() else "pinned") and ds.backend_reason
+
+
+# -- a dataset of more than 4 GiB ------------------------------------------------------------------
+SAMPLE_ELEMS = 256 * 1024  # 1 MiB of uint8 per sample
+BIG_N = 4200  # 4.1 GiB
+
+
+class Pattern:
+    """Sample i is (i * 7 + j) % 251 for element j: generated on the fly, checkable on the GPU."""
+
+    origin = "<pattern>"
+    shape = (BIG_N, SAMPLE_ELEMS // 256, 256)
+    dtype = np.dtype(np.uint8)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        i = np.arange(start, stop, dtype=np.int64)[:, None]
+        j = np.arange(SAMPLE_ELEMS, dtype=np.int64)[None, :]
+        return ((i * 7 + j) % 251).astype(np.uint8).reshape(stop - start, *self.shape[1:])
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("big") / "big.gds")
+    idx = np.arange(BIG_N, dtype=np.int64)
+    write_dataset(path, {"x": Pattern(), "idx": ArraySource("idx", idx)}, progress=False)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_big_dataset_every_sample(big, backend, shuffle):
+    import cupy
+
+    j = cupy.arange(SAMPLE_ELEMS, dtype=cupy.int64)[None, :]
+    seen = []
+    with GDSDataset(big, batch_size=96, backend=backend, shuffle=shuffle, seed=3) as ds:
+        assert ds.meta.num_samples * SAMPLE_ELEMS > 4 * 2**30
+        bad = cupy.zeros((), dtype=cupy.int64)
+        for b in ds:
+            i = b["idx"].astype(cupy.int64)[:, None]
+            want = ((i * 7 + j) % 251).astype(cupy.uint8)
+            bad += (b["x"].reshape(len(i), -1) != want).sum()
+            seen.append(cupy.asnumpy(b["idx"]))
+        assert int(bad) == 0
+    assert sorted(np.concatenate(seen).tolist()) == list(range(BIG_N))

@@ -1,0 +1,272 @@
+"""The iterator through the cpu backend: content, scheduling, resume, lifecycle and reader errors."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from conftest import labelled, reader_threads, wait_no_readers
+from gdsload import GDSDataset, GDSLoadError, ReadError
+from gdsload.plan import epoch_plan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def check_batch(batch: dict[str, np.ndarray], data: dict[str, np.ndarray]) -> None:
+    np.testing.assert_array_equal(batch["x"], data["x"][batch["idx"]])
+
+
+@pytest.fixture
+def data_path(make_dataset):
+    data = labelled(997)
+    return make_dataset(data, samples_per_block=8, shard_bytes=8 * 60 * 10), data
+
+
+@pytest.mark.parametrize("options", [
+    {},
+    {"window_blocks": 1, "prefetch": 1},
+    {"window_blocks": 1, "batch_size": 50},  # every batch spans several windows
+    {"shuffle": True, "seed": 5, "window_blocks": 3},
+    {"shuffle": True, "window_blocks": 4, "drop_last": True},
+    {"prefetch": 4, "window_blocks": 2, "backend_options": {"num_threads": 3, "task_bytes": 100}},
+])
+def test_epoch_matches_source_and_plan(data_path, options):
+    path, data = data_path
+    options = {"batch_size": 32, **options}
+    with GDSDataset(path, backend="cpu", **options) as ds:
+        batches = list(ds)  # every batch kept alive to the end
+        assert len(batches) == len(ds)
+        for b in batches:
+            check_batch(b, data)
+        got = np.concatenate([b["idx"] for b in batches])
+        np.testing.assert_array_equal(got, epoch_plan(ds.config, 0).sample_ids())
+        if not options.get("drop_last"):
+            assert sorted(got.tolist()) == list(range(997))
+        assert ds.stats.batches == len(batches) and ds.stats.samples == len(got)
+        assert ds.stats.bytes_read >= data["x"][:len(got)].nbytes
+        assert ds.io_mode == "cpu"
+
+
+def test_batches_are_fresh_arrays(data_path):
+    path, data = data_path
+    with GDSDataset(path, batch_size=16, backend="cpu", window_blocks=2) as ds:
+        it = iter(ds)
+        first = next(it)
+        keep = {k: v.copy() for k, v in first.items()}
+        first["x"][:] = -1  # the user owns the batch: scribbling on it changes nothing else
+        rest = list(it)
+        np.testing.assert_array_equal(keep["x"], data["x"][keep["idx"]])
+        for b in rest:
+            check_batch(b, data)
+        again = list(ds)
+        np.testing.assert_array_equal(again[0]["x"], keep["x"])
+
+
+def test_subset_of_fields(data_path):
+    path, data = data_path
+    with GDSDataset(path, batch_size=100, fields=["idx"], backend="cpu") as ds:
+        batches = list(ds)
+    assert set(batches[0]) == {"idx"}
+    np.testing.assert_array_equal(np.concatenate([b["idx"] for b in batches]), np.arange(997))
+
+
+def test_epochs_shuffle_differently_and_reproducibly(data_path):
+    path, _ = data_path
+
+    def order(epoch: int, seed: int = 0) -> list[int]:
+        with GDSDataset(path, batch_size=64, backend="cpu", shuffle=True, seed=seed, window_blocks=4) as ds:
+            ds.set_epoch(epoch)
+            return np.concatenate([b["idx"] for b in ds]).tolist()
+
+    assert order(0) == order(0)
+    assert order(0) != order(1)
+    assert order(0) != order(0, seed=1)
+    assert sorted(order(1)) == list(range(997))
+
+
+# -- resume ----------------------------------------------------------------------------------------
+def collect(ds: GDSDataset, epochs: range) -> list[list[int]]:
+    out = []
+    for e in epochs:
+        ds.set_epoch(e)
+        out.append([i for b in ds for i in b["idx"].tolist()])
+    return out
+
+
+@pytest.mark.parametrize("cut", [1, 5, 12, 31, 32])  # first batch, mid-window, window edge, last, epoch end
+def test_resume_yields_exactly_the_rest(data_path, cut):
+    path, _ = data_path
+    opts = dict(batch_size=32, backend="cpu", shuffle=True, seed=9, window_blocks=3)
+    with GDSDataset(path, **opts) as ref:
+        full = collect(ref, range(3))
+        assert len(ref) == 32
+    with GDSDataset(path, **opts) as first:
+        first.set_epoch(1)
+        seen = []
+        for i, b in enumerate(first):
+            seen.extend(b["idx"].tolist())
+            if i + 1 == cut:
+                state = first.state_dict()
+                break
+    assert state["epoch"] == 1 and state["batches_yielded"] == cut
+    json.dumps(state)  # small and plain
+    with GDSDataset(path, **opts) as second:
+        second.load_state_dict(state)
+        rest = collect(second, range(1, 3))
+    assert seen + rest[0] == full[1]
+    assert rest[1] == full[2]
+
+
+def test_resume_in_a_fresh_process(data_path):
+    path, _ = data_path
+    script = (
+        "import json, sys, numpy as np\n"
+        "from gdsload import GDSDataset\n"
+        "ds = GDSDataset(sys.argv[1], batch_size=40, backend='cpu', shuffle=True, seed=2, window_blocks=2)\n"
+        "ds.load_state_dict(json.loads(sys.argv[2]))\n"
+        "print(json.dumps(np.concatenate([b['idx'] for b in ds]).tolist()))\n"
+    )
+    with GDSDataset(path, batch_size=40, backend="cpu", shuffle=True, seed=2, window_blocks=2) as ds:
+        full = np.concatenate([b["idx"] for b in ds]).tolist()
+        it = iter(ds)
+        head = [next(it)["idx"].tolist() for _ in range(7)]
+        state = ds.state_dict()
+        del it
+    out = subprocess.run([sys.executable, "-c", script, path, json.dumps(state)], capture_output=True, text=True,
+                         check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    assert sum(head, []) + json.loads(out.stdout) == full
+
+
+def test_state_from_another_config_is_refused(data_path):
+    path, _ = data_path
+    with GDSDataset(path, batch_size=32, backend="cpu") as a, GDSDataset(path, batch_size=16, backend="cpu") as b:
+        with pytest.raises(ValueError, match="batch_size: saved 32, now 16"):
+            b.load_state_dict(a.state_dict())
+
+
+def test_ranks_cover_the_epoch_once(data_path):
+    path, _ = data_path
+    per_rank = []
+    for rank in range(3):
+        with GDSDataset(path, batch_size=10, backend="cpu", shuffle=True, rank=rank, world_size=3) as ds:
+            per_rank.append([b["idx"] for b in ds])
+    assert len({len(r) for r in per_rank}) == 1
+    allidx = np.concatenate([np.concatenate(r) for r in per_rank])
+    assert set(allidx.tolist()) == set(range(997)) and len(allidx) - 997 < 3 * 8
+
+
+def test_rank_from_environment(data_path, monkeypatch):
+    path, _ = data_path
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with GDSDataset(path, batch_size=10, backend="cpu") as ds:
+        assert (ds.config.rank, ds.config.world_size) == (1, 2)
+
+
+# -- lifecycle -------------------------------------------------------------------------------------
+def test_threads_stop_on_break_close_and_gc(data_path):
+    path, _ = data_path
+    before = threading.active_count()
+    ds = GDSDataset(path, batch_size=8, backend="cpu", window_blocks=1)
+    for i, _ in enumerate(ds):
+        if i == 3:
+            assert reader_threads(), "a reader runs ahead while the consumer works"
+            break
+    assert wait_no_readers() == []
+    it = iter(ds)
+    next(it)
+    ds.close()
+    assert wait_no_readers() == []
+    assert threading.active_count() == before, "close() stops the backend's pool too"
+    with pytest.raises(GDSLoadError, match="iterator was closed"):
+        next(it)
+
+    ds = GDSDataset(path, batch_size=8, backend="cpu", window_blocks=1)
+    it = iter(ds)
+    next(it)
+    del ds, it
+    gc.collect()
+    assert wait_no_readers() == []
+    assert threading.active_count() == before
+
+
+def test_new_pass_closes_the_previous_one(data_path):
+    path, data = data_path
+    with GDSDataset(path, batch_size=8, backend="cpu", window_blocks=1) as ds:
+        old = iter(ds)
+        next(old)
+        fresh = list(ds)
+        assert len(fresh) == len(ds)
+        for b in fresh:
+            check_batch(b, data)
+        with pytest.raises(GDSLoadError, match="iterator was closed"):
+            next(old)
+        assert wait_no_readers() == []
+
+
+def test_reader_error_surfaces_with_file_and_offset(data_path):
+    path, _ = data_path
+    before = threading.active_count()
+    shard = os.path.join(path, "x", "c", "1", "0, 0".replace(", ", os.sep))
+    with GDSDataset(path, batch_size=8, backend="cpu", window_blocks=2) as ds:
+        with open(shard, "r+b") as f:  # damage the file after the index was read
+            f.truncate(100)
+        got = []
+        with pytest.raises(ReadError) as info:
+            for b in ds:
+                got.append(b)
+        msg = str(info.value)
+        assert shard in msg and "offset" in msg and "reading window" in msg
+        assert got, "batches before the damaged block still arrive"
+        assert wait_no_readers() == []
+    assert threading.active_count() == before
+
+
+def test_open_failure_names_file(data_path):
+    path, _ = data_path
+    with GDSDataset(path, batch_size=8, backend="cpu") as ds:
+        os.rename(os.path.join(path, "x"), os.path.join(path, "moved"))
+        with pytest.raises(ReadError, match=r"x/c/0/0/0: cannot open"):
+            list(ds)
+
+
+def test_torch_output_on_cpu(data_path):
+    torch = pytest.importorskip("torch")
+    path, data = data_path
+    with GDSDataset(path, batch_size=50, backend="cpu", output="torch") as ds:
+        b = next(iter(ds))
+    assert isinstance(b["x"], torch.Tensor)
+    np.testing.assert_array_equal(b["x"].numpy(), data["x"][b["idx"].numpy()])
+
+
+def test_bad_arguments(data_path):
+    path, _ = data_path
+    with pytest.raises(ValueError, match="output 'cupy' does not fit backend 'cpu'"):
+        GDSDataset(path, batch_size=8, backend="cpu", output="cupy")
+    with pytest.raises(ValueError, match="unknown backend 'nvme'"):
+        GDSDataset(path, batch_size=8, backend="nvme")
+    with pytest.raises(ValueError, match="batch_size must be at least 1"):
+        GDSDataset(path, batch_size=0, backend="cpu")
+    with pytest.raises(ValueError, match="prefetch must be at least 1"):
+        GDSDataset(path, batch_size=8, backend="cpu", prefetch=0)
+
+
+def test_gpu_backend_without_gpu_is_a_clear_error(data_path):
+    from gdsload.backends import gpu_available
+
+    if gpu_available():
+        pytest.skip("this machine has a GPU")
+    from gdsload import BackendUnavailable
+
+    path, _ = data_path
+    for name in ("pinned", "kvikio"):
+        with pytest.raises(BackendUnavailable, match=f"backend '{name}' needs a CUDA GPU"):
+            GDSDataset(path, batch_size=8, backend=name)
+    assert reader_threads() == []

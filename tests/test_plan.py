@@ -1,0 +1,96 @@
+"""Read plan: order, shuffle, partitioning across ranks, batch cutting. Pure numpy."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from gdsload.plan import PlanConfig, epoch_plan
+
+
+def batches_of(plan) -> list[np.ndarray]:
+    ids = plan.sample_ids()
+    return [ids[slice(*plan.batch_bounds(i))] for i in range(plan.num_batches)]
+
+
+def test_sequential_plan_is_identity():
+    plan = epoch_plan(PlanConfig(num_samples=103, samples_per_block=10, batch_size=16, window_blocks=3), 0)
+    np.testing.assert_array_equal(plan.sample_ids(), np.arange(103))
+    assert plan.num_batches == 7 and plan.batch_bounds(6) == (96, 103)
+    assert [len(w) for w in plan.windows] == [3, 3, 3, 2]
+
+
+def test_shuffle_is_seeded_and_changes_per_epoch():
+    cfg = PlanConfig(num_samples=1000, samples_per_block=8, batch_size=32, window_blocks=4, shuffle=True, seed=3)
+    a, b = epoch_plan(cfg, 0).sample_ids(), epoch_plan(cfg, 0).sample_ids()
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, epoch_plan(cfg, 1).sample_ids())
+    other_seed = PlanConfig(**{**cfg.__dict__, "seed": 4})
+    assert not np.array_equal(a, epoch_plan(other_seed, 0).sample_ids())
+    assert not np.array_equal(a, np.arange(1000))
+    assert sorted(a.tolist()) == list(range(1000))
+
+
+def test_samples_stay_inside_their_window():
+    cfg = PlanConfig(num_samples=500, samples_per_block=10, batch_size=7, window_blocks=5, shuffle=True)
+    plan = epoch_plan(cfg, 2)
+    ids = plan.sample_ids()
+    for w, blocks in enumerate(plan.windows):
+        mine = ids[plan.window_of == w]
+        assert set((mine // 10).tolist()) == set(blocks.tolist())
+
+
+@pytest.mark.parametrize("n, k, w, b, world", list(itertools.product(
+    [1, 7, 97, 1000], [1, 3, 16], [1, 2, 5], [1, 4, 33], [1, 2, 3])))
+def test_every_sample_once_and_ranks_agree(n, k, w, b, world):
+    num_blocks = -(-n // k)
+    if world > num_blocks:
+        with pytest.raises(ValueError, match="exceeds the dataset's"):
+            PlanConfig(num_samples=n, samples_per_block=k, batch_size=b, window_blocks=w, world_size=world)
+        return
+    for shuffle, drop_last in itertools.product([False, True], [False, True]):
+        plans = [epoch_plan(PlanConfig(num_samples=n, samples_per_block=k, batch_size=b, window_blocks=w,
+                                       shuffle=shuffle, seed=11, drop_last=drop_last, rank=r, world_size=world), 5)
+                 for r in range(world)]
+        ids = [p.sample_ids() for p in plans]
+        sizes = [[len(x) for x in batches_of(p)] for p in plans]
+        assert all(s == sizes[0] for s in sizes), "every rank yields the same batches"
+        everything = np.concatenate(ids)
+        if drop_last:
+            assert all(s == b for s in sizes[0])
+            assert len(np.unique(everything)) == len(everything), "no sample twice"
+            assert n - len(everything) < world * (k + b), "drops at most a block and a batch per rank"
+        else:
+            assert set(everything.tolist()) == set(range(n)), "every sample at least once"
+            assert len(everything) - n < world * k + 1, "padding repeats less than a block per rank"
+            assert all(s == b for s in sizes[0][:-1])
+
+
+def test_ranks_without_padding_partition_exactly():
+    n, world = 1024, 4  # divisible: no padding, no drop
+    ids = [epoch_plan(PlanConfig(num_samples=n, samples_per_block=16, batch_size=32, window_blocks=2, shuffle=True,
+                                 rank=r, world_size=world), 0).sample_ids() for r in range(world)]
+    np.testing.assert_array_equal(np.sort(np.concatenate(ids)), np.arange(n))
+
+
+def test_padding_repeats_samples_of_the_last_window_only():
+    plans = [epoch_plan(PlanConfig(num_samples=50, samples_per_block=10, batch_size=8, window_blocks=2,
+                                   rank=r, world_size=2), 0) for r in range(2)]
+    # rank 0 holds blocks 0-2 (30 samples), rank 1 blocks 3-4 (20): rank 1 repeats 10 of its last window
+    short = plans[1]
+    assert len(short.slots) == 30
+    assert (short.window_of[20:] == len(short.windows) - 1).all()
+
+
+def test_segments_and_window_release():
+    cfg = PlanConfig(num_samples=100, samples_per_block=10, batch_size=15, window_blocks=1)
+    plan = epoch_plan(cfg, 0)
+    segs = plan.batch(0)
+    assert [(s.window, s.start, s.stop) for s in segs] == [(0, 0, 10), (1, 10, 15)]
+    last = plan.last_batch_of_window()
+    assert last[0] == 0 and last[1] == 1 and last[-1] == plan.num_batches - 1
+    assert plan.max_windows_per_batch() == 2
+    wide = epoch_plan(PlanConfig(num_samples=100, samples_per_block=2, batch_size=25, window_blocks=2), 0)
+    assert wide.max_windows_per_batch() == 7  # positions 25..49 span windows 6..12

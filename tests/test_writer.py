@@ -1,0 +1,260 @@
+"""Converter: round trips through gdsload and plain zarr, input kinds, bad input, atomicity, memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+
+import numpy as np
+import pytest
+import zarr
+
+from gdsload import ConversionError, GDSDataset, read_metadata
+from gdsload.cli import shard_main
+from gdsload.sources import ArraySource
+from gdsload.writer import choose_samples_per_block, convert, write_dataset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def read_all(path: str, **kw: object) -> dict[str, np.ndarray]:
+    with GDSDataset(path, batch_size=kw.pop("batch_size", 7), backend="cpu", **kw) as ds:
+        batches = list(ds)
+    return {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
+
+
+def assert_same(path: str, arrays: dict[str, np.ndarray]) -> None:
+    """Equal through gdsload and through plain zarr, dtype and shape included."""
+    got = read_all(path)
+    group = zarr.open_group(path, mode="r")
+    for name, want in arrays.items():
+        want = np.asarray(want)
+        assert got[name].dtype == want.dtype and got[name].shape == want.shape, name
+        np.testing.assert_array_equal(got[name], want, err_msg=name)
+        via_zarr = group[name][:]
+        assert via_zarr.dtype == want.dtype
+        np.testing.assert_array_equal(via_zarr, want, err_msg=f"zarr {name}")
+
+
+def test_round_trip_many_dtypes_multidim_partial_block(make_dataset):
+    rng = np.random.default_rng(0)
+    n = 1003  # prime: never a multiple of the block
+    arrays = {
+        "u8": rng.integers(0, 256, (n, 4, 6, 3), dtype=np.uint8),
+        "i64": rng.integers(-2**62, 2**62, (n,), dtype=np.int64),
+        "f16": rng.standard_normal((n, 5)).astype(np.float16),
+        "f32": rng.standard_normal((n, 2, 3)).astype(np.float32),
+        "flag": rng.random(n) > 0.5,
+    }
+    path = make_dataset(arrays, block_bytes=2048, shard_bytes=16 << 10)
+    meta = read_metadata(path)
+    assert meta.num_samples == n and meta.num_blocks > 1 and meta.num_samples % meta.samples_per_block
+    assert meta.num_shards("u8") > 1
+    assert_same(path, arrays)
+
+
+def test_single_sample(make_dataset):
+    arrays = {"x": np.arange(12, dtype=np.float32).reshape(1, 3, 4), "y": np.array([7], dtype=np.int64)}
+    path = make_dataset(arrays)
+    assert read_metadata(path).samples_per_block == 1
+    assert_same(path, arrays)
+
+
+def test_zero_block_reads_back(make_dataset):
+    x = np.ones((40, 16), dtype=np.int32)
+    x[8:16] = 0  # one whole block equal to the fill value
+    path = make_dataset({"x": x}, samples_per_block=8)
+    assert (read_metadata(path).num_blocks, read_metadata(path).samples_per_block) == (5, 8)
+    assert_same(path, {"x": x})
+
+
+def test_big_endian_input_is_stored_little_endian(make_dataset):
+    x = np.arange(100, dtype=">f8").reshape(50, 2)
+    path = make_dataset({"x": x}, samples_per_block=4)
+    got = read_all(path)["x"]
+    assert got.dtype == np.dtype("<f8")
+    np.testing.assert_array_equal(got, x)
+
+
+def test_block_choice_is_aligned():
+    # 224*224*3 bytes: 4 samples make a whole number of 4 KiB pages.
+    k = choose_samples_per_block([150528, 8], 4 << 20, 10**6)
+    assert (k * 150528) % 4096 == 0 and k * 150528 <= 4 << 20 and k == 24
+    assert choose_samples_per_block([7], 4 << 20, 10) == 10  # capped by the dataset
+    assert choose_samples_per_block([10 << 20], 4 << 20, 5) == 1  # a sample larger than a block
+
+
+def test_inputs_npz_dirs_zarr_and_named_fields(tmp_path):
+    rng = np.random.default_rng(1)
+    a = rng.integers(0, 100, (30, 4), dtype=np.int16)
+    b = rng.standard_normal(30).astype(np.float32)
+    np.savez(tmp_path / "plain.npz", a=a, b=b)
+    np.savez_compressed(tmp_path / "packed.npz", a=a, b=b)
+    (tmp_path / "dir").mkdir()
+    for i in range(3):  # sorted name order: part0, part1, part2
+        np.save(tmp_path / "dir" / f"part{i}.npy", a[i * 10:(i + 1) * 10])
+    (tmp_path / "npzdir").mkdir()
+    for i in range(2):
+        np.savez(tmp_path / "npzdir" / f"s{i}.npz", a=a[i * 15:(i + 1) * 15], b=b[i * 15:(i + 1) * 15])
+    z = zarr.open_group(str(tmp_path / "src.zarr"), mode="w")
+    z.create_array("a", shape=a.shape, dtype=a.dtype, chunks=(7, 4))[:] = a
+    z.create_array("b", shape=b.shape, dtype=b.dtype, chunks=(11,))[:] = b
+
+    for src in ("plain.npz", "packed.npz", "npzdir", "src.zarr"):
+        meta = convert([str(tmp_path / src)], tmp_path / f"{src}.gds", samples_per_block=4, progress=False)
+        assert sorted(meta.fields) == ["a", "b"], src
+        assert_same(meta.path, {"a": a, "b": b})
+    meta = convert([str(tmp_path / "dir")], tmp_path / "dir.gds", {"b": f"{tmp_path}/packed.npz:b"},
+                   samples_per_block=4, progress=False)
+    assert sorted(meta.fields) == ["b", "dir"]
+    assert_same(meta.path, {"dir": a, "b": b})
+    meta = convert([], tmp_path / "named.gds", {"img": str(tmp_path / "src.zarr" / "a")}, progress=False)
+    assert_same(meta.path, {"img": a})
+
+
+def test_attributes_and_layout_match_design(make_dataset):
+    path = make_dataset({"x": np.zeros((10, 3), np.float32)}, samples_per_block=4, shard_bytes=96)
+    attrs = json.load(open(os.path.join(path, "zarr.json")))["attributes"]["gdsload"]
+    assert attrs == {"format": 1, "num_samples": 10, "samples_per_block": 4, "fields": {"x": {"kind": "fixed"}}}
+    shard = os.path.join(path, "x", "c", "0", "0")
+    # 2 blocks of 4*3*4 bytes, then 2 x (offset, nbytes) and a crc32c
+    assert os.path.getsize(shard) == 2 * 48 + 2 * 16 + 4
+
+
+# -- bad input -------------------------------------------------------------------------------------
+def run_shard(args: list[str], capsys) -> tuple[int, str]:
+    code = shard_main([str(a) for a in args] + ["--quiet"])
+    return code, capsys.readouterr().err
+
+
+@pytest.fixture
+def bad_inputs(tmp_path):
+    np.save(tmp_path / "a.npy", np.zeros((10, 2), np.float32))
+    np.save(tmp_path / "b.npy", np.zeros((11, 2), np.float32))
+    np.save(tmp_path / "obj.npy", np.array([{"k": 1}] * 4, dtype=object), allow_pickle=True)
+    np.save(tmp_path / "rec.npy", np.zeros(4, dtype=[("x", "f4"), ("y", "i4")]))
+    np.save(tmp_path / "empty.npy", np.zeros((0, 3), np.float32))
+    np.save(tmp_path / "zerosize.npy", np.zeros((5, 0), np.float32))
+    (tmp_path / "emptydir").mkdir()
+    return tmp_path
+
+
+@pytest.mark.parametrize("args, message", [
+    (["missing.npy"], "missing.npy: input does not exist"),
+    (["a.npy", "b.npy"], "fields have different sample counts (a=10, b=11"),
+    (["obj.npy"], "obj.npy: unsupported dtype object"),
+    (["rec.npy"], "rec.npy: unsupported dtype"),
+    (["empty.npy"], "empty.npy: holds no samples (empty input)"),
+    (["emptydir"], "emptydir: directory holds no .npy or .npz files (empty input)"),
+    (["zerosize.npy"], "zerosize.npy: zero-size samples"),
+])
+def test_bad_input_messages(bad_inputs, capsys, args, message):
+    out = bad_inputs / "out.gds"
+    code, err = run_shard([bad_inputs / a for a in args] + ["-o", out], capsys)
+    assert code == 2
+    assert message in err and err.count("\n") == 1, err
+    assert not out.exists()
+    assert not [p for p in os.listdir(bad_inputs) if ".tmp-" in p]
+
+
+def test_object_dtype_from_zarr_or_memory_is_refused(tmp_path):
+    with pytest.raises(ConversionError, match="unsupported dtype"):
+        write_dataset(tmp_path / "o.gds", {"s": ArraySource("<s>", np.array(["a", "b"]))})
+    assert not (tmp_path / "o.gds").exists()
+
+
+def test_output_inside_input_is_refused(tmp_path, capsys):
+    (tmp_path / "data").mkdir()
+    np.save(tmp_path / "data" / "x.npy", np.zeros((4, 2)))
+    code, err = run_shard([tmp_path / "data", "-o", tmp_path / "data" / "out.gds"], capsys)
+    assert code == 2 and "output path is inside input" in err
+    assert sorted(os.listdir(tmp_path / "data")) == ["x.npy"]
+
+
+def test_refuses_overwrite_then_replaces_atomically(tmp_path, capsys):
+    np.save(tmp_path / "x.npy", np.arange(10))
+    out = tmp_path / "o.gds"
+    assert run_shard([tmp_path / "x.npy", "-o", out], capsys)[0] == 0
+    code, err = run_shard([tmp_path / "x.npy", "-o", out], capsys)
+    assert code == 2 and "output exists (pass --overwrite" in err
+    np.save(tmp_path / "x.npy", np.arange(20))
+    assert run_shard([tmp_path / "x.npy", "-o", out, "--overwrite"], capsys)[0] == 0
+    assert read_metadata(out).num_samples == 20
+    assert sorted(os.listdir(tmp_path)) == ["o.gds", "x.npy"]
+
+
+class Exploding:
+    """A source that fails part-way, like a disk error in the middle of a conversion."""
+
+    origin = "<exploding>"
+    shape = (1000, 16)
+    dtype = np.dtype("float32")
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        if stop > 500:
+            raise OSError("simulated read failure")
+        return np.zeros((stop - start, 16), np.float32)
+
+    def close(self) -> None:
+        pass
+
+
+def test_failed_conversion_leaves_nothing_and_keeps_old_output(tmp_path, make_dataset):
+    out = tmp_path / "o.gds"
+    with pytest.raises(OSError, match="simulated"):
+        write_dataset(out, {"x": Exploding()}, samples_per_block=10, slice_bytes=4096, progress=False)
+    assert os.listdir(tmp_path) == []
+    write_dataset(out, {"x": ArraySource("<x>", np.ones((5, 16), np.float32))}, progress=False)
+    with pytest.raises(OSError, match="simulated"):
+        write_dataset(out, {"x": Exploding()}, samples_per_block=10, overwrite=True, progress=False)
+    assert os.listdir(tmp_path) == ["o.gds"] and read_metadata(out).num_samples == 5
+
+
+def test_truncated_npy_is_reported(tmp_path, capsys):
+    np.save(tmp_path / "x.npy", np.zeros((100, 8), np.float64))
+    with open(tmp_path / "x.npy", "r+b") as f:
+        f.truncate(os.path.getsize(tmp_path / "x.npy") - 100)
+    code, err = run_shard([tmp_path / "x.npy", "-o", tmp_path / "o.gds"], capsys)
+    assert code == 2 and "x.npy: file ends early" in err
+    assert not (tmp_path / "o.gds").exists()
+
+
+# -- memory ----------------------------------------------------------------------------------------
+_PEAK = """
+import resource, sys
+from gdsload.writer import convert
+convert([sys.argv[1]], sys.argv[2], block_bytes=1 << 20, shard_bytes=64 << 20, slice_bytes=8 << 20, progress=False)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+"""
+
+
+def _peak_mib(src: str, out: str) -> int:
+    res = subprocess.run([sys.executable, "-c", _PEAK, src, out], capture_output=True, text=True, cwd=ROOT,
+                         check=True)
+    return int(res.stdout.strip())
+
+
+@pytest.mark.parametrize("kind", ["npy", "npz"])
+def test_peak_memory_is_bounded_by_slice_not_input(tmp_path, kind):
+    """Converting 384 MiB in 8 MiB slices costs about what converting 4 MiB does."""
+    big, small = np.lib.format.open_memmap(tmp_path / "big.npy", "w+", np.float32, (96 * 1024, 1024)), None
+    for i in range(0, big.shape[0], 8192):
+        big[i:i + 8192] = i
+    big.flush()
+    del big
+    np.save(tmp_path / "small.npy", np.zeros((1024, 1024), np.float32))
+    if kind == "npz":
+        for name in ("big", "small"):
+            with zipfile.ZipFile(tmp_path / f"{name}.npz", "w") as zf:
+                zf.write(tmp_path / f"{name}.npy", "x.npy")
+    baseline = _peak_mib(str(tmp_path / f"small.{kind}"), str(tmp_path / "s.gds"))
+    peak = _peak_mib(str(tmp_path / f"big.{kind}"), str(tmp_path / "b.gds"))
+    assert os.path.getsize(tmp_path / "big.npy") > 40 * (8 << 20)
+    assert peak - baseline < 48, (baseline, peak)
+    meta = read_metadata(tmp_path / "b.gds")
+    assert meta.num_samples == 96 * 1024
+    z = zarr.open_group(str(tmp_path / "b.gds"), mode="r")["big" if kind == "npy" else "x"]
+    assert float(z[8191, 0]) == 0 and float(z[8192, 5]) == 8192 and float(z[-1, -1]) == 90112
