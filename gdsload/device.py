@@ -77,10 +77,16 @@ class CudaOps:
 
     def _current_stream(self) -> Any:
         if self.torch is not None:
-            ptr = self.torch.cuda.current_stream(self.device.id).cuda_stream
-            if self.stream is not None and self.stream.ptr == ptr:
+            current = self.torch.cuda.current_stream(self.device.id)
+            if self.stream is not None and self.stream.ptr == current.cuda_stream:
                 return self.stream
-            return self.cupy.cuda.ExternalStream(ptr, self.device.id)
+            from_external = getattr(self.cupy.cuda.Stream, "from_external", None)
+            if from_external is not None:
+                try:
+                    return from_external(current)
+                except Exception:  # a torch without the CUDA stream protocol
+                    pass
+            return self.cupy.cuda.ExternalStream(current.cuda_stream, self.device.id)
         return self.cupy.cuda.get_current_stream(self.device.id)
 
     def begin(self) -> None:

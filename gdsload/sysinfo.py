@@ -10,6 +10,8 @@ import platform
 import time
 from typing import Any
 
+from . import __version__
+
 
 def _version(module: str) -> str | None:
     try:
@@ -97,7 +99,7 @@ def pinned_h2d_gbps(nbytes: int = 256 << 20, repeats: int = 5, device_id: int = 
 def system_info(device_id: int = 0, bandwidth: bool = False) -> dict[str, Any]:
     """Everything above plus host facts, as one JSON-ready dict."""
     info: dict[str, Any] = {"python": platform.python_version(), "cpu_cores": os.cpu_count(),
-                            "numpy": _version("numpy"), "zarr": _version("zarr"), "gdsload": _version("gdsload")}
+                            "numpy": _version("numpy"), "zarr": _version("zarr"), "gdsload": __version__}
     info.update(gpu_info(device_id))
     if info.get("gpu"):
         info.update(kvikio_info())

@@ -49,5 +49,5 @@ def test_system_info_and_demo(tmp_path):
     assert "GPU:" in res.stdout and "backend auto ->" in res.stdout
     res = run("-m", "gdsload.cli", "demo", "--samples", "3000", "--workdir", str(tmp_path))
     assert res.returncode == 0, res.stderr
-    assert "read 3000 samples" in res.stdout and "every batch checked against its labels" in res.stdout
+    assert "epoch 1: 3000 samples" in res.stdout and "every batch checked against its labels" in res.stdout
     assert os.listdir(tmp_path) == []
