@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from .backends import make_backend, resolve
+from .errors import ReadError
 from .format import DatasetLayout, read_metadata
-from .pipeline import EpochStats, Pipeline, WindowLayout, WindowSlot
+from .pipeline import EpochStats, Pipeline, ResidentField, WindowLayout, WindowSlot
 from .plan import EpochPlan, PlanConfig, epoch_plan
 
 _STATE_KEYS = ("num_samples", "samples_per_block", "batch_size", "window_blocks", "shuffle", "seed",
@@ -47,6 +49,8 @@ class GDSDataset:
         WORLD_SIZE). With ``drop_last=False`` shorter ranks repeat a few samples so all ranks yield the
         same batches; with ``drop_last=True`` the remainder is dropped instead.
     device : CUDA device id (default: LOCAL_RANK, else 0).
+    resident_bytes : fields whose whole array is at most this size (labels, ids) are read once and kept in
+        device memory instead of being read block by block (tiny reads cost as much as large ones).
     backend_options : passed to the backend (e.g. ``num_threads``, ``task_bytes``, ``pool_bytes``).
 
     Notes
@@ -59,7 +63,7 @@ class GDSDataset:
     def __init__(self, path: str | os.PathLike[str], batch_size: int, fields: Sequence[str] | None = None, *,
                  backend: str = "auto", shuffle: bool = False, seed: int = 0, window_blocks: int | None = None,
                  prefetch: int = 2, drop_last: bool = False, output: str | None = None, rank: int | None = None,
-                 world_size: int | None = None, device: int | None = None,
+                 world_size: int | None = None, device: int | None = None, resident_bytes: int = 64 << 20,
                  backend_options: dict[str, Any] | None = None):
         if prefetch < 1:
             raise ValueError(f"prefetch must be at least 1 (found {prefetch})")
@@ -80,8 +84,11 @@ class GDSDataset:
             world_size = env_world if world_size is None else world_size
         self.backend = make_backend(self.backend_name, self.device, **(backend_options or {}))
         spb = self.meta.samples_per_block
+        field_bytes = {f: self.meta.fields[f].block_bytes * self.meta.num_blocks for f in self.fields}
+        self.resident_fields = tuple(f for f in self.fields if field_bytes[f] <= resident_bytes)
+        self.windowed_fields = tuple(f for f in self.fields if f not in self.resident_fields)
         if window_blocks is None:
-            block_bytes = sum(self.meta.fields[f].block_bytes for f in self.fields)
+            block_bytes = max(1, sum(self.meta.fields[f].block_bytes for f in self.windowed_fields))
             by_size = max(1, self.backend.window_bytes_hint // block_bytes)
             per_rank = -(-self.meta.num_blocks // max(1, world_size))
             window_blocks = max(1, min(max(-(-batch_size // spb), by_size), per_rank))
@@ -89,7 +96,8 @@ class GDSDataset:
                                  window_blocks=window_blocks, shuffle=shuffle, seed=seed, drop_last=drop_last,
                                  rank=rank, world_size=world_size)
         self.prefetch = prefetch
-        self.window_layout = WindowLayout([self.meta.fields[f] for f in self.fields], window_blocks)
+        self.window_layout = WindowLayout([self.meta.fields[f] for f in self.windowed_fields], window_blocks)
+        self._resident: dict[str, ResidentField] | None = None
         self.epoch = 0
         self.stats: EpochStats | None = None
         self._resume: tuple[int, int] | None = None  # (epoch, batches already yielded)
@@ -164,11 +172,34 @@ class GDSDataset:
         needed = max(self.prefetch, plan.max_windows_per_batch())
         while len(self._slots) < needed:
             self._slots.append(WindowSlot(self.backend.allocate(self.window_layout.nbytes)))
+        first_load = self._resident is None
+        resident = self._load_resident()
         pipeline = Pipeline(self.backend, self._ops(), self.layout, self.window_layout, self._slots, plan, start,
-                            self.fields)
+                            self.fields, resident)
+        if first_load:
+            pipeline.stats.bytes_read += sum(r.array.nbytes for r in resident.values())
         self._active.append(pipeline)
         self.stats = pipeline.stats
         return self._run(pipeline, start)
+
+    def _load_resident(self) -> dict[str, ResidentField]:
+        """Read the small fields whole, once, through the same backend."""
+        if self._resident is None:
+            loaded = {}
+            for name in self.resident_fields:
+                f = self.meta.fields[name]
+                single = WindowLayout([f], self.meta.num_blocks)
+                buf = self.backend.allocate(single.nbytes)
+                try:
+                    event = self.backend.fill(buf, single.requests(self.layout, range(self.meta.num_blocks)),
+                                              threading.Event())
+                except ReadError as e:
+                    raise ReadError(f"reading resident field '{name}' failed: {e}") from e
+                if event is not None:
+                    event.synchronize()
+                loaded[name] = ResidentField(f, single.view(buf, name))
+            self._resident = loaded
+        return self._resident
 
     def _run(self, pipeline: Pipeline, start: int) -> Iterator[dict[str, Any]]:
         self._batches_yielded = start

@@ -1,9 +1,11 @@
-"""The double-buffered iterator: a reader thread fills window buffers while the consumer gathers batches.
+"""The double-buffered iterator: reader threads fill window buffers while the consumer gathers batches.
 
-Ownership of a window buffer passes reader -> consumer through the ``ready`` queue (with the event that
-says its data has landed) and consumer -> reader through the ``free`` queue (with the event recorded after
-the consumer's last gather from it). The reader waits on that event before overwriting the buffer; the
-consumer's stream waits on the "filled" event before its first gather. Nothing else is shared.
+A window buffer has one owner at a time. The submitter takes a free buffer, waits on the event recorded
+after the consumer's last gather from it, and submits the window's reads; the completer waits for those
+reads in order and hands the buffer to the consumer through the ``ready`` queue with the event that says
+its data has landed; the consumer's stream waits on that event before its first gather, and gives the
+buffer back through the ``free`` queue after its last. Because submission runs ahead of completion, the
+next window's reads queue behind the current one's and the readers never idle at a window boundary.
 """
 
 from __future__ import annotations
@@ -77,7 +79,6 @@ class EpochStats:
     bytes_read: int = 0
     wall_s: float = 0.0
     stall_s: float = 0.0
-    read_s: float = 0.0
 
     @property
     def gb_per_s(self) -> float:
@@ -86,7 +87,15 @@ class EpochStats:
     def as_dict(self) -> dict[str, Any]:
         return {"io_mode": self.io_mode, "batches": self.batches, "samples": self.samples,
                 "bytes_read": self.bytes_read, "wall_s": self.wall_s, "stall_s": self.stall_s,
-                "read_s": self.read_s, "gb_per_s": self.gb_per_s}
+                "gb_per_s": self.gb_per_s}
+
+
+@dataclass
+class ResidentField:
+    """A small field read once and kept whole: gathered by global sample index."""
+
+    meta: FieldMeta
+    array: Any  # (num_blocks * samples_per_block, *sample_shape)
 
 
 _END = object()
@@ -101,38 +110,44 @@ class _Failure:
 
 
 class Pipeline:
-    """Runs one epoch plan from ``start_batch``: a reader thread ahead, batches gathered on demand."""
+    """Runs one epoch plan from ``start_batch``: reader threads ahead, batches gathered on demand."""
 
     def __init__(self, backend: Backend, ops: Any, layout: DatasetLayout, window_layout: WindowLayout,
-                 slots: Sequence[WindowSlot], plan: EpochPlan, start_batch: int, output_fields: Sequence[str]):
+                 slots: Sequence[WindowSlot], plan: EpochPlan, start_batch: int, output_fields: Sequence[str],
+                 resident: dict[str, ResidentField] | None = None):
         self.backend, self.ops, self.layout, self.wl = backend, ops, layout, window_layout
         self.plan, self.start_batch, self.output_fields = plan, start_batch, tuple(output_fields)
+        self.resident = resident or {}
         self.slots = list(slots)
         self.stats = EpochStats(io_mode=backend.io_mode)
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # set by close(): everything stops
+        self._halt = threading.Event()  # set by close() or a reader error: reading stops
         self._free: queue.Queue[WindowSlot] = queue.Queue()
+        self._inflight: queue.Queue[Any] = queue.Queue()
         self._ready: queue.Queue[Any] = queue.Queue()
         for s in self.slots:
             self._free.put(s)
         self._last_batch = plan.last_batch_of_window()
-        first_window = int(plan.window_of[plan.batch_bounds(start_batch)[0]]) if start_batch < plan.num_batches else 0
-        self._first_window = first_window
-        self._thread = threading.Thread(target=self._read_loop, name="gdsload-reader", daemon=True)
+        running = start_batch < plan.num_batches
+        self._first_window = int(plan.window_of[plan.batch_bounds(start_batch)[0]]) if running else 0
+        self._threads = [threading.Thread(target=self._submit_loop, name="gdsload-reader-submit", daemon=True),
+                         threading.Thread(target=self._complete_loop, name="gdsload-reader-complete", daemon=True)]
         self._started = time.perf_counter()
         self._closed = False
-        if start_batch < plan.num_batches:
-            self._thread.start()
+        if running:
+            for t in self._threads:
+                t.start()
 
-    # -- reader thread -------------------------------------------------------------------------------
+    # -- reader threads ------------------------------------------------------------------------------
     def _next_free(self) -> WindowSlot | None:
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             try:
                 return self._free.get(timeout=_POLL_S)
             except queue.Empty:
                 continue
         return None
 
-    def _read_loop(self) -> None:
+    def _submit_loop(self) -> None:
         w = self._first_window
         try:
             for w in range(self._first_window, len(self.plan.windows)):
@@ -141,16 +156,37 @@ class Pipeline:
                     return
                 self.ops.synchronize(slot.released)  # the consumer's last gather from it is done
                 reqs = self.wl.requests(self.layout, self.plan.windows[w])
-                t0 = time.perf_counter()
-                filled = self.backend.fill(slot.buffer, reqs, self._stop)
-                self.stats.read_s += time.perf_counter() - t0
-                if self._stop.is_set():
-                    return
-                self.stats.bytes_read += sum(r.nbytes for r in reqs if isinstance(r, ReadRequest))
+                nbytes = sum(r.nbytes for r in reqs if isinstance(r, ReadRequest))
+                self._inflight.put((w, slot, nbytes, self.backend.submit(slot.buffer, reqs, self._halt)))
+        except BaseException as e:
+            self._inflight.put(_Failure(e, w, [int(b) for b in self.plan.windows[w]]))
+        finally:
+            self._inflight.put(_END)
+
+    def _complete_loop(self) -> None:
+        """Wait for submitted windows in order; after an error or a stop, keep draining until the
+        submitter is done, so no read still writes into a buffer once this thread has ended."""
+        while True:
+            item = self._inflight.get()
+            if item is _END:
+                if not self._halt.is_set():
+                    self._ready.put(_END)
+                return
+            if isinstance(item, _Failure):
+                self._halt.set()
+                self._ready.put(item)
+                continue
+            w, slot, nbytes, pending = item
+            try:
+                filled = pending.wait()
+            except BaseException as e:
+                if not self._halt.is_set():
+                    self._halt.set()
+                    self._ready.put(_Failure(e, w, [int(b) for b in self.plan.windows[w]]))
+                continue
+            if not self._halt.is_set():
+                self.stats.bytes_read += nbytes
                 self._ready.put((w, slot, filled))
-            self._ready.put(_END)
-        except BaseException as e:  # surfaced in the consumer, which owns the error from here
-            self._ready.put(_Failure(e, w, [int(b) for b in self.plan.windows[w]]))
 
     # -- consumer ------------------------------------------------------------------------------------
     def _take_ready(self) -> tuple[int, WindowSlot, Any]:
@@ -173,10 +209,12 @@ class Pipeline:
         return item
 
     def batches(self) -> Iterator[dict[str, Any]]:
-        """Yield each batch as a dict of fresh arrays; always stops the reader on the way out."""
+        """Yield each batch as a dict of fresh arrays; always stops the readers on the way out."""
         plan, ops, wl = self.plan, self.ops, self.wl
-        resident: dict[int, WindowSlot] = {}
+        held: dict[int, WindowSlot] = {}
         slots_dev = None  # the epoch's slot array on the consumer's device, uploaded once
+        ids_dev = None  # the epoch's global sample ids, for resident fields
+        windowed = [n for n in self.output_fields if n not in self.resident]
         try:
             for i in range(self.start_batch, plan.num_batches):
                 if self._closed:
@@ -184,29 +222,36 @@ class Pipeline:
                 ops.begin()
                 segments = plan.batch(i)
                 for seg in segments:
-                    while seg.window not in resident:
+                    while seg.window not in held:
                         w, slot, filled = self._take_ready()
                         ops.wait(filled)
-                        resident[w] = slot
+                        held[w] = slot
                 lo, hi = plan.batch_bounds(i)
-                out = {name: ops.empty((hi - lo, *wl.fields[name].sample_shape), wl.fields[name].dtype)
-                       for name in self.output_fields}
+                out = {}
+                for name in self.output_fields:
+                    f = self.resident[name].meta if name in self.resident else wl.fields[name]
+                    out[name] = ops.empty((hi - lo, *f.sample_shape), f.dtype)
+                if self.resident:
+                    if ids_dev is None:
+                        ids_dev = ops.index_array(_compact(plan.sample_ids()))
+                    for name, r in self.resident.items():
+                        if name in out:
+                            ops.take(r.array, ids_dev[lo:hi], out[name])
                 pos = 0
                 for seg in segments:
                     if _consecutive(seg.slots):
                         idx: Any = slice(int(seg.slots[0]), int(seg.slots[-1]) + 1)
                     else:
                         if slots_dev is None:
-                            small = plan.slots.max(initial=0) < 2**31
-                            slots_dev = ops.index_array(plan.slots.astype(np.int32 if small else np.int64))
+                            slots_dev = ops.index_array(_compact(plan.slots))
                         idx = slots_dev[seg.start:seg.stop]
-                    for name in self.output_fields:
-                        src = wl.view(resident[seg.window].buffer, name)
-                        ops.take(src, idx, out[name][pos:pos + len(seg.slots)])
+                    for name in windowed:
+                        ops.take(wl.view(held[seg.window].buffer, name), idx,
+                                 out[name][pos:pos + len(seg.slots)])
                     pos += len(seg.slots)
                 for seg in segments:
-                    if self._last_batch[seg.window] == i and seg.window in resident:
-                        slot = resident.pop(seg.window)
+                    if self._last_batch[seg.window] == i and seg.window in held:
+                        slot = held.pop(seg.window)
                         slot.released = ops.record()
                         self._free.put(slot)
                 self.stats.batches += 1
@@ -217,13 +262,15 @@ class Pipeline:
             self.close()
 
     def close(self) -> None:
-        """Stop the reader and wait for it; idempotent, safe from any thread but the reader's."""
+        """Stop the readers and wait for them; idempotent, safe from any thread but the readers'."""
         if self._closed:
             return
         self._closed = True
         self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join()
+        self._halt.set()
+        for t in self._threads:
+            if t.is_alive() and t is not threading.current_thread():
+                t.join()
         self.stats.wall_s = time.perf_counter() - self._started
         try:
             # Gathers the consumer queued may still read any buffer: whoever fills it next waits for them.
@@ -232,6 +279,11 @@ class Pipeline:
             return
         for slot in self.slots:
             slot.released = released
+
+
+def _compact(a: np.ndarray) -> np.ndarray:
+    """int32 when it fits: half the bytes to upload and to read in each gather."""
+    return a.astype(np.int32) if a.max(initial=0) < 2**31 else a
 
 
 def _consecutive(slots: np.ndarray) -> bool:

@@ -1,7 +1,7 @@
 """A fixed pool of pinned host slots: allocated once, reused, never grown.
 
-A slot has one owner at a time: a reader thread acquires it, reads into it, queues its host-to-device copy
-and hands it back with the copy's event; the next owner waits on that event before writing. Pinned bytes
+A slot has one owner at a time: a reader thread acquires it, reads into it, queues its host-to-device copies
+and records the slot's event after them; the next owner waits on that event before writing. Pinned bytes
 held are exactly ``num_slots * slot_bytes`` from construction to ``close()``.
 """
 
@@ -33,7 +33,9 @@ class PinnedPool:
         self._free: queue.Queue[int] = queue.Queue()
         for i in range(num_slots):
             self._free.put(i)
-        self._events: list[Any] = [None] * num_slots
+        with cupy.cuda.Device(device_id):
+            self.events: list[Any] = [cupy.cuda.Event(disable_timing=True) for _ in range(num_slots)]
+        self._recorded = [False] * num_slots  # whether events[i] guards a copy out of slot i
         self._lock = threading.Lock()
         self.in_use = 0
         self.peak_in_use = 0
@@ -49,18 +51,17 @@ class PinnedPool:
                 i = self._free.get(timeout=_POLL_S)
             except queue.Empty:
                 continue
-            event = self._events[i]
-            if event is not None:
-                event.synchronize()
+            if self._recorded[i]:
+                self.events[i].synchronize()
             with self._lock:
                 self.in_use += 1
                 self.peak_in_use = max(self.peak_in_use, self.in_use)
             return i
         return None
 
-    def release(self, i: int, event: Any) -> None:
-        """Give slot ``i`` back; ``event`` (or None) marks the end of the last copy out of it."""
-        self._events[i] = event
+    def release(self, i: int, recorded: bool) -> None:
+        """Give slot ``i`` back; ``recorded``: ``events[i]`` was recorded after a copy out of it."""
+        self._recorded[i] = recorded
         with self._lock:
             self.in_use -= 1
         self._free.put(i)
@@ -74,9 +75,9 @@ class PinnedPool:
 
     def close(self) -> None:
         """Wait for copies still reading the slots, then free the pinned memory."""
-        for e in self._events:
-            if e is not None:
+        for recorded, e in zip(self._recorded, self.events):
+            if recorded:
                 e.synchronize()
-        self._events = [None] * self.num_slots
+        self._recorded = [False] * self.num_slots
         self._base = np.zeros(0, np.uint8)
         self._mem = None

@@ -5,6 +5,7 @@ Skipped without a CUDA GPU and CuPy. Run on the GPU machine with ``python3 -m py
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 
@@ -18,6 +19,8 @@ from gdsload.plan import epoch_plan
 from gdsload.sources import ArraySource
 from gdsload.writer import write_dataset
 
+# Small enough that "idx" is resident and "x" is read window by window: every test covers both paths.
+Dataset = functools.partial(GDSDataset, resident_bytes=32 << 10)
 pytestmark = pytest.mark.gpu
 BACKENDS = ["kvikio", "pinned"]
 
@@ -55,7 +58,7 @@ def test_every_sample_matches_and_all_batches_stay_valid(small, backend, options
 
     path, data = small
     options = {"batch_size": 64, **options}
-    with GDSDataset(path, backend=backend, **options) as ds:
+    with Dataset(path, backend=backend, **options) as ds:
         assert ds.output == "cupy"
         batches = list(ds)  # all kept alive: later reads must not overwrite any of them
         cupy.cuda.get_current_stream().synchronize()
@@ -71,7 +74,7 @@ def test_consumer_on_a_non_default_cupy_stream(small, backend):
 
     path, data = small
     stream = cupy.cuda.Stream(non_blocking=True)
-    with GDSDataset(path, batch_size=128, backend=backend, shuffle=True, window_blocks=2) as ds, stream:
+    with Dataset(path, batch_size=128, backend=backend, shuffle=True, window_blocks=2) as ds, stream:
         sums = [(b["idx"], b["x"].sum(axis=(1, 2))) for b in ds]  # queued on `stream`, no sync by us
         stream.synchronize()
     idx = np.concatenate([to_host(i) for i, _ in sums])
@@ -86,7 +89,7 @@ def test_torch_output_on_a_non_default_torch_stream(small, backend):
     path, data = small
     stream = torch.cuda.Stream()
     results = []
-    with GDSDataset(path, batch_size=100, backend=backend, output="torch", shuffle=True, window_blocks=2) as ds:
+    with Dataset(path, batch_size=100, backend=backend, output="torch", shuffle=True, window_blocks=2) as ds:
         with torch.cuda.stream(stream):
             for b in ds:
                 assert isinstance(b["x"], torch.Tensor) and b["x"].is_cuda
@@ -102,7 +105,7 @@ def test_pinned_pool_is_bounded_and_freed(small):
     path, data = small
     pool_bytes = 3 * 8192
     opts = {"pool_bytes": pool_bytes, "slot_bytes": 8192, "num_threads": 8}  # blocks (8064 B) span slots
-    ds = GDSDataset(path, batch_size=64, backend="pinned", backend_options=opts, window_blocks=8)
+    ds = Dataset(path, batch_size=64, backend="pinned", backend_options=opts, window_blocks=8)
     pool = ds.backend.pool
     assert pool.total_bytes == pool_bytes
     for b in ds:
@@ -117,7 +120,7 @@ def test_pinned_pool_is_bounded_and_freed(small):
 def test_lifecycle_threads_and_errors(small, backend, tmp_path):
     path, data = small
     before = threading.active_count()
-    ds = GDSDataset(path, batch_size=16, backend=backend, window_blocks=1)
+    ds = Dataset(path, batch_size=16, backend=backend, window_blocks=1)
     for i, b in enumerate(ds):
         check(b, data)
         if i == 5:
@@ -132,7 +135,7 @@ def test_lifecycle_threads_and_errors(small, backend, tmp_path):
     broken = str(tmp_path / "broken.gds")
     write_dataset(broken, {k: ArraySource(k, v) for k, v in data.items()}, samples_per_block=16,
                   shard_bytes=16 * 252 * 4, progress=False)
-    with GDSDataset(broken, batch_size=16, backend=backend, window_blocks=2) as ds:
+    with Dataset(broken, batch_size=16, backend=backend, window_blocks=2) as ds:
         shard = os.path.join(broken, "x", "c", "2", "0", "0")
         os.truncate(shard, 1000)
         with pytest.raises(ReadError) as info:
@@ -152,7 +155,7 @@ def test_missing_chunks_read_as_fill_value(tmp_path, backend):
     want = np.arange(24, dtype=np.int16).reshape(12, 2)
     want[3:6] = -5
     a[:] = want
-    with GDSDataset(path, batch_size=5, backend=backend) as ds:
+    with Dataset(path, batch_size=5, backend=backend) as ds:
         got = np.concatenate([to_host(b["x"]) for b in ds])
     np.testing.assert_array_equal(got, want)
 
@@ -161,16 +164,16 @@ def test_io_mode_is_reported_honestly(small):
     from gdsload.backends import gds_available
 
     path, _ = small
-    with GDSDataset(path, batch_size=8, backend="kvikio") as ds:
+    with Dataset(path, batch_size=8, backend="kvikio") as ds:
         assert ds.io_mode == ("gds" if gds_available() else "kvikio-compat")
-    with GDSDataset(path, batch_size=8, backend="pinned") as ds:
+    with Dataset(path, batch_size=8, backend="pinned") as ds:
         assert ds.io_mode == "pinned"
-    with GDSDataset(path, batch_size=8) as ds:
+    with Dataset(path, batch_size=8) as ds:
         assert ds.backend_name == ("kvikio" if gds_available() else "pinned") and ds.backend_reason
 
 
 # -- a dataset of more than 4 GiB ------------------------------------------------------------------
-SAMPLE_ELEMS = 256 * 1024  # 1 MiB of uint8 per sample
+SAMPLE_ELEMS = 1 << 20  # 1 MiB of uint8 per sample
 BIG_N = 4200  # 4.1 GiB
 
 
@@ -178,7 +181,7 @@ class Pattern:
     """Sample i is (i * 7 + j) % 251 for element j: generated on the fly, checkable on the GPU."""
 
     origin = "<pattern>"
-    shape = (BIG_N, SAMPLE_ELEMS // 256, 256)
+    shape = (BIG_N, 1024, SAMPLE_ELEMS // 1024)
     dtype = np.dtype(np.uint8)
 
     def read(self, start: int, stop: int) -> np.ndarray:
@@ -206,7 +209,7 @@ def test_big_dataset_every_sample(big, backend, shuffle):
 
     j = cupy.arange(SAMPLE_ELEMS, dtype=cupy.int64)[None, :]
     seen = []
-    with GDSDataset(big, batch_size=96, backend=backend, shuffle=shuffle, seed=3) as ds:
+    with Dataset(big, batch_size=32, backend=backend, shuffle=shuffle, seed=3) as ds:
         assert ds.meta.num_samples * SAMPLE_ELEMS > 4 * 2**30
         bad = cupy.zeros((), dtype=cupy.int64)
         for b in ds:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -16,6 +17,8 @@ from conftest import labelled, reader_threads, wait_no_readers
 from gdsload import GDSDataset, GDSLoadError, ReadError
 from gdsload.plan import epoch_plan
 
+# Small enough that "idx" is resident and "x" is read window by window: every test covers both paths.
+Dataset = functools.partial(GDSDataset, resident_bytes=32 << 10)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -40,7 +43,7 @@ def data_path(make_dataset):
 def test_epoch_matches_source_and_plan(data_path, options):
     path, data = data_path
     options = {"batch_size": 32, **options}
-    with GDSDataset(path, backend="cpu", **options) as ds:
+    with Dataset(path, backend="cpu", **options) as ds:
         batches = list(ds)  # every batch kept alive to the end
         assert len(batches) == len(ds)
         for b in batches:
@@ -56,7 +59,7 @@ def test_epoch_matches_source_and_plan(data_path, options):
 
 def test_batches_are_fresh_arrays(data_path):
     path, data = data_path
-    with GDSDataset(path, batch_size=16, backend="cpu", window_blocks=2) as ds:
+    with Dataset(path, batch_size=16, backend="cpu", window_blocks=2) as ds:
         it = iter(ds)
         first = next(it)
         keep = {k: v.copy() for k, v in first.items()}
@@ -71,7 +74,7 @@ def test_batches_are_fresh_arrays(data_path):
 
 def test_subset_of_fields(data_path):
     path, data = data_path
-    with GDSDataset(path, batch_size=100, fields=["idx"], backend="cpu") as ds:
+    with Dataset(path, batch_size=100, fields=["idx"], backend="cpu") as ds:
         batches = list(ds)
     assert set(batches[0]) == {"idx"}
     np.testing.assert_array_equal(np.concatenate([b["idx"] for b in batches]), np.arange(997))
@@ -81,7 +84,7 @@ def test_epochs_shuffle_differently_and_reproducibly(data_path):
     path, _ = data_path
 
     def order(epoch: int, seed: int = 0) -> list[int]:
-        with GDSDataset(path, batch_size=64, backend="cpu", shuffle=True, seed=seed, window_blocks=4) as ds:
+        with Dataset(path, batch_size=64, backend="cpu", shuffle=True, seed=seed, window_blocks=4) as ds:
             ds.set_epoch(epoch)
             return np.concatenate([b["idx"] for b in ds]).tolist()
 
@@ -104,10 +107,10 @@ def collect(ds: GDSDataset, epochs: range) -> list[list[int]]:
 def test_resume_yields_exactly_the_rest(data_path, cut):
     path, _ = data_path
     opts = dict(batch_size=32, backend="cpu", shuffle=True, seed=9, window_blocks=3)
-    with GDSDataset(path, **opts) as ref:
+    with Dataset(path, **opts) as ref:
         full = collect(ref, range(3))
         assert len(ref) == 32
-    with GDSDataset(path, **opts) as first:
+    with Dataset(path, **opts) as first:
         first.set_epoch(1)
         seen = []
         for i, b in enumerate(first):
@@ -117,7 +120,7 @@ def test_resume_yields_exactly_the_rest(data_path, cut):
                 break
     assert state["epoch"] == 1 and state["batches_yielded"] == cut
     json.dumps(state)  # small and plain
-    with GDSDataset(path, **opts) as second:
+    with Dataset(path, **opts) as second:
         second.load_state_dict(state)
         rest = collect(second, range(1, 3))
     assert seen + rest[0] == full[1]
@@ -133,20 +136,20 @@ def test_resume_in_a_fresh_process(data_path):
         "ds.load_state_dict(json.loads(sys.argv[2]))\n"
         "print(json.dumps(np.concatenate([b['idx'] for b in ds]).tolist()))\n"
     )
-    with GDSDataset(path, batch_size=40, backend="cpu", shuffle=True, seed=2, window_blocks=2) as ds:
+    with Dataset(path, batch_size=40, backend="cpu", shuffle=True, seed=2, window_blocks=2) as ds:
         full = np.concatenate([b["idx"] for b in ds]).tolist()
         it = iter(ds)
         head = [next(it)["idx"].tolist() for _ in range(7)]
         state = ds.state_dict()
         del it
     out = subprocess.run([sys.executable, "-c", script, path, json.dumps(state)], capture_output=True, text=True,
-                         check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+                         check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))})
     assert sum(head, []) + json.loads(out.stdout) == full
 
 
 def test_state_from_another_config_is_refused(data_path):
     path, _ = data_path
-    with GDSDataset(path, batch_size=32, backend="cpu") as a, GDSDataset(path, batch_size=16, backend="cpu") as b:
+    with Dataset(path, batch_size=32, backend="cpu") as a, Dataset(path, batch_size=16, backend="cpu") as b:
         with pytest.raises(ValueError, match="batch_size: saved 32, now 16"):
             b.load_state_dict(a.state_dict())
 
@@ -155,7 +158,7 @@ def test_ranks_cover_the_epoch_once(data_path):
     path, _ = data_path
     per_rank = []
     for rank in range(3):
-        with GDSDataset(path, batch_size=10, backend="cpu", shuffle=True, rank=rank, world_size=3) as ds:
+        with Dataset(path, batch_size=10, backend="cpu", shuffle=True, rank=rank, world_size=3) as ds:
             per_rank.append([b["idx"] for b in ds])
     assert len({len(r) for r in per_rank}) == 1
     allidx = np.concatenate([np.concatenate(r) for r in per_rank])
@@ -166,7 +169,7 @@ def test_rank_from_environment(data_path, monkeypatch):
     path, _ = data_path
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with GDSDataset(path, batch_size=10, backend="cpu") as ds:
+    with Dataset(path, batch_size=10, backend="cpu") as ds:
         assert (ds.config.rank, ds.config.world_size) == (1, 2)
 
 
@@ -174,7 +177,7 @@ def test_rank_from_environment(data_path, monkeypatch):
 def test_threads_stop_on_break_close_and_gc(data_path):
     path, _ = data_path
     before = threading.active_count()
-    ds = GDSDataset(path, batch_size=8, backend="cpu", window_blocks=1)
+    ds = Dataset(path, batch_size=8, backend="cpu", window_blocks=1)
     for i, _ in enumerate(ds):
         if i == 3:
             assert reader_threads(), "a reader runs ahead while the consumer works"
@@ -188,7 +191,7 @@ def test_threads_stop_on_break_close_and_gc(data_path):
     with pytest.raises(GDSLoadError, match="iterator was closed"):
         next(it)
 
-    ds = GDSDataset(path, batch_size=8, backend="cpu", window_blocks=1)
+    ds = Dataset(path, batch_size=8, backend="cpu", window_blocks=1)
     it = iter(ds)
     next(it)
     del ds, it
@@ -199,7 +202,7 @@ def test_threads_stop_on_break_close_and_gc(data_path):
 
 def test_new_pass_closes_the_previous_one(data_path):
     path, data = data_path
-    with GDSDataset(path, batch_size=8, backend="cpu", window_blocks=1) as ds:
+    with Dataset(path, batch_size=8, backend="cpu", window_blocks=1) as ds:
         old = iter(ds)
         next(old)
         fresh = list(ds)
@@ -215,7 +218,7 @@ def test_reader_error_surfaces_with_file_and_offset(data_path):
     path, _ = data_path
     before = threading.active_count()
     shard = os.path.join(path, "x", "c", "1", "0, 0".replace(", ", os.sep))
-    with GDSDataset(path, batch_size=8, backend="cpu", window_blocks=2) as ds:
+    with Dataset(path, batch_size=8, backend="cpu", window_blocks=2) as ds:
         with open(shard, "r+b") as f:  # damage the file after the index was read
             f.truncate(100)
         got = []
@@ -231,7 +234,7 @@ def test_reader_error_surfaces_with_file_and_offset(data_path):
 
 def test_open_failure_names_file(data_path):
     path, _ = data_path
-    with GDSDataset(path, batch_size=8, backend="cpu") as ds:
+    with Dataset(path, batch_size=8, backend="cpu") as ds:
         os.rename(os.path.join(path, "x"), os.path.join(path, "moved"))
         with pytest.raises(ReadError, match=r"x/c/0/0/0: cannot open"):
             list(ds)
@@ -240,7 +243,7 @@ def test_open_failure_names_file(data_path):
 def test_torch_output_on_cpu(data_path):
     torch = pytest.importorskip("torch")
     path, data = data_path
-    with GDSDataset(path, batch_size=50, backend="cpu", output="torch") as ds:
+    with Dataset(path, batch_size=50, backend="cpu", output="torch") as ds:
         b = next(iter(ds))
     assert isinstance(b["x"], torch.Tensor)
     np.testing.assert_array_equal(b["x"].numpy(), data["x"][b["idx"].numpy()])
@@ -249,13 +252,13 @@ def test_torch_output_on_cpu(data_path):
 def test_bad_arguments(data_path):
     path, _ = data_path
     with pytest.raises(ValueError, match="output 'cupy' does not fit backend 'cpu'"):
-        GDSDataset(path, batch_size=8, backend="cpu", output="cupy")
+        Dataset(path, batch_size=8, backend="cpu", output="cupy")
     with pytest.raises(ValueError, match="unknown backend 'nvme'"):
-        GDSDataset(path, batch_size=8, backend="nvme")
+        Dataset(path, batch_size=8, backend="nvme")
     with pytest.raises(ValueError, match="batch_size must be at least 1"):
-        GDSDataset(path, batch_size=0, backend="cpu")
+        Dataset(path, batch_size=0, backend="cpu")
     with pytest.raises(ValueError, match="prefetch must be at least 1"):
-        GDSDataset(path, batch_size=8, backend="cpu", prefetch=0)
+        Dataset(path, batch_size=8, backend="cpu", prefetch=0)
 
 
 def test_gpu_backend_without_gpu_is_a_clear_error(data_path):
@@ -268,5 +271,27 @@ def test_gpu_backend_without_gpu_is_a_clear_error(data_path):
     path, _ = data_path
     for name in ("pinned", "kvikio"):
         with pytest.raises(BackendUnavailable, match=f"backend '{name}' needs a CUDA GPU"):
-            GDSDataset(path, batch_size=8, backend=name)
+            Dataset(path, batch_size=8, backend=name)
     assert reader_threads() == []
+
+
+def test_resident_fields_are_read_once(data_path):
+    path, data = data_path
+    with Dataset(path, batch_size=64, backend="cpu", shuffle=True, window_blocks=2) as ds:
+        assert ds.resident_fields == ("idx",) and ds.windowed_fields == ("x",)
+        first = list(ds)
+        first_bytes = ds.stats.bytes_read
+        ds.set_epoch(1)
+        second = list(ds)
+        assert first_bytes - ds.stats.bytes_read == ds.meta.num_blocks * 8 * 8  # idx only in the first pass
+    for b in first + second:
+        check_batch(b, data)
+
+
+def test_resident_read_error_names_field_and_file(data_path):
+    path, _ = data_path
+    shard = os.path.join(path, "idx", "c", "0")
+    with Dataset(path, batch_size=8, backend="cpu") as ds:
+        os.truncate(shard, 10)
+        with pytest.raises(ReadError, match=f"reading resident field 'idx' failed: {shard}: file ends at offset"):
+            next(iter(ds))

@@ -94,3 +94,19 @@ def test_segments_and_window_release():
     assert plan.max_windows_per_batch() == 2
     wide = epoch_plan(PlanConfig(num_samples=100, samples_per_block=2, batch_size=25, window_blocks=2), 0)
     assert wide.max_windows_per_batch() == 7  # positions 25..49 span windows 6..12
+
+
+def test_coalesce_split_and_pack():
+    from gdsload.backends.base import ReadRequest, coalesce, split
+    from gdsload.backends.pinned import pack
+
+    reads = [ReadRequest("a", 0, 100, 0), ReadRequest("a", 100, 100, 100), ReadRequest("b", 200, 100, 200),
+             ReadRequest("b", 300, 50, 300), ReadRequest("b", 350, 50, 400)]  # last: file-adjacent, not in dest
+    merged = coalesce(reads, 1 << 20)
+    assert merged == [ReadRequest("a", 0, 200, 0), ReadRequest("b", 200, 150, 200), ReadRequest("b", 350, 50, 400)]
+    assert coalesce(reads, 150)[0] == ReadRequest("a", 0, 100, 0)
+    pieces = split(ReadRequest("f", 1000, 10000, 7), 4096)
+    assert [(p.offset, p.nbytes, p.dest_offset) for p in pieces] == [(1000, 4096, 7), (5096, 4096, 4103),
+                                                                      (9192, 1808, 8199)]
+    groups = pack([ReadRequest("f", i * 3000, 3000, i * 3000) for i in range(5)], 8192)
+    assert [[at for at, _ in g] for g in groups] == [[0, 4096], [0, 4096], [0]]

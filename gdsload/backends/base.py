@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 from ..errors import ReadError
@@ -111,6 +112,47 @@ class FileHandles:
             self._fds.clear()
 
 
+class Pending(ABC):
+    """Reads submitted for one window; ``wait()`` blocks until they are done."""
+
+    @abstractmethod
+    def wait(self) -> Any:
+        """Wait for every read (raising the first error after all have stopped); return the event the
+        consumer's stream must wait on before reading the buffer, or None if the data is already there."""
+
+
+class TaskGroup(Pending):
+    """Tasks run on a shared thread pool. Queued tasks are skipped once ``stop`` is set or one of them
+    failed, so a close or an error does not wait for the whole window."""
+
+    def __init__(self, pool: ThreadPoolExecutor, tasks: Sequence[Callable[[], None]], stop: threading.Event,
+                 done: Callable[[], Any] | None = None):
+        self._failed = threading.Event()
+        self._stop = stop
+        self._done = done
+        self._futures: list[Future[None]] = [pool.submit(self._guarded, t) for t in tasks]
+
+    def _guarded(self, task: Callable[[], None]) -> None:
+        if self._stop.is_set() or self._failed.is_set():
+            return
+        try:
+            task()
+        except BaseException:
+            self._failed.set()
+            raise
+
+    def wait(self) -> Any:
+        error: BaseException | None = None
+        for f in self._futures:
+            e = f.exception()
+            if e is not None and error is None:
+                error = e
+        result = self._done() if self._done is not None else None
+        if error is not None:
+            raise error
+        return result
+
+
 class Backend(ABC):
     """Moves blocks from files into a window buffer: host memory (cpu) or device memory (GPU backends)."""
 
@@ -125,12 +167,16 @@ class Backend(ABC):
         """A uint8 window buffer of ``nbytes`` (allocated once per dataset, reused every window)."""
 
     @abstractmethod
-    def fill(self, dest: Any, requests: Sequence[Request], stop: threading.Event) -> Any:
-        """Carry out ``requests`` into ``dest``; block until the data is in ``dest`` or queued on a stream.
+    def submit(self, dest: Any, requests: Sequence[Request], stop: threading.Event) -> Pending:
+        """Start carrying out ``requests`` into ``dest`` and return at once.
 
-        Returns an event the consumer's stream must wait on before reading ``dest`` (None if the data is
-        already there). Stops early, leaving ``dest`` partly filled, once ``stop`` is set.
+        Reads of the next window can be submitted before this one's finish, so the readers never idle at a
+        window boundary. Once ``stop`` is set, reads not yet started are skipped.
         """
+
+    def fill(self, dest: Any, requests: Sequence[Request], stop: threading.Event) -> Any:
+        """Submit and wait: the data is in ``dest`` (or queued behind the returned event)."""
+        return self.submit(dest, requests, stop).wait()
 
     def close(self) -> None:
         """Stop threads and free memory the backend holds."""

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import ReadError
-from .base import Backend, FillRequest, ReadRequest, Request, coalesce, fill_pattern
+from .base import Backend, FillRequest, Pending, ReadRequest, Request, coalesce, fill_pattern
 
 DEFAULT_THREADS = 16
 DEFAULT_TASK_BYTES = 4 << 20
@@ -60,7 +60,7 @@ class KvikioBackend(Backend):
         with self.cupy.cuda.Device(self.device_id):
             return self.cupy.empty(nbytes, dtype=self.cupy.uint8)
 
-    def fill(self, dest: Any, requests: Sequence[Request], stop: threading.Event) -> Any:
+    def submit(self, dest: Any, requests: Sequence[Request], stop: threading.Event) -> Pending:
         with self.cupy.cuda.Device(self.device_id):
             fills = [r for r in requests if isinstance(r, FillRequest)]
             if fills:
@@ -68,36 +68,46 @@ class KvikioBackend(Backend):
                     for r in fills:
                         fill_pattern(dest, r)
                 self.stream.synchronize()
-            reads = coalesce([r for r in requests if isinstance(r, ReadRequest)], self.max_read_bytes)
-            pending = []
-            error: BaseException | None = None
-            for r in reads:
+            pending = _Reads()
+            for r in coalesce([r for r in requests if isinstance(r, ReadRequest)], self.max_read_bytes):
                 if stop.is_set():
                     break
                 try:
                     view = dest[r.dest_offset:r.dest_offset + r.nbytes]
-                    pending.append((r, self._handle(r.path).pread(view, r.nbytes, r.offset)))
+                    pending.futures.append((r, self._handle(r.path).pread(view, r.nbytes, r.offset)))
                 except BaseException as e:
-                    error = _wrap(r, e)
+                    pending.error = _wrap(r, e)
                     break
-            # Every submitted read writes into ``dest``: all must finish before the buffer changes hands.
-            for r, future in pending:
-                try:
-                    n = future.get()
-                except BaseException as e:
-                    error = error or _wrap(r, e)
-                    continue
-                if n != r.nbytes and error is None:
-                    error = ReadError(f"{r.path}: read {n} of {r.nbytes} bytes at offset {r.offset} (file too short)")
-            if error is not None:
-                raise error
-        return None  # KvikIO's reads are complete in device memory when their futures return
+        return pending
 
     def close(self) -> None:
         with self._lock:
             for f in self._handles.values():
                 f.close()
             self._handles.clear()
+
+
+class _Reads(Pending):
+    """KvikIO futures of one window. Every submitted read writes into the window buffer, so all of them
+    finish before ``wait`` returns or raises, and the buffer can change hands."""
+
+    def __init__(self) -> None:
+        self.futures: list[tuple[ReadRequest, Any]] = []
+        self.error: BaseException | None = None
+
+    def wait(self) -> Any:
+        error = self.error
+        for r, future in self.futures:
+            try:
+                n = future.get()
+            except BaseException as e:
+                error = error or _wrap(r, e)
+                continue
+            if n != r.nbytes and error is None:
+                error = ReadError(f"{r.path}: read {n} of {r.nbytes} bytes at offset {r.offset} (file too short)")
+        if error is not None:
+            raise error
+        return None  # KvikIO's reads are complete in device memory when their futures return
 
 
 def _wrap(r: ReadRequest, e: BaseException) -> ReadError:

@@ -14,14 +14,29 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..pool import PinnedPool
-from .base import Backend, FileHandles, FillRequest, ReadRequest, Request, coalesce, fill_pattern, pread_full, split
-from .cpu import run_tasks
+from .base import (Backend, FileHandles, FillRequest, Pending, ReadRequest, Request, TaskGroup, coalesce,
+                   fill_pattern, pread_full, split)
 
 DEFAULT_THREADS = 16
 DEFAULT_SLOT_BYTES = 8 << 20
 DEFAULT_POOL_BYTES = 256 << 20
 _ALIGN = 4096
 _H2D = 1  # cudaMemcpyHostToDevice
+
+
+def pack(pieces: Sequence[ReadRequest], slot_bytes: int) -> list[list[tuple[int, ReadRequest]]]:
+    """Group pieces (each at most ``slot_bytes``) into slot loads: (offset in slot, piece), offsets 4 KiB
+    aligned. Small blocks share a slot, so a slot, an event and a task serve many of them."""
+    groups: list[list[tuple[int, ReadRequest]]] = []
+    used = slot_bytes
+    for p in pieces:
+        start = -(-used // _ALIGN) * _ALIGN
+        if start + p.nbytes > slot_bytes:
+            groups.append([])
+            start = 0
+        groups[-1].append((start, p))
+        used = start + p.nbytes
+    return groups
 
 
 class PinnedBackend(Backend):
@@ -59,23 +74,27 @@ class PinnedBackend(Backend):
         with self.cupy.cuda.Device(self.device_id):
             return self.cupy.empty(nbytes, dtype=self.cupy.uint8)
 
-    def _copy_piece(self, dest_ptr: int, p: ReadRequest, stop: threading.Event) -> None:
+    def _load(self, dest_ptr: int, group: list[tuple[int, ReadRequest]], stop: threading.Event) -> None:
+        """Read a group of pieces into one slot, then queue their copies and record the slot's event."""
         slot = self.pool.acquire(stop)
         if slot is None:
             return
-        event = None
+        recorded = False
         try:
-            aligned = p.offset % _ALIGN == 0 and p.nbytes % _ALIGN == 0
-            files = self._direct_files if (self._direct_files is not None and aligned) else self._files
-            pread_full(files.get(p.path), self.pool.view(slot, p.nbytes), p.offset, p.path)
-            self.cupy.cuda.runtime.memcpyAsync(dest_ptr + p.dest_offset, self.pool.ptr(slot), p.nbytes, _H2D,
-                                               self.stream.ptr)
-            event = self.cupy.cuda.Event(disable_timing=True)
-            event.record(self.stream)
+            for at, p in group:
+                aligned = p.offset % _ALIGN == 0 and p.nbytes % _ALIGN == 0
+                files = self._direct_files if (self._direct_files is not None and aligned) else self._files
+                pread_full(files.get(p.path), self.pool.view(slot, at + p.nbytes)[at:], p.offset, p.path)
+            base = self.pool.ptr(slot)
+            for at, p in group:
+                self.cupy.cuda.runtime.memcpyAsync(dest_ptr + p.dest_offset, base + at, p.nbytes, _H2D,
+                                                   self.stream.ptr)
+            self.pool.events[slot].record(self.stream)
+            recorded = True
         finally:
-            self.pool.release(slot, event)
+            self.pool.release(slot, recorded)
 
-    def fill(self, dest: Any, requests: Sequence[Request], stop: threading.Event) -> Any:
+    def submit(self, dest: Any, requests: Sequence[Request], stop: threading.Event) -> Pending:
         with self.cupy.cuda.Device(self.device_id), self.stream:
             for r in requests:
                 if isinstance(r, FillRequest):
@@ -84,15 +103,15 @@ class PinnedBackend(Backend):
         pieces = [p for r in coalesce(reads, 1 << 62) for p in split(r, self.pool.slot_bytes)]
         dest_ptr = int(dest.data.ptr)
 
-        def task(p: ReadRequest) -> Callable[[], None]:
-            return lambda: self._copy_piece(dest_ptr, p, stop)
+        def task(group: list[tuple[int, ReadRequest]]) -> Callable[[], None]:
+            return lambda: self._load(dest_ptr, group, stop)
 
-        try:
-            run_tasks(self._executor, [task(p) for p in pieces], stop)
-        finally:
-            done = self.cupy.cuda.Event(disable_timing=True)
-            done.record(self.stream)
-        return done
+        def done() -> Any:
+            event = self.cupy.cuda.Event(disable_timing=True)
+            event.record(self.stream)  # after every copy of this window: the stream runs them in order
+            return event
+
+        return TaskGroup(self._executor, [task(g) for g in pack(pieces, self.pool.slot_bytes)], stop, done)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
