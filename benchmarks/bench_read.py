@@ -73,6 +73,7 @@ def make_dataset(path: str, size_gib: float) -> None:
     n = int(size_gib * 2**30 // (224 * 224 * 3))
     t0 = time.perf_counter()
     write_dataset(path, {"image": RandomImages(n), "label": Labels(n)}, progress=False)
+    os.sync()  # no writeback may run under the measurements
     print(f"wrote {path}: {n} samples in {time.perf_counter() - t0:.1f} s", flush=True)
 
 

@@ -11,6 +11,23 @@ from typing import Any
 import numpy as np
 
 
+_D2D = 3  # cudaMemcpyDeviceToDevice
+_WORDS = ((16, np.complex128), (8, np.uint64), (4, np.uint32), (2, np.uint16), (1, np.uint8))
+
+
+def _as_words(a: Any) -> Any:
+    """A C-contiguous (rows, ...) array viewed as (rows, words) of the widest word dividing a row."""
+    rows = a.shape[0]
+    if rows == 0:
+        return a
+    row_bytes = a.nbytes // rows
+    flat = a.reshape(rows, -1).view(np.uint8)
+    for size, dtype in _WORDS:
+        if row_bytes % size == 0 and a.data.ptr % size == 0:
+            return flat.view(dtype)
+    return flat
+
+
 class HostOps:
     """numpy outputs: work is done when the call returns."""
 
@@ -113,11 +130,18 @@ class CudaOps:
             return self.cupy.asarray(a)
 
     def take(self, src: Any, idx: Any, out: Any) -> None:
+        """Rows are moved as whole words (up to 16 bytes), not elements: a uint8 image row gathered as
+        bytes runs an order of magnitude slower than the same row as 8- or 16-byte words; a run of
+        consecutive rows is one device-to-device memcpy."""
         with self.device, self.stream:
             if isinstance(idx, slice):
-                out[...] = src[idx]
-            else:
-                self.cupy.take(src, idx, axis=0, out=out)
+                n = out.nbytes
+                if n:
+                    start = src.data.ptr + idx.start * (src.nbytes // max(1, src.shape[0]))
+                    self.cupy.cuda.runtime.memcpyAsync(out.data.ptr, start, n, _D2D, self.stream.ptr)
+                return
+            words_src, words_out = _as_words(src), _as_words(out)
+            self.cupy.take(words_src, idx, axis=0, out=words_out)
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
         with self.device, self.stream:

@@ -119,6 +119,9 @@ def test_pinned_pool_is_bounded_and_freed(small):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_lifecycle_threads_and_errors(small, backend, tmp_path):
     path, data = small
+    broken = str(tmp_path / "broken.gds")
+    write_dataset(broken, {k: ArraySource(k, v) for k, v in data.items()}, samples_per_block=16,
+                  shard_bytes=16 * 252 * 4, progress=False)  # first: zarr starts its own I/O threads
     before = set(threading.enumerate())
     ds = Dataset(path, batch_size=16, backend=backend, window_blocks=1)
     for i, b in enumerate(ds):
@@ -130,12 +133,11 @@ def test_lifecycle_threads_and_errors(small, backend, tmp_path):
     next(it)
     ds.close()
     assert wait_no_readers() == []
-    leftover = [t.name for t in threading.enumerate() if t not in before]
+    # zarr's event loop keeps a pool of "asyncio_N" file threads that grows on demand (opening metadata);
+    # they are zarr's, idle and persistent. Every other new thread is a leak.
+    leftover = [t.name for t in threading.enumerate() if t not in before and not t.name.startswith("asyncio_")]
     assert not leftover, leftover
 
-    broken = str(tmp_path / "broken.gds")
-    write_dataset(broken, {k: ArraySource(k, v) for k, v in data.items()}, samples_per_block=16,
-                  shard_bytes=16 * 252 * 4, progress=False)
     with Dataset(broken, batch_size=16, backend=backend, window_blocks=2) as ds:
         shard = os.path.join(broken, "x", "c", "2", "0", "0")
         os.truncate(shard, 1000)
