@@ -60,7 +60,7 @@ def main() -> int:
     print(json.dumps(rows), flush=True)
 
     for backend, window_mib, prefetch, threads in itertools.product(
-            ("kvikio", "pinned"), (64, 256), (2, 4), (16, 32)):
+            ("kvikio", "pinned"), (128, 256), (2, 4, 6), (16,)):
         ds = GDSDataset(path, batch_size=256, backend=backend, prefetch=prefetch,
                         window_blocks=max(1, (window_mib << 20) // read_metadata(path).fields["image"].block_bytes),
                         backend_options={"num_threads": threads})
