@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import contextlib
+
 import numpy as np
 
 
@@ -36,6 +38,10 @@ class HostOps:
     def begin(self) -> None:
         """Called before each batch: pick up the consumer's current stream."""
 
+    def scope(self) -> Any:
+        """Context for one batch's work (device and stream made current once, not per call)."""
+        return contextlib.nullcontext()
+
     def record(self) -> Any:
         return None
 
@@ -48,12 +54,13 @@ class HostOps:
     def index_array(self, a: np.ndarray) -> Any:
         return a
 
+    def copy_rows(self, src: Any, first: int, out: Any) -> None:
+        """``out[:] = src[first:first + len(out)]``."""
+        np.copyto(out, src[first:first + len(out)])
+
     def take(self, src: Any, idx: Any, out: Any) -> None:
-        """``out[:] = src[idx]`` along axis 0; ``idx`` is an index array or a slice."""
-        if isinstance(idx, slice):
-            np.copyto(out, src[idx])
-        else:
-            np.take(src, idx, axis=0, out=out)
+        """``out[:] = src[idx]`` along axis 0."""
+        np.take(src, idx, axis=0, out=out)
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
         return np.empty(shape, dtype=dtype)
@@ -113,6 +120,12 @@ class CudaOps:
             stream.wait_event(self.stream.record())
         self.stream = stream
 
+    def scope(self) -> Any:
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.device)
+        stack.enter_context(self.stream)
+        return stack
+
     def record(self) -> Any:
         with self.device:
             return (self.stream or self._current_stream()).record()
@@ -129,27 +142,24 @@ class CudaOps:
         with self.device, self.stream:
             return self.cupy.asarray(a)
 
+    # Called inside scope(): the device and the consumer's stream are current.
+    def copy_rows(self, src: Any, first: int, out: Any) -> None:
+        """Consecutive rows: one device-to-device memcpy."""
+        if out.nbytes:
+            row = src.nbytes // src.shape[0]
+            self.cupy.cuda.runtime.memcpyAsync(out.data.ptr, src.data.ptr + first * row, out.nbytes, _D2D,
+                                               self.stream.ptr)
+
     def take(self, src: Any, idx: Any, out: Any) -> None:
-        """Rows are moved as whole words (up to 16 bytes), not elements: a uint8 image row gathered as
-        bytes runs an order of magnitude slower than the same row as 8- or 16-byte words; a run of
-        consecutive rows is one device-to-device memcpy."""
-        with self.device, self.stream:
-            if isinstance(idx, slice):
-                n = out.nbytes
-                if n:
-                    start = src.data.ptr + idx.start * (src.nbytes // max(1, src.shape[0]))
-                    self.cupy.cuda.runtime.memcpyAsync(out.data.ptr, start, n, _D2D, self.stream.ptr)
-                return
-            words_src, words_out = _as_words(src), _as_words(out)
-            self.cupy.take(words_src, idx, axis=0, out=words_out)
+        """Rows moved as whole words (up to 16 bytes), not elements: a uint8 image row gathered byte by
+        byte runs an order of magnitude slower than the same row as 8- or 16-byte words."""
+        self.cupy.take(_as_words(src), idx, axis=0, out=_as_words(out))
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
-        with self.device, self.stream:
-            return self.cupy.empty(shape, dtype=dtype)
+        return self.cupy.empty(shape, dtype=dtype)
 
     def export(self, a: Any) -> Any:
         if self.torch is None:
             return a
-        # CuPy's current stream equals torch's here, so DLPack adds no cross-stream synchronization.
-        with self.device, self.stream:
-            return self.torch.from_dlpack(a)
+        # Called inside scope(): CuPy's current stream is torch's, so DLPack adds no synchronization.
+        return self.torch.from_dlpack(a)

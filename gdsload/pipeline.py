@@ -34,6 +34,13 @@ class WindowSlot:
 
     buffer: Any
     released: Any = None
+    _views: dict[str, Any] | None = None
+
+    def views(self, layout: WindowLayout) -> dict[str, Any]:
+        """Each field's (rows, *sample_shape) view of the buffer, made once."""
+        if self._views is None:
+            self._views = {name: layout.view(self.buffer, name) for name in layout.fields}
+        return self._views
 
 
 class WindowLayout:
@@ -211,53 +218,53 @@ class Pipeline:
     def batches(self) -> Iterator[dict[str, Any]]:
         """Yield each batch as a dict of fresh arrays; always stops the readers on the way out."""
         plan, ops, wl = self.plan, self.ops, self.wl
+        table = plan.segment_table()
         held: dict[int, WindowSlot] = {}
         slots_dev = None  # the epoch's slot array on the consumer's device, uploaded once
         ids_dev = None  # the epoch's global sample ids, for resident fields
         windowed = [n for n in self.output_fields if n not in self.resident]
+        shapes = {n: (self.resident[n].meta if n in self.resident else wl.fields[n]) for n in self.output_fields}
         try:
             for i in range(self.start_batch, plan.num_batches):
                 if self._closed:
                     raise GDSLoadError(_CLOSED)
                 ops.begin()
-                segments = plan.batch(i)
-                for seg in segments:
-                    while seg.window not in held:
-                        w, slot, filled = self._take_ready()
+                rows = table[i]
+                for w, _, _, _ in rows:
+                    while w not in held:
+                        got, slot, filled = self._take_ready()
                         ops.wait(filled)
-                        held[w] = slot
-                lo, hi = plan.batch_bounds(i)
-                out = {}
-                for name in self.output_fields:
-                    f = self.resident[name].meta if name in self.resident else wl.fields[name]
-                    out[name] = ops.empty((hi - lo, *f.sample_shape), f.dtype)
-                if self.resident:
-                    if ids_dev is None:
-                        ids_dev = ops.index_array(_compact(plan.sample_ids()))
-                    for name, r in self.resident.items():
-                        if name in out:
-                            ops.take(r.array, ids_dev[lo:hi], out[name])
-                pos = 0
-                for seg in segments:
-                    if _consecutive(seg.slots):
-                        idx: Any = slice(int(seg.slots[0]), int(seg.slots[-1]) + 1)
-                    else:
-                        if slots_dev is None:
-                            slots_dev = ops.index_array(_compact(plan.slots))
-                        idx = slots_dev[seg.start:seg.stop]
-                    for name in windowed:
-                        ops.take(wl.view(held[seg.window].buffer, name), idx,
-                                 out[name][pos:pos + len(seg.slots)])
-                    pos += len(seg.slots)
-                for seg in segments:
-                    if self._last_batch[seg.window] == i and seg.window in held:
-                        slot = held.pop(seg.window)
-                        slot.released = ops.record()
-                        self._free.put(slot)
+                        held[got] = slot
+                lo, hi = rows[0][1], rows[-1][2]
+                with ops.scope():
+                    out = {n: ops.empty((hi - lo, *f.sample_shape), f.dtype) for n, f in shapes.items()}
+                    if self.resident:
+                        if ids_dev is None:
+                            ids_dev = ops.index_array(_compact(plan.sample_ids()))
+                        for name, r in self.resident.items():
+                            if name in out:
+                                ops.take(r.array, ids_dev[lo:hi], out[name])
+                    for w, start, stop, first in rows:
+                        views = held[w].views(wl)
+                        part = slice(start - lo, stop - lo)
+                        if first >= 0:
+                            for name in windowed:
+                                ops.copy_rows(views[name], first, out[name][part])
+                        else:
+                            if slots_dev is None:
+                                slots_dev = ops.index_array(_compact(plan.slots))
+                            for name in windowed:
+                                ops.take(views[name], slots_dev[start:stop], out[name][part])
+                    for w, _, _, _ in rows:
+                        if self._last_batch[w] == i and w in held:
+                            slot = held.pop(w)
+                            slot.released = ops.record()
+                            self._free.put(slot)
+                    batch = {name: ops.export(a) for name, a in out.items()}
                 self.stats.batches += 1
                 self.stats.samples += hi - lo
                 self.stats.wall_s = time.perf_counter() - self._started
-                yield {name: ops.export(a) for name, a in out.items()}
+                yield batch
         finally:
             self.close()
 
@@ -284,8 +291,3 @@ class Pipeline:
 def _compact(a: np.ndarray) -> np.ndarray:
     """int32 when it fits: half the bytes to upload and to read in each gather."""
     return a.astype(np.int32) if a.max(initial=0) < 2**31 else a
-
-
-def _consecutive(slots: np.ndarray) -> bool:
-    """Whether slots are a run n, n+1, ...: then the gather is a plain copy of a slice."""
-    return bool(len(slots)) and int(slots[-1] - slots[0]) == len(slots) - 1 and bool((np.diff(slots) == 1).all())

@@ -44,16 +44,6 @@ class PlanConfig:
 
 
 @dataclass(frozen=True)
-class Segment:
-    """Part of a batch that comes from one window: stream positions [start, stop) of the epoch plan."""
-
-    window: int
-    start: int
-    stop: int
-    slots: np.ndarray  # sample slots in the window buffer (block position in window * K + sample in block)
-
-
-@dataclass(frozen=True)
 class EpochPlan:
     """Windows to read, in order, and the stream of (window, slot) pairs that batches are cut from."""
 
@@ -70,15 +60,27 @@ class EpochPlan:
         b = self.config.batch_size
         return i * b, min((i + 1) * b, len(self.slots))
 
-    def batch(self, i: int) -> list[Segment]:
-        """Segments of batch ``i``, in output order."""
-        lo, hi = self.batch_bounds(i)
-        win = self.window_of[lo:hi]
-        cuts = np.flatnonzero(np.diff(win)) + 1
-        starts = np.concatenate(([0], cuts))
-        stops = np.concatenate((cuts, [hi - lo]))
-        return [Segment(int(win[a]), lo + int(a), lo + int(b), self.slots[lo + a:lo + b])
-                for a, b in zip(starts, stops)]
+    def segment_table(self) -> list[list[tuple[int, int, int, int]]]:
+        """Every batch's segments as ``(window, start, stop, first_slot)``, ``first_slot`` being -1 unless
+        the slots are consecutive (then the gather is one copy). Computed for the whole epoch at once so
+        the consumer's per-batch work is a list lookup."""
+        n, b = len(self.slots), self.config.batch_size
+        if n == 0:
+            return []
+        cut = np.zeros(n, dtype=bool)
+        cut[1:] = np.diff(self.window_of) != 0
+        cut[::b] = True
+        starts = np.flatnonzero(cut)
+        stops = np.append(starts[1:], n)
+        breaks = np.ones(n, dtype=bool)
+        breaks[1:] = np.diff(self.slots) != 1
+        count = np.cumsum(breaks)
+        first = np.where(count[stops - 1] == count[starts], self.slots[starts], -1)
+        table: list[list[tuple[int, int, int, int]]] = [[] for _ in range(self.num_batches)]
+        for row in zip((starts // b).tolist(), self.window_of[starts].tolist(), starts.tolist(), stops.tolist(),
+                       first.tolist()):
+            table[row[0]].append(row[1:])
+        return table
 
     def last_batch_of_window(self) -> np.ndarray:
         """For each window, the index of the last batch that draws from it (when it can be released)."""

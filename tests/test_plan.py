@@ -87,8 +87,7 @@ def test_padding_repeats_samples_of_the_last_window_only():
 def test_segments_and_window_release():
     cfg = PlanConfig(num_samples=100, samples_per_block=10, batch_size=15, window_blocks=1)
     plan = epoch_plan(cfg, 0)
-    segs = plan.batch(0)
-    assert [(s.window, s.start, s.stop) for s in segs] == [(0, 0, 10), (1, 10, 15)]
+    assert plan.segment_table()[0] == [(0, 0, 10, 0), (1, 10, 15, 0)]
     last = plan.last_batch_of_window()
     assert last[0] == 0 and last[1] == 1 and last[-1] == plan.num_batches - 1
     assert plan.max_windows_per_batch() == 2
@@ -110,3 +109,20 @@ def test_coalesce_split_and_pack():
                                                                       (9192, 1808, 8199)]
     groups = pack([ReadRequest("f", i * 3000, 3000, i * 3000) for i in range(5)], 8192)
     assert [[at for at, _ in g] for g in groups] == [[0, 4096], [0, 4096], [0]]
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_segment_table_matches_batches(shuffle):
+    for n, k, w, b in [(1000, 8, 3, 32), (97, 5, 1, 50), (10, 10, 1, 3), (1001, 7, 4, 1)]:
+        plan = epoch_plan(PlanConfig(num_samples=n, samples_per_block=k, batch_size=b, window_blocks=w,
+                                     shuffle=shuffle, seed=1), 0)
+        table = plan.segment_table()
+        assert len(table) == plan.num_batches
+        for i, rows in enumerate(table):
+            lo, hi = plan.batch_bounds(i)
+            assert [r[1] for r in rows] == [lo] + [r[2] for r in rows[:-1]] and rows[-1][2] == hi
+            for w, start, stop, first in rows:
+                assert (plan.window_of[start:stop] == w).all()
+                assert start == lo or plan.window_of[start - 1] != w, "segments are maximal"
+                slots = plan.slots[start:stop]
+                assert first == (int(slots[0]) if (np.diff(slots) == 1).all() else -1)

@@ -125,29 +125,33 @@ class TaskGroup(Pending):
     """Tasks run on a shared thread pool. Queued tasks are skipped once ``stop`` is set or one of them
     failed, so a close or an error does not wait for the whole window."""
 
-    def __init__(self, pool: ThreadPoolExecutor, tasks: Sequence[Callable[[], None]], stop: threading.Event,
-                 done: Callable[[], Any] | None = None):
+    def __init__(self, pool: ThreadPoolExecutor, tasks: Sequence[Callable[[], Any]], stop: threading.Event,
+                 done: Callable[[list[Any]], Any] | None = None):
         self._failed = threading.Event()
         self._stop = stop
         self._done = done
-        self._futures: list[Future[None]] = [pool.submit(self._guarded, t) for t in tasks]
+        self._futures: list[Future[Any]] = [pool.submit(self._guarded, t) for t in tasks]
 
-    def _guarded(self, task: Callable[[], None]) -> None:
+    def _guarded(self, task: Callable[[], Any]) -> Any:
         if self._stop.is_set() or self._failed.is_set():
-            return
+            return None
         try:
-            task()
+            return task()
         except BaseException:
             self._failed.set()
             raise
 
     def wait(self) -> Any:
+        """Wait for every task; ``done`` gets the results of those that succeeded (its value is returned)."""
         error: BaseException | None = None
+        results = []
         for f in self._futures:
             e = f.exception()
-            if e is not None and error is None:
+            if e is None:
+                results.append(f.result())
+            elif error is None:
                 error = e
-        result = self._done() if self._done is not None else None
+        result = self._done(results) if self._done is not None else None
         if error is not None:
             raise error
         return result

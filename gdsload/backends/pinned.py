@@ -95,26 +95,29 @@ class PinnedBackend(Backend):
             files = self._direct_files if (self._direct_files is not None and aligned) else self._files
             pread_full(files.get(p.path), self.pool.view(slot, at + p.nbytes)[at:], p.offset, p.path)
 
-    def _copy_group(self, dest_ptr: int, slot: int, group: list[tuple[int, ReadRequest]]) -> bool:
-        """Queue the slot's host-to-device copies; True once the slot's event guards them."""
+    def _copy_group(self, dest_ptr: int, slot: int, group: list[tuple[int, ReadRequest]]) -> Any:
+        """Queue the slot's host-to-device copies and record the slot's event after them; returns an
+        event of this load's own (the slot's is re-recorded by its next owner), or None if nothing was
+        queued."""
         stream = self._thread_stream()
         base = self.pool.ptr(slot)
         for at, p in group:
             self.cupy.cuda.runtime.memcpyAsync(dest_ptr + p.dest_offset, base + at, p.nbytes, _H2D, stream.ptr)
         self.pool.events[slot].record(stream)
-        return True
+        return stream.record()
 
-    def _load(self, dest_ptr: int, group: list[tuple[int, ReadRequest]], stop: threading.Event) -> None:
-        """Read a group of pieces into one slot, then queue their copies and record the slot's event."""
+    def _load(self, dest_ptr: int, group: list[tuple[int, ReadRequest]], stop: threading.Event) -> Any:
+        """Read a group of pieces into one slot, then queue their copies; returns the copies' event."""
         slot = self.pool.acquire(stop)
         if slot is None:
-            return
-        recorded = False
+            return None
+        copied = None
         try:
             self._read_group(slot, group)
-            recorded = self._copy_group(dest_ptr, slot, group)
+            copied = self._copy_group(dest_ptr, slot, group)
         finally:
-            self.pool.release(slot, recorded)
+            self.pool.release(slot, copied is not None)
+        return copied
 
     def submit(self, dest: Any, requests: Sequence[Request], stop: threading.Event) -> Pending:
         with self.cupy.cuda.Device(self.device_id), self.stream:
@@ -125,17 +128,16 @@ class PinnedBackend(Backend):
         pieces = [p for r in coalesce(reads, 1 << 62) for p in split(r, self.pool.slot_bytes)]
         dest_ptr = int(dest.data.ptr)
 
-        def task(group: list[tuple[int, ReadRequest]]) -> Callable[[], None]:
+        def task(group: list[tuple[int, ReadRequest]]) -> Callable[[], Any]:
             return lambda: self._load(dest_ptr, group, stop)
 
-        def done() -> Any:
-            # Every copy of this window was queued before its task ended: join all copy streams into one
-            # event (copies of the next window already queued make it later, never wrong).
+        def done(copied: list[Any]) -> Any:
+            # Exactly this window's copies: waiting on whole streams would also wait for the next
+            # windows' copies queued behind them, and hold the consumer back.
             with self.cupy.cuda.Device(self.device_id):
-                with self._streams_lock:
-                    streams = list(self._streams)
-                for s in streams:
-                    self.stream.wait_event(s.record())
+                for event in copied:
+                    if event is not None:
+                        self.stream.wait_event(event)
                 return self.stream.record()
 
         return TaskGroup(self._executor, [task(g) for g in pack(pieces, self.pool.slot_bytes)], stop, done)
