@@ -59,8 +59,12 @@ def main() -> int:
     cupy.get_default_memory_pool().free_all_blocks()
     print(json.dumps(rows), flush=True)
 
-    for backend, window_mib, prefetch, threads in itertools.product(
-            ("kvikio", "pinned"), (128, 256), (2, 4, 6), (16,)):
+    import gdsload.pipeline
+
+    for backend, window_mib, prefetch, threads, gil in itertools.product(
+            ("kvikio", "pinned"), (128, 256), (4, 6), (16,), ("yield", "no-yield", "switch-0.5ms")):
+        gdsload.pipeline.YIELD_GIL_PER_BATCH = gil == "yield"
+        sys.setswitchinterval(0.0005 if gil == "switch-0.5ms" else 0.005)
         ds = GDSDataset(path, batch_size=256, backend=backend, prefetch=prefetch,
                         window_blocks=max(1, (window_mib << 20) // read_metadata(path).fields["image"].block_bytes),
                         backend_options={"num_threads": threads})
@@ -73,8 +77,8 @@ def main() -> int:
             return r
 
         gbps, secs = best_of(run)
-        row = {"config": f"{backend} window={window_mib}MiB prefetch={prefetch} threads={threads}",
-               "backend": backend, "window_mib": window_mib, "prefetch": prefetch, "threads": threads,
+        row = {"config": f"{backend} window={window_mib}MiB prefetch={prefetch} threads={threads} gil={gil}",
+               "backend": backend, "window_mib": window_mib, "prefetch": prefetch, "threads": threads, "gil": gil,
                "gb_per_s": gbps, "stall_fraction": round(min(stall), 3)}
         rows.append(row)
         print(json.dumps(row), flush=True)
