@@ -26,9 +26,6 @@ from .plan import EpochPlan
 
 ALIGN = 4096
 _POLL_S = 0.05
-#: Release the GIL once per batch. A consumer busy in Python otherwise holds it for up to the interpreter's
-#: switch interval (5 ms), and every reader thread returning from a read waits that long to go on.
-YIELD_GIL_PER_BATCH = True
 
 
 @dataclass
@@ -231,8 +228,6 @@ class Pipeline:
             for i in range(self.start_batch, plan.num_batches):
                 if self._closed:
                     raise GDSLoadError(_CLOSED)
-                if YIELD_GIL_PER_BATCH:
-                    time.sleep(0)
                 ops.begin()
                 rows = table[i]
                 for w, _, _, _ in rows:
