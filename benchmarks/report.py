@@ -80,7 +80,7 @@ def plot(doc: dict[str, Any], png: str) -> None:
     for i, v in enumerate(values):
         ax.text(v, i, f" {v:.1f}", va="center", fontsize=8)
     m = doc["machine"]
-    ax.set_xlabel("GB/s into device memory (grey: ceilings, blue: gdsload, orange: others)")
+    ax.set_xlabel("GB/s: contenders into device memory; ceilings (grey) for their stage alone. Blue: gdsload")
     ax.set_title(f"{m.get('gpu')}, KvikIO io mode {m.get('io_mode')}, {doc['dataset']['bytes'] / 1e9:.1f} GB, "
                  f"{doc['date']}", fontsize=10)
     fig.tight_layout()
