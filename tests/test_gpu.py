@@ -69,6 +69,34 @@ def test_every_sample_matches_and_all_batches_stay_valid(small, backend, options
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cut", [1, 9, 31])
+def test_shuffled_resume(small, backend, cut):
+    path, data = small
+    opts = dict(batch_size=64, backend=backend, shuffle=True, seed=4, window_blocks=3)
+    with Dataset(path, **opts) as ref:
+        ref.set_epoch(2)
+        full = np.concatenate([to_host(b["idx"]) for b in ref])
+        ref.set_epoch(3)
+        nxt = np.concatenate([to_host(b["idx"]) for b in ref])
+    assert not np.array_equal(full, nxt)
+    with Dataset(path, **opts) as a:
+        a.set_epoch(2)
+        head = []
+        for i, b in enumerate(a):
+            head.append(check(b, data))
+            if i + 1 == cut:
+                state = a.state_dict()
+                break
+    with Dataset(path, **opts) as b:
+        b.load_state_dict(state)
+        tail = [check(x, data) for x in b]
+        b.set_epoch(3)
+        after = np.concatenate([check(x, data) for x in b])
+    np.testing.assert_array_equal(np.concatenate(head + tail), full)
+    np.testing.assert_array_equal(after, nxt)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_consumer_on_a_non_default_cupy_stream(small, backend):
     import cupy
 
