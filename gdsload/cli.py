@@ -52,7 +52,16 @@ def describe_dataset(path: str) -> str:
         lines.append(f"  {name}: dtype {f.dtype.str} ({f.dtype.name}), sample shape {f.sample_shape}, "
                      f"block {_human(f.block_bytes)}, {shards} shard(s) of {f.blocks_per_shard} blocks, "
                      f"{_human(nbytes)}" + (f", {missing} block(s) never written (fill value)" if missing else ""))
-    lines.append(f"fields: {len(meta.fields)}   shards: {len(layout.shard_paths())}   bytes: {_human(total)}")
+    for name, r in meta.ragged.items():
+        v = r.values
+        lengths = np.diff(layout.offsets[name])
+        nbytes = v.sample_bytes * v.num_rows
+        total += nbytes
+        lines.append(f"  {name}: variable length, dtype {v.dtype.str} ({v.dtype.name}), element shape "
+                     f"{v.sample_shape}, {v.num_rows} elements (per sample {int(lengths.min())}..{int(lengths.max())}, "
+                     f"mean {lengths.mean():.1f}), chunk {_human(v.block_bytes)}, {v.num_shards} shard(s), "
+                     f"{_human(nbytes)}")
+    lines.append(f"fields: {len(meta.names)}   shards: {len(layout.shard_paths())}   bytes: {_human(total)}")
     return "\n".join(lines)
 
 
@@ -139,6 +148,9 @@ def shard_parser(prog: str = "shard.py") -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, help="dataset directory to write (e.g. mydata.gds)")
     p.add_argument("--field", action="append", default=[], metavar="NAME=PATH",
                    help="add a field with an explicit name (PATH may be FILE.npz:KEY)")
+    p.add_argument("--ragged", action="append", default=[], metavar="NAME=PATH",
+                   help="add a variable-length field: a directory of per-sample .npy files (sorted by name), "
+                        "or a .npz holding 'values' and 'offsets'")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--block-bytes", type=parse_bytes, default=None,
                       help="target block size (default 4MiB); whole samples, 4 KiB aligned where possible")
@@ -154,18 +166,19 @@ def shard_main(argv: Sequence[str] | None = None, prog: str = "shard.py") -> int
     from .writer import convert
 
     args = shard_parser(prog).parse_args(argv)
-    named = {}
-    for spec in args.field:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            print(f"{prog}: error: --field expects NAME=PATH (found {spec!r})", file=sys.stderr)
-            return 2
-        named[name] = path
+    named: dict[str, dict[str, str]] = {"--field": {}, "--ragged": {}}
+    for flag, specs in (("--field", args.field), ("--ragged", args.ragged)):
+        for spec in specs:
+            name, sep, path = spec.partition("=")
+            if not sep or not name or not path:
+                print(f"{prog}: error: {flag} expects NAME=PATH (found {spec!r})", file=sys.stderr)
+                return 2
+            named[flag][name] = path
     options = {k: v for k, v in {"block_bytes": args.block_bytes, "samples_per_block": args.samples_per_block,
                                  "shard_bytes": args.shard_bytes, "slice_bytes": args.slice_bytes}.items()
                if v is not None}
     try:
-        meta = convert(args.inputs, args.output, named, overwrite=args.overwrite,
+        meta = convert(args.inputs, args.output, named["--field"], named["--ragged"], overwrite=args.overwrite,
                        progress=False if args.quiet else None, **options)
     except GDSLoadError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)

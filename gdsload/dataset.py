@@ -11,6 +11,7 @@ from typing import Any
 from .backends import make_backend, resolve
 from .errors import ReadError
 from .format import DatasetLayout, read_metadata
+from .ragged import capacity_rows
 from .pipeline import EpochStats, Pipeline, ResidentField, WindowLayout, WindowSlot
 from .plan import EpochPlan, PlanConfig, epoch_plan
 
@@ -52,6 +53,11 @@ class GDSDataset:
         WORLD_SIZE). With ``drop_last=False`` shorter ranks repeat a few samples so all ranks yield the
         same batches; with ``drop_last=True`` the remainder is dropped instead.
     device : CUDA device id (default: LOCAL_RANK, else 0).
+    pad_to, pad_value : how variable-length fields come out. None (default): ``batch[NAME]`` holds the
+        batch's values back to back and ``batch[NAME + "/offsets"]`` (B + 1, int64) where each sample
+        starts. An int: ``batch[NAME]`` is (B, pad_to, ...) filled with ``pad_value`` (longer samples cut),
+        plus ``batch[NAME + "/lengths"]``; ``"max"``: padded to the batch's longest sample. A dict sets
+        this per field.
     resident_bytes : fields whose whole array is at most this size (labels, ids) are read once and kept in
         device memory instead of being read block by block (tiny reads cost as much as large ones).
     backend_options : passed to the backend (e.g. ``num_threads``, ``task_bytes``, ``pool_bytes``).
@@ -67,6 +73,7 @@ class GDSDataset:
                  backend: str = "auto", shuffle: bool = False, seed: int = 0, window_blocks: int | None = None,
                  prefetch: int = 2, drop_last: bool = False, output: str | None = None, rank: int | None = None,
                  world_size: int | None = None, device: int | None = None, resident_bytes: int = 64 << 20,
+                 pad_to: int | str | dict[str, int | str] | None = None, pad_value: Any = 0,
                  backend_options: dict[str, Any] | None = None):
         if prefetch < 1:
             raise ValueError(f"prefetch must be at least 1 (found {prefetch})")
@@ -87,11 +94,16 @@ class GDSDataset:
             world_size = env_world if world_size is None else world_size
         self.backend = make_backend(self.backend_name, self.device, **(backend_options or {}))
         spb = self.meta.samples_per_block
-        field_bytes = {f: self.meta.fields[f].block_bytes * self.meta.num_blocks for f in self.fields}
-        self.resident_fields = tuple(f for f in self.fields if field_bytes[f] <= resident_bytes)
-        self.windowed_fields = tuple(f for f in self.fields if f not in self.resident_fields)
+        fixed = [f for f in self.fields if f in self.meta.fields]
+        self.ragged_fields = tuple(f for f in self.fields if f in self.meta.ragged)
+        field_bytes = {f: self.meta.fields[f].block_bytes * self.meta.num_blocks for f in fixed}
+        self.resident_fields = tuple(f for f in fixed if field_bytes[f] <= resident_bytes)
+        self.windowed_fields = tuple(f for f in fixed if f not in self.resident_fields)
+        ragged_block_bytes = {f: self.meta.ragged[f].values.sample_bytes * int(self.layout.offsets[f][-1])
+                              // self.meta.num_blocks for f in self.ragged_fields}  # mean bytes per block
         if window_blocks is None:
-            block_bytes = max(1, sum(self.meta.fields[f].block_bytes for f in self.windowed_fields))
+            block_bytes = max(1, sum(self.meta.fields[f].block_bytes for f in self.windowed_fields)
+                              + sum(ragged_block_bytes.values()))
             by_size = max(1, self.backend.window_bytes_hint // block_bytes)
             per_rank = -(-self.meta.num_blocks // max(1, world_size))
             window_blocks = max(1, min(max(-(-batch_size // spb), by_size), per_rank))
@@ -99,7 +111,11 @@ class GDSDataset:
                                  window_blocks=window_blocks, shuffle=shuffle, seed=seed, drop_last=drop_last,
                                  rank=rank, world_size=world_size)
         self.prefetch = prefetch
-        self.window_layout = WindowLayout([self.meta.fields[f] for f in self.windowed_fields], window_blocks)
+        capacity = {f: (self.meta.ragged[f], capacity_rows(self.layout.offsets[f], spb, window_blocks))
+                    for f in self.ragged_fields}
+        self.window_layout = WindowLayout([self.meta.fields[f] for f in self.windowed_fields], window_blocks,
+                                          capacity)
+        self.pad = _pad_spec(pad_to, pad_value, self.ragged_fields)
         self._resident: dict[str, ResidentField] | None = None
         self.epoch = 0
         self.stats: EpochStats | None = None
@@ -179,7 +195,7 @@ class GDSDataset:
         first_load = self._resident is None
         resident = self._load_resident()
         pipeline = Pipeline(self.backend, self._ops(), self.layout, self.window_layout, self._slots, plan, start,
-                            self.fields, resident)
+                            self.fields, resident, self.pad)
         if first_load:
             pipeline.stats.bytes_read += sum(r.array.nbytes for r in resident.values())
         self._active.append(pipeline)
@@ -229,6 +245,23 @@ class GDSDataset:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _pad_spec(pad_to: Any, pad_value: Any, ragged: tuple[str, ...]) -> dict[str, tuple[int | None, Any]]:
+    """pad_to as given by the user -> {field: (width or None for the batch's longest, pad value)}."""
+    if pad_to is None:
+        return {}
+    per_field = pad_to if isinstance(pad_to, dict) else {f: pad_to for f in ragged}
+    spec = {}
+    for name, width in per_field.items():
+        if name not in ragged:
+            raise ValueError(f"pad_to names {name!r}, which is not a variable-length field read here {list(ragged)}")
+        if width is None:
+            continue
+        if width != "max" and (not isinstance(width, int) or width < 0):
+            raise ValueError(f"pad_to for {name!r} must be a non-negative int or 'max' (found {width!r})")
+        spec[name] = (None if width == "max" else width, pad_value)
+    return spec
 
 
 def _shutdown(active: list[Pipeline], backend: Any, slots: list[WindowSlot]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import struct
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from typing import Any, NamedTuple
 
 import crc32c
@@ -26,16 +27,26 @@ CRC_BYTES = 4
 
 @dataclass(frozen=True)
 class FieldMeta:
-    """One fixed-size field: an array of shape (num_samples, *sample_shape)."""
+    """One sharded array of shape (num_rows, *sample_shape): a fixed-size field (a row is a sample), or
+    the values of a variable-length field (a row is one element of a sample's sequence)."""
 
-    name: str
+    name: str  # the array's path in the group: "image", or "tokens/values"
     dtype: np.dtype
     sample_shape: tuple[int, ...]
     fill_value: Any
-    samples_per_block: int
+    samples_per_block: int  # rows per inner chunk
     blocks_per_shard: int
     index_location: str  # "end" or "start", as the sharding codec names it
     key_separator: str
+    num_rows: int
+
+    @property
+    def num_chunks(self) -> int:
+        return -(-self.num_rows // self.samples_per_block)
+
+    @property
+    def num_shards(self) -> int:
+        return -(-self.num_chunks // self.blocks_per_shard)
 
     @property
     def sample_bytes(self) -> int:
@@ -59,6 +70,19 @@ class FieldMeta:
 
 
 @dataclass(frozen=True)
+class RaggedMeta:
+    """A variable-length field: ``NAME/values`` (all samples' elements back to back, sharded like any
+    field) and ``NAME/offsets`` (int64, num_samples + 1: sample i is values[offsets[i]:offsets[i+1]])."""
+
+    name: str
+    values: FieldMeta
+
+    @property
+    def offsets_key(self) -> str:
+        return f"{self.name}/offsets"
+
+
+@dataclass(frozen=True)
 class DatasetMeta:
     """Group-level facts of a dataset, validated against every field's array metadata."""
 
@@ -66,16 +90,28 @@ class DatasetMeta:
     num_samples: int
     samples_per_block: int
     fields: dict[str, FieldMeta]
+    ragged: dict[str, RaggedMeta] = dataclass_field(default_factory=dict)
 
     @property
     def num_blocks(self) -> int:
         return -(-self.num_samples // self.samples_per_block)
 
-    def shard_path(self, field: str, shard: int) -> str:
-        return os.path.join(self.path, field, self.fields[field].shard_key(shard))
+    @property
+    def names(self) -> list[str]:
+        """Every field, fixed and variable-length, in the order the attributes list them."""
+        return list(self.fields) + list(self.ragged)
 
-    def num_shards(self, field: str) -> int:
-        return -(-self.num_blocks // self.fields[field].blocks_per_shard)
+    def array(self, key: str) -> FieldMeta:
+        """The sharded array at ``key``: a fixed field's name, or ``NAME/values``."""
+        if key in self.fields:
+            return self.fields[key]
+        return self.ragged[key.rsplit("/", 1)[0]].values
+
+    def shard_path(self, key: str, shard: int) -> str:
+        return os.path.join(self.path, *key.split("/"), self.array(key).shard_key(shard))
+
+    def num_shards(self, key: str) -> int:
+        return self.array(key).num_shards
 
 
 class ShardIndex(NamedTuple):
@@ -138,8 +174,9 @@ def _fail(path: str, what: str) -> FormatError:
     return FormatError(f"{path}: {what}")
 
 
-def _field_meta(path: str, name: str, arr: Any, num_samples: int, spb: int) -> FieldMeta:
-    """Validate one array's metadata and reduce it to a FieldMeta."""
+def _field_meta(path: str, name: str, arr: Any, num_samples: int | None, spb: int | None) -> FieldMeta:
+    """Validate one array's metadata and reduce it to a FieldMeta (``None``: take rows / rows per chunk
+    from the array itself, as for the values of a variable-length field)."""
     meta = arr.metadata.to_dict()
     where = os.path.join(path, name, "zarr.json")
     codecs = meta.get("codecs", [])
@@ -158,6 +195,8 @@ def _field_meta(path: str, name: str, arr: Any, num_samples: int, spb: int) -> F
     shape = tuple(int(s) for s in meta["shape"])
     chunk = tuple(int(s) for s in cfg["chunk_shape"])
     shard = tuple(int(s) for s in meta["chunk_grid"]["configuration"]["chunk_shape"])
+    if num_samples is None and len(shape) >= 1:
+        num_samples, spb = shape[0], chunk[0]
     if len(shape) < 1 or shape[0] != num_samples:
         raise _fail(where, f"expected {num_samples} samples on axis 0, found shape {shape}")
     if chunk != (spb, *shape[1:]):
@@ -179,6 +218,7 @@ def _field_meta(path: str, name: str, arr: Any, num_samples: int, spb: int) -> F
         blocks_per_shard=shard[0] // spb,
         index_location=cfg.get("index_location", "end"),
         key_separator=(enc.get("configuration") or {}).get("separator", "/"),
+        num_rows=num_samples,
     )
 
 
@@ -201,41 +241,68 @@ def read_metadata(path: str | os.PathLike[str]) -> DatasetMeta:
     try:
         num_samples = int(attrs["num_samples"])
         spb = int(attrs["samples_per_block"])
-        names = list(attrs["fields"])
-    except (KeyError, TypeError, ValueError) as e:
+        kinds = {str(n): (d or {}).get("kind", "fixed") for n, d in dict(attrs["fields"]).items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise FormatError(f"{path}: malformed '{ATTRS_KEY}' attributes ({e})") from e
-    if num_samples < 1 or spb < 1 or not names:
-        raise FormatError(f"{path}: empty dataset (num_samples={num_samples}, samples_per_block={spb}, fields={names})")
-    fields = {}
-    for name in names:
+    if num_samples < 1 or spb < 1 or not kinds:
+        raise FormatError(f"{path}: empty dataset (num_samples={num_samples}, samples_per_block={spb}, "
+                          f"fields={list(kinds)})")
+    fields, ragged = {}, {}
+    for name, kind in kinds.items():
+        if kind not in ("fixed", "ragged"):
+            raise FormatError(f"{path}: field '{name}' has unknown kind {kind!r} (expected 'fixed' or 'ragged')")
+        key = f"{name}/values" if kind == "ragged" else name
         try:
-            arr = group[name]
+            arr = group[key]
         except KeyError:
-            raise FormatError(f"{path}: field '{name}' is listed in the attributes but has no array") from None
-        fields[name] = _field_meta(path, name, arr, num_samples, spb)
-    return DatasetMeta(path=path, num_samples=num_samples, samples_per_block=spb, fields=fields)
+            raise FormatError(f"{path}: field '{name}' is listed in the attributes but has no array {key}") from None
+        if kind == "fixed":
+            fields[name] = _field_meta(path, name, arr, num_samples, spb)
+            continue
+        ragged[name] = RaggedMeta(name, _field_meta(path, key, arr, None, None))
+        try:
+            offsets = group[f"{name}/offsets"]
+        except KeyError:
+            raise FormatError(f"{path}: variable-length field '{name}' has no offsets array") from None
+        if tuple(offsets.shape) != (num_samples + 1,) or np.dtype(offsets.dtype).kind not in "iu":
+            raise FormatError(f"{os.path.join(path, name, 'offsets')}: expected {num_samples + 1} integer "
+                              f"offsets, found shape {tuple(offsets.shape)} {offsets.dtype}")
+    return DatasetMeta(path=path, num_samples=num_samples, samples_per_block=spb, fields=fields, ragged=ragged)
+
+
+class RowPiece(NamedTuple):
+    """Rows [row_start, row_stop) of an array that lie in one chunk: where to read them (None: never
+    written, fill value)."""
+
+    location: BlockLocation | None
+    row_start: int
+    row_stop: int
 
 
 class DatasetLayout:
-    """Block locations of every field, from each shard index read once at open."""
+    """Block locations of every selected array, from each shard index read once at open, and the offsets
+    of variable-length fields."""
 
     def __init__(self, meta: DatasetMeta, fields: tuple[str, ...] | None = None):
         self.meta = meta
-        self.fields = tuple(fields) if fields is not None else tuple(meta.fields)
-        unknown = [f for f in self.fields if f not in meta.fields]
+        self.fields = tuple(fields) if fields is not None else tuple(meta.names)
+        unknown = [f for f in self.fields if f not in meta.fields and f not in meta.ragged]
         if unknown:
-            raise FormatError(f"{meta.path}: no field {unknown} (fields: {list(meta.fields)})")
-        # block_offsets[field][b] is the byte offset of block b in its shard file, -1 if never written.
-        self.block_offsets: dict[str, np.ndarray] = {f: self._scan(meta.fields[f]) for f in self.fields}
+            raise FormatError(f"{meta.path}: no field {unknown} (fields: {meta.names})")
+        self.keys = tuple(f"{f}/values" if f in meta.ragged else f for f in self.fields)
+        # block_offsets[key][c] is the byte offset of chunk c in its shard file, -1 if never written.
+        self.block_offsets: dict[str, np.ndarray] = {k: self._scan(meta.array(k)) for k in self.keys}
+        self.offsets: dict[str, np.ndarray] = {f: self._read_offsets(meta.ragged[f]) for f in self.fields
+                                               if f in meta.ragged}
 
     def _scan(self, field: FieldMeta) -> np.ndarray:
         meta, bps = self.meta, field.blocks_per_shard
-        offsets = np.full(meta.num_blocks, -1, dtype=np.int64)
-        for shard in range(meta.num_shards(field.name)):
+        offsets = np.full(field.num_chunks, -1, dtype=np.int64)
+        for shard in range(field.num_shards):
             path = meta.shard_path(field.name, shard)
             index, size = read_shard_index(path, field)
             first = shard * bps
-            for i in range(min(bps, meta.num_blocks - first)):
+            for i in range(min(bps, field.num_chunks - first)):
                 span = index.get_chunk_slice(i)
                 if span is None:
                     continue
@@ -249,13 +316,36 @@ class DatasetLayout:
                 offsets[first + i] = start
         return offsets
 
-    def locate(self, field: str, block: int) -> BlockLocation | None:
-        """File, offset and size of a block, or None if it was never written (reads as fill value)."""
-        offset = int(self.block_offsets[field][block])
+    def _read_offsets(self, r: RaggedMeta) -> np.ndarray:
+        import zarr
+
+        where = os.path.join(self.meta.path, r.name, "offsets")
+        offsets = np.asarray(zarr.open_array(where, mode="r")[:], dtype=np.int64)
+        if offsets[0] != 0 or (np.diff(offsets) < 0).any() or offsets[-1] != r.values.num_rows:
+            raise FormatError(f"{where}: offsets must start at 0, never decrease and end at the number of "
+                              f"values ({r.values.num_rows}); found {offsets[0]}..{offsets[-1]}")
+        return offsets
+
+    def locate(self, key: str, block: int) -> BlockLocation | None:
+        """File, offset and size of a chunk, or None if it was never written (reads as fill value)."""
+        offset = int(self.block_offsets[key][block])
         if offset < 0:
             return None
-        fm = self.meta.fields[field]
-        return BlockLocation(self.meta.shard_path(field, block // fm.blocks_per_shard), offset, fm.block_bytes)
+        fm = self.meta.array(key)
+        return BlockLocation(self.meta.shard_path(key, block // fm.blocks_per_shard), offset, fm.block_bytes)
+
+    def locate_rows(self, key: str, row_start: int, row_stop: int) -> list[RowPiece]:
+        """Where rows [row_start, row_stop) of an array lie, one piece per chunk they touch."""
+        fm = self.meta.array(key)
+        k, rb = fm.samples_per_block, fm.sample_bytes
+        pieces = []
+        for c in range(row_start // k, -(-row_stop // k)):
+            a, b = max(row_start, c * k), min(row_stop, (c + 1) * k)
+            loc = self.locate(key, c)
+            if loc is not None:
+                loc = BlockLocation(loc.path, loc.offset + (a - c * k) * rb, (b - a) * rb)
+            pieces.append(RowPiece(loc, a, b))
+        return pieces
 
     def shard_paths(self) -> list[str]:
-        return [self.meta.shard_path(f, s) for f in self.fields for s in range(self.meta.num_shards(f))]
+        return [self.meta.shard_path(k, s) for k in self.keys for s in range(self.meta.num_shards(k))]

@@ -21,8 +21,10 @@ import numpy as np
 
 from .backends.base import Backend, FillRequest, ReadRequest, Request
 from .errors import GDSLoadError, ReadError
-from .format import DatasetLayout, FieldMeta
+from .format import DatasetLayout, FieldMeta, RaggedMeta
 from .plan import EpochPlan
+from .ragged import block_value_rows, epoch_value_index, gather
+from .ragged import pad as pad_values
 
 ALIGN = 4096
 _POLL_S = 0.05
@@ -39,22 +41,31 @@ class WindowSlot:
     def views(self, layout: WindowLayout) -> dict[str, Any]:
         """Each field's (rows, *sample_shape) view of the buffer, made once."""
         if self._views is None:
-            self._views = {name: layout.view(self.buffer, name) for name in layout.fields}
+            self._views = {name: layout.view(self.buffer, name) for name in layout.rows}
         return self._views
 
 
 class WindowLayout:
-    """Where each field's blocks lie inside a window buffer: per field, W blocks back to back."""
+    """Where each field's data lies inside a window buffer: per fixed field, W blocks back to back; per
+    variable-length field, the values of those blocks back to back, in a region sized for the largest W
+    blocks of the dataset."""
 
-    def __init__(self, fields: Sequence[FieldMeta], window_blocks: int):
+    def __init__(self, fields: Sequence[FieldMeta], window_blocks: int,
+                 ragged: dict[str, tuple[RaggedMeta, int]] | None = None):
         self.fields = {f.name: f for f in fields}
+        self.ragged = {name: r for name, (r, _) in (ragged or {}).items()}
         self.window_blocks = window_blocks
+        self.rows: dict[str, int] = {f.name: f.samples_per_block * window_blocks for f in fields}
+        self.rows.update({name: rows for name, (_, rows) in (ragged or {}).items()})
         self.offsets: dict[str, int] = {}
         pos = 0
-        for f in fields:
-            self.offsets[f.name] = pos
-            pos += -(-(f.block_bytes * window_blocks) // ALIGN) * ALIGN
+        for name in self.rows:
+            self.offsets[name] = pos
+            pos += -(-(self.row_meta(name).sample_bytes * self.rows[name]) // ALIGN) * ALIGN
         self.nbytes = pos
+
+    def row_meta(self, name: str) -> FieldMeta:
+        return self.ragged[name].values if name in self.ragged else self.fields[name]
 
     def requests(self, layout: DatasetLayout, blocks: np.ndarray) -> list[Request]:
         reqs: list[Request] = []
@@ -67,13 +78,27 @@ class WindowLayout:
                     reqs.append(FillRequest(dest, f.block_bytes, f.fill_bytes()))
                 else:
                     reqs.append(ReadRequest(loc.path, loc.offset, loc.nbytes, dest))
+        for name, r in self.ragged.items():
+            base, vf = self.offsets[name], r.values
+            offsets = layout.offsets[name]
+            first, end = block_value_rows(offsets, np.asarray(blocks), layout.meta.samples_per_block)
+            dest_row = 0
+            for a, b in zip(first.tolist(), end.tolist()):
+                for piece in layout.locate_rows(f"{name}/values", a, b):
+                    dest = base + (dest_row + piece.row_start - a) * vf.sample_bytes
+                    nbytes = (piece.row_stop - piece.row_start) * vf.sample_bytes
+                    if piece.location is None:
+                        reqs.append(FillRequest(dest, nbytes, vf.fill_bytes()))
+                    else:
+                        reqs.append(ReadRequest(piece.location.path, piece.location.offset, nbytes, dest))
+                dest_row += b - a
         return reqs
 
     def view(self, buffer: Any, name: str) -> Any:
-        f = self.fields[name]
+        f = self.row_meta(name)
         off = self.offsets[name]
-        raw = buffer[off:off + f.block_bytes * self.window_blocks]
-        return raw.view(f.dtype).reshape(self.window_blocks * f.samples_per_block, *f.sample_shape)
+        raw = buffer[off:off + f.sample_bytes * self.rows[name]]
+        return raw.view(f.dtype).reshape(self.rows[name], *f.sample_shape)
 
 
 @dataclass
@@ -121,10 +146,12 @@ class Pipeline:
 
     def __init__(self, backend: Backend, ops: Any, layout: DatasetLayout, window_layout: WindowLayout,
                  slots: Sequence[WindowSlot], plan: EpochPlan, start_batch: int, output_fields: Sequence[str],
-                 resident: dict[str, ResidentField] | None = None):
+                 resident: dict[str, ResidentField] | None = None,
+                 pad: dict[str, tuple[int | None, Any]] | None = None):
         self.backend, self.ops, self.layout, self.wl = backend, ops, layout, window_layout
         self.plan, self.start_batch, self.output_fields = plan, start_batch, tuple(output_fields)
         self.resident = resident or {}
+        self.pad = pad or {}  # variable-length field -> (width, or None for the batch's longest; value)
         self.slots = list(slots)
         self.stats = EpochStats(io_mode=backend.io_mode)
         self._stop = threading.Event()  # set by close(): everything stops
@@ -222,8 +249,12 @@ class Pipeline:
         held: dict[int, WindowSlot] = {}
         slots_dev = None  # the epoch's slot array on the consumer's device, uploaded once
         ids_dev = None  # the epoch's global sample ids, for resident fields
-        windowed = [n for n in self.output_fields if n not in self.resident]
-        shapes = {n: (self.resident[n].meta if n in self.resident else wl.fields[n]) for n in self.output_fields}
+        ragged = [n for n in self.output_fields if n in wl.ragged]
+        windowed = [n for n in self.output_fields if n not in self.resident and n not in wl.ragged]
+        shapes = {n: (self.resident[n].meta if n in self.resident else wl.fields[n]) for n in self.output_fields
+                  if n not in wl.ragged}
+        value_index = {n: epoch_value_index(plan, self.layout.offsets[n]) for n in ragged}  # host: sizes
+        value_index_dev: dict[str, tuple[Any, Any]] = {}
         try:
             for i in range(self.start_batch, plan.num_batches):
                 if self._closed:
@@ -255,6 +286,10 @@ class Pipeline:
                                 slots_dev = ops.index_array(_compact(plan.slots))
                             for name in windowed:
                                 ops.take(views[name], slots_dev[start:stop], out[name][part])
+                    for name in ragged:
+                        if name not in value_index_dev:
+                            value_index_dev[name] = tuple(ops.index_array(a) for a in value_index[name])
+                        self._gather_ragged(name, rows, held, value_index[name][1], value_index_dev[name], out)
                     for w, _, _, _ in rows:
                         if self._last_batch[w] == i and w in held:
                             slot = held.pop(w)
@@ -267,6 +302,33 @@ class Pipeline:
                 yield batch
         finally:
             self.close()
+
+    def _gather_ragged(self, name: str, rows: list[tuple[int, int, int, int]], held: dict[int, WindowSlot],
+                       lengths_host: np.ndarray, index_dev: tuple[Any, Any], out: dict[str, Any]) -> None:
+        """A variable-length field's batch: its values concatenated plus batch-relative offsets, or padded
+        to a width plus lengths. Runs inside the consumer's scope."""
+        ops, xp = self.ops, self.ops.xp
+        f = self.wl.ragged[name].values
+        starts, lengths = index_dev
+        lo, hi = rows[0][1], rows[-1][2]
+        flat = ops.empty((int(lengths_host[lo:hi].sum()), *f.sample_shape), f.dtype)
+        pos = 0
+        for w, start, stop, _ in rows:
+            n = int(lengths_host[start:stop].sum())
+            gather(xp, ops.take, held[w].views(self.wl)[name], starts[start:stop], lengths[start:stop],
+                   flat[pos:pos + n])
+            pos += n
+        batch_lengths = lengths[lo:hi]
+        if name in self.pad:
+            width, value = self.pad[name]
+            width = int(lengths_host[lo:hi].max(initial=0)) if width is None else width
+            out[name] = pad_values(xp, flat, batch_lengths, width, value)
+            out[f"{name}/lengths"] = batch_lengths.copy()
+        else:
+            out[name] = flat
+            offsets = xp.zeros(hi - lo + 1, dtype=np.int64)
+            xp.cumsum(batch_lengths, out=offsets[1:])
+            out[f"{name}/offsets"] = offsets
 
     def close(self) -> None:
         """Stop the readers and wait for them; idempotent, safe from any thread but the readers'."""

@@ -220,3 +220,78 @@ def open_field(path: str) -> Source:
     if len(members) != 1:
         raise ConversionError(f"{path}: holds {len(members)} arrays {list(members)} (expected one; use FILE.npz:KEY)")
     return next(iter(members.values()))
+
+
+@dataclass
+class LazyNpySource:
+    """One .npy file, opened only while it is read: a variable-length field may have a file per sample,
+    far more than a process may keep open."""
+
+    origin: str
+    shape: tuple[int, ...] = field(init=False)
+    dtype: np.dtype = field(init=False)
+
+    def __post_init__(self) -> None:
+        with open(self.origin, "rb") as f:
+            self.shape, self.dtype, fortran = _read_npy_header(f, self.origin)
+            self._data_offset = f.tell()
+        if fortran and len(self.shape) > 1:
+            raise ConversionError(f"{self.origin}: Fortran-ordered array (save it in C order)")
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        with open(self.origin, "rb") as f:
+            row = self.dtype.itemsize * int(np.prod(self.shape[1:], dtype=np.int64))
+            f.seek(self._data_offset + start * row)
+            stream = StreamSource(self.origin, self.shape, self.dtype, f, start)
+            return stream.read(start, stop)
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class RaggedSource:
+    """A variable-length field: every sample's rows back to back, and where each sample starts."""
+
+    origin: str
+    values: Source
+    offsets: np.ndarray  # int64, num_samples + 1
+
+    def close(self) -> None:
+        self.values.close()
+
+
+def open_ragged(path: str) -> RaggedSource:
+    """A directory of per-sample .npy files (sorted names; lengths may differ, trailing shape may not) or
+    a .npz holding ``values`` and ``offsets``."""
+    if not os.path.exists(path):
+        raise ConversionError(f"{path}: input does not exist")
+    if os.path.isdir(path):
+        names = sorted(n for n in os.listdir(path) if n.endswith(".npy"))
+        if not names:
+            raise ConversionError(f"{path}: directory holds no .npy files (empty input)")
+        parts: list[Source] = []
+        for n in names:
+            part = LazyNpySource(os.path.join(path, n))
+            if len(part.shape) == 0:
+                raise ConversionError(f"{part.origin}: a scalar (expected a sequence: at least one dimension)")
+            parts.append(part)
+        lengths = np.array([p.shape[0] for p in parts], dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        return RaggedSource(path, ConcatSource(path, parts), offsets)
+    if path.endswith(".npz"):
+        members = open_npz(path)
+        if set(members) != {"values", "offsets"}:
+            for m in members.values():
+                m.close()
+            raise ConversionError(f"{path}: a variable-length field needs arrays 'values' and 'offsets' "
+                                  f"(found {sorted(members)})")
+        off = members["offsets"]
+        offsets = np.asarray(off.read(0, off.shape[0]))
+        off.close()
+        if offsets.ndim != 1 or offsets.dtype.kind not in "iu":
+            raise ConversionError(f"{path}:offsets: expected a 1-D integer array (found {offsets.dtype} "
+                                  f"{offsets.shape})")
+        return RaggedSource(path, members["values"], offsets.astype(np.int64))
+    raise ConversionError(f"{path}: a variable-length field comes from a directory of per-sample .npy "
+                          "files or a .npz with 'values' and 'offsets'")

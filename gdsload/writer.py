@@ -19,7 +19,7 @@ import numpy as np
 
 from .errors import ConversionError
 from .format import ATTRS_KEY, FORMAT_VERSION, MAX_UINT_64, DatasetMeta, encode_shard_index, read_metadata
-from .sources import Source, open_field, open_input
+from .sources import RaggedSource, Source, open_field, open_input, open_ragged
 
 DEFAULT_BLOCK_BYTES = 4 << 20
 DEFAULT_SHARD_BYTES = 1 << 30
@@ -50,10 +50,31 @@ def _check_dtype(src: Source) -> np.dtype:
     return dt.newbyteorder("<") if dt.itemsize > 1 else dt
 
 
-def _validate(sources: Mapping[str, Source]) -> int:
-    if not sources:
+def _validate_ragged(name: str, r: RaggedSource) -> int:
+    """Check a variable-length field; returns its number of samples."""
+    if not name or "/" in name or name.startswith(".") or name.startswith("__"):
+        raise ConversionError(f"{r.origin}: invalid field name '{name}'")
+    _check_dtype(r.values)
+    off = r.offsets
+    if off.ndim != 1 or len(off) < 2:
+        raise ConversionError(f"{r.origin}: holds no samples (empty input)")
+    if off[0] != 0 or (np.diff(off) < 0).any():
+        raise ConversionError(f"{r.origin}: offsets must start at 0 and never decrease (found {off[:4]}...)")
+    if len(r.values.shape) == 0 or off[-1] != r.values.shape[0]:
+        raise ConversionError(f"{r.origin}: offsets end at {off[-1]} but there are "
+                              f"{r.values.shape[0] if r.values.shape else 0} values (expected equal)")
+    if 0 in r.values.shape[1:]:
+        raise ConversionError(f"{r.origin}: zero-size elements (element shape {r.values.shape[1:]})")
+    return len(off) - 1
+
+
+def _validate(sources: Mapping[str, Source], ragged: Mapping[str, RaggedSource] | None = None) -> int:
+    ragged = ragged or {}
+    if not sources and not ragged:
         raise ConversionError("no input arrays (empty input)")
-    counts = {}
+    for name in set(sources) & set(ragged):
+        raise ConversionError(f"{ragged[name].origin}: field '{name}' given twice")
+    counts = {name: _validate_ragged(name, r) for name, r in ragged.items()}
     for name, src in sources.items():
         if not name or "/" in name or name.startswith(".") or name.startswith("__"):
             raise ConversionError(f"{src.origin}: invalid field name '{name}'")
@@ -101,6 +122,7 @@ def write_dataset(
     out: str | os.PathLike[str],
     sources: Mapping[str, Source],
     *,
+    ragged: Mapping[str, RaggedSource] | None = None,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     samples_per_block: int | None = None,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
@@ -119,11 +141,17 @@ def write_dataset(
     out = os.path.abspath(os.fspath(out))
     if os.path.exists(out) and not overwrite:
         raise ConversionError(f"{out}: output exists (pass --overwrite to replace it)")
-    num_samples = _validate(sources)
-    dtypes = {n: _check_dtype(s) for n, s in sources.items()}
-    sample_bytes = {n: dtypes[n].itemsize * int(np.prod(s.shape[1:], dtype=np.int64)) for n, s in sources.items()}
+    ragged = dict(ragged or {})
+    num_samples = _validate(sources, ragged)
+    arrays: dict[str, Source] = dict(sources)  # every sharded array, by its path in the group
+    arrays.update({f"{n}/values": r.values for n, r in ragged.items()})
+    dtypes = {n: _check_dtype(s) for n, s in arrays.items()}
+    row_bytes = {n: dtypes[n].itemsize * int(np.prod(s.shape[1:], dtype=np.int64)) for n, s in arrays.items()}
+    # a variable-length field counts with its mean sample size when choosing samples per block
+    sample_bytes = [row_bytes[n] for n in sources] + [
+        max(1, row_bytes[f"{n}/values"] * int(r.offsets[-1]) // num_samples) for n, r in ragged.items()]
     if samples_per_block is None:
-        spb = choose_samples_per_block(list(sample_bytes.values()), block_bytes, num_samples)
+        spb = choose_samples_per_block(sample_bytes, block_bytes, num_samples)
     elif samples_per_block < 1:
         raise ConversionError(f"samples_per_block must be at least 1 (found {samples_per_block})")
     else:
@@ -133,27 +161,26 @@ def write_dataset(
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{os.path.basename(out)}.tmp-{uuid.uuid4().hex[:8]}")
-    total = sum(sample_bytes.values()) * num_samples
+    total = sum(row_bytes[n] * s.shape[0] for n, s in arrays.items())
     try:
         fields_attr = {n: {"kind": "fixed"} for n in sources}
+        fields_attr.update({n: {"kind": "ragged"} for n in ragged})
         group = zarr.open_group(tmp, mode="w", zarr_format=3)
         group.attrs[ATTRS_KEY] = {"format": FORMAT_VERSION, "num_samples": num_samples,
                                   "samples_per_block": spb, "fields": fields_attr}
-        with tqdm(total=total, unit="B", unit_scale=True, desc=os.path.basename(out), disable=None if progress is None else not progress) as bar:
-            for name, src in sources.items():
-                shape = src.shape[1:]
-                bbytes = sample_bytes[name] * spb
-                bps = max(1, min(shard_bytes // bbytes, num_blocks))
-                group.create_array(name, shape=(num_samples, *shape), dtype=dtypes[name], chunks=(spb, *shape),
-                                   shards=(spb * bps, *shape), fill_value=0, compressors=None, filters=None)
-                slice_samples = max(spb, (slice_bytes // bbytes) * spb)
-                for shard in range(-(-num_blocks // bps)):
-                    key = ["c", str(shard)] + ["0"] * len(shape)
-                    path = os.path.join(tmp, name, *key)
-                    os.makedirs(os.path.dirname(path), exist_ok=True)
-                    first = shard * bps * spb
-                    _write_shard(path, src, first, min(first + bps * spb, num_samples), bbytes, bps,
-                                 slice_samples, bar.update)
+        for name, r in ragged.items():
+            sub = group.create_group(name)
+            off = sub.create_array("offsets", shape=r.offsets.shape, dtype=np.int64, compressors=None)
+            off[:] = r.offsets
+        with tqdm(total=total, unit="B", unit_scale=True, desc=os.path.basename(out),
+                  disable=None if progress is None else not progress) as bar:
+            for key, src in arrays.items():
+                rows = src.shape[0]
+                # samples of a fixed field; for values, rows per chunk chosen like samples per block
+                per_chunk = spb if key in sources else choose_samples_per_block(
+                    [row_bytes[key]], block_bytes, max(1, rows))
+                _write_array(group, tmp, key, src, dtypes[key], rows, per_chunk, row_bytes[key] * per_chunk,
+                             shard_bytes, slice_bytes, bar.update)
         meta = read_metadata(tmp)  # the result must parse before it may replace anything
         if os.path.exists(out):
             trash = f"{tmp}.old"
@@ -166,10 +193,25 @@ def write_dataset(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
-        for src in sources.values():
+        for src in arrays.values():
             src.close()
-    return DatasetMeta(path=out, num_samples=meta.num_samples, samples_per_block=meta.samples_per_block,
-                       fields=meta.fields)
+    return read_metadata(out)
+
+
+def _write_array(group, tmp: str, key: str, src: Source, dtype: np.dtype, rows: int, per_chunk: int,
+                 chunk_bytes: int, shard_bytes: int, slice_bytes: int, progress: Callable[[int], None]) -> None:
+    """One sharded array: metadata through zarr, then its shard files streamed chunk by chunk."""
+    shape = src.shape[1:]
+    num_chunks = -(-rows // per_chunk)
+    cps = max(1, min(shard_bytes // chunk_bytes, num_chunks))
+    group.create_array(key, shape=(rows, *shape), dtype=dtype, chunks=(per_chunk, *shape),
+                       shards=(per_chunk * cps, *shape), fill_value=0, compressors=None, filters=None)
+    slice_rows = max(per_chunk, (slice_bytes // chunk_bytes) * per_chunk)
+    for shard in range(-(-num_chunks // cps)):
+        path = os.path.join(tmp, *key.split("/"), "c", str(shard), *(["0"] * len(shape)))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        first = shard * cps * per_chunk
+        _write_shard(path, src, first, min(first + cps * per_chunk, rows), chunk_bytes, cps, slice_rows, progress)
 
 
 def _inside(child: str, parent: str) -> bool:
@@ -181,12 +223,17 @@ def convert(
     inputs: Sequence[str],
     out: str | os.PathLike[str],
     named: Mapping[str, str] | None = None,
+    ragged: Mapping[str, str] | None = None,
     **options: object,
 ) -> DatasetMeta:
-    """Convert input paths (fields named after files/keys) and ``named`` fields (name -> path) to ``out``."""
+    """Convert input paths (fields named after files/keys), ``named`` fields (name -> path) and
+    variable-length ``ragged`` fields (name -> directory of per-sample .npy, or .npz with values and
+    offsets) to ``out``."""
     out = os.fspath(out)
     named = dict(named or {})
+    ragged = dict(ragged or {})
     all_paths = list(inputs) + [p.rsplit(":", 1)[0] if not os.path.exists(p) else p for p in named.values()]
+    all_paths += list(ragged.values())
     if not all_paths:
         raise ConversionError("no inputs given (empty input)")
     for p in all_paths:
@@ -202,4 +249,5 @@ def convert(
             sources[name] = src
     for name, p in named.items():
         sources[name] = open_field(p)
-    return write_dataset(out, sources, **options)  # type: ignore[arg-type]
+    return write_dataset(out, sources, ragged={n: open_ragged(p) for n, p in ragged.items()},
+                         **options)  # type: ignore[arg-type]

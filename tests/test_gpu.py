@@ -203,6 +203,36 @@ def test_io_mode_is_reported_honestly(small):
         assert ds.backend_name == "kvikio" and ds.backend_reason  # KvikIO is installed on the GPU machine
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("padded", [None, "max", 6])
+def test_variable_length_field(tmp_path, backend, padded):
+    from test_ragged import ragged_source, sequences
+
+    seqs = sequences(301, elem=(3,))
+    path = str(tmp_path / "r.gds")
+    write_dataset(path, {"id": ArraySource("<id>", np.arange(301))}, ragged={"tokens": ragged_source(seqs)},
+                  samples_per_block=8, block_bytes=256, shard_bytes=4096, progress=False)
+    seen = []
+    with Dataset(path, batch_size=24, backend=backend, shuffle=True, window_blocks=3, pad_to=padded,
+                 pad_value=-7) as ds:
+        for b in ds:
+            ids = to_host(b["id"]).tolist()
+            seen += ids
+            tokens = to_host(b["tokens"])
+            if padded is None:
+                off = to_host(b["tokens/offsets"])
+                for j, i in enumerate(ids):
+                    np.testing.assert_array_equal(tokens[off[j]:off[j + 1]], seqs[i])
+            else:
+                lengths = to_host(b["tokens/lengths"])
+                for j, i in enumerate(ids):
+                    n = min(tokens.shape[1], len(seqs[i]))
+                    assert lengths[j] == len(seqs[i])
+                    np.testing.assert_array_equal(tokens[j, :n], seqs[i][:n])
+                    assert (tokens[j, n:] == -7).all()
+    assert sorted(seen) == list(range(301))
+
+
 # -- a dataset of more than 4 GiB ------------------------------------------------------------------
 SAMPLE_ELEMS = 1 << 20  # 1 MiB of uint8 per sample
 BIG_N = 4200  # 4.1 GiB
