@@ -241,7 +241,7 @@ def main() -> int:
 
     kv_mode = "gds" if gds_available() else "kvikio-compat"
     cold_then_warm("raw-kvikio-whole-files", kv_mode, lambda: raw_kvikio(paths, dest))
-    del dest
+    dest = None  # free the device copy before the next contender
     cupy.get_default_memory_pool().free_all_blocks()
 
     for backend in ("kvikio", "pinned"):

@@ -85,9 +85,9 @@ def main() -> int:
     for label, idx in [("slice-memcpy", 100), ("take-words", idx_b), ("take-bytes", idx_b)]:
         out = cupy.empty((256, 224, 224, 3), cupy.uint8)
         start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        for rep in range(2):
+        for _ in range(2):  # the first round compiles and warms up
             start.record()
-            for _ in range(20):
+            for _i in range(20):
                 with ops.scope():
                     if label == "take-bytes":
                         cupy.take(window, idx, axis=0, out=out)

@@ -156,7 +156,6 @@ def write_dataset(
         raise ConversionError(f"samples_per_block must be at least 1 (found {samples_per_block})")
     else:
         spb = samples_per_block
-    num_blocks = -(-num_samples // spb)
 
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
@@ -181,7 +180,7 @@ def write_dataset(
                     [row_bytes[key]], block_bytes, max(1, rows))
                 _write_array(group, tmp, key, src, dtypes[key], rows, per_chunk, row_bytes[key] * per_chunk,
                              shard_bytes, slice_bytes, bar.update)
-        meta = read_metadata(tmp)  # the result must parse before it may replace anything
+        read_metadata(tmp)  # the result must parse before it may replace anything
         if os.path.exists(out):
             trash = f"{tmp}.old"
             os.rename(out, trash)

@@ -240,7 +240,7 @@ def _peak_mib(src: str, out: str) -> int:
 @pytest.mark.parametrize("kind", ["npy", "npz"])
 def test_peak_memory_is_bounded_by_slice_not_input(tmp_path, kind):
     """Converting 384 MiB in 8 MiB slices costs about what converting 4 MiB does."""
-    big, small = np.lib.format.open_memmap(tmp_path / "big.npy", "w+", np.float32, (96 * 1024, 1024)), None
+    big = np.lib.format.open_memmap(tmp_path / "big.npy", "w+", np.float32, (96 * 1024, 1024))
     for i in range(0, big.shape[0], 8192):
         big[i:i + 8192] = i
     big.flush()
