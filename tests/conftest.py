@@ -55,3 +55,18 @@ def wait_no_readers(timeout_s: float = 2.0) -> list[threading.Thread]:
     while reader_threads() and time.monotonic() < deadline:
         time.sleep(0.01)
     return reader_threads()
+
+
+def zarr_dataset_with_missing_block(path: str) -> np.ndarray:
+    """A dataset written by plain zarr, whose block 1 equals the fill value (-5) and so is never written;
+    returns the data it holds."""
+    import zarr
+
+    g = zarr.open_group(path, mode="w", zarr_format=3)
+    g.attrs["gdsload"] = {"format": 1, "num_samples": 12, "samples_per_block": 3, "fields": {"x": {"kind": "fixed"}}}
+    a = g.create_array("x", shape=(12, 2), dtype="int16", chunks=(3, 2), shards=(6, 2), fill_value=-5,
+                       compressors=None)
+    data = np.arange(24, dtype=np.int16).reshape(12, 2)
+    data[3:6] = -5
+    a[:] = data
+    return data

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import zarr
 
+from conftest import zarr_dataset_with_missing_block
 from gdsload import FormatError, GDSDataset, read_metadata
 from gdsload.format import MAX_UINT_64, DatasetLayout, encode_shard_index, parse_shard_index
 
@@ -40,13 +41,7 @@ def test_layout_locates_blocks_like_zarr_writes_them(make_dataset):
 def test_dataset_written_by_zarr_with_missing_chunks_reads_fill_value(tmp_path):
     """zarr skips chunks equal to the fill value; those read back as the fill value."""
     path = str(tmp_path / "z.gds")
-    g = zarr.open_group(path, mode="w", zarr_format=3)
-    g.attrs["gdsload"] = {"format": 1, "num_samples": 12, "samples_per_block": 3, "fields": {"x": {"kind": "fixed"}}}
-    a = g.create_array("x", shape=(12, 2), dtype="int16", chunks=(3, 2), shards=(6, 2), fill_value=-5,
-                       compressors=None)
-    data = np.arange(24, dtype=np.int16).reshape(12, 2)
-    data[3:6] = -5  # a whole block equal to the fill value: zarr does not write it
-    a[:] = data
+    data = zarr_dataset_with_missing_block(path)
     layout = DatasetLayout(read_metadata(path))
     assert layout.locate("x", 1) is None and layout.locate("x", 0) is not None
     with GDSDataset(path, batch_size=5, backend="cpu") as ds:

@@ -11,9 +11,8 @@ import threading
 
 import numpy as np
 import pytest
-import zarr
 
-from conftest import labelled, wait_no_readers
+from conftest import labelled, wait_no_readers, zarr_dataset_with_missing_block
 from gdsload import GDSDataset, ReadError
 from gdsload.plan import epoch_plan
 from gdsload.sources import ArraySource
@@ -198,13 +197,7 @@ def test_lifecycle_threads_and_errors(small, backend, tmp_path):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_missing_chunks_read_as_fill_value(tmp_path, backend):
     path = str(tmp_path / "z.gds")
-    g = zarr.open_group(path, mode="w", zarr_format=3)
-    g.attrs["gdsload"] = {"format": 1, "num_samples": 12, "samples_per_block": 3, "fields": {"x": {"kind": "fixed"}}}
-    a = g.create_array("x", shape=(12, 2), dtype="int16", chunks=(3, 2), shards=(6, 2), fill_value=-5,
-                       compressors=None)
-    want = np.arange(24, dtype=np.int16).reshape(12, 2)
-    want[3:6] = -5
-    a[:] = want
+    want = zarr_dataset_with_missing_block(path)
     with Dataset(path, batch_size=5, backend=backend) as ds:
         got = np.concatenate([to_host(b["x"]) for b in ds])
     np.testing.assert_array_equal(got, want)

@@ -85,30 +85,33 @@ def fill_pattern(dest: Any, r: FillRequest) -> None:
 
 
 class FileHandles:
-    """File descriptors opened once per path and kept for the dataset's life (opening per read costs ~25 %)."""
+    """Handles opened once per path and kept for the dataset's life (opening per pass cost ~25 % on the
+    H100). Plain descriptors by default; any opener (KvikIO's CuFile) otherwise."""
 
-    def __init__(self, flags: int = os.O_RDONLY):
-        self._flags = flags
-        self._fds: dict[str, int] = {}
+    def __init__(self, flags: int = os.O_RDONLY, opener: Callable[[str], Any] | None = None,
+                 closer: Callable[[Any], None] = os.close):
+        self._open = opener or (lambda path: os.open(path, flags))
+        self._close = closer
+        self._fds: dict[str, Any] = {}
         self._lock = threading.Lock()
 
-    def get(self, path: str) -> int:
+    def get(self, path: str) -> Any:
         fd = self._fds.get(path)
         if fd is None:
             with self._lock:
                 fd = self._fds.get(path)
                 if fd is None:
                     try:
-                        fd = os.open(path, self._flags)
-                    except OSError as e:
-                        raise ReadError(f"{path}: cannot open ({e})") from e
+                        fd = self._open(path)
+                    except Exception as e:
+                        raise ReadError(f"{path}: cannot open ({type(e).__name__}: {e})") from e
                     self._fds[path] = fd
         return fd
 
     def close(self) -> None:
         with self._lock:
             for fd in self._fds.values():
-                os.close(fd)
+                self._close(fd)
             self._fds.clear()
 
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import ReadError
-from .base import Backend, FillRequest, Pending, ReadRequest, Request, coalesce, fill_pattern
+from .base import Backend, FileHandles, FillRequest, Pending, ReadRequest, Request, coalesce, fill_pattern
 
 DEFAULT_THREADS = 16
 DEFAULT_TASK_BYTES = 4 << 20
@@ -40,21 +40,7 @@ class KvikioBackend(Backend):
         self.io_mode = "gds" if gds_available() else "kvikio-compat"
         with cupy.cuda.Device(device_id):
             self.stream = cupy.cuda.Stream(non_blocking=True)
-        self._handles: dict[str, Any] = {}
-        self._lock = threading.Lock()
-
-    def _handle(self, path: str) -> Any:
-        f = self._handles.get(path)
-        if f is None:
-            with self._lock:
-                f = self._handles.get(path)
-                if f is None:
-                    try:
-                        f = self.kvikio.CuFile(path, "r")
-                    except Exception as e:
-                        raise ReadError(f"{path}: cannot open with KvikIO ({type(e).__name__}: {e})") from e
-                    self._handles[path] = f
-        return f
+        self._files = FileHandles(opener=lambda path: kvikio.CuFile(path, "r"), closer=lambda f: f.close())
 
     def allocate(self, nbytes: int) -> Any:
         with self.cupy.cuda.Device(self.device_id):
@@ -74,17 +60,14 @@ class KvikioBackend(Backend):
                     break
                 try:
                     view = dest[r.dest_offset:r.dest_offset + r.nbytes]
-                    pending.futures.append((r, self._handle(r.path).pread(view, r.nbytes, r.offset)))
+                    pending.futures.append((r, self._files.get(r.path).pread(view, r.nbytes, r.offset)))
                 except BaseException as e:
                     pending.error = _wrap(r, e)
                     break
         return pending
 
     def close(self) -> None:
-        with self._lock:
-            for f in self._handles.values():
-                f.close()
-            self._handles.clear()
+        self._files.close()
 
 
 class _Reads(Pending):
