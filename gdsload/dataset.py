@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from .backends import make_backend, resolve
-from .errors import ReadError
+from .errors import GDSLoadError, ReadError
 from .format import DatasetLayout, read_metadata
 from .ragged import capacity_rows
 from .pipeline import EpochStats, Pipeline, ResidentField, WindowLayout, WindowSlot
@@ -93,30 +93,35 @@ class GDSDataset:
             rank = env_rank if rank is None else rank
             world_size = env_world if world_size is None else world_size
         self.backend = make_backend(self.backend_name, self.device, **(backend_options or {}))
-        spb = self.meta.samples_per_block
-        fixed = [f for f in self.fields if f in self.meta.fields]
-        self.ragged_fields = tuple(f for f in self.fields if f in self.meta.ragged)
-        field_bytes = {f: self.meta.fields[f].block_bytes * self.meta.num_blocks for f in fixed}
-        self.resident_fields = tuple(f for f in fixed if field_bytes[f] <= resident_bytes)
-        self.windowed_fields = tuple(f for f in fixed if f not in self.resident_fields)
-        ragged_block_bytes = {f: self.meta.ragged[f].values.sample_bytes * int(self.layout.offsets[f][-1])
-                              // self.meta.num_blocks for f in self.ragged_fields}  # mean bytes per block
-        if window_blocks is None:
-            block_bytes = max(1, sum(self.meta.fields[f].block_bytes for f in self.windowed_fields)
-                              + sum(ragged_block_bytes.values()))
-            by_size = max(1, self.backend.window_bytes_hint // block_bytes)
-            per_rank = -(-self.meta.num_blocks // max(1, world_size))
-            window_blocks = max(1, min(max(-(-batch_size // spb), by_size), per_rank))
-        self.config = PlanConfig(num_samples=self.meta.num_samples, samples_per_block=spb, batch_size=batch_size,
-                                 window_blocks=window_blocks, shuffle=shuffle, seed=seed, drop_last=drop_last,
-                                 rank=rank, world_size=world_size)
-        self.prefetch = prefetch
-        capacity = {f: (self.meta.ragged[f], capacity_rows(self.layout.offsets[f], spb, window_blocks))
-                    for f in self.ragged_fields}
-        self.window_layout = WindowLayout([self.meta.fields[f] for f in self.windowed_fields], window_blocks,
-                                          capacity)
-        self.pad = _pad_spec(pad_to, pad_value, self.ragged_fields)
-        self._resident: dict[str, ResidentField] | None = None
+        try:
+            spb = self.meta.samples_per_block
+            fixed = [f for f in self.fields if f in self.meta.fields]
+            self.ragged_fields = tuple(f for f in self.fields if f in self.meta.ragged)
+            field_bytes = {f: self.meta.fields[f].block_bytes * self.meta.num_blocks for f in fixed}
+            self.resident_fields = tuple(f for f in fixed if field_bytes[f] <= resident_bytes)
+            self.windowed_fields = tuple(f for f in fixed if f not in self.resident_fields)
+            ragged_block_bytes = {f: self.meta.ragged[f].values.sample_bytes * int(self.layout.offsets[f][-1])
+                                  // self.meta.num_blocks for f in self.ragged_fields}  # mean bytes per block
+            if window_blocks is None:
+                block_bytes = max(1, sum(self.meta.fields[f].block_bytes for f in self.windowed_fields)
+                                  + sum(ragged_block_bytes.values()))
+                by_size = max(1, self.backend.window_bytes_hint // block_bytes)
+                per_rank = -(-self.meta.num_blocks // max(1, world_size))
+                window_blocks = max(1, min(max(-(-batch_size // spb), by_size), per_rank))
+            self.config = PlanConfig(num_samples=self.meta.num_samples, samples_per_block=spb, batch_size=batch_size,
+                                     window_blocks=window_blocks, shuffle=shuffle, seed=seed, drop_last=drop_last,
+                                     rank=rank, world_size=world_size)
+            self.prefetch = prefetch
+            capacity = {f: (self.meta.ragged[f], capacity_rows(self.layout.offsets[f], spb, window_blocks))
+                        for f in self.ragged_fields}
+            self.window_layout = WindowLayout([self.meta.fields[f] for f in self.windowed_fields], window_blocks,
+                                              capacity)
+            self.pad = _pad_spec(pad_to, pad_value, self.ragged_fields)
+        except BaseException:
+            self.backend.close()  # a bad argument must not leave pinned memory or threads behind
+            raise
+        self._resident: dict[str, ResidentField] = {}  # filled on the first pass, emptied by close()
+        self._resident_loaded = False
         self.epoch = 0
         self.stats: EpochStats | None = None
         self._resume: tuple[int, int] | None = None  # (epoch, batches already yielded)
@@ -124,7 +129,8 @@ class GDSDataset:
         self._plan_cache: tuple[int, EpochPlan] | None = None
         self._slots: list[WindowSlot] = []
         self._active: list[Pipeline] = []  # at most one; a list so the finalizer can see it without self
-        self._finalizer = weakref.finalize(self, _shutdown, self._active, self.backend, self._slots)
+        self._finalizer = weakref.finalize(self, _shutdown, self._active, self.backend, self._slots,
+                                           self._resident)
 
     # -- properties ------------------------------------------------------------------------------------
     @property
@@ -183,6 +189,8 @@ class GDSDataset:
         return CudaOps(self.device, self.output)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        if not self._finalizer.alive:
+            raise GDSLoadError(f"{self.meta.path}: the dataset was closed (open a new GDSDataset)")
         self._close_active()
         epoch = self.epoch
         plan = self._plan(epoch)
@@ -192,7 +200,7 @@ class GDSDataset:
         needed = self.prefetch + plan.max_windows_per_batch()
         while len(self._slots) < needed:
             self._slots.append(WindowSlot(self.backend.allocate(self.window_layout.nbytes)))
-        first_load = self._resident is None
+        first_load = not self._resident_loaded
         resident = self._load_resident()
         pipeline = Pipeline(self.backend, self._ops(), self.layout, self.window_layout, self._slots, plan, start,
                             self.fields, resident, self.pad)
@@ -204,7 +212,7 @@ class GDSDataset:
 
     def _load_resident(self) -> dict[str, ResidentField]:
         """Read the small fields whole, once, through the same backend."""
-        if self._resident is None:
+        if not self._resident_loaded:
             loaded = {}
             for name in self.resident_fields:
                 f = self.meta.fields[name]
@@ -218,7 +226,8 @@ class GDSDataset:
                 if event is not None:
                     event.synchronize()
                 loaded[name] = ResidentField(f, single.view(buf, name))
-            self._resident = loaded
+            self._resident.update(loaded)
+            self._resident_loaded = True
         return self._resident
 
     def _run(self, pipeline: Pipeline, start: int) -> Iterator[dict[str, Any]]:
@@ -264,8 +273,10 @@ def _pad_spec(pad_to: Any, pad_value: Any, ragged: tuple[str, ...]) -> dict[str,
     return spec
 
 
-def _shutdown(active: list[Pipeline], backend: Any, slots: list[WindowSlot]) -> None:
+def _shutdown(active: list[Pipeline], backend: Any, slots: list[WindowSlot],
+              resident: dict[str, ResidentField]) -> None:
     while active:
         active.pop().close()
     backend.close()
     slots.clear()
+    resident.clear()

@@ -190,6 +190,8 @@ def test_threads_stop_on_break_close_and_gc(data_path):
     assert threading.active_count() == before, "close() stops the backend's pool too"
     with pytest.raises(GDSLoadError, match="iterator was closed"):
         next(it)
+    with pytest.raises(GDSLoadError, match="the dataset was closed"):
+        iter(ds)
 
     ds = Dataset(path, batch_size=8, backend="cpu", window_blocks=1)
     it = iter(ds)
