@@ -67,12 +67,12 @@ class Labels:
         pass
 
 
-def make_dataset(path: str, size_gib: float) -> None:
+def make_dataset(path: str, size_gib: float, block_bytes: int = 4 << 20) -> None:
     if os.path.exists(path):
         return
     n = int(size_gib * 2**30 // (224 * 224 * 3))
     t0 = time.perf_counter()
-    write_dataset(path, {"image": RandomImages(n), "label": Labels(n)}, progress=False)
+    write_dataset(path, {"image": RandomImages(n), "label": Labels(n)}, block_bytes=block_bytes, progress=False)
     os.sync()  # no writeback may run under the measurements
     print(f"wrote {path}: {n} samples in {time.perf_counter() - t0:.1f} s", flush=True)
 

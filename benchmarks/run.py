@@ -1,0 +1,370 @@
+#!/usr/bin/env python3
+"""gdsload against the loaders people use today, beside the ceilings, in one run on the same data.
+
+    python benchmarks/run.py --quick          # minutes: 1 GiB, warm/cold/shm, main contenders
+    python benchmarks/run.py --full           # + 16 GiB dataset, 1/4/16 MiB blocks, thread counts
+
+Contenders: gdsload kvikio and pinned; torch DataLoader over the same blocks (num_workers 0/4/8,
+pin_memory=True, then .to("cuda", non_blocking=True)); zarr-python + cupy.asarray (and zarr's GPU
+buffers if they work here); naive np.fromfile + cupy.asarray. Ceilings: O_DIRECT disk read, page-cache
+read into pinned memory, pinned host-to-device copy. Figures: GB/s into device memory, samples/s,
+CPU core-seconds per GB (this process and its finished children: DataLoader workers), gdsload's peak
+pinned bytes, and the share of time a simulated training step (a GPU kernel of fixed duration per batch)
+waited for data. Writes benchmarks/results/<date>-<gpu>.json, .md and .png (and prints every line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+from bench_read import drop_caches, make_dataset, naive, posix_read, raw_kvikio  # noqa: E402
+
+from gdsload import GDSDataset, read_metadata  # noqa: E402
+from gdsload.format import DatasetLayout  # noqa: E402
+from gdsload.sysinfo import pinned_h2d_gbps, system_info  # noqa: E402
+
+SAMPLE_BYTES = 224 * 224 * 3
+BATCH = 256
+
+
+def cpu_seconds() -> float:
+    """User + system CPU time of this process and of its finished children (DataLoader workers)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+class Spin:
+    """A simulated training step: one GPU kernel that runs for a fixed time, then a sync (as loss.item())."""
+
+    def __init__(self, ms: float):
+        import cupy
+
+        self.cupy = cupy
+        khz = cupy.cuda.runtime.getDeviceProperties(0)["clockRate"]
+        self.cycles = int(ms * khz)
+        self.kernel = cupy.RawKernel(r"""
+        extern "C" __global__ void spin(long long cycles) {
+            long long t0 = clock64();
+            while (clock64() - t0 < cycles) { }
+        }""", "spin")
+
+    def __call__(self) -> None:
+        self.kernel((1,), (1,), (np.int64(self.cycles),))
+        self.cupy.cuda.get_current_stream().synchronize()
+
+
+# -- contenders: each returns (bytes into device memory, samples, seconds, stall seconds, extra) -------
+def gdsload_run(path: str, backend: str, shuffle: bool, step: Spin | None, **opts: Any) -> Callable[[], dict]:
+    ds = GDSDataset(path, batch_size=BATCH, backend=backend, shuffle=shuffle, **opts)
+
+    def run() -> dict:
+        import cupy
+
+        t0 = time.perf_counter()
+        n = 0
+        for b in ds:
+            n += int(b["label"].shape[0])
+            if step is not None:
+                step()
+        cupy.cuda.get_current_stream().synchronize()
+        wall = time.perf_counter() - t0
+        extra = {"io_mode": ds.io_mode, "window_blocks": ds.config.window_blocks}
+        if backend == "pinned":
+            extra["peak_pinned_bytes"] = ds.backend.pool.peak_bytes_in_use
+            extra["pinned_pool_bytes"] = ds.backend.pool.total_bytes
+        return {"bytes": ds.stats.bytes_read, "samples": n, "seconds": wall, "stall_s": ds.stats.stall_s, **extra}
+
+    run.close = ds.close  # type: ignore[attr-defined]
+    return run
+
+
+class TorchBlocks:
+    """Map-style torch dataset of the same blocks: item i is block i of the image field (os.pread)."""
+
+    def __init__(self, path: str):
+        layout = DatasetLayout(read_metadata(path), ("image", "label"))
+        meta = layout.meta
+        self.items = [(layout.locate("image", b), layout.locate("label", b),
+                       min(meta.samples_per_block, meta.num_samples - b * meta.samples_per_block))
+                      for b in range(meta.num_blocks)]
+        self.fds: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def _read(self, loc) -> Any:
+        import torch
+
+        fd = self.fds.get(loc.path)
+        if fd is None:
+            fd = self.fds[loc.path] = os.open(loc.path, os.O_RDONLY)
+        buf = np.empty(loc.nbytes, dtype=np.uint8)
+        os.preadv(fd, [buf], loc.offset)
+        return torch.from_numpy(buf)
+
+    def __getitem__(self, i: int) -> tuple[Any, Any, int]:
+        image, label, n = self.items[i]
+        return self._read(image), self._read(label), n
+
+
+def torch_run(path: str, workers: int, shuffle: bool, step: Spin | None) -> Callable[[], dict]:
+    import torch
+    from torch.utils.data import DataLoader
+
+    blocks = TorchBlocks(path)
+
+    def run() -> dict:
+        loader = DataLoader(blocks, batch_size=None, shuffle=shuffle, num_workers=workers, pin_memory=True,
+                            prefetch_factor=4 if workers else None)
+        nbytes, n, stall = 0, 0, 0.0
+        t0 = time.perf_counter()
+        it = iter(loader)
+        while True:
+            w0 = time.perf_counter()
+            try:
+                image, label, count = next(it)
+            except StopIteration:
+                break
+            stall += time.perf_counter() - w0
+            image = image.to("cuda", non_blocking=True)
+            label = label.to("cuda", non_blocking=True)
+            nbytes += image.numel() + label.numel()
+            n += int(count)
+            if step is not None:
+                step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        del it, loader
+        return {"bytes": nbytes, "samples": n, "seconds": wall, "stall_s": stall, "io_mode": "posix-pageable"}
+
+    return run
+
+
+def zarr_run(path: str, gpu: bool) -> Callable[[], dict]:
+    import cupy
+    import zarr
+
+    def run() -> dict:
+        ctx = zarr.config.enable_gpu() if gpu else _nullcontext()
+        with ctx:
+            g = zarr.open_group(path, mode="r")
+            image, label = g["image"], g["label"]
+            step = image.shards[0]
+            t0 = time.perf_counter()
+            nbytes = n = 0
+            for a in range(0, image.shape[0], step):
+                x = cupy.asarray(image[a:a + step])
+                y = cupy.asarray(label[a:a + step])
+                nbytes += x.nbytes + y.nbytes
+                n += y.shape[0]
+            cupy.cuda.runtime.deviceSynchronize()
+        return {"bytes": nbytes, "samples": n, "seconds": time.perf_counter() - t0, "stall_s": None,
+                "io_mode": "zarr-gpu-buffers" if gpu else "zarr-host"}
+
+    return run
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *a: object) -> None:
+        return None
+
+
+def naive_run(paths: list[str]) -> Callable[[], dict]:
+    def run() -> dict:
+        nbytes, dt = naive(paths)
+        return {"bytes": nbytes, "samples": None, "seconds": dt, "stall_s": None, "io_mode": "posix-pageable"}
+
+    return run
+
+
+# -- driver ----------------------------------------------------------------------------------------
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="1 GiB, the main contenders (default)")
+    mode.add_argument("--full", action="store_true", help="+16 GiB, block sizes, thread counts")
+    ap.add_argument("--data", default="/root/gdsload-bench", help="directory on the disk under test")
+    ap.add_argument("--shm", default="/dev/shm/gdsload-bench", help="tmpfs copy for the /dev/shm regime")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    args = ap.parse_args()
+    import cupy
+
+    started = time.perf_counter()
+    os.makedirs(args.data, exist_ok=True)
+    info = system_info(bandwidth=False)
+    info["data_filesystem"] = subprocess.run(["df", "-h", args.data], capture_output=True,
+                                             text=True).stdout.strip().splitlines()[-1]
+    print(json.dumps(info), flush=True)
+    can_drop = drop_caches()
+    rows: list[dict] = []
+
+    def measure(dataset: str, regime: str, name: str, config: str, fn: Callable[[], dict], repeats: int = 1,
+                **extra: Any) -> dict | None:
+        if regime == "cold":
+            if not can_drop:
+                return None
+            drop_caches()
+        best = None
+        for _ in range(repeats):
+            c0 = cpu_seconds()
+            try:
+                r = fn()
+            except Exception as e:  # a contender that cannot run here is reported, not hidden
+                row = {"dataset": dataset, "regime": regime, "name": name, "config": config,
+                       "error": f"{type(e).__name__}: {e}"[:300]}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                return None
+            r["cpu_s"] = cpu_seconds() - c0
+            if best is None or r["seconds"] < best["seconds"]:
+                best = r
+        r = best
+        gb = r["bytes"] / 1e9
+        row = {"dataset": dataset, "regime": regime, "name": name, "config": config, "io_mode": r["io_mode"],
+               "gb_per_s": round(gb / r["seconds"], 2),
+               "samples_per_s": round(r["samples"] / r["seconds"]) if r.get("samples") else None,
+               "cpu_core_s_per_gb": round(r["cpu_s"] / gb, 3), "seconds": round(r["seconds"], 3),
+               "stall_fraction": round(r["stall_s"] / r["seconds"], 4) if r.get("stall_s") is not None else None,
+               **{k: v for k, v in r.items() if k in ("peak_pinned_bytes", "pinned_pool_bytes", "window_blocks")},
+               **extra}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        return row
+
+    sizes = [("1GiB", 1.0)] + ([("16GiB", 16.0)] if args.full else [])
+    blocks = [4 << 20] + ([1 << 20, 16 << 20] if args.full else [])
+    record = lambda *a, **k: measure(*a, **k)  # noqa: E731
+
+    h2d = pinned_h2d_gbps(1 << 30)
+    rows.append({"dataset": "-", "regime": "-", "name": "ceiling: pinned H2D copy", "config": "1 GiB",
+                 "io_mode": "cuda-memcpy", "gb_per_s": round(h2d, 2)})
+    for label, gib in sizes:
+        for block in blocks if label == "1GiB" else [4 << 20]:
+            tag = f"{label}-{block >> 20}MiB"
+            path = os.path.join(args.data, f"{tag}.gds")
+            make_dataset(path, gib, block)
+            paths = DatasetLayout(read_metadata(path)).shard_paths()
+            main_block = block == 4 << 20
+            regimes = ["cold", "warm"] if main_block else ["warm"]
+            record(tag, "cold", "ceiling: O_DIRECT disk read", "16 threads, 8 MiB",
+                   lambda: _ceiling(posix_read(paths, True, False), "posix-odirect"))
+            posix_read(paths, False, True)
+            record(tag, "warm", "ceiling: page cache -> pinned", "16 threads, 8 MiB",
+                   lambda: _ceiling(posix_read(paths, False, True), "posix-pinned"), repeats=3)
+            total = sum(os.path.getsize(p) for p in paths)
+            dest = cupy.empty(total, dtype=cupy.uint8)
+            for regime in regimes:
+                record(tag, regime, "raw KvikIO (whole files)", "16 threads",
+                       lambda: _ceiling(raw_kvikio(paths, dest), "kvikio-compat"), repeats=3 if regime == "warm" else 1)
+            dest = None
+            cupy.get_default_memory_pool().free_all_blocks()
+            threads = [8, 16, 32] if args.full and main_block and label == "1GiB" else [16]
+            for backend in ("kvikio", "pinned"):
+                for t in threads:
+                    for shuffle in ([False, True] if main_block else [False]):
+                        run = gdsload_run(path, backend, shuffle, None, backend_options={"num_threads": t})
+                        for regime in regimes if not shuffle else ["warm"]:
+                            if regime == "warm":
+                                run()
+                            record(tag, regime, f"gdsload {backend}", f"threads={t} shuffle={shuffle}", run,
+                                   repeats=3 if regime == "warm" else 1)
+                        run.close()
+                        cupy.get_default_memory_pool().free_all_blocks()
+            if not main_block:
+                continue
+            for workers in (0, 4, 8):
+                run = torch_run(path, workers, False, None)
+                for regime in regimes:
+                    if regime == "warm":
+                        posix_read(paths, False, True)
+                    record(tag, regime, "torch DataLoader", f"num_workers={workers} pin_memory", run,
+                           repeats=2 if regime == "warm" else 1)
+            for gpu in (False, True):
+                for regime in regimes:
+                    record(tag, regime, "zarr-python" + (" (GPU buffers)" if gpu else "") + " + cupy",
+                           "shard-sized reads", zarr_run(path, gpu))
+            for regime in regimes:
+                record(tag, regime, "naive np.fromfile + cupy.asarray", "per shard file", naive_run(paths))
+            if label == "1GiB":
+                _shm_and_stall(args, path, tag, record, paths)
+        print(f"elapsed {time.perf_counter() - started:.0f} s", flush=True)
+
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    gpu = (info.get("gpu") or "cpu").replace("NVIDIA ", "").replace(" ", "-")
+    os.makedirs(args.out, exist_ok=True)
+    base = os.path.join(args.out, f"{stamp}-{gpu}-{'full' if args.full else 'quick'}")
+    doc = {"benchmark": "run.py", "mode": "full" if args.full else "quick", "date": stamp, "machine": info,
+           "batch_size": BATCH, "sample_bytes": SAMPLE_BYTES, "page_cache_dropped": can_drop,
+           "elapsed_s": round(time.perf_counter() - started), "results": rows}
+    with open(base + ".json", "w") as f:
+        json.dump(doc, f, indent=1)
+    from report_suite import render
+
+    render(base + ".json")
+    print(f"wrote {base}.json", flush=True)
+    return 0
+
+
+def _ceiling(result: tuple[int, float], io_mode: str) -> dict:
+    nbytes, dt = result
+    return {"bytes": nbytes, "samples": None, "seconds": dt, "stall_s": None, "io_mode": io_mode}
+
+
+def _shm_and_stall(args: argparse.Namespace, path: str, tag: str, record: Callable[..., Any],
+                   paths: list[str]) -> None:
+    """The /dev/shm regime (storage faster than this disk) and the stall of a simulated training step."""
+    import cupy
+
+    shm = os.path.join(args.shm, os.path.basename(path))
+    shutil.rmtree(args.shm, ignore_errors=True)
+    shutil.copytree(path, shm)
+    try:
+        for backend in ("kvikio", "pinned"):
+            run = gdsload_run(shm, backend, False, None)
+            run()
+            record(tag, "shm", f"gdsload {backend}", "threads=16 shuffle=False", run, repeats=3)
+            run.close()
+        record(tag, "shm", "torch DataLoader", "num_workers=8 pin_memory", torch_run(shm, 8, False, None))
+    finally:
+        shutil.rmtree(args.shm, ignore_errors=True)
+    posix_read(paths, False, True)
+    for backend in ("kvikio", "pinned"):
+        probe = gdsload_run(path, backend, False, None)
+        probe()
+        r = probe()
+        probe.close()
+        batch_read_ms = r["seconds"] / -(-r["samples"] // BATCH) * 1e3
+        for factor in (1.5, 3.0):
+            step = Spin(batch_read_ms * factor)
+            run = gdsload_run(path, backend, False, step)
+            run()
+            record(tag, "warm", f"gdsload {backend} + training step", f"step = {factor} x batch read time "
+                   f"({batch_read_ms * factor:.2f} ms)", run, step_ms=round(batch_read_ms * factor, 3))
+            run.close()
+        cupy.get_default_memory_pool().free_all_blocks()
+    step = Spin(5.0)
+    record(tag, "warm", "torch DataLoader + training step", "num_workers=8, step 5 ms",
+           torch_run(path, 8, False, step), step_ms=5.0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
