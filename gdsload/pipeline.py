@@ -111,6 +111,7 @@ class EpochStats:
     bytes_read: int = 0
     wall_s: float = 0.0
     stall_s: float = 0.0
+    first_batch_s: float = 0.0  # part of stall_s: waiting for the first window of the pass
 
     @property
     def gb_per_s(self) -> float:
@@ -119,6 +120,7 @@ class EpochStats:
     def as_dict(self) -> dict[str, Any]:
         return {"io_mode": self.io_mode, "batches": self.batches, "samples": self.samples,
                 "bytes_read": self.bytes_read, "wall_s": self.wall_s, "stall_s": self.stall_s,
+                "first_batch_s": self.first_batch_s,
                 "gb_per_s": self.gb_per_s}
 
 
@@ -232,7 +234,10 @@ class Pipeline:
             except queue.Empty:
                 if self._stop.is_set():
                     raise GDSLoadError(_CLOSED) from None
-        self.stats.stall_s += time.perf_counter() - t0
+        waited = time.perf_counter() - t0
+        self.stats.stall_s += waited
+        if self.stats.batches == 0:
+            self.stats.first_batch_s += waited
         if isinstance(item, _Failure):
             e = item.error
             msg = str(e) if isinstance(e, ReadError) else f"{type(e).__name__}: {e}"
