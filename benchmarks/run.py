@@ -326,7 +326,9 @@ def main() -> int:
             for regime in regimes:
                 record(tag, regime, "naive np.fromfile + cupy.asarray", "per shard file", naive_run(paths))
             if label == "1GiB":
-                _shm_and_stall(args, path, tag, record, paths)
+                _shm(args, path, tag, record)
+            else:
+                _stall(path, tag, record, paths)
             save()
             print(f"elapsed {time.perf_counter() - started:.0f} s", flush=True)
 
@@ -343,11 +345,8 @@ def _ceiling(result: tuple[int, float], io_mode: str) -> dict:
     return {"bytes": nbytes, "samples": None, "seconds": dt, "stall_s": None, "io_mode": io_mode}
 
 
-def _shm_and_stall(args: argparse.Namespace, path: str, tag: str, record: Callable[..., Any],
-                   paths: list[str]) -> None:
-    """The /dev/shm regime (storage faster than this disk) and the stall of a simulated training step."""
-    import cupy
-
+def _shm(args: argparse.Namespace, path: str, tag: str, record: Callable[..., Any]) -> None:
+    """The /dev/shm regime: storage faster than this machine's disk (tmpfs)."""
     shm = os.path.join(args.shm, os.path.basename(path))
     shutil.rmtree(args.shm, ignore_errors=True)
     shutil.copytree(path, shm)
@@ -360,6 +359,12 @@ def _shm_and_stall(args: argparse.Namespace, path: str, tag: str, record: Callab
         record(tag, "shm", "torch DataLoader", "num_workers=8 pin_memory", torch_run(shm, 8, False, None))
     finally:
         shutil.rmtree(args.shm, ignore_errors=True)
+
+
+def _stall(path: str, tag: str, record: Callable[..., Any], paths: list[str]) -> None:
+    """How long a simulated training step waits for data when it is slower than reading a batch."""
+    import cupy
+
     posix_read(paths, False, True)
     for backend in ("kvikio", "pinned"):
         probe = gdsload_run(path, backend, False, None)
