@@ -86,9 +86,10 @@ def plot(doc: dict[str, Any], png: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in doc["results"] if "gb_per_s" in r and r["dataset"] in ("-",) + tuple(
-        sorted({x["dataset"] for x in doc["results"] if x["dataset"].endswith("-4MiB")})[:1])
-        and "training step" not in r["name"]]
+    main = max({x["dataset"] for x in doc["results"] if x["dataset"].endswith("-4MiB")},
+               key=lambda d: float(d.split("GiB")[0]))  # the largest dataset with the default block size
+    rows = [r for r in doc["results"] if "gb_per_s" in r and r["dataset"] in ("-", main)
+            and "training step" not in r["name"]]
     labels = [f"{r['name']} [{r['regime']}] {r['config']}" for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(15, 0.32 * len(rows) + 1.8), sharey=True)
     colors = ["#888888" if "ceiling" in r["name"] or "raw" in r["name"] else
@@ -100,7 +101,8 @@ def plot(doc: dict[str, Any], png: str) -> None:
     axes[0].set_yticks(range(len(rows)), labels, fontsize=7)
     axes[0].invert_yaxis()
     m = doc["machine"]
-    fig.suptitle(f"{m.get('gpu')}, io mode {m.get('io_mode')}, {doc['date']} ({doc['mode']})", fontsize=10)
+    fig.suptitle(f"{m.get('gpu')}, io mode {m.get('io_mode')}, dataset {main}, batch {doc['batch_size']}, "
+                 f"{doc['date']} ({doc['mode']})", fontsize=10)
     fig.tight_layout()
     fig.savefig(png, dpi=100)
 
