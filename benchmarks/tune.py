@@ -4,7 +4,9 @@
     python benchmarks/tune.py --data /path/on/nvme --out benchmarks/results
 
 Writes ``tune-<date>-<gpu>.json``: best-of-N GB/s and consumer stall per configuration. Used to choose the
-defaults; bench_read.py is the benchmark of record.
+defaults; run.py is the benchmark of record. (tune-2026-11-23-*.json predates the current meaning of
+``prefetch``: there it counted window buffers, which are now ``prefetch`` + the windows one batch spans;
+it also compared ways of handing the GIL to reader threads, which made no difference and were dropped.)
 """
 
 from __future__ import annotations
@@ -59,12 +61,8 @@ def main() -> int:
     cupy.get_default_memory_pool().free_all_blocks()
     print(json.dumps(rows), flush=True)
 
-    import gdsload.pipeline
-
-    for backend, window_mib, prefetch, threads, gil in itertools.product(
-            ("kvikio", "pinned"), (128, 256), (4, 6), (16,), ("yield", "no-yield", "switch-0.5ms")):
-        gdsload.pipeline.YIELD_GIL_PER_BATCH = gil == "yield"
-        sys.setswitchinterval(0.0005 if gil == "switch-0.5ms" else 0.005)
+    for backend, window_mib, prefetch, threads in itertools.product(
+            ("kvikio", "pinned"), (128, 256), (1, 2, 4), (16,)):
         ds = GDSDataset(path, batch_size=256, backend=backend, prefetch=prefetch,
                         window_blocks=max(1, (window_mib << 20) // read_metadata(path).fields["image"].block_bytes),
                         backend_options={"num_threads": threads})
@@ -77,8 +75,9 @@ def main() -> int:
             return r
 
         gbps, secs = best_of(run)
-        row = {"config": f"{backend} window={window_mib}MiB prefetch={prefetch} threads={threads} gil={gil}",
-               "backend": backend, "window_mib": window_mib, "prefetch": prefetch, "threads": threads, "gil": gil,
+        row = {"config": f"{backend} window={window_mib}MiB prefetch={prefetch} threads={threads}",
+               "backend": backend, "window_mib": window_mib, "prefetch": prefetch, "buffers": len(ds._slots),
+               "threads": threads,
                "gb_per_s": gbps, "stall_fraction": round(min(stall), 3)}
         rows.append(row)
         print(json.dumps(row), flush=True)
