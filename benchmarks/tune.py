@@ -35,6 +35,7 @@ def main() -> int:
     ap.add_argument("--size-gib", type=float, default=8.0)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--backends", default="kvikio,pinned")
     args = ap.parse_args()
     import cupy
     import kvikio.defaults
@@ -62,7 +63,7 @@ def main() -> int:
     print(json.dumps(rows), flush=True)
 
     for backend, window_mib, prefetch, threads in itertools.product(
-            ("kvikio", "pinned"), (128, 256), (1, 2, 4), (16,)):
+            args.backends.split(","), (128, 256), (1, 2, 4), (16,)):
         ds = GDSDataset(path, batch_size=256, backend=backend, prefetch=prefetch,
                         window_blocks=max(1, (window_mib << 20) // read_metadata(path).fields["image"].block_bytes),
                         backend_options={"num_threads": threads})
