@@ -62,7 +62,6 @@ class PinnedBackend(Backend):
         with cupy.cuda.Device(device_id):
             self.stream = cupy.cuda.Stream(non_blocking=True)
         self._local = threading.local()
-        self._spare_events: list[Any] = []  # per-load events, recycled once a window's wait is queued
         self._streams: list[Any] = []
         self._streams_lock = threading.Lock()
         self._files = FileHandles()
@@ -105,12 +104,7 @@ class PinnedBackend(Backend):
         for at, p in group:
             self.cupy.cuda.runtime.memcpyAsync(dest_ptr + p.dest_offset, base + at, p.nbytes, _H2D, stream.ptr)
         self.pool.events[slot].record(stream)
-        try:
-            event = self._spare_events.pop()  # list.pop is atomic: no lock needed
-        except IndexError:
-            event = self.cupy.cuda.Event(disable_timing=True)  # creating events was 14 % of reader time
-        event.record(stream)
-        return event
+        return stream.record()
 
     def _load(self, dest_ptr: int, group: list[tuple[int, ReadRequest]], stop: threading.Event) -> Any:
         """Read a group of pieces into one slot, then queue their copies; returns the copies' event."""
@@ -141,13 +135,10 @@ class PinnedBackend(Backend):
             # Exactly this window's copies: waiting on whole streams would also wait for the next
             # windows' copies queued behind them, and hold the consumer back.
             with self.cupy.cuda.Device(self.device_id):
-                events = [e for e in copied if e is not None]
-                for event in events:
-                    self.stream.wait_event(event)
-                window_done = self.stream.record()
-            # A wait holds on to the record it saw when queued, so the events can be recorded again.
-            self._spare_events.extend(events)
-            return window_done
+                for event in copied:
+                    if event is not None:
+                        self.stream.wait_event(event)
+                return self.stream.record()
 
         return TaskGroup(self._executor, [task(g) for g in pack(pieces, self.pool.slot_bytes)], stop, done)
 
