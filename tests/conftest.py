@@ -49,6 +49,22 @@ def reader_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("gdsload-reader")]
 
 
+def break_then_close(ds, check: Callable[[dict], object] = lambda b: None, stop_after: int = 4):
+    """Leave a pass early (break), start another, take one batch, close the dataset: no reader thread
+    may outlive either exit. Returns the second iterator, still unfinished."""
+    for i, b in enumerate(ds):
+        check(b)
+        if i + 1 == stop_after:
+            assert reader_threads(), "a reader runs ahead while the consumer works"
+            break
+    assert wait_no_readers() == []
+    it = iter(ds)
+    next(it)
+    ds.close()
+    assert wait_no_readers() == []
+    return it
+
+
 def wait_no_readers(timeout_s: float = 2.0) -> list[threading.Thread]:
     """Reader threads still alive after ``timeout_s`` (should be none)."""
     deadline = time.monotonic() + timeout_s

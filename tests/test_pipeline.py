@@ -13,7 +13,7 @@ import threading
 import numpy as np
 import pytest
 
-from conftest import labelled, reader_threads, wait_no_readers
+from conftest import break_then_close, labelled, reader_threads, wait_no_readers
 from gdsload import GDSDataset, GDSLoadError, ReadError
 from gdsload.plan import epoch_plan
 
@@ -178,15 +178,7 @@ def test_threads_stop_on_break_close_and_gc(data_path):
     path, _ = data_path
     before = threading.active_count()
     ds = Dataset(path, batch_size=8, backend="cpu", window_blocks=1)
-    for i, _ in enumerate(ds):
-        if i == 3:
-            assert reader_threads(), "a reader runs ahead while the consumer works"
-            break
-    assert wait_no_readers() == []
-    it = iter(ds)
-    next(it)
-    ds.close()
-    assert wait_no_readers() == []
+    it = break_then_close(ds)
     assert threading.active_count() == before, "close() stops the backend's pool too"
     with pytest.raises(GDSLoadError, match="iterator was closed"):
         next(it)
