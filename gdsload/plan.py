@@ -10,6 +10,7 @@ recomputing the plan and skipping batches; no index arrays are ever stored.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -62,8 +63,12 @@ class EpochPlan:
 
     def segment_table(self) -> list[list[tuple[int, int, int, int]]]:
         """Every batch's segments as ``(window, start, stop, first_slot)``, ``first_slot`` being -1 unless
-        the slots are consecutive (then the gather is one copy). Computed for the whole epoch at once so
-        the consumer's per-batch work is a list lookup."""
+        the slots are consecutive (then the gather is one copy). Computed for the whole epoch at once, and
+        once per plan, so the consumer's per-batch work is a list lookup."""
+        return self._segments
+
+    @cached_property
+    def _segments(self) -> list[list[tuple[int, int, int, int]]]:
         n, b = len(self.slots), self.config.batch_size
         if n == 0:
             return []
@@ -91,12 +96,8 @@ class EpochPlan:
         return last
 
     def max_windows_per_batch(self) -> int:
-        if not len(self.window_of):
-            return 1
-        b = self.config.batch_size
-        firsts = self.window_of[::b]
-        lasts = self.window_of[np.minimum(np.arange(b - 1, len(self.window_of) + b - 1, b), len(self.window_of) - 1)]
-        return int((lasts - firsts).max()) + 1
+        """Windows one batch draws from, at most: a batch has one segment per window."""
+        return max((len(rows) for rows in self._segments), default=1)
 
     def sample_ids(self) -> np.ndarray:
         """Global sample index of every stream position (for tests and checks; the pipeline never needs it)."""
