@@ -50,10 +50,14 @@ def _check_dtype(src: Source) -> np.dtype:
     return dt.newbyteorder("<") if dt.itemsize > 1 else dt
 
 
+def _check_name(name: str, origin: str) -> None:
+    if not name or "/" in name or name.startswith(".") or name.startswith("__"):
+        raise ConversionError(f"{origin}: invalid field name '{name}'")
+
+
 def _validate_ragged(name: str, r: RaggedSource) -> int:
     """Check a variable-length field; returns its number of samples."""
-    if not name or "/" in name or name.startswith(".") or name.startswith("__"):
-        raise ConversionError(f"{r.origin}: invalid field name '{name}'")
+    _check_name(name, r.origin)
     _check_dtype(r.values)
     off = r.offsets
     if off.ndim != 1 or len(off) < 2:
@@ -72,12 +76,12 @@ def _validate(sources: Mapping[str, Source], ragged: Mapping[str, RaggedSource] 
     ragged = ragged or {}
     if not sources and not ragged:
         raise ConversionError("no input arrays (empty input)")
-    for name in set(sources) & set(ragged):
-        raise ConversionError(f"{ragged[name].origin}: field '{name}' given twice")
+    twice = sorted(set(sources) & set(ragged))
+    if twice:
+        raise ConversionError(f"{ragged[twice[0]].origin}: field '{twice[0]}' given twice")
     counts = {name: _validate_ragged(name, r) for name, r in ragged.items()}
     for name, src in sources.items():
-        if not name or "/" in name or name.startswith(".") or name.startswith("__"):
-            raise ConversionError(f"{src.origin}: invalid field name '{name}'")
+        _check_name(name, src.origin)
         _check_dtype(src)
         if len(src.shape) == 0:
             raise ConversionError(f"{src.origin}: is a scalar (expected an array with samples on axis 0)")
@@ -92,12 +96,10 @@ def _validate(sources: Mapping[str, Source], ragged: Mapping[str, RaggedSource] 
     return next(iter(counts.values()))
 
 
-def _write_shard(path: str, src: Source, first_sample: int, stop_sample: int, block_bytes: int,
+def _write_shard(path: str, src: Source, dtype: np.dtype, first_sample: int, stop_sample: int, block_bytes: int,
                  blocks_per_shard: int, slice_samples: int, progress: Callable[[int], None]) -> None:
     """Write one shard file: whole blocks back to back (the last padded with zeros), then the index."""
-    spb_bytes = block_bytes
     n_bytes = 0
-    dtype = _check_dtype(src)
     with open(path, "wb") as f:
         pos = first_sample
         while pos < stop_sample:
@@ -108,13 +110,13 @@ def _write_shard(path: str, src: Source, first_sample: int, stop_sample: int, bl
             n_bytes += len(buf)
             progress(len(buf))
             pos = end
-        pad = -n_bytes % spb_bytes
+        pad = -n_bytes % block_bytes
         if pad:
             f.write(bytes(pad))  # the fill value is zero: pad the final partial block to full size
-        n_blocks = (n_bytes + pad) // spb_bytes
+        n_blocks = (n_bytes + pad) // block_bytes
         table = np.full((blocks_per_shard, 2), MAX_UINT_64, dtype=np.uint64)
-        table[:n_blocks, 0] = np.arange(n_blocks, dtype=np.uint64) * np.uint64(spb_bytes)
-        table[:n_blocks, 1] = spb_bytes
+        table[:n_blocks, 0] = np.arange(n_blocks, dtype=np.uint64) * np.uint64(block_bytes)
+        table[:n_blocks, 1] = block_bytes
         f.write(encode_shard_index(table))
 
 
@@ -210,7 +212,8 @@ def _write_array(group, tmp: str, key: str, src: Source, dtype: np.dtype, rows: 
         path = os.path.join(tmp, *key.split("/"), "c", str(shard), *(["0"] * len(shape)))
         os.makedirs(os.path.dirname(path), exist_ok=True)
         first = shard * cps * per_chunk
-        _write_shard(path, src, first, min(first + cps * per_chunk, rows), chunk_bytes, cps, slice_rows, progress)
+        _write_shard(path, src, dtype, first, min(first + cps * per_chunk, rows), chunk_bytes, cps, slice_rows,
+                     progress)
 
 
 def _inside(child: str, parent: str) -> bool:
