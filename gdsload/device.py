@@ -6,9 +6,8 @@ pipeline code runs on machines without a GPU.
 
 from __future__ import annotations
 
-from typing import Any
-
 import contextlib
+from typing import Any
 
 import numpy as np
 
