@@ -12,6 +12,10 @@ import sys
 from typing import Any
 
 
+#: Each gdsload backend's default configuration as labelled in the results (run.py writes these labels).
+DEFAULT_CONFIG = {"kvikio": "threads=16 shuffle=False", "pinned": "threads=16 shuffle=False", "mmap": "shuffle=False"}
+
+
 def _get(rows: list[dict], **match: Any) -> list[dict]:
     return [r for r in rows if "gb_per_s" in r and all(r.get(k) == v for k, v in match.items())]
 
@@ -24,9 +28,10 @@ def targets(doc: dict[str, Any]) -> list[str]:
         page = _get(rows, dataset=ds, name="ceiling: page cache -> pinned")
         disk = _get(rows, dataset=ds, name="ceiling: O_DIRECT disk read")
         torch_warm = _get(rows, dataset=ds, regime="warm", name="torch DataLoader")
-        for backend in ("kvikio", "pinned"):
-            warm = _get(rows, dataset=ds, regime="warm", name=f"gdsload {backend}", config="threads=16 shuffle=False")
-            cold = _get(rows, dataset=ds, regime="cold", name=f"gdsload {backend}", config="threads=16 shuffle=False")
+        for backend, config in DEFAULT_CONFIG.items():
+            warm = _get(rows, dataset=ds, regime="warm", name=f"gdsload {backend}", config=config)
+            cold = [r for r in rows if "gb_per_s" in r and r["dataset"] == ds and r["regime"] == "cold"
+                    and r["name"] == f"gdsload {backend}" and r["config"].startswith(config)]
             if warm and h2d and page:
                 ceiling = min(h2d[0]["gb_per_s"], page[0]["gb_per_s"])
                 v = warm[0]["gb_per_s"]
@@ -46,10 +51,13 @@ def targets(doc: dict[str, Any]) -> list[str]:
                 out.append(f"{ds} {backend} cold: {v} GB/s = {v / disk[0]['gb_per_s']:.0%} of O_DIRECT "
                            f"{disk[0]['gb_per_s']} (target 90 %) -> {'met' if v >= 0.9 * disk[0]['gb_per_s'] else 'MISSED'}")
             for r in _get(rows, dataset=ds, name=f"gdsload {backend} + training step"):
-                steady = r.get("steady_stall_fraction")
-                out.append(f"{ds} {backend} stall with {r['config']}: {r['stall_fraction']:.1%} of the pass, "
-                           f"{steady:.1%} after its first batch (target <= 2 %) -> "
-                           f"{'met' if r['stall_fraction'] <= 0.02 else 'met after the first batch' if steady <= 0.02 else 'MISSED'}")
+                wait = r.get("wait_fraction")
+                if wait is None:
+                    out.append(f"{ds} {backend} stall with {r['config']}: not measured from outside in this run")
+                    continue
+                out.append(f"{ds} {backend} waiting with {r['config']}: {wait:.1%} of the pass beyond the steps "
+                           f"alone (gdsload's own count of host waits: {r['stall_fraction']:.1%}; target <= 2 %) -> "
+                           f"{'met' if wait <= 0.02 else 'MISSED'}")
     return out
 
 
@@ -61,21 +69,29 @@ def markdown(doc: dict[str, Any]) -> str:
              f"**{m.get('io_mode')}**; {m.get('cpu_cores')} cores; data on `{m.get('data_filesystem')}`; "
              f"batch {doc['batch_size']} samples of {doc['sample_bytes']} bytes; page cache dropped for cold "
              f"runs: {doc['page_cache_dropped']}; run took {doc['elapsed_s']} s. Best of the repeats.", "",
-             "Stall: share of the pass the consumer waited for data (after the first batch in brackets).", "",
-             "| dataset | cache | what | config | io mode | GB/s | samples/s | CPU core-s/GB | stall | peak pinned |",
-             "|---|---|---|---|---|---:|---:|---:|---:|---:|"]
+             "Stall: gdsload's own count of the time its consumer blocked on the host for data, as a share of "
+             "the pass (after the first batch in brackets). Waiting: with a training step, the pass's wall time "
+             "beyond the same steps run alone, as a share of the pass: it also sees device-side waits. "
+             "Pinned: gdsload's peak pinned host memory (mmap: the dataset's files, locked at open; open took "
+             "the seconds given).", "",
+             "| dataset | cache | what | config | io mode | GB/s | samples/s | CPU core-s/GB | stall | waiting "
+             "| pinned |",
+             "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in doc["results"]:
         if "error" in r:
             lines.append(f"| {r['dataset']} | {r['regime']} | {r['name']} | {r['config']} | failed: "
-                         f"{r['error'][:80]} | | | | | |")
+                         f"{r['error'][:80]} | | | | | | |")
             continue
         stall = f"{r['stall_fraction']:.1%}" if r.get("stall_fraction") is not None else ""
         if r.get("steady_stall_fraction") is not None:
             stall += f" ({r['steady_stall_fraction']:.1%})"
         pinned = f"{r['peak_pinned_bytes'] / 2**20:.0f} MiB" if r.get("peak_pinned_bytes") else ""
+        if r.get("register_s") is not None:
+            pinned += f" (open {r['register_s']} s)"
+        wait = f"{r['wait_fraction']:.1%}" if r.get("wait_fraction") is not None else ""
         lines.append(f"| {r['dataset']} | {r['regime']} | {r['name']} | {r['config']} | {r['io_mode']} | "
                      f"{r['gb_per_s']} | {r.get('samples_per_s') or ''} | {r.get('cpu_core_s_per_gb', '')} | "
-                     f"{stall} | {pinned} |")
+                     f"{stall} | {wait} | {pinned} |")
     lines += ["", "## Targets", ""] + [f"- {t}" for t in targets(doc)]
     return "\n".join(lines) + "\n"
 

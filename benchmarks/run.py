@@ -4,13 +4,15 @@
     python benchmarks/run.py --quick          # minutes: 1 GiB, warm/cold/shm, main contenders
     python benchmarks/run.py --full           # + 16 GiB dataset, 1/4/16 MiB blocks, thread counts
 
-Contenders: gdsload kvikio and pinned; torch DataLoader over the same blocks (num_workers 0/4/8,
+Contenders: gdsload kvikio, pinned and mmap (dataset locked in RAM at open; its cold figure is open + one
+pass); torch DataLoader over the same blocks (num_workers 0/4/8,
 pin_memory=True, then .to("cuda", non_blocking=True)); zarr-python + cupy.asarray (and zarr's GPU
 buffers if they work here); naive np.fromfile + cupy.asarray. Ceilings: O_DIRECT disk read, page-cache
 read into pinned memory, pinned host-to-device copy. Figures: GB/s into device memory, samples/s,
 CPU core-seconds per GB (this process and its finished children: DataLoader workers), gdsload's peak
-pinned bytes, and the share of time a simulated training step (a GPU kernel of fixed duration per batch)
-waited for data. Writes benchmarks/results/<date>-<gpu>.json, .md and .png (and prints every line).
+pinned bytes, and with a simulated training step (a GPU kernel of fixed duration per batch) the share of
+time spent waiting for data: wall time beyond the same steps run alone (and gdsload's own count of the time
+its consumer blocked on the host). Writes benchmarks/results/<date>-<gpu>.json, .md and .png (and prints every line).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 from bench_read import drop_caches, make_dataset, naive, posix_read, raw_kvikio  # noqa: E402
+from report_suite import DEFAULT_CONFIG, render  # noqa: E402
 
 from gdsload import GDSDataset, read_metadata  # noqa: E402
 from gdsload.format import DatasetLayout  # noqa: E402
@@ -41,6 +44,7 @@ from gdsload.sysinfo import pinned_h2d_gbps, system_info  # noqa: E402
 
 SAMPLE_BYTES = 224 * 224 * 3
 BATCH = 256
+GDSLOAD_BACKENDS = tuple(DEFAULT_CONFIG)
 
 
 def cpu_seconds() -> float:
@@ -58,6 +62,7 @@ class Spin:
         self.cupy = cupy
         khz = cupy.cuda.runtime.getDeviceProperties(0)["clockRate"]
         self.cycles = int(ms * khz)
+        self._alone: dict[int, float] = {}
         self.kernel = cupy.RawKernel(r"""
         extern "C" __global__ void spin(long long cycles) {
             long long t0 = clock64();
@@ -67,6 +72,18 @@ class Spin:
     def __call__(self) -> None:
         self.kernel((1,), (1,), (np.int64(self.cycles),))
         self.cupy.cuda.get_current_stream().synchronize()
+
+    def alone(self, steps: int) -> float:
+        """Seconds ``steps`` steps take with no loader running: a pass's wall time beyond this is time spent
+        waiting for data, seen from outside (host waits, device-side waits and gather work alike). Measured
+        once per step count; call it before the measured pass so its CPU time is not counted there."""
+        if steps not in self._alone:
+            self()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                self()
+            self._alone[steps] = time.perf_counter() - t0
+        return self._alone[steps]
 
 
 # -- contenders: each returns (bytes into device memory, samples, seconds, stall seconds, extra) -------
@@ -89,10 +106,29 @@ def gdsload_run(path: str, backend: str, shuffle: bool, step: Spin | None, **opt
         if backend == "pinned":
             extra["peak_pinned_bytes"] = ds.backend.pool.peak_bytes_in_use
             extra["pinned_pool_bytes"] = ds.backend.pool.total_bytes
+        if backend == "mmap":
+            extra["peak_pinned_bytes"] = ds.backend.pinned_bytes  # the whole dataset, locked at open
+            extra["register_s"] = round(ds.backend.register_s, 3)
+        if step is not None:
+            extra["wait_s"] = max(0.0, wall - step.alone(ds.stats.batches))
         return {"bytes": ds.stats.bytes_read, "samples": n, "seconds": wall, "stall_s": ds.stats.stall_s, **extra}
 
     run.close = ds.close  # type: ignore[attr-defined]
     return run
+
+
+def mmap_open_and_pass(path: str, shuffle: bool) -> dict:
+    """The mmap backend from a cold cache: it reads the files while it locks them at open, so its cold
+    figure is open + one pass (a pass alone would replay what the open already loaded)."""
+    t0 = time.perf_counter()
+    run = gdsload_run(path, "mmap", shuffle, None)
+    opened = time.perf_counter() - t0
+    try:
+        r = run()
+    finally:
+        run.close()
+    return {**r, "seconds": opened + r["seconds"], "first_batch_s": opened + r["first_batch_s"],
+            "stall_s": opened + r["stall_s"]}
 
 
 class TorchBlocks:
@@ -152,7 +188,9 @@ def torch_run(path: str, workers: int, shuffle: bool, step: Spin | None) -> Call
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
         del it, loader
-        return {"bytes": nbytes, "samples": n, "seconds": wall, "stall_s": stall, "io_mode": "posix-pageable"}
+        extra = {"wait_s": max(0.0, wall - step.alone(len(blocks)))} if step is not None else {}
+        return {"bytes": nbytes, "samples": n, "seconds": wall, "stall_s": stall, "io_mode": "posix-pageable",
+                **extra}
 
     return run
 
@@ -260,7 +298,10 @@ def main() -> int:
                # after the first batch: the pass's steady state, without the wait for its first window
                "steady_stall_fraction": round((r["stall_s"] - r["first_batch_s"]) / (r["seconds"] - r["first_batch_s"]),
                                               4) if r.get("first_batch_s") is not None else None,
-               **{k: v for k, v in r.items() if k in ("peak_pinned_bytes", "pinned_pool_bytes", "window_blocks")},
+               # with a training step: wall time beyond the same steps run alone, over wall time
+               "wait_fraction": round(r["wait_s"] / r["seconds"], 4) if r.get("wait_s") is not None else None,
+               **{k: v for k, v in r.items() if k in ("peak_pinned_bytes", "pinned_pool_bytes", "window_blocks",
+                                                      "register_s")},
                **extra}
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -298,15 +339,22 @@ def main() -> int:
             cupy.get_default_memory_pool().free_all_blocks()
             threads = [8, 16, 32] if args.full and main_block and label == "1GiB" else [16]
             kvikio.defaults.set({"num_threads": 16, "task_size": 4 << 20})
-            for backend in ("kvikio", "pinned"):
-                for t in threads:
+            for backend in GDSLOAD_BACKENDS:
+                for t in threads if backend != "mmap" else [0]:
                     for shuffle in ([False, True] if main_block else [False]):
-                        run = gdsload_run(path, backend, shuffle, None, backend_options={"num_threads": t})
+                        config = f"threads={t} shuffle={shuffle}" if t else f"shuffle={shuffle}"
+                        if backend == "mmap" and "cold" in regimes and not shuffle:
+                            record(tag, "cold", "gdsload mmap", config + " (open + pass)",
+                                   lambda: mmap_open_and_pass(path, shuffle))
+                        run = gdsload_run(path, backend, shuffle, None,
+                                          backend_options={"num_threads": t} if t else None)
                         run()  # first pass of the process: CUDA modules, kernels and buffers set up
                         for regime in regimes if not shuffle else ["warm"]:
                             if regime == "warm":
                                 run()
-                            record(tag, regime, f"gdsload {backend}", f"threads={t} shuffle={shuffle}", run,
+                            elif backend == "mmap":
+                                continue  # measured above: its files are locked, a dropped cache is no cold start
+                            record(tag, regime, f"gdsload {backend}", config, run,
                                    repeats=3 if regime == "warm" else 1)
                         run.close()
                         cupy.get_default_memory_pool().free_all_blocks()
@@ -333,8 +381,6 @@ def main() -> int:
             print(f"elapsed {time.perf_counter() - started:.0f} s", flush=True)
 
     save()
-    from report_suite import render
-
     render(base + ".json")
     print(f"wrote {base}.json", flush=True)
     return 0
@@ -351,10 +397,10 @@ def _shm(args: argparse.Namespace, path: str, tag: str, record: Callable[..., An
     shutil.rmtree(args.shm, ignore_errors=True)
     shutil.copytree(path, shm)
     try:
-        for backend in ("kvikio", "pinned"):
+        for backend in GDSLOAD_BACKENDS:
             run = gdsload_run(shm, backend, False, None)
             run()
-            record(tag, "shm", f"gdsload {backend}", "threads=16 shuffle=False", run, repeats=3)
+            record(tag, "shm", f"gdsload {backend}", DEFAULT_CONFIG[backend], run, repeats=3)
             run.close()
         record(tag, "shm", "torch DataLoader", "num_workers=8 pin_memory", torch_run(shm, 8, False, None))
     finally:
@@ -366,7 +412,7 @@ def _stall(path: str, tag: str, record: Callable[..., Any], paths: list[str]) ->
     import cupy
 
     posix_read(paths, False, True)
-    for backend in ("kvikio", "pinned"):
+    for backend in GDSLOAD_BACKENDS:
         probe = gdsload_run(path, backend, False, None)
         probe()
         r = probe()
@@ -375,12 +421,13 @@ def _stall(path: str, tag: str, record: Callable[..., Any], paths: list[str]) ->
         for factor in (1.5, 3.0):
             step = Spin(batch_read_ms * factor)
             run = gdsload_run(path, backend, False, step)
-            run()
+            run()  # also times the steps alone (Spin.alone), outside the measured pass
             record(tag, "warm", f"gdsload {backend} + training step", f"step = {factor} x batch read time "
                    f"({batch_read_ms * factor:.2f} ms)", run, step_ms=round(batch_read_ms * factor, 3))
             run.close()
         cupy.get_default_memory_pool().free_all_blocks()
     step = Spin(5.0)
+    step.alone(read_metadata(path).num_blocks)  # the DataLoader yields one block per step
     record(tag, "warm", "torch DataLoader + training step", "num_workers=8, step 5 ms",
            torch_run(path, 8, False, step), step_ms=5.0)
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .backends import BACKENDS
 from .errors import GDSLoadError
 
 _UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
@@ -199,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="write a small synthetic dataset and read one epoch of it")
     demo.add_argument("--samples", type=int, default=8192)
     demo.add_argument("--batch-size", type=int, default=256)
-    demo.add_argument("--backend", default="auto", choices=["auto", "cpu", "pinned", "kvikio"])
+    demo.add_argument("--backend", default="auto", choices=list(BACKENDS))
     demo.add_argument("--workdir", default=None, help="where the temporary dataset goes (default: system temp)")
     sub.add_parser("shard", help="convert arrays into a dataset (see 'gdsload shard --help')")
     args = p.parse_args(argv)

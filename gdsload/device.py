@@ -1,4 +1,5 @@
-"""The consumer's side of the device: its stream, the events that order it against the readers, gathers.
+"""Batch assembly on the device: the assembler's stream and gathers, and the events that order it against
+the readers (window filled / released) and against the consumer's stream (batch ready, memory reuse).
 
 Host arrays need none of this (numpy is synchronous), so :class:`HostOps` is all no-ops and the same
 pipeline code runs on machines without a GPU.
@@ -34,12 +35,20 @@ class HostOps:
 
     xp = np
 
+    # Called from the consumer's thread.
     def begin(self) -> None:
         """Called before each batch: pick up the consumer's current stream."""
 
+    def hand_over(self, ready: Any) -> None:
+        """Make the consumer's stream wait until an assembled batch is written."""
+
+    # Called from the assembler's thread.
     def scope(self) -> Any:
         """Context for one batch's work (device and stream made current once, not per call)."""
         return contextlib.nullcontext()
+
+    def fence(self) -> None:
+        """Order what follows after the work the consumer has queued so far (memory it freed may be reused)."""
 
     def record(self) -> Any:
         return None
@@ -78,10 +87,13 @@ class TorchHostOps(HostOps):
 
 
 class CudaOps:
-    """CuPy work issued on the consumer's current stream (CuPy's, or torch's for torch outputs).
+    """Gathers on the assembler's own non-blocking stream, handed to the consumer's current stream (CuPy's,
+    or torch's for torch outputs) through a "ready" event, so the user needs no synchronization of their own.
 
-    Every gather of a batch runs on that stream after it waited on the window's "filled" event, and the
-    window's "released" event is recorded on it, so the user needs no synchronization of their own.
+    The assembler's stream waits on a window's "filled" event before gathering from it and records the
+    window's "released" event after its last gather; before writing a batch it waits on an event recorded
+    on the consumer's stream, because the output memory may be memory the consumer freed (CuPy's pool hands
+    it back at once) while the consumer's queued work still reads it.
     """
 
     def __init__(self, device_id: int, output: str):
@@ -96,7 +108,13 @@ class CudaOps:
             import torch
 
             self.torch = torch
-        self.stream: Any = None
+        self.stream: Any = None  # the consumer's current stream, as of its latest batch
+        with self.device:
+            self.work = cupy.cuda.Stream(non_blocking=True)  # the assembler's
+            # Never given work: CuPy's pool keeps freed memory per stream it was allocated on, so arrays
+            # allocated "on" this one return, once the consumer drops them, to a pool only empty() draws
+            # from, and the assembler's own scratch never lands in memory the consumer may still read.
+            self.outputs = cupy.cuda.Stream(non_blocking=True)
 
     def _current_stream(self) -> Any:
         if self.torch is not None:
@@ -113,41 +131,51 @@ class CudaOps:
         return self.cupy.cuda.get_current_stream(self.device.id)
 
     def begin(self) -> None:
-        stream = self._current_stream()
-        if self.stream is not None and stream.ptr != self.stream.ptr:
-            # The consumer switched streams: work already queued on the old one must come first.
-            stream.wait_event(self.stream.record())
+        with self.device:
+            stream = self._current_stream()
+            if self.stream is not None and stream.ptr != self.stream.ptr:
+                # The consumer switched streams: work already queued on the old one must come first.
+                stream.wait_event(self.stream.record())
         self.stream = stream
+
+    def hand_over(self, ready: Any) -> None:
+        if ready is not None:
+            self.stream.wait_event(ready)
 
     def scope(self) -> Any:
         stack = contextlib.ExitStack()
         stack.enter_context(self.device)
-        stack.enter_context(self.stream)
+        stack.enter_context(self.work)
         return stack
+
+    def fence(self) -> None:
+        """Arrays from empty() may be memory the consumer dropped while its queued work still reads it:
+        the assembler's stream waits for everything the consumer has queued so far."""
+        self.work.wait_event(self.stream.record())
 
     def record(self) -> Any:
         with self.device:
-            return (self.stream or self._current_stream()).record()
+            return self.work.record()
 
     def wait(self, event: Any) -> None:
         if event is not None:
-            self.stream.wait_event(event)
+            self.work.wait_event(event)
 
     def synchronize(self, event: Any) -> None:
         if event is not None:
             event.synchronize()
 
     def index_array(self, a: np.ndarray) -> Any:
-        with self.device, self.stream:
+        with self.device, self.work:
             return self.cupy.asarray(a)
 
-    # Called inside scope(): the device and the consumer's stream are current.
+    # Called inside scope(): the device and the assembler's stream are current.
     def copy_rows(self, src: Any, first: int, out: Any) -> None:
         """Consecutive rows: one device-to-device memcpy."""
         if out.nbytes:
             row = src.nbytes // src.shape[0]
             self.cupy.cuda.runtime.memcpyAsync(out.data.ptr, src.data.ptr + first * row, out.nbytes, _D2D,
-                                               self.stream.ptr)
+                                               self.work.ptr)
 
     def take(self, src: Any, idx: Any, out: Any) -> None:
         """Rows moved as whole words (up to 16 bytes), not elements: a uint8 image row gathered byte by
@@ -155,10 +183,14 @@ class CudaOps:
         self.cupy.take(_as_words(src), idx, axis=0, out=_as_words(out))
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
-        return self.cupy.empty(shape, dtype=dtype)
+        """An array for the consumer (call fence() after allocating, before writing)."""
+        with self.outputs:
+            return self.cupy.empty(shape, dtype=dtype)
 
     def export(self, a: Any) -> Any:
+        """Called from the consumer's thread after hand_over(): the batch is ready on its stream."""
         if self.torch is None:
             return a
-        # Called inside scope(): CuPy's current stream is torch's, so DLPack adds no synchronization.
-        return self.torch.from_dlpack(a)
+        # CuPy's current stream made torch's, so DLPack adds no synchronization of its own.
+        with self.device, self.stream:
+            return self.torch.from_dlpack(a)

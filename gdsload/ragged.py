@@ -64,16 +64,15 @@ def gather(xp, take, values, starts, lengths, out) -> None:
     take(values, starts[i] + e - (ends[i] - lengths[i]), out)
 
 
-def pad(xp, flat, lengths, width: int, pad_value) -> object:
-    """(B, width, ...) array of each sample's values, cut at ``width`` and filled with ``pad_value``."""
-    b = len(lengths)
-    out = xp.full((b, width, *flat.shape[1:]), pad_value, dtype=flat.dtype)
+def pad(xp, flat, lengths, pad_value, out) -> None:
+    """Write each sample's values into ``out`` (B, width, ...), cut at ``width`` and filled with ``pad_value``."""
+    width = out.shape[1]
+    out.fill(pad_value)
     if flat.shape[0] == 0 or width == 0:
-        return out
+        return
     ends = xp.cumsum(lengths)
     e = xp.arange(flat.shape[0], dtype=ends.dtype)
     row = xp.searchsorted(ends, e, side="right")
     col = e - (ends[row] - lengths[row])
     keep = col < width
     out[row[keep], col[keep]] = flat[keep]
-    return out

@@ -1,4 +1,4 @@
-"""GPU backends (kvikio, pinned): content, streams, torch, pinned-memory bounds, lifecycle, errors.
+"""GPU backends (kvikio, pinned, mmap): content, streams, torch, pinned-memory bounds, lifecycle, errors.
 
 Skipped without a CUDA GPU and CuPy. Run on the GPU machine with ``python3 -m pytest -m gpu``.
 """
@@ -21,7 +21,7 @@ from gdsload.writer import write_dataset
 # Small enough that "idx" is resident and "x" is read window by window: every test covers both paths.
 Dataset = functools.partial(GDSDataset, resident_bytes=32 << 10)
 pytestmark = pytest.mark.gpu
-BACKENDS = ["kvikio", "pinned"]
+BACKENDS = ["kvikio", "pinned", "mmap"]
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +111,29 @@ def test_consumer_on_a_non_default_cupy_stream(small, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_freed_batches_are_not_rewritten_while_the_consumer_still_reads_them(small, backend):
+    """Each batch is read ~1 ms after the consumer dropped it (a slow kernel queued first): the assembler,
+    which reuses that memory at once, must order its writes after the consumer's queued work."""
+    import cupy
+
+    path, data = small
+    spin = cupy.RawKernel(r"""
+    extern "C" __global__ void spin(long long cycles) {
+        long long t0 = clock64();
+        while (clock64() - t0 < cycles) { }
+    }""", "spin")
+    with cupy.cuda.Stream(non_blocking=True) as stream:
+        total = cupy.zeros((), dtype=cupy.float64)
+        with Dataset(path, batch_size=64, backend=backend, shuffle=True, window_blocks=2, batches_ahead=3) as ds:
+            for b in ds:
+                spin((1,), (1,), (np.int64(2_000_000),))
+                total += b["x"].sum(dtype=cupy.float64)
+            ids = epoch_plan(ds.config, 0).sample_ids()
+        stream.synchronize()
+    assert float(total) == pytest.approx(float(data["x"][ids].sum(dtype=np.float64)), rel=1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_torch_output_on_a_non_default_torch_stream(small, backend):
     torch = pytest.importorskip("torch")
     path, data = small
@@ -184,6 +207,8 @@ def test_lifecycle_threads_and_errors(small, backend, tmp_path):
     leftover = [t.name for t in threading.enumerate() if t not in before and not t.name.startswith("asyncio_")]
     assert not leftover, leftover
 
+    if backend == "mmap":
+        return  # it locked the files at open: a later truncation is test_mmap_locks_at_open_within_budget's
     with Dataset(broken, batch_size=16, backend=backend, window_blocks=2) as ds:
         shard = os.path.join(broken, "x", "c", "2", "0", "0")
         os.truncate(shard, 1000)
@@ -192,6 +217,34 @@ def test_lifecycle_threads_and_errors(small, backend, tmp_path):
                 check(b, data)
         assert shard in str(info.value) and "offset" in str(info.value)
     assert wait_no_readers() == []
+
+
+def test_mmap_locks_at_open_within_budget(small, tmp_path):
+    from gdsload import BackendUnavailable
+
+    path, data = small
+    with Dataset(path, batch_size=64, backend="mmap", shuffle=True) as ds:
+        shards = ds.layout.shard_paths()
+        assert ds.io_mode == "mmap-registered"
+        assert ds.backend.pinned_bytes == sum(os.path.getsize(p) for p in shards) and ds.backend.register_s > 0
+        first = [check(b, data) for b in ds]
+        backend = ds.backend
+    assert backend.pinned_bytes == 0, "close() unlocks every file"
+    assert sorted(np.concatenate(first).tolist()) == list(range(len(data["idx"])))
+    with pytest.raises(BackendUnavailable, match=r"would lock .* over its budget"):
+        Dataset(path, batch_size=64, backend="mmap", backend_options={"max_bytes": 4096})
+    assert wait_no_readers() == [] and not [t for t in threading.enumerate() if "gdsload" in t.name]
+
+    # Replacing the dataset while it is open (shard.py --overwrite renames a new folder into place and
+    # deletes the old one) leaves the locked files intact: the open dataset reads what it locked.
+    copy = str(tmp_path / "copy.gds")
+    write_dataset(copy, {k: ArraySource(k, v) for k, v in data.items()}, samples_per_block=16,
+                  shard_bytes=16 * 252 * 4, progress=False)
+    with Dataset(copy, batch_size=64, backend="mmap", shuffle=True) as ds:
+        write_dataset(copy, {k: ArraySource(k, v[::-1].copy()) for k, v in data.items()}, samples_per_block=16,
+                      shard_bytes=16 * 252 * 4, progress=False, overwrite=True)
+        seen = [check(b, data) for b in ds]
+    assert sorted(np.concatenate(seen).tolist()) == list(range(len(data["idx"])))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -39,6 +40,8 @@ def data_path(make_dataset):
     {"shuffle": True, "seed": 5, "window_blocks": 3},
     {"shuffle": True, "window_blocks": 4, "drop_last": True},
     {"prefetch": 4, "window_blocks": 2, "backend_options": {"num_threads": 3, "task_bytes": 100}},
+    {"batches_ahead": 1, "window_blocks": 2},
+    {"batches_ahead": 8, "shuffle": True, "window_blocks": 1, "prefetch": 1},  # assembler far ahead
 ])
 def test_epoch_matches_source_and_plan(data_path, options):
     path, data = data_path
@@ -55,6 +58,24 @@ def test_epoch_matches_source_and_plan(data_path, options):
         assert ds.stats.batches == len(batches) and ds.stats.samples == len(got)
         assert ds.stats.bytes_read >= data["x"][:len(got)].nbytes
         assert ds.io_mode == "cpu"
+
+
+def test_batches_are_assembled_ahead_of_the_consumer(data_path):
+    """While the consumer holds batch N, the assembler has the next ``batches_ahead`` ones ready, no more."""
+    path, data = data_path
+    with Dataset(path, batch_size=16, backend="cpu", window_blocks=2, batches_ahead=3) as ds:
+        it = iter(ds)
+        check_batch(next(it), data)
+        pipeline = ds._active[0]
+        deadline = time.monotonic() + 5
+        while not pipeline._assembled.full() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pipeline._assembled.qsize() == 3
+        time.sleep(0.1)
+        assert pipeline._assembled.qsize() == 3, "bounded: the assembler waits for the consumer"
+        for b in it:
+            check_batch(b, data)
+        assert ds.stats.batches == len(ds)
 
 
 def test_batches_are_fresh_arrays(data_path):
@@ -253,6 +274,8 @@ def test_bad_arguments(data_path):
         Dataset(path, batch_size=0, backend="cpu")
     with pytest.raises(ValueError, match="prefetch must be at least 1"):
         Dataset(path, batch_size=8, backend="cpu", prefetch=0)
+    with pytest.raises(ValueError, match="batches_ahead must be at least 1"):
+        Dataset(path, batch_size=8, backend="cpu", batches_ahead=0)
 
 
 def test_gpu_backend_without_gpu_is_a_clear_error(data_path):
@@ -263,10 +286,30 @@ def test_gpu_backend_without_gpu_is_a_clear_error(data_path):
     from gdsload import BackendUnavailable
 
     path, _ = data_path
-    for name in ("pinned", "kvikio"):
+    for name in ("pinned", "kvikio", "mmap"):
         with pytest.raises(BackendUnavailable, match=f"backend '{name}' needs a CUDA GPU"):
             Dataset(path, batch_size=8, backend=name)
     assert reader_threads() == []
+
+
+def test_backend_is_prepared_with_every_shard_it_may_read(data_path, monkeypatch):
+    """A backend that maps files (mmap) gets them all at open, and a failure there leaves nothing running."""
+    from gdsload.backends.cpu import CpuBackend
+
+    path, _ = data_path
+    seen = []
+    monkeypatch.setattr(CpuBackend, "prepare", lambda self, paths: seen.append(list(paths)))
+    with Dataset(path, batch_size=8, backend="cpu", fields=["x"]) as ds:
+        want = ds.layout.shard_paths()
+    assert seen == [want] and want and all(os.path.isfile(p) and "/x/" in p for p in want)
+
+    def refuse(self, paths):
+        raise ReadError(f"{paths[0]}: refused")
+
+    monkeypatch.setattr(CpuBackend, "prepare", refuse)
+    with pytest.raises(ReadError, match="refused"):
+        Dataset(path, batch_size=8, backend="cpu")
+    assert wait_no_readers() == [] and not [t for t in threading.enumerate() if t.name.startswith("gdsload-cpu")]
 
 
 def test_resident_fields_are_read_once(data_path):

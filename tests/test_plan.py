@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 
 import numpy as np
 import pytest
@@ -109,6 +110,33 @@ def test_coalesce_split_and_pack():
                                                                       (9192, 1808, 8199)]
     groups = pack([ReadRequest("f", i * 3000, 3000, i * 3000) for i in range(5)], 8192)
     assert [[at for at, _ in g] for g in groups] == [[0, 4096], [0, 4096], [0]]
+
+
+def test_mmap_copies_merge_split_and_stop_at_the_file_end():
+    from gdsload.backends.base import ReadRequest
+    from gdsload.backends.mapped import plan_copies
+    from gdsload.errors import ReadError
+
+    reads = [ReadRequest("a", 0, 100, 0), ReadRequest("a", 100, 100, 100), ReadRequest("b", 0, 300, 200)]
+    assert plan_copies(reads, {"a": 200, "b": 300}, 1 << 20) == [ReadRequest("a", 0, 200, 0),
+                                                                  ReadRequest("b", 0, 300, 200)]
+    assert plan_copies(reads, {"a": 200, "b": 300}, 128) == [
+        ReadRequest("a", 0, 100, 0), ReadRequest("a", 100, 100, 100), ReadRequest("b", 0, 128, 200),
+        ReadRequest("b", 128, 128, 328), ReadRequest("b", 256, 44, 456)]
+    with pytest.raises(ReadError, match="b: file ends at offset 250 \\(expected 300 bytes from offset 0\\)"):
+        plan_copies(reads, {"a": 200, "b": 250}, 1 << 20)
+    with pytest.raises(ReadError, match="b: not registered"):
+        plan_copies(reads, {"a": 200}, 1 << 20)
+
+
+def test_mmap_budget_is_checked_before_anything_is_locked():
+    from gdsload.backends.mapped import check_budget, default_budget
+    from gdsload.errors import BackendUnavailable
+
+    check_budget({"/d/x/c/0": 3 << 30, "/d/x/c/1": 1 << 30}, 4 << 30)
+    with pytest.raises(BackendUnavailable, match=r"lock 4.00 GiB of shard files in RAM \(/d/x.*budget of 3.00 GiB"):
+        check_budget({"/d/x/c/0": 3 << 30, "/d/x/c/1": 1 << 30}, 3 << 30)
+    assert 0 < default_budget() < os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 @pytest.mark.parametrize("shuffle", [False, True])

@@ -53,7 +53,8 @@ def test_gather_and_pad_in_numpy():
     out = np.empty(6, dtype=values.dtype)
     gather(np, lambda src, idx, o: np.take(src, idx, out=o), values, starts, lengths, out)
     assert out.tolist() == [50, 60, 120, 130, 140, 30]
-    padded = pad(np, out, lengths, 2, -1)
+    padded = np.empty((4, 2), dtype=out.dtype)
+    pad(np, out, lengths, -1, padded)
     assert padded.tolist() == [[50, 60], [-1, -1], [120, 130], [30, -1]]
 
 

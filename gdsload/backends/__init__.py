@@ -7,7 +7,7 @@ from typing import Any
 from ..errors import BackendUnavailable
 from .base import Backend
 
-BACKENDS = ("auto", "cpu", "pinned", "kvikio")
+BACKENDS = ("auto", "cpu", "pinned", "kvikio", "mmap")
 
 
 def gpu_available() -> bool:
@@ -77,4 +77,8 @@ def make_backend(name: str, device_id: int = 0, **options: Any) -> Backend:
         from .kvikio import KvikioBackend
 
         return KvikioBackend(device_id=device_id, **options)
+    if name == "mmap":
+        from .mapped import MappedBackend
+
+        return MappedBackend(device_id=device_id, **options)
     raise ValueError(f"unknown backend {name!r} (expected one of {BACKENDS})")

@@ -164,7 +164,8 @@ class Backend(ABC):
     """Moves blocks from files into a window buffer: host memory (cpu) or device memory (GPU backends)."""
 
     name: str
-    #: What actually moves the bytes: "cpu", "pinned", "pinned-odirect", "gds" or "kvikio-compat".
+    #: What actually moves the bytes: "cpu", "pinned", "pinned-odirect", "gds", "kvikio-compat" or
+    #: "mmap-registered".
     io_mode: str
     #: Preferred window size: large enough to keep every reader busy, small enough to double-buffer.
     window_bytes_hint: int = 64 << 20
@@ -180,6 +181,10 @@ class Backend(ABC):
         Reads of the next window can be submitted before this one's finish, so the readers never idle at a
         window boundary. Once ``stop`` is set, reads not yet started are skipped.
         """
+
+    def prepare(self, paths: Sequence[str]) -> None:
+        """Called once, when a dataset opens, with every file it may read (a backend that maps them does it
+        here, so a dataset it cannot serve fails at open rather than mid-epoch)."""
 
     def fill(self, dest: Any, requests: Sequence[Request], stop: threading.Event) -> Any:
         """Submit and wait: the data is in ``dest`` (or queued behind the returned event)."""

@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+"""Where a training step's extra time goes: a per-batch timeline of the consumer beside a simulated step.
+
+For each backend (and with every field resident, i.e. no I/O at all), one warm pass with a fixed GPU step
+per batch, timing on the host the consumer's ``next()`` and the step, and on the device (CUDA events on
+the consumer's stream) the stretch from before ``next()`` to after it (gathers, plus any wait for a window's
+copies) and the step kernel. Also the mmap backend's cold open, split into its read and its lock, beside
+cold buffered and O_DIRECT reads of the same files. Prints JSON lines and writes probe-step-*.json.
+
+    python benchmarks/probe_step.py --data /path/on/nvme --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_read import drop_caches, make_dataset, posix_read  # noqa: E402
+from run import BATCH, Spin  # noqa: E402
+
+from gdsload import GDSDataset, read_metadata  # noqa: E402
+from gdsload.format import DatasetLayout  # noqa: E402
+from gdsload.sysinfo import system_info  # noqa: E402
+
+
+def timeline(ds: GDSDataset, step: Spin) -> dict:
+    import cupy
+
+    stream = cupy.cuda.get_current_stream()
+    host_next, host_step, dev_next, dev_step = [], [], [], []
+    events = []
+    it = iter(ds)
+    t_start = time.perf_counter()
+    while True:
+        e0 = cupy.cuda.Event()
+        e0.record(stream)
+        t0 = time.perf_counter()
+        try:
+            next(it)
+        except StopIteration:
+            break
+        t1 = time.perf_counter()
+        e1 = cupy.cuda.Event()
+        e1.record(stream)
+        step()
+        t2 = time.perf_counter()
+        e2 = cupy.cuda.Event()
+        e2.record(stream)
+        host_next.append(t1 - t0)
+        host_step.append(t2 - t1)
+        events.append((e0, e1, e2))
+    stream.synchronize()
+    wall = time.perf_counter() - t_start
+    for e0, e1, e2 in events:
+        dev_next.append(cupy.cuda.get_elapsed_time(e0, e1) / 1e3)
+        dev_step.append(cupy.cuda.get_elapsed_time(e1, e2) / 1e3)
+    n = len(events)
+    alone = step.alone(n)
+
+    def us(xs: list[float]) -> dict:
+        a = np.asarray(xs) * 1e6
+        return {"mean": round(float(a.mean()), 1), "p50": round(float(np.median(a)), 1),
+                "p90": round(float(np.percentile(a, 90)), 1), "max": round(float(a.max()), 1)}
+
+    return {"batches": n, "wall_s": round(wall, 4), "steps_alone_s": round(alone, 4),
+            "excess_us_per_batch": round((wall - alone) / n * 1e6, 1),
+            "host_next_us": us(host_next), "host_step_us": us(host_step),
+            "device_next_us": us(dev_next), "device_step_us": us(dev_step)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--size-gib", type=float, default=4.0)
+    ap.add_argument("--step-ms", type=float, default=2.5)
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args()
+    import cupy
+
+    path = os.path.join(args.data, "step.gds")
+    make_dataset(path, args.size_gib)
+    paths = DatasetLayout(read_metadata(path)).shard_paths()
+    nbytes = sum(os.path.getsize(p) for p in paths)
+    rows: list[dict] = []
+
+    def emit(row: dict) -> None:
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    if drop_caches():
+        for direct in (False, True):
+            drop_caches()
+            n, dt = posix_read(paths, direct, False)
+            emit({"probe": "cold read", "o_direct": direct, "gb_per_s": round(n / dt / 1e9, 2)})
+        drop_caches()
+        t0 = time.perf_counter()
+        with GDSDataset(path, batch_size=BATCH, backend="mmap") as ds:
+            opened = time.perf_counter() - t0
+            emit({"probe": "mmap open, cold", "seconds": round(opened, 3), "gb_per_s": round(nbytes / opened / 1e9, 2),
+                  "preload_s": round(ds.backend.preload_s, 3),
+                  "lock_s": round(ds.backend.register_s - ds.backend.preload_s, 3)})
+    posix_read(paths, False, True)
+
+    step = Spin(args.step_ms)
+    for label, backend, opts in [("all fields resident (no I/O)", "kvikio", {"resident_bytes": 1 << 40}),
+                                 ("kvikio", "kvikio", {}), ("pinned", "pinned", {}), ("mmap", "mmap", {})]:
+        with GDSDataset(path, batch_size=BATCH, backend=backend, **opts) as ds:
+            timeline(ds, step)  # warm-up pass
+            emit({"probe": "timeline", "what": label, "step_ms": args.step_ms, **timeline(ds, step)})
+        cupy.get_default_memory_pool().free_all_blocks()
+
+    info = system_info(bandwidth=False)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    gpu = (info.get("gpu") or "cpu").replace("NVIDIA ", "").replace(" ", "-")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"probe-step-{stamp}-{gpu}{args.tag}.json"), "w") as f:
+        json.dump({"date": stamp, "machine": info, "dataset_bytes": nbytes, "results": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

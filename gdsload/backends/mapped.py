@@ -1,0 +1,220 @@
+"""The mmap backend: shard files mapped read-only and registered for DMA once, then copied to the device.
+
+For datasets that fit in RAM. Registering a mapping page-locks it (``cudaHostRegister`` with the
+read-only flag), so every later "read" is a host-to-device copy at the PCIe ceiling: 55 GB/s on the H100
+machine, where every path that reads through the page cache tops out at 38-46 GB/s. The price is memory:
+the dataset's pages stay locked in RAM for the dataset's life (shared with other processes that map the
+same files), and opening a cold dataset reads all of it once. Registration happens when the dataset opens,
+so a dataset too large for the budget fails there, never mid-epoch.
+
+As with any memory-mapped file, a shard file truncated in place while the dataset is open kills the
+process with SIGBUS (small copies are read through the mapping by the CPU; seen on the H100 machine).
+Replacing the dataset is safe: ``shard.py --overwrite`` renames a new folder into place, and the open
+dataset keeps reading the files it locked (tested).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from ..errors import BackendUnavailable, ReadError
+from .base import (Backend, FileHandles, FillRequest, Pending, ReadRequest, Request, coalesce, fill_pattern,
+                   pread_full, split)
+
+DEFAULT_COPY_BYTES = 64 << 20
+DEFAULT_STREAMS = 2
+_PRELOAD_CHUNK = 8 << 20
+_H2D = 1  # cudaMemcpyHostToDevice
+_PORTABLE, _READ_ONLY = 0x01, 0x08  # cudaHostRegisterPortable, cudaHostRegisterReadOnly
+
+
+def default_budget() -> int:
+    """Half of physical RAM: what the mmap backend may lock by default."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+
+
+def check_budget(sizes: dict[str, int], budget: int) -> None:
+    """Refuse, before anything is locked, a set of files larger than the lock budget."""
+    total = sum(sizes.values())
+    if total > budget:
+        folders = sorted({os.path.dirname(os.path.dirname(p)) for p in sizes})[:3]
+        raise BackendUnavailable(
+            f"backend 'mmap' would lock {total / 2**30:.2f} GiB of shard files in RAM ({', '.join(folders)}...), "
+            f"over its budget of {budget / 2**30:.2f} GiB (backend_options={{'max_bytes': ...}}; default half of "
+            f"RAM). Use backend='kvikio' or 'pinned' for datasets that do not fit in memory.")
+
+
+def plan_copies(reads: Sequence[ReadRequest], sizes: dict[str, int], max_bytes: int) -> list[ReadRequest]:
+    """Reads -> copies of at most ``max_bytes``, adjacent blocks merged; a read past a file's end raises
+    ReadError naming the file (the mapping covers the file as it was when registered)."""
+    for r in reads:
+        size = sizes.get(r.path)
+        if size is None:
+            raise ReadError(f"{r.path}: not registered with the mmap backend")
+        if r.offset + r.nbytes > size:
+            raise ReadError(f"{r.path}: file ends at offset {size} (expected {r.nbytes} bytes from offset "
+                            f"{r.offset})")
+    return [p for r in coalesce(reads, max_bytes) for p in split(r, max_bytes)]
+
+
+class _Mapping:
+    """One shard file: mapped read-only, its pages locked and registered with CUDA until ``close``."""
+
+    def __init__(self, path: str, cupy: Any):
+        self.cupy = cupy
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            self.size = os.fstat(fd).st_size
+            if self.size == 0:
+                raise ReadError(f"{path}: empty file")
+            self._mm = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)  # the mapping keeps the file
+        self._mm.madvise(mmap.MADV_WILLNEED)  # start readahead of a cold file before locking faults it in
+        self._array = np.frombuffer(self._mm, dtype=np.uint8)
+        self.ptr = int(self._array.ctypes.data)
+        try:
+            cupy.cuda.runtime.hostRegister(self.ptr, self.size, _PORTABLE | _READ_ONLY)
+        except Exception as e:
+            self._unmap()
+            raise BackendUnavailable(f"{path}: cannot lock and register {self.size} bytes for DMA "
+                                     f"({type(e).__name__}: {e}); backend 'mmap' needs read-only host "
+                                     f"registration (Linux, CUDA 11.1+)") from e
+
+    def _unmap(self) -> None:
+        self._array = np.zeros(0, np.uint8)  # drop the buffer export before closing the map
+        self._mm.close()
+
+    def close(self) -> None:
+        self.cupy.cuda.runtime.hostUnregister(self.ptr)
+        self._unmap()
+
+
+class MappedBackend(Backend):
+    name = "mmap"
+    io_mode = "mmap-registered"
+    window_bytes_hint = 256 << 20
+
+    def __init__(self, device_id: int = 0, max_bytes: int | None = None, num_streams: int = DEFAULT_STREAMS,
+                 copy_bytes: int = DEFAULT_COPY_BYTES, register_threads: int = 16):
+        """``max_bytes`` caps the bytes locked (default half of RAM); copies of at most ``copy_bytes`` go
+        round robin over ``num_streams`` non-blocking streams; ``register_threads`` read and lock the files
+        at open."""
+        import cupy
+
+        if num_streams < 1 or copy_bytes < 1 or register_threads < 1:
+            raise ValueError(f"num_streams, copy_bytes and register_threads must be positive "
+                             f"(found {num_streams}, {copy_bytes}, {register_threads})")
+        self.cupy = cupy
+        self.device_id = device_id
+        self.max_bytes = default_budget() if max_bytes is None else max_bytes
+        self.copy_bytes = copy_bytes
+        self.register_threads = register_threads
+        with cupy.cuda.Device(device_id):
+            self.stream = cupy.cuda.Stream(non_blocking=True)
+            self._streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(num_streams)]
+        self._sizes: dict[str, int] = {}
+        self._sizes_lock = threading.Lock()
+        self._maps = FileHandles(opener=self._register, closer=lambda m: m.close())
+        self.register_s = 0.0  # wall time spent opening: reading the files once, mapping and locking them
+        self.preload_s = 0.0  # the part of it spent reading
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of shard files locked in RAM."""
+        return sum(self._sizes.values())
+
+    def _register(self, path: str) -> _Mapping:
+        size = os.path.getsize(path)
+        with self._sizes_lock:
+            check_budget({**self._sizes, path: size}, self.max_bytes)
+            self._sizes[path] = size  # reserved now, so parallel registrations cannot overrun the budget
+        try:
+            with self.cupy.cuda.Device(self.device_id):
+                m = _Mapping(path, self.cupy)
+        except BaseException:
+            with self._sizes_lock:
+                del self._sizes[path]
+            raise
+        with self._sizes_lock:
+            self._sizes[path] = m.size
+        return m
+
+    def prepare(self, paths: Sequence[str]) -> None:
+        """Map and lock every file the dataset reads, checking the whole set against the budget first.
+
+        The files are read once through the page cache by parallel 8 MiB reads before they are locked:
+        locking faults pages in one at a time, which ran a cold dataset in at 0.76 GB/s on the H100
+        machine, about half of what parallel reads get from its disk.
+        """
+        import time
+
+        missing = [p for p in paths if not os.path.exists(p)]
+        if missing:
+            raise ReadError(f"{missing[0]}: shard file is missing")
+        sizes = {p: os.path.getsize(p) for p in paths}
+        check_budget(sizes, self.max_bytes)
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(self.register_threads, thread_name_prefix="gdsload-mmap-open") as pool:
+            local = threading.local()
+
+            def load(path: str, offset: int, nbytes: int) -> None:
+                if getattr(local, "buf", None) is None:
+                    local.buf = np.empty(_PRELOAD_CHUNK, dtype=np.uint8)
+                with open(path, "rb", buffering=0) as f:
+                    pread_full(f.fileno(), memoryview(local.buf)[:nbytes], offset, path)
+
+            chunks = [(p, o, min(_PRELOAD_CHUNK, n - o)) for p, n in sizes.items() for o in range(0, n, _PRELOAD_CHUNK)]
+            for f in [pool.submit(load, *c) for c in chunks]:
+                f.result()
+            t1 = time.perf_counter()
+            for f in [pool.submit(self._maps.get, p) for p in paths]:
+                f.result()
+        self.preload_s += t1 - t0
+        self.register_s += time.perf_counter() - t0
+
+    def allocate(self, nbytes: int) -> Any:
+        with self.cupy.cuda.Device(self.device_id):
+            return self.cupy.empty(nbytes, dtype=self.cupy.uint8)
+
+    def submit(self, dest: Any, requests: Sequence[Request], stop: threading.Event) -> Pending:
+        reads = [r for r in requests if isinstance(r, ReadRequest)]
+        maps = {p: self._maps.get(p) for p in {r.path for r in reads}}
+        copies = plan_copies(reads, {p: m.size for p, m in maps.items()}, self.copy_bytes)
+        dest_ptr = int(dest.data.ptr)
+        rt = self.cupy.cuda.runtime
+        with self.cupy.cuda.Device(self.device_id):
+            with self.stream:
+                for r in requests:
+                    if isinstance(r, FillRequest):
+                        fill_pattern(dest, r)
+            for i, c in enumerate(copies):
+                s = self._streams[i % len(self._streams)]
+                rt.memcpyAsync(dest_ptr + c.dest_offset, maps[c.path].ptr + c.offset, c.nbytes, _H2D, s.ptr)
+            for s in self._streams[:len(copies)]:
+                self.stream.wait_event(s.record())
+            return _Queued(self.stream.record())
+
+    def close(self) -> None:
+        for s in [self.stream, *self._streams]:
+            s.synchronize()  # no copy may still read a mapping that is about to go
+        self._maps.close()
+        with self._sizes_lock:
+            self._sizes.clear()
+
+
+class _Queued(Pending):
+    """Copies queued on the device: nothing to wait for on the host, the consumer's stream waits on the event."""
+
+    def __init__(self, event: Any):
+        self.event = event
+
+    def wait(self) -> Any:
+        return self.event
