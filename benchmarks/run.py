@@ -106,9 +106,11 @@ def gdsload_run(path: str, backend: str, shuffle: bool, step: Spin | None, **opt
         if backend == "pinned":
             extra["peak_pinned_bytes"] = ds.backend.pool.peak_bytes_in_use
             extra["pinned_pool_bytes"] = ds.backend.pool.total_bytes
+            extra["reader"] = ds.backend.reader
         if backend == "mmap":
             extra["peak_pinned_bytes"] = ds.backend.pinned_bytes  # the whole dataset, locked at open
             extra["register_s"] = round(ds.backend.register_s, 3)
+            extra["preload_s"] = round(ds.backend.preload_s, 3)
         if step is not None:
             extra["wait_s"] = max(0.0, wall - step.alone(ds.stats.batches))
         return {"bytes": ds.stats.bytes_read, "samples": n, "seconds": wall, "stall_s": ds.stats.stall_s, **extra}
@@ -301,7 +303,7 @@ def main() -> int:
                # with a training step: wall time beyond the same steps run alone, over wall time
                "wait_fraction": round(r["wait_s"] / r["seconds"], 4) if r.get("wait_s") is not None else None,
                **{k: v for k, v in r.items() if k in ("peak_pinned_bytes", "pinned_pool_bytes", "window_blocks",
-                                                      "register_s")},
+                                                      "register_s", "preload_s", "reader")},
                **extra}
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -166,6 +166,19 @@ def test_pinned_pool_is_bounded_and_freed(small):
     assert pool._mem is None
 
 
+@pytest.mark.parametrize("reader", ["kvikio", "threads"])
+def test_pinned_readers(small, reader):
+    """KvikIO's thread pool or Python threads fill the pinned slots: same batches, threads stopped on close."""
+    path, data = small
+    opts = {"reader": reader, "slot_bytes": 8192, "pool_bytes": 4 * 8192}  # many slot loads per window
+    with Dataset(path, batch_size=64, backend="pinned", shuffle=True, window_blocks=5, backend_options=opts) as ds:
+        assert ds.backend.reader == reader
+        seen = np.concatenate([check(b, data) for b in ds])
+        np.testing.assert_array_equal(seen, epoch_plan(ds.config, 0).sample_ids())
+        assert ds.backend.pool.peak_bytes_in_use <= 4 * 8192
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("gdsload-pinned")]
+
+
 def test_pinned_with_o_direct(tmp_path):
     """Blocks of 16 KiB at 4 KiB-aligned offsets: the pinned backend reads them with O_DIRECT."""
     n = 1000
