@@ -84,7 +84,12 @@ def main() -> int:
     ap.add_argument("--step-ms", type=float, default=2.5)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval for this run (seconds; Python's default is 0.005)")
+    ap.add_argument("--no-cold", action="store_true", help="skip the cold-cache probes")
     args = ap.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     import cupy
 
     path = os.path.join(args.data, "step.gds")
@@ -97,7 +102,7 @@ def main() -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    if drop_caches():
+    if not args.no_cold and drop_caches():
         for direct in (False, True):
             drop_caches()
             n, dt = posix_read(paths, direct, False)
@@ -127,6 +132,7 @@ def main() -> int:
             pass_bytes = ds.stats.bytes_read
             timeline(ds, step)  # warm-up pass
             emit({"probe": "timeline", "what": label, "step_ms": args.step_ms,
+                  "switch_interval_s": sys.getswitchinterval(),
                   "pass_gb_per_s_without_step": round(pass_bytes / best / 1e9, 2), **timeline(ds, step)})
         cupy.get_default_memory_pool().free_all_blocks()
 

@@ -44,9 +44,13 @@ def kvikio_installed() -> bool:
 def resolve(name: str) -> tuple[str, str]:
     """The concrete backend for ``name`` and why it was chosen.
 
-    kvikio whenever it is installed: with GDS it is the only direct path, and without it KvikIO's compat
-    mode still measured faster than our pinned staging on the H100 (44 vs 30 GB/s warm, equal cold; see
-    benchmarks/results). pinned when KvikIO is missing; cpu without a GPU.
+    kvikio with GDS: the only direct path (disk DMA into device memory). Without GDS, pinned: KvikIO's
+    compat mode copies through its own bounce buffers on *blocking* CUDA streams, so its copies serialize
+    with the training step's work on the legacy default stream (CuPy's and torch's default). On the H100,
+    with a training step 1.5x / 3x a batch's read time, the pass ran 33 % / 22 % longer than the steps
+    alone with kvikio, 8.5 % / 3.8 % with pinned (16 GiB, benchmarks/results/*-full.json), although kvikio
+    alone reads faster (33-41 vs 28 GB/s warm). cpu without a GPU. Never mmap: it locks the whole dataset
+    in RAM, which only the user can decide to spend.
     """
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r} (expected one of {BACKENDS})")
@@ -57,8 +61,9 @@ def resolve(name: str) -> tuple[str, str]:
     if gds_available():
         return "kvikio", "GPUDirect Storage is available"
     if kvikio_installed():
-        return "kvikio", "GDS unavailable, KvikIO compat mode (measured faster than pinned staging)"
-    return "pinned", "KvikIO is not installed: pinned staging"
+        return "pinned", ("GDS unavailable: pinned staging read by KvikIO's threads (KvikIO's compat-mode "
+                          "copies serialize with work on the default CUDA stream)")
+    return "pinned", "GDS unavailable, KvikIO not installed: pinned staging read by Python threads"
 
 
 def make_backend(name: str, device_id: int = 0, **options: Any) -> Backend:
