@@ -4,7 +4,7 @@
     torchrun --nproc_per_node=1 benchmarks/scaling.py --data DIR --out benchmarks/results
     torchrun --nproc_per_node=2 benchmarks/scaling.py --data DIR --out benchmarks/results
 
-Each rank reads its share of every epoch with gdsload (kvikio backend) into its own GPU; aggregate GB/s is
+Each rank reads its share of every epoch with gdsload (``--backend``, default kvikio) into its own GPU; aggregate GB/s is
 all ranks' bytes over the slowest rank's wall time, best of three epochs after a warm-up epoch.
 """
 
@@ -69,7 +69,7 @@ def main() -> int:
             print(json.dumps({k: v for k, v in row.items() if k != "machine"}), flush=True)
             if args.out:
                 os.makedirs(args.out, exist_ok=True)
-                with open(os.path.join(args.out, f"scaling-{world}proc.json"), "w") as f:
+                with open(os.path.join(args.out, f"scaling-{world}proc-{args.backend}.json"), "w") as f:
                     json.dump(row, f, indent=1)
     dist.destroy_process_group()
     return 0

@@ -118,7 +118,7 @@ def main() -> int:
         print(f"ranks cover each epoch exactly once: {ok}", flush=True)
         if args.out:
             os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, f"ranks-{world}gpu.json"), "w") as f:
+            with open(os.path.join(args.out, f"ranks-{world}gpu-{args.backend}.json"), "w") as f:
                 json.dump(summary, f, indent=1)
     dist.destroy_process_group()
     return 0 if ok else 1
