@@ -39,10 +39,10 @@ class GDSDataset:
     path : dataset directory written by ``scripts/shard.py``.
     batch_size : samples per batch; the last batch of an epoch may be smaller unless ``drop_last``.
     fields : fields to read (default: all).
-    backend : ``"auto"`` (kvikio with GPUDirect Storage; else pinned; cpu without a GPU), ``"kvikio"``, ``"pinned"``, ``"mmap"`` or ``"cpu"``. ``"mmap"`` is for datasets
-        that fit in RAM: it maps the shard files and locks them in memory once, at open (reading a cold
-        dataset whole), then copies at the host-to-device ceiling (55 vs 42 GB/s for kvikio, warm, on the
-        H100). It holds the dataset's size in locked RAM until ``close()``; ``backend_options={"max_bytes":
+    backend : ``"auto"`` (kvikio with GPUDirect Storage; else pinned; cpu without a GPU), ``"kvikio"``,
+        ``"pinned"``, ``"mmap"`` or ``"cpu"``. ``"mmap"`` is for datasets that fit in RAM: it maps the shard
+        files and locks them in memory once, at open (reading a cold dataset whole), then copies near the
+        host-to-device ceiling (51-53 GB/s warm on the H100, where kvikio read 33-44). It holds the dataset's size in locked RAM until ``close()``; ``backend_options={"max_bytes":
         ...}`` caps it (default half of RAM). Never truncate its shard files in place while it is open (SIGBUS,
         as with any memory-mapped file); replacing the dataset with ``shard.py --overwrite`` is safe.
     shuffle, seed : permute blocks per epoch and samples inside each window; same seed, same order.
@@ -77,8 +77,8 @@ class GDSDataset:
 
     def __init__(self, path: str | os.PathLike[str], batch_size: int, fields: Sequence[str] | None = None, *,
                  backend: str = "auto", shuffle: bool = False, seed: int = 0, window_blocks: int | None = None,
-                 prefetch: int = 2, batches_ahead: int = 2, drop_last: bool = False, output: str | None = None, rank: int | None = None,
-                 world_size: int | None = None, device: int | None = None, resident_bytes: int = 64 << 20,
+                 prefetch: int = 2, batches_ahead: int = 2, drop_last: bool = False, output: str | None = None,
+                 rank: int | None = None, world_size: int | None = None, device: int | None = None, resident_bytes: int = 64 << 20,
                  pad_to: int | str | dict[str, int | str] | None = None, pad_value: Any = 0,
                  backend_options: dict[str, Any] | None = None):
         if prefetch < 1:
