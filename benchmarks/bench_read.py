@@ -77,6 +77,43 @@ def make_dataset(path: str, size_gib: float, block_bytes: int = 4 << 20) -> None
     print(f"wrote {path}: {n} samples in {time.perf_counter() - t0:.1f} s", flush=True)
 
 
+def bench_dataset(data_dir: str, name: str, size_gib: float) -> tuple[str, list[str], int]:
+    """Write (or keep) a benchmark dataset: its path, its shard files and their total bytes."""
+    path = os.path.join(data_dir, name)
+    make_dataset(path, size_gib)
+    paths = DatasetLayout(read_metadata(path)).shard_paths()
+    return path, paths, sum(os.path.getsize(p) for p in paths)
+
+
+class Rows(list):
+    """Result rows, each printed as a JSON line when added."""
+
+    def emit(self, row: dict) -> None:
+        self.append(row)
+        print(json.dumps(row), flush=True)
+
+
+def today() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+
+
+def result_name(info: dict, prefix: str, suffix: str = "") -> str:
+    """``{prefix}{date}-{gpu}{suffix}``: the name every results file gets (date in UTC, GPU without spaces)."""
+    gpu = (info.get("gpu") or "cpu").replace("NVIDIA ", "").replace(" ", "-")
+    return f"{prefix}{today()}-{gpu}{suffix}"
+
+
+def write_probe(out: str, prefix: str, suffix: str, rows: list[dict], **extra: object) -> str:
+    """Write a probe's rows with the machine described; returns the path."""
+    info = system_info(bandwidth=False)
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, result_name(info, prefix, suffix) + ".json")
+    with open(path, "w") as f:
+        json.dump({"date": today(), "machine": info,
+                   **extra, "results": rows}, f, indent=1)
+    return path
+
+
 def drop_caches() -> bool:
     try:
         subprocess.run(["sync"], check=True)
@@ -258,10 +295,9 @@ def main() -> int:
 
     cold_then_warm("naive-fromfile-asarray", "posix-pageable", lambda: naive(paths))
 
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    gpu = (info.get("gpu") or "cpu").replace("NVIDIA ", "").replace(" ", "-")
     os.makedirs(args.out, exist_ok=True)
-    base = os.path.join(args.out, f"read-{stamp}-{gpu}")
+    base = os.path.join(args.out, result_name(info, "read-"))
+    stamp = today()
     doc = {"benchmark": "bench_read", "date": stamp, "machine": info, "dataset": {
         "path": path, "bytes": data_bytes, "samples": meta.num_samples, "samples_per_block": meta.samples_per_block,
         "block_bytes": meta.fields["image"].block_bytes, "shards": len(paths)},

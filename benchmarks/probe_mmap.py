@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import itertools
-import json
 import os
 import sys
 import time
@@ -21,12 +19,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_read import drop_caches, make_dataset, posix_read, raw_kvikio  # noqa: E402
+from bench_read import Rows, bench_dataset, drop_caches, posix_read, raw_kvikio, write_probe  # noqa: E402
 from run import BATCH, Spin, gdsload_run  # noqa: E402
 
-from gdsload import read_metadata  # noqa: E402
-from gdsload.format import DatasetLayout  # noqa: E402
-from gdsload.sysinfo import pinned_h2d_gbps, system_info  # noqa: E402
+from gdsload.sysinfo import pinned_h2d_gbps  # noqa: E402
 
 
 def main() -> int:
@@ -40,15 +36,9 @@ def main() -> int:
     import cupy
     import kvikio.defaults
 
-    path = os.path.join(args.data, "bench.gds")
-    make_dataset(path, args.size_gib)
-    paths = DatasetLayout(read_metadata(path)).shard_paths()
-    nbytes = sum(os.path.getsize(p) for p in paths)
-    rows: list[dict] = []
-
-    def emit(row: dict) -> None:
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    path, paths, nbytes = bench_dataset(args.data, "bench.gds", args.size_gib)
+    rows = Rows()
+    emit = rows.emit
 
     def best(run, repeats: int = 3) -> dict:
         run()
@@ -110,12 +100,7 @@ def main() -> int:
                   "wait_fraction": round(r["wait_s"] / r["seconds"], 4)})
         cupy.get_default_memory_pool().free_all_blocks()
 
-    info = system_info(bandwidth=False)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    gpu = (info.get("gpu") or "cpu").replace("NVIDIA ", "").replace(" ", "-")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"probe-mmap-{stamp}-{gpu}{args.tag}.json"), "w") as f:
-        json.dump({"date": stamp, "machine": info, "dataset_bytes": nbytes, "results": rows}, f, indent=1)
+    print("wrote", write_probe(args.out, "probe-mmap-", args.tag, rows, dataset_bytes=nbytes), flush=True)
     return 0
 
 

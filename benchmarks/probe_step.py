@@ -13,8 +13,6 @@ cold buffered and O_DIRECT reads of the same files. Prints JSON lines and writes
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 import time
@@ -24,12 +22,10 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_read import drop_caches, make_dataset, posix_read  # noqa: E402
+from bench_read import Rows, bench_dataset, drop_caches, posix_read, write_probe  # noqa: E402
 from run import BATCH, Spin  # noqa: E402
 
-from gdsload import GDSDataset, read_metadata  # noqa: E402
-from gdsload.format import DatasetLayout  # noqa: E402
-from gdsload.sysinfo import system_info  # noqa: E402
+from gdsload import GDSDataset  # noqa: E402
 
 
 def timeline(ds: GDSDataset, step: Spin) -> dict:
@@ -92,15 +88,9 @@ def main() -> int:
         sys.setswitchinterval(args.switch_interval)
     import cupy
 
-    path = os.path.join(args.data, "step.gds")
-    make_dataset(path, args.size_gib)
-    paths = DatasetLayout(read_metadata(path)).shard_paths()
-    nbytes = sum(os.path.getsize(p) for p in paths)
-    rows: list[dict] = []
-
-    def emit(row: dict) -> None:
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    path, paths, nbytes = bench_dataset(args.data, "step.gds", args.size_gib)
+    rows = Rows()
+    emit = rows.emit
 
     if not args.no_cold and drop_caches():
         for direct in (False, True):
@@ -136,12 +126,7 @@ def main() -> int:
                   "pass_gb_per_s_without_step": round(pass_bytes / best / 1e9, 2), **timeline(ds, step)})
         cupy.get_default_memory_pool().free_all_blocks()
 
-    info = system_info(bandwidth=False)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    gpu = (info.get("gpu") or "cpu").replace("NVIDIA ", "").replace(" ", "-")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"probe-step-{stamp}-{gpu}{args.tag}.json"), "w") as f:
-        json.dump({"date": stamp, "machine": info, "dataset_bytes": nbytes, "results": rows}, f, indent=1)
+    print("wrote", write_probe(args.out, "probe-step-", args.tag, rows, dataset_bytes=nbytes), flush=True)
     return 0
 
 

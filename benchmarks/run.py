@@ -18,7 +18,6 @@ its consumer blocked on the host). Writes benchmarks/results/<date>-<gpu>.json, 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import resource
@@ -35,7 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from bench_read import drop_caches, make_dataset, naive, posix_read, raw_kvikio  # noqa: E402
+from bench_read import drop_caches, make_dataset, naive, posix_read, raw_kvikio, result_name, today  # noqa: E402
 from report_suite import DEFAULT_CONFIG, render  # noqa: E402
 
 from gdsload import GDSDataset, read_metadata  # noqa: E402
@@ -257,10 +256,9 @@ def main() -> int:
     print(json.dumps(info), flush=True)
     can_drop = drop_caches()
     rows: list[dict] = []
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    gpu = (info.get("gpu") or "cpu").replace("NVIDIA ", "").replace(" ", "-")
+    stamp = today()
     os.makedirs(args.out, exist_ok=True)
-    base = os.path.join(args.out, f"{stamp}-{gpu}-{'full' if args.full else 'quick'}")
+    base = os.path.join(args.out, result_name(info, "", "-full" if args.full else "-quick"))
 
     def save() -> None:
         """Written after every dataset, so a run cut short still leaves what it measured."""

@@ -12,7 +12,6 @@ it also compared ways of handing the GIL to reader threads, which made no differ
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
 import os
@@ -22,11 +21,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_read import THREADS, gdsload_epoch, make_dataset, posix_read, raw_kvikio  # noqa: E402
+from bench_read import THREADS, gdsload_epoch, make_dataset, posix_read, raw_kvikio, write_probe  # noqa: E402
 
 from gdsload import GDSDataset, read_metadata  # noqa: E402
 from gdsload.format import DatasetLayout  # noqa: E402
-from gdsload.sysinfo import system_info  # noqa: E402
 
 
 def main() -> int:
@@ -86,13 +84,7 @@ def main() -> int:
         cupy.get_default_memory_pool().free_all_blocks()
         time.sleep(0.2)
 
-    info = system_info()
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    gpu = (info.get("gpu") or "cpu").replace("NVIDIA ", "").replace(" ", "-")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"tune-{stamp}-{gpu}.json"), "w") as f:
-        json.dump({"date": stamp, "machine": info, "dataset_bytes": nbytes, "threads_default": THREADS,
-                   "results": rows}, f, indent=1)
+    print("wrote", write_probe(args.out, "tune-", "", rows, dataset_bytes=nbytes, threads_default=THREADS), flush=True)
     return 0
 
 
