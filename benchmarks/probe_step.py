@@ -67,8 +67,13 @@ def timeline(ds: GDSDataset, step: Spin) -> dict:
         return {"mean": round(float(a.mean()), 1), "p50": round(float(np.median(a)), 1),
                 "p90": round(float(np.percentile(a, 90)), 1), "max": round(float(a.max()), 1)}
 
+    waits = np.asarray(dev_next) * 1e6
+    worst = np.argsort(waits)[::-1][:6]
     return {"batches": n, "wall_s": round(wall, 4), "steps_alone_s": round(alone, 4),
             "excess_us_per_batch": round((wall - alone) / n * 1e6, 1),
+            "first_batch_device_us": round(float(waits[0]), 1),
+            "excess_us_per_batch_after_first": round((wall - alone - dev_next[0]) / max(1, n - 1) * 1e6, 1),
+            "longest_device_next": [(int(i), round(float(waits[i]), 1)) for i in worst],
             "host_next_us": us(host_next), "host_step_us": us(host_step),
             "device_next_us": us(dev_next), "device_step_us": us(dev_step)}
 
