@@ -42,9 +42,10 @@ class GDSDataset:
     backend : ``"auto"`` (kvikio with GPUDirect Storage; else pinned; cpu without a GPU), ``"kvikio"``,
         ``"pinned"``, ``"mmap"`` or ``"cpu"``. ``"mmap"`` is for datasets that fit in RAM: it maps the shard
         files and locks them in memory once, at open (reading a cold dataset whole), then copies near the
-        host-to-device ceiling (51-53 GB/s warm on the H100, where kvikio read 33-44). It holds the dataset's size in locked RAM until ``close()``; ``backend_options={"max_bytes":
-        ...}`` caps it (default half of RAM). Never truncate its shard files in place while it is open (SIGBUS,
-        as with any memory-mapped file); replacing the dataset with ``shard.py --overwrite`` is safe.
+        host-to-device ceiling (51-53 GB/s warm on the H100, where kvikio read 33-44). It holds the
+        dataset's size in locked RAM until ``close()``; ``backend_options={"max_bytes": ...}`` caps it
+        (default half of RAM). Never truncate its shard files in place while it is open (SIGBUS, as with
+        any memory-mapped file); replacing the dataset with ``shard.py --overwrite`` is safe.
     shuffle, seed : permute blocks per epoch and samples inside each window; same seed, same order.
     window_blocks : blocks read together into one window buffer. Default: enough for a batch and about the
         backend's preferred window size (64-256 MiB). Memory held is about ``prefetch`` windows.
