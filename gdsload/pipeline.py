@@ -237,13 +237,9 @@ class Pipeline:
     # -- assembler -----------------------------------------------------------------------------------
     def _take_ready(self) -> tuple[int, WindowSlot, Any] | None:
         """The next filled window, or None once the pipeline stops."""
-        while True:
-            try:
-                item = self._ready.get(timeout=_POLL_S)
-                break
-            except queue.Empty:
-                if self._stop.is_set():
-                    return None
+        item = _get(self._ready, self._stop)
+        if item is None:
+            return None
         if isinstance(item, _Failure):
             e = item.error
             msg = str(e) if isinstance(e, ReadError) else f"{type(e).__name__}: {e}"
@@ -335,13 +331,9 @@ class Pipeline:
     # -- consumer ------------------------------------------------------------------------------------
     def _take_assembled(self) -> tuple[int, dict[str, Any], int, Any]:
         t0 = time.perf_counter()
-        while True:
-            try:
-                item = self._assembled.get(timeout=_POLL_S)
-                break
-            except queue.Empty:
-                if self._stop.is_set():
-                    raise GDSLoadError(_CLOSED) from None
+        item = _get(self._assembled, self._stop)
+        if item is None:
+            raise GDSLoadError(_CLOSED)
         waited = time.perf_counter() - t0
         self.stats.stall_s += waited
         if self.stats.batches == 0:
@@ -429,6 +421,17 @@ class Pipeline:
             return
         for slot in self.slots:
             slot.released = released
+
+
+def _get(q: queue.Queue[Any], stop: threading.Event) -> Any:
+    """The next item of ``q`` (items queued before a stop are still taken), or None once ``stop`` is set
+    and the queue is empty."""
+    while True:
+        try:
+            return q.get(timeout=_POLL_S)
+        except queue.Empty:
+            if stop.is_set():
+                return None
 
 
 def _compact(a: np.ndarray) -> np.ndarray:
