@@ -103,7 +103,6 @@ class GDSDataset:
             world_size = env_world if world_size is None else world_size
         self.backend = make_backend(self.backend_name, self.device, **(backend_options or {}))
         try:
-            self.backend.prepare(self.layout.shard_paths())
             spb = self.meta.samples_per_block
             fixed = [f for f in self.fields if f in self.meta.fields]
             self.ragged_fields = tuple(f for f in self.fields if f in self.meta.ragged)
@@ -128,6 +127,8 @@ class GDSDataset:
             self.window_layout = WindowLayout([self.meta.fields[f] for f in self.windowed_fields], window_blocks,
                                               capacity)
             self.pad = _pad_spec(pad_to, pad_value, self.ragged_fields)
+            # Last: a backend may read the whole dataset here (mmap), which a bad argument must not cost.
+            self.backend.prepare(self.layout.shard_paths())
         except BaseException:
             self.backend.close()  # a bad argument must not leave pinned memory or threads behind
             raise

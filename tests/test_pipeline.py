@@ -303,6 +303,10 @@ def test_backend_is_prepared_with_every_shard_it_may_read(data_path, monkeypatch
         want = ds.layout.shard_paths()
     assert seen == [want] and want and all(os.path.isfile(p) and "/x/" in p for p in want)
 
+    with pytest.raises(ValueError, match="batch_size must be at least 1"):
+        Dataset(path, batch_size=0, backend="cpu")
+    assert len(seen) == 1, "arguments are checked before the backend reads anything"
+
     def refuse(self, paths):
         raise ReadError(f"{paths[0]}: refused")
 
