@@ -216,6 +216,11 @@ def gdsload_epoch(ds: GDSDataset) -> tuple[int, float]:
     return ds.stats.bytes_read, dt
 
 
+def best_pass_seconds(ds: GDSDataset, passes: int) -> float:
+    """Seconds of the fastest of ``passes`` passes over ``ds`` (the first, warming up, counts too)."""
+    return min(gdsload_epoch(ds)[1] for _ in range(passes))
+
+
 # -- driver ----------------------------------------------------------------------------------------
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -22,7 +22,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_read import Rows, bench_dataset, drop_caches, posix_read, write_probe  # noqa: E402
+from bench_read import Rows, bench_dataset, best_pass_seconds, drop_caches, posix_read, write_probe  # noqa: E402
 from run import BATCH, Spin  # noqa: E402
 
 from gdsload import GDSDataset  # noqa: E402
@@ -117,13 +117,7 @@ def main() -> int:
                                  ("pinned, Python reader threads", "pinned", {"backend_options": {"reader": "threads"}}),
                                  ("mmap", "mmap", {})]:
         with GDSDataset(path, batch_size=BATCH, backend=backend, **opts) as ds:
-            best = float("inf")
-            for _ in range(4):  # the first pass warms up
-                t0 = time.perf_counter()
-                for _b in ds:
-                    pass
-                cupy.cuda.get_current_stream().synchronize()
-                best = min(best, time.perf_counter() - t0)
+            best = best_pass_seconds(ds, 4)  # the first pass warms up
             pass_bytes = ds.stats.bytes_read
             timeline(ds, step)  # warm-up pass
             emit({"probe": "timeline", "what": label, "step_ms": args.step_ms,

@@ -12,12 +12,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_read import Rows, bench_dataset, posix_read, write_probe  # noqa: E402
+from bench_read import Rows, bench_dataset, best_pass_seconds, posix_read, write_probe  # noqa: E402
 
 from gdsload import GDSDataset  # noqa: E402
 
@@ -38,13 +37,7 @@ def main() -> int:
     for slot, pool, threads in CONFIGS:
         opts = {"slot_bytes": slot << 20, "pool_bytes": pool << 20, "num_threads": threads}
         with GDSDataset(path, batch_size=256, backend="pinned", backend_options=opts) as ds:
-            best = float("inf")
-            for _ in range(5):
-                t0 = time.perf_counter()
-                for _b in ds:
-                    pass
-                cupy.cuda.get_current_stream().synchronize()
-                best = min(best, time.perf_counter() - t0)
+            best = best_pass_seconds(ds, 5)
             rows.emit({"slot_mib": slot, "pool_mib": pool, "threads": threads, "reader": ds.backend.reader,
                        "gb_per_s": round(ds.stats.bytes_read / best / 1e9, 2)})
         cupy.get_default_memory_pool().free_all_blocks()
