@@ -13,6 +13,7 @@ cold buffered and O_DIRECT reads of the same files. Prints JSON lines and writes
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -34,6 +35,16 @@ def timeline(ds: GDSDataset, step: Spin) -> dict:
     stream = cupy.cuda.get_current_stream()
     host_next, host_step, dev_next, dev_step = [], [], [], []
     events = []
+    collections: list[float] = []  # garbage collections during the pass (any thread), seconds each
+    gc_started = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_started[0] = time.perf_counter()
+        else:
+            collections.append(time.perf_counter() - gc_started[0])
+
+    gc.callbacks.append(on_gc)
     it = iter(ds)
     t_start = time.perf_counter()
     while True:
@@ -56,6 +67,7 @@ def timeline(ds: GDSDataset, step: Spin) -> dict:
         events.append((e0, e1, e2))
     stream.synchronize()
     wall = time.perf_counter() - t_start
+    gc.callbacks.remove(on_gc)
     for e0, e1, e2 in events:
         dev_next.append(cupy.cuda.get_elapsed_time(e0, e1) / 1e3)
         dev_step.append(cupy.cuda.get_elapsed_time(e1, e2) / 1e3)
@@ -69,11 +81,18 @@ def timeline(ds: GDSDataset, step: Spin) -> dict:
 
     waits = np.asarray(dev_next) * 1e6
     worst = np.argsort(waits)[::-1][:6]
+    plan = ds._plan(ds.epoch)
+    table = plan.segment_table()
+    # A batch that starts a window (its first segment from a window no earlier batch drew from).
+    opens = {i for i in range(1, len(table)) if table[i][-1][0] != table[i - 1][-1][0]}
     return {"batches": n, "wall_s": round(wall, 4), "steps_alone_s": round(alone, 4),
             "excess_us_per_batch": round((wall - alone) / n * 1e6, 1),
             "first_batch_device_us": round(float(waits[0]), 1),
             "excess_us_per_batch_after_first": round((wall - alone - dev_next[0]) / max(1, n - 1) * 1e6, 1),
             "longest_device_next": [(int(i), round(float(waits[i]), 1)) for i in worst],
+            "longest_open_a_window": [int(i) in opens for i in worst],
+            "batches_opening_a_window": len(opens),
+            "gc_collections": len(collections), "gc_ms": round(sum(collections) * 1e3, 2),
             "host_next_us": us(host_next), "host_step_us": us(host_step),
             "device_next_us": us(dev_next), "device_step_us": us(dev_step)}
 
@@ -88,6 +107,9 @@ def main() -> int:
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for this run (seconds; Python's default is 0.005)")
     ap.add_argument("--no-cold", action="store_true", help="skip the cold-cache probes")
+    ap.add_argument("--what", default="resident,kvikio,pinned,threads,mmap",
+                    help="timelines to take, of: resident (no I/O), kvikio, pinned, threads (pinned with Python "
+                         "reader threads), mmap")
     args = ap.parse_args()
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
@@ -112,10 +134,11 @@ def main() -> int:
     posix_read(paths, False, True)
 
     step = Spin(args.step_ms)
-    for label, backend, opts in [("all fields resident (no I/O)", "kvikio", {"resident_bytes": 1 << 40}),
-                                 ("kvikio", "kvikio", {}), ("pinned", "pinned", {}),
-                                 ("pinned, Python reader threads", "pinned", {"backend_options": {"reader": "threads"}}),
-                                 ("mmap", "mmap", {})]:
+    cases = {"resident": ("all fields resident (no I/O)", "kvikio", {"resident_bytes": 1 << 40}),
+             "kvikio": ("kvikio", "kvikio", {}), "pinned": ("pinned", "pinned", {}),
+             "threads": ("pinned, Python reader threads", "pinned", {"backend_options": {"reader": "threads"}}),
+             "mmap": ("mmap", "mmap", {})}
+    for label, backend, opts in [cases[w] for w in args.what.split(",")]:
         with GDSDataset(path, batch_size=BATCH, backend=backend, **opts) as ds:
             best = best_pass_seconds(ds, 4)  # the first pass warms up
             pass_bytes = ds.stats.bytes_read

@@ -115,6 +115,7 @@ def gdsload_run(path: str, backend: str, shuffle: bool, step: Spin | None, **opt
         return {"bytes": ds.stats.bytes_read, "samples": n, "seconds": wall, "stall_s": ds.stats.stall_s, **extra}
 
     run.close = ds.close  # type: ignore[attr-defined]
+    run.stop = ds.stop  # type: ignore[attr-defined]  # before a cold pass: nothing read ahead from a warm cache
     return run
 
 
@@ -273,6 +274,8 @@ def main() -> int:
         if regime == "cold":
             if not can_drop:
                 return None
+            if hasattr(fn, "stop"):
+                fn.stop()  # gdsload reads the next epoch ahead: that must not come from the warm cache
             drop_caches()
         best = None
         for _ in range(repeats):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import weakref
@@ -55,6 +56,11 @@ class GDSDataset:
         and 2 buffers (the classic double buffer) about 60 % (benchmarks/results/tune-*.json).
     batches_ahead : batches gathered ahead of the consumer by a background thread, so ``next()`` only hands
         over a finished batch (each one is a fresh allocation of a batch's size).
+    prefetch_next_epoch : once a pass has begun, read on into the next epoch (``epoch + 1``, as a loop
+        calling ``set_epoch`` each epoch asks for; with ``shuffle=False`` every epoch), so the next pass does
+        not start by waiting for its first windows. The threads then outlive a pass run to its end, holding
+        no more than within a pass; ``stop()`` or ``close()`` ends them, and a pass that asks for another
+        epoch or a resumed position starts afresh.
     output : ``"numpy"`` / ``"torch"`` for the cpu backend, ``"cupy"`` (default) / ``"torch"`` on GPU.
     rank, world_size : this process's share of each epoch (default: torch.distributed, else RANK /
         WORLD_SIZE). With ``drop_last=False`` shorter ranks repeat a few samples so all ranks yield the
@@ -78,7 +84,8 @@ class GDSDataset:
 
     def __init__(self, path: str | os.PathLike[str], batch_size: int, fields: Sequence[str] | None = None, *,
                  backend: str = "auto", shuffle: bool = False, seed: int = 0, window_blocks: int | None = None,
-                 prefetch: int = 2, batches_ahead: int = 2, drop_last: bool = False, output: str | None = None,
+                 prefetch: int = 2, batches_ahead: int = 2, prefetch_next_epoch: bool = True,
+                 drop_last: bool = False, output: str | None = None,
                  rank: int | None = None, world_size: int | None = None, device: int | None = None, resident_bytes: int = 64 << 20,
                  pad_to: int | str | dict[str, int | str] | None = None, pad_value: Any = 0,
                  backend_options: dict[str, Any] | None = None):
@@ -122,6 +129,7 @@ class GDSDataset:
                                      rank=rank, world_size=world_size)
             self.prefetch = prefetch
             self.batches_ahead = batches_ahead
+            self.prefetch_next_epoch = prefetch_next_epoch
             capacity = {f: (self.meta.ragged[f], capacity_rows(self.layout.offsets[f], spb, window_blocks))
                         for f in self.ragged_fields}
             self.window_layout = WindowLayout([self.meta.fields[f] for f in self.windowed_fields], window_blocks,
@@ -203,24 +211,33 @@ class GDSDataset:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         if not self._finalizer.alive:
             raise GDSLoadError(f"{self.meta.path}: the dataset was closed (open a new GDSDataset)")
-        self._close_active()
         epoch = self.epoch
-        plan = self._plan(epoch)
         start = self._resume[1] if self._resume and self._resume[0] == epoch else 0
         self._resume = None
+        if self._active and self._active[0].continues_with(epoch, start, any_epoch=not self.config.shuffle):
+            pipeline = self._active[0]  # this pass was read ahead while the last one ran
+        else:
+            pipeline = self._start(epoch, start)
+        self.stats = pipeline.stats
+        return self._run(pipeline, start)
+
+    def _start(self, epoch: int, start: int) -> Pipeline:
+        """A new pipeline from batch ``start`` of ``epoch`` (any running one is stopped first)."""
+        self._close_active()
+        plan = self._plan(epoch)
         # The consumer holds the windows of its current batch while ``prefetch`` more are being read.
         needed = self.prefetch + plan.max_windows_per_batch()
         while len(self._slots) < needed:
             self._slots.append(WindowSlot(self.backend.allocate(self.window_layout.nbytes)))
         first_load = not self._resident_loaded
         resident = self._load_resident()
-        pipeline = Pipeline(self.backend, self._ops(), self.layout, self.window_layout, self._slots, plan, start,
-                            self.fields, resident, self.pad, ahead=self.batches_ahead)
+        pipeline = Pipeline(self.backend, self._ops(), self.layout, self.window_layout, self._slots, plan, epoch,
+                            start, self.fields, resident, self.pad, ahead=self.batches_ahead,
+                            plans=functools.partial(epoch_plan, self.config) if self.prefetch_next_epoch else None)
         if first_load:
             pipeline.stats.bytes_read += sum(r.array.nbytes for r in resident.values())
         self._active.append(pipeline)
-        self.stats = pipeline.stats
-        return self._run(pipeline, start)
+        return pipeline
 
     def _load_resident(self) -> dict[str, ResidentField]:
         """Read the small fields whole, once, through the same backend."""
@@ -249,13 +266,18 @@ class GDSDataset:
                 self._batches_yielded += 1
                 yield batch
         finally:
-            pipeline.close()
-            if pipeline in self._active:
+            # A pass left early (or failed) has closed its pipeline; one run to its end reads on.
+            if pipeline.closed and pipeline in self._active:
                 self._active.remove(pipeline)
 
     def _close_active(self) -> None:
         while self._active:
             self._active.pop().close()
+
+    def stop(self) -> None:
+        """Stop reading ahead: the background threads end and what they read ahead is dropped; buffers and
+        file handles stay, and the next pass starts afresh. ``close()`` also frees those."""
+        self._close_active()
 
     def close(self) -> None:
         """Stop background readers and free buffers and file handles. Idempotent."""

@@ -131,10 +131,10 @@ class CudaOps:
         return self.cupy.cuda.get_current_stream(self.device.id)
 
     def begin(self) -> None:
-        with self.device:
-            stream = self._current_stream()
-            if self.stream is not None and stream.ptr != self.stream.ptr:
-                # The consumer switched streams: work already queued on the old one must come first.
+        stream = self._current_stream()  # per batch, in series with training: no device switch unless needed
+        if self.stream is not None and stream.ptr != self.stream.ptr:
+            # The consumer switched streams: work already queued on the old one must come first.
+            with self.device:
                 stream.wait_event(self.stream.record())
         self.stream = stream
 

@@ -7,6 +7,7 @@ can turn (field, block) into (file, offset, nbytes) without zarr's decode pipeli
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -50,7 +51,7 @@ class FieldMeta:
 
     @property
     def sample_bytes(self) -> int:
-        return int(self.dtype.itemsize * int(np.prod(self.sample_shape, dtype=np.int64)))
+        return self.dtype.itemsize * math.prod(self.sample_shape)  # on the reader's hot path: no numpy call
 
     @property
     def block_bytes(self) -> int:
@@ -294,6 +295,7 @@ class DatasetLayout:
         self.block_offsets: dict[str, np.ndarray] = {k: self._scan(meta.array(k)) for k in self.keys}
         self.offsets: dict[str, np.ndarray] = {f: self._read_offsets(meta.ragged[f]) for f in self.fields
                                                if f in meta.ragged}
+        self._paths = {k: [meta.shard_path(k, s) for s in range(meta.num_shards(k))] for k in self.keys}
 
     def _scan(self, field: FieldMeta) -> np.ndarray:
         meta, bps = self.meta, field.blocks_per_shard
@@ -332,7 +334,29 @@ class DatasetLayout:
         if offset < 0:
             return None
         fm = self.meta.array(key)
-        return BlockLocation(self.meta.shard_path(key, block // fm.blocks_per_shard), offset, fm.block_bytes)
+        return BlockLocation(self._paths[key][block // fm.blocks_per_shard], offset, fm.block_bytes)
+
+    def block_runs(self, key: str, blocks: np.ndarray) -> list[tuple[str | None, int, int, int]]:
+        """Blocks read back to back into a buffer, as runs ``(path, offset, nbytes, first)``: ``first`` is the
+        run's position in ``blocks``; each run is one read of consecutive bytes of one file, or one block
+        never written (``path`` None). One numpy pass instead of a lookup per block: this runs on a reader
+        thread, where a long stretch of Python holds the GIL the training loop waits for."""
+        fm = self.meta.array(key)
+        bb = fm.block_bytes
+        blocks = np.asarray(blocks, dtype=np.int64)
+        if len(blocks) == 0:
+            return []
+        offsets = self.block_offsets[key][blocks]
+        shards = blocks // fm.blocks_per_shard
+        missing = offsets < 0
+        start = np.ones(len(blocks), dtype=bool)
+        start[1:] = (shards[1:] != shards[:-1]) | (offsets[1:] != offsets[:-1] + bb) | missing[1:] | missing[:-1]
+        firsts = np.flatnonzero(start)
+        counts = np.diff(np.append(firsts, len(blocks)))
+        paths = self._paths[key]
+        return [(None if off < 0 else paths[shard], off, n * bb, first)
+                for first, n, off, shard in zip(firsts.tolist(), counts.tolist(), offsets[firsts].tolist(),
+                                                shards[firsts].tolist())]
 
     def locate_rows(self, key: str, row_start: int, row_stop: int) -> list[RowPiece]:
         """Where rows [row_start, row_stop) of an array lie, one piece per chunk they touch."""
@@ -348,4 +372,4 @@ class DatasetLayout:
         return pieces
 
     def shard_paths(self) -> list[str]:
-        return [self.meta.shard_path(k, s) for k in self.keys for s in range(self.meta.num_shards(k))]
+        return [p for k in self.keys for p in self._paths[k]]

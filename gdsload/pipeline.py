@@ -13,6 +13,10 @@ takes a finished batch and makes its stream wait on the batch's "ready" event. (
 cost 0.2 ms of the consumer's time per batch on the H100, in series with every training step.) Before it
 writes a batch, the assembler's stream waits on an event recorded on the consumer's stream, so memory the
 consumer freed is never overwritten while the consumer's queued work may still read it.
+
+And epochs are read ahead: when a pass has begun, the threads go on into the next epoch's plan once this
+one's reads are submitted, so a new pass does not start by waiting for its first window (5-44 ms per pass
+on the H100, in the probe-step timelines).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,16 +79,17 @@ class WindowLayout:
         return self.ragged[name].values if name in self.ragged else self.fields[name]
 
     def requests(self, layout: DatasetLayout, blocks: np.ndarray) -> list[Request]:
+        """What carries ``blocks`` into this layout: one read per run of consecutive bytes of a file, one
+        fill per block never written."""
         reqs: list[Request] = []
         for name, f in self.fields.items():
             base = self.offsets[name]
-            for j, b in enumerate(blocks):
-                dest = base + j * f.block_bytes
-                loc = layout.locate(name, int(b))
-                if loc is None:
-                    reqs.append(FillRequest(dest, f.block_bytes, f.fill_bytes()))
+            for path, offset, nbytes, first in layout.block_runs(name, blocks):
+                dest = base + first * f.block_bytes
+                if path is None:
+                    reqs.append(FillRequest(dest, nbytes, f.fill_bytes()))
                 else:
-                    reqs.append(ReadRequest(loc.path, loc.offset, loc.nbytes, dest))
+                    reqs.append(ReadRequest(path, offset, nbytes, dest))
         for name, r in self.ragged.items():
             base, vf = self.offsets[name], r.values
             offsets = layout.offsets[name]
@@ -146,23 +151,48 @@ _CLOSED = "this iterator was closed (the dataset was closed or a new pass over i
 @dataclass
 class _Failure:
     error: BaseException
-    window: int
-    blocks: list[int] = field(default_factory=list)
+    where: str = ""
+
+
+@dataclass
+class _Pass:
+    """One pass over an epoch's plan, from ``start_batch``: what the three threads and the consumer share."""
+
+    index: int  # 0 for the pass the pipeline was started for, then 1, 2, ... (the epochs after it)
+    epoch: int
+    plan: EpochPlan
+    start_batch: int
+    first_window: int
+    last_batch: np.ndarray  # per window: the last batch that draws from it
+    stats: EpochStats
+
+    def describe(self, w: int) -> str:
+        blocks = [int(b) for b in self.plan.windows[w]]
+        return f"window {w} of epoch {self.epoch} (blocks {blocks[:8]}{'...' if len(blocks) > 8 else ''})"
 
 
 class Pipeline:
-    """Runs one epoch plan from ``start_batch``: reader threads ahead, batches gathered on demand."""
+    """Runs epoch plans: reader threads ahead, batches assembled ahead, the consumer takes one per ``next()``.
+
+    A pipeline starts at ``start_batch`` of ``epoch`` (whose plan is ``plan``). Given ``plans`` (epoch ->
+    plan), once the consumer has begun a pass the readers go on into the next epoch's plan, so the next
+    pass starts with its first windows read and its first batches assembled instead of waiting for them;
+    the consumer takes each pass with one call of :meth:`batches`, and the threads run until :meth:`close`.
+    Reading stays at most one pass ahead of the consumer, bounded as within a pass by the window buffers.
+    """
 
     def __init__(self, backend: Backend, ops: Any, layout: DatasetLayout, window_layout: WindowLayout,
-                 slots: Sequence[WindowSlot], plan: EpochPlan, start_batch: int, output_fields: Sequence[str],
-                 resident: dict[str, ResidentField] | None = None,
-                 pad: dict[str, tuple[int | None, Any]] | None = None, ahead: int = 2):
+                 slots: Sequence[WindowSlot], plan: EpochPlan, epoch: int, start_batch: int,
+                 output_fields: Sequence[str], resident: dict[str, ResidentField] | None = None,
+                 pad: dict[str, tuple[int | None, Any]] | None = None, ahead: int = 2,
+                 plans: Callable[[int], EpochPlan] | None = None):
         self.backend, self.ops, self.layout, self.wl = backend, ops, layout, window_layout
-        self.plan, self.start_batch, self.output_fields = plan, start_batch, tuple(output_fields)
+        self.output_fields = tuple(output_fields)
+        self._plans = plans  # epoch -> plan, for the passes after the first; None: one pass only
         self.resident = resident or {}
         self.pad = pad or {}  # variable-length field -> (width, or None for the batch's longest; value)
         self.slots = list(slots)
-        self.stats = EpochStats(io_mode=backend.io_mode)
+        self.follow = plans is not None
         self._stop = threading.Event()  # set by close(): everything stops
         self._halt = threading.Event()  # set by close() or a reader error: reading stops
         self._free: queue.Queue[WindowSlot] = queue.Queue()
@@ -171,21 +201,62 @@ class Pipeline:
         self._assembled: queue.Queue[Any] = queue.Queue(maxsize=max(1, ahead))
         for s in self.slots:
             self._free.put(s)
-        self._last_batch = plan.last_batch_of_window()
-        running = start_batch < plan.num_batches
-        self._first_window = int(plan.window_of[plan.batch_bounds(start_batch)[0]]) if running else 0
+        self._passes: dict[int, _Pass] = {}
+        self._passes_lock = threading.Lock()
+        self._epoch0, self._start0, self._plan0 = epoch, start_batch, plan
+        self._begun = threading.Condition()
+        self._begun_pass = 0  # the last pass the consumer began (the first counts as begun: it was asked for)
+        self._consumer_pass = 0  # the pass the consumer is in, or takes next
+        self._taken = False  # a pass is being taken (batches() called, its end not reached)
         self._threads = [threading.Thread(target=self._submit_loop, name="gdsload-reader-submit", daemon=True),
                          threading.Thread(target=self._complete_loop, name="gdsload-reader-complete", daemon=True),
                          threading.Thread(target=self._assemble_loop, name="gdsload-reader-assemble", daemon=True)]
-        self._started = time.perf_counter()
         self._closed = False
         ops.begin()  # the consumer's stream as the pass starts (the assembler orders its writes after it)
-        if running:
+        if self.follow or self._pass(0).first_window < len(plan.windows):
             for t in self._threads:
                 t.start()
 
+    def _pass(self, k: int) -> _Pass:
+        """Pass ``k``, its plan made by whichever thread asks first (the readers, ahead of the consumer)."""
+        with self._passes_lock:
+            p = self._passes.get(k)
+            if p is None:
+                epoch, start = (self._epoch0, self._start0) if k == 0 else (self._epoch0 + k, 0)
+                plan = self._plan0 if k == 0 else self._plans(epoch)  # type: ignore[misc]
+                running = start < plan.num_batches
+                first = int(plan.window_of[plan.batch_bounds(start)[0]]) if running else len(plan.windows)
+                p = _Pass(k, epoch, plan, start, first, plan.last_batch_of_window(),
+                          EpochStats(io_mode=self.backend.io_mode))
+                self._passes = {j: q for j, q in self._passes.items() if j >= k - 1}
+                self._passes[k] = p
+            return p
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def continues_with(self, epoch: int, start_batch: int, any_epoch: bool = False) -> bool:
+        """Whether the next :meth:`batches` call yields the pass a consumer now asks for: from batch
+        ``start_batch`` of ``epoch`` (of any epoch with ``any_epoch``: every epoch has the same order)."""
+        if self._closed or self._taken or self._consumer_pass == 0 or not self._may_follow(self._consumer_pass):
+            return False
+        p = self._pass(self._consumer_pass)
+        return p.start_batch == start_batch and (any_epoch or p.epoch == epoch)
+
+    def _may_follow(self, k: int) -> bool:
+        """Whether the pipeline can go on into pass ``k``: it follows on, and the window buffers can hold
+        that epoch's widest batch (else the dataset starts a new pipeline with more)."""
+        return k == 0 or (self.follow and self._pass(k).plan.max_windows_per_batch() <= len(self.slots))
+
+    @property
+    def stats(self) -> EpochStats:
+        """The statistics of the pass the consumer is in, or takes next."""
+        return self._pass(self._consumer_pass).stats
+
     # -- reader threads ------------------------------------------------------------------------------
     def _next_free(self) -> WindowSlot | None:
+        """A free window buffer, or None once reading stops (close() also queues a None to wake this)."""
         while not self._halt.is_set():
             try:
                 return self._free.get(timeout=_POLL_S)
@@ -193,19 +264,39 @@ class Pipeline:
                 continue
         return None
 
+    def _may_read(self, k: int) -> bool:
+        """Wait until pass ``k`` may be read: the consumer has begun the pass before it (reading stays at most
+        one pass ahead), and the window buffers can hold its widest batch. False once reading stops, or
+        when the pipeline cannot go on into pass ``k``."""
+        if k == 0:
+            return True
+        if not self._may_follow(k):
+            return False
+        with self._begun:
+            while self._begun_pass < k - 1:
+                if self._halt.is_set():
+                    return False
+                self._begun.wait(_POLL_S)
+        return not self._halt.is_set()
+
     def _submit_loop(self) -> None:
-        w = self._first_window
+        k, where = 0, f"epoch {self._epoch0}"
         try:
-            for w in range(self._first_window, len(self.plan.windows)):
-                slot = self._next_free()
-                if slot is None:
-                    return
-                self.ops.synchronize(slot.released)  # the consumer's last gather from it is done
-                reqs = self.wl.requests(self.layout, self.plan.windows[w])
-                nbytes = sum(r.nbytes for r in reqs if isinstance(r, ReadRequest))
-                self._inflight.put((w, slot, nbytes, self.backend.submit(slot.buffer, reqs, self._halt)))
+            while self._may_read(k):
+                p = self._pass(k)
+                for w in range(p.first_window, len(p.plan.windows)):
+                    where = p.describe(w)
+                    slot = self._next_free()
+                    if slot is None:
+                        return
+                    self.ops.synchronize(slot.released)  # the consumer's last gather from it is done
+                    reqs = self.wl.requests(self.layout, p.plan.windows[w])
+                    nbytes = sum(r.nbytes for r in reqs if isinstance(r, ReadRequest))
+                    self._inflight.put((p, w, slot, nbytes, self.backend.submit(slot.buffer, reqs, self._halt)))
+                k += 1
+                where = f"epoch {self._epoch0 + k}"
         except BaseException as e:
-            self._inflight.put(_Failure(e, w, [int(b) for b in self.plan.windows[w]]))
+            self._inflight.put(_Failure(e, where))
         finally:
             self._inflight.put(_END)
 
@@ -222,31 +313,30 @@ class Pipeline:
                 self._halt.set()
                 self._ready.put(item)
                 continue
-            w, slot, nbytes, pending = item
+            p, w, slot, nbytes, pending = item
             try:
                 filled = pending.wait()
             except BaseException as e:
                 if not self._halt.is_set():
                     self._halt.set()
-                    self._ready.put(_Failure(e, w, [int(b) for b in self.plan.windows[w]]))
+                    self._ready.put(_Failure(e, p.describe(w)))
                 continue
             if not self._halt.is_set():
-                self.stats.bytes_read += nbytes
-                self._ready.put((w, slot, filled))
+                p.stats.bytes_read += nbytes
+                self._ready.put((p.index, w, slot, filled))
 
     # -- assembler -----------------------------------------------------------------------------------
-    def _take_ready(self) -> tuple[int, WindowSlot, Any] | None:
-        """The next filled window, or None once the pipeline stops."""
+    def _take_ready(self) -> tuple[int, int, WindowSlot, Any] | None:
+        """The next filled window, or None once the pipeline stops (or reading ended with no error)."""
         item = _get(self._ready, self._stop)
         if item is None:
             return None
+        if item is _END:
+            raise ReadError("internal error: the reader finished before the plan did")
         if isinstance(item, _Failure):
             e = item.error
             msg = str(e) if isinstance(e, ReadError) else f"{type(e).__name__}: {e}"
-            raise ReadError(f"reading window {item.window} (blocks {item.blocks[:8]}"
-                            f"{'...' if len(item.blocks) > 8 else ''}) failed: {msg}") from e
-        if item is _END:
-            raise ReadError("internal error: the reader finished before the plan did")
+            raise ReadError(f"reading {item.where} failed: {msg}") from e
         return item
 
     def _hand(self, item: Any) -> bool:
@@ -261,19 +351,22 @@ class Pipeline:
 
     def _assemble_loop(self) -> None:
         """Gather each batch into fresh arrays on the assembler's stream, ``ahead`` batches before the
-        consumer; a reader's error (or this thread's own) is handed on for the consumer to raise."""
+        consumer, pass after pass; a reader's error (or this thread's own) is handed on for the consumer."""
+        held: dict[tuple[int, int], WindowSlot] = {}
         try:
-            for i, batch, samples in self._assemble():
-                if not self._hand((i, batch, samples, self.ops.record())):
-                    return
+            k = 0
+            while k == 0 or self._may_read(k):
+                for i, batch, samples in self._assemble(self._pass(k), held):
+                    if not self._hand((k, i, batch, samples, self.ops.record())):
+                        return
+                k += 1
         except BaseException as e:
             self._halt.set()
-            self._hand(_Failure(e, -1))
+            self._hand(_Failure(e))
 
-    def _assemble(self) -> Iterator[tuple[int, dict[str, Any], int]]:
-        plan, ops, wl = self.plan, self.ops, self.wl
+    def _assemble(self, p: _Pass, held: dict[tuple[int, int], WindowSlot]) -> Iterator[tuple[int, dict[str, Any], int]]:
+        plan, ops, wl, k = p.plan, self.ops, self.wl, p.index
         table = plan.segment_table()
-        held: dict[int, WindowSlot] = {}
         slots_dev = None  # the epoch's slot array on the device, uploaded once
         ids_dev = None  # the epoch's global sample ids, for resident fields
         ragged = [n for n in self.output_fields if n in wl.ragged]
@@ -282,16 +375,19 @@ class Pipeline:
                   if n not in wl.ragged}
         value_index = {n: epoch_value_index(plan, self.layout.offsets[n]) for n in ragged}  # host: sizes
         value_index_dev: dict[str, tuple[Any, Any]] = {}
-        for i in range(self.start_batch, plan.num_batches):
+        for i in range(p.start_batch, plan.num_batches):
+            if self._stop.is_set():
+                return
             rows = table[i]
             for w, _, _, _ in rows:
-                while w not in held:
+                while (k, w) not in held:
                     got = self._take_ready()
                     if got is None:
                         return
-                    w_got, slot, filled = got
+                    k_got, w_got, slot, filled = got
                     ops.wait(filled)
-                    held[w_got] = slot
+                    held[(k_got, w_got)] = slot
+            views = {w: held[(k, w)].views(wl) for w, _, _, _ in rows}
             lo, hi = rows[0][1], rows[-1][2]
             with ops.scope():
                 # Every array the consumer gets is allocated first, then the fence: memory it freed is
@@ -307,61 +403,78 @@ class Pipeline:
                         if name in out:
                             ops.take(r.array, ids_dev[lo:hi], out[name])
                 for w, start, stop, first in rows:
-                    views = held[w].views(wl)
                     part = slice(start - lo, stop - lo)
                     if first >= 0:
                         for name in windowed:
-                            ops.copy_rows(views[name], first, out[name][part])
+                            ops.copy_rows(views[w][name], first, out[name][part])
                     else:
                         if slots_dev is None:
                             slots_dev = ops.index_array(_compact(plan.slots))
                         for name in windowed:
-                            ops.take(views[name], slots_dev[start:stop], out[name][part])
+                            ops.take(views[w][name], slots_dev[start:stop], out[name][part])
                 for name in ragged:
                     if name not in value_index_dev:
                         value_index_dev[name] = tuple(ops.index_array(a) for a in value_index[name])
-                    self._gather_ragged(name, rows, held, value_index[name][1], value_index_dev[name], out)
+                    self._gather_ragged(name, rows, views, value_index[name][1], value_index_dev[name], out)
                 for w, _, _, _ in rows:
-                    if self._last_batch[w] == i and w in held:
-                        slot = held.pop(w)
+                    if p.last_batch[w] == i:
+                        slot = held.pop((k, w))
                         slot.released = ops.record()
                         self._free.put(slot)
             yield i, out, hi - lo
 
     # -- consumer ------------------------------------------------------------------------------------
-    def _take_assembled(self) -> tuple[int, dict[str, Any], int, Any]:
+    def _take_assembled(self, stats: EpochStats) -> tuple[int, int, dict[str, Any], int, Any]:
         t0 = time.perf_counter()
         item = _get(self._assembled, self._stop)
         if item is None:
             raise GDSLoadError(_CLOSED)
         waited = time.perf_counter() - t0
-        self.stats.stall_s += waited
-        if self.stats.batches == 0:
-            self.stats.first_batch_s += waited
+        stats.stall_s += waited
+        if stats.batches == 0:
+            stats.first_batch_s += waited
         if isinstance(item, _Failure):
             raise item.error
         return item
 
     def batches(self) -> Iterator[dict[str, Any]]:
-        """Yield each batch as a dict of fresh arrays, ready on the consumer's current stream; always stops
-        the background threads on the way out."""
-        ops = self.ops
+        """Take the next pass: its batches as dicts of fresh arrays, ready on the consumer's current stream.
+        Leaving a pass early (or an error) stops the background threads; a pass run to its end leaves them
+        reading the next one when the pipeline follows on."""
+        if self._taken:
+            raise GDSLoadError("internal error: a pass of this pipeline is already being taken")
+        self._taken = True
+        k = self._consumer_pass
+        with self._begun:
+            self._begun_pass = k
+            self._begun.notify_all()  # pass k + 1 may be read now
+        return self._yield_pass(self._pass(k))
+
+    def _yield_pass(self, p: _Pass) -> Iterator[dict[str, Any]]:
+        ops, k, stats = self.ops, p.index, p.stats
+        started = time.perf_counter()
+        done = False
         try:
-            for i in range(self.start_batch, self.plan.num_batches):
+            for i in range(p.start_batch, p.plan.num_batches):
                 if self._closed:
                     raise GDSLoadError(_CLOSED)
                 ops.begin()
-                got, out, samples, ready = self._take_assembled()
-                if got != i:
-                    raise GDSLoadError(f"internal error: batch {got} assembled where {i} was due")
+                got_k, got, out, samples, ready = self._take_assembled(stats)
+                if (got_k, got) != (k, i):
+                    raise GDSLoadError(f"internal error: batch {got} of pass {got_k} assembled where {i} of pass "
+                                       f"{k} was due")
                 ops.hand_over(ready)
                 batch = {name: ops.export(a) for name, a in out.items()}
-                self.stats.batches += 1
-                self.stats.samples += samples
-                self.stats.wall_s = time.perf_counter() - self._started
+                stats.batches += 1
+                stats.samples += samples
+                stats.wall_s = time.perf_counter() - started
                 yield batch
+            done = True
+            self._consumer_pass, self._taken = k + 1, False
         finally:
-            self.close()
+            stats.wall_s = time.perf_counter() - started
+            if not (done and self.follow):
+                self.close()
 
     def _ragged_outputs(self, name: str, lo: int, hi: int, lengths_host: np.ndarray, out: dict[str, Any]) -> None:
         """Allocate a variable-length field's outputs: values back to back plus (B + 1) offsets, or
@@ -377,7 +490,7 @@ class Pipeline:
             out[name] = ops.empty((int(lengths.sum()), *f.sample_shape), f.dtype)
             out[f"{name}/offsets"] = ops.empty((hi - lo + 1,), np.dtype(np.int64))
 
-    def _gather_ragged(self, name: str, rows: list[tuple[int, int, int, int]], held: dict[int, WindowSlot],
+    def _gather_ragged(self, name: str, rows: list[tuple[int, int, int, int]], views: dict[int, dict[str, Any]],
                        lengths_host: np.ndarray, index_dev: tuple[Any, Any], out: dict[str, Any]) -> None:
         """Fill a variable-length field's outputs (see _ragged_outputs). Runs inside the assembler's scope;
         the concatenated values of a padded field are scratch of the assembler's own."""
@@ -391,7 +504,7 @@ class Pipeline:
         pos = 0
         for w, start, stop, _ in rows:
             n = int(lengths_host[start:stop].sum())
-            gather(xp, ops.take, held[w].views(self.wl)[name], starts[start:stop], lengths[start:stop],
+            gather(xp, ops.take, views[w][name], starts[start:stop], lengths[start:stop],
                    flat[pos:pos + n])
             pos += n
         batch_lengths = lengths[lo:hi]
@@ -410,10 +523,19 @@ class Pipeline:
         self._closed = True
         self._stop.set()
         self._halt.set()
+        # Wake every thread now rather than at its next poll: reading ahead, they wait in all these places.
+        self._free.put(None)  # type: ignore[arg-type]  # the submitter, for a window buffer
+        self._ready.put(None)  # the assembler, for a window
+        with self._begun:
+            self._begun.notify_all()  # either, for the consumer to begin a pass
+        while True:  # the assembler, to hand a batch to a full queue
+            try:
+                self._assembled.get_nowait()
+            except queue.Empty:
+                break
         for t in self._threads:
             if t.is_alive() and t is not threading.current_thread():
                 t.join()
-        self.stats.wall_s = time.perf_counter() - self._started
         try:
             # Gathers the assembler queued may still read any buffer: whoever fills it next waits for them.
             released = self.ops.record()

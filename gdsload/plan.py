@@ -136,6 +136,13 @@ def _target_samples(cfg: PlanConfig, order: np.ndarray) -> int:
     return max(counts)
 
 
+def _block_slots(sizes: np.ndarray, samples_per_block: int) -> np.ndarray:
+    """Slots of the valid samples of blocks laid out back to back: block j holds slots j*K .. j*K+sizes[j]-1."""
+    owner = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
+    starts = np.cumsum(sizes) - sizes
+    return owner * samples_per_block + (np.arange(len(owner), dtype=np.int64) - starts[owner])
+
+
 def epoch_plan(cfg: PlanConfig, epoch: int) -> EpochPlan:
     """The plan of ``epoch`` for ``cfg.rank``.
 
@@ -157,7 +164,7 @@ def epoch_plan(cfg: PlanConfig, epoch: int) -> EpochPlan:
             break
         blocks = mine[i:i + w]
         sizes = block_sizes(blocks, cfg.num_samples, k)
-        local = np.concatenate([j * k + np.arange(n, dtype=np.int64) for j, n in enumerate(sizes)])
+        local = _block_slots(sizes, k)
         if rng is not None:
             local = rng.permutation(local)
         windows.append(blocks)

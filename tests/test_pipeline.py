@@ -194,6 +194,115 @@ def test_rank_from_environment(data_path, monkeypatch):
         assert (ds.config.rank, ds.config.world_size) == (1, 2)
 
 
+# -- the next epoch, read ahead ---------------------------------------------------------------------
+def wait_for(condition, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+def test_next_epoch_is_read_ahead_and_exact(data_path):
+    path, data = data_path
+    opts = dict(batch_size=32, backend="cpu", shuffle=True, seed=3, window_blocks=3)
+    with Dataset(path, **opts) as ref:
+        want = collect(ref, range(3))  # one fresh pipeline per epoch: nothing read ahead
+    with Dataset(path, **opts) as ds:
+        got, pipelines = [], []
+        for e in range(3):
+            ds.set_epoch(e)
+            it = iter(ds)
+            pipelines.append(ds._active[0])
+            if e > 0:  # read while the last pass ran (or since): data waits before the first next()
+                assert wait_for(lambda: ds.stats.bytes_read > 0), "the next epoch is read ahead"
+            got.append([i for b in it for i in (check_batch(b, data), b["idx"].tolist())[1]])
+        assert len(set(map(id, pipelines))) == 1, "one pipeline ran the three epochs"
+        assert len(reader_threads()) == 3  # reading epoch 3 ahead
+    assert got == want
+    assert wait_no_readers() == []
+
+
+def test_other_epoch_or_resume_starts_afresh(data_path):
+    path, _ = data_path
+    opts = dict(batch_size=32, backend="cpu", shuffle=True, seed=3, window_blocks=3)
+    with Dataset(path, **opts) as ref:
+        want = collect(ref, [0, 5])
+        ref.set_epoch(1)
+        state, head = None, []
+        for i, b in enumerate(ref):
+            head.extend(b["idx"].tolist())
+            if i == 6:
+                state = ref.state_dict()
+                break
+        ref.set_epoch(1)
+        epoch1 = [i for b in ref for i in b["idx"].tolist()]
+    with Dataset(path, **opts) as ds:
+        assert collect(ds, [0, 5]) == want  # epoch 1 was read ahead; 5 was asked for
+        list(ds)  # epoch 5 again: its pass read epoch 6 ahead
+        ds.load_state_dict(state)
+        assert head + [i for b in ds for i in b["idx"].tolist()] == epoch1
+
+
+def test_without_shuffle_every_epoch_continues(data_path):
+    path, data = data_path
+    with Dataset(path, batch_size=32, backend="cpu", window_blocks=3) as ds:
+        first = [b["idx"].tolist() for b in ds]
+        pipeline = ds._active[0]
+        second = [b["idx"].tolist() for b in ds]  # no set_epoch: without shuffle every epoch is the same
+        assert ds._active[0] is pipeline and first == second
+
+
+def test_prefetch_next_epoch_off(data_path):
+    path, _ = data_path
+    with Dataset(path, batch_size=32, backend="cpu", window_blocks=3, prefetch_next_epoch=False) as ds:
+        assert len(list(ds)) == len(ds)
+        assert wait_no_readers() == []
+
+
+def test_error_read_ahead_surfaces_in_the_pass_that_needs_it(data_path):
+    path, _ = data_path
+    with Dataset(path, batch_size=8, backend="cpu", window_blocks=2, prefetch=1) as ds:
+        assert len(list(ds)) == len(ds)
+        shards = [p for p in ds.layout.shard_paths() if "/x/" in p]  # in shard order
+        last_shard = shards[-1]
+        with open(last_shard, "r+b") as f:  # the last window: not read ahead yet (2 buffers of 2 blocks)
+            f.truncate(100)
+        got = []
+        with pytest.raises(ReadError) as info:
+            for b in ds:
+                got.append(b)
+        assert last_shard in str(info.value) and "of epoch 1" in str(info.value)
+        assert len(got) == (len(shards) - 1) * ds.meta.fields["x"].blocks_per_shard, "every batch before it arrives"
+        assert wait_no_readers() == []
+
+
+def test_stop_ends_the_read_ahead_and_the_next_pass_restarts(data_path):
+    path, data = data_path
+    with Dataset(path, batch_size=32, backend="cpu", shuffle=True, window_blocks=3) as ds:
+        list(ds)
+        assert reader_threads()
+        ds.stop()
+        assert wait_no_readers() == []
+        ds.set_epoch(1)
+        batches = list(ds)
+        assert sorted(i for b in batches for i in b["idx"].tolist()) == list(range(997))
+        for b in batches:
+            check_batch(b, data)
+    assert wait_no_readers() == []
+
+
+def test_reading_ahead_dataset_is_collected(data_path):
+    path, _ = data_path
+    before = threading.active_count()
+    ds = Dataset(path, batch_size=32, backend="cpu", window_blocks=3)
+    list(ds)
+    assert reader_threads()
+    del ds
+    gc.collect()
+    assert wait_no_readers() == []
+    assert threading.active_count() == before
+
+
 # -- lifecycle -------------------------------------------------------------------------------------
 def test_threads_stop_on_break_close_and_gc(data_path):
     path, _ = data_path
@@ -226,6 +335,8 @@ def test_new_pass_closes_the_previous_one(data_path):
             check_batch(b, data)
         with pytest.raises(GDSLoadError, match="iterator was closed"):
             next(old)
+        assert len(reader_threads()) == 3, "the old pass's threads ended; the new one reads the next epoch"
+        ds.stop()
         assert wait_no_readers() == []
 
 
