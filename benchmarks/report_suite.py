@@ -55,10 +55,15 @@ def targets(doc: dict[str, Any]) -> list[str]:
                 if wait is None:
                     out.append(f"{ds} {backend} stall with {r['config']}: not measured from outside in this run")
                     continue
+                runs = r.get("wait_fraction_runs", [wait])
                 out.append(f"{ds} {backend} waiting with {r['config']}: {wait:.1%} of the pass beyond the steps "
-                           f"alone (gdsload's own count of host waits: {r['stall_fraction']:.1%}; target <= 2 %) -> "
-                           f"{'met' if wait <= 0.02 else 'MISSED'}")
+                           f"alone ({_runs(runs)}; gdsload's own count of host waits: {r['stall_fraction']:.1%}; "
+                           f"target <= 2 %) -> {'met' if max(runs) <= 0.02 else 'met by the best pass only' if wait <= 0.02 else 'MISSED'}")
     return out
+
+
+def _runs(fractions: list[float]) -> str:
+    return "passes: " + ", ".join(f"{f:.1%}" for f in fractions)
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -71,7 +76,8 @@ def markdown(doc: dict[str, Any]) -> str:
              f"runs: {doc['page_cache_dropped']}; run took {doc['elapsed_s']} s. Best of the repeats.", "",
              "Stall: gdsload's own count of the time its consumer blocked on the host for data, as a share of "
              "the pass (after the first batch in brackets). Waiting: with a training step, the pass's wall time "
-             "beyond the same steps run alone, as a share of the pass: it also sees device-side waits. "
+             "beyond the same steps run alone, as a share of the pass: it also sees device-side waits (best pass; "
+             "every pass in brackets). "
              "Pinned: gdsload's peak pinned host memory (mmap: the dataset's files, locked at open; open took "
              "the seconds given).", "",
              "| dataset | cache | what | config | io mode | GB/s | samples/s | CPU core-s/GB | stall | waiting "
@@ -89,6 +95,8 @@ def markdown(doc: dict[str, Any]) -> str:
         if r.get("register_s") is not None:
             pinned += f" (open {r['register_s']} s)"
         wait = f"{r['wait_fraction']:.1%}" if r.get("wait_fraction") is not None else ""
+        if r.get("wait_fraction_runs"):
+            wait += f" ({_runs(r['wait_fraction_runs'])})"
         lines.append(f"| {r['dataset']} | {r['regime']} | {r['name']} | {r['config']} | {r['io_mode']} | "
                      f"{r['gb_per_s']} | {r.get('samples_per_s') or ''} | {r.get('cpu_core_s_per_gb', '')} | "
                      f"{stall} | {wait} | {pinned} |")

@@ -56,11 +56,11 @@ class GDSDataset:
         and 2 buffers (the classic double buffer) about 60 % (benchmarks/results/tune-*.json).
     batches_ahead : batches gathered ahead of the consumer by a background thread, so ``next()`` only hands
         over a finished batch (each one is a fresh allocation of a batch's size).
-    prefetch_next_epoch : once a pass has begun, read on into the next epoch (``epoch + 1``, as a loop
-        calling ``set_epoch`` each epoch asks for; with ``shuffle=False`` every epoch), so the next pass does
-        not start by waiting for its first windows. The threads then outlive a pass run to its end, holding
-        no more than within a pass; ``stop()`` or ``close()`` ends them, and a pass that asks for another
-        epoch or a resumed position starts afresh.
+    prefetch_next_epoch : once a pass has begun, read on into the next one, so it does not start by
+        waiting for its first windows: epoch + 1 once ``set_epoch`` has been called (a loop calling it each
+        epoch), else the same epoch again (without shuffle every epoch is the same). The threads then
+        outlive a pass run to its end, holding no more than within a pass; ``stop()`` or ``close()`` ends
+        them, and a pass that asks for another epoch or a resumed position starts afresh.
     output : ``"numpy"`` / ``"torch"`` for the cpu backend, ``"cupy"`` (default) / ``"torch"`` on GPU.
     rank, world_size : this process's share of each epoch (default: torch.distributed, else RANK /
         WORLD_SIZE). With ``drop_last=False`` shorter ranks repeat a few samples so all ranks yield the
@@ -143,6 +143,7 @@ class GDSDataset:
         self._resident: dict[str, ResidentField] = {}  # filled on the first pass, emptied by close()
         self._resident_loaded = False
         self.epoch = 0
+        self._epochs_advance = False  # set_epoch() was called: read epoch + 1 ahead, not the same again
         self.stats: EpochStats | None = None
         self._resume: tuple[int, int] | None = None  # (epoch, batches already yielded)
         self._batches_yielded = 0
@@ -175,6 +176,7 @@ class GDSDataset:
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose order the next iteration follows (a resumed epoch keeps its position)."""
         self.epoch = int(epoch)
+        self._epochs_advance = True
 
     def state_dict(self) -> dict[str, Any]:
         """Where iteration stands: epoch, batches yielded in it, and the config the order depends on."""
@@ -233,7 +235,8 @@ class GDSDataset:
         resident = self._load_resident()
         pipeline = Pipeline(self.backend, self._ops(), self.layout, self.window_layout, self._slots, plan, epoch,
                             start, self.fields, resident, self.pad, ahead=self.batches_ahead,
-                            plans=functools.partial(epoch_plan, self.config) if self.prefetch_next_epoch else None)
+                            plans=functools.partial(epoch_plan, self.config) if self.prefetch_next_epoch else None,
+                            epoch_step=1 if self._epochs_advance else 0)
         if first_load:
             pipeline.stats.bytes_read += sum(r.array.nbytes for r in resident.values())
         self._active.append(pipeline)

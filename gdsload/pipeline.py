@@ -175,7 +175,8 @@ class Pipeline:
     """Runs epoch plans: reader threads ahead, batches assembled ahead, the consumer takes one per ``next()``.
 
     A pipeline starts at ``start_batch`` of ``epoch`` (whose plan is ``plan``). Given ``plans`` (epoch ->
-    plan), once the consumer has begun a pass the readers go on into the next epoch's plan, so the next
+    plan), once the consumer has begun a pass the readers go on into the plan of the next pass (epoch
+    ``epoch + epoch_step``: the next one, or the same again with a step of 0), so the next
     pass starts with its first windows read and its first batches assembled instead of waiting for them;
     the consumer takes each pass with one call of :meth:`batches`, and the threads run until :meth:`close`.
     Reading stays at most one pass ahead of the consumer, bounded as within a pass by the window buffers.
@@ -185,10 +186,11 @@ class Pipeline:
                  slots: Sequence[WindowSlot], plan: EpochPlan, epoch: int, start_batch: int,
                  output_fields: Sequence[str], resident: dict[str, ResidentField] | None = None,
                  pad: dict[str, tuple[int | None, Any]] | None = None, ahead: int = 2,
-                 plans: Callable[[int], EpochPlan] | None = None):
+                 plans: Callable[[int], EpochPlan] | None = None, epoch_step: int = 1):
         self.backend, self.ops, self.layout, self.wl = backend, ops, layout, window_layout
         self.output_fields = tuple(output_fields)
         self._plans = plans  # epoch -> plan, for the passes after the first; None: one pass only
+        self._epoch_step = epoch_step  # pass k reads epoch + k * epoch_step
         self.resident = resident or {}
         self.pad = pad or {}  # variable-length field -> (width, or None for the batch's longest; value)
         self.slots = list(slots)
@@ -222,7 +224,7 @@ class Pipeline:
         with self._passes_lock:
             p = self._passes.get(k)
             if p is None:
-                epoch, start = (self._epoch0, self._start0) if k == 0 else (self._epoch0 + k, 0)
+                epoch, start = (self._epoch0, self._start0) if k == 0 else (self._epoch0 + k * self._epoch_step, 0)
                 plan = self._plan0 if k == 0 else self._plans(epoch)  # type: ignore[misc]
                 running = start < plan.num_batches
                 first = int(plan.window_of[plan.batch_bounds(start)[0]]) if running else len(plan.windows)
@@ -294,7 +296,7 @@ class Pipeline:
                     nbytes = sum(r.nbytes for r in reqs if isinstance(r, ReadRequest))
                     self._inflight.put((p, w, slot, nbytes, self.backend.submit(slot.buffer, reqs, self._halt)))
                 k += 1
-                where = f"epoch {self._epoch0 + k}"
+                where = f"epoch {self._epoch0 + k * self._epoch_step}"
         except BaseException as e:
             self._inflight.put(_Failure(e, where))
         finally:

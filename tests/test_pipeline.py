@@ -252,6 +252,22 @@ def test_without_shuffle_every_epoch_continues(data_path):
         assert ds._active[0] is pipeline and first == second
 
 
+def test_without_set_epoch_the_same_epoch_is_read_ahead(data_path):
+    path, _ = data_path
+    with Dataset(path, batch_size=32, backend="cpu", shuffle=True, window_blocks=3) as ds:
+        first = [b["idx"].tolist() for b in ds]
+        pipeline = ds._active[0]
+        second = [b["idx"].tolist() for b in ds]  # epoch 0 again, as without reading ahead
+        assert ds._active[0] is pipeline and first == second
+        ds.set_epoch(1)  # now epochs advance: epoch 1 starts afresh, and reads epoch 2 ahead
+        third = [b["idx"].tolist() for b in ds]
+        assert ds._active[0] is not pipeline and third != first
+        pipeline = ds._active[0]
+        ds.set_epoch(2)
+        list(ds)
+        assert ds._active[0] is pipeline
+
+
 def test_prefetch_next_epoch_off(data_path):
     path, _ = data_path
     with Dataset(path, batch_size=32, backend="cpu", window_blocks=3, prefetch_next_epoch=False) as ds:
@@ -271,8 +287,9 @@ def test_error_read_ahead_surfaces_in_the_pass_that_needs_it(data_path):
         with pytest.raises(ReadError) as info:
             for b in ds:
                 got.append(b)
-        assert last_shard in str(info.value) and "of epoch 1" in str(info.value)
-        assert len(got) == (len(shards) - 1) * ds.meta.fields["x"].blocks_per_shard, "every batch before it arrives"
+        first_bad = (len(shards) - 1) * ds.meta.fields["x"].blocks_per_shard  # block, = batch (8 samples each)
+        assert last_shard in str(info.value) and f"window {first_bad // 2} of epoch 0" in str(info.value)
+        assert len(got) == first_bad, "every batch before it arrives"
         assert wait_no_readers() == []
 
 
