@@ -282,12 +282,11 @@ class Pipeline:
         return not self._halt.is_set()
 
     def _submit_loop(self) -> None:
-        k, where = 0, f"epoch {self._epoch0}"
+        k, p, w = 0, None, -1
         try:
             while self._may_read(k):
-                p = self._pass(k)
+                p, w = self._pass(k), -1
                 for w in range(p.first_window, len(p.plan.windows)):
-                    where = p.describe(w)
                     slot = self._next_free()
                     if slot is None:
                         return
@@ -295,9 +294,9 @@ class Pipeline:
                     reqs = self.wl.requests(self.layout, p.plan.windows[w])
                     nbytes = sum(r.nbytes for r in reqs if isinstance(r, ReadRequest))
                     self._inflight.put((p, w, slot, nbytes, self.backend.submit(slot.buffer, reqs, self._halt)))
-                k += 1
-                where = f"epoch {self._epoch0 + k * self._epoch_step}"
+                k, p = k + 1, None
         except BaseException as e:
+            where = p.describe(w) if p is not None and w >= 0 else f"epoch {self._epoch0 + k * self._epoch_step}"
             self._inflight.put(_Failure(e, where))
         finally:
             self._inflight.put(_END)

@@ -30,6 +30,7 @@ class PinnedPool:
             self._mem: Any = cupy.cuda.PinnedMemory(self.total_bytes)
         self._base = np.frombuffer(cupy.cuda.PinnedMemoryPointer(self._mem, 0), dtype=np.uint8,
                                    count=self.total_bytes)
+        self._ptr = int(self._base.ctypes.data)  # once: ndarray.ctypes builds objects on every access
         self._free: queue.Queue[int] = queue.Queue()
         for i in range(num_slots):
             self._free.put(i)
@@ -71,7 +72,7 @@ class PinnedPool:
         return memoryview(self._base[start:start + nbytes])
 
     def ptr(self, i: int) -> int:
-        return int(self._base.ctypes.data) + i * self.slot_bytes
+        return self._ptr + i * self.slot_bytes
 
     def close(self) -> None:
         """Wait for copies still reading the slots, then free the pinned memory."""
