@@ -114,6 +114,26 @@ def write_probe(out: str, prefix: str, suffix: str, rows: list[dict], **extra: o
     return path
 
 
+def step_probe_parser(description: str) -> argparse.ArgumentParser:
+    """The options every training-step probe takes: dataset, output, and Python's thread switch interval
+    (``parse_step_probe_args`` applies it)."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--size-gib", type=float, default=4.0)
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval for this run (seconds; Python's default is 0.005)")
+    return ap
+
+
+def parse_step_probe_args(ap: argparse.ArgumentParser) -> argparse.Namespace:
+    args = ap.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
+    return args
+
+
 def drop_caches() -> bool:
     try:
         subprocess.run(["sync"], check=True)

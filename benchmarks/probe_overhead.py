@@ -12,7 +12,6 @@ gdsload itself. Writes probe-overhead-*.json.
 
 from __future__ import annotations
 
-import argparse
 import os
 import queue
 import sys
@@ -24,7 +23,8 @@ from collections.abc import Callable, Iterator
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_read import Rows, bench_dataset, best_pass_seconds, posix_read, write_probe  # noqa: E402
+from bench_read import (Rows, bench_dataset, best_pass_seconds, parse_step_probe_args, posix_read,  # noqa: E402
+                        step_probe_parser, write_probe)
 from run import BATCH, Spin  # noqa: E402
 
 from gdsload import GDSDataset  # noqa: E402
@@ -78,17 +78,10 @@ def producer(work: Callable[[], None], n: int, ahead: int = 2) -> Callable[[], I
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--data", required=True)
-    ap.add_argument("--size-gib", type=float, default=4.0)
+    ap = step_probe_parser(__doc__.splitlines()[0])
     ap.add_argument("--steps-ms", default="1.0,2.5")
     ap.add_argument("--n", type=int, default=400)
-    ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--tag", default="")
-    ap.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (s) for this run")
-    args = ap.parse_args()
-    if args.switch_interval is not None:
-        sys.setswitchinterval(args.switch_interval)
+    args = parse_step_probe_args(ap)
     import cupy
 
     path, paths, nbytes = bench_dataset(args.data, "step.gds", args.size_gib)

@@ -12,7 +12,6 @@ cold buffered and O_DIRECT reads of the same files. Prints JSON lines and writes
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import sys
@@ -23,7 +22,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_read import Rows, bench_dataset, best_pass_seconds, drop_caches, posix_read, write_probe  # noqa: E402
+from bench_read import (Rows, bench_dataset, best_pass_seconds, drop_caches, parse_step_probe_args,  # noqa: E402
+                        posix_read, step_probe_parser, write_probe)
 from run import BATCH, Spin  # noqa: E402
 
 from gdsload import GDSDataset  # noqa: E402
@@ -98,21 +98,13 @@ def timeline(ds: GDSDataset, step: Spin) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--data", required=True)
-    ap.add_argument("--size-gib", type=float, default=4.0)
+    ap = step_probe_parser(__doc__.splitlines()[0])
     ap.add_argument("--step-ms", type=float, default=2.5)
-    ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--tag", default="")
-    ap.add_argument("--switch-interval", type=float, default=None,
-                    help="sys.setswitchinterval for this run (seconds; Python's default is 0.005)")
     ap.add_argument("--no-cold", action="store_true", help="skip the cold-cache probes")
     ap.add_argument("--what", default="resident,kvikio,pinned,threads,mmap",
                     help="timelines to take, of: resident (no I/O), kvikio, pinned, threads (pinned with Python "
                          "reader threads), mmap")
-    args = ap.parse_args()
-    if args.switch_interval is not None:
-        sys.setswitchinterval(args.switch_interval)
+    args = parse_step_probe_args(ap)
     import cupy
 
     path, paths, nbytes = bench_dataset(args.data, "step.gds", args.size_gib)
