@@ -328,7 +328,7 @@ class Pipeline:
 
     # -- assembler -----------------------------------------------------------------------------------
     def _take_ready(self) -> tuple[int, int, WindowSlot, Any] | None:
-        """The next filled window, or None once the pipeline stops (or reading ended with no error)."""
+        """The next filled window, or None once the pipeline stops."""
         item = _get(self._ready, self._stop)
         if item is None:
             return None
