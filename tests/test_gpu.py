@@ -12,7 +12,7 @@ import threading
 import numpy as np
 import pytest
 
-from conftest import labelled, wait_no_readers, zarr_dataset_with_missing_block
+from conftest import break_then_close, labelled, wait_no_readers, zarr_dataset_with_missing_block
 from gdsload import GDSDataset, ReadError
 from gdsload.plan import epoch_plan
 from gdsload.sources import ArraySource
@@ -210,16 +210,8 @@ def test_lifecycle_threads_and_errors(small, backend, tmp_path):
     write_dataset(broken, {k: ArraySource(k, v) for k, v in data.items()}, samples_per_block=16,
                   shard_bytes=16 * 252 * 4, progress=False)  # first: zarr starts its own I/O threads
     before = set(threading.enumerate())
-    ds = Dataset(path, batch_size=16, backend=backend, window_blocks=1)
-    for i, b in enumerate(ds):
-        check(b, data)
-        if i == 5:
-            break
-    assert wait_no_readers() == []
-    it = iter(ds)
-    next(it)
-    ds.close()
-    assert wait_no_readers() == []
+    break_then_close(Dataset(path, batch_size=16, backend=backend, window_blocks=1), lambda b: check(b, data),
+                     stop_after=6)
     # zarr's event loop keeps a pool of "asyncio_N" file threads that grows on demand (opening metadata);
     # they are zarr's, idle and persistent. Every other new thread is a leak.
     leftover = [t.name for t in threading.enumerate() if t not in before and not t.name.startswith("asyncio_")]
