@@ -235,9 +235,8 @@ class GDSDataset:
         pipeline = Pipeline(self.backend, self._ops(), self.layout, self.window_layout, self._slots, plan, epoch,
                             start, self.fields, resident, self.pad, ahead=self.batches_ahead,
                             plans=functools.partial(epoch_plan, self.config) if self.prefetch_next_epoch else None,
-                            epoch_step=1 if self._epochs_advance else 0)
-        if first_load:
-            pipeline.stats.bytes_read += sum(r.array.nbytes for r in resident.values())
+                            epoch_step=1 if self._epochs_advance else 0,
+                            bytes_before=sum(r.array.nbytes for r in resident.values()) if first_load else 0)
         self._active.append(pipeline)
         return pipeline
 

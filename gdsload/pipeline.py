@@ -186,7 +186,7 @@ class Pipeline:
                  slots: Sequence[WindowSlot], plan: EpochPlan, epoch: int, start_batch: int,
                  output_fields: Sequence[str], resident: dict[str, ResidentField] | None = None,
                  pad: dict[str, tuple[int | None, Any]] | None = None, ahead: int = 2,
-                 plans: Callable[[int], EpochPlan] | None = None, epoch_step: int = 1):
+                 plans: Callable[[int], EpochPlan] | None = None, epoch_step: int = 1, bytes_before: int = 0):
         self.backend, self.ops, self.layout, self.wl = backend, ops, layout, window_layout
         self.output_fields = tuple(output_fields)
         self._plans = plans  # epoch -> plan, for the passes after the first; None: one pass only
@@ -215,6 +215,9 @@ class Pipeline:
                          threading.Thread(target=self._assemble_loop, name="gdsload-reader-assemble", daemon=True)]
         self._closed = False
         ops.begin()  # the consumer's stream as the pass starts (the assembler orders its writes after it)
+        # Bytes read for the first pass before it started (resident fields): counted before the completer
+        # thread adds to the same figure.
+        self._pass(0).stats.bytes_read = bytes_before
         if self.follow or self._pass(0).first_window < len(plan.windows):
             for t in self._threads:
                 t.start()
@@ -230,7 +233,9 @@ class Pipeline:
                 first = int(plan.window_of[plan.batch_bounds(start)[0]]) if running else len(plan.windows)
                 p = _Pass(k, epoch, plan, start, first, plan.last_batch_of_window(),
                           EpochStats(io_mode=self.backend.io_mode))
-                self._passes = {j: q for j, q in self._passes.items() if j >= k - 1}
+                # Only passes the consumer is done with are dropped: every other thread may still ask for
+                # the others, and must get the same object (its stats are shared).
+                self._passes = {j: q for j, q in self._passes.items() if j >= self._consumer_pass}
                 self._passes[k] = p
             return p
 
@@ -272,14 +277,12 @@ class Pipeline:
         when the pipeline cannot go on into pass ``k``."""
         if k == 0:
             return True
-        if not self._may_follow(k):
-            return False
         with self._begun:
             while self._begun_pass < k - 1:
                 if self._halt.is_set():
                     return False
                 self._begun.wait(_POLL_S)
-        return not self._halt.is_set()
+        return not self._halt.is_set() and self._may_follow(k)  # pass k's plan is made only now
 
     def _submit_loop(self) -> None:
         k, p, w = 0, None, -1
