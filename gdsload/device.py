@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from .backends.base import record_event
 
 _D2D = 3  # cudaMemcpyDeviceToDevice
 _WORDS = ((16, np.complex128), (8, np.uint64), (4, np.uint32), (2, np.uint16), (1, np.uint8))
@@ -135,7 +136,7 @@ class CudaOps:
         if self.stream is not None and stream.ptr != self.stream.ptr:
             # The consumer switched streams: work already queued on the old one must come first.
             with self.device:
-                stream.wait_event(self.stream.record())
+                stream.wait_event(record_event(self.stream))
         self.stream = stream
 
     def hand_over(self, ready: Any) -> None:
@@ -151,11 +152,11 @@ class CudaOps:
     def fence(self) -> None:
         """Arrays from empty() may be memory the consumer dropped while its queued work still reads it:
         the assembler's stream waits for everything the consumer has queued so far."""
-        self.work.wait_event(self.stream.record())
+        self.work.wait_event(record_event(self.stream))
 
     def record(self) -> Any:
         with self.device:
-            return self.work.record()
+            return record_event(self.work)
 
     def wait(self, event: Any) -> None:
         if event is not None:

@@ -31,6 +31,8 @@ class PinnedPool:
         self._base = np.frombuffer(cupy.cuda.PinnedMemoryPointer(self._mem, 0), dtype=np.uint8,
                                    count=self.total_bytes)
         self._ptr = int(self._base.ctypes.data)  # once: ndarray.ctypes builds objects on every access
+        # Each slot's view made once: the driver thread slices one per read, holding the GIL.
+        self._views = [memoryview(self._base[i * slot_bytes:(i + 1) * slot_bytes]) for i in range(num_slots)]
         self._free: queue.Queue[int] = queue.Queue()
         for i in range(num_slots):
             self._free.put(i)
@@ -68,8 +70,7 @@ class PinnedPool:
         self._free.put(i)
 
     def view(self, i: int, nbytes: int) -> memoryview:
-        start = i * self.slot_bytes
-        return memoryview(self._base[start:start + nbytes])
+        return self._views[i][:nbytes]
 
     def ptr(self, i: int) -> int:
         return self._ptr + i * self.slot_bytes
@@ -80,5 +81,6 @@ class PinnedPool:
             if recorded:
                 e.synchronize()
         self._recorded = [False] * self.num_slots
+        self._views = []
         self._base = np.zeros(0, np.uint8)
         self._mem = None

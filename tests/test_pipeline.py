@@ -68,11 +68,11 @@ def test_batches_are_assembled_ahead_of_the_consumer(data_path):
         check_batch(next(it), data)
         pipeline = ds._active[0]
         deadline = time.monotonic() + 5
-        while not pipeline._assembled.full() and time.monotonic() < deadline:
+        while len(pipeline._assembled) < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert pipeline._assembled.qsize() == 3
+        assert len(pipeline._assembled) == 3
         time.sleep(0.1)
-        assert pipeline._assembled.qsize() == 3, "bounded: the assembler waits for the consumer"
+        assert len(pipeline._assembled) == 3, "bounded: the assembler waits for the consumer"
         for b in it:
             check_batch(b, data)
         assert ds.stats.batches == len(ds)
@@ -464,3 +464,24 @@ def test_resident_read_error_names_field_and_file(data_path):
         os.truncate(shard, 10)
         with pytest.raises(ReadError, match=f"reading resident field 'idx' failed: {shard}: file ends at offset"):
             next(iter(ds))
+
+
+def test_taking_a_batch_wakes_the_assembler_only_on_release():
+    """The consumer's take leaves the assembler waiting until the consumer releases the room, so the
+    assembler's next batch of work starts after the consumer's own calls for this one."""
+    from gdsload.pipeline import _Handoff
+
+    stop = threading.Event()
+    handoff = _Handoff(1)
+    assert handoff.put("a", stop)
+    second = threading.Thread(target=handoff.put, args=("b", stop))
+    second.start()
+    assert handoff.get(stop) == "a"
+    second.join(0.2)
+    assert second.is_alive() and len(handoff) == 0, "room is given back by release(), not by the take"
+    handoff.release()
+    second.join(5)
+    assert not second.is_alive() and handoff.get(stop) == "b"
+    stop.set()
+    assert handoff.get(stop) is None, "stopped and empty"
+    assert not handoff.put("c", stop), "stopped and full: the producer gives up"

@@ -32,6 +32,14 @@ class FillRequest(NamedTuple):
 Request = ReadRequest | FillRequest
 
 
+def record_event(stream: Any) -> Any:
+    """A CuPy event recorded on ``stream``, made without timing: it only orders work, and timing events
+    are the costlier kind to wait on and to query (``Stream.record()`` makes timing events)."""
+    import cupy
+
+    return stream.record(cupy.cuda.Event(disable_timing=True))
+
+
 def coalesce(requests: Sequence[ReadRequest], max_bytes: int) -> list[ReadRequest]:
     """Merge reads that are adjacent both in their file and in the buffer into reads of at most
     ``max_bytes``: fewer, larger reads are faster on every path (whole-shard reads ran 46 GB/s against

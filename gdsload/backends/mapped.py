@@ -26,7 +26,7 @@ import numpy as np
 
 from ..errors import BackendUnavailable, ReadError
 from .base import (Backend, FileHandles, FillRequest, Pending, ReadRequest, Request, coalesce, fill_pattern,
-                   pread_full, split)
+                   pread_full, record_event, split)
 
 DEFAULT_COPY_BYTES = 64 << 20
 DEFAULT_STREAMS = 2
@@ -213,8 +213,8 @@ class MappedBackend(Backend):
                 s = self._streams[i % len(self._streams)]
                 rt.memcpyAsync(dest_ptr + c.dest_offset, maps[c.path].ptr + c.offset, c.nbytes, _H2D, s.ptr)
             for s in self._streams[:len(copies)]:
-                self.stream.wait_event(s.record())
-            return _Queued(self.stream.record())
+                self.stream.wait_event(record_event(s))
+            return _Queued(record_event(self.stream))
 
     def close(self) -> None:
         for s in [self.stream, *self._streams]:

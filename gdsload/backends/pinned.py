@@ -22,7 +22,7 @@ from ..errors import ReadError
 
 from ..pool import PinnedPool
 from .base import (Backend, FileHandles, FillRequest, Pending, ReadRequest, Request, TaskGroup, coalesce,
-                   fill_pattern, pread_full, split)
+                   fill_pattern, pread_full, record_event, split)
 
 DEFAULT_THREADS = 16
 # Larger slots mean fewer calls per byte in the driver: 27.7 GB/s with 8 MiB slots, 33.1 with 16 MiB
@@ -129,7 +129,7 @@ class PinnedBackend(Backend):
         for at, p in group:
             self.cupy.cuda.runtime.memcpyAsync(dest_ptr + p.dest_offset, base + at, p.nbytes, _H2D, stream.ptr)
         self.pool.events[slot].record(stream)
-        return stream.record()
+        return record_event(stream)
 
     def _load(self, dest_ptr: int, group: list[tuple[int, ReadRequest]], stop: threading.Event) -> Any:
         """Read a group of pieces into one slot, then queue their copies; returns the copies' event."""
@@ -165,7 +165,7 @@ class PinnedBackend(Backend):
                 for event in copied:
                     if event is not None:
                         self.stream.wait_event(event)
-                return self.stream.record()
+                return record_event(self.stream)
 
         return TaskGroup(self._executor, [task(g) for g in pack(pieces, self.pool.slot_bytes)], stop, done)
 
@@ -332,7 +332,7 @@ class _KvikioDriver:
     def _complete_if_done(self, job: _Job) -> None:
         if job.issued and job.outstanding == 0 and not job.done.is_set():
             if job.error is None:
-                job.filled = self.stream.record()  # copies are queued in order: this covers the window's
+                job.filled = record_event(self.stream)  # copies are queued in order: this covers the window's
             job.done.set()
 
 
