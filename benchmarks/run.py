@@ -53,23 +53,32 @@ def cpu_seconds() -> float:
 
 
 class Spin:
-    """A simulated training step: one GPU kernel that runs for a fixed time, then a sync (as loss.item())."""
+    """A simulated training step: one GPU kernel that runs for a fixed time, then a sync (as loss.item()).
+
+    The kernel spins on the GPU's nanosecond global timer, not on clock cycles: a cycle count lasts as long
+    as the clock the GPU happens to run at, and "alone" and "with a loader" must be the same step. Given
+    ``stamps`` (a device uint64 pointer), the kernel writes when it started and ended there (two words)."""
 
     def __init__(self, ms: float):
         import cupy
 
         self.cupy = cupy
-        khz = cupy.cuda.runtime.getDeviceProperties(0)["clockRate"]
-        self.cycles = int(ms * khz)
+        self.ns = np.uint64(round(ms * 1e6))
         self._alone: dict[int, float] = {}
         self.kernel = cupy.RawKernel(r"""
-        extern "C" __global__ void spin(long long cycles) {
-            long long t0 = clock64();
-            while (clock64() - t0 < cycles) { }
+        extern "C" __global__ void spin(unsigned long long ns, unsigned long long* stamps) {
+            unsigned long long t0, t;
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+            do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+            if (stamps) { stamps[0] = t0; stamps[1] = t; }
         }""", "spin")
+        self._null = np.uint64(0)
+
+    def launch(self, stamps: np.uint64 | None = None) -> None:
+        self.kernel((1,), (1,), (self.ns, self._null if stamps is None else stamps))
 
     def __call__(self) -> None:
-        self.kernel((1,), (1,), (np.int64(self.cycles),))
+        self.launch()
         self.cupy.cuda.get_current_stream().synchronize()
 
     def alone(self, steps: int) -> float:
@@ -246,6 +255,9 @@ def main() -> int:
     ap.add_argument("--data", default="/root/gdsload-bench", help="directory on the disk under test")
     ap.add_argument("--shm", default="/dev/shm/gdsload-bench", help="tmpfs copy for the /dev/shm regime")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--stall-only", action="store_true",
+                    help="only the training-step rows, on the larger dataset (written as *-stall.json)")
+    ap.add_argument("--stall-repeats", type=int, default=3, help="passes per training-step row")
     args = ap.parse_args()
     import cupy
 
@@ -259,7 +271,8 @@ def main() -> int:
     rows: list[dict] = []
     stamp = today()
     os.makedirs(args.out, exist_ok=True)
-    base = os.path.join(args.out, result_name(info, "", "-full" if args.full else "-quick"))
+    base = os.path.join(args.out, result_name(info, "", ("-full" if args.full else "-quick")
+                                              + ("-stall" if args.stall_only else "")))
 
     def save() -> None:
         """Written after every dataset, so a run cut short still leaves what it measured."""
@@ -314,7 +327,7 @@ def main() -> int:
         print(json.dumps(row), flush=True)
         return row
 
-    sizes = [("1GiB", 1.0), ("16GiB", 16.0) if args.full else ("4GiB", 4.0)]
+    sizes = [("1GiB", 1.0), ("16GiB", 16.0) if args.full else ("4GiB", 4.0)][1 if args.stall_only else 0:]
     blocks = [4 << 20] + ([1 << 20, 16 << 20] if args.full else [])
     record = lambda *a, **k: measure(*a, **k)  # noqa: E731
 
@@ -330,6 +343,9 @@ def main() -> int:
             path = os.path.join(args.data, f"{tag}.gds")
             make_dataset(path, gib, block)
             paths = DatasetLayout(read_metadata(path)).shard_paths()
+            if args.stall_only:
+                _stall(path, tag, record, paths, args.stall_repeats)
+                continue
             main_block = block == 4 << 20
             regimes = ["cold", "warm"] if main_block else ["warm"]
             record(tag, "cold", "ceiling: O_DIRECT disk read", "16 threads, 8 MiB",
@@ -383,12 +399,13 @@ def main() -> int:
             if label == "1GiB":
                 _shm(args, path, tag, record)
             else:
-                _stall(path, tag, record, paths)
+                _stall(path, tag, record, paths, args.stall_repeats)
             save()
             print(f"elapsed {time.perf_counter() - started:.0f} s", flush=True)
 
     save()
-    render(base + ".json")
+    if not args.stall_only:  # a table and plot for the whole suite only
+        render(base + ".json")
     print(f"wrote {base}.json", flush=True)
     return 0
 
@@ -414,7 +431,7 @@ def _shm(args: argparse.Namespace, path: str, tag: str, record: Callable[..., An
         shutil.rmtree(args.shm, ignore_errors=True)
 
 
-def _stall(path: str, tag: str, record: Callable[..., Any], paths: list[str]) -> None:
+def _stall(path: str, tag: str, record: Callable[..., Any], paths: list[str], repeats: int = 3) -> None:
     """How long a simulated training step waits for data when it is slower than reading a batch."""
     import cupy
 
@@ -430,7 +447,7 @@ def _stall(path: str, tag: str, record: Callable[..., Any], paths: list[str]) ->
             run = gdsload_run(path, backend, False, step)
             run()  # also times the steps alone (Spin.alone), outside the measured pass
             record(tag, "warm", f"gdsload {backend} + training step", f"step = {factor} x batch read time "
-                   f"({batch_read_ms * factor:.2f} ms)", run, repeats=3, step_ms=round(batch_read_ms * factor, 3))
+                   f"({batch_read_ms * factor:.2f} ms)", run, repeats=repeats, step_ms=round(batch_read_ms * factor, 3))
             run.close()
         cupy.get_default_memory_pool().free_all_blocks()
     step = Spin(5.0)
