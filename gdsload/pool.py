@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from .backends.base import new_event
 _POLL_S = 0.05
 
 
@@ -37,7 +38,7 @@ class PinnedPool:
         for i in range(num_slots):
             self._free.put(i)
         with cupy.cuda.Device(device_id):
-            self.events: list[Any] = [cupy.cuda.Event(disable_timing=True) for _ in range(num_slots)]
+            self.events: list[Any] = [new_event() for _ in range(num_slots)]
         self._recorded = [False] * num_slots  # whether events[i] guards a copy out of slot i
         self._lock = threading.Lock()
         self.in_use = 0

@@ -32,12 +32,18 @@ class FillRequest(NamedTuple):
 Request = ReadRequest | FillRequest
 
 
-def record_event(stream: Any) -> Any:
-    """A CuPy event recorded on ``stream``, made without timing: it only orders work, and timing events
-    are the costlier kind to wait on and to query (``Stream.record()`` makes timing events)."""
+def new_event() -> Any:
+    """A CuPy event for ordering only: without timing (the costlier kind to wait on and to query, and what
+    ``Stream.record()`` makes), and with blocking sync, so a thread waiting on it sleeps instead of
+    spinning in the driver, where it slowed the consumer's own kernel launches."""
     import cupy
 
-    return stream.record(cupy.cuda.Event(disable_timing=True))
+    return cupy.cuda.Event(block=True, disable_timing=True)
+
+
+def record_event(stream: Any) -> Any:
+    """A :func:`new_event` recorded on ``stream``."""
+    return stream.record(new_event())
 
 
 def coalesce(requests: Sequence[ReadRequest], max_bytes: int) -> list[ReadRequest]:
