@@ -92,7 +92,7 @@ def main() -> int:
                 run()
                 r = run()
                 run.close()
-                alone = step.alone(batches)
+                alone, _ = step.alone(batches)
             emit({"probe": f"gdsload {backend} + step", "factor": factor, "consumer": consumer,
                   "step_ms": round(read_ms * factor, 3),
                   "nominal_steps_s": round(batches * read_ms * factor / 1e3, 4), "steps_alone_s": round(alone, 4),

@@ -72,7 +72,7 @@ def timeline(ds: GDSDataset, step: Spin) -> dict:
         dev_next.append(cupy.cuda.get_elapsed_time(e0, e1) / 1e3)
         dev_step.append(cupy.cuda.get_elapsed_time(e1, e2) / 1e3)
     n = len(events)
-    alone = step.alone(n)
+    alone, _ = step.alone(n)
 
     def us(xs: list[float]) -> dict:
         a = np.asarray(xs) * 1e6

@@ -64,7 +64,6 @@ class Spin:
 
         self.cupy = cupy
         self.ns = np.uint64(round(ms * 1e6))
-        self._alone: dict[int, float] = {}
         self.kernel = cupy.RawKernel(r"""
         extern "C" __global__ void spin(unsigned long long ns, unsigned long long* stamps) {
             unsigned long long t0, t;
@@ -81,17 +80,17 @@ class Spin:
         self.launch()
         self.cupy.cuda.get_current_stream().synchronize()
 
-    def alone(self, steps: int) -> float:
-        """Seconds ``steps`` steps take with no loader running: a pass's wall time beyond this is time spent
-        waiting for data, seen from outside (host waits, device-side waits and gather work alike). Measured
-        once per step count; call it before the measured pass so its CPU time is not counted there."""
-        if steps not in self._alone:
+    def alone(self, steps: int) -> tuple[float, float]:
+        """Seconds ``steps`` steps take with no data to wait for, timed now, and the CPU seconds that took.
+        A pass's wall time beyond this is time spent waiting for data, seen from outside (host waits,
+        device-side waits and gather work alike). Timed right before each pass it is compared with: on the
+        H100 machine the same steps' launch-and-sync turnaround drifted by up to 40 us per step between
+        minutes of one run (benchmarks/results/probe-overhead-*), 4 % of a 1 ms step."""
+        self()
+        c0, t0 = cpu_seconds(), time.perf_counter()
+        for _ in range(steps):
             self()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                self()
-            self._alone[steps] = time.perf_counter() - t0
-        return self._alone[steps]
+        return time.perf_counter() - t0, cpu_seconds() - c0
 
 
 # -- contenders: each returns (bytes into device memory, samples, seconds, stall seconds, extra) -------
@@ -101,6 +100,7 @@ def gdsload_run(path: str, backend: str, shuffle: bool, step: Spin | None, **opt
     def run() -> dict:
         import cupy
 
+        alone, alone_cpu = step.alone(len(ds)) if step is not None else (0.0, 0.0)
         t0 = time.perf_counter()
         n = 0
         for b in ds:
@@ -120,7 +120,7 @@ def gdsload_run(path: str, backend: str, shuffle: bool, step: Spin | None, **opt
             extra["register_s"] = round(ds.backend.register_s, 3)
             extra["preload_s"] = round(ds.backend.preload_s, 3)
         if step is not None:
-            extra["wait_s"] = max(0.0, wall - step.alone(ds.stats.batches))
+            extra.update(wait_s=max(0.0, wall - alone), untimed_cpu_s=alone_cpu)
         return {"bytes": ds.stats.bytes_read, "samples": n, "seconds": wall, "stall_s": ds.stats.stall_s, **extra}
 
     run.close = ds.close  # type: ignore[attr-defined]
@@ -181,6 +181,7 @@ def torch_run(path: str, workers: int, shuffle: bool, step: Spin | None) -> Call
         loader = DataLoader(blocks, batch_size=None, shuffle=shuffle, num_workers=workers, pin_memory=True,
                             prefetch_factor=4 if workers else None)
         nbytes, n, stall = 0, 0, 0.0
+        alone, alone_cpu = step.alone(len(blocks)) if step is not None else (0.0, 0.0)
         t0 = time.perf_counter()
         it = iter(loader)
         while True:
@@ -199,7 +200,7 @@ def torch_run(path: str, workers: int, shuffle: bool, step: Spin | None) -> Call
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
         del it, loader
-        extra = {"wait_s": max(0.0, wall - step.alone(len(blocks)))} if step is not None else {}
+        extra = {"wait_s": max(0.0, wall - alone), "untimed_cpu_s": alone_cpu} if step is not None else {}
         return {"bytes": nbytes, "samples": n, "seconds": wall, "stall_s": stall, "io_mode": "posix-pageable",
                 **extra}
 
@@ -302,7 +303,7 @@ def main() -> int:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 return None
-            r["cpu_s"] = cpu_seconds() - c0
+            r["cpu_s"] = cpu_seconds() - c0 - r.get("untimed_cpu_s", 0.0)  # not the steps timed alone
             if r.get("wait_s") is not None:
                 waits.append(round(r["wait_s"] / r["seconds"], 4))
             if best is None or r["seconds"] < best["seconds"]:
@@ -445,13 +446,12 @@ def _stall(path: str, tag: str, record: Callable[..., Any], paths: list[str], re
         for factor in (1.5, 3.0):
             step = Spin(batch_read_ms * factor)
             run = gdsload_run(path, backend, False, step)
-            run()  # also times the steps alone (Spin.alone), outside the measured pass
+            run()  # a pass first: the next one is read ahead, as in training
             record(tag, "warm", f"gdsload {backend} + training step", f"step = {factor} x batch read time "
                    f"({batch_read_ms * factor:.2f} ms)", run, repeats=repeats, step_ms=round(batch_read_ms * factor, 3))
             run.close()
         cupy.get_default_memory_pool().free_all_blocks()
     step = Spin(5.0)
-    step.alone(read_metadata(path).num_blocks)  # the DataLoader yields one block per step
     record(tag, "warm", "torch DataLoader + training step", "num_workers=8, step 5 ms",
            torch_run(path, 8, False, step), step_ms=5.0)
 
