@@ -38,7 +38,10 @@ class PinnedPool:
         for i in range(num_slots):
             self._free.put(i)
         with cupy.cuda.Device(device_id):
-            self.events: list[Any] = [new_event() for _ in range(num_slots)]
+            # Spinning waits: the pinned backend's single driver thread waits on these in series with
+            # every slot it refills, so a sleeping wait's wake-up is paid per slot (16 GiB warm, H100, one
+            # run each: 29.76 GB/s spinning, 22.2 sleeping).
+            self.events: list[Any] = [new_event(blocking=False) for _ in range(num_slots)]
         self._recorded = [False] * num_slots  # whether events[i] guards a copy out of slot i
         self._lock = threading.Lock()
         self.in_use = 0
