@@ -58,11 +58,9 @@ class Spans:
         self.gc: list[tuple[int, int]] = []
         self._undo: list[Callable[[], None]] = []
 
-    def wrap(self, cls: type, name: str, gap: bool = False) -> None:
-        """Time each call of ``cls.name``; with ``gap``, the span is instead from one call's return to the
-        next call (the work a thread does between two hand-offs)."""
+    def _timed(self, cls: type, name: str, record: Callable[[int, int], None]) -> None:
+        """Wrap ``cls.name`` so each call reports its start and end (perf_counter_ns) to ``record``."""
         original = getattr(cls, name)
-        last: dict[int, int] = {}
 
         @functools.wraps(original)
         def timed(obj: Any, *a: Any, **k: Any) -> Any:
@@ -70,32 +68,29 @@ class Spans:
             try:
                 return original(obj, *a, **k)
             finally:
-                t1 = time.perf_counter_ns()
-                tid = threading.get_ident()
-                if not gap:
-                    self.spans.append((t0, t1))
-                elif tid in last:
-                    self.spans.append((last[tid], t0))
-                last[tid] = t1
+                record(t0, time.perf_counter_ns())
 
-        setattr(cls, name, timed)
-        self._undo.append(lambda: setattr(cls, name, original))
+        self.patch(cls, name, timed)
+
+    def wrap(self, cls: type, name: str, gap: bool = False) -> None:
+        """Time each call of ``cls.name`` as a busy span; with ``gap``, the span is instead from one call's
+        return to the next call (the work a thread does between two hand-offs)."""
+        last: dict[int, int] = {}
+
+        def record(t0: int, t1: int) -> None:
+            tid = threading.get_ident()
+            if not gap:
+                self.spans.append((t0, t1))
+            elif tid in last:
+                self.spans.append((last[tid], t0))
+            last[tid] = t1
+
+        self._timed(cls, name, record)
 
     def time_calls(self, cls: type, name: str) -> None:
         """Time each call of ``cls.name`` (reported per method, not as a busy span)."""
-        original = getattr(cls, name)
         times = self.calls.setdefault(f"{cls.__name__}.{name}", [])
-
-        @functools.wraps(original)
-        def timed(obj: Any, *a: Any, **k: Any) -> Any:
-            t0 = time.perf_counter_ns()
-            try:
-                return original(obj, *a, **k)
-            finally:
-                times.append(time.perf_counter_ns() - t0)
-
-        setattr(cls, name, timed)
-        self._undo.append(lambda: setattr(cls, name, original))
+        self._timed(cls, name, lambda t0, t1: times.append(t1 - t0))
 
     def watch_gc(self) -> None:
         """Record the garbage collector's runs (any thread) as spans of their own."""
