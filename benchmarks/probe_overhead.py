@@ -158,7 +158,8 @@ def turnaround(step: Spin, batches: Callable[[], Iterator[object]], n: int, span
     def overlap(pairs: list[tuple[int, int]], key: str) -> None:
         sp = np.array(pairs, dtype=np.int64)
         hit = np.array([bool(((sp[:, 0] < b) & (sp[:, 1] > a)).any()) for a, b in zip(lo, hi)])
-        out[key] = {"spans_per_step": round(len(sp) / max(1, done), 2), "span_us": _summary((sp[:, 1] - sp[:, 0]) / 1e3),
+        out[key] = {"spans_per_step": round(len(sp) / max(1, done), 2),
+                    "span_us": _summary((sp[:, 1] - sp[:, 0]) / 1e3),
                     "steps_overlapped": round(float(hit.mean()), 3) if hit.size else None,
                     "host_turnaround_us_overlapped": _summary(between[hit]),
                     "host_turnaround_us_clear": _summary(between[~hit])}

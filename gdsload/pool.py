@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from .backends.base import new_event
+
 _POLL_S = 0.05
 
 

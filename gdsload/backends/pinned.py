@@ -332,7 +332,8 @@ class _KvikioDriver:
     def _complete_if_done(self, job: _Job) -> None:
         if job.issued and job.outstanding == 0 and not job.done.is_set():
             if job.error is None:
-                job.filled = record_event(self.stream)  # copies are queued in order: this covers the window's
+                # Copies are queued in order: this event covers the window's.
+                job.filled = record_event(self.stream)
             job.done.set()
 
 
