@@ -120,7 +120,7 @@ def gdsload_run(path: str, backend: str, shuffle: bool, step: Spin | None, **opt
             extra["register_s"] = round(ds.backend.register_s, 3)
             extra["preload_s"] = round(ds.backend.preload_s, 3)
         if step is not None:
-            extra.update(wait_s=max(0.0, wall - alone), untimed_cpu_s=alone_cpu)
+            extra.update(wait_s=max(0.0, wall - alone), alone_s=alone, untimed_cpu_s=alone_cpu)
         return {"bytes": ds.stats.bytes_read, "samples": n, "seconds": wall, "stall_s": ds.stats.stall_s, **extra}
 
     run.close = ds.close  # type: ignore[attr-defined]

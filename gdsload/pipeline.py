@@ -158,22 +158,17 @@ class _Handoff:
 
     def __init__(self, capacity: int):
         self._items: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._room: queue.SimpleQueue[None] = queue.SimpleQueue()
+        self._room: queue.SimpleQueue[bool] = queue.SimpleQueue()  # one token per free place
         for _ in range(capacity):
-            self._room.put(None)
+            self._room.put(True)
 
     def __len__(self) -> int:
         return self._items.qsize()
 
     def put(self, item: Any, stop: threading.Event) -> bool:
         """Queue ``item`` once there is room; False once ``stop`` is set first."""
-        while True:
-            try:
-                self._room.get(timeout=_POLL_S)
-                break
-            except queue.Empty:
-                if stop.is_set():
-                    return False
+        if _get(self._room, stop) is None:
+            return False
         self._items.put(item)
         return True
 
@@ -184,7 +179,7 @@ class _Handoff:
 
     def release(self) -> None:
         """Room for one more item: wakes the producer if it waits."""
-        self._room.put(None)
+        self._room.put(True)
 
     def clear(self) -> None:
         """Drop what is queued and make room for the producer (stopping)."""
@@ -193,8 +188,8 @@ class _Handoff:
                 self._items.get_nowait()
             except queue.Empty:
                 break
-            self._room.put(None)
-        self._room.put(None)
+            self._room.put(True)
+        self._room.put(True)
 
 
 _END = object()
