@@ -174,8 +174,14 @@ def turnaround(step: Spin, batches: Callable[[], Iterator[object]], n: int, span
     return out
 
 
+VARIANTS = ("stream waits only for a batch not yet written", "assembler waits for each batch",
+            "assembler sleeps 50 us after a hand-off", "assembler sleeps 200 us after a hand-off")
+
+
 def patch_handoff(spans: Spans, variant: str, ops: type, handoff: type | None) -> None:
     """Change gdsload's hand-off for one variant (undone with ``spans``)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r} (expected one of {VARIANTS})")
     if variant.startswith("stream waits only"):  # no stream wait for a batch already written
         spans.patch(ops, "hand_over", lambda self, ready: ready is None or ready.done or self.stream.wait_event(ready))
     elif variant.startswith("assembler waits"):  # the batch handed over written: the consumer waits on nothing
@@ -285,6 +291,8 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=400)
     ap.add_argument("--what", default="alone,own,producers,gdsload",
                     help="comma list of: alone, own, producers, gdsload, variants, kvikio")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"with --what variants: a comma list of {VARIANTS}")
+    ap.add_argument("--backends", default="mmap,pinned", help="the backends the variants run on")
     args = parse_step_probe_args(ap)
     import cupy
 
@@ -365,9 +373,8 @@ def main() -> int:
             cases += [("gdsload, all fields resident (no I/O)", "kvikio", resident, None),
                       ("gdsload mmap", "mmap", {}, None), ("gdsload pinned", "pinned", {}, None)]
         if "variants" in what:  # experiments: the hand-off changed by patching, to compare in one run
-            cases += [(f"gdsload {b}, {v}", b, {}, v) for b in ("mmap", "pinned")
-                      for v in ("stream waits only for a batch not yet written", "assembler waits for each batch",
-                                "assembler sleeps 50 us after a hand-off", "assembler sleeps 200 us after a hand-off")]
+            cases += [(f"gdsload {b}, {v}", b, {}, v) for b in args.backends.split(",")
+                      for v in args.variants.split(",")]
         if "kvikio" in what:
             cases += [("gdsload kvikio", "kvikio", {}, None)]
         for label, backend, opts, variant in cases:

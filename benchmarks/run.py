@@ -59,10 +59,15 @@ class Spin:
     as the clock the GPU happens to run at, and "alone" and "with a loader" must be the same step. Given
     ``stamps`` (a device uint64 pointer), the kernel writes when it started and ended there (two words)."""
 
-    def __init__(self, ms: float):
+    def __init__(self, ms: float, sync_every: int = 1):
+        """``sync_every``: the host waits for the GPU after every that many steps (1: each step, the worst
+        case for a loader, whose ``next()`` then lies between two steps on the GPU; more: the host runs
+        ahead, as a loop that reads its loss every few steps)."""
         import cupy
 
         self.cupy = cupy
+        self.sync_every = sync_every
+        self._calls = 0
         self.ns = np.uint64(round(ms * 1e6))
         self.kernel = cupy.RawKernel(r"""
         extern "C" __global__ void spin(unsigned long long ns, unsigned long long* stamps) {
@@ -78,7 +83,9 @@ class Spin:
 
     def __call__(self) -> None:
         self.launch()
-        self.cupy.cuda.get_current_stream().synchronize()
+        self._calls += 1
+        if self._calls % self.sync_every == 0:
+            self.cupy.cuda.get_current_stream().synchronize()
 
     def alone(self, steps: int) -> tuple[float, float]:
         """Seconds ``steps`` steps take with no data to wait for, timed now, and the CPU seconds that took.
@@ -87,10 +94,15 @@ class Spin:
         H100 machine the same steps' launch-and-sync turnaround drifted by up to 40 us per step between
         minutes of one run (benchmarks/results/probe-overhead-*), 4 % of a 1 ms step."""
         self()
+        self.cupy.cuda.get_current_stream().synchronize()
+        self._calls = 0
         c0, t0 = cpu_seconds(), time.perf_counter()
         for _ in range(steps):
             self()
-        return time.perf_counter() - t0, cpu_seconds() - c0
+        self.cupy.cuda.get_current_stream().synchronize()
+        took = time.perf_counter() - t0, cpu_seconds() - c0
+        self._calls = 0  # the pass timed next starts in the same phase
+        return took
 
 
 # -- contenders: each returns (bytes into device memory, samples, seconds, stall seconds, extra) -------
@@ -443,12 +455,14 @@ def _stall(path: str, tag: str, record: Callable[..., Any], paths: list[str], re
         r = probe()
         probe.close()
         batch_read_ms = r["seconds"] / -(-r["samples"] // BATCH) * 1e3
-        for factor in (1.5, 3.0):
-            step = Spin(batch_read_ms * factor)
+        for factor, sync_every in ((1.5, 1), (3.0, 1), (1.5, 8)):
+            step = Spin(batch_read_ms * factor, sync_every)
             run = gdsload_run(path, backend, False, step)
             run()  # a pass first: the next one is read ahead, as in training
+            synced = "" if sync_every == 1 else f", host syncs every {sync_every} steps"
             record(tag, "warm", f"gdsload {backend} + training step", f"step = {factor} x batch read time "
-                   f"({batch_read_ms * factor:.2f} ms)", run, repeats=repeats, step_ms=round(batch_read_ms * factor, 3))
+                   f"({batch_read_ms * factor:.2f} ms){synced}", run, repeats=repeats,
+                   step_ms=round(batch_read_ms * factor, 3), sync_every=sync_every)
             run.close()
         cupy.get_default_memory_pool().free_all_blocks()
     step = Spin(5.0)

@@ -35,7 +35,8 @@ class PinnedPool:
         self._ptr = int(self._base.ctypes.data)  # once: ndarray.ctypes builds objects on every access
         # Each slot's view made once: the driver thread slices one per read, holding the GIL.
         self._views = [memoryview(self._base[i * slot_bytes:(i + 1) * slot_bytes]) for i in range(num_slots)]
-        self._free: queue.Queue[int] = queue.Queue()
+        # C-level: the pinned driver takes and gives back a slot per 16 MiB, holding the GIL while it does.
+        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
         for i in range(num_slots):
             self._free.put(i)
         with cupy.cuda.Device(device_id):

@@ -155,13 +155,17 @@ def test_torch_output_on_a_non_default_torch_stream(small, backend):
     assert sorted(idx.tolist()) == list(range(1999))
 
 
-def test_pinned_pool_is_bounded_and_freed(small):
+@pytest.mark.parametrize("slots", [1, 3])
+def test_pinned_pool_is_bounded_and_freed(small, slots):
+    """One slot (reads and copies take turns) or a few (one kept for copies in flight): right batches, the
+    pinned bytes held never above the pool."""
     path, data = small
-    pool_bytes = 3 * 8192
+    pool_bytes = slots * 8192
     opts = {"pool_bytes": pool_bytes, "slot_bytes": 8192, "num_threads": 8}  # blocks (8064 B) span slots
     ds = Dataset(path, batch_size=64, backend="pinned", backend_options=opts, window_blocks=8)
     pool = ds.backend.pool
     assert pool.total_bytes == pool_bytes
+    assert ds.backend._driver.reading_slots == max(1, slots - 1)
     for b in ds:
         check(b, data)
     ds.stop()  # the next epoch's reads ahead hold slots too

@@ -29,6 +29,10 @@ DEFAULT_THREADS = 16
 # (H100, warm, benchmarks/results/sweep-pinned-*).
 DEFAULT_SLOT_BYTES = 16 << 20
 DEFAULT_POOL_BYTES = 512 << 20
+# One slot in COPY_SHARE is kept out of reading, for copies still in flight: with every slot reading, the
+# slot a finished read frees is the one whose copy was just queued, so the driver waited for each copy
+# before issuing the next read.
+COPY_SHARE = 4
 _ALIGN = 4096
 _H2D = 1  # cudaMemcpyHostToDevice
 
@@ -218,6 +222,8 @@ class _KvikioDriver:
         with backend.cupy.cuda.Device(backend.device_id):
             self.stream = backend.cupy.cuda.Stream(non_blocking=True)
         self.jobs: queue.Queue[Any] = queue.Queue()
+        slots = self.pool.num_slots
+        self.reading_slots = max(1, slots - (max(1, slots // COPY_SHARE) if COPY_SHARE else 0))
         self.fatal: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="gdsload-pinned-driver", daemon=True)
         self.thread.start()
@@ -278,9 +284,10 @@ class _KvikioDriver:
             for group in job.groups:
                 if job.stop.is_set() or job.error is not None:
                     break
-                while len(inflight) >= self.pool.num_slots:
+                while len(inflight) >= self.reading_slots:
                     self._finish(*inflight.popleft())
-                slot = self.pool.acquire(job.stop)  # a slot is free: fewer loads in flight than slots
+                # The free slot released longest ago: its copy was queued loads ago, mostly done by now.
+                slot = self.pool.acquire(job.stop)
                 if slot is None:
                     break
                 futures = self._issue(job, slot, group)
