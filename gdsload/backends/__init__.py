@@ -47,10 +47,10 @@ def resolve(name: str) -> tuple[str, str]:
     kvikio with GDS: the only direct path (disk DMA into device memory). Without GDS, pinned: KvikIO's
     compat mode copies through its own bounce buffers on *blocking* CUDA streams, so its copies serialize
     with the training step's work on the legacy default stream (CuPy's and torch's default). On the H100,
-    with a training step 1.5x / 3x a batch's read time, the pass spent 33-36 % / 22 % beyond the steps
-    alone waiting with kvikio, 8.5-11.9 % / 3.8-4.5 % with pinned (16 GiB, two runs of run.py --full),
-    although kvikio alone reads faster (33-34 vs 28-29 GB/s warm). cpu without a GPU. Never mmap: it locks
-    the whole dataset in RAM, which only the user can decide to spend.
+    with a training step 1.5x / 3x a batch's read time, the pass spent 37.2 % / 22.6 % beyond the steps
+    alone waiting with kvikio, 10.6 % / 1.9 % with pinned, which alone read about as fast (40.32 vs 39.55
+    GB/s warm; 16 GiB, run.py --full, benchmarks/results). cpu without a GPU. Never mmap: it locks the
+    whole dataset in RAM, which only the user can decide to spend.
     """
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r} (expected one of {BACKENDS})")
