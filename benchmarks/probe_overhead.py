@@ -37,6 +37,7 @@ from bench_read import (Rows, bench_dataset, parse_step_probe_args, posix_read, 
 from run import BATCH, Spin  # noqa: E402
 
 from gdsload import GDSDataset  # noqa: E402
+from gdsload import pool as slot_pool  # noqa: E402
 from gdsload.pipeline import Pipeline  # noqa: E402
 
 WARMUP = 20  # steps left out of every summary
@@ -169,7 +170,9 @@ def turnaround(step: Spin, batches: Callable[[], Iterator[object]], n: int, span
             overlap(spans.spans, "background")
         if spans.gc:
             overlap(spans.gc, "gc")
-        out["calls_us"] = {name: _summary(np.array(t[WARMUP:], dtype=np.float64) / 1e3)
+        # per call, and in all per step (the calls of the background threads' waits are not one per step)
+        out["calls_us"] = {name: {**_summary(np.array(t[WARMUP:], dtype=np.float64) / 1e3),
+                                  "per_step": round(sum(t) / 1e3 / max(1, done), 1), "calls": len(t)}
                            for name, t in spans.calls.items()}
     return out
 
@@ -290,7 +293,7 @@ def main() -> int:
     ap.add_argument("--steps-ms", default="1.0,2.5")
     ap.add_argument("--n", type=int, default=400)
     ap.add_argument("--what", default="alone,own,producers,gdsload",
-                    help="comma list of: alone, own, producers, gdsload, variants, kvikio")
+                    help="comma list of: alone, own, producers, gdsload, variants, kvikio, ahead, pinned-options")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"with --what variants: a comma list of {VARIANTS}")
     ap.add_argument("--backends", default="mmap,pinned", help="the backends the variants run on")
     args = parse_step_probe_args(ap)
@@ -377,22 +380,38 @@ def main() -> int:
                       for v in args.variants.split(",")]
         if "kvikio" in what:
             cases += [("gdsload kvikio", "kvikio", {}, None)]
+        if "ahead" in what:  # more batches assembled ahead of the consumer
+            cases += [(f"gdsload {b}, batches_ahead=4", b, {"batches_ahead": 4}, None) for b in ("mmap", "pinned")]
+        if "pinned-options" in what:  # deeper read-ahead, more batches assembled ahead, fewer slot loads
+            cases += [("gdsload pinned, prefetch=4", "pinned", {"prefetch": 4}, None),
+                      ("gdsload pinned, batches_ahead=4", "pinned", {"batches_ahead": 4}, None),
+                      ("gdsload pinned, 32 MiB slots, 1 GiB pool", "pinned",
+                       {"backend_options": {"slot_bytes": 32 << 20, "pool_bytes": 1 << 30}}, None),
+                      ("gdsload pinned, slot events sleep", "pinned", {}, "slot events sleep")]
         for label, backend, opts, variant in cases:
+            sp = Spans()
+            if variant == "slot events sleep":  # before the pool makes its events
+                sp.patch(slot_pool, "SLOT_EVENTS_SPIN", False)
             with GDSDataset(path, batch_size=BATCH, backend=backend, **opts) as ds:
                 for _ in ds:  # one pass first: buffers allocated, the next pass read ahead
                     pass
-                sp = Spans()
                 ops = type(ds._active[0].ops)
                 handoff = getattr(sys.modules[Pipeline.__module__], "_Handoff", None)
-                if variant is not None:
+                if variant is not None and variant != "slot events sleep":
                     patch_handoff(sp, variant, ops, handoff)
                 sp.wrap(Pipeline, "_hand", gap=True)  # the assembler's work between two hand-offs
                 if backend == "pinned" and ds.backend._driver is not None:
                     sp.wrap(type(ds.backend._driver), "_finish")
                     sp.wrap(type(ds.backend._driver), "_issue")
+                    sp.time_calls(slot_pool.PinnedPool, "acquire")  # the driver waiting on a slot's copy
                 for name in ("begin", "hand_over"):  # the consumer's calls in next(), each timed
                     sp.time_calls(ops, name)
                 sp.time_calls(Pipeline, "_take_assembled")
+                # Where the readers wait: the assembler for a filled window, the submitter for a free
+                # buffer and for its "released" event (which follows the consumer's queued steps).
+                sp.time_calls(Pipeline, "_take_ready")
+                sp.time_calls(Pipeline, "_next_free")
+                sp.time_calls(ops, "synchronize")
                 if handoff is not None:
                     sp.time_calls(handoff, "release")
                 sp.watch_gc()

@@ -20,14 +20,18 @@ from bench_read import Rows, bench_dataset, best_pass_seconds, posix_read, raw_k
 
 from gdsload import GDSDataset  # noqa: E402
 
+from gdsload import pool as slot_pool  # noqa: E402
 from gdsload.backends import pinned  # noqa: E402
 
 # (slot MiB, pool MiB, reader threads, pinned.COPY_SHARE: one slot in that many kept for copies (0: none),
-# reader). Small pools: slots that stay in the CPU's last-level cache between their read and their copy?
+# reader[, pool.SLOT_EVENTS_SPIN]). Small pools: slots that stay in the CPU's last-level cache between their read and their copy?
 CONFIGS = {
     "copies": [(16, 512, 16, 0, "kvikio"), (16, 512, 16, 8, "kvikio"), (16, 512, 16, 4, "kvikio"),
                (16, 512, 16, 2, "kvikio"), (8, 512, 16, 4, "kvikio"), (32, 1024, 16, 4, "kvikio"),
                (8, 256, 16, 4, "kvikio"), (16, 512, 32, 4, "kvikio")],
+    # the slots' events: a waiting driver spins (True) or sleeps (False)
+    "events": [(16, 512, 16, 4, "kvikio", True), (16, 512, 16, 4, "kvikio", False), (16, 512, 16, 0, "kvikio", True),
+               (16, 512, 16, 0, "kvikio", False)],
     "pools": [(16, 512, 16, 4, "kvikio"), (16, 128, 16, 4, "kvikio"), (8, 64, 16, 4, "kvikio"),
               (4, 64, 16, 4, "kvikio"), (16, 512, 16, 4, "threads"), (8, 128, 16, 4, "threads")],
 }
@@ -70,16 +74,17 @@ def ceilings(paths: list[str], nbytes: int, rows: Rows) -> None:
         rows.emit({"ceiling": name, "gb_per_s": round(max(n / dt for n, dt in (fn() for _ in range(3))) / 1e9, 2)})
 
 
-def sweep_one(path: str, config: tuple[int, int, int, int, str], rows: Rows) -> None:
+def sweep_one(path: str, config: tuple, rows: Rows) -> None:
     import cupy
 
-    slot, pool, threads, share, reader = config
+    slot, pool, threads, share, reader, spin = (*config, True)[:6]
     pinned.COPY_SHARE = share
+    slot_pool.SLOT_EVENTS_SPIN = spin
     opts = {"slot_bytes": slot << 20, "pool_bytes": pool << 20, "num_threads": threads, "reader": reader}
     with GDSDataset(path, batch_size=256, backend="pinned", backend_options=opts) as ds:
         best = best_pass_seconds(ds, 5)
         rows.emit({"slot_mib": slot, "pool_mib": pool, "threads": threads, "reader": ds.backend.reader,
-                   "copy_share": share if ds.backend._driver else None,
+                   "slot_events": "spin" if spin else "sleep", "copy_share": share if ds.backend._driver else None,
                    "reading_slots": ds.backend._driver.reading_slots if ds.backend._driver else None,
                    "gb_per_s": round(ds.stats.bytes_read / best / 1e9, 2)})
     cupy.get_default_memory_pool().free_all_blocks()

@@ -16,6 +16,10 @@ import numpy as np
 from .backends.base import new_event
 
 _POLL_S = 0.05
+# Whether a thread waiting on a slot's event spins (True) or sleeps. Spinning kept the driver thread's
+# per-slot wait short when it waited on every copy (16 GiB warm, H100, one run each: 29.76 GB/s spinning,
+# 22.2 sleeping); see benchmarks/sweep_pinned.py for the comparison since it no longer waits on most.
+SLOT_EVENTS_SPIN = True
 
 
 class PinnedPool:
@@ -40,10 +44,7 @@ class PinnedPool:
         for i in range(num_slots):
             self._free.put(i)
         with cupy.cuda.Device(device_id):
-            # Spinning waits: the pinned backend's single driver thread waits on these in series with
-            # every slot it refills, so a sleeping wait's wake-up is paid per slot (16 GiB warm, H100, one
-            # run each: 29.76 GB/s spinning, 22.2 sleeping).
-            self.events: list[Any] = [new_event(blocking=False) for _ in range(num_slots)]
+            self.events: list[Any] = [new_event(blocking=not SLOT_EVENTS_SPIN) for _ in range(num_slots)]
         self._recorded = [False] * num_slots  # whether events[i] guards a copy out of slot i
         self._lock = threading.Lock()
         self.in_use = 0
