@@ -271,6 +271,9 @@ def main() -> int:
     ap.add_argument("--stall-only", action="store_true",
                     help="only the training-step rows, on the larger dataset (written as *-stall.json)")
     ap.add_argument("--stall-repeats", type=int, default=3, help="passes per training-step row")
+    ap.add_argument("--batches-ahead", type=int, default=None,
+                    help="GDSDataset(batches_ahead=...) for the training-step rows (default: the dataset's)")
+    ap.add_argument("--suffix", default="", help="added to the results' file names")
     args = ap.parse_args()
     import cupy
 
@@ -285,7 +288,7 @@ def main() -> int:
     stamp = today()
     os.makedirs(args.out, exist_ok=True)
     base = os.path.join(args.out, result_name(info, "", ("-full" if args.full else "-quick")
-                                              + ("-stall" if args.stall_only else "")))
+                                              + ("-stall" if args.stall_only else "") + args.suffix))
 
     def save() -> None:
         """Written after every dataset, so a run cut short still leaves what it measured."""
@@ -357,7 +360,7 @@ def main() -> int:
             make_dataset(path, gib, block)
             paths = DatasetLayout(read_metadata(path)).shard_paths()
             if args.stall_only:
-                _stall(path, tag, record, paths, args.stall_repeats)
+                _stall(path, tag, record, paths, args.stall_repeats, args.batches_ahead)
                 continue
             main_block = block == 4 << 20
             regimes = ["cold", "warm"] if main_block else ["warm"]
@@ -412,7 +415,7 @@ def main() -> int:
             if label == "1GiB":
                 _shm(args, path, tag, record)
             else:
-                _stall(path, tag, record, paths, args.stall_repeats)
+                _stall(path, tag, record, paths, args.stall_repeats, args.batches_ahead)
             save()
             print(f"elapsed {time.perf_counter() - started:.0f} s", flush=True)
 
@@ -444,7 +447,8 @@ def _shm(args: argparse.Namespace, path: str, tag: str, record: Callable[..., An
         shutil.rmtree(args.shm, ignore_errors=True)
 
 
-def _stall(path: str, tag: str, record: Callable[..., Any], paths: list[str], repeats: int = 3) -> None:
+def _stall(path: str, tag: str, record: Callable[..., Any], paths: list[str], repeats: int = 3,
+           batches_ahead: int | None = None) -> None:
     """How long a simulated training step waits for data when it is slower than reading a batch."""
     import cupy
 
@@ -457,12 +461,13 @@ def _stall(path: str, tag: str, record: Callable[..., Any], paths: list[str], re
         batch_read_ms = r["seconds"] / -(-r["samples"] // BATCH) * 1e3
         for factor, sync_every in ((1.5, 1), (3.0, 1), (1.5, 8)):
             step = Spin(batch_read_ms * factor, sync_every)
-            run = gdsload_run(path, backend, False, step)
+            ahead = {} if batches_ahead is None else {"batches_ahead": batches_ahead}
+            run = gdsload_run(path, backend, False, step, **ahead)
             run()  # a pass first: the next one is read ahead, as in training
             synced = "" if sync_every == 1 else f", host syncs every {sync_every} steps"
             record(tag, "warm", f"gdsload {backend} + training step", f"step = {factor} x batch read time "
                    f"({batch_read_ms * factor:.2f} ms){synced}", run, repeats=repeats,
-                   step_ms=round(batch_read_ms * factor, 3), sync_every=sync_every)
+                   step_ms=round(batch_read_ms * factor, 3), sync_every=sync_every, **ahead)
             run.close()
         cupy.get_default_memory_pool().free_all_blocks()
     step = Spin(5.0)

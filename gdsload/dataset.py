@@ -54,10 +54,11 @@ class GDSDataset:
         batch spans (usually 1-2). Warm, on the H100, 4 buffers of 256 MiB reached 92-95 % of raw KvikIO
         and 2 buffers (the classic double buffer) about 60 % (benchmarks/results/tune-*.json).
     batches_ahead : batches gathered ahead of the consumer by a background thread, so ``next()`` only hands
-        over a finished batch (each one is a fresh allocation of a batch's size). Four rather than two
-        absorb the gathering thread's late turns: with training steps of 1.1 and 1.6 ms (about 1x and 1.5x
-        a batch's read) and a sync after each, the GPU's mean idle time per step fell from 203-425 to
-        119-265 us with the pinned backend (H100, two runs, benchmarks/results/probe-overhead-*-ahead-*.json).
+        over a finished batch (each one is a fresh allocation of a batch's size). Default: the backend's
+        (4 for pinned, whose driver thread makes the gathering thread's turns jittery: with training steps
+        of 1.1 and 1.6 ms and a sync after each, the GPU's mean idle time per step fell from 203-425 to
+        119-265 us, H100, benchmarks/results/probe-overhead-*-ahead-*.json; 2 for the others, for which
+        4 did no better).
     prefetch_next_epoch : once a pass has begun, read on into the next one, so it does not start by
         waiting for its first windows: epoch + 1 once ``set_epoch`` has been called (a loop calling it each
         epoch), else the same epoch again (without shuffle every epoch is the same). The threads then
@@ -86,14 +87,14 @@ class GDSDataset:
 
     def __init__(self, path: str | os.PathLike[str], batch_size: int, fields: Sequence[str] | None = None, *,
                  backend: str = "auto", shuffle: bool = False, seed: int = 0, window_blocks: int | None = None,
-                 prefetch: int = 2, batches_ahead: int = 4, prefetch_next_epoch: bool = True,
+                 prefetch: int = 2, batches_ahead: int | None = None, prefetch_next_epoch: bool = True,
                  drop_last: bool = False, output: str | None = None,
                  rank: int | None = None, world_size: int | None = None, device: int | None = None, resident_bytes: int = 64 << 20,
                  pad_to: int | str | dict[str, int | str] | None = None, pad_value: Any = 0,
                  backend_options: dict[str, Any] | None = None):
         if prefetch < 1:
             raise ValueError(f"prefetch must be at least 1 (found {prefetch})")
-        if batches_ahead < 1:
+        if batches_ahead is not None and batches_ahead < 1:
             raise ValueError(f"batches_ahead must be at least 1 (found {batches_ahead})")
         self.meta = read_metadata(path)
         self.layout = DatasetLayout(self.meta, tuple(fields) if fields is not None else None)
@@ -130,7 +131,7 @@ class GDSDataset:
                                      window_blocks=window_blocks, shuffle=shuffle, seed=seed, drop_last=drop_last,
                                      rank=rank, world_size=world_size)
             self.prefetch = prefetch
-            self.batches_ahead = batches_ahead
+            self.batches_ahead = self.backend.batches_ahead_hint if batches_ahead is None else batches_ahead
             self.prefetch_next_epoch = prefetch_next_epoch
             capacity = {f: (self.meta.ragged[f], capacity_rows(self.layout.offsets[f], spb, window_blocks))
                         for f in self.ragged_fields}

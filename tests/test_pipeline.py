@@ -406,6 +406,14 @@ def test_bad_arguments(data_path):
         Dataset(path, batch_size=8, backend="cpu", batches_ahead=0)
 
 
+def test_batches_ahead_defaults_to_the_backends(data_path):
+    path, _ = data_path
+    with Dataset(path, batch_size=8, backend="cpu") as ds:
+        assert ds.batches_ahead == ds.backend.batches_ahead_hint == 2
+    with Dataset(path, batch_size=8, backend="cpu", batches_ahead=5) as ds:
+        assert ds.batches_ahead == 5
+
+
 def test_gpu_backend_without_gpu_is_a_clear_error(data_path):
     from gdsload.backends import gpu_available
 

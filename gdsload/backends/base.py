@@ -184,6 +184,8 @@ class Backend(ABC):
     io_mode: str
     #: Preferred window size: large enough to keep every reader busy, small enough to double-buffer.
     window_bytes_hint: int = 64 << 20
+    #: Batches gathered ahead of the consumer unless the dataset is told otherwise.
+    batches_ahead_hint: int = 2
 
     @abstractmethod
     def allocate(self, nbytes: int) -> Any:
