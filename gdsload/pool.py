@@ -18,7 +18,9 @@ from .backends.base import new_event
 _POLL_S = 0.05
 # Whether a thread waiting on a slot's event spins (True) or sleeps. Spinning kept the driver thread's
 # per-slot wait short when it waited on every copy (16 GiB warm, H100, one run each: 29.76 GB/s spinning,
-# 22.2 sleeping); see benchmarks/sweep_pinned.py for the comparison since it no longer waits on most.
+# 22.2 sleeping). Since it keeps slots for copies in flight (pinned.COPY_SHARE) it seldom waits, and
+# sleeping cost no throughput (benchmarks/results/sweep-pinned-*-events.json); its effect on a training
+# step's waiting was not compared in one run, so spinning stays.
 SLOT_EVENTS_SPIN = True
 
 
