@@ -34,7 +34,6 @@ def main() -> int:
     ap.add_argument("--tag", default="", help="suffix of the result file's name")
     args = ap.parse_args()
     import cupy
-    import kvikio.defaults
 
     path, paths, nbytes = bench_dataset(args.data, "bench.gds", args.size_gib)
     rows = Rows()
@@ -48,7 +47,6 @@ def main() -> int:
     posix_read(paths, False, True)
     emit({"probe": "ceiling: page cache -> pinned", "gb_per_s": round(max(
         n / t for n, t in (posix_read(paths, False, True) for _ in range(3))) / 1e9, 2)})
-    kvikio.defaults.set({"num_threads": 16, "task_size": 4 << 20})
     dest = cupy.empty(nbytes, dtype=cupy.uint8)
     emit({"probe": "raw KvikIO whole files", "gb_per_s": round(max(
         n / t for n, t in (raw_kvikio(paths, dest) for _ in range(3))) / 1e9, 2)})

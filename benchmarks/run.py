@@ -347,9 +347,6 @@ def main() -> int:
     blocks = [4 << 20] + ([1 << 20, 16 << 20] if args.full else [])
     record = lambda *a, **k: measure(*a, **k)  # noqa: E731
 
-    import kvikio.defaults
-
-    kvikio.defaults.set({"num_threads": 16, "task_size": 4 << 20})  # raw KvikIO as gdsload configures it
     h2d = pinned_h2d_gbps(1 << 30)
     rows.append({"dataset": "-", "regime": "-", "name": "ceiling: pinned H2D copy", "config": "1 GiB",
                  "io_mode": "cuda-memcpy", "gb_per_s": round(h2d, 2)})
@@ -377,7 +374,6 @@ def main() -> int:
             dest = None
             cupy.get_default_memory_pool().free_all_blocks()
             threads = [8, 16, 32] if args.full and main_block and label == "1GiB" else [16]
-            kvikio.defaults.set({"num_threads": 16, "task_size": 4 << 20})
             for backend in GDSLOAD_BACKENDS:
                 for t in threads if backend != "mmap" else [0]:
                     for shuffle in ([False, True] if main_block else [False]):

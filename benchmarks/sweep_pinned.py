@@ -65,9 +65,7 @@ def ceilings(paths: list[str], nbytes: int, rows: Rows) -> None:
     """The same bytes from the page cache into pinned memory, and raw KvikIO into device memory (best of
     three), measured beside the sweep: this machine's ceilings drift between minutes."""
     import cupy
-    import kvikio.defaults
 
-    kvikio.defaults.set({"num_threads": 16, "task_size": 4 << 20})  # as gdsload sets it (KvikIO's default: 1)
     dest = cupy.empty(nbytes, cupy.uint8)
     for name, fn in (("page cache -> pinned", lambda: posix_read(paths, False, True)),
                      ("raw kvikio -> device", lambda: raw_kvikio(paths, dest))):
