@@ -24,14 +24,15 @@ from gdsload import pool as slot_pool  # noqa: E402
 from gdsload.backends import pinned  # noqa: E402
 
 # (slot MiB, pool MiB, reader threads, pinned.COPY_SHARE: one slot in that many kept for copies (0: none),
-# reader[, pool.SLOT_EVENTS_SPIN]). Small pools: slots that stay in the CPU's last-level cache between their read and their copy?
+# reader[, pool.SLOT_EVENTS_SPIN]). "pools": small enough that slots may stay in the CPU's last-level cache
+# between their read and their copy.
 CONFIGS = {
     "copies": [(16, 512, 16, 0, "kvikio"), (16, 512, 16, 8, "kvikio"), (16, 512, 16, 4, "kvikio"),
                (16, 512, 16, 2, "kvikio"), (8, 512, 16, 4, "kvikio"), (32, 1024, 16, 4, "kvikio"),
                (8, 256, 16, 4, "kvikio"), (16, 512, 32, 4, "kvikio")],
     # the slots' events: a waiting driver spins (True) or sleeps (False)
-    "events": [(16, 512, 16, 4, "kvikio", True), (16, 512, 16, 4, "kvikio", False), (16, 512, 16, 0, "kvikio", True),
-               (16, 512, 16, 0, "kvikio", False)],
+    "events": [(16, 512, 16, 4, "kvikio", True), (16, 512, 16, 4, "kvikio", False),
+               (16, 512, 16, 0, "kvikio", True), (16, 512, 16, 0, "kvikio", False)],
     "pools": [(16, 512, 16, 4, "kvikio"), (16, 128, 16, 4, "kvikio"), (8, 64, 16, 4, "kvikio"),
               (4, 64, 16, 4, "kvikio"), (16, 512, 16, 4, "threads"), (8, 128, 16, 4, "threads")],
 }
