@@ -380,11 +380,11 @@ def main() -> int:
                       for v in args.variants.split(",")]
         if "kvikio" in what:
             cases += [("gdsload kvikio", "kvikio", {}, None)]
-        if "ahead" in what:  # more batches assembled ahead of the consumer
-            cases += [(f"gdsload {b}, batches_ahead=4", b, {"batches_ahead": 4}, None) for b in ("mmap", "pinned")]
-        if "pinned-options" in what:  # deeper read-ahead, more batches assembled ahead, fewer slot loads
+        if "ahead" in what:  # batches assembled ahead of the consumer, both counts named (defaults differ)
+            cases += [(f"gdsload {b}, batches_ahead={a}", b, {"batches_ahead": a}, None) for b in ("mmap", "pinned")
+                      for a in (2, 4)]
+        if "pinned-options" in what:  # deeper read-ahead, fewer slot loads, sleeping slot events
             cases += [("gdsload pinned, prefetch=4", "pinned", {"prefetch": 4}, None),
-                      ("gdsload pinned, batches_ahead=4", "pinned", {"batches_ahead": 4}, None),
                       ("gdsload pinned, 32 MiB slots, 1 GiB pool", "pinned",
                        {"backend_options": {"slot_bytes": 32 << 20, "pool_bytes": 1 << 30}}, None),
                       ("gdsload pinned, slot events sleep", "pinned", {}, "slot events sleep")]
