@@ -1,4 +1,9 @@
-"""Exception types. Messages read ``PATH: what is wrong (expected X, found Y)``."""
+"""Exception types. Messages are one line: ``PATH: what is wrong (expected X, found Y)``.
+
+Each error also subclasses the built-in it resembles (as zarr's ``NodeNotFoundError`` is a
+``FileNotFoundError``), so code written against the built-ins keeps catching them: a bad dataset or input
+is a ``ValueError``, a failed read an ``OSError``, a backend that cannot run here a ``RuntimeError``.
+"""
 
 from __future__ import annotations
 
@@ -7,17 +12,17 @@ class GDSLoadError(Exception):
     """Base of every error gdsload raises on purpose."""
 
 
-class FormatError(GDSLoadError):
+class FormatError(GDSLoadError, ValueError):
     """A dataset on disk does not match the gdsload format (metadata, shard files, index)."""
 
 
-class ConversionError(GDSLoadError):
+class ConversionError(GDSLoadError, ValueError):
     """An input to the converter cannot be turned into a dataset."""
 
 
-class ReadError(GDSLoadError):
+class ReadError(GDSLoadError, OSError):
     """A read of a block failed; the message names the file, offset and size."""
 
 
-class BackendUnavailable(GDSLoadError):
+class BackendUnavailable(GDSLoadError, RuntimeError):
     """The requested backend cannot run here (no GPU, missing package)."""

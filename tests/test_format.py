@@ -102,3 +102,17 @@ def test_unknown_field(make_dataset):
     path = make_dataset({"x": np.ones((4, 2), np.float32)})
     with pytest.raises(FormatError, match=r"no field \['y'\] \(fields: \['x'\]\)"):
         GDSDataset(path, batch_size=2, fields=["y"], backend="cpu")
+
+
+def test_errors_are_also_the_builtins_they_resemble(tmp_path):
+    from gdsload import BackendUnavailable, ConversionError, GDSLoadError, ReadError
+
+    for error, builtin in ((FormatError, ValueError), (ConversionError, ValueError), (ReadError, OSError),
+                           (BackendUnavailable, RuntimeError)):
+        assert issubclass(error, GDSLoadError) and issubclass(error, builtin)
+        e = error("some/path: what is wrong (expected 1, found 2)")
+        assert str(e) == "some/path: what is wrong (expected 1, found 2)"  # OSError keeps a one-argument message
+    try:  # a handler written against the built-in catches gdsload's error
+        read_metadata(tmp_path / "nope")
+    except ValueError as e:
+        assert isinstance(e, FormatError)
