@@ -1,0 +1,223 @@
+"""Shard files opened once, safely, and held while a dataset is open (pure POSIX I/O, no GPU).
+
+A dataset is read through the descriptors opened when it opens, never through its paths again: the index
+checked at open and the bytes read later then come from the same inode, whatever happens to the paths
+afterwards. A dataset replaced by rename (``shard.py --overwrite``) keeps being read from the files that
+were opened; a file truncated in place gives a short read, which the backends report as a ReadError.
+
+Opening refuses, without blocking, anything that is not a regular file: a FIFO in a shard's place would
+otherwise block ``open()`` until some writer appeared, a directory would fail later with a confusing
+error, and a device or socket is not data. Each refusal is a FormatError naming the path and what it is.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import stat
+import threading
+import weakref
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from .errors import FormatError, ReadError
+
+#: O_NONBLOCK: open a FIFO without waiting for a writer (cleared again once the file is known to be regular).
+#: O_NOCTTY: a terminal device in a shard's place must not become the process's controlling terminal.
+OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+
+
+@dataclass(frozen=True)
+class ShardFile:
+    """One open, regular file: its descriptor and what ``fstat`` said of it right after opening."""
+
+    path: str
+    fd: int
+    size: int
+    dev: int
+    ino: int
+    mtime_ns: int
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISLNK, "a symlink")):
+        if test(mode):
+            return name
+    return f"a special file (mode {mode:#o})"
+
+
+def refusal(path: str, what: str, e: OSError) -> FormatError:
+    """The FormatError for an OSError met opening or stat'ing ``path``."""
+    if e.errno == errno.ENOENT:
+        return FormatError(f"{path}: {what} is missing")
+    if e.errno == errno.ELOOP:
+        return FormatError(f"{path}: {what} is a symlink loop (expected a regular file)")
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return FormatError(f"{path}: {what} is not readable (permission denied)")
+    if e.errno == errno.EISDIR:
+        return FormatError(f"{path}: {what} is a directory (expected a regular file)")
+    return FormatError(f"{path}: cannot open {what} ({e.strerror or e})")
+
+
+def not_regular(path: str, what: str, mode: int) -> FormatError:
+    """The FormatError for a file that is not regular (``mode`` from its stat)."""
+    return FormatError(f"{path}: {what} is {_kind(mode)} (expected a regular file)")
+
+
+def open_regular(path: str, what: str = "file") -> ShardFile:
+    """Open ``path`` read-only if it is a regular file (symlinks followed); FormatError otherwise.
+
+    ``what`` names the file in messages ("shard file", "zarr.json"). The path is stat'ed first, so a device
+    or FIFO is refused without being opened at all (opening some devices has side effects); the descriptor
+    is checked again with ``fstat``, so a swap between the two cannot slip a FIFO through (it was opened with
+    O_NONBLOCK, so even that open returned at once).
+    """
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise refusal(path, what, e) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise not_regular(path, what, st.st_mode)
+    try:
+        fd = os.open(path, OPEN_FLAGS)
+    except OSError as e:
+        raise refusal(path, what, e) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise not_regular(path, what, st.st_mode)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except OSError as e:
+        os.close(fd)
+        raise FormatError(f"{path}: cannot open {what} ({e.strerror or e})") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return ShardFile(path, fd, st.st_size, st.st_dev, st.st_ino, st.st_mtime_ns)
+
+
+def open_shard(path: str) -> ShardFile:
+    """Open one shard file (see :func:`open_regular`); the caller owns the descriptor."""
+    return open_regular(path, "shard file")
+
+
+def pread_exact(f: ShardFile, offset: int, nbytes: int) -> bytes:
+    """``nbytes`` at ``offset`` of an open file; a file that ends first, or an OS error, is a ReadError."""
+    parts, got = [], 0
+    while got < nbytes:
+        try:
+            part = os.pread(f.fd, nbytes - got, offset + got)
+        except OSError as e:
+            raise ReadError(f"{f.path}: read of {nbytes} bytes at offset {offset} failed ({e.strerror or e})") from e
+        if not part:
+            raise ReadError(f"{f.path}: file ends at offset {offset + got} (expected {nbytes} bytes from offset "
+                            f"{offset}; was it truncated?)")
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)
+
+
+def read_small(path: str, what: str, max_bytes: int) -> bytes:
+    """The whole of a small regular file (metadata), opened as safely as a shard; refused unread if it
+    is larger than ``max_bytes``."""
+    f = open_regular(path, what)
+    try:
+        if f.size > max_bytes:
+            raise FormatError(f"{path}: {what} is {f.size} bytes (expected at most {max_bytes})")
+        return pread_exact(f, 0, f.size)
+    finally:
+        os.close(f.fd)
+
+
+def _close_all(files: dict[str, ShardFile]) -> None:
+    for f in files.values():
+        try:
+            os.close(f.fd)
+        except OSError:
+            pass
+    files.clear()
+
+
+class ShardFiles:
+    """Shard files opened once, by path, and held until :meth:`close` (idempotent; also at garbage
+    collection). Reading by ``fd(path)`` reads the inode that was opened, not whatever the path names now.
+
+    Notes
+    -----
+    A descriptor must not be used after ``close()``: the number may already name another file. Stop every
+    reader before closing.
+    """
+
+    def __init__(self) -> None:
+        self._files: dict[str, ShardFile] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _close_all, self._files)
+
+    @classmethod
+    def open(cls, paths: Iterable[str]) -> ShardFiles:
+        """Open every path (a repeated path once); if one fails, those already opened are closed."""
+        files = cls()
+        try:
+            for path in paths:
+                files.add(path)
+        except BaseException:
+            files.close()
+            raise
+        return files
+
+    def add(self, path: str) -> ShardFile:
+        """Open ``path`` (see :func:`open_shard`) unless it is held already."""
+        with self._lock:
+            if self._closed:
+                raise ReadError(f"{path}: cannot open, the dataset's shard files were closed")
+            f = self._files.get(path)
+            if f is None:
+                f = self._files[path] = open_shard(path)
+            return f
+
+    def fd(self, path: str) -> int:
+        """The descriptor of a held shard file; ReadError if it was never opened here or is closed."""
+        f = self._files.get(path)
+        if f is None:
+            state = "were closed" if self._closed else "do not include it"
+            raise ReadError(f"{path}: not an open shard file (the dataset's shard files {state})")
+        return f.fd
+
+    def get(self, path: str) -> ShardFile | None:
+        """The held file at ``path``, or None."""
+        return self._files.get(path)
+
+    def __getitem__(self, path: str) -> ShardFile:
+        return self._files[path]
+
+    def __contains__(self, path: object) -> bool:
+        return path in self._files
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._files))
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Close every descriptor. Idempotent."""
+        with self._lock:
+            self._closed = True
+            self._finalizer()
+
+    def __enter__(self) -> ShardFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"ShardFiles({len(self)} files{', closed' if self._closed else ''})"
