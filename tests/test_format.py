@@ -261,6 +261,212 @@ def test_shard_files_opened_so_far_are_closed_when_one_fails(tmp_path):
         good.append(str(tmp_path / f"s{i}"))
     os.mkfifo(tmp_path / "fifo")
     before = open_fds()
-    with pytest.raises(FormatError, match="fifo: shard file is a FIFO"):
+    with pytest.raises(FormatError, match="fifo: shard file is a FIFO") as info:
         ShardFiles.open(good + [str(tmp_path / "fifo")] + good)
+    assert info.traceback and open_fds() == before
+
+
+# -- DatasetLayout: files held, shard index checks, checksums ----------------------------------------------
+def rewrite_index(path: str, field, edit) -> None:
+    """Change a shard's index table with ``edit(table)`` and store it with a valid crc32c, so only the
+    layout checks can catch what was changed."""
+    size, n = os.path.getsize(path), field.index_bytes
+    pos = size - n if field.index_location == "end" else 0
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        table = parse_shard_index(f.read(n), field.blocks_per_shard, path).offsets_and_lengths.copy()
+        edit(table)
+        f.seek(pos)
+        f.write(encode_shard_index(table))
+
+
+def add_checksums(path: str, fields=None) -> dict[str, np.ndarray]:
+    """Add checksum arrays as the converter is to write them (attrs["gdsload"]["checksums"], one uint32
+    array per field at _checksums/FIELD), computed here from the shard files; returns them."""
+    import crc32c
+
+    meta = read_metadata(path)
+    k, n = meta.samples_per_block, meta.num_samples
+    sums = {}
+    with DatasetLayout(meta) as layout:
+        def stored(key, piece_rows, loc):
+            fm = meta.array(key)
+            if loc is None:
+                return fm.fill_bytes() * (piece_rows * fm.sample_bytes // fm.dtype.itemsize)
+            return os.pread(layout.files.fd(loc.path), loc.nbytes, loc.offset)
+
+        for name in fields or meta.names:
+            out = np.empty(meta.num_blocks, dtype=np.uint32)
+            for b in range(meta.num_blocks):
+                if name in meta.fields:
+                    data = stored(name, k, layout.locate(name, b))
+                else:
+                    offsets = layout.offsets[name]
+                    a, z = int(offsets[b * k]), int(offsets[min((b + 1) * k, n)])
+                    data = b"".join(stored(f"{name}/values", p.row_stop - p.row_start, p.location)
+                                    for p in layout.locate_rows(f"{name}/values", a, z))
+                out[b] = crc32c.crc32c(data)
+            sums[name] = out
+    g = zarr.open_group(path, mode="r+")
+    for name, values in sums.items():
+        g.create_array(f"_checksums/{name}", shape=values.shape, dtype="uint32", chunks=values.shape,
+                       compressors=None)[:] = values
+    attrs = dict(g.attrs["gdsload"])
+    attrs["checksums"] = {"algorithm": "crc32c", "arrays": {name: f"_checksums/{name}" for name in sums}}
+    g.attrs["gdsload"] = attrs
+    return sums
+
+
+def test_layout_reads_the_files_it_opened_after_they_are_replaced(make_dataset, tmp_path):
+    path = make_dataset({"x": np.ones((16, 4), np.float32)}, samples_per_block=4)
+    other = make_dataset({"x": np.full((16, 4), 7, np.float32)}, samples_per_block=4)
+    layout = DatasetLayout(read_metadata(path))
+    loc = layout.locate("x", 1)
+    fd = layout.files.fd(loc.path)
+    assert loc.path == shard0(path) and loc.path in layout.files and list(layout.files) == layout.shard_paths()
+    before = os.pread(fd, loc.nbytes, loc.offset)
+    os.rename(shard0(other), shard0(path))  # a shard replaced by rename, different content
+    with open(shard0(path), "rb") as f:
+        f.seek(loc.offset)
+        assert f.read(loc.nbytes) != before
+    assert os.pread(fd, loc.nbytes, loc.offset) == before == np.ones((4, 4), np.float32).tobytes()
+    os.rename(path, str(tmp_path / "moved"))  # the whole dataset moved away
+    assert os.pread(layout.files.fd(loc.path), loc.nbytes, loc.offset) == before
+    layout.close()
+    layout.close()
+    assert layout.closed
+
+
+def test_layout_is_a_context_manager_and_holds_one_descriptor_per_shard(make_dataset):
+    path = make_dataset({"x": np.ones((25, 4), np.float32), "y": np.arange(25)}, samples_per_block=4,
+                        shard_bytes=64 * 3)
+    meta = read_metadata(path)
+    before = open_fds()
+    with DatasetLayout(meta) as layout:
+        assert len(layout.files) == len(layout.shard_paths()) == meta.num_shards("x") + meta.num_shards("y")
+        assert open_fds() == before + len(layout.files)
+    assert open_fds() == before and layout.closed
+    with DatasetLayout(meta, ("y",)) as layout:
+        assert set(layout.files) == {meta.shard_path("y", s) for s in range(meta.num_shards("y"))}
+
+
+def test_fifo_in_place_of_a_shard_is_refused_promptly(make_dataset):
+    path = make_dataset({"x": np.ones((16, 4), np.float32)}, samples_per_block=4)
+    os.remove(shard0(path))
+    os.mkfifo(shard0(path))
+    for open_it in (lambda: DatasetLayout(read_metadata(path)), lambda: GDSDataset(path, 4, backend="cpu")):
+        with pytest.raises(FormatError, match=f"^{shard0(path)}: shard file is a FIFO \\(expected a regular file\\)"):
+            in_thread(open_it)
+
+
+def test_a_failed_open_closes_every_file_it_opened(make_dataset):
+    path = make_dataset({"x": np.ones((25, 4), np.float32)}, samples_per_block=4, shard_bytes=64 * 3)
+    meta = read_metadata(path)
+    last = meta.shard_path("x", meta.num_shards("x") - 1)
+    with open(last, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        f.write(b"\x00" if f.read(1) != b"\x00" else b"\x01")  # a bad crc32c in the last shard read
+    before = open_fds()
+    with pytest.raises(FormatError, match=f"{last}: shard index checksum mismatch") as info:
+        DatasetLayout(meta)
+    assert info.traceback  # holds the half-built layout: its files are closed, not merely collectable
     assert open_fds() == before
+
+
+def test_a_shape_far_beyond_the_shard_files_fails_before_any_allocation(make_dataset):
+    import json
+    import time
+
+    path = make_dataset({"x": np.ones((16, 4), np.float32)}, samples_per_block=4)
+    for name in ("zarr.json", "x/zarr.json"):
+        with open(os.path.join(path, name)) as f:
+            doc = json.load(f)
+        if name == "zarr.json":
+            doc["attributes"]["gdsload"]["num_samples"] = 10**15
+        else:
+            doc["shape"][0] = 10**15
+        with open(os.path.join(path, name), "w") as f:
+            json.dump(doc, f)
+    meta = read_metadata(path)
+    t0 = time.monotonic()
+    with pytest.raises(FormatError, match=rf"^{path}/x/zarr.json: expected 62500000000000 shard files, found 1 "):
+        DatasetLayout(meta)
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_chunks_overlapping_the_index_or_each_other_are_refused(make_dataset, tmp_path):
+    path = make_dataset({"x": np.ones((16, 4), np.float32)}, samples_per_block=4)
+    meta = read_metadata(path)
+    fm, shard = meta.fields["x"], shard0(path)
+    size = os.path.getsize(shard)
+    assert (fm.block_bytes, fm.blocks_per_shard, size) == (64, 4, 4 * 64 + 4 * 16 + 4)
+    original = open(shard, "rb").read()
+
+    def refused(edit, message):
+        with open(shard, "wb") as f:
+            f.write(original)
+        rewrite_index(shard, fm, edit)
+        with pytest.raises(FormatError, match=f"^{shard}: {message}"):
+            DatasetLayout(meta)
+
+    refused(lambda t: t.__setitem__((3, 0), 256 - 63),
+            r"chunk 3 \(bytes 193..257\) overlaps the shard index \(bytes 256..324\)")
+    refused(lambda t: t.__setitem__((1, 0), 300), r"chunk 1 ends at byte 364, past the end of the file \(324 bytes\)")
+    refused(lambda t: t.__setitem__((2, 0), 32),
+            r"chunks 0 and 2 overlap \(chunk 2 starts at byte 32, before chunk 0 ends at byte 64\)")
+    refused(lambda t: t.__setitem__((0, 0), 128),
+            r"chunks 0 and 2 overlap \(chunk 2 starts at byte 128, before chunk 0 ends at byte 192\)")
+    refused(lambda t: t.__setitem__((2, 1), 65), r"chunk 2 is 65 bytes \(expected 64: raw, uncompressed\)")
+    refused(lambda t: t.fill(MAX_UINT_64), r"shard index marks all 4 chunks as never written")
+    # Two chunks may share nothing but may lie in any order, with gaps.
+    with open(shard, "wb") as f:
+        f.write(original)
+    rewrite_index(shard, fm, lambda t: t.__setitem__(slice(None), [[192, 64], [0, 64], [MAX_UINT_64] * 2, [64, 64]]))
+    assert DatasetLayout(meta).block_offsets["x"].tolist() == [192, 0, -1, 64]
+
+    # index_location "start": chunks must begin after the index.
+    z = str(tmp_path / "start.gds")
+    g = zarr.open_group(z, mode="w", zarr_format=3)
+    g.attrs["gdsload"] = {"format": 1, "num_samples": 12, "samples_per_block": 3, "fields": {"x": {}}}
+    a = g.create_array("x", shape=(12, 2), dtype="int16", chunks=(3, 2),
+                       shards={"shape": (6, 2), "index_location": "start"}, compressors=None)
+    a[:] = np.arange(24).reshape(12, 2)
+    zmeta = read_metadata(z)
+    assert zmeta.fields["x"].index_location == "start"
+    assert DatasetLayout(zmeta).block_offsets["x"].tolist() == [36, 48, 36, 48]
+    rewrite_index(shard0(z), zmeta.fields["x"], lambda t: t.__setitem__((0, 0), 35))
+    with pytest.raises(FormatError,
+                       match=rf"^{shard0(z)}: chunk 0 \(bytes 35..47\) overlaps the shard index \(bytes 0..36\)"):
+        DatasetLayout(zmeta)
+
+
+def ragged_arrays(n: int = 11):
+    from gdsload.sources import ArraySource, RaggedSource
+
+    lengths = np.arange(n) % 4
+    values = np.arange(int(lengths.sum()), dtype=np.int32)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    return {"tok": RaggedSource("<tok>", ArraySource("<tok>", values), offsets)}
+
+
+def test_checksums_are_parsed_and_read_whole(make_dataset):
+    path = make_dataset({"x": np.arange(11 * 3, dtype=np.uint8).reshape(11, 3), "idx": np.arange(11)},
+                        samples_per_block=4, ragged=ragged_arrays())
+    plain = read_metadata(path)
+    assert plain.checksums == {} and DatasetLayout(plain).checksums == {} and not DatasetLayout(plain).has_checksums
+    sums = add_checksums(path, ["x", "tok"])
+    meta = read_metadata(path)
+    assert meta.checksums == {"x": "_checksums/x", "tok": "_checksums/tok"}
+    with DatasetLayout(meta) as layout:
+        assert set(layout.checksums) == {"x", "tok"} and not layout.has_checksums  # idx has none
+        for name in ("x", "tok"):
+            assert layout.checksums[name].dtype == np.uint32 and layout.checksums[name].shape == (3,)
+            np.testing.assert_array_equal(layout.checksums[name], sums[name])
+    with DatasetLayout(meta, ("x", "tok")) as layout:
+        assert layout.has_checksums
+    with DatasetLayout(meta, ("idx",)) as layout:
+        assert layout.checksums == {} and not layout.has_checksums
+    # the final block of x: three samples and one of zero padding, as stored
+    import crc32c
+
+    assert sums["x"][2] == crc32c.crc32c(bytes(range(24, 33)) + bytes(3))
