@@ -93,6 +93,19 @@ def describe_system() -> str:
     return "\n".join(lines)
 
 
+# -- verify ----------------------------------------------------------------------------------------
+def run_verify(path: str, threads: int, progress: bool) -> int:
+    from .verify import verify_dataset
+
+    if threads < 1:
+        raise GDSLoadError(f"--threads must be at least 1 (found {threads})")
+    checked, bad = verify_dataset(path, threads, progress=None if progress else False)
+    for b in bad:
+        print(f"BAD {b.message}")
+    print(f"{path}: {checked} block(s) checked, {len(bad)} bad")
+    return 1 if bad else 0
+
+
 # -- demo ------------------------------------------------------------------------------------------
 def run_demo(samples: int, backend: str, batch_size: int, workdir: str | None) -> str:
     from . import GDSDataset
@@ -203,12 +216,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--backend", default="auto", choices=list(BACKENDS))
     demo.add_argument("--workdir", default=None, help="where the temporary dataset goes (default: system temp)")
     sub.add_parser("shard", help="convert arrays into a dataset (see 'gdsload shard --help')")
+    verify = sub.add_parser("verify", help="re-read a whole dataset and check every block against its crc32c; "
+                                           "exit 1 if any block is bad")
+    verify.add_argument("path")
+    verify.add_argument("--threads", type=int, default=8)
+    verify.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     try:
         if args.cmd == "info":
             print(describe_dataset(args.path) if args.path else describe_system())
         elif args.cmd == "demo":
             print(run_demo(args.samples, args.backend, args.batch_size, args.workdir))
+        elif args.cmd == "verify":
+            return run_verify(args.path, args.threads, not args.quiet)
     except GDSLoadError as e:
         print(f"gdsload: error: {e}", file=sys.stderr)
         return 2

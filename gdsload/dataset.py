@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -10,8 +11,11 @@ import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
+
+from . import _fork
 from .backends import make_backend, resolve
-from .errors import GDSLoadError, ReadError
+from .errors import BackendUnavailable, GDSLoadError, ReadError
 from .format import DatasetLayout, read_metadata
 from .ragged import capacity_rows
 from .pipeline import EpochStats, Pipeline, ResidentField, WindowLayout, WindowSlot
@@ -77,6 +81,10 @@ class GDSDataset:
     resident_bytes : fields whose whole array is at most this size (labels, ids) are read once and kept in
         device memory instead of being read block by block (tiny reads cost as much as large ones).
     backend_options : passed to the backend (e.g. ``num_threads``, ``task_bytes``, ``pool_bytes``).
+    verify : check every block read against the crc32c the converter stored for it (on the GPU for GPU
+        backends), raising :class:`ReadError` naming the file, field, block and offset of a bad block before
+        any of its samples is served. Default (None): on when the dataset has checksums. True for a dataset
+        without checksums (written by an older converter, or by plain zarr) is a ValueError.
 
     Notes
     -----
@@ -91,27 +99,50 @@ class GDSDataset:
                  drop_last: bool = False, output: str | None = None,
                  rank: int | None = None, world_size: int | None = None, device: int | None = None, resident_bytes: int = 64 << 20,
                  pad_to: int | str | dict[str, int | str] | None = None, pad_value: Any = 0,
-                 backend_options: dict[str, Any] | None = None):
-        if prefetch < 1:
-            raise ValueError(f"prefetch must be at least 1 (found {prefetch})")
-        if batches_ahead is not None and batches_ahead < 1:
-            raise ValueError(f"batches_ahead must be at least 1 (found {batches_ahead})")
-        self.meta = read_metadata(path)
-        self.layout = DatasetLayout(self.meta, tuple(fields) if fields is not None else None)
-        self.fields = self.layout.fields
+                 backend_options: dict[str, Any] | None = None, verify: bool | None = None):
+        _check_int("batch_size", batch_size, 1)
+        _check_int("prefetch", prefetch, 1)
+        _check_int("resident_bytes", resident_bytes, 0)
+        for name, value in (("window_blocks", window_blocks), ("batches_ahead", batches_ahead), ("rank", rank),
+                            ("world_size", world_size), ("device", device)):
+            if value is not None:
+                _check_int(name, value, 1 if name in ("window_blocks", "batches_ahead", "world_size") else 0)
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise TypeError(f"seed must be an int (found {type(seed).__name__})")
+        if verify not in (None, True, False):
+            raise TypeError(f"verify must be True, False or None (found {verify!r})")
+        if isinstance(fields, str):
+            fields = (fields,)
+        if backend_options is not None and not isinstance(backend_options, dict):
+            raise TypeError(f"backend_options must be a dict (found {type(backend_options).__name__})")
         self.backend_name, self.backend_reason = resolve(backend)
         on_gpu = self.backend_name != "cpu"
         output = output or ("cupy" if on_gpu else "numpy")
         allowed = ("cupy", "torch") if on_gpu else ("numpy", "torch")
         if output not in allowed:
             raise ValueError(f"output {output!r} does not fit backend {self.backend_name!r} (expected one of {allowed})")
+        if output == "torch":
+            _require_torch()
         self.output = output
+        self.meta = read_metadata(path)
+        self.layout = DatasetLayout(self.meta, tuple(fields) if fields is not None else None)
+        self.fields = self.layout.fields
+        if verify and not self.layout.has_checksums:
+            self.layout.close()
+            raise ValueError(f"verify=True: {self.meta.path} has no block checksums for field(s) "
+                             f"{[f for f in self.fields if f not in self.layout.checksums]} (convert it again "
+                             f"with 'gdsload shard' to add them, or pass verify=False)")
+        self.verify = self.layout.has_checksums if verify is None else verify
         self.device = int(os.environ.get("LOCAL_RANK", 0)) if device is None else device
         if rank is None or world_size is None:
             env_rank, env_world = _distributed()
             rank = env_rank if rank is None else rank
             world_size = env_world if world_size is None else world_size
-        self.backend = make_backend(self.backend_name, self.device, **(backend_options or {}))
+        try:
+            self.backend = make_backend(self.backend_name, self.device, **(backend_options or {}))
+        except BaseException:
+            self.layout.close()
+            raise
         try:
             spb = self.meta.samples_per_block
             fixed = [f for f in self.fields if f in self.meta.fields]
@@ -138,23 +169,33 @@ class GDSDataset:
             self.window_layout = WindowLayout([self.meta.fields[f] for f in self.windowed_fields], window_blocks,
                                               capacity)
             self.pad = _pad_spec(pad_to, pad_value, self.ragged_fields)
+            from .verify import make_verifier
+
+            self._verifier = make_verifier(self.layout, on_gpu, self.device) if self.verify else None
             # Last: a backend may read the whole dataset here (mmap), which a bad argument must not cost.
-            self.backend.prepare(self.layout.shard_paths())
+            self.backend.prepare(self.layout.files)
         except BaseException:
             self.backend.close()  # a bad argument must not leave pinned memory or threads behind
+            self.layout.close()
             raise
         self._resident: dict[str, ResidentField] = {}  # filled on the first pass, emptied by close()
         self._resident_loaded = False
         self.epoch = 0
-        self._epochs_advance = False  # set_epoch() was called: read epoch + 1 ahead, not the same again
+        self._epochs_set = False  # set_epoch() was called: the user numbers the epochs, else each pass does
+        self._passes = 0  # passes begun
         self.stats: EpochStats | None = None
         self._resume: tuple[int, int] | None = None  # (epoch, batches already yielded)
         self._batches_yielded = 0
         self._plan_cache: tuple[int, EpochPlan] | None = None
         self._slots: list[WindowSlot] = []
         self._active: list[Pipeline] = []  # at most one; a list so the finalizer can see it without self
+        # close() may come from any thread: it sets _closing at once (a resident load or a backend call in
+        # progress stops early), then takes _lock, which starting a pass holds, so no pass starts after it.
+        self._closing = threading.Event()
+        self._lock = threading.RLock()
         self._finalizer = weakref.finalize(self, _shutdown, self._active, self.backend, self._slots,
-                                           self._resident)
+                                           self._resident, self.layout, self._closing)
+        _fork.track(self)
 
     # -- properties ------------------------------------------------------------------------------------
     @property
@@ -179,7 +220,7 @@ class GDSDataset:
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose order the next iteration follows (a resumed epoch keeps its position)."""
         self.epoch = int(epoch)
-        self._epochs_advance = True
+        self._epochs_set = True
 
     def state_dict(self) -> dict[str, Any]:
         """Where iteration stands: epoch, batches yielded in it, and the config the order depends on."""
@@ -214,8 +255,16 @@ class GDSDataset:
         return CudaOps(self.device, self.output)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        if not self._finalizer.alive:
-            raise GDSLoadError(f"{self.meta.path}: the dataset was closed (open a new GDSDataset)")
+        _fork.check(self)
+        with self._lock:
+            if not self._finalizer.alive:
+                raise GDSLoadError(f"{self.meta.path}: the dataset was closed (open a new GDSDataset)")
+            return self._begin()
+
+    def _begin(self) -> Iterator[dict[str, Any]]:
+        if not self._epochs_set and self._passes and not self._resume:
+            self.epoch += 1  # without set_epoch, every new pass is a new epoch (as DataLoader(shuffle=True))
+        self._passes += 1
         epoch = self.epoch
         start = self._resume[1] if self._resume and self._resume[0] == epoch else 0
         self._resume = None
@@ -239,8 +288,9 @@ class GDSDataset:
         pipeline = Pipeline(self.backend, self._ops(), self.layout, self.window_layout, self._slots, plan, epoch,
                             start, self.fields, resident, self.pad, ahead=self.batches_ahead,
                             plans=functools.partial(epoch_plan, self.config) if self.prefetch_next_epoch else None,
-                            epoch_step=1 if self._epochs_advance else 0,
-                            bytes_before=sum(r.array.nbytes for r in resident.values()) if first_load else 0)
+                            epoch_step=1,
+                            bytes_before=sum(r.array.nbytes for r in resident.values()) if first_load else 0,
+                            verifier=self._verifier)
         self._active.append(pipeline)
         return pipeline
 
@@ -252,11 +302,15 @@ class GDSDataset:
                 f = self.meta.fields[name]
                 single = WindowLayout([f], self.meta.num_blocks)
                 buf = self.backend.allocate(single.nbytes)
+                blocks = np.arange(self.meta.num_blocks)
                 try:
-                    event = self.backend.fill(buf, single.requests(self.layout, range(self.meta.num_blocks)),
-                                              threading.Event())
+                    event = self.backend.fill(buf, single.requests(self.layout, blocks), self._closing)
+                    if self._closing.is_set():
+                        raise GDSLoadError(f"{self.meta.path}: the dataset was closed while loading field '{name}'")
+                    if self._verifier is not None:
+                        event = self._verifier.check(buf, single.checks(self.layout, blocks), event)
                 except ReadError as e:
-                    raise ReadError(f"reading resident field '{name}' failed: {e}") from e
+                    raise ReadError(f"{e} (reading resident field '{name}')") from e
                 if event is not None:
                     event.synchronize()
                 loaded[name] = ResidentField(f, single.view(buf, name))
@@ -272,8 +326,9 @@ class GDSDataset:
                 yield batch
         finally:
             # A pass left early (or failed) has closed its pipeline; one run to its end reads on.
-            if pipeline.closed and pipeline in self._active:
-                self._active.remove(pipeline)
+            if pipeline.closed:
+                with contextlib.suppress(ValueError):  # close() from another thread may have taken it
+                    self._active.remove(pipeline)
 
     def _close_active(self) -> None:
         while self._active:
@@ -285,8 +340,11 @@ class GDSDataset:
         self._close_active()
 
     def close(self) -> None:
-        """Stop background readers and free buffers and file handles. Idempotent."""
-        self._finalizer()
+        """Stop background readers and free buffers and file handles. Idempotent, from any thread: a pass
+        in progress (or starting) in another thread ends with a GDSLoadError saying the dataset was closed."""
+        self._closing.set()
+        with self._lock:
+            self._finalizer()
 
     def __enter__(self) -> GDSDataset:
         return self
@@ -312,10 +370,27 @@ def _pad_spec(pad_to: Any, pad_value: Any, ragged: tuple[str, ...]) -> dict[str,
     return spec
 
 
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int (found {type(value).__name__} {value!r})")
+    if value < minimum:
+        raise ValueError(f"{name} must be at least {minimum} (found {value})")
+
+
+def _require_torch() -> None:
+    try:
+        import torch  # noqa: F401
+    except ImportError as e:
+        raise BackendUnavailable(f"output='torch' needs PyTorch, which is not installed ({e}); install it with "
+                                 f"pip install 'gdsload[torch]', or use the default output") from e
+
+
 def _shutdown(active: list[Pipeline], backend: Any, slots: list[WindowSlot],
-              resident: dict[str, ResidentField]) -> None:
+              resident: dict[str, ResidentField], layout: DatasetLayout, closing: threading.Event) -> None:
+    closing.set()
     while active:
         active.pop().close()
     backend.close()
     slots.clear()
     resident.clear()
+    layout.close()

@@ -36,6 +36,7 @@ from .format import DatasetLayout, FieldMeta, RaggedMeta
 from .plan import EpochPlan
 from .ragged import block_value_rows, epoch_value_index, gather
 from .ragged import pad as pad_values
+from .verify import Checks, concat
 
 ALIGN = 4096
 _POLL_S = 0.05
@@ -105,6 +106,23 @@ class WindowLayout:
                         reqs.append(ReadRequest(piece.location.path, piece.location.offset, nbytes, dest))
                 dest_row += b - a
         return reqs
+
+    def checks(self, layout: DatasetLayout, blocks: np.ndarray) -> Checks:
+        """Where each block of ``blocks`` lands in this layout, with the crc32c stored for it: one segment
+        per block and field (a variable-length field's block is its samples' values)."""
+        blocks = np.asarray(blocks, dtype=np.int64)
+        parts = []
+        for name, f in self.fields.items():
+            lo = self.offsets[name] + np.arange(len(blocks), dtype=np.int64) * f.block_bytes
+            parts.append(Checks(lo, lo + f.block_bytes, layout.checksums[name][blocks], (name,) * len(blocks),
+                                blocks))
+        for name, r in self.ragged.items():
+            first, end = block_value_rows(layout.offsets[name], blocks, layout.meta.samples_per_block)
+            sizes = (end - first) * r.values.sample_bytes
+            lo = self.offsets[name] + np.cumsum(sizes) - sizes
+            parts.append(Checks(lo, lo + sizes, layout.checksums[name][blocks], (f"{name}/values",) * len(blocks),
+                                blocks))
+        return concat(parts)
 
     def view(self, buffer: Any, name: str) -> Any:
         f = self.row_meta(name)
@@ -234,12 +252,14 @@ class Pipeline:
                  slots: Sequence[WindowSlot], plan: EpochPlan, epoch: int, start_batch: int,
                  output_fields: Sequence[str], resident: dict[str, ResidentField] | None = None,
                  pad: dict[str, tuple[int | None, Any]] | None = None, ahead: int = 2,
-                 plans: Callable[[int], EpochPlan] | None = None, epoch_step: int = 1, bytes_before: int = 0):
+                 plans: Callable[[int], EpochPlan] | None = None, epoch_step: int = 1, bytes_before: int = 0,
+                 verifier: Any = None):
         self.backend, self.ops, self.layout, self.wl = backend, ops, layout, window_layout
         self.output_fields = tuple(output_fields)
         self._plans = plans  # epoch -> plan, for the passes after the first; None: one pass only
         self._epoch_step = epoch_step  # pass k reads epoch + k * epoch_step
-        self.resident = resident or {}
+        self.verifier = verifier  # checks each window against its stored crc32c before it is handed on
+        self.resident = dict(resident or {})  # a copy: the dataset empties its own on close
         self.pad = pad or {}  # variable-length field -> (width, or None for the batch's longest; value)
         self.slots = list(slots)
         self.follow = plans is not None
@@ -342,9 +362,12 @@ class Pipeline:
                     if slot is None:
                         return
                     self.ops.synchronize(slot.released)  # the consumer's last gather from it is done
-                    reqs = self.wl.requests(self.layout, p.plan.windows[w])
+                    blocks = p.plan.windows[w]
+                    reqs = self.wl.requests(self.layout, blocks)
                     nbytes = sum(r.nbytes for r in reqs if isinstance(r, ReadRequest))
-                    self._inflight.put((p, w, slot, nbytes, self.backend.submit(slot.buffer, reqs, self._halt)))
+                    checks = self.wl.checks(self.layout, blocks) if self.verifier is not None else None
+                    self._inflight.put((p, w, slot, nbytes, checks,
+                                        self.backend.submit(slot.buffer, reqs, self._halt)))
                 k, p = k + 1, None
         except BaseException as e:
             where = p.describe(w) if p is not None and w >= 0 else f"epoch {self._epoch0 + k * self._epoch_step}"
@@ -365,9 +388,11 @@ class Pipeline:
                 self._halt.set()
                 self._ready.put(item)
                 continue
-            p, w, slot, nbytes, pending = item
+            p, w, slot, nbytes, checks, pending = item
             try:
                 filled = pending.wait()
+                if checks is not None and not self._halt.is_set():
+                    filled = self.verifier.check(slot.buffer, checks, filled)
             except BaseException as e:
                 if not self._halt.is_set():
                     self._halt.set()
@@ -387,8 +412,9 @@ class Pipeline:
             raise ReadError("internal error: the reader finished before the plan did")
         if isinstance(item, _Failure):
             e = item.error
-            msg = str(e) if isinstance(e, ReadError) else f"{type(e).__name__}: {e}"
-            raise ReadError(f"reading {item.where} failed: {msg}") from e
+            if isinstance(e, GDSLoadError):  # its message starts with the file it is about
+                raise type(e)(f"{e} (reading {item.where})") from e
+            raise ReadError(f"{self.layout.meta.path}: reading {item.where} failed ({type(e).__name__}: {e})") from e
         return item
 
     def _hand(self, item: Any) -> bool:
@@ -557,7 +583,8 @@ class Pipeline:
         batch_lengths = lengths[lo:hi]
         if padded:
             pad_values(xp, flat, batch_lengths, self.pad[name][1], out[name])
-            out[f"{name}/lengths"][...] = batch_lengths
+            # The lengths of the rows returned: a sample longer than the width was cut to it.
+            xp.minimum(batch_lengths, out[name].shape[1], out=out[f"{name}/lengths"])
         else:
             offsets = out[f"{name}/offsets"]
             offsets[:1] = 0

@@ -99,16 +99,30 @@ def fill_pattern(dest: Any, r: FillRequest) -> None:
         region.set(tile)
 
 
-class FileHandles:
-    """Handles opened once per path and kept for the dataset's life (opening per pass cost ~25 % on the
-    H100). Plain descriptors by default; any opener (KvikIO's CuFile) otherwise."""
+def reopened(files: Any, path: str) -> str:
+    """A path that opens the very file the dataset opened as ``path`` (``/proc/self/fd/N``), for readers
+    that open files themselves (KvikIO, O_DIRECT): whatever is at ``path`` now, they read the original."""
+    fd = files.fd(path)
+    proc = f"/proc/self/fd/{fd}"
+    return proc if os.path.exists(proc) else path
 
-    def __init__(self, flags: int = os.O_RDONLY, opener: Callable[[str], Any] | None = None,
-                 closer: Callable[[Any], None] = os.close):
-        self._open = opener or (lambda path: os.open(path, flags))
+
+class FileHandles:
+    """Per-path handles made once from the dataset's open shard files and kept for the dataset's life
+    (opening per pass cost ~25 % on the H100). By default the dataset's own descriptor; with an opener
+    (KvikIO's CuFile, an O_DIRECT descriptor) a handle opened on :func:`reopened`, checked to be the same
+    file."""
+
+    def __init__(self, opener: Callable[[str], Any] | None = None, closer: Callable[[Any], None] = os.close):
+        self._open = opener
         self._close = closer
+        self._files: Any = None
         self._fds: dict[str, Any] = {}
         self._lock = threading.Lock()
+
+    def bind(self, files: Any) -> None:
+        """Use the dataset's open files (called once, by the backend's prepare)."""
+        self._files = files
 
     def get(self, path: str) -> Any:
         fd = self._fds.get(path)
@@ -116,17 +130,25 @@ class FileHandles:
             with self._lock:
                 fd = self._fds.get(path)
                 if fd is None:
-                    try:
-                        fd = self._open(path)
-                    except Exception as e:
-                        raise ReadError(f"{path}: cannot open ({type(e).__name__}: {e})") from e
+                    fd = self._make(path)
                     self._fds[path] = fd
         return fd
 
+    def _make(self, path: str) -> Any:
+        if self._files is None or path not in self._files:
+            raise ReadError(f"{path}: not a file this dataset opened")
+        if self._open is None:
+            return self._files.fd(path)
+        try:
+            return self._open(reopened(self._files, path))
+        except Exception as e:
+            raise ReadError(f"{path}: cannot open ({type(e).__name__}: {e})") from e
+
     def close(self) -> None:
         with self._lock:
-            for fd in self._fds.values():
-                self._close(fd)
+            if self._open is not None:
+                for fd in self._fds.values():
+                    self._close(fd)
             self._fds.clear()
 
 
@@ -199,9 +221,16 @@ class Backend(ABC):
         window boundary. Once ``stop`` is set, reads not yet started are skipped.
         """
 
-    def prepare(self, paths: Sequence[str]) -> None:
-        """Called once, when a dataset opens, with every file it may read (a backend that maps them does it
-        here, so a dataset it cannot serve fails at open rather than mid-epoch)."""
+    def prepare(self, files: Any) -> None:
+        """Called once, when a dataset opens, with every file it may read, already open
+        (:class:`gdsload.files.ShardFiles`): reads go to those files, whatever is at their paths later.
+        A backend that maps them does it here, so a dataset it cannot serve fails at open, not mid-epoch."""
+        for handles in self.handles():
+            handles.bind(files)
+
+    def handles(self) -> list[FileHandles]:
+        """The backend's per-file handles, bound to the dataset's files by :meth:`prepare`."""
+        return []
 
     def fill(self, dest: Any, requests: Sequence[Request], stop: threading.Event) -> Any:
         """Submit and wait: the data is in ``dest`` (or queued behind the returned event)."""

@@ -32,6 +32,9 @@ class CpuBackend(Backend):
         self._files = FileHandles()
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="gdsload-cpu")
 
+    def handles(self) -> list[FileHandles]:
+        return [self._files]
+
     def allocate(self, nbytes: int) -> np.ndarray:
         return np.empty(nbytes, dtype=np.uint8)
 

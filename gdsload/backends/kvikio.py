@@ -42,6 +42,9 @@ class KvikioBackend(Backend):
             self.stream = cupy.cuda.Stream(non_blocking=True)
         self._files = FileHandles(opener=lambda path: kvikio.CuFile(path, "r"), closer=lambda f: f.close())
 
+    def handles(self) -> list[FileHandles]:
+        return [self._files]
+
     def allocate(self, nbytes: int) -> Any:
         with self.cupy.cuda.Device(self.device_id):
             return self.cupy.empty(nbytes, dtype=self.cupy.uint8)

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import BackendUnavailable, ReadError
-from .base import (Backend, FileHandles, FillRequest, Pending, ReadRequest, Request, coalesce, fill_pattern,
+from .base import (Backend, FillRequest, Pending, ReadRequest, Request, coalesce, fill_pattern,
                    pread_full, record_event, split)
 
 DEFAULT_COPY_BYTES = 64 << 20
@@ -67,16 +67,12 @@ def plan_copies(reads: Sequence[ReadRequest], sizes: dict[str, int], max_bytes: 
 class _Mapping:
     """One shard file: mapped read-only, its pages locked and registered with CUDA until ``close``."""
 
-    def __init__(self, path: str, cupy: Any):
+    def __init__(self, path: str, fd: int, cupy: Any):
         self.cupy = cupy
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            self.size = os.fstat(fd).st_size
-            if self.size == 0:
-                raise ReadError(f"{path}: empty file")
-            self._mm = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)  # the mapping keeps the file
+        self.size = os.fstat(fd).st_size
+        if self.size == 0:
+            raise ReadError(f"{path}: empty file")
+        self._mm = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         self._array = np.frombuffer(self._mm, dtype=np.uint8)
         self.ptr = int(self._array.ctypes.data)
         try:
@@ -121,7 +117,7 @@ class MappedBackend(Backend):
             self._streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(num_streams)]
         self._sizes: dict[str, int] = {}
         self._sizes_lock = threading.Lock()
-        self._maps = FileHandles(opener=self._register, closer=lambda m: m.close())
+        self._maps: dict[str, _Mapping] = {}  # every file the dataset reads, mapped and locked at prepare()
         self.register_s = 0.0  # wall time spent opening: reading the files once, mapping and locking them
         self.preload_s = 0.0  # from the start of opening to the end of the last read (locks overlap the reads)
 
@@ -130,23 +126,14 @@ class MappedBackend(Backend):
         """Bytes of shard files locked in RAM."""
         return sum(self._sizes.values())
 
-    def _register(self, path: str) -> _Mapping:
-        size = os.path.getsize(path)
+    def _register(self, path: str, fd: int) -> None:
+        with self.cupy.cuda.Device(self.device_id):
+            m = _Mapping(path, fd, self.cupy)
         with self._sizes_lock:
-            check_budget({**self._sizes, path: size}, self.max_bytes)
-            self._sizes[path] = size  # reserved now, so parallel registrations cannot overrun the budget
-        try:
-            with self.cupy.cuda.Device(self.device_id):
-                m = _Mapping(path, self.cupy)
-        except BaseException:
-            with self._sizes_lock:
-                del self._sizes[path]
-            raise
-        with self._sizes_lock:
+            self._maps[path] = m
             self._sizes[path] = m.size
-        return m
 
-    def prepare(self, paths: Sequence[str]) -> None:
+    def prepare(self, files: Any) -> None:
         """Map and lock every file the dataset reads, checking the whole set against the budget first.
 
         The files are read once through the page cache by parallel 8 MiB reads, and each is locked as soon
@@ -157,42 +144,44 @@ class MappedBackend(Backend):
         """
         import time
 
-        missing = [p for p in paths if not os.path.exists(p)]
-        if missing:
-            raise ReadError(f"{missing[0]}: shard file is missing")
-        sizes = {p: os.path.getsize(p) for p in paths}
+        paths = list(files)
+        sizes = {p: files.get(p).size for p in paths}
         check_budget(sizes, self.max_bytes)
         t0 = time.perf_counter()
         left = {p: -(-n // _PRELOAD_CHUNK) for p, n in sizes.items()}  # reads still to do, per file
         lock = threading.Lock()
         local = threading.local()
-        files = FileHandles()
         read_done = [t0]
 
         def load(path: str, offset: int, nbytes: int) -> None:
             if getattr(local, "buf", None) is None:
                 local.buf = np.empty(_PRELOAD_CHUNK, dtype=np.uint8)
-            pread_full(files.get(path), memoryview(local.buf)[:nbytes], offset, path)
+            pread_full(files.fd(path), memoryview(local.buf)[:nbytes], offset, path)
             with lock:
                 left[path] -= 1
                 last = left[path] == 0
                 read_done[0] = max(read_done[0], time.perf_counter())
             if last:
-                self._maps.get(path)  # map and lock it now, while the other files load
+                self._register(path, files.fd(path))  # map and lock it now, while the other files load
 
         chunks = [(p, o, min(_PRELOAD_CHUNK, n - o)) for p, n in sizes.items() for o in range(0, n, _PRELOAD_CHUNK)]
         pool = ThreadPoolExecutor(self.register_threads, thread_name_prefix="gdsload-mmap-open")
         try:
             # An empty file has no reads: registering it reports it.
-            futures = [pool.submit(load, *c) for c in chunks] + [pool.submit(self._maps.get, p) for p in paths
-                                                                  if sizes[p] == 0]
+            futures = [pool.submit(load, *c) for c in chunks] + [pool.submit(self._register, p, files.fd(p))
+                                                                  for p in paths if sizes[p] == 0]
             for f in futures:
                 f.result()
         finally:
             pool.shutdown(wait=True, cancel_futures=True)  # after an error, the reads not yet started are dropped
-            files.close()
         self.preload_s += read_done[0] - t0
         self.register_s += time.perf_counter() - t0
+
+    def _mapping(self, path: str) -> _Mapping:
+        m = self._maps.get(path)
+        if m is None:
+            raise ReadError(f"{path}: not registered with the mmap backend")
+        return m
 
     def allocate(self, nbytes: int) -> Any:
         with self.cupy.cuda.Device(self.device_id):
@@ -200,7 +189,7 @@ class MappedBackend(Backend):
 
     def submit(self, dest: Any, requests: Sequence[Request], stop: threading.Event) -> Pending:
         reads = [r for r in requests if isinstance(r, ReadRequest)]
-        maps = {p: self._maps.get(p) for p in {r.path for r in reads}}
+        maps = {p: self._mapping(p) for p in {r.path for r in reads}}
         copies = plan_copies(reads, {p: m.size for p, m in maps.items()}, self.copy_bytes)
         dest_ptr = int(dest.data.ptr)
         rt = self.cupy.cuda.runtime
@@ -219,8 +208,10 @@ class MappedBackend(Backend):
     def close(self) -> None:
         for s in [self.stream, *self._streams]:
             s.synchronize()  # no copy may still read a mapping that is about to go
-        self._maps.close()
         with self._sizes_lock:
+            for m in self._maps.values():
+                m.close()
+            self._maps.clear()
             self._sizes.clear()
 
 

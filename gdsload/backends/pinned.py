@@ -37,6 +37,10 @@ _ALIGN = 4096
 _H2D = 1  # cudaMemcpyHostToDevice
 
 
+def _open_direct(path: str) -> int:
+    return os.open(path, os.O_RDONLY | os.O_DIRECT)
+
+
 def pack(pieces: Sequence[ReadRequest], slot_bytes: int) -> list[list[tuple[int, ReadRequest]]]:
     """Group pieces (each at most ``slot_bytes``) into slot loads: (offset in slot, piece), offsets 4 KiB
     aligned. Small blocks share a slot, so a slot, an event and a task serve many of them."""
@@ -93,7 +97,7 @@ class PinnedBackend(Backend):
         self._streams: list[Any] = []
         self._streams_lock = threading.Lock()
         self._files = FileHandles()
-        self._direct_files = FileHandles(os.O_RDONLY | os.O_DIRECT) if direct else None
+        self._direct_files = FileHandles(opener=_open_direct) if direct else None
         self._executor: ThreadPoolExecutor | None = None
         self._driver: _KvikioDriver | None = None
         if reader == "kvikio":
@@ -105,6 +109,9 @@ class PinnedBackend(Backend):
     @property
     def pinned_bytes(self) -> int:
         return self.pool.total_bytes
+
+    def handles(self) -> list[FileHandles]:
+        return [h for h in (self._files, self._direct_files, self._driver and self._driver.files) if h is not None]
 
     def allocate(self, nbytes: int) -> Any:
         with self.cupy.cuda.Device(self.device_id):
@@ -153,15 +160,18 @@ class PinnedBackend(Backend):
         return copied
 
     def submit(self, dest: Any, requests: Sequence[Request], stop: threading.Event) -> Pending:
-        with self.cupy.cuda.Device(self.device_id), self.stream:
-            for r in requests:
-                if isinstance(r, FillRequest):
+        fills = [r for r in requests if isinstance(r, FillRequest)]
+        filled = None  # the fills' event: the window's "filled" event must cover them too
+        if fills:
+            with self.cupy.cuda.Device(self.device_id), self.stream:
+                for r in fills:
                     fill_pattern(dest, r)
+                filled = record_event(self.stream)
         reads = [r for r in requests if isinstance(r, ReadRequest)]
         pieces = [p for r in coalesce(reads, 1 << 62) for p in split(r, self.pool.slot_bytes)]
         dest_ptr = int(dest.data.ptr)
         if self._driver is not None:
-            return self._driver.submit(dest_ptr, pack(pieces, self.pool.slot_bytes), stop)
+            return self._driver.submit(dest_ptr, pack(pieces, self.pool.slot_bytes), stop, filled)
 
         def task(group: list[tuple[int, ReadRequest]]) -> Callable[[], Any]:
             return lambda: self._load(dest_ptr, group, stop)
@@ -193,8 +203,10 @@ class PinnedBackend(Backend):
 class _Job(Pending):
     """One window's slot loads, carried out by the driver thread."""
 
-    def __init__(self, dest_ptr: int, groups: list[list[tuple[int, ReadRequest]]], stop: threading.Event):
+    def __init__(self, dest_ptr: int, groups: list[list[tuple[int, ReadRequest]]], stop: threading.Event,
+                 fills: Any = None):
         self.dest_ptr, self.groups, self.stop = dest_ptr, groups, stop
+        self.fills = fills  # event after the window's fill-value writes (on the backend's stream), or None
         self.outstanding = 0  # slot loads issued and not yet finished
         self.issued = False  # every slot load it will get has been issued
         self.error: BaseException | None = None
@@ -232,8 +244,9 @@ class _KvikioDriver:
         self.thread = threading.Thread(target=self._run, name="gdsload-pinned-driver", daemon=True)
         self.thread.start()
 
-    def submit(self, dest_ptr: int, groups: list[list[tuple[int, ReadRequest]]], stop: threading.Event) -> _Job:
-        job = _Job(dest_ptr, groups, stop)
+    def submit(self, dest_ptr: int, groups: list[list[tuple[int, ReadRequest]]], stop: threading.Event,
+               fills: Any = None) -> _Job:
+        job = _Job(dest_ptr, groups, stop, fills)
         if self.fatal is not None:
             job.error = ReadError(f"the pinned backend's driver thread failed earlier ({self.fatal})")
             job.done.set()
@@ -343,7 +356,9 @@ class _KvikioDriver:
     def _complete_if_done(self, job: _Job) -> None:
         if job.issued and job.outstanding == 0 and not job.done.is_set():
             if job.error is None:
-                # Copies are queued in order: this event covers the window's.
+                # Copies are queued in order: this event covers the window's, and the fills before them.
+                if job.fills is not None:
+                    self.stream.wait_event(job.fills)
                 job.filled = record_event(self.stream)
             job.done.set()
 

@@ -1,0 +1,68 @@
+"""crc32c algebra and the device kernel's algorithm, checked against the crc32c package on the CPU."""
+
+from __future__ import annotations
+
+import crc32c
+import numpy as np
+import pytest
+
+from gdsload import checksum as C
+
+
+def raw(data: bytes) -> np.uint32:
+    return np.uint32(crc32c.crc32c(data) ^ C.zeros_crc(len(data)))
+
+
+def test_raw_crc_is_linear_and_ignores_leading_zeros():
+    rng = np.random.default_rng(0)
+    a, b = (rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in (100, 37))
+    assert raw(a + b) == C.shift(raw(a), len(b)) ^ raw(b)
+    assert raw(bytes(13) + a) == raw(a)
+    assert C.shift(raw(a), 0) == raw(a)
+    assert raw(a + bytes(5)) == C.shift(raw(a), 5)
+
+
+def test_zeros_crc_matches_the_package_beyond_its_chunk():
+    assert C.zeros_crc((1 << 20) + 3) == crc32c.crc32c(bytes((1 << 20) + 3))
+    assert C.zeros_crc(0) == 0
+
+
+def test_byte_tables_apply_the_operator():
+    tables = C.byte_tables(C._shift_op(4096))
+    c = np.uint32(0xDEADBEEF)
+    via_tables = tables[0][c & 255] ^ tables[1][(c >> 8) & 255] ^ tables[2][(c >> 16) & 255] ^ tables[3][c >> 24]
+    assert via_tables == C.shift(c, 4096)
+
+
+@pytest.mark.parametrize("segments", [
+    [(0, 16)], [(3, 4)], [(17, 70000)], [(1000, 1500)], [(5000, 5001)], [(100003, 299999)],
+    [(0, 16), (16, 4096 * 16 * 3 + 5)],  # several pieces in one segment, back to back with another
+])
+def test_device_algorithm_in_numpy_matches_crc32c(segments):
+    rng = np.random.default_rng(len(segments))
+    buf = rng.integers(0, 256, 300000, dtype=np.uint8)
+    buf[1000:2000] = 0
+    lo, hi = (np.array(x) for x in zip(*segments))
+    p = C.pieces(lo, hi)
+    assert (p.table[:, 1] <= C.PIECE_WORDS).all() and (p.table[:, 1] > 0).all()
+    got = C.reference_device_crcs(buf, p)
+    want = C.device_expected(C.host_crcs(buf, lo, hi), lo, hi)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_pieces_cover_each_segment_once():
+    lo, hi = np.array([5, 70000]), np.array([70000 + 17, 70001])
+    p = C.pieces(lo, hi)
+    for seg in range(2):
+        rows = p.table[p.table[:, 2] == seg]
+        words = np.concatenate([np.arange(f, f + n) for f, n, _ in rows])
+        np.testing.assert_array_equal(words, np.arange(lo[seg] // 16, -(-hi[seg] // 16)))
+
+
+def test_device_expected_detects_a_flipped_bit():
+    buf = np.arange(4096, dtype=np.uint8)
+    lo, hi = np.array([7]), np.array([4000])
+    good = C.host_crcs(buf, lo, hi)
+    buf[100] ^= 4
+    p = C.pieces(lo, hi)
+    assert C.reference_device_crcs(buf, p)[0] != C.device_expected(good, lo, hi)[0]

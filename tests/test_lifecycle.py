@@ -1,0 +1,242 @@
+"""Trust on the reader's side (cpu backend): checksums verified on read, an open dataset pinned to its
+files, close() from any thread, forked children, argument errors."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from conftest import labelled, wait_no_readers
+from gdsload import BackendUnavailable, GDSDataset, GDSLoadError, ReadError
+from gdsload.cli import main as cli_main
+from gdsload.format import DatasetLayout, read_metadata
+
+Dataset = functools.partial(GDSDataset, backend="cpu", resident_bytes=32 << 10)
+
+
+@pytest.fixture
+def data_path(make_dataset):
+    data = labelled(997)
+    return make_dataset(data, samples_per_block=8, shard_bytes=8 * 60 * 10), data
+
+
+def flip_byte(path: str, field: str, block: int, at: int = 5) -> tuple[str, int]:
+    """Flip one byte inside a block's data in its shard file; returns (file, offset flipped)."""
+    with DatasetLayout(read_metadata(path), (field,)) as layout:
+        loc = layout.locate(field, block)
+    with open(loc.path, "r+b") as f:
+        f.seek(loc.offset + at)
+        b = f.read(1)
+        f.seek(loc.offset + at)
+        f.write(bytes([b[0] ^ 0x40]))
+    return loc.path, loc.offset
+
+
+def gdsload_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("gdsload")]
+
+
+# -- integrity ---------------------------------------------------------------------------------------
+def test_verify_is_on_for_datasets_with_checksums(data_path):
+    path, data = data_path
+    with Dataset(path, batch_size=32) as ds:
+        assert ds.verify
+        got = np.concatenate([b["idx"] for b in ds])
+        assert sorted(got.tolist()) == list(range(997))
+
+
+@pytest.mark.parametrize("field,block", [("x", 3), ("idx", 2)])  # windowed and resident
+def test_a_flipped_bit_is_a_read_error_naming_file_field_block(data_path, field, block):
+    path, data = data_path
+    shard, offset = flip_byte(path, field, block)
+    with Dataset(path, batch_size=32, shuffle=True) as ds, pytest.raises(ReadError) as e:
+        for _ in ds:
+            pass
+    msg = str(e.value)
+    assert msg.startswith(f"{shard}: block {block} of field '{field}'"), msg
+    assert f"at offset {offset}" in msg and "crc32c" in msg and "\n" not in msg
+    assert isinstance(e.value, OSError)
+
+
+def test_without_verify_the_same_damage_is_served_silently(data_path):
+    """What verify protects against: the damaged sample is served as if nothing were wrong."""
+    path, data = data_path
+    flip_byte(path, "x", 3)
+    with Dataset(path, batch_size=1000, verify=False) as ds:
+        (batch,) = list(ds)
+    assert not np.array_equal(batch["x"], data["x"][batch["idx"]])
+
+
+def test_verify_true_without_checksums_is_refused(data_path):
+    import shutil
+    import zarr
+
+    path, _ = data_path
+    g = zarr.open_group(path, mode="r+")
+    attrs = dict(g.attrs["gdsload"])
+    attrs.pop("checksums")
+    g.attrs["gdsload"] = attrs
+    shutil.rmtree(os.path.join(path, "_checksums"))
+    with pytest.raises(ValueError, match="verify=True: .* has no block checksums"):
+        Dataset(path, batch_size=8, verify=True)
+    with Dataset(path, batch_size=8) as ds:
+        assert not ds.verify and len(list(ds)) == len(ds)
+
+
+def test_gdsload_verify_lists_bad_blocks(data_path, capsys):
+    path, _ = data_path
+    assert cli_main(["verify", path, "--quiet"]) == 0
+    assert "0 bad" in capsys.readouterr().out
+    shard, _ = flip_byte(path, "x", 7)
+    assert cli_main(["verify", path, "--quiet"]) == 1
+    out = capsys.readouterr().out
+    assert f"BAD {shard}: block 7 of field 'x'" in out and "1 bad" in out
+
+
+# -- identity of an open dataset ---------------------------------------------------------------------
+def test_files_replaced_after_open_are_not_read(data_path, make_dataset):
+    """A dataset replaced (as shard.py --overwrite does: a new folder renamed into place) keeps serving
+    the files it opened, never a mix."""
+    path, data = data_path
+    other = make_dataset({"x": data["x"] + 1, "idx": data["idx"]}, samples_per_block=8, shard_bytes=8 * 60 * 10)
+    with Dataset(path, batch_size=32, shuffle=True) as ds:
+        it = iter(ds)
+        first = next(it)
+        os.rename(path, path + ".old")
+        os.rename(other, path)
+        batches = [first, *it]
+    for b in batches:
+        np.testing.assert_array_equal(b["x"], data["x"][b["idx"]])
+
+
+def test_a_shard_truncated_after_open_is_a_read_error(data_path):
+    path, _ = data_path
+    with Dataset(path, batch_size=32) as ds:
+        shard = ds.layout.locate("x", 0).path
+        with open(shard, "r+b") as f:
+            f.truncate(100)
+        with pytest.raises(ReadError, match=f"^{shard}: "):
+            list(ds)
+
+
+# -- close from any thread ---------------------------------------------------------------------------
+def _close_soon(ds: GDSDataset, delay_s: float) -> threading.Thread:
+    t = threading.Thread(target=lambda: (time.sleep(delay_s), ds.close()))
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.001, 0.005, 0.02])
+def test_close_from_another_thread_while_a_pass_starts(data_path, delay_s):
+    path, _ = data_path
+    for _ in range(3):
+        ds = Dataset(path, batch_size=8, window_blocks=1)
+        closer = _close_soon(ds, delay_s)
+        t0 = time.monotonic()
+        try:
+            for _ in ds:
+                time.sleep(0.001)
+        except GDSLoadError as e:
+            assert "closed" in str(e)
+        assert time.monotonic() - t0 < 1.0
+        closer.join()
+        assert wait_no_readers() == []
+
+
+def test_close_from_another_thread_between_passes(data_path):
+    path, _ = data_path
+    ds = Dataset(path, batch_size=64)
+    list(ds)  # the next pass is read ahead now
+    _close_soon(ds, 0.0).join()
+    with pytest.raises(GDSLoadError, match="closed"):
+        iter(ds)
+    assert wait_no_readers() == []
+
+
+def test_no_thread_survives_close(data_path):
+    path, _ = data_path
+    before = set(threading.enumerate())
+    with Dataset(path, batch_size=32, shuffle=True) as ds:
+        for i, _ in enumerate(ds):
+            if i == 3:
+                break
+        list(ds)
+    deadline = time.monotonic() + 2
+    while set(threading.enumerate()) - before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert set(threading.enumerate()) - before == set()
+
+
+# -- forked children ---------------------------------------------------------------------------------
+def test_a_forked_child_refuses_the_inherited_dataset(data_path):
+    path, _ = data_path
+    with Dataset(path, batch_size=32) as ds:
+        next(iter(ds))
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report, never return into pytest
+            code = 0
+            try:
+                try:
+                    iter(ds)
+                    code = 3
+                except GDSLoadError as e:
+                    code = 0 if "inherited by fork" in str(e) else 4
+                if ds._finalizer.alive:
+                    code = 5
+                del ds  # must not close the parent's backend from here
+            finally:
+                os.write(w, bytes([code]))
+                os._exit(0)
+        os.close(w)
+        code = os.read(r, 1)
+        os.waitpid(pid, 0)
+        assert code == b"\x00", code
+        assert len(list(ds)) == len(ds)  # the parent's dataset still works
+
+
+# -- arguments -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"batch_size": "32"}, TypeError, "batch_size must be an int"),
+    ({"batch_size": 0}, ValueError, "batch_size must be at least 1"),
+    ({"batch_size": True}, TypeError, "batch_size must be an int"),
+    ({"prefetch": 1.5}, TypeError, "prefetch must be an int"),
+    ({"window_blocks": 0}, ValueError, "window_blocks must be at least 1"),
+    ({"seed": "1"}, TypeError, "seed must be an int"),
+    ({"verify": "yes"}, TypeError, "verify must be True, False or None"),
+    ({"backend_options": [1]}, TypeError, "backend_options must be a dict"),
+    ({"rank": -1}, ValueError, "rank must be at least 0"),
+])
+def test_bad_arguments_name_the_argument(data_path, kwargs, error, match):
+    path, _ = data_path
+    kwargs = {"batch_size": 8, **kwargs}
+    with pytest.raises(error, match=match):
+        Dataset(path, **kwargs)
+
+
+def test_torch_output_without_torch_names_the_extra(data_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_torch(name, *args, **kwargs):
+        if name == "torch" or name.startswith("torch."):
+            raise ModuleNotFoundError("No module named 'torch'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_torch)
+    path, _ = data_path
+    with pytest.raises(BackendUnavailable, match=r"gdsload\[torch\]"):
+        Dataset(path, batch_size=8, output="torch")
+
+
+def test_a_single_field_name_as_a_string(data_path):
+    path, data = data_path
+    with Dataset(path, batch_size=100, fields="x") as ds:
+        assert ds.fields == ("x",) and set(next(iter(ds))) == {"x"}
