@@ -202,6 +202,11 @@ def parse_state(state: Any, num_blocks: int | None = None) -> SavedState:
                         _int(h["batch_size"], f"{where}.batch_size", 1),
                         _int(h["window_blocks"], f"{where}.window_blocks", 1),
                         _int(h["batches"], f"{where}.batches", 1, None, "batches taken in that leg")))
+    fields = _str_dict(state["fields"], "fields")
+    index_sha256 = _str_dict(state["index_sha256"], "index_sha256", hex_digest=True)
+    if not index_sha256.keys() <= fields.keys():
+        raise StateError(f"state key 'index_sha256': expected digests of fields in 'fields' {sorted(fields)}, found "
+                         f"{sorted(index_sha256)}")
     return SavedState(
         epoch=_int(state["epoch"], "epoch", 0),
         batches_yielded=_int(state["batches_yielded"], "batches_yielded", 0, None, "batches yielded in the epoch"),
@@ -215,8 +220,8 @@ def parse_state(state: Any, num_blocks: int | None = None) -> SavedState:
         drop_last=_bool(state["drop_last"], "drop_last"),
         rank=_int(state["rank"], "rank", 0, world_size - 1, "below the state's world_size"),
         world_size=world_size,
-        fields=_str_dict(state["fields"], "fields"),
-        index_sha256=_str_dict(state["index_sha256"], "index_sha256", hex_digest=True),
+        fields=fields,
+        index_sha256=index_sha256,
     )
 
 
@@ -254,7 +259,8 @@ def resume(state: Any, config: PlanConfig, fp: Fingerprint) -> tuple[Cursor, int
     batches = legs[0].plan.num_batches
     if saved.batches_yielded > batches:
         raise StateError(f"state key 'batches_yielded': expected an int from 0 to {batches}, the batches of epoch "
-                         f"{saved.epoch}'s current leg, found {saved.batches_yielded}")
+                         f"{saved.epoch}'s current leg (world_size, batch_size, window_blocks = {saved.leg}), found "
+                         f"{saved.batches_yielded}")
     now = (config.world_size, config.batch_size, config.window_blocks)
     if now == saved.leg:
         plan = legs[config.rank].plan if saved.hops else None
@@ -316,11 +322,13 @@ class _RankPlan:
 
 
 @dataclass(frozen=True)
-class _Piece:
-    """Unconsumed samples of one old window, in stream order, and the blocks holding them in window order."""
+class _Rest:
+    """The unconsumed samples of a leg, in order: each one's id, the old window it was read in (numbered
+    across ranks, non-decreasing) and its block's position in that window."""
 
-    blocks: np.ndarray
     ids: np.ndarray
+    window: np.ndarray
+    position: np.ndarray
 
 
 def _leg_config(base: PlanConfig, world_size: int, batch_size: int, window_blocks: int, rank: int) -> PlanConfig:
@@ -347,30 +355,24 @@ def _legs(base: PlanConfig, epoch: int, hops: tuple[Hop, ...], last: tuple[int, 
     return legs
 
 
-def _remaining(legs: list[_RankPlan], consumed: int, k: int) -> list[_Piece]:
+def _remaining(legs: list[_RankPlan], consumed: int, k: int) -> _Rest:
     """What ``legs`` leave once every rank has consumed ``consumed`` stream positions: the rest of each
-    rank's stream without its padding, rank after rank, cut where the window changes."""
-    pieces = []
+    rank's stream without its padding, rank after rank."""
+    ids, window, position, first = [], [], [], 0
     for leg in legs:
         lo, hi = min(consumed, leg.real), leg.real
-        if lo >= hi:
-            continue
         plan = leg.plan
-        ids, window_of = plan.sample_ids()[lo:hi], plan.window_of[lo:hi]
-        cuts = np.flatnonzero(window_of[1:] != window_of[:-1]) + 1
-        for part, w in zip(np.split(ids, cuts), window_of[np.concatenate(([0], cuts))].tolist()):
-            blocks = plan.windows[w]
-            pieces.append(_Piece(blocks[np.isin(blocks, part // k)], part))
-    return pieces
+        ids.append(plan.sample_ids()[lo:hi])
+        window.append(plan.window_of[lo:hi] + first)
+        position.append(plan.slots[lo:hi] // k)
+        first += len(plan.windows)
+    return _Rest(*(np.concatenate(a) if a else np.zeros(0, np.int64) for a in (ids, window, position)))
 
 
-def _deal(pieces: list[_Piece], cfg: PlanConfig) -> list[_RankPlan]:
-    """Every rank's plan for ``pieces`` under ``cfg`` (its rank ignored): consecutive equal shares, read in
+def _deal(rest: _Rest, cfg: PlanConfig) -> list[_RankPlan]:
+    """Every rank's plan for ``rest`` under ``cfg`` (its rank ignored): consecutive equal shares, read in
     windows of at most ``cfg.window_blocks`` blocks, padded (or cut, with drop_last) to equal length."""
-    k, world = cfg.samples_per_block, cfg.world_size
-    sizes = np.array([len(p.ids) for p in pieces], dtype=np.int64)
-    ends = np.cumsum(sizes)
-    total = int(ends[-1]) if len(ends) else 0
+    k, world, total = cfg.samples_per_block, cfg.world_size, len(rest.ids)
     ranks = np.arange(world + 1)
     if cfg.drop_last:
         target = total // world // cfg.batch_size * cfg.batch_size
@@ -381,44 +383,55 @@ def _deal(pieces: list[_Piece], cfg: PlanConfig) -> list[_RankPlan]:
     out = []
     for r in range(world):
         lo, hi = int(bounds[r]), int(bounds[r + 1])
-        windows: list[np.ndarray] = []
-        window_of: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
-        i = int(np.searchsorted(ends, lo, side="right"))
-        while lo < hi and i < len(pieces) and ends[i] - sizes[i] < hi:
-            start = int(ends[i] - sizes[i])
-            ids = pieces[i].ids[max(lo - start, 0):hi - start]
-            _add_windows(pieces[i].blocks, ids, cfg.window_blocks, k, windows, window_of, slots)
-            i += 1
+        windows, window_of, slots = _windows(rest.ids[lo:hi], rest.window[lo:hi], rest.position[lo:hi], k,
+                                             cfg.window_blocks)
         if hi - lo < target:  # pad as a fresh plan does: repeat the start of the rank's last window
-            if slots:
-                extra = slots[-1][np.arange(target - (hi - lo)) % len(slots[-1])]
-                window_of.append(np.full(len(extra), len(windows) - 1, dtype=np.int64))
-                slots.append(extra)
+            if windows:
+                last = slots[window_of == len(windows) - 1]
+                extra = last[np.arange(target - (hi - lo)) % len(last)]
+                window_of = np.concatenate([window_of, np.full(len(extra), len(windows) - 1, dtype=np.int64)])
+                slots = np.concatenate([slots, extra])
             else:  # fewer samples left than ranks: repeat the remainder's last one
-                last = int(pieces[-1].ids[-1])
-                windows.append(np.array([last // k], dtype=np.int64))
-                window_of.append(np.zeros(target, dtype=np.int64))
-                slots.append(np.full(target, last % k, dtype=np.int64))
-        plan = EpochPlan(dataclasses.replace(cfg, rank=r), tuple(windows),
-                         np.concatenate(window_of) if window_of else np.zeros(0, np.int64),
-                         np.concatenate(slots) if slots else np.zeros(0, np.int64))
-        out.append(_RankPlan(plan, hi - lo))
+                s = int(rest.ids[-1])
+                windows = (np.array([s // k], dtype=np.int64),)
+                window_of, slots = np.zeros(target, np.int64), np.full(target, s % k, dtype=np.int64)
+        out.append(_RankPlan(EpochPlan(dataclasses.replace(cfg, rank=r), windows, window_of, slots), hi - lo))
     return out
 
 
-def _add_windows(blocks: np.ndarray, ids: np.ndarray, window_blocks: int, k: int, windows: list[np.ndarray],
-                 window_of: list[np.ndarray], slots: list[np.ndarray]) -> None:
-    """Windows reading ``ids`` (samples of one old window, in order): the old window's blocks that hold
-    them, in its order, ``window_blocks`` at a time; each window takes its own blocks' samples in order."""
+def _windows(ids: np.ndarray, window: np.ndarray, position: np.ndarray, k: int,
+             window_blocks: int) -> tuple[tuple[np.ndarray, ...], np.ndarray, np.ndarray]:
+    """New windows reading ``ids`` (samples of old windows, in order). The blocks holding them are taken in
+    order (old window by old window, each in its order) and packed into windows of at most ``window_blocks``:
+    an old window's blocks go whole into the current new window if they fit, else start a new one, split
+    every ``window_blocks`` blocks if there are more. Each new window takes its blocks' samples in their
+    order, so the order changes only where an old window is split. Returns the windows' blocks and each
+    stream position's window and slot."""
     if not len(ids):
-        return
-    held = blocks[np.isin(blocks, ids // k)]
-    for c in range(0, len(held), window_blocks):
-        chunk = held[c:c + window_blocks].astype(np.int64)
-        sel = ids if len(held) <= window_blocks else ids[np.isin(ids // k, chunk)]
-        order = np.argsort(chunk, kind="stable")
-        where = order[np.searchsorted(chunk[order], sel // k)]
-        slots.append((where * k + sel % k).astype(np.int64))
-        window_of.append(np.full(len(sel), len(windows), dtype=np.int64))
-        windows.append(chunk)
+        return (), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    span = int(position.max()) + 1
+    held, inverse = np.unique(window * span + position, return_inverse=True)  # (old window, block) in order
+    blocks = np.empty(len(held), dtype=np.int64)
+    blocks[inverse] = ids // k
+    owner = held // span
+    group_start = np.flatnonzero(np.diff(owner, prepend=-1))
+    counts = np.diff(np.append(group_start, len(held)))
+    # Packing is sequential: one step per old window, not per sample.
+    w_max = min(window_blocks, len(held))  # an int64 however large the setting
+    first_window, offset = np.empty(len(counts), np.int64), np.empty(len(counts), np.int64)
+    current, fill = -1, w_max
+    for g, c in enumerate(counts.tolist()):
+        if c <= w_max - fill:  # fits beside the old windows already in the current one
+            first_window[g], offset[g] = current, fill
+            fill += c
+        else:
+            first_window[g], offset[g] = current + 1, 0
+            n = -(-c // w_max)
+            current, fill = current + n, c - (n - 1) * w_max
+    group = np.repeat(np.arange(len(counts)), counts)
+    at = offset[group] + np.arange(len(held)) - group_start[group]
+    new_window = first_window[group] + at // w_max
+    order = np.argsort(new_window[inverse], kind="stable")  # window by window, each in the old order
+    window_of = new_window[inverse][order]
+    slots = ((at % w_max)[inverse] * k + ids % k)[order]
+    return tuple(np.split(blocks, np.flatnonzero(np.diff(new_window)) + 1)), window_of, slots
