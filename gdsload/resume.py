@@ -11,9 +11,9 @@ the block order into consecutive shares, so rank 0's stream precedes rank 1's â€
 again into consecutive shares of equal size (a block on a boundary is read by both ranks, each taking its
 own samples). Every unconsumed sample thus lands in exactly one new rank's stream; ranks are padded to equal
 length (or, with ``drop_last``, the tail of the remainder is dropped) as a fresh epoch does. Each share is
-read window by window as the old ranks would have read it: a new window is the rest of an old window,
-split into pieces of at most ``window_blocks`` blocks when the new windows are smaller (each piece keeps
-the old order of its own samples).
+read in windows of at most ``window_blocks`` blocks: the rests of old windows, packed in order, an old
+window split only when it holds more blocks than a new window may, and every window taking its samples in
+their old order. A window may pick only some samples of a block (``EpochPlan.slots`` names each one).
 
 Padding and dropping per leg: without ``drop_last`` a leg repeats at most ``world_size - 1`` samples (ranks
 differ by one sample at most, and the shorter ones repeat samples of their own last window; a rank left
@@ -47,7 +47,6 @@ STATE_KEYS = ("state_format", "epoch", "batches_yielded", "hops", "num_samples",
               "window_blocks", "shuffle", "seed", "drop_last", "rank", "world_size", "fields", "index_sha256")
 HOP_KEYS = ("world_size", "batch_size", "window_blocks", "batches")
 FIXED_KEYS = ("num_samples", "samples_per_block", "shuffle", "seed", "drop_last")  # never change mid-epoch
-LEG_KEYS = ("world_size", "batch_size", "window_blocks")  # may change: the next leg is planned from the rest
 
 
 class StateError(GDSLoadError, ValueError):
@@ -296,7 +295,7 @@ def merge_states(states: Sequence[Any]) -> dict[str, Any]:
             detail = ", ".join(f"{k}: {ref[k]!r} against {s[k]!r}" for k in differ)
             hint = (" (the ranks stopped at different batches; checkpoint every rank after the same step)"
                     if "batches_yielded" in differ else "")
-            raise StateError(f"rank {p.rank}'s state differs from rank 0's ({detail}){hint}"[:1000])
+            raise StateError(f"rank {p.rank}'s state differs from rank 0's ({detail}){hint}")
     return {**ref, "rank": 0}
 
 
