@@ -408,8 +408,13 @@ def _windows(ids: np.ndarray, window: np.ndarray, position: np.ndarray, k: int,
     stream position's window and slot."""
     if not len(ids):
         return (), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    # The (old window, block position) pairs held, in order: a mark per pair, no sort of the samples.
     span = int(position.max()) + 1
-    held, inverse = np.unique(window * span + position, return_inverse=True)  # (old window, block) in order
+    key = (window - window[0]) * span + position
+    present = np.zeros(int(key[-1] // span + 1) * span, dtype=bool)
+    present[key] = True
+    held = np.flatnonzero(present)
+    inverse = (np.cumsum(present) - 1)[key]
     blocks = np.empty(len(held), dtype=np.int64)
     blocks[inverse] = ids // k
     owner = held // span
@@ -430,7 +435,9 @@ def _windows(ids: np.ndarray, window: np.ndarray, position: np.ndarray, k: int,
     group = np.repeat(np.arange(len(counts)), counts)
     at = offset[group] + np.arange(len(held)) - group_start[group]
     new_window = first_window[group] + at // w_max
-    order = np.argsort(new_window[inverse], kind="stable")  # window by window, each in the old order
-    window_of = new_window[inverse][order]
-    slots = ((at % w_max)[inverse] * k + ids % k)[order]
+    window_of = new_window[inverse]
+    slots = (at % w_max)[inverse] * k + ids % k
+    if (np.diff(window_of) < 0).any():  # an old window was split: window by window, each in the old order
+        order = np.argsort(window_of, kind="stable")
+        window_of, slots = window_of[order], slots[order]
     return tuple(np.split(blocks, np.flatnonzero(np.diff(new_window)) + 1)), window_of, slots
