@@ -20,9 +20,9 @@ from .format import DatasetLayout, read_metadata
 from .ragged import capacity_rows
 from .pipeline import EpochStats, Pipeline, ResidentField, WindowLayout, WindowSlot
 from .plan import EpochPlan, PlanConfig, epoch_plan
+from . import resume
 
-_STATE_KEYS = ("num_samples", "samples_per_block", "batch_size", "window_blocks", "shuffle", "seed",
-               "drop_last", "rank", "world_size")
+_STATE_KEYS = resume.STATE_KEYS  # the format, its checks and resumed plans: resume.py
 
 
 def _distributed() -> tuple[int, int]:
@@ -222,24 +222,35 @@ class GDSDataset:
         self.epoch = int(epoch)
         self._epochs_set = True
 
+    _cursor: resume.Cursor | None = None  # the epoch _batches_yielded counts in, and its earlier legs
+    _fingerprint: resume.Fingerprint | None = None  # made on first use
+
     def state_dict(self) -> dict[str, Any]:
-        """Where iteration stands: epoch, batches yielded in it, and the config the order depends on."""
-        state = {"epoch": self.epoch, "batches_yielded": self._batches_yielded}
-        state.update({k: getattr(self.config, k) for k in _STATE_KEYS})
-        return state
+        """Where iteration stands: epoch, batches yielded in it (in its current leg), the legs it was read in
+        before under other world_size / batch_size / window_blocks, the config the order depends on and a
+        fingerprint of the dataset. Plain and small; every rank's is the same but for ``rank``."""
+        self._fingerprint = self._fingerprint or resume.fingerprint(self.meta, self.layout)
+        here = self._cursor is not None and self._cursor.epoch == self.epoch
+        return resume.make_state(self.config, self._fingerprint, self.epoch, self._batches_yielded if here else 0,
+                                 self._cursor.hops if here else ())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state``: the next iteration yields exactly the batches not yet yielded."""
-        mismatched = {k: (state.get(k), getattr(self.config, k)) for k in _STATE_KEYS
-                      if state.get(k) != getattr(self.config, k)}
-        if mismatched:
-            detail = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in mismatched.items())
-            raise ValueError(f"state does not match this dataset's configuration ({detail})")
-        self.epoch = int(state["epoch"])
-        self._batches_yielded = int(state["batches_yielded"])
-        self._resume = (self.epoch, self._batches_yielded)
+        """Continue from ``state``, saved by any rank (all ranks' agree; ``resume.merge_states`` checks it):
+        the next iteration yields exactly the batches not yet yielded. Under another world_size, batch_size
+        or window_blocks the ranks share out the rest of the epoch, every sample once (docs/multi-gpu.md).
+        Raises TypeError for a non-dict and ValueError naming the key for a malformed state or one of
+        another dataset, seed, shuffle or drop_last; nothing changes then."""
+        self._fingerprint = self._fingerprint or resume.fingerprint(self.meta, self.layout)
+        cursor, start = resume.resume(state, self.config, self._fingerprint)
+        self.epoch = cursor.epoch
+        self._batches_yielded = start
+        self._cursor = cursor
+        self._resume = (cursor.epoch, start)
 
     def _plan(self, epoch: int) -> EpochPlan:
+        cursor = self._cursor
+        if cursor is not None and cursor.epoch == epoch and cursor.plan is not None:
+            return cursor.plan  # the current leg of an epoch read before under other settings
         if self._plan_cache is None or self._plan_cache[0] != epoch:
             self._plan_cache = (epoch, epoch_plan(self.config, epoch))
         return self._plan_cache[1]
@@ -266,9 +277,14 @@ class GDSDataset:
             self.epoch += 1  # without set_epoch, every new pass is a new epoch (as DataLoader(shuffle=True))
         self._passes += 1
         epoch = self.epoch
-        start = self._resume[1] if self._resume and self._resume[0] == epoch else 0
+        resumed = self._resume if self._resume and self._resume[0] == epoch else None
         self._resume = None
-        if self._active and self._active[0].continues_with(epoch, start, any_epoch=not self.config.shuffle):
+        start = resumed[1] if resumed else 0
+        cursor = self._cursor if resumed and self._cursor is not None else resume.Cursor(epoch)
+        self._cursor, self._batches_yielded = cursor, start
+        # A resumed leg after others has a plan of its own: never the one read ahead.
+        if self._active and not cursor.hops and self._active[0].continues_with(epoch, start,
+                                                                                any_epoch=not self.config.shuffle):
             pipeline = self._active[0]  # this pass was read ahead while the last one ran
         else:
             pipeline = self._start(epoch, start)
