@@ -499,7 +499,7 @@ class Pipeline:
     def _take_assembled(self, stats: EpochStats) -> tuple[int, int, dict[str, Any], int, Any]:
         t0 = time.perf_counter()
         item = self._assembled.get(self._stop)
-        if item is None:
+        if item is None or self._closed:  # close() drops queued batches: what comes after is not due
             raise GDSLoadError(_CLOSED)
         waited = time.perf_counter() - t0
         stats.stall_s += waited
