@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
+import signal
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -163,7 +166,8 @@ def shard_parser(prog: str = "shard.py") -> argparse.ArgumentParser:
     p.add_argument("--field", action="append", default=[], metavar="NAME=PATH",
                    help="add a field with an explicit name (PATH may be FILE.npz:KEY)")
     p.add_argument("--ragged", action="append", default=[], metavar="NAME=PATH",
-                   help="add a variable-length field: a directory of per-sample .npy files (sorted by name), "
+                   help="add a variable-length field: a directory of per-sample .npy files (in natural order "
+                        "of their names: 2.npy before 10.npy), "
                         "or a .npz holding 'values' and 'offsets'")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--block-bytes", type=parse_bytes, default=None,
@@ -171,13 +175,48 @@ def shard_parser(prog: str = "shard.py") -> argparse.ArgumentParser:
     size.add_argument("--samples-per-block", type=int, default=None, help="samples per block, exactly")
     p.add_argument("--shard-bytes", type=parse_bytes, default=None, help="target shard file size (default 1GiB)")
     p.add_argument("--slice-bytes", type=parse_bytes, default=None, help="input read size (bounds memory; 64MiB)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing gdsload dataset (never a file or another directory)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
 
+def _printable(text: object) -> str:
+    """A message on one line: control characters (a newline in a file name) and undecodable bytes escaped."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+
+
+_STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
+
+
+@contextlib.contextmanager
+def _conversion_signals() -> Iterator[None]:
+    """For the duration of a conversion: SIGINT, SIGTERM and SIGHUP stop it and clean up (unless ignored, as
+    under nohup), and SIGXFSZ is ignored so that exceeding the file-size limit fails a write with EFBIG
+    instead of killing the process. The previous handlers are restored after."""
+    from .writer import on_signal, reset_signals
+
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
+    reset_signals()
+    previous = {}
+    for sig in _STOP_SIGNALS:
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            previous[sig] = signal.signal(sig, on_signal)
+    if hasattr(signal, "SIGXFSZ"):
+        previous[signal.SIGXFSZ] = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
 def shard_main(argv: Sequence[str] | None = None, prog: str = "shard.py") -> int:
-    from .writer import convert
+    """``shard.py``: 0 on success; 2 with one line ``PROG: error: PATH: what is wrong`` on any failure;
+    128 + the signal number when SIGINT, SIGTERM or SIGHUP stopped it (nothing is left at the output)."""
+    from .writer import convert, reset_signals
 
     args = shard_parser(prog).parse_args(argv)
     named: dict[str, dict[str, str]] = {"--field": {}, "--ragged": {}}
@@ -185,19 +224,38 @@ def shard_main(argv: Sequence[str] | None = None, prog: str = "shard.py") -> int
         for spec in specs:
             name, sep, path = spec.partition("=")
             if not sep or not name or not path:
-                print(f"{prog}: error: {flag} expects NAME=PATH (found {spec!r})", file=sys.stderr)
+                print(f"{prog}: error: {flag} expects NAME=PATH (found {_printable(repr(spec))})", file=sys.stderr)
                 return 2
             named[flag][name] = path
     options = {k: v for k, v in {"block_bytes": args.block_bytes, "samples_per_block": args.samples_per_block,
                                  "shard_bytes": args.shard_bytes, "slice_bytes": args.slice_bytes}.items()
                if v is not None}
+    notes: list[str] = []
+    meta = None
     try:
-        meta = convert(args.inputs, args.output, named["--field"], named["--ragged"], overwrite=args.overwrite,
-                       progress=False if args.quiet else None, **options)
+        with _conversion_signals():
+            meta = convert(args.inputs, args.output, named["--field"], named["--ragged"], overwrite=args.overwrite,
+                           progress=False if args.quiet else None, log=notes.append, **options)
+            late = reset_signals()  # a signal during the final rename: the output is complete
+    except KeyboardInterrupt as e:  # SIGINT, or writer.Interrupted for SIGTERM / SIGHUP
+        reset_signals()
+        signum = int(getattr(e, "signum", signal.SIGINT))
+        done = f"{args.output} is complete" if meta is not None else f"nothing written to {args.output}"
+        print(f"{prog}: interrupted; {_printable(done)}", file=sys.stderr)
+        return 128 + signum
     except GDSLoadError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {_printable(e)}", file=sys.stderr)
+        return 2
+    except OSError as e:  # every converter error should be a ConversionError by now; this is the backstop
+        where = e.filename if e.filename is not None else args.output
+        print(f"{prog}: error: {_printable(where)}: {_printable(e.strerror or e)}", file=sys.stderr)
         return 2
     print(describe_dataset(meta.path))
+    for line in notes:
+        print(_printable(line))
+    if late:
+        print(f"{prog}: interrupted; {_printable(args.output)} is complete", file=sys.stderr)
+        return 128 + late
     return 0
 
 

@@ -118,7 +118,8 @@ def test_inputs_npz_dirs_zarr_and_named_fields(tmp_path):
 def test_attributes_and_layout_match_design(make_dataset):
     path = make_dataset({"x": np.zeros((10, 3), np.float32)}, samples_per_block=4, shard_bytes=96)
     attrs = json.load(open(os.path.join(path, "zarr.json")))["attributes"]["gdsload"]
-    assert attrs == {"format": 1, "num_samples": 10, "samples_per_block": 4, "fields": {"x": {"kind": "fixed"}}}
+    assert attrs == {"format": 1, "num_samples": 10, "samples_per_block": 4, "fields": {"x": {"kind": "fixed"}},
+                     "checksums": {"algorithm": "crc32c", "arrays": {"x": "_checksums/x"}}}
     shard = os.path.join(path, "x", "c", "0", "0")
     # 2 blocks of 4*3*4 bytes, then 2 x (offset, nbytes) and a crc32c
     assert os.path.getsize(shard) == 2 * 48 + 2 * 16 + 4
