@@ -310,7 +310,7 @@ def add_checksums(path: str, fields=None) -> dict[str, np.ndarray]:
     g = zarr.open_group(path, mode="r+")
     for name, values in sums.items():
         g.create_array(f"_checksums/{name}", shape=values.shape, dtype="uint32", chunks=values.shape,
-                       compressors=None)[:] = values
+                       compressors=None, overwrite=True)[:] = values  # the converter's own, rewritten
     attrs = dict(g.attrs["gdsload"])
     attrs["checksums"] = {"algorithm": "crc32c", "arrays": {name: f"_checksums/{name}" for name in sums}}
     g.attrs["gdsload"] = attrs
@@ -452,6 +452,18 @@ def ragged_arrays(n: int = 11):
 def test_checksums_are_parsed_and_read_whole(make_dataset):
     path = make_dataset({"x": np.arange(11 * 3, dtype=np.uint8).reshape(11, 3), "idx": np.arange(11)},
                         samples_per_block=4, ragged=ragged_arrays())
+    written = read_metadata(path)  # the converter's checksums equal those recomputed from the shard files
+    assert written.checksums == {f: f"_checksums/{f}" for f in ("x", "idx", "tok")}
+    with DatasetLayout(written) as layout:
+        assert layout.has_checksums
+        by_converter = {f: a.copy() for f, a in layout.checksums.items()}
+    recomputed = add_checksums(path)
+    for f in ("x", "idx", "tok"):
+        np.testing.assert_array_equal(by_converter[f], recomputed[f])
+    g = zarr.open_group(path, mode="r+")
+    attrs = dict(g.attrs["gdsload"])
+    del attrs["checksums"]
+    g.attrs["gdsload"] = attrs
     plain = read_metadata(path)
     assert plain.checksums == {} and DatasetLayout(plain).checksums == {} and not DatasetLayout(plain).has_checksums
     sums = add_checksums(path, ["x", "tok"])
