@@ -83,7 +83,7 @@ def main() -> int:
                "cost_pct": round(100 * (1 - best[True] / best[False]), 1)}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    name = result_name(info, "verify-cost")
+    name = result_name(info, "verify-cost-")
     result = {"info": info, "dataset_bytes": nbytes, "rounds": args.rounds, "rows": rows,
               "method": "warm shuffled passes, batch 256, 3x224x224 uint8 + int64 labels; verify off and on "
                         "interleaved per round; cost = 1 - best(on) / best(off)"}

@@ -83,8 +83,9 @@ class GDSDataset:
     backend_options : passed to the backend (e.g. ``num_threads``, ``task_bytes``, ``pool_bytes``).
     verify : check every block read against the crc32c the converter stored for it (on the GPU for GPU
         backends), raising :class:`ReadError` naming the file, field, block and offset of a bad block before
-        any of its samples is served. Default (None): on when the dataset has checksums. True for a dataset
-        without checksums (written by an older converter, or by plain zarr) is a ValueError.
+        any of its samples is served. Default (None): off, because its measured cost is above 5 % of warm
+        throughput (see docs and benchmarks/results/verify-cost-*.md). True for a dataset without checksums
+        (written by an older converter, or by plain zarr) is a ValueError.
 
     Notes
     -----
@@ -132,7 +133,7 @@ class GDSDataset:
             raise ValueError(f"verify=True: {self.meta.path} has no block checksums for field(s) "
                              f"{[f for f in self.fields if f not in self.layout.checksums]} (convert it again "
                              f"with 'gdsload shard' to add them, or pass verify=False)")
-        self.verify = self.layout.has_checksums if verify is None else verify
+        self.verify = bool(verify)
         self.device = int(os.environ.get("LOCAL_RANK", 0)) if device is None else device
         if rank is None or world_size is None:
             env_rank, env_world = _distributed()

@@ -18,6 +18,7 @@ from gdsload.cli import main as cli_main
 from gdsload.format import DatasetLayout, read_metadata
 
 Dataset = functools.partial(GDSDataset, backend="cpu", resident_bytes=32 << 10)
+Verified = functools.partial(Dataset, verify=True)
 
 
 @pytest.fixture
@@ -43,9 +44,11 @@ def gdsload_threads() -> list[threading.Thread]:
 
 
 # -- integrity ---------------------------------------------------------------------------------------
-def test_verify_is_on_for_datasets_with_checksums(data_path):
+def test_verify_is_off_by_default_and_passes_on_a_sound_dataset(data_path):
     path, data = data_path
     with Dataset(path, batch_size=32) as ds:
+        assert not ds.verify
+    with Verified(path, batch_size=32) as ds:
         assert ds.verify
         got = np.concatenate([b["idx"] for b in ds])
         assert sorted(got.tolist()) == list(range(997))
@@ -55,7 +58,7 @@ def test_verify_is_on_for_datasets_with_checksums(data_path):
 def test_a_flipped_bit_is_a_read_error_naming_file_field_block(data_path, field, block):
     path, data = data_path
     shard, offset = flip_byte(path, field, block)
-    with Dataset(path, batch_size=32, shuffle=True) as ds, pytest.raises(ReadError) as e:
+    with Verified(path, batch_size=32, shuffle=True) as ds, pytest.raises(ReadError) as e:
         for _ in ds:
             pass
     msg = str(e.value)
@@ -240,3 +243,41 @@ def test_a_single_field_name_as_a_string(data_path):
     path, data = data_path
     with Dataset(path, batch_size=100, fields="x") as ds:
         assert ds.fields == ("x",) and set(next(iter(ds))) == {"x"}
+
+
+def test_shard_mutations_with_verify_never_serve_different_data(make_dataset, tmp_path):
+    """Seeded mutations of shard files (a flipped bit, an inserted or deleted byte, anywhere): with
+    verify=True every outcome is a GDSLoadError or exactly the data written."""
+    import shutil
+
+    data = labelled(203, shape=(5,), dtype="int32")
+    pristine = make_dataset(data, samples_per_block=8, shard_bytes=8 * 20 * 4)
+    with DatasetLayout(read_metadata(pristine)) as layout:
+        shards = layout.shard_paths()
+    rng = np.random.default_rng(14)
+    outcomes = {"error": 0, "exact": 0}
+    for i in range(120):
+        path = str(tmp_path / f"m{i}.gds")
+        shutil.copytree(pristine, path)
+        shard = os.path.join(path, os.path.relpath(shards[rng.integers(len(shards))], pristine))
+        raw = bytearray(open(shard, "rb").read())
+        at = int(rng.integers(len(raw)))
+        kind = rng.integers(3)
+        if kind == 0:
+            raw[at] ^= 1 << int(rng.integers(8))
+        elif kind == 1:
+            raw.insert(at, int(rng.integers(256)))
+        else:
+            del raw[at]
+        open(shard, "wb").write(bytes(raw))
+        try:
+            with Verified(path, batch_size=64, shuffle=True, seed=i) as ds:
+                got = {k: np.concatenate([b[k] for b in ds]) for k in ("x", "idx")}
+        except GDSLoadError:
+            outcomes["error"] += 1
+        else:
+            np.testing.assert_array_equal(np.sort(got["idx"]), np.arange(203))
+            np.testing.assert_array_equal(got["x"], data["x"][got["idx"]], err_msg=f"mutation {i} served silently")
+            outcomes["exact"] += 1
+        shutil.rmtree(path)
+    assert outcomes["error"] > 0
