@@ -86,3 +86,17 @@ def zarr_dataset_with_missing_block(path: str) -> np.ndarray:
     data[3:6] = -5
     a[:] = data
     return data
+
+
+def threads_left_after_use(ds) -> set[threading.Thread]:
+    """Leave a pass early, run one to its end, close: the threads started meanwhile still alive 2 s later."""
+    before = set(threading.enumerate())
+    with ds:
+        for i, _ in enumerate(ds):
+            if i == 3:
+                break
+        list(ds)
+    deadline = time.monotonic() + 2
+    while set(threading.enumerate()) - before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return set(threading.enumerate()) - before

@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import labelled, wait_no_readers
+from conftest import labelled, threads_left_after_use, wait_no_readers
 from gdsload import GDSDataset, GDSLoadError, ReadError
 from gdsload.format import DatasetLayout, read_metadata
 from gdsload.sources import ArraySource
@@ -116,16 +116,7 @@ def test_fill_values_are_written_before_the_gather(tmp_path, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_no_python_thread_survives_close(small, backend):
     path, _ = small
-    before = set(threading.enumerate())
-    with Dataset(path, 64, backend=backend, shuffle=True) as ds:
-        for i, _ in enumerate(ds):
-            if i == 3:
-                break
-        list(ds)
-    deadline = time.monotonic() + 2
-    while set(threading.enumerate()) - before and time.monotonic() < deadline:
-        time.sleep(0.01)
-    left = set(threading.enumerate()) - before
+    left = threads_left_after_use(Dataset(path, 64, backend=backend, shuffle=True))
     assert not left, [(t.name, getattr(t, "_target", None)) for t in left]
 
 

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import labelled, wait_no_readers
+from conftest import labelled, threads_left_after_use, wait_no_readers
 from gdsload import BackendUnavailable, GDSDataset, GDSLoadError, ReadError
 from gdsload.cli import main as cli_main
 from gdsload.format import DatasetLayout, read_metadata
@@ -164,16 +164,7 @@ def test_close_from_another_thread_between_passes(data_path):
 
 def test_no_thread_survives_close(data_path):
     path, _ = data_path
-    before = set(threading.enumerate())
-    with Dataset(path, batch_size=32, shuffle=True) as ds:
-        for i, _ in enumerate(ds):
-            if i == 3:
-                break
-        list(ds)
-    deadline = time.monotonic() + 2
-    while set(threading.enumerate()) - before and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert set(threading.enumerate()) - before == set()
+    assert threads_left_after_use(Dataset(path, batch_size=32, shuffle=True)) == set()
 
 
 # -- forked children ---------------------------------------------------------------------------------
