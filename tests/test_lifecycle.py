@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import os
-import signal
 import threading
 import time
 
