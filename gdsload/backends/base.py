@@ -109,9 +109,9 @@ def reopened(files: Any, path: str) -> str:
 
 class FileHandles:
     """Per-path handles made once from the dataset's open shard files and kept for the dataset's life
-    (opening per pass cost ~25 % on the H100). By default the dataset's own descriptor; with an opener
-    (KvikIO's CuFile, an O_DIRECT descriptor) a handle opened on :func:`reopened`, checked to be the same
-    file."""
+    (opening files per pass is slow: docs/benchmarks). By default the dataset's own descriptor; with an
+    opener (KvikIO's CuFile, an O_DIRECT descriptor) a handle opened on :func:`reopened`, which is the same
+    inode wherever ``/proc/self/fd`` exists (elsewhere it falls back to the path, unchecked)."""
 
     def __init__(self, opener: Callable[[str], Any] | None = None, closer: Callable[[Any], None] = os.close):
         self._open = opener
