@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import zarr
 
-from conftest import zarr_dataset_with_missing_block
+from _helpers import add_checksums, in_thread, open_fds, rewrite_index, zarr_dataset_with_missing_block
 from gdsload import FormatError, GDSDataset, read_metadata
 from gdsload.format import MAX_UINT_64, DatasetLayout, encode_shard_index, parse_shard_index
 
@@ -119,31 +119,6 @@ def test_errors_are_also_the_builtins_they_resemble(tmp_path):
 
 
 # -- files.py: shard files opened safely and held ----------------------------------------------------------
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
-def in_thread(fn, timeout_s: float = 5.0):
-    """Run ``fn`` on a daemon thread: its result or exception, or a test failure if it does not return in
-    time (a regression that blocks fails instead of hanging the suite)."""
-    import threading
-
-    out: dict[str, object] = {}
-
-    def run():
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            out["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout_s)
-    assert not t.is_alive(), f"{fn} still blocked after {timeout_s} s"
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
-
 
 def test_open_shard_holds_a_regular_file(tmp_path):
     from gdsload.files import open_shard
@@ -267,55 +242,6 @@ def test_shard_files_opened_so_far_are_closed_when_one_fails(tmp_path):
 
 
 # -- DatasetLayout: files held, shard index checks, checksums ----------------------------------------------
-def rewrite_index(path: str, field, edit) -> None:
-    """Change a shard's index table with ``edit(table)`` and store it with a valid crc32c, so only the
-    layout checks can catch what was changed."""
-    size, n = os.path.getsize(path), field.index_bytes
-    pos = size - n if field.index_location == "end" else 0
-    with open(path, "r+b") as f:
-        f.seek(pos)
-        table = parse_shard_index(f.read(n), field.blocks_per_shard, path).offsets_and_lengths.copy()
-        edit(table)
-        f.seek(pos)
-        f.write(encode_shard_index(table))
-
-
-def add_checksums(path: str, fields=None) -> dict[str, np.ndarray]:
-    """Add checksum arrays as the converter is to write them (attrs["gdsload"]["checksums"], one uint32
-    array per field at _checksums/FIELD), computed here from the shard files; returns them."""
-    import crc32c
-
-    meta = read_metadata(path)
-    k, n = meta.samples_per_block, meta.num_samples
-    sums = {}
-    with DatasetLayout(meta) as layout:
-        def stored(key, piece_rows, loc):
-            fm = meta.array(key)
-            if loc is None:
-                return fm.fill_bytes() * (piece_rows * fm.sample_bytes // fm.dtype.itemsize)
-            return os.pread(layout.files.fd(loc.path), loc.nbytes, loc.offset)
-
-        for name in fields or meta.names:
-            out = np.empty(meta.num_blocks, dtype=np.uint32)
-            for b in range(meta.num_blocks):
-                if name in meta.fields:
-                    data = stored(name, k, layout.locate(name, b))
-                else:
-                    offsets = layout.offsets[name]
-                    a, z = int(offsets[b * k]), int(offsets[min((b + 1) * k, n)])
-                    data = b"".join(stored(f"{name}/values", p.row_stop - p.row_start, p.location)
-                                    for p in layout.locate_rows(f"{name}/values", a, z))
-                out[b] = crc32c.crc32c(data)
-            sums[name] = out
-    g = zarr.open_group(path, mode="r+")
-    for name, values in sums.items():
-        g.create_array(f"_checksums/{name}", shape=values.shape, dtype="uint32", chunks=values.shape,
-                       compressors=None, overwrite=True)[:] = values  # the converter's own, rewritten
-    attrs = dict(g.attrs["gdsload"])
-    attrs["checksums"] = {"algorithm": "crc32c", "arrays": {name: f"_checksums/{name}" for name in sums}}
-    g.attrs["gdsload"] = attrs
-    return sums
-
 
 def test_layout_reads_the_files_it_opened_after_they_are_replaced(make_dataset, tmp_path):
     path = make_dataset({"x": np.ones((16, 4), np.float32)}, samples_per_block=4)

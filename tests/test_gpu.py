@@ -12,7 +12,7 @@ import threading
 import numpy as np
 import pytest
 
-from conftest import break_then_close, labelled, wait_no_readers, zarr_dataset_with_missing_block
+from _helpers import break_then_close, labelled, wait_no_readers, zarr_dataset_with_missing_block
 from gdsload import GDSDataset, ReadError
 from gdsload.plan import epoch_plan
 from gdsload.sources import ArraySource
@@ -286,7 +286,7 @@ def test_io_mode_is_reported_honestly(small):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("padded", [None, "max", 6])
 def test_variable_length_field(tmp_path, backend, padded):
-    from test_ragged import ragged_source, sequences
+    from _helpers import ragged_source, sequences
 
     seqs = sequences(301, elem=(3,))
     path = str(tmp_path / "r.gds")

@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import labelled, threads_left_after_use, wait_no_readers
+from _helpers import labelled, threads_left_after_use, wait_no_readers
 from gdsload import GDSDataset, GDSLoadError, ReadError
 from gdsload.format import DatasetLayout, read_metadata
 from gdsload.sources import ArraySource

@@ -27,7 +27,7 @@ from gdsload.errors import FormatError
 from gdsload.format import MAX_UINT_64, DatasetLayout, read_metadata
 from gdsload.sources import ArraySource, RaggedSource
 from gdsload.writer import write_dataset
-from test_format import add_checksums, in_thread, open_fds, rewrite_index
+from _helpers import add_checksums, in_thread, open_fds, rewrite_index
 
 SHARDS = ("x/c/0/0", "x/c/1/0", "idx/c/0", "idx/c/1", "idx/c/2", "tok/values/c/0")
 METADATA = ("zarr.json", "x/zarr.json", "idx/zarr.json", "tok/values/zarr.json", "tok/offsets/zarr.json",

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import labelled, threads_left_after_use, wait_no_readers
+from _helpers import labelled, threads_left_after_use, wait_no_readers
 from gdsload import BackendUnavailable, GDSDataset, GDSLoadError, ReadError
 from gdsload.cli import main as cli_main
 from gdsload.format import DatasetLayout, read_metadata

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import break_then_close, labelled, reader_threads, wait_no_readers
+from _helpers import break_then_close, labelled, reader_threads, wait_no_readers
 from gdsload import GDSDataset, GDSLoadError, ReadError
 from gdsload.plan import epoch_plan
 

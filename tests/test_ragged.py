@@ -12,24 +12,13 @@ import zarr
 from gdsload import ConversionError, GDSDataset, read_metadata
 from gdsload.plan import PlanConfig, epoch_plan
 from gdsload.ragged import capacity_rows, epoch_value_index, gather, pad
-from gdsload.sources import ArraySource, RaggedSource
+from gdsload.sources import ArraySource
 from gdsload.writer import convert, write_dataset
+
+from _helpers import ragged_source, sequences
 
 Dataset = functools.partial(GDSDataset, backend="cpu", resident_bytes=0)
 
-
-def sequences(n: int, seed: int = 0, elem: tuple[int, ...] = ()) -> list[np.ndarray]:
-    """Sample i: rows i*1000 + 0, 1, ...; lengths 0..40, some empty."""
-    lengths = np.random.default_rng(seed).integers(0, 41, n)
-    lengths[::17] = 0
-    size = int(np.prod(elem, dtype=np.int64))
-    return [(i * 1000 + np.arange(n_i * size, dtype=np.int64)).astype(np.int32).reshape(n_i, *elem)
-            for i, n_i in enumerate(lengths)]
-
-
-def ragged_source(seqs: list[np.ndarray]) -> RaggedSource:
-    offsets = np.concatenate([[0], np.cumsum([len(s) for s in seqs])]).astype(np.int64)
-    return RaggedSource("<tokens>", ArraySource("<tokens>", np.concatenate(seqs)), offsets)
 
 
 def test_epoch_value_index_matches_a_direct_computation():

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import labelled
+from _helpers import labelled
 from gdsload import GDSDataset
 from gdsload.plan import PlanConfig, epoch_plan
 from gdsload.resume import (MAX_HOPS, Cursor, Fingerprint, Hop, StateError, leg_plans, make_state, merge_states,
