@@ -7,6 +7,7 @@ import functools
 import os
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -101,6 +102,7 @@ class GDSDataset:
                  rank: int | None = None, world_size: int | None = None, device: int | None = None, resident_bytes: int = 64 << 20,
                  pad_to: int | str | dict[str, int | str] | None = None, pad_value: Any = 0,
                  backend_options: dict[str, Any] | None = None, verify: bool | None = None):
+        started = time.perf_counter()
         _check_int("batch_size", batch_size, 1)
         _check_int("prefetch", prefetch, 1)
         _check_int("resident_bytes", resident_bytes, 0)
@@ -197,6 +199,16 @@ class GDSDataset:
         self._finalizer = weakref.finalize(self, _shutdown, self._active, self.backend, self._slots,
                                            self._resident, self.layout, self._closing)
         _fork.track(self)
+        self.open_s = time.perf_counter() - started
+
+    def describe(self) -> dict[str, Any]:
+        """How this dataset reads, JSON-ready: backend and why, io mode, window size and buffers, read-ahead
+        depths, resident fields, seconds the constructor took, and the backend's own settings and counters."""
+        return {"backend": self.backend_name, "backend_reason": self.backend_reason, "io_mode": self.io_mode,
+                "window_blocks": self.config.window_blocks, "window_bytes": self.window_layout.nbytes,
+                "window_buffers": len(self._slots), "prefetch": self.prefetch, "batches_ahead": self.batches_ahead,
+                "resident_fields": list(self.resident_fields), "open_s": self.open_s,
+                "backend_stats": self.backend.stats()}
 
     # -- properties ------------------------------------------------------------------------------------
     @property

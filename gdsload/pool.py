@@ -16,16 +16,12 @@ import numpy as np
 from .backends.base import new_event
 
 _POLL_S = 0.05
-# Whether a thread waiting on a slot's event spins (True) or sleeps. Spinning kept the driver thread's
-# per-slot wait short when it waited on every copy (16 GiB warm, H100, one run each: 29.76 GB/s spinning,
-# 22.2 sleeping). Since it keeps slots for copies in flight (pinned.COPY_SHARE) it seldom waits, and
-# sleeping cost no throughput (benchmarks/results/sweep-pinned-*-events.json); its effect on a training
-# step's waiting was not compared in one run, so spinning stays.
-SLOT_EVENTS_SPIN = True
 
 
 class PinnedPool:
-    def __init__(self, slot_bytes: int, num_slots: int, device_id: int = 0):
+    def __init__(self, slot_bytes: int, num_slots: int, device_id: int = 0, spin_events: bool = True):
+        """``spin_events``: a thread waiting for a slot's last copy spins in the driver (returns sooner)
+        rather than sleeping (costs a core while it waits)."""
         import cupy
 
         if slot_bytes < 4096 or slot_bytes % 4096 or num_slots < 1:
@@ -46,7 +42,7 @@ class PinnedPool:
         for i in range(num_slots):
             self._free.put(i)
         with cupy.cuda.Device(device_id):
-            self.events: list[Any] = [new_event(blocking=not SLOT_EVENTS_SPIN) for _ in range(num_slots)]
+            self.events: list[Any] = [new_event(blocking=not spin_events) for _ in range(num_slots)]
         self._recorded = [False] * num_slots  # whether events[i] guards a copy out of slot i
         self._lock = threading.Lock()
         self.in_use = 0

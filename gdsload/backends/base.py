@@ -232,6 +232,10 @@ class Backend(ABC):
         """The backend's per-file handles, bound to the dataset's files by :meth:`prepare`."""
         return []
 
+    def stats(self) -> dict[str, Any]:
+        """The backend's settings and counters, JSON-ready (for benchmarks and ``GDSDataset.describe()``)."""
+        return {}
+
     def fill(self, dest: Any, requests: Sequence[Request], stop: threading.Event) -> Any:
         """Submit and wait: the data is in ``dest`` (or queued behind the returned event)."""
         return self.submit(dest, requests, stop).wait()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -31,6 +32,9 @@ class CpuBackend(Backend):
         self.task_bytes = task_bytes
         self._files = FileHandles()
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="gdsload-cpu")
+
+    def stats(self) -> dict[str, Any]:
+        return {"num_threads": self.num_threads, "task_bytes": self.task_bytes}
 
     def handles(self) -> list[FileHandles]:
         return [self._files]

@@ -36,11 +36,15 @@ class KvikioBackend(Backend):
         self.cupy, self.kvikio = cupy, kvikio
         self.device_id = device_id
         self.max_read_bytes = max_read_bytes
+        self.num_threads, self.task_bytes = num_threads, task_bytes
         kvikio.defaults.set({"num_threads": num_threads, "task_size": task_bytes})
         self.io_mode = "gds" if gds_available() else "kvikio-compat"
         with cupy.cuda.Device(device_id):
             self.stream = cupy.cuda.Stream(non_blocking=True)
         self._files = FileHandles(opener=lambda path: kvikio.CuFile(path, "r"), closer=lambda f: f.close())
+
+    def stats(self) -> dict[str, Any]:
+        return {"num_threads": self.num_threads, "task_bytes": self.task_bytes, "max_read_bytes": self.max_read_bytes}
 
     def handles(self) -> list[FileHandles]:
         return [self._files]

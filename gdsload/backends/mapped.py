@@ -126,6 +126,10 @@ class MappedBackend(Backend):
         """Bytes of shard files locked in RAM."""
         return sum(self._sizes.values())
 
+    def stats(self) -> dict[str, Any]:
+        return {"locked_bytes": self.pinned_bytes, "open_s": self.register_s, "preload_s": self.preload_s,
+                "num_streams": len(self._streams), "copy_bytes": self.copy_bytes}
+
     def _register(self, path: str, fd: int) -> None:
         with self.cupy.cuda.Device(self.device_id):
             m = _Mapping(path, fd, self.cupy)

@@ -29,10 +29,10 @@ DEFAULT_THREADS = 16
 # (H100, warm, benchmarks/results/sweep-pinned-*).
 DEFAULT_SLOT_BYTES = 16 << 20
 DEFAULT_POOL_BYTES = 512 << 20
-# One slot in COPY_SHARE is kept out of reading, for copies still in flight: with every slot reading, the
-# slot a finished read frees is the one whose copy was just queued, so the driver waited for each copy
-# before issuing the next read.
-COPY_SHARE = 4
+# One staging slot in DEFAULT_COPY_SHARE is kept out of reading, for copies still in flight: with every
+# slot reading, the slot a finished read frees is the one whose copy was just queued, so the driver would
+# wait for each copy before issuing the next read.
+DEFAULT_COPY_SHARE = 4
 _ALIGN = 4096
 _H2D = 1  # cudaMemcpyHostToDevice
 
@@ -65,11 +65,14 @@ class PinnedBackend(Backend):
     batches_ahead_hint = 4
 
     def __init__(self, device_id: int = 0, num_threads: int = DEFAULT_THREADS, slot_bytes: int = DEFAULT_SLOT_BYTES,
-                 pool_bytes: int = DEFAULT_POOL_BYTES, direct: bool = False, reader: str = "auto"):
+                 pool_bytes: int = DEFAULT_POOL_BYTES, direct: bool = False, reader: str = "auto",
+                 copy_share: int = DEFAULT_COPY_SHARE, spin_events: bool = True):
         """``pool_bytes`` bounds the pinned memory held (``pool_bytes // slot_bytes`` slots); ``direct`` reads
         aligned blocks with O_DIRECT, bypassing the page cache (for datasets larger than RAM); ``reader``:
         "kvikio" (KvikIO's thread pool, ``num_threads`` threads), "threads" (Python threads) or "auto"
-        (kvikio when installed, threads with ``direct``)."""
+        (kvikio when installed, threads with ``direct``); ``copy_share``: with KvikIO's reader, one
+        staging slot in ``copy_share`` is kept for copies in flight (0: every slot reads); ``spin_events``:
+        waits for a slot's last copy spin rather than sleep."""
         import cupy
 
         from . import kvikio_installed
@@ -78,6 +81,8 @@ class PinnedBackend(Backend):
             raise ValueError(f"num_threads must be positive (found {num_threads})")
         if pool_bytes < slot_bytes:
             raise ValueError(f"pool_bytes ({pool_bytes}) must hold at least one slot of {slot_bytes} bytes")
+        if not isinstance(copy_share, int) or copy_share < 0:
+            raise ValueError(f"copy_share must be a non-negative int (found {copy_share!r})")
         if reader not in ("auto", "kvikio", "threads"):
             raise ValueError(f"reader must be 'auto', 'kvikio' or 'threads' (found {reader!r})")
         if reader == "auto":
@@ -90,7 +95,8 @@ class PinnedBackend(Backend):
         self.direct = direct
         self.reader = reader
         self.io_mode = "pinned-odirect" if direct else "pinned"
-        self.pool = PinnedPool(slot_bytes, pool_bytes // slot_bytes, device_id)
+        self.copy_share, self.spin_events = copy_share, spin_events
+        self.pool = PinnedPool(slot_bytes, pool_bytes // slot_bytes, device_id, spin_events)
         with cupy.cuda.Device(device_id):
             self.stream = cupy.cuda.Stream(non_blocking=True)
         self._local = threading.local()
@@ -109,6 +115,13 @@ class PinnedBackend(Backend):
     @property
     def pinned_bytes(self) -> int:
         return self.pool.total_bytes
+
+    def stats(self) -> dict[str, Any]:
+        return {"reader": self.reader, "num_threads": self.num_threads, "slot_bytes": self.pool.slot_bytes,
+                "slots": self.pool.num_slots, "pool_bytes": self.pool.total_bytes,
+                "reading_slots": self._driver.reading_slots if self._driver is not None else self.pool.num_slots,
+                "peak_slots_in_use": self.pool.peak_in_use, "copy_share": self.copy_share,
+                "spin_events": self.spin_events}
 
     def handles(self) -> list[FileHandles]:
         return [h for h in (self._files, self._direct_files, self._driver and self._driver.files) if h is not None]
@@ -239,7 +252,8 @@ class _KvikioDriver:
             self.stream = backend.cupy.cuda.Stream(non_blocking=True)
         self.jobs: queue.Queue[Any] = queue.Queue()
         slots = self.pool.num_slots
-        self.reading_slots = max(1, slots - (max(1, slots // COPY_SHARE) if COPY_SHARE else 0))
+        share = backend.copy_share
+        self.reading_slots = max(1, slots - (max(1, slots // share) if share else 0))
         self.fatal: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="gdsload-pinned-driver", daemon=True)
         self.thread.start()
