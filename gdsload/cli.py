@@ -71,7 +71,7 @@ def describe_dataset(path: str) -> str:
 
 def describe_system() -> str:
     from .backends import resolve
-    from .sysinfo import system_info
+    from .env import system_info
 
     info = system_info(bandwidth=True)
     lines = [f"gdsload {info.get('gdsload')}  python {info['python']}  numpy {info['numpy']}  zarr {info['zarr']}"

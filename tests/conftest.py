@@ -8,7 +8,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from gdsload.backends import gpu_available
+from gdsload.env import gpu_available
 from gdsload.sources import ArraySource
 from gdsload.writer import write_dataset
 

@@ -271,7 +271,7 @@ def test_missing_chunks_read_as_fill_value(tmp_path, backend):
 
 
 def test_io_mode_is_reported_honestly(small):
-    from gdsload.backends import gds_available
+    from gdsload.env import gds_available
 
     path, _ = small
     with Dataset(path, batch_size=8, backend="kvikio") as ds:

@@ -426,7 +426,7 @@ def test_batches_ahead_defaults_to_the_backends(data_path):
 
 
 def test_gpu_backend_without_gpu_is_a_clear_error(data_path):
-    from gdsload.backends import gpu_available
+    from gdsload.env import gpu_available
 
     if gpu_available():
         pytest.skip("this machine has a GPU")

@@ -1,44 +1,15 @@
-"""Backend choice. GPU packages are imported only when a GPU backend is asked for."""
+"""The backend registry: names, the choice ``auto`` makes, construction. GPU packages are imported only
+when a GPU backend is made."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from ..env import gds_available, gpu_available, kvikio_installed
 from ..errors import BackendUnavailable
 from .base import Backend
 
 BACKENDS = ("auto", "cpu", "pinned", "kvikio", "mmap")
-
-
-def gpu_available() -> bool:
-    """Whether CuPy imports and sees at least one device (False, not an error, on machines without one)."""
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
-
-
-def gds_available() -> bool:
-    """Whether KvikIO would do true GPUDirect Storage here (nvidia-fs driver loaded, compat mode off)."""
-    try:
-        import kvikio
-        import kvikio.cufile_driver
-        import kvikio.defaults
-
-        return bool(kvikio.cufile_driver.get("is_gds_available")) and not kvikio.defaults.is_compat_mode_preferred()
-    except Exception:
-        return False
-
-
-def kvikio_installed() -> bool:
-    try:
-        import kvikio  # noqa: F401
-
-        return True
-    except Exception:
-        return False
 
 
 def resolve(name: str) -> tuple[str, str]:

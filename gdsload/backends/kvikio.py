@@ -31,7 +31,7 @@ class KvikioBackend(Backend):
         import kvikio
         import kvikio.defaults
 
-        from . import gds_available
+        from ..env import gds_available
 
         self.cupy, self.kvikio = cupy, kvikio
         self.device_id = device_id

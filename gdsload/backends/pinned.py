@@ -75,7 +75,7 @@ class PinnedBackend(Backend):
         waits for a slot's last copy spin rather than sleep."""
         import cupy
 
-        from . import kvikio_installed
+        from ..env import kvikio_installed
 
         if num_threads < 1:
             raise ValueError(f"num_threads must be positive (found {num_threads})")

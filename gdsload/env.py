@@ -1,16 +1,17 @@
-"""What the machine offers: GPU, CUDA, CuPy/KvikIO versions, GDS status, and a pinned H2D check.
+"""The one environment probe: GPU, CUDA, CuPy and KvikIO versions, and whether KvikIO would do GPUDirect
+Storage here. Backend ``auto``, the kvikio backend's ``io_mode`` and ``gdsload info`` all ask these
+functions, so they cannot disagree.
 
-Every probe reports what it found or why it could not, never a guess; benchmarks print the same facts.
+Every probe reports what it found or why it could not, never a guess. GPU packages are imported inside
+the functions: importing this module costs nothing on a machine without a GPU.
 """
 
 from __future__ import annotations
 
 import os
 import platform
-import time
 from typing import Any
 
-from . import __version__
 
 
 def _version(module: str) -> str | None:
@@ -20,6 +21,31 @@ def _version(module: str) -> str | None:
         return version(module)
     except Exception:
         return None
+
+
+def gpu_available() -> bool:
+    """Whether CuPy imports and sees at least one device (False, not an error, on machines without one)."""
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def kvikio_installed() -> bool:
+    try:
+        import kvikio  # noqa: F401
+
+        return True
+    except Exception:
+        return False
+
+
+def gds_available() -> bool:
+    """Whether KvikIO would do true GPUDirect Storage here: its cuFile driver reports GDS (the nvidia-fs
+    driver is loaded) and compat mode is not preferred (``KVIKIO_COMPAT_MODE``, cufile.json)."""
+    return kvikio_info().get("io_mode") == "gds"
 
 
 def kvikio_info() -> dict[str, Any]:
@@ -74,37 +100,18 @@ def gpu_info(device_id: int = 0) -> dict[str, Any]:
             "cuda_runtime": fmt(cupy.cuda.runtime.runtimeGetVersion()), "cupy": cupy.__version__}
 
 
-def pinned_h2d_gbps(nbytes: int = 256 << 20, repeats: int = 5, device_id: int = 0) -> float:
-    """Best-of-``repeats`` host-to-device copy rate from pinned memory, in GB/s (the pinned path's ceiling)."""
-    import cupy
-    import numpy as np
-
-    with cupy.cuda.Device(device_id):
-        mem = cupy.cuda.alloc_pinned_memory(nbytes)
-        host = np.frombuffer(mem, dtype=np.uint8, count=nbytes)
-        host[:] = 1
-        dev = cupy.empty(nbytes, dtype=np.uint8)
-        stream = cupy.cuda.Stream(non_blocking=True)
-        best = float("inf")
-        for _ in range(repeats):
-            stream.synchronize()
-            t0 = time.perf_counter()
-            dev.data.copy_from_host_async(host.ctypes.data, nbytes, stream)
-            stream.synchronize()
-            best = min(best, time.perf_counter() - t0)
-        del dev, host, mem
-    return nbytes / best / 1e9
-
-
 def system_info(device_id: int = 0, bandwidth: bool = False) -> dict[str, Any]:
-    """Everything above plus host facts, as one JSON-ready dict."""
+    """Everything above plus host facts, as one JSON-ready dict; ``bandwidth`` adds the pinned
+    host-to-device copy rate (:func:`gdsload.measure.pinned_h2d_gbps`)."""
     info: dict[str, Any] = {"python": platform.python_version(), "cpu_cores": os.cpu_count(),
-                            "numpy": _version("numpy"), "zarr": _version("zarr"), "gdsload": __version__}
+                            "numpy": _version("numpy"), "zarr": _version("zarr"), "gdsload": _version("gdsload")}
     info.update(gpu_info(device_id))
     if info.get("gpu"):
         info.update(kvikio_info())
         if bandwidth:
             try:
+                from .measure import pinned_h2d_gbps
+
                 info["pinned_h2d_gbps"] = round(pinned_h2d_gbps(device_id=device_id), 1)
             except Exception as e:
                 info["pinned_h2d_error"] = f"{type(e).__name__}: {e}"
