@@ -1,13 +1,15 @@
-"""gdsload: sharded datasets from NVMe into GPU memory, through KvikIO or a pinned staging pool."""
+"""gdsload: sharded Zarr v3 datasets from NVMe into GPU memory, through KvikIO, a pinned staging pool or
+a RAM tier."""
 
 from .dataset import GDSDataset
 from .errors import BackendUnavailable, ConversionError, FormatError, GDSLoadError, ReadError
-from .format import DatasetLayout, DatasetMeta, FieldMeta, read_metadata
+from .sources import ArraySource, RaggedSource, Source
+from .stats import EpochStats
 from .writer import convert, write_dataset
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "GDSDataset", "GDSLoadError", "FormatError", "ConversionError", "ReadError", "BackendUnavailable",
-    "DatasetLayout", "DatasetMeta", "FieldMeta", "read_metadata", "convert", "write_dataset", "__version__",
+    "GDSDataset", "EpochStats", "GDSLoadError", "FormatError", "ConversionError", "ReadError", "BackendUnavailable",
+    "convert", "write_dataset", "Source", "ArraySource", "RaggedSource", "__version__",
 ]

@@ -12,9 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from .backends.base import record_event
+from ._cuda import D2D, record_event
 
-_D2D = 3  # cudaMemcpyDeviceToDevice
 _WORDS = ((16, np.complex128), (8, np.uint64), (4, np.uint32), (2, np.uint16), (1, np.uint8))
 
 
@@ -175,7 +174,7 @@ class CudaOps:
         """Consecutive rows: one device-to-device memcpy."""
         if out.nbytes:
             row = src.nbytes // src.shape[0]
-            self.cupy.cuda.runtime.memcpyAsync(out.data.ptr, src.data.ptr + first * row, out.nbytes, _D2D,
+            self.cupy.cuda.runtime.memcpyAsync(out.data.ptr, src.data.ptr + first * row, out.nbytes, D2D,
                                                self.work.ptr)
 
     def take(self, src: Any, idx: Any, out: Any) -> None:

@@ -46,30 +46,30 @@ class PlanConfig:
 
 @dataclass(frozen=True)
 class EpochPlan:
-    """Windows to read, in order, and the stream of (window, slot) pairs that batches are cut from."""
+    """Windows to read, in order, and the stream of (window, position) pairs that batches are cut from."""
 
     config: PlanConfig
     windows: tuple[np.ndarray, ...]  # block ids of each window
     window_of: np.ndarray  # window index of each stream position (non-decreasing)
-    slots: np.ndarray  # slot of each stream position inside its window
+    positions: np.ndarray  # of each sample of the epoch's stream: its row in its window (block * K + sample)
 
     @property
     def num_batches(self) -> int:
-        return -(-len(self.slots) // self.config.batch_size)
+        return -(-len(self.positions) // self.config.batch_size)
 
     def batch_bounds(self, i: int) -> tuple[int, int]:
         b = self.config.batch_size
-        return i * b, min((i + 1) * b, len(self.slots))
+        return i * b, min((i + 1) * b, len(self.positions))
 
     def segment_table(self) -> list[list[tuple[int, int, int, int]]]:
-        """Every batch's segments as ``(window, start, stop, first_slot)``, ``first_slot`` being -1 unless
-        the slots are consecutive (then the gather is one copy). Computed for the whole epoch at once, and
+        """Every batch's segments as ``(window, start, stop, first_position)``, ``first_position`` being -1
+        unless the positions are consecutive (then the gather is one copy). Computed for the whole epoch at once, and
         once per plan, so the consumer's per-batch work is a list lookup."""
         return self._segments
 
     @cached_property
     def _segments(self) -> list[list[tuple[int, int, int, int]]]:
-        n, b = len(self.slots), self.config.batch_size
+        n, b = len(self.positions), self.config.batch_size
         if n == 0:
             return []
         cut = np.zeros(n, dtype=bool)
@@ -78,9 +78,9 @@ class EpochPlan:
         starts = np.flatnonzero(cut)
         stops = np.append(starts[1:], n)
         breaks = np.ones(n, dtype=bool)
-        breaks[1:] = np.diff(self.slots) != 1
+        breaks[1:] = np.diff(self.positions) != 1
         count = np.cumsum(breaks)
-        first = np.where(count[stops - 1] == count[starts], self.slots[starts], -1)
+        first = np.where(count[stops - 1] == count[starts], self.positions[starts], -1)
         table: list[list[tuple[int, int, int, int]]] = [[] for _ in range(self.num_batches)]
         for row in zip((starts // b).tolist(), self.window_of[starts].tolist(), starts.tolist(), stops.tolist(),
                        first.tolist()):
@@ -100,14 +100,14 @@ class EpochPlan:
         return max((len(rows) for rows in self._segments), default=1)
 
     def sample_ids(self) -> np.ndarray:
-        """Global sample index of every stream position (for tests and checks; the pipeline never needs it)."""
+        """Global sample index of every entry of the stream (resident fields are gathered by it)."""
         k = self.config.samples_per_block
         if not self.windows:
             return np.zeros(0, np.int64)
         flat = np.concatenate(self.windows)
         starts = np.cumsum([0] + [len(w) for w in self.windows[:-1]])
-        blocks = flat[starts[self.window_of] + self.slots // k]
-        return blocks * k + self.slots % k
+        blocks = flat[starts[self.window_of] + self.positions // k]
+        return blocks * k + self.positions % k
 
 
 def block_order(num_blocks: int, shuffle: bool, seed: int, epoch: int) -> np.ndarray:
@@ -136,8 +136,9 @@ def _target_samples(cfg: PlanConfig, order: np.ndarray) -> int:
     return max(counts)
 
 
-def _block_slots(sizes: np.ndarray, samples_per_block: int) -> np.ndarray:
-    """Slots of the valid samples of blocks laid out back to back: block j holds slots j*K .. j*K+sizes[j]-1."""
+def _block_positions(sizes: np.ndarray, samples_per_block: int) -> np.ndarray:
+    """Positions of the valid samples of blocks laid out back to back: block j holds positions
+    j*K .. j*K+sizes[j]-1."""
     owner = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
     starts = np.cumsum(sizes) - sizes
     return owner * samples_per_block + (np.arange(len(owner), dtype=np.int64) - starts[owner])
@@ -157,27 +158,42 @@ def epoch_plan(cfg: PlanConfig, epoch: int) -> EpochPlan:
     target = _target_samples(cfg, order)
     rng = np.random.default_rng([cfg.seed, epoch, 1 + cfg.rank]) if cfg.shuffle else None
 
-    windows, window_of, slots = [], [], []
+    windows, window_of, positions = [], [], []
     total = 0
     for i in range(0, len(mine), w):
         if total >= target:
             break
         blocks = mine[i:i + w]
         sizes = block_sizes(blocks, cfg.num_samples, k)
-        local = _block_slots(sizes, k)
+        local = _block_positions(sizes, k)
         if rng is not None:
             local = rng.permutation(local)
         windows.append(blocks)
         window_of.append(np.full(len(local), len(windows) - 1, dtype=np.int64))
-        slots.append(local)
+        positions.append(local)
         total += len(local)
     window_of_a = np.concatenate(window_of) if window_of else np.zeros(0, np.int64)
-    slots_a = np.concatenate(slots) if slots else np.zeros(0, np.int64)
+    positions_a = np.concatenate(positions) if positions else np.zeros(0, np.int64)
     if total > target:
-        window_of_a, slots_a = window_of_a[:target], slots_a[:target]
+        window_of_a, positions_a = window_of_a[:target], positions_a[:target]
     elif total < target:
-        last = slots[-1]
+        last = positions[-1]
         extra = last[np.arange(target - total) % len(last)]
         window_of_a = np.concatenate([window_of_a, np.full(len(extra), len(windows) - 1, dtype=np.int64)])
-        slots_a = np.concatenate([slots_a, extra])
-    return EpochPlan(cfg, tuple(windows), window_of_a, slots_a)
+        positions_a = np.concatenate([positions_a, extra])
+    return EpochPlan(cfg, tuple(windows), window_of_a, positions_a)
+
+
+def window_blocks_for(block_bytes: int, window_bytes: int, batch_size: int, samples_per_block: int,
+                      num_blocks: int, world_size: int) -> int:
+    """The default window size in blocks: about ``window_bytes`` (the backend's preference) of blocks of
+    ``block_bytes`` (all fields read per window), at least a batch's worth, at most a rank's share."""
+    by_size = max(1, window_bytes // max(1, block_bytes))
+    per_rank = -(-num_blocks // max(1, world_size))
+    return max(1, min(max(-(-batch_size // samples_per_block), by_size), per_rank))
+
+
+def window_buffers_for(prefetch: int, plan: EpochPlan) -> int:
+    """Window buffers a pass needs: the consumer holds the windows its current batch draws from while
+    ``prefetch`` more are being read."""
+    return prefetch + plan.max_windows_per_batch()

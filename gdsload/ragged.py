@@ -43,9 +43,9 @@ def epoch_value_index(plan: EpochPlan, offsets: np.ndarray) -> tuple[np.ndarray,
     flat = np.concatenate(plan.windows)
     dest = np.concatenate([window_dest_rows(offsets, w, k) for w in plan.windows])
     base = np.cumsum([0] + [len(w) for w in plan.windows[:-1]])
-    at = base[plan.window_of] + plan.slots // k
+    at = base[plan.window_of] + plan.positions // k
     block = flat[at]
-    sample = block * k + plan.slots % k
+    sample = block * k + plan.positions % k
     start = dest[at] + offsets[sample] - offsets[block * k]
     return start.astype(np.int64), (offsets[sample + 1] - offsets[sample]).astype(np.int64)
 

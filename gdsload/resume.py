@@ -13,7 +13,7 @@ own samples). Every unconsumed sample thus lands in exactly one new rank's strea
 length (or, with ``drop_last``, the tail of the remainder is dropped) as a fresh epoch does. Each share is
 read in windows of at most ``window_blocks`` blocks: the rests of old windows, packed in order, an old
 window split only when it holds more blocks than a new window may, and every window taking its samples in
-their old order. A window may pick only some samples of a block (``EpochPlan.slots`` names each one).
+their old order. A window may pick only some samples of a block (``EpochPlan.positions`` names each one).
 
 Padding and dropping per leg: without ``drop_last`` a leg repeats at most ``world_size - 1`` samples (ranks
 differ by one sample at most, and the shorter ones repeat samples of their own last window; a rank left
@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .cursor import Cursor
 from .errors import GDSLoadError
 from .plan import EpochPlan, PlanConfig, block_sizes, epoch_plan
 
@@ -70,16 +71,6 @@ class Fingerprint:
 
     fields: dict[str, str]
     index_sha256: dict[str, str]
-
-
-@dataclass(frozen=True)
-class Cursor:
-    """Where a pass over ``epoch`` stands: the earlier legs of the epoch and, when there are any, this
-    rank's plan of the current leg (None: the epoch's ordinary plan)."""
-
-    epoch: int
-    hops: tuple[Hop, ...] = ()
-    plan: EpochPlan | None = None
 
 
 @dataclass(frozen=True)
@@ -244,8 +235,9 @@ def check_matches(saved: SavedState, config: PlanConfig, fp: Fingerprint) -> Non
                          "mid-epoch (world_size, batch_size and window_blocks can)")
 
 
-def resume(state: Any, config: PlanConfig, fp: Fingerprint) -> tuple[Cursor, int]:
-    """Where ``config``'s rank continues from ``state``: the cursor of the epoch and the batch to start at.
+def resume(state: Any, config: PlanConfig, fp: Fingerprint) -> Cursor:
+    """Where ``config``'s rank continues from ``state``: the epoch, its earlier legs and the batch to start
+    at, as a fixed cursor (the next pass starts exactly there).
 
     Under the state's own world_size, batch_size and window_blocks this continues the current leg (the plain
     resume: the same plan, from the next batch). Under others, the leg is closed as a hop and the next one
@@ -263,17 +255,17 @@ def resume(state: Any, config: PlanConfig, fp: Fingerprint) -> tuple[Cursor, int
     now = (config.world_size, config.batch_size, config.window_blocks)
     if now == saved.leg:
         plan = legs[config.rank].plan if saved.hops else None
-        return Cursor(saved.epoch, saved.hops, plan), saved.batches_yielded
+        return Cursor(saved.epoch, saved.batches_yielded, saved.hops, plan, fixed=True)
     if saved.batches_yielded == 0:  # nothing read in that leg: the new one replaces it
         plan = resumed_plan(config, saved.epoch, saved.hops) if saved.hops else None
-        return Cursor(saved.epoch, saved.hops, plan), 0
+        return Cursor(saved.epoch, 0, saved.hops, plan, fixed=True)
     if len(saved.hops) == MAX_HOPS:
         raise StateError(f"state key 'hops': epoch {saved.epoch} was already read in {MAX_HOPS + 1} legs, the most "
                          "a state records; finish it under the settings it was saved with "
                          f"(world_size, batch_size, window_blocks = {saved.leg})")
     hops = (*saved.hops, Hop(*saved.leg, saved.batches_yielded))
     rest = _remaining(legs, saved.batches_yielded * saved.batch_size, config.samples_per_block)
-    return Cursor(saved.epoch, hops, _deal(rest, config)[config.rank].plan), 0
+    return Cursor(saved.epoch, 0, hops, _deal(rest, config)[config.rank].plan, fixed=True)
 
 
 def merge_states(states: Sequence[Any]) -> dict[str, Any]:
@@ -342,7 +334,7 @@ def _legs(base: PlanConfig, epoch: int, hops: tuple[Hop, ...], last: tuple[int, 
     for r in range(settings[0][0]):
         plan = epoch_plan(_leg_config(base, *settings[0], r), epoch)
         blocks = np.concatenate(plan.windows) if plan.windows else np.zeros(0, np.int64)
-        real = min(len(plan.slots), int(block_sizes(blocks, base.num_samples, base.samples_per_block).sum()))
+        real = min(len(plan.positions), int(block_sizes(blocks, base.num_samples, base.samples_per_block).sum()))
         legs.append(_RankPlan(plan, real))
     for i, hop in enumerate(hops):
         batches = legs[0].plan.num_batches
@@ -363,7 +355,7 @@ def _remaining(legs: list[_RankPlan], consumed: int, k: int) -> _Rest:
         plan = leg.plan
         ids.append(plan.sample_ids()[lo:hi])
         window.append(plan.window_of[lo:hi] + first)
-        position.append(plan.slots[lo:hi] // k)
+        position.append(plan.positions[lo:hi] // k)
         first += len(plan.windows)
     return _Rest(*(np.concatenate(a) if a else np.zeros(0, np.int64) for a in (ids, window, position)))
 

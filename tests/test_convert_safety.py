@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 import zarr
 
-from gdsload import ConversionError, read_metadata
+from gdsload import ConversionError
+from gdsload.format import read_metadata
 from gdsload import writer
 from gdsload.cli import shard_main
 from gdsload.sources import ArraySource, RaggedSource, natural_key, open_input, open_ragged

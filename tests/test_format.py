@@ -9,7 +9,8 @@ import pytest
 import zarr
 
 from _helpers import add_checksums, in_thread, open_fds, rewrite_index, zarr_dataset_with_missing_block
-from gdsload import FormatError, GDSDataset, read_metadata
+from gdsload import FormatError, GDSDataset
+from gdsload.format import read_metadata
 from gdsload.format import MAX_UINT_64, DatasetLayout, encode_shard_index, parse_shard_index
 
 

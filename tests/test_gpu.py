@@ -163,9 +163,9 @@ def test_pinned_pool_is_bounded_and_freed(small, slots):
     pool_bytes = slots * 8192
     opts = {"pool_bytes": pool_bytes, "slot_bytes": 8192, "num_threads": 8}  # blocks (8064 B) span slots
     ds = Dataset(path, batch_size=64, backend="pinned", backend_options=opts, window_blocks=8)
-    pool = ds.backend.pool
+    pool = ds._backend.pool
     assert pool.total_bytes == pool_bytes
-    assert ds.backend._driver.reading_slots == max(1, slots - 1)
+    assert ds._backend._driver.reading_slots == max(1, slots - 1)
     for b in ds:
         check(b, data)
     ds.stop()  # the next epoch's reads ahead hold slots too
@@ -181,10 +181,10 @@ def test_pinned_readers(small, reader):
     path, data = small
     opts = {"reader": reader, "slot_bytes": 8192, "pool_bytes": 4 * 8192}  # many slot loads per window
     with Dataset(path, batch_size=64, backend="pinned", shuffle=True, window_blocks=5, backend_options=opts) as ds:
-        assert ds.backend.reader == reader
+        assert ds._backend.reader == reader
         seen = np.concatenate([check(b, data) for b in ds])
         np.testing.assert_array_equal(seen, epoch_plan(ds.config, 0).sample_ids())
-        assert ds.backend.pool.peak_bytes_in_use <= 4 * 8192
+        assert ds._backend.pool.peak_bytes_in_use <= 4 * 8192
     assert not [t.name for t in threading.enumerate() if t.name.startswith("gdsload-pinned")]
 
 
@@ -203,7 +203,7 @@ def test_pinned_with_o_direct(tmp_path):
             i = to_host(b["idx"])
             np.testing.assert_array_equal(to_host(b["x"]), x[i])
             seen.append(i)
-        assert ds.backend._direct_files._fds, "aligned blocks went through the O_DIRECT descriptors"
+        assert ds._backend._direct_files._fds, "aligned blocks went through the O_DIRECT descriptors"
     assert sorted(np.concatenate(seen).tolist()) == list(range(n))
 
 
@@ -238,11 +238,11 @@ def test_mmap_locks_at_open_within_budget(small, tmp_path):
 
     path, data = small
     with Dataset(path, batch_size=64, backend="mmap", shuffle=True) as ds:
-        shards = ds.layout.shard_paths()
-        assert ds.io_mode == "mmap-registered"
-        assert ds.backend.pinned_bytes == sum(os.path.getsize(p) for p in shards) and ds.backend.register_s > 0
+        shards = ds._layout.shard_paths()
+        assert ds.io_mode == "mmap"
+        assert ds._backend.pinned_bytes == sum(os.path.getsize(p) for p in shards) and ds._backend.register_s > 0
         first = [check(b, data) for b in ds]
-        backend = ds.backend
+        backend = ds._backend
     assert backend.pinned_bytes == 0, "close() unlocks every file"
     assert sorted(np.concatenate(first).tolist()) == list(range(len(data["idx"])))
     with pytest.raises(BackendUnavailable, match=r"would lock .* over its budget"):
@@ -280,7 +280,7 @@ def test_io_mode_is_reported_honestly(small):
         assert ds.io_mode == "pinned"
     with Dataset(path, batch_size=8) as ds:
         assert ds.backend_name == ("kvikio" if gds_available() else "pinned") and ds.backend_reason
-        assert ds.backend_name == "kvikio" or ds.backend.reader == "kvikio"  # KvikIO is installed there
+        assert ds.backend_name == "kvikio" or ds._backend.reader == "kvikio"  # KvikIO is installed there
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

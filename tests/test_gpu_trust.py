@@ -105,7 +105,7 @@ def test_fill_values_are_written_before_the_gather(tmp_path, backend):
     with Dataset(path, 8, backend=backend, window_blocks=2, verify=False) as ds:
         for epoch in range(3):  # later epochs: the window buffers hold other blocks' data
             ds.set_epoch(epoch)
-            stream = getattr(ds.backend, "stream", None)
+            stream = getattr(ds._backend, "stream", None)
             if stream is not None:
                 with stream:
                     spin((1,), (1,), (np.int64(50_000_000),))  # 50 ms

@@ -120,7 +120,7 @@ def test_files_replaced_after_open_are_not_read(data_path, make_dataset):
 def test_a_shard_truncated_after_open_is_a_read_error(data_path):
     path, _ = data_path
     with Dataset(path, batch_size=32) as ds:
-        shard = ds.layout.locate("x", 0).path
+        shard = ds._layout.locate("x", 0).path
         with open(shard, "r+b") as f:
             f.truncate(100)
         with pytest.raises(ReadError, match=f"^{shard}: "):

@@ -288,7 +288,7 @@ def test_error_read_ahead_surfaces_in_the_pass_that_needs_it(data_path):
     path, _ = data_path
     with Dataset(path, batch_size=8, backend="cpu", window_blocks=2, prefetch=1) as ds:
         assert len(list(ds)) == len(ds)
-        shards = [p for p in ds.layout.shard_paths() if "/x/" in p]  # in shard order
+        shards = [p for p in ds._layout.shard_paths() if "/x/" in p]  # in shard order
         last_shard = shards[-1]
         with open(last_shard, "r+b") as f:  # the last window: not read ahead yet (2 buffers of 2 blocks)
             f.truncate(100)
@@ -420,7 +420,7 @@ def test_bad_arguments(data_path):
 def test_batches_ahead_defaults_to_the_backends(data_path):
     path, _ = data_path
     with Dataset(path, batch_size=8, backend="cpu") as ds:
-        assert ds.batches_ahead == ds.backend.batches_ahead_hint == 2
+        assert ds.batches_ahead == ds._backend.batches_ahead_hint == 2
     with Dataset(path, batch_size=8, backend="cpu", batches_ahead=5) as ds:
         assert ds.batches_ahead == 5
 
@@ -447,7 +447,7 @@ def test_backend_is_prepared_with_every_shard_it_may_read(data_path, monkeypatch
     seen = []
     monkeypatch.setattr(CpuBackend, "prepare", lambda self, files: seen.append(list(files)))
     with Dataset(path, batch_size=8, backend="cpu", fields=["x"]) as ds:
-        want = ds.layout.shard_paths()
+        want = ds._layout.shard_paths()
     assert seen == [want] and want and all(os.path.isfile(p) and "/x/" in p for p in want)
 
     with pytest.raises(ValueError, match="batch_size must be at least 1"):
@@ -488,10 +488,10 @@ def test_resident_read_error_names_field_and_file(data_path):
 def test_taking_a_batch_wakes_the_assembler_only_on_release():
     """The consumer's take leaves the assembler waiting until the consumer releases the room, so the
     assembler's next batch of work starts after the consumer's own calls for this one."""
-    from gdsload.pipeline import _Handoff
+    from gdsload.handoff import Handoff
 
     stop = threading.Event()
-    handoff = _Handoff(1)
+    handoff = Handoff(1)
     assert handoff.put("a", stop)
     second = threading.Thread(target=handoff.put, args=("b", stop))
     second.start()

@@ -81,7 +81,7 @@ def test_padding_repeats_samples_of_the_last_window_only():
                                    rank=r, world_size=2), 0) for r in range(2)]
     # rank 0 holds blocks 0-2 (30 samples), rank 1 blocks 3-4 (20): rank 1 repeats 10 of its last window
     short = plans[1]
-    assert len(short.slots) == 30
+    assert len(short.positions) == 30
     assert (short.window_of[20:] == len(short.windows) - 1).all()
 
 
@@ -114,7 +114,7 @@ def test_coalesce_split_and_pack():
 
 def test_mmap_copies_merge_split_and_stop_at_the_file_end():
     from gdsload.backends.base import ReadRequest
-    from gdsload.backends.mapped import plan_copies
+    from gdsload.backends.mmap import plan_copies
     from gdsload.errors import ReadError
 
     reads = [ReadRequest("a", 0, 100, 0), ReadRequest("a", 100, 100, 100), ReadRequest("b", 0, 300, 200)]
@@ -130,7 +130,7 @@ def test_mmap_copies_merge_split_and_stop_at_the_file_end():
 
 
 def test_mmap_budget_is_checked_before_anything_is_locked():
-    from gdsload.backends.mapped import check_budget, default_budget
+    from gdsload.backends.mmap import check_budget, default_budget
     from gdsload.errors import BackendUnavailable
 
     check_budget({"/d/x/c/0": 3 << 30, "/d/x/c/1": 1 << 30}, 4 << 30)
@@ -152,5 +152,5 @@ def test_segment_table_matches_batches(shuffle):
             for w, start, stop, first in rows:
                 assert (plan.window_of[start:stop] == w).all()
                 assert start == lo or plan.window_of[start - 1] != w, "segments are maximal"
-                slots = plan.slots[start:stop]
+                slots = plan.positions[start:stop]
                 assert first == (int(slots[0]) if (np.diff(slots) == 1).all() else -1)

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import zarr
 
-from gdsload import ConversionError, GDSDataset, read_metadata
+from gdsload import ConversionError, GDSDataset
+from gdsload.format import read_metadata
 from gdsload.plan import PlanConfig, epoch_plan
 from gdsload.ragged import capacity_rows, epoch_value_index, gather, pad
 from gdsload.sources import ArraySource

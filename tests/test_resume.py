@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 from _helpers import labelled
 from gdsload import GDSDataset
 from gdsload.plan import PlanConfig, epoch_plan
-from gdsload.resume import (MAX_HOPS, Cursor, Fingerprint, Hop, StateError, leg_plans, make_state, merge_states,
+from gdsload.cursor import Cursor
+from gdsload.resume import (MAX_HOPS, Fingerprint, Hop, StateError, leg_plans, make_state, merge_states,
                             resume)
 
 Dataset = functools.partial(GDSDataset, backend="cpu", resident_bytes=32 << 10)  # "idx" resident, "x" windowed
@@ -55,7 +56,8 @@ def run_legs(n, k, seed, shuffle, drop_last, legs, epoch=3) -> list[LegRun]:
         for r in range(world):
             cfg = PlanConfig(num_samples=n, samples_per_block=k, batch_size=b, window_blocks=w, shuffle=shuffle,
                              seed=seed, drop_last=drop_last, rank=r, world_size=world)
-            cursor, start = (Cursor(epoch), 0) if state is None else resume(state, cfg, FP)
+            cursor = Cursor(epoch) if state is None else resume(state, cfg, FP)
+            start = cursor.batch
             plans.append(cursor.plan or epoch_plan(cfg, epoch))
             starts.append(start)
             cursors.append(cursor)
@@ -186,23 +188,23 @@ def test_new_leg_deals_out_the_rest_in_order():
 def test_unchanged_settings_continue_the_same_plan():
     cfg = PlanConfig(num_samples=500, samples_per_block=7, batch_size=16, window_blocks=3, shuffle=True, seed=4,
                      rank=1, world_size=2)
-    cursor, start = resume(make_state(cfg, FP, 2, 9), cfg, FP)
-    assert (cursor, start) == (Cursor(2), 9), "the plain resume: the ordinary plan, from batch 9"
+    cursor = resume(make_state(cfg, FP, 2, 9), cfg, FP)
+    assert cursor == Cursor(2, 9, fixed=True) and cursor.plan is None, "the plain resume: the ordinary plan, from 9"
     later = PlanConfig(**{**cfg.__dict__, "world_size": 3, "rank": 0})
-    cursor, start = resume(make_state(cfg, FP, 2, 0), later, FP)
-    assert (cursor, start) == (Cursor(2), 0), "nothing read in the epoch: a fresh epoch under the new settings"
-    cursor, start = resume(make_state(cfg, FP, 2, 9), later, FP)
-    assert cursor.hops == (Hop(2, 16, 3, 9),) and start == 0
+    cursor = resume(make_state(cfg, FP, 2, 0), later, FP)
+    assert cursor == Cursor(2, 0, fixed=True), "nothing read in the epoch: a fresh epoch under the new settings"
+    cursor = resume(make_state(cfg, FP, 2, 9), later, FP)
+    assert cursor.hops == (Hop(2, 16, 3, 9),) and cursor.batch == 0
     assert np.array_equal(cursor.plan.sample_ids(), leg_plans(later, 2, cursor.hops)[0].sample_ids())
-    again, start = resume(make_state(later, FP, 2, 4, cursor.hops), later, FP)
-    assert again.hops == cursor.hops and start == 4, "same settings again: the leg goes on"
+    again = resume(make_state(later, FP, 2, 4, cursor.hops), later, FP)
+    assert again.hops == cursor.hops and again.batch == 4, "same settings again: the leg goes on"
 
 
 def test_leg_at_an_epoch_end_leaves_nothing():
     cfg = PlanConfig(num_samples=100, samples_per_block=10, batch_size=8, window_blocks=2, world_size=2)
     end = epoch_plan(cfg, 0).num_batches
-    cursor, start = resume(make_state(cfg, FP, 0, end), PlanConfig(**{**cfg.__dict__, "world_size": 3}), FP)
-    assert start == 0 and cursor.plan.num_batches == 0 and not cursor.plan.windows
+    cursor = resume(make_state(cfg, FP, 0, end), PlanConfig(**{**cfg.__dict__, "world_size": 3}), FP)
+    assert cursor.batch == 0 and cursor.plan.num_batches == 0 and not cursor.plan.windows
 
 
 def test_fewer_samples_left_than_ranks():
@@ -223,12 +225,12 @@ def test_hops_are_bounded():
     two = PlanConfig(**{**one.__dict__, "world_size": 2})
     hops = [Hop(1 + i % 2, 1, 1, 1) for i in range(MAX_HOPS)]
     last = one if MAX_HOPS % 2 == 0 else two
-    cursor, start = resume(make_state(last, FP, 0, 1, hops), last, FP)
-    assert len(cursor.hops) == MAX_HOPS and start == 1, "the same settings: the last leg goes on"
+    cursor = resume(make_state(last, FP, 0, 1, hops), last, FP)
+    assert len(cursor.hops) == MAX_HOPS and cursor.batch == 1, "the same settings: the last leg goes on"
     other = two if last is one else one
     with pytest.raises(ValueError, match=f"already read in {MAX_HOPS + 1} legs"):
         resume(make_state(last, FP, 0, 1, hops), other, FP)
-    assert resume(make_state(last, FP, 0, 0, hops), other, FP)[0].hops == tuple(hops), "an empty leg is replaced"
+    assert resume(make_state(last, FP, 0, 0, hops), other, FP).hops == tuple(hops), "an empty leg is replaced"
 
 
 # -- the dataset, one process ----------------------------------------------------------------------------

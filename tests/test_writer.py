@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import zarr
 
-from gdsload import ConversionError, GDSDataset, read_metadata
+from gdsload import ConversionError, GDSDataset
+from gdsload.format import read_metadata
 from gdsload.cli import shard_main
 from gdsload.sources import ArraySource
 from gdsload.writer import choose_samples_per_block, convert, write_dataset

@@ -17,11 +17,9 @@ def resolve(name: str) -> tuple[str, str]:
 
     kvikio with GDS: the only direct path (disk DMA into device memory). Without GDS, pinned: KvikIO's
     compat mode copies through its own bounce buffers on *blocking* CUDA streams, so its copies serialize
-    with the training step's work on the legacy default stream (CuPy's and torch's default). On the H100,
-    with a training step 1.5x / 3x a batch's read time, the pass spent 34.1 % / 20.3 % beyond the steps
-    alone waiting with kvikio, 4.9 % / 1.6 % with pinned, which alone read nearly as fast (41.24 vs 38.09
-    GB/s warm; 16 GiB, run.py --full, benchmarks/results). cpu without a GPU. Never mmap: it locks the
-    whole dataset in RAM, which only the user can decide to spend.
+    with the training step's work on the legacy default stream (CuPy's and torch's default), while the
+    pinned backend copies on non-blocking streams (docs/design.md). cpu without a GPU. Never mmap: it
+    locks the whole dataset in RAM, which only the user can decide to spend.
     """
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r} (expected one of {BACKENDS})")
@@ -54,7 +52,7 @@ def make_backend(name: str, device_id: int = 0, **options: Any) -> Backend:
 
         return KvikioBackend(device_id=device_id, **options)
     if name == "mmap":
-        from .mapped import MappedBackend
+        from .mmap import MmapBackend
 
-        return MappedBackend(device_id=device_id, **options)
+        return MmapBackend(device_id=device_id, **options)
     raise ValueError(f"unknown backend {name!r} (expected one of {BACKENDS})")

@@ -32,25 +32,9 @@ class FillRequest(NamedTuple):
 Request = ReadRequest | FillRequest
 
 
-def new_event(blocking: bool = True) -> Any:
-    """A CuPy event for ordering only: without timing (the costlier kind to wait on and to query, and what
-    ``Stream.record()`` makes). ``blocking``: a thread waiting on it sleeps instead of spinning in the
-    driver (spinning waits slowed the consumer's kernel launches, and gdsload's CPU time per GB fell from
-    0.024 to 0.009 core-s with the mmap backend on the H100); without it, a waiting thread resumes sooner."""
-    import cupy
-
-    return cupy.cuda.Event(block=blocking, disable_timing=True)
-
-
-def record_event(stream: Any) -> Any:
-    """A :func:`new_event` recorded on ``stream``."""
-    return stream.record(new_event())
-
-
 def coalesce(requests: Sequence[ReadRequest], max_bytes: int) -> list[ReadRequest]:
     """Merge reads that are adjacent both in their file and in the buffer into reads of at most
-    ``max_bytes``: fewer, larger reads are faster on every path (whole-shard reads ran 46 GB/s against
-    39 GB/s block by block on the H100 machine)."""
+    ``max_bytes``: fewer, larger reads cost less per byte on every path."""
     out: list[ReadRequest] = []
     for r in requests:
         if out:
@@ -70,6 +54,18 @@ def split(request: ReadRequest, chunk_bytes: int) -> list[ReadRequest]:
             for o in range(0, request.nbytes, chunk_bytes)]
 
 
+def read_error(path: str, offset: int, nbytes: int, cause: BaseException | None = None,
+               got: int | None = None) -> ReadError:
+    """The error for a failed read of ``nbytes`` at ``offset`` of ``path``: ``cause`` raised, or only
+    ``got`` bytes were there. A ReadError passes through unchanged (it already names its file)."""
+    if isinstance(cause, ReadError):
+        return cause
+    if cause is not None:
+        return ReadError(f"{path}: read of {nbytes} bytes at offset {offset} failed ({type(cause).__name__}: {cause})")
+    return ReadError(f"{path}: file ends at offset {offset + (got or 0)} (expected {nbytes} bytes from offset "
+                     f"{offset})")
+
+
 def pread_full(fd: int, view: memoryview, offset: int, path: str) -> None:
     """Fill ``view`` from ``fd`` at ``offset``; a short file or an OS error raises ReadError naming both."""
     got, n = 0, len(view)
@@ -77,9 +73,9 @@ def pread_full(fd: int, view: memoryview, offset: int, path: str) -> None:
         try:
             k = os.preadv(fd, [view[got:]], offset + got)
         except OSError as e:
-            raise ReadError(f"{path}: read of {n} bytes at offset {offset} failed ({e})") from e
+            raise read_error(path, offset, n, cause=e) from e
         if k == 0:
-            raise ReadError(f"{path}: file ends at offset {offset + got} (expected {n} bytes from offset {offset})")
+            raise read_error(path, offset, n, got=got)
         got += k
 
 
@@ -109,7 +105,7 @@ def reopened(files: Any, path: str) -> str:
 
 class FileHandles:
     """Per-path handles made once from the dataset's open shard files and kept for the dataset's life
-    (opening files per pass is slow: docs/benchmarks). By default the dataset's own descriptor; with an
+    (opening a file per read or per pass costs more than the read of a block). By default the dataset's own descriptor; with an
     opener (KvikIO's CuFile, an O_DIRECT descriptor) a handle opened on :func:`reopened`, which is the same
     inode wherever ``/proc/self/fd`` exists (elsewhere it falls back to the path, unchecked)."""
 
@@ -153,12 +149,13 @@ class FileHandles:
 
 
 class Pending(ABC):
-    """Reads submitted for one window; ``wait()`` blocks until they are done."""
+    """Reads submitted for one window."""
 
     @abstractmethod
-    def wait(self) -> Any:
-        """Wait for every read (raising the first error after all have stopped); return the event the
-        consumer's stream must wait on before reading the buffer, or None if the data is already there."""
+    def finish(self) -> Any:
+        """Block until the host's part of every read is done (raising the first error once all have
+        stopped), and return the event after which the data is in the buffer on the device, or None when
+        it is there already."""
 
 
 class TaskGroup(Pending):
@@ -181,7 +178,7 @@ class TaskGroup(Pending):
             self._failed.set()
             raise
 
-    def wait(self) -> Any:
+    def finish(self) -> Any:
         """Wait for every task; ``done`` gets the results of those that succeeded (its value is returned)."""
         error: BaseException | None = None
         results = []
@@ -201,8 +198,7 @@ class Backend(ABC):
     """Moves blocks from files into a window buffer: host memory (cpu) or device memory (GPU backends)."""
 
     name: str
-    #: What actually moves the bytes: "cpu", "pinned", "pinned-odirect", "gds", "kvikio-compat" or
-    #: "mmap-registered".
+    #: What actually moves the bytes: "cpu", "pinned", "pinned-odirect", "gds", "kvikio-compat" or "mmap".
     io_mode: str
     #: Preferred window size: large enough to keep every reader busy, small enough to double-buffer.
     window_bytes_hint: int = 64 << 20
@@ -236,9 +232,9 @@ class Backend(ABC):
         """The backend's settings and counters, JSON-ready (for benchmarks and ``GDSDataset.describe()``)."""
         return {}
 
-    def fill(self, dest: Any, requests: Sequence[Request], stop: threading.Event) -> Any:
-        """Submit and wait: the data is in ``dest`` (or queued behind the returned event)."""
-        return self.submit(dest, requests, stop).wait()
+    def load(self, dest: Any, requests: Sequence[Request], stop: threading.Event) -> Any:
+        """Submit and finish: the data is in ``dest``, or queued behind the returned event."""
+        return self.submit(dest, requests, stop).finish()
 
     def close(self) -> None:
         """Stop threads and free memory the backend holds."""

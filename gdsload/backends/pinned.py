@@ -18,23 +18,22 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from .._cuda import H2D, record_event
+from .._units import ALIGN, align_up
 from ..errors import ReadError
-
-from ..pool import PinnedPool
-from .base import (Backend, FileHandles, FillRequest, Pending, ReadRequest, Request, TaskGroup, coalesce,
-                   fill_pattern, pread_full, record_event, split)
+from .base import FileHandles, Pending, ReadRequest, Request, TaskGroup, coalesce, pread_full, read_error, split
+from .cuda import CudaBackend, KvikioPool
+from .staging import StagingPool
 
 DEFAULT_THREADS = 16
-# Larger slots mean fewer calls per byte in the driver: 27.7 GB/s with 8 MiB slots, 33.1 with 16 MiB
-# (H100, warm, benchmarks/results/sweep-pinned-*).
+# Larger staging slots mean fewer calls per byte in the driver thread (docs/benchmarks.md: the sweep).
 DEFAULT_SLOT_BYTES = 16 << 20
 DEFAULT_POOL_BYTES = 512 << 20
 # One staging slot in DEFAULT_COPY_SHARE is kept out of reading, for copies still in flight: with every
 # slot reading, the slot a finished read frees is the one whose copy was just queued, so the driver would
 # wait for each copy before issuing the next read.
 DEFAULT_COPY_SHARE = 4
-_ALIGN = 4096
-_H2D = 1  # cudaMemcpyHostToDevice
+TASK_BYTES = 4 << 20  # KvikIO's task size for the staging reads
 
 
 def _open_direct(path: str) -> int:
@@ -47,7 +46,7 @@ def pack(pieces: Sequence[ReadRequest], slot_bytes: int) -> list[list[tuple[int,
     groups: list[list[tuple[int, ReadRequest]]] = []
     used = slot_bytes
     for p in pieces:
-        start = -(-used // _ALIGN) * _ALIGN
+        start = align_up(used)
         if start + p.nbytes > slot_bytes:
             groups.append([])
             start = 0
@@ -56,12 +55,11 @@ def pack(pieces: Sequence[ReadRequest], slot_bytes: int) -> list[list[tuple[int,
     return groups
 
 
-class PinnedBackend(Backend):
+class PinnedBackend(CudaBackend):
     name = "pinned"
     window_bytes_hint = 256 << 20
-    # Its driver thread's Python makes the assembler's turns jittery; two more batches in hand hide that
-    # from a loop that syncs every step (H100, step 1.5x a batch's read, run.py --stall-only twice each,
-    # interleaved: waiting 3.5-13.3 % per pass with 2, 1.9-18.0 % with 4, median 7.1 against 2.3 %).
+    # Its driver thread's Python work delays the assembler's turns now and then; two more batches in hand
+    # keep that from a loop that syncs every step (docs/design.md).
     batches_ahead_hint = 4
 
     def __init__(self, device_id: int = 0, num_threads: int = DEFAULT_THREADS, slot_bytes: int = DEFAULT_SLOT_BYTES,
@@ -73,8 +71,6 @@ class PinnedBackend(Backend):
         (kvikio when installed, threads with ``direct``); ``copy_share``: with KvikIO's reader, one
         staging slot in ``copy_share`` is kept for copies in flight (0: every slot reads); ``spin_events``:
         waits for a slot's last copy spin rather than sleep."""
-        import cupy
-
         from ..env import kvikio_installed
 
         if num_threads < 1:
@@ -89,16 +85,13 @@ class PinnedBackend(Backend):
             reader = "kvikio" if kvikio_installed() and not direct else "threads"
         if reader == "kvikio" and direct:
             raise ValueError("reader='kvikio' reads through the page cache: O_DIRECT (direct=True) needs 'threads'")
-        self.cupy = cupy
-        self.device_id = device_id
+        super().__init__(device_id)
         self.num_threads = num_threads
         self.direct = direct
         self.reader = reader
         self.io_mode = "pinned-odirect" if direct else "pinned"
         self.copy_share, self.spin_events = copy_share, spin_events
-        self.pool = PinnedPool(slot_bytes, pool_bytes // slot_bytes, device_id, spin_events)
-        with cupy.cuda.Device(device_id):
-            self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.pool = StagingPool(slot_bytes, pool_bytes // slot_bytes, device_id, spin_events)
         self._local = threading.local()
         self._streams: list[Any] = []
         self._streams_lock = threading.Lock()
@@ -110,7 +103,7 @@ class PinnedBackend(Backend):
             self._driver = _KvikioDriver(self, num_threads)
         else:
             self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="gdsload-pinned",
-                                                initializer=cupy.cuda.runtime.setDevice, initargs=(device_id,))
+                                                initializer=self.cupy.cuda.runtime.setDevice, initargs=(device_id,))
 
     @property
     def pinned_bytes(self) -> int:
@@ -126,16 +119,12 @@ class PinnedBackend(Backend):
     def handles(self) -> list[FileHandles]:
         return [h for h in (self._files, self._direct_files, self._driver and self._driver.files) if h is not None]
 
-    def allocate(self, nbytes: int) -> Any:
-        with self.cupy.cuda.Device(self.device_id):
-            return self.cupy.empty(nbytes, dtype=self.cupy.uint8)
-
     def _thread_stream(self) -> Any:
         """This reader thread's own copy stream. One shared stream serialises every copy behind every
         other; per-thread streams let copies overlap, as KvikIO's own per-thread streams do."""
         stream = getattr(self._local, "stream", None)
         if stream is None:
-            with self.cupy.cuda.Device(self.device_id):
+            with self.device:
                 stream = self.cupy.cuda.Stream(non_blocking=True)
             self._local.stream = stream
             with self._streams_lock:
@@ -144,7 +133,7 @@ class PinnedBackend(Backend):
 
     def _read_group(self, slot: int, group: list[tuple[int, ReadRequest]]) -> None:
         for at, p in group:
-            aligned = p.offset % _ALIGN == 0 and p.nbytes % _ALIGN == 0
+            aligned = p.offset % ALIGN == 0 and p.nbytes % ALIGN == 0
             files = self._direct_files if (self._direct_files is not None and aligned) else self._files
             pread_full(files.get(p.path), self.pool.view(slot, at + p.nbytes)[at:], p.offset, p.path)
 
@@ -155,7 +144,7 @@ class PinnedBackend(Backend):
         stream = self._thread_stream()
         base = self.pool.ptr(slot)
         for at, p in group:
-            self.cupy.cuda.runtime.memcpyAsync(dest_ptr + p.dest_offset, base + at, p.nbytes, _H2D, stream.ptr)
+            self.cupy.cuda.runtime.memcpyAsync(dest_ptr + p.dest_offset, base + at, p.nbytes, H2D, stream.ptr)
         self.pool.events[slot].record(stream)
         return record_event(stream)
 
@@ -173,13 +162,7 @@ class PinnedBackend(Backend):
         return copied
 
     def submit(self, dest: Any, requests: Sequence[Request], stop: threading.Event) -> Pending:
-        fills = [r for r in requests if isinstance(r, FillRequest)]
-        filled = None  # the fills' event: the window's "filled" event must cover them too
-        if fills:
-            with self.cupy.cuda.Device(self.device_id), self.stream:
-                for r in fills:
-                    fill_pattern(dest, r)
-                filled = record_event(self.stream)
+        filled = self.write_fills(dest, requests)  # the window's "filled" event must cover them too
         reads = [r for r in requests if isinstance(r, ReadRequest)]
         pieces = [p for r in coalesce(reads, 1 << 62) for p in split(r, self.pool.slot_bytes)]
         dest_ptr = int(dest.data.ptr)
@@ -192,7 +175,7 @@ class PinnedBackend(Backend):
         def done(copied: list[Any]) -> Any:
             # Exactly this window's copies: waiting on whole streams would also wait for the next
             # windows' copies queued behind them, and hold the consumer back.
-            with self.cupy.cuda.Device(self.device_id):
+            with self.device:
                 for event in copied:
                     if event is not None:
                         self.stream.wait_event(event)
@@ -226,7 +209,7 @@ class _Job(Pending):
         self.filled: Any = None
         self.done = threading.Event()
 
-    def wait(self) -> Any:
+    def finish(self) -> Any:
         self.done.wait()
         if self.error is not None:
             raise self.error
@@ -243,12 +226,12 @@ class _KvikioDriver:
 
     def __init__(self, backend: PinnedBackend, num_threads: int):
         import kvikio
-        import kvikio.defaults
 
-        kvikio.defaults.set({"num_threads": num_threads, "task_size": 4 << 20})
+        KvikioPool.acquire(num_threads, TASK_BYTES)
+        self.pool_held = True
         self.backend, self.pool = backend, backend.pool
         self.files = FileHandles(opener=lambda path: kvikio.CuFile(path, "r"), closer=lambda f: f.close())
-        with backend.cupy.cuda.Device(backend.device_id):
+        with backend.device:
             self.stream = backend.cupy.cuda.Stream(non_blocking=True)
         self.jobs: queue.Queue[Any] = queue.Queue()
         slots = self.pool.num_slots
@@ -275,6 +258,9 @@ class _KvikioDriver:
         self.jobs.put(_STOP)
         self.thread.join()
         self.files.close()
+        if self.pool_held:
+            self.pool_held = False
+            KvikioPool.release()
 
     def _run(self) -> None:
         inflight: deque[tuple[_Job, int, list[tuple[int, ReadRequest]], list[Any]]] = deque()
@@ -339,7 +325,7 @@ class _KvikioDriver:
                 for f in futures:
                     _get(f)
                 self.pool.release(slot, False)
-                job.error = _as_read_error(p, e)
+                job.error = read_error(p.path, p.offset, p.nbytes, cause=e)
                 return None
         return futures
 
@@ -349,15 +335,14 @@ class _KvikioDriver:
         for (_, p), f in zip(group, futures):
             n, e = _get(f)
             if e is not None:
-                error = error or _as_read_error(p, e)
+                error = error or read_error(p.path, p.offset, p.nbytes, cause=e)
             elif n != p.nbytes:
-                error = error or ReadError(f"{p.path}: file ends at offset {p.offset + n} (expected {p.nbytes} "
-                                           f"bytes from offset {p.offset})")
+                error = error or read_error(p.path, p.offset, p.nbytes, got=n)
         copied = False
         if error is None and job.error is None and not job.stop.is_set():
             base = self.pool.ptr(slot)
             for at, p in group:
-                self.backend.cupy.cuda.runtime.memcpyAsync(job.dest_ptr + p.dest_offset, base + at, p.nbytes, _H2D,
+                self.backend.cupy.cuda.runtime.memcpyAsync(job.dest_ptr + p.dest_offset, base + at, p.nbytes, H2D,
                                                            self.stream.ptr)
             self.pool.events[slot].record(self.stream)
             copied = True
@@ -382,9 +367,3 @@ def _get(future: Any) -> tuple[int, BaseException | None]:
         return future.get(), None
     except BaseException as e:
         return 0, e
-
-
-def _as_read_error(p: ReadRequest, e: BaseException) -> ReadError:
-    if isinstance(e, ReadError):
-        return e
-    return ReadError(f"{p.path}: read of {p.nbytes} bytes at offset {p.offset} failed ({type(e).__name__}: {e})")

@@ -1,8 +1,9 @@
-"""A fixed pool of pinned host slots: allocated once, reused, never grown.
+"""The pinned backend's staging pool: a fixed set of pinned host buffers ("staging slots"), allocated
+once, reused, never grown.
 
-A slot has one owner at a time: a reader thread acquires it, reads into it, queues its host-to-device copies
-and records the slot's event after them; the next owner waits on that event before writing. Pinned bytes
-held are exactly ``num_slots * slot_bytes`` from construction to ``close()``.
+A staging slot has one owner at a time: a reader acquires it, reads into it, queues its host-to-device
+copies and records the slot's event after them; the next owner waits on that event before writing. Pinned
+bytes held are exactly ``num_slots * slot_bytes`` from construction to ``close()``.
 """
 
 from __future__ import annotations
@@ -13,19 +14,20 @@ from typing import Any
 
 import numpy as np
 
-from .backends.base import new_event
+from .._cuda import new_event
+from .._units import ALIGN
 
 _POLL_S = 0.05
 
 
-class PinnedPool:
+class StagingPool:
     def __init__(self, slot_bytes: int, num_slots: int, device_id: int = 0, spin_events: bool = True):
         """``spin_events``: a thread waiting for a slot's last copy spins in the driver (returns sooner)
         rather than sleeping (costs a core while it waits)."""
         import cupy
 
-        if slot_bytes < 4096 or slot_bytes % 4096 or num_slots < 1:
-            raise ValueError(f"slot_bytes must be a positive multiple of 4096 and num_slots >= 1 "
+        if slot_bytes < ALIGN or slot_bytes % ALIGN or num_slots < 1:
+            raise ValueError(f"slot_bytes must be a positive multiple of {ALIGN} and num_slots >= 1 "
                              f"(found {slot_bytes}, {num_slots})")
         self.slot_bytes, self.num_slots = slot_bytes, num_slots
         self.total_bytes = slot_bytes * num_slots
@@ -37,7 +39,7 @@ class PinnedPool:
         self._ptr = int(self._base.ctypes.data)  # once: ndarray.ctypes builds objects on every access
         # Each slot's view made once: the driver thread slices one per read, holding the GIL.
         self._views = [memoryview(self._base[i * slot_bytes:(i + 1) * slot_bytes]) for i in range(num_slots)]
-        # C-level: the pinned driver takes and gives back a slot per 16 MiB, holding the GIL while it does.
+        # C-level: the pinned driver takes and gives back a slot per load, holding the GIL while it does.
         self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
         for i in range(num_slots):
             self._free.put(i)

@@ -1,16 +1,15 @@
-"""The mmap backend: shard files mapped read-only and registered for DMA once, then copied to the device.
+"""The mmap backend (the RAM tier): shard files mapped read-only and registered for DMA once, then copied
+to the device.
 
 For datasets that fit in RAM. Registering a mapping page-locks it (``cudaHostRegister`` with the
-read-only flag), so every later "read" is a host-to-device copy near the PCIe ceiling: 51-53 GB/s warm
-on the H100 machine (ceiling 55), where the paths that read through the page cache reached 28-46 GB/s.
+read-only flag), so every later "read" is a host-to-device DMA copy, with no page-cache read in between.
 The price is memory: the dataset's pages stay locked in RAM for the dataset's life (shared with other
 processes that map the same files), and opening a cold dataset reads all of it once. Registration happens
 when the dataset opens, so a dataset too large for the budget fails there, never mid-epoch.
 
 As with any memory-mapped file, a shard file truncated in place while the dataset is open kills the
-process with SIGBUS (small copies are read through the mapping by the CPU; seen on the H100 machine).
-Replacing the dataset is safe: ``shard.py --overwrite`` renames a new folder into place, and the open
-dataset keeps reading the files it locked (tested).
+process with SIGBUS. Replacing the dataset is safe: ``gdsload shard --overwrite`` renames a new folder
+into place, and the open dataset keeps reading the files it locked.
 """
 
 from __future__ import annotations
@@ -24,15 +23,14 @@ from typing import Any
 
 import numpy as np
 
+from .._cuda import H2D, HOST_REGISTER_PORTABLE, HOST_REGISTER_READ_ONLY, record_event
 from ..errors import BackendUnavailable, ReadError
-from .base import (Backend, FillRequest, Pending, ReadRequest, Request, coalesce, fill_pattern,
-                   pread_full, record_event, split)
+from .base import Pending, ReadRequest, Request, coalesce, pread_full, read_error, split
+from .cuda import CudaBackend
 
 DEFAULT_COPY_BYTES = 64 << 20
 DEFAULT_STREAMS = 2
 _PRELOAD_CHUNK = 8 << 20
-_H2D = 1  # cudaMemcpyHostToDevice
-_PORTABLE, _READ_ONLY = 0x01, 0x08  # cudaHostRegisterPortable, cudaHostRegisterReadOnly
 
 
 def default_budget() -> int:
@@ -59,8 +57,7 @@ def plan_copies(reads: Sequence[ReadRequest], sizes: dict[str, int], max_bytes: 
         if size is None:
             raise ReadError(f"{r.path}: not registered with the mmap backend")
         if r.offset + r.nbytes > size:
-            raise ReadError(f"{r.path}: file ends at offset {size} (expected {r.nbytes} bytes from offset "
-                            f"{r.offset})")
+            raise read_error(r.path, r.offset, r.nbytes, got=max(0, size - r.offset))
     return [p for r in coalesce(reads, max_bytes) for p in split(r, max_bytes)]
 
 
@@ -76,7 +73,7 @@ class _Mapping:
         self._array = np.frombuffer(self._mm, dtype=np.uint8)
         self.ptr = int(self._array.ctypes.data)
         try:
-            cupy.cuda.runtime.hostRegister(self.ptr, self.size, _PORTABLE | _READ_ONLY)
+            cupy.cuda.runtime.hostRegister(self.ptr, self.size, HOST_REGISTER_PORTABLE | HOST_REGISTER_READ_ONLY)
         except Exception as e:
             self._unmap()
             raise BackendUnavailable(f"{path}: cannot lock and register {self.size} bytes for DMA "
@@ -92,9 +89,9 @@ class _Mapping:
         self._unmap()
 
 
-class MappedBackend(Backend):
+class MmapBackend(CudaBackend):
     name = "mmap"
-    io_mode = "mmap-registered"
+    io_mode = "mmap"
     window_bytes_hint = 256 << 20
 
     def __init__(self, device_id: int = 0, max_bytes: int | None = None, num_streams: int = DEFAULT_STREAMS,
@@ -102,19 +99,15 @@ class MappedBackend(Backend):
         """``max_bytes`` caps the bytes locked (default half of RAM); copies of at most ``copy_bytes`` go
         round robin over ``num_streams`` non-blocking streams; ``register_threads`` read and lock the files
         at open."""
-        import cupy
-
         if num_streams < 1 or copy_bytes < 1 or register_threads < 1:
             raise ValueError(f"num_streams, copy_bytes and register_threads must be positive "
                              f"(found {num_streams}, {copy_bytes}, {register_threads})")
-        self.cupy = cupy
-        self.device_id = device_id
+        super().__init__(device_id)
         self.max_bytes = default_budget() if max_bytes is None else max_bytes
         self.copy_bytes = copy_bytes
         self.register_threads = register_threads
-        with cupy.cuda.Device(device_id):
-            self.stream = cupy.cuda.Stream(non_blocking=True)
-            self._streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(num_streams)]
+        with self.device:
+            self._streams = [self.cupy.cuda.Stream(non_blocking=True) for _ in range(num_streams)]
         self._sizes: dict[str, int] = {}
         self._sizes_lock = threading.Lock()
         self._maps: dict[str, _Mapping] = {}  # every file the dataset reads, mapped and locked at prepare()
@@ -131,7 +124,7 @@ class MappedBackend(Backend):
                 "num_streams": len(self._streams), "copy_bytes": self.copy_bytes}
 
     def _register(self, path: str, fd: int) -> None:
-        with self.cupy.cuda.Device(self.device_id):
+        with self.device:
             m = _Mapping(path, fd, self.cupy)
         with self._sizes_lock:
             self._maps[path] = m
@@ -140,11 +133,9 @@ class MappedBackend(Backend):
     def prepare(self, files: Any) -> None:
         """Map and lock every file the dataset reads, checking the whole set against the budget first.
 
-        The files are read once through the page cache by parallel 8 MiB reads, and each is locked as soon
-        as its last read is done, while the others still load: locking alone faults pages in one at a
-        time, which ran a cold dataset in at 0.76 GB/s on the H100 machine, where the reads ran at the
-        disk's 1.47 GB/s; locking after all the reads added 1.4-1.6 s per 16 GiB (85 % of the disk's speed
-        in all).
+        The files are read once through the page cache by parallel reads, and each is locked as soon as its
+        last read is done, while the others still load: locking alone faults pages in one at a time, far
+        below the disk's rate, and locking only after all the reads adds its whole time at the end.
         """
         import time
 
@@ -187,24 +178,17 @@ class MappedBackend(Backend):
             raise ReadError(f"{path}: not registered with the mmap backend")
         return m
 
-    def allocate(self, nbytes: int) -> Any:
-        with self.cupy.cuda.Device(self.device_id):
-            return self.cupy.empty(nbytes, dtype=self.cupy.uint8)
-
     def submit(self, dest: Any, requests: Sequence[Request], stop: threading.Event) -> Pending:
         reads = [r for r in requests if isinstance(r, ReadRequest)]
         maps = {p: self._mapping(p) for p in {r.path for r in reads}}
         copies = plan_copies(reads, {p: m.size for p, m in maps.items()}, self.copy_bytes)
         dest_ptr = int(dest.data.ptr)
         rt = self.cupy.cuda.runtime
-        with self.cupy.cuda.Device(self.device_id):
-            with self.stream:
-                for r in requests:
-                    if isinstance(r, FillRequest):
-                        fill_pattern(dest, r)
+        self.write_fills(dest, requests)  # on self.stream: the event recorded last covers them
+        with self.device:
             for i, c in enumerate(copies):
                 s = self._streams[i % len(self._streams)]
-                rt.memcpyAsync(dest_ptr + c.dest_offset, maps[c.path].ptr + c.offset, c.nbytes, _H2D, s.ptr)
+                rt.memcpyAsync(dest_ptr + c.dest_offset, maps[c.path].ptr + c.offset, c.nbytes, H2D, s.ptr)
             for s in self._streams[:len(copies)]:
                 self.stream.wait_event(record_event(s))
             return _Queued(record_event(self.stream))
@@ -225,5 +209,5 @@ class _Queued(Pending):
     def __init__(self, event: Any):
         self.event = event
 
-    def wait(self) -> Any:
+    def finish(self) -> Any:
         return self.event

@@ -1,0 +1,147 @@
+"""Batch assembly: gathering a batch's samples out of window buffers into fresh arrays. No threads here:
+the pipeline runs :meth:`Assembler.batches` on its assembler thread and supplies the windows.
+
+A batch is cut from one or more windows (one segment per window). A segment whose positions are
+consecutive is one copy; otherwise a gather by index. Resident fields are gathered by global sample id;
+variable-length fields are concatenated (with offsets) or padded (with lengths). Every output array is
+allocated before ``ops.fence()``: memory the consumer freed is rewritten only after the work it queued.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .format import FieldMeta
+from .plan import EpochPlan
+from .ragged import epoch_value_index, gather
+from .ragged import pad as pad_values
+from .window import WindowLayout
+
+
+@dataclass
+class ResidentField:
+    """A small field read once and kept whole: gathered by global sample index."""
+
+    meta: FieldMeta
+    array: Any  # (num_blocks * samples_per_block, *sample_shape)
+
+
+class Assembler:
+    """Gathers the batches of a pass with ``ops`` (host or device), fixed and variable-length fields alike."""
+
+    def __init__(self, ops: Any, window_layout: WindowLayout, ragged_offsets: dict[str, np.ndarray],
+                 output_fields: Sequence[str], resident: dict[str, ResidentField],
+                 pad: dict[str, tuple[int | None, Any]]):
+        """``ragged_offsets``: each variable-length field's offsets array; ``pad``: variable-length field ->
+        (width, or None for the batch's longest; pad value)."""
+        self.ops, self.wl = ops, window_layout
+        self.ragged_offsets = ragged_offsets
+        self.resident = resident
+        self.pad = pad
+        self.ragged = [n for n in output_fields if n in window_layout.ragged]
+        self.windowed = [n for n in output_fields if n not in resident and n not in window_layout.ragged]
+        self.shapes = {n: (resident[n].meta if n in resident else window_layout.fields[n]) for n in output_fields
+                       if n not in window_layout.ragged}
+
+    def batches(self, plan: EpochPlan, start_batch: int, window: Callable[[int], dict[str, Any] | None],
+                release: Callable[[int], None], stopped: Callable[[], bool]
+                ) -> Iterator[tuple[int, dict[str, Any], int]]:
+        """Yield ``(batch index, arrays, samples)`` from ``start_batch`` on. ``window(w)`` gives window
+        ``w``'s field views once its data may be read on the assembler's stream (None: stop);
+        ``release(w)`` is called, inside the batch's scope, after the last gather from window ``w``."""
+        ops = self.ops
+        table = plan.segment_table()
+        last_batch = plan.last_batch_of_window()
+        positions_dev = None  # the epoch's positions on the device, uploaded once
+        ids_dev = None  # the epoch's global sample ids, for resident fields
+        value_index = {n: epoch_value_index(plan, self.ragged_offsets[n]) for n in self.ragged}  # host: sizes
+        value_index_dev: dict[str, tuple[Any, Any]] = {}
+        for i in range(start_batch, plan.num_batches):
+            if stopped():
+                return
+            rows = table[i]
+            views = {}
+            for w, _, _, _ in rows:
+                got = window(w)
+                if got is None:
+                    return
+                views[w] = got
+            lo, hi = rows[0][1], rows[-1][2]
+            with ops.scope():
+                out = {n: ops.empty((hi - lo, *f.sample_shape), f.dtype) for n, f in self.shapes.items()}
+                for name in self.ragged:
+                    self._ragged_outputs(name, lo, hi, value_index[name][1], out)
+                ops.fence()
+                if self.resident:
+                    if ids_dev is None:
+                        ids_dev = ops.index_array(_compact(plan.sample_ids()))
+                    for name, r in self.resident.items():
+                        if name in out:
+                            ops.take(r.array, ids_dev[lo:hi], out[name])
+                for w, start, stop, first in rows:
+                    part = slice(start - lo, stop - lo)
+                    if first >= 0:
+                        for name in self.windowed:
+                            ops.copy_rows(views[w][name], first, out[name][part])
+                    else:
+                        if positions_dev is None:
+                            positions_dev = ops.index_array(_compact(plan.positions))
+                        for name in self.windowed:
+                            ops.take(views[w][name], positions_dev[start:stop], out[name][part])
+                for name in self.ragged:
+                    if name not in value_index_dev:
+                        value_index_dev[name] = tuple(ops.index_array(a) for a in value_index[name])
+                    self._gather_ragged(name, rows, views, value_index[name][1], value_index_dev[name], out)
+                for w, _, _, _ in rows:
+                    if last_batch[w] == i:
+                        release(w)
+            yield i, out, hi - lo
+
+    def _ragged_outputs(self, name: str, lo: int, hi: int, lengths_host: np.ndarray, out: dict[str, Any]) -> None:
+        """Allocate a variable-length field's outputs: values back to back plus (B + 1) offsets, or
+        (B, width, ...) padded values plus (B,) lengths."""
+        ops, f = self.ops, self.wl.ragged[name].values
+        lengths = lengths_host[lo:hi]
+        if name in self.pad:
+            width, _ = self.pad[name]
+            width = int(lengths.max(initial=0)) if width is None else width
+            out[name] = ops.empty((hi - lo, width, *f.sample_shape), f.dtype)
+            out[f"{name}/lengths"] = ops.empty((hi - lo,), np.dtype(np.int64))
+        else:
+            out[name] = ops.empty((int(lengths.sum()), *f.sample_shape), f.dtype)
+            out[f"{name}/offsets"] = ops.empty((hi - lo + 1,), np.dtype(np.int64))
+
+    def _gather_ragged(self, name: str, rows: list[tuple[int, int, int, int]], views: dict[int, dict[str, Any]],
+                       lengths_host: np.ndarray, index_dev: tuple[Any, Any], out: dict[str, Any]) -> None:
+        """Fill a variable-length field's outputs (see _ragged_outputs). Runs inside the batch's scope; the
+        concatenated values of a padded field are scratch of the assembler's own."""
+        ops, xp = self.ops, self.ops.xp
+        f = self.wl.ragged[name].values
+        starts, lengths = index_dev
+        lo, hi = rows[0][1], rows[-1][2]
+        padded = name in self.pad
+        total = int(lengths_host[lo:hi].sum())
+        flat = xp.empty((total, *f.sample_shape), f.dtype) if padded else out[name]
+        pos = 0
+        for w, start, stop, _ in rows:
+            n = int(lengths_host[start:stop].sum())
+            gather(xp, ops.take, views[w][name], starts[start:stop], lengths[start:stop], flat[pos:pos + n])
+            pos += n
+        batch_lengths = lengths[lo:hi]
+        if padded:
+            pad_values(xp, flat, batch_lengths, self.pad[name][1], out[name])
+            # The lengths of the rows returned: a sample longer than the width was cut to it.
+            xp.minimum(batch_lengths, out[name].shape[1], out=out[f"{name}/lengths"])
+        else:
+            offsets = out[f"{name}/offsets"]
+            offsets[:1] = 0
+            xp.cumsum(batch_lengths, out=offsets[1:])
+
+
+def _compact(a: np.ndarray) -> np.ndarray:
+    """int32 when it fits: half the bytes to upload and to read in each gather."""
+    return a.astype(np.int32) if a.max(initial=0) < 2**31 else a

@@ -1,0 +1,73 @@
+"""What the CUDA backends share: the device, a non-blocking stream of the backend's own, window buffers in
+device memory, fill values written on that stream, and KvikIO's process-wide thread pool.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from .._cuda import record_event
+from .base import Backend, FillRequest, Request, fill_pattern
+
+
+class CudaBackend(Backend):
+    """A backend whose window buffers live in device memory. Its stream is non-blocking: work on it never
+    waits for, nor holds up, the legacy default stream the training step may use."""
+
+    def __init__(self, device_id: int):
+        import cupy
+
+        self.cupy = cupy
+        self.device_id = device_id
+        self.device = cupy.cuda.Device(device_id)
+        with self.device:
+            self.stream = cupy.cuda.Stream(non_blocking=True)
+
+    def allocate(self, nbytes: int) -> Any:
+        with self.device:
+            return self.cupy.empty(nbytes, dtype=self.cupy.uint8)
+
+    def write_fills(self, dest: Any, requests: Sequence[Request]) -> Any:
+        """Write the fill requests among ``requests`` on the backend's stream; the event after them, or None
+        when there are none."""
+        fills = [r for r in requests if isinstance(r, FillRequest)]
+        if not fills:
+            return None
+        with self.device, self.stream:
+            for r in fills:
+                fill_pattern(dest, r)
+            return record_event(self.stream)
+
+
+class KvikioPool:
+    """KvikIO's thread pool is one per process, and setting it restarts it. Backends that read through it
+    ask for their settings here: the first one applies them; while it is in use, a request for other
+    settings warns and gets the pool as it is."""
+
+    _lock = threading.Lock()
+    _users = 0
+    _settings: tuple[int, int] | None = None
+
+    @classmethod
+    def acquire(cls, num_threads: int, task_bytes: int) -> None:
+        import kvikio.defaults
+
+        wanted = (num_threads, task_bytes)
+        with cls._lock:
+            if cls._users and cls._settings != wanted:
+                have = cls._settings or (0, 0)
+                warnings.warn(f"KvikIO's thread pool is shared by the process and in use with {have[0]} threads "
+                              f"and {have[1]}-byte tasks; this dataset asked for {num_threads} and {task_bytes} "
+                              f"and gets the pool as it is", RuntimeWarning, stacklevel=4)
+            elif cls._settings != wanted:
+                kvikio.defaults.set({"num_threads": num_threads, "task_size": task_bytes})
+                cls._settings = wanted
+            cls._users += 1
+
+    @classmethod
+    def release(cls) -> None:
+        with cls._lock:
+            cls._users = max(0, cls._users - 1)
