@@ -38,8 +38,8 @@ from .shard_index import (CRC_BYTES, INDEX_ENTRY_BYTES, MAX_UINT_64, ShardIndex,
 
 __all__ = [
     # defined here
-    "FORMAT_VERSION", "ATTRS_KEY", "CHECKSUM_ALGORITHM", "FieldMeta", "RaggedMeta", "DatasetMeta",
-    "read_metadata",
+    "FORMAT_VERSION", "ATTRS_KEY", "CHECKSUM_ALGORITHM", "CHECKSUMS_GROUP", "FieldMeta", "RaggedMeta",
+    "DatasetMeta", "read_metadata",
     # re-exported from the module named after each line
     "MAX_UINT_64", "INDEX_ENTRY_BYTES", "CRC_BYTES", "ShardIndex", "parse_shard_index", "encode_shard_index",
     "read_shard_index", "chunk_offsets",  # gdsload.shard_index
@@ -53,6 +53,9 @@ FORMAT_VERSION = 1
 ATTRS_KEY = "gdsload"
 #: The one block checksum gdsload writes and checks.
 CHECKSUM_ALGORITHM = "crc32c"
+#: The group the writer puts the checksum arrays in (``_checksums/FIELD``); readers take each array's path
+#: from the attributes, not from this name.
+CHECKSUMS_GROUP = "_checksums"
 
 _DTYPES = {name: np.dtype(name) for name in (
     "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
