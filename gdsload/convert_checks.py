@@ -2,7 +2,7 @@
 
 Field names (one path component that zarr and the dataset's own files leave free), dtypes (bool, integer,
 float or complex, stored little endian), shapes (samples on axis 0, none of size zero, at most
-:data:`gdsload.sources.MAX_ARRAY_BYTES`), the offsets of variable-length fields, and one sample count shared
+:data:`gdsload.source_types.MAX_ARRAY_BYTES`), the offsets of variable-length fields, and one sample count shared
 by every field. Each failure is a ConversionError naming the input it concerns.
 """
 
@@ -15,7 +15,7 @@ import numpy as np
 
 from .errors import ConversionError
 from .format import CHECKSUMS_GROUP
-from .sources import MAX_ARRAY_BYTES, RaggedSource, Source
+from .source_types import MAX_ARRAY_BYTES, RaggedSource, Source
 
 #: Field names that would land on the group's own metadata file or on the checksums group.
 RESERVED_NAMES = ("zarr.json", CHECKSUMS_GROUP)

@@ -36,7 +36,8 @@ from .publish import (RENAME_EXCHANGE, RENAME_NOREPLACE, ForeignTemp, Interrupte
                       make_temp, on_signal, protected, publish_output, remove_empty, remove_stale_temps,
                       rename_exchange, rename_noreplace, reset_signals)
 from .shard_index import encode_shard_index
-from .sources import RaggedSource, Source, one_line, open_field, open_input, open_ragged
+from .source_types import RaggedSource, Source, one_line
+from .sources import open_field, open_input, open_ragged
 
 __all__ = [
     # defined here
