@@ -1,10 +1,11 @@
 """The one alignment unit of gdsload: 4 KiB.
 
 Reads that bypass the page cache (``O_DIRECT``) and GPUDirect Storage (cuFile) need file offsets, sizes
-and buffer addresses that are multiples of 4 KiB; anything else is refused or served through a slower
-bounce-buffer path. Layouts that are to be read that way (block sizes chosen by the converter, positions of
-fields in a window buffer, staging slots) are therefore rounded to this unit. Every such rounding uses
-:data:`ALIGN` and :func:`align_up`, never a literal 4096.
+and buffer addresses that are multiples of 4 KiB: ``O_DIRECT`` refuses anything else (EINVAL), and cuFile
+takes it only through its own bounce buffers instead of reading straight into GPU memory. Layouts that
+are to be read that way (block sizes chosen by the converter, positions of fields in a window buffer,
+staging slots) are therefore rounded to this unit. Every such rounding uses :data:`ALIGN` and
+:func:`align_up`, never a literal 4096.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ MIN_CHUNK_LIMIT = 1 << 16
 
 
 def fail(where: str, what: str) -> FormatError:
+    """The FormatError ``WHERE: what`` (raise it)."""
     return FormatError(f"{where}: {what}")
 
 
@@ -44,10 +45,12 @@ def exc_text(e: BaseException) -> str:
 
 
 def is_int(value: Any) -> bool:
-    return type(value) is int  # JSON's true / false are bools, which are ints to Python: not here
+    """A JSON integer: JSON's true / false are bools, which are ints to Python, and are not integers here."""
+    return type(value) is int
 
 
 def as_int(where: str, what: str, value: Any, minimum: int) -> int:
+    """``value`` (named ``what`` in messages), which must be an integer of at least ``minimum``."""
     if not is_int(value):
         raise fail(where, f"{what} must be an integer (found {show(value)})")
     if value < minimum:
@@ -56,12 +59,14 @@ def as_int(where: str, what: str, value: Any, minimum: int) -> int:
 
 
 def as_object(where: str, what: str, value: Any) -> dict[str, Any]:
+    """``value``, which must be a JSON object."""
     if not isinstance(value, dict):
         raise fail(where, f"{what} must be an object (found {show(value)})")
     return value
 
 
 def as_list(where: str, what: str, value: Any) -> list[Any]:
+    """``value``, which must be a JSON list."""
     if not isinstance(value, list):
         raise fail(where, f"{what} must be a list (found {show(value)})")
     return value
@@ -122,6 +127,7 @@ def codec_entry(where: str, codec: Any) -> tuple[Any, dict[str, Any]]:
 
 
 def bytes_endian(where: str, config: dict[str, Any]) -> str:
+    """The ``endian`` of a ``bytes`` codec configuration: 'little' (the default) or 'big'."""
     endian = config.get("endian", "little")
     if endian not in ("little", "big"):
         raise fail(where, f"bytes codec endian must be 'little' or 'big' (found {show(endian)})")
@@ -138,6 +144,7 @@ def chunk_shape(where: str, doc: dict[str, Any], ndim: int) -> tuple[int, ...]:
 
 
 def key_separator(where: str, doc: dict[str, Any]) -> str:
+    """The separator of the default chunk key encoding, '/' (the default) or '.'; no other encoding."""
     enc = as_object(where, "chunk_key_encoding", doc.get("chunk_key_encoding"))
     if enc.get("name") != "default":
         raise fail(where, f"expected the default chunk key encoding, found {show(enc.get('name'))}")

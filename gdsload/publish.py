@@ -86,6 +86,7 @@ def protected(deliver: bool = True) -> Iterator[None]:
 
 # -- the output ------------------------------------------------------------------------------------
 def _inside(child: str, parent: str) -> bool:
+    """``child`` is ``parent`` or lies below it, symlinks resolved."""
     child, parent = os.path.realpath(child), os.path.realpath(parent)
     return child == parent or child.startswith(parent.rstrip(os.sep) + os.sep)
 

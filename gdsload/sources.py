@@ -55,6 +55,7 @@ def directory_files(path: str, suffixes: tuple[str, ...]) -> list[str]:
 
 
 def open_npy(path: str) -> Source:
+    """A .npy file: streamed if C-ordered (or 1-D), memory-mapped if Fortran-ordered."""
     f = open_input_file(path)
     try:
         shape, dtype, fortran = read_npy_header(f, path)
@@ -137,10 +138,12 @@ def open_zarr(path: str) -> dict[str, Source]:
 
 
 def is_zarr(path: str) -> bool:
+    """A directory holding zarr metadata (v3 ``zarr.json``, v2 ``.zarray`` / ``.zgroup``)."""
     return any(os.path.exists(os.path.join(path, m)) for m in ("zarr.json", ".zarray", ".zgroup"))
 
 
 def _stem(path: str) -> str:
+    """The field name a path gives: its base name without a known extension."""
     base = os.path.basename(os.path.normpath(path))
     for ext in (".npy", ".npz", ".zarr", ".gds"):
         if base.endswith(ext):
