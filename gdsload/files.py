@@ -3,7 +3,8 @@
 A dataset is read through the descriptors opened when it opens, never through its paths again: the index
 checked at open and the bytes read later then come from the same inode, whatever happens to the paths
 afterwards. A dataset replaced by rename (``shard.py --overwrite``) keeps being read from the files that
-were opened; a file truncated in place gives a short read, which the backends report as a ReadError.
+were opened; a file truncated in place gives a short read, which is a ReadError. Every ReadError for a
+failed read (here and in the backends) is built by :func:`read_error`, so its wording is the same everywhere.
 
 Opening refuses, without blocking, anything that is not a regular file: a FIFO in a shard's place would
 otherwise block ``open()`` until some writer appeared, a directory would fail later with a confusing
@@ -104,17 +105,33 @@ def open_shard(path: str) -> ShardFile:
     return open_regular(path, "shard file")
 
 
+def read_error(path: str, offset: int, nbytes: int, cause: BaseException | None = None,
+               got: int | None = None) -> ReadError:
+    """The ReadError for a read of ``nbytes`` at ``offset`` of ``path`` that failed: ``cause`` is what the
+    read raised, or ``got`` the bytes it returned before the file ended (a file truncated after it was
+    opened). Every failed read of a dataset's files is reported through here, so the wording is the same
+    whichever code path read: ``PATH: read of N bytes at offset X failed (TYPE: cause)`` or
+    ``PATH: file ends at offset Y (expected N bytes from offset X)``."""
+    if cause is not None:
+        return ReadError(f"{path}: read of {nbytes} bytes at offset {offset} failed "
+                         f"({type(cause).__name__}: {cause})")
+    if got is not None:
+        return ReadError(f"{path}: file ends at offset {offset + got} (expected {nbytes} bytes from offset "
+                         f"{offset})")
+    return ReadError(f"{path}: read of {nbytes} bytes at offset {offset} failed")
+
+
 def pread_exact(f: ShardFile, offset: int, nbytes: int) -> bytes:
-    """``nbytes`` at ``offset`` of an open file; a file that ends first, or an OS error, is a ReadError."""
+    """``nbytes`` at ``offset`` of an open file; a file that ends first, or an OS error, is a ReadError
+    (:func:`read_error`)."""
     parts, got = [], 0
     while got < nbytes:
         try:
             part = os.pread(f.fd, nbytes - got, offset + got)
         except OSError as e:
-            raise ReadError(f"{f.path}: read of {nbytes} bytes at offset {offset} failed ({e.strerror or e})") from e
+            raise read_error(f.path, offset, nbytes, cause=e) from e
         if not part:
-            raise ReadError(f"{f.path}: file ends at offset {offset + got} (expected {nbytes} bytes from offset "
-                            f"{offset}; was it truncated?)")
+            raise read_error(f.path, offset, nbytes, got=got)
         parts.append(part)
         got += len(part)
     return b"".join(parts)

@@ -10,202 +10,52 @@ zarr arrays ``_checksums/FIELD`` (uint32, one value per block), listed in the ``
 group attributes. A fixed field's value covers its inner chunk exactly as stored (the final block's zero
 padding included); a variable-length field's covers the values rows of the block's samples.
 
-Nothing the user owns is ever lost: everything is written to a temporary sibling ``.NAME.tmp-<pid>-<hex>``
-and published with one atomic rename that fails if the output appeared meanwhile (``renameat2`` with
-``RENAME_NOREPLACE``), or, with ``overwrite``, swaps it with the old dataset (``RENAME_EXCHANGE``) before
-the old one is removed. ``overwrite`` replaces only a gdsload dataset, never a file, a directory holding an
-input or the working directory. A temporary directory left by a killed converter is recognised by its pid
-and removed by the next conversion to the same output.
+Sources are checked before anything is written (:mod:`gdsload.convert_checks`); everything is written into
+a temporary directory and published atomically (:mod:`gdsload.publish`), so a failure or a signal leaves
+nothing at the output and an existing dataset there untouched.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import errno
-import json
 import math
 import os
-import platform
-import re
-import secrets
 import shutil
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Callable
 
 import crc32c
 import numpy as np
 
+from ._units import ALIGN
+from .convert_checks import NAME_MAX_BYTES, RESERVED_NAMES, check_dtype, check_sources
 from .errors import ConversionError
-from .format import ATTRS_KEY, FORMAT_VERSION, MAX_UINT_64, DatasetMeta, encode_shard_index, read_metadata
-from .sources import MAX_ARRAY_BYTES, RaggedSource, Source, one_line, open_field, open_input, open_ragged
+from .format import (ATTRS_KEY, CHECKSUM_ALGORITHM, CHECKSUMS_GROUP, FORMAT_VERSION, MAX_UINT_64, DatasetMeta,
+                     read_metadata)
+from .publish import (RENAME_EXCHANGE, RENAME_NOREPLACE, ForeignTemp, Interrupted, check_output, input_paths,
+                      make_temp, on_signal, protected, publish_output, remove_empty, remove_stale_temps,
+                      rename_exchange, rename_noreplace, reset_signals)
+from .shard_index import encode_shard_index
+from .source_types import RaggedSource, Source, one_line
+from .sources import open_field, open_input, open_ragged
+
+__all__ = [
+    # defined here
+    "write_dataset", "convert", "choose_samples_per_block", "DEFAULT_BLOCK_BYTES", "DEFAULT_SHARD_BYTES",
+    "DEFAULT_SLICE_BYTES",
+    # re-exported from the module named after each line
+    "Interrupted", "on_signal", "reset_signals", "check_output", "remove_stale_temps", "rename_noreplace",
+    "rename_exchange", "RENAME_NOREPLACE", "RENAME_EXCHANGE",  # gdsload.publish
+    "RESERVED_NAMES", "NAME_MAX_BYTES",  # gdsload.convert_checks
+    "CHECKSUMS_GROUP", "CHECKSUM_ALGORITHM",  # gdsload.format
+]
 
 DEFAULT_BLOCK_BYTES = 4 << 20
 DEFAULT_SHARD_BYTES = 1 << 30
 DEFAULT_SLICE_BYTES = 64 << 20
-ALIGN_BYTES = 4096
-CHECKSUMS_GROUP = "_checksums"
-CHECKSUM_ALGORITHM = "crc32c"
-# Field names that would land on the group's own metadata file or on the checksums group.
-RESERVED_NAMES = ("zarr.json", CHECKSUMS_GROUP)
-NAME_MAX_BYTES = 255  # a field is a directory: its name is one path component
 
 
-# -- signals ---------------------------------------------------------------------------------------
-class Interrupted(KeyboardInterrupt):
-    """A conversion stopped by a signal (SIGINT, SIGTERM or SIGHUP); ``signum`` says which."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-class _SignalState:
-    """What :func:`on_signal` does: raise at once, or note the signal and let the current step finish.
-    A step is protected while ``depth`` > 0 (a zarr write, which zarr's I/O thread would go on with after the
-    main thread gave up; cleanup; the final rename) and for good once the output is published."""
-
-    depth = 0
-    published = False
-    pending: int | None = None
-
-
-_signals = _SignalState()
-
-
-def on_signal(signum: int, frame: object) -> None:
-    """Signal handler for a conversion (``shard_main`` installs it for SIGINT, SIGTERM and SIGHUP)."""
-    if _signals.depth or _signals.published:
-        if _signals.pending is None:
-            _signals.pending = signum
-        return
-    raise Interrupted(signum)
-
-
-def reset_signals() -> int | None:
-    """Forget the state of the last conversion; returns a signal that arrived too late to stop it."""
-    pending = _signals.pending
-    _signals.depth, _signals.published, _signals.pending = 0, False, None
-    return pending
-
-
-@contextlib.contextmanager
-def _protected(deliver: bool = True) -> Iterator[None]:
-    """A step a signal must not cut short; a signal that arrived meanwhile stops the conversion after it."""
-    _signals.depth += 1
-    try:
-        yield
-    finally:
-        _signals.depth -= 1
-    if deliver and not _signals.depth and not _signals.published and _signals.pending is not None:
-        signum, _signals.pending = _signals.pending, None
-        raise Interrupted(signum)
-
-
-# -- the output ------------------------------------------------------------------------------------
-def _inside(child: str, parent: str) -> bool:
-    child, parent = os.path.realpath(child), os.path.realpath(parent)
-    return child == parent or child.startswith(parent.rstrip(os.sep) + os.sep)
-
-
-def _dataset_problem(path: str) -> str | None:
-    """Why ``path`` is not a gdsload dataset (a directory whose zarr.json is a Zarr v3 group with a
-    'gdsload' attribute), or None if it is one."""
-    if os.path.islink(path):
-        return "a symbolic link"
-    if not os.path.isdir(path):
-        return "a regular file" if os.path.isfile(path) else "not a directory"
-    try:
-        with open(os.path.join(path, "zarr.json"), "rb") as f:
-            meta = json.load(f)
-    except FileNotFoundError:
-        return "a directory without zarr.json"
-    except (OSError, ValueError) as e:
-        return f"a directory whose zarr.json cannot be read ({type(e).__name__})"
-    if not isinstance(meta, dict) or meta.get("zarr_format") != 3 or meta.get("node_type") != "group":
-        return "a directory whose zarr.json is not a Zarr v3 group"
-    attrs = meta.get("attributes")
-    if not isinstance(attrs, dict) or ATTRS_KEY not in attrs:
-        return f"a Zarr v3 group without the '{ATTRS_KEY}' attribute"
-    return None
-
-
-def check_output(out: str, overwrite: bool, inputs: Sequence[str] = ()) -> None:
-    """Refuse an output that must not be written, before anything is: one inside an input, one that exists
-    (unless ``overwrite``), and for ``overwrite`` anything but a gdsload dataset that holds no input and
-    not the working directory."""
-    for p in inputs:
-        if _inside(out, p):
-            raise ConversionError(f"{out}: output path is inside input {p} (or the same); choose another output")
-    if not os.path.lexists(out):
-        return
-    if not overwrite:
-        raise ConversionError(f"{out}: output exists (pass --overwrite to replace it)")
-    refused = f"{out}: --overwrite replaces only a gdsload dataset"
-    for p in inputs:
-        if _inside(p, out):
-            raise ConversionError(f"{refused} (found a directory holding input {p})")
-    try:
-        cwd = os.getcwd()
-    except OSError:
-        cwd = None
-    if cwd is not None and _inside(cwd, out):
-        raise ConversionError(f"{refused} (found a directory holding the working directory {cwd})")
-    problem = _dataset_problem(out)
-    if problem:
-        raise ConversionError(f"{refused}: a directory whose zarr.json is a Zarr v3 group with a '{ATTRS_KEY}' "
-                              f"attribute (found {problem})")
-
-
-def _input_paths(sources: Sequence[Source | RaggedSource]) -> list[str]:
-    """Files and directories the sources read, from their origins (``PATH`` or ``PATH:KEY``)."""
-    paths = []
-    for src in sources:
-        for candidate in (src.origin, src.origin.rsplit(":", 1)[0]):
-            if os.path.lexists(candidate):
-                paths.append(candidate)
-                break
-    return paths
-
-
-def _temp_name(out: str) -> str:
-    parent, name = os.path.split(out)
-    return os.path.join(parent, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, ValueError):
-        return True  # another user's process, or not a pid this system has: not ours to judge
-    return True
-
-
-def remove_stale_temps(out: str) -> list[str]:
-    """Remove temporary directories of ``out`` whose converter process is gone (killed, so it could not
-    clean up); returns their paths. Another process's live conversion is left alone."""
-    parent, name = os.path.split(out)
-    pattern = re.compile(rf"\.{re.escape(name)}\.tmp-([0-9]+)-[0-9a-f]+")
-    removed = []
-    try:
-        entries = list(os.scandir(parent))
-    except OSError:
-        return removed  # creating the temporary directory will say what is wrong with the parent
-    for entry in entries:
-        m = pattern.fullmatch(entry.name)
-        if not m or not entry.is_dir(follow_symlinks=False):
-            continue
-        pid = int(m.group(1))
-        if pid <= 0 or pid == os.getpid() or _pid_alive(pid):
-            continue
-        shutil.rmtree(entry.path, ignore_errors=True)
-        removed.append(entry.path)
-    return removed
-
-
+# -- the output being written ---------------------------------------------------------------------
 @dataclass(frozen=True)
 class _Target:
     """The output being written: ``out`` once published, ``tmp`` until then."""
@@ -220,149 +70,6 @@ class _Target:
             where = os.path.relpath(where, self.tmp) if where != self.tmp else ""
         what = e.strerror or one_line(e) or type(e).__name__
         return ConversionError(f"{self.out}: cannot write{' ' + where if where else ''} ({what})")
-
-
-def _make_temp(out: str) -> tuple[str, list[str]]:
-    """Create the temporary directory (and missing parents); returns it and the parents made."""
-    parent = os.path.dirname(out)
-    made = []
-    p = parent
-    while p and not os.path.lexists(p):
-        made.append(p)
-        p = os.path.dirname(p)
-    tmp = _temp_name(out)
-    try:
-        os.makedirs(parent, exist_ok=True)
-        os.mkdir(tmp)
-    except OSError as e:
-        _remove_empty(made)
-        where = os.fspath(e.filename) if e.filename and e.filename != tmp else parent
-        raise ConversionError(f"{out}: cannot create the output in {where} ({e.strerror or e})") from e
-    return tmp, made
-
-
-def _remove_empty(dirs: list[str]) -> None:
-    for d in dirs:  # deepest first
-        with contextlib.suppress(OSError):
-            os.rmdir(d)
-
-
-# -- atomic rename ---------------------------------------------------------------------------------
-RENAME_NOREPLACE = 1
-RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-_SYSCALL_RENAMEAT2 = {"x86_64": 316, "aarch64": 276}  # the number where glibc lacks the symbol (< 2.28)
-
-
-def _load_renameat2(use_symbol: bool = True) -> Callable[..., int] | None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return None
-    fn = getattr(libc, "renameat2", None) if use_symbol else None
-    if fn is not None:
-        fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-        fn.restype = ctypes.c_int
-        return fn
-    nr = _SYSCALL_RENAMEAT2.get(platform.machine())
-    syscall = getattr(libc, "syscall", None)
-    if nr is None or syscall is None:
-        return None
-    syscall.restype = ctypes.c_long
-
-    def renameat2(olddirfd: int, old: bytes, newdirfd: int, new: bytes, flags: int) -> int:
-        return syscall(ctypes.c_long(nr), ctypes.c_int(olddirfd), ctypes.c_char_p(old), ctypes.c_int(newdirfd),
-                       ctypes.c_char_p(new), ctypes.c_uint(flags))
-
-    return renameat2
-
-
-_renameat2_fn = _load_renameat2()
-
-
-def _renameat2(src: str, dst: str, flags: int) -> None:
-    """Linux ``renameat2``; OSError (ENOSYS where there is none) on failure."""
-    if _renameat2_fn is None:
-        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS), src, None, dst)
-    if _renameat2_fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) != 0:
-        code = ctypes.get_errno()
-        raise OSError(code, os.strerror(code), src, None, dst)
-
-
-def rename_noreplace(src: str, dst: str) -> None:
-    """Rename ``src`` to ``dst`` in one step that fails with FileExistsError if ``dst`` exists."""
-    try:
-        _renameat2(src, dst, RENAME_NOREPLACE)
-    except OSError as e:
-        if e.errno not in (errno.EINVAL, errno.ENOSYS):
-            raise
-        # This kernel or filesystem cannot rename without replacing (no renameat2, or a filesystem without
-        # RENAME_NOREPLACE): check, then rename. Only here can an output created in between be replaced.
-        if os.path.lexists(dst):
-            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), dst) from None
-        os.rename(src, dst)
-
-
-def rename_exchange(src: str, dst: str) -> None:
-    """Swap ``src`` and ``dst`` in one step (FileNotFoundError if ``dst`` does not exist)."""
-    try:
-        _renameat2(src, dst, RENAME_EXCHANGE)
-    except OSError as e:
-        if e.errno not in (errno.EINVAL, errno.ENOSYS):
-            raise
-        # No atomic exchange here (see rename_noreplace): move dst aside, then src in, then the old dst to
-        # src, the same end state; a reader in between finds no dataset at dst.
-        if not os.path.lexists(dst):
-            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), dst) from None
-        aside = _temp_name(dst)
-        os.rename(dst, aside)
-        try:
-            rename_noreplace(src, dst)
-        except BaseException:
-            os.rename(aside, dst)
-            raise
-        os.rename(aside, src)
-
-
-class _ForeignTemp(ConversionError):
-    """The temporary directory holds what was at the output and could not be put back: keep it."""
-
-
-def _publish(tmp: str, out: str, overwrite: bool) -> None:
-    """Move the finished dataset at ``tmp`` to ``out`` in one step. Without ``overwrite`` this fails if
-    anything appeared at ``out`` during the conversion; with it, the old dataset is swapped out (into
-    ``tmp``) and removed, after checking it is still a dataset."""
-    if not overwrite:
-        try:
-            rename_noreplace(tmp, out)
-        except FileExistsError:
-            raise ConversionError(f"{out}: output exists (it appeared during the conversion; pass --overwrite "
-                                  "to replace it)") from None
-        _signals.published = True
-        return
-    try:
-        rename_exchange(tmp, out)
-    except FileNotFoundError:
-        if os.path.lexists(out):
-            raise
-        try:  # the old output is gone: publish as new
-            rename_noreplace(tmp, out)
-        except FileExistsError:
-            raise ConversionError(f"{out}: output was replaced during the conversion; left as it is") from None
-        _signals.published = True
-        return
-    problem = _dataset_problem(tmp)  # what was at out: the dataset checked at the start, unless replaced since
-    if problem is None:
-        _signals.published = True
-        shutil.rmtree(tmp, ignore_errors=True)  # what a failure leaves is removed as stale once we exit
-        return
-    try:
-        rename_exchange(tmp, out)
-    except OSError as e:
-        raise _ForeignTemp(f"{out}: was replaced during the conversion by {problem}, which now lies at {tmp} "
-                           f"and could not be put back ({e.strerror})") from e
-    raise ConversionError(f"{out}: --overwrite replaces only a gdsload dataset (found {problem}, which "
-                          "appeared during the conversion; left as it is)")
 
 
 # -- checksums -------------------------------------------------------------------------------------
@@ -393,94 +100,17 @@ class _BlockCrc:
         self.pos = end
 
 
-# -- validation ------------------------------------------------------------------------------------
+# -- block size ------------------------------------------------------------------------------------
 def choose_samples_per_block(sample_bytes: Sequence[int], block_bytes: int, num_samples: int) -> int:
     """Samples per block: as many of the largest sample as fit in ``block_bytes``, rounded down so the
-    largest field's block is a multiple of 4 KiB when that leaves at least one sample, and never more
-    than the dataset holds."""
+    largest field's block is a multiple of :data:`~gdsload._units.ALIGN` (4 KiB) when that leaves at least
+    one sample, and never more than the dataset holds."""
     largest = max(sample_bytes)
     k = max(1, block_bytes // largest)
-    step = ALIGN_BYTES // math.gcd(largest, ALIGN_BYTES)
+    step = ALIGN // math.gcd(largest, ALIGN)
     if k >= step:
         k -= k % step
     return max(1, min(k, num_samples))
-
-
-def _check_dtype(src: Source) -> np.dtype:
-    dt = src.dtype
-    if dt.fields is not None or dt.kind == "V":
-        raise ConversionError(f"{src.origin}: unsupported dtype {dt} (structured arrays: save each field separately)")
-    if dt.kind not in "biufc":
-        raise ConversionError(
-            f"{src.origin}: unsupported dtype {dt} (expected bool, integer, float or complex; found kind '{dt.kind}')"
-        )
-    return dt.newbyteorder("<") if dt.itemsize > 1 else dt
-
-
-def _check_name(name: str, origin: str) -> None:
-    problem = None
-    if not name or "/" in name or any(ord(c) < 32 or c == "\x7f" for c in name):
-        problem = "expected a non-empty name without '/' or control characters"
-    elif name.startswith(".") or name.startswith("__"):
-        problem = "names starting with '.' or '__' are reserved by zarr"
-    elif name.lower() in RESERVED_NAMES:
-        problem = f"reserved: {', '.join(RESERVED_NAMES)} would collide with the dataset's own files"
-    else:
-        try:
-            if len(name.encode("utf-8")) > NAME_MAX_BYTES:
-                problem = f"longer than {NAME_MAX_BYTES} bytes"
-        except UnicodeEncodeError:
-            problem = "not valid UTF-8"
-    if problem:
-        raise ConversionError(f"{origin}: invalid field name {name!r} ({problem})")
-
-
-def _validate_ragged(name: str, r: RaggedSource) -> int:
-    """Check a variable-length field; returns its number of samples."""
-    _check_name(name, r.origin)
-    _check_dtype(r.values)
-    off = r.offsets
-    if off.ndim != 1 or len(off) < 2:
-        raise ConversionError(f"{r.origin}: holds no samples (empty input)")
-    if off[0] != 0 or (np.diff(off) < 0).any():
-        raise ConversionError(f"{r.origin}: offsets must start at 0 and never decrease (found {off[:4]}...)")
-    if len(r.values.shape) == 0 or off[-1] != r.values.shape[0]:
-        raise ConversionError(f"{r.origin}: offsets end at {off[-1]} but there are "
-                              f"{r.values.shape[0] if r.values.shape else 0} values (expected equal)")
-    if 0 in r.values.shape[1:]:
-        raise ConversionError(f"{r.origin}: zero-size elements (element shape {r.values.shape[1:]})")
-    return len(off) - 1
-
-
-def _validate(sources: Mapping[str, Source], ragged: Mapping[str, RaggedSource] | None = None) -> int:
-    ragged = ragged or {}
-    if not sources and not ragged:
-        raise ConversionError("no input arrays (empty input)")
-    twice = sorted(set(sources) & set(ragged))
-    if twice:
-        raise ConversionError(f"{ragged[twice[0]].origin}: field '{twice[0]}' given twice")
-    counts = {name: _validate_ragged(name, r) for name, r in ragged.items()}
-    origins = {name: r.origin for name, r in ragged.items()}
-    for name, src in sources.items():
-        _check_name(name, src.origin)
-        _check_dtype(src)
-        if len(src.shape) == 0:
-            raise ConversionError(f"{src.origin}: is a scalar (expected an array with samples on axis 0)")
-        if src.shape[0] == 0:
-            raise ConversionError(f"{src.origin}: holds no samples (empty input)")
-        if 0 in src.shape[1:]:
-            raise ConversionError(f"{src.origin}: zero-size samples (sample shape {src.shape[1:]})")
-        if src.shape[0] * src.dtype.itemsize * math.prod(src.shape[1:]) > MAX_ARRAY_BYTES:
-            raise ConversionError(f"{src.origin}: shape {src.shape} of {src.dtype} is too large (expected at most "
-                                  "2**62 bytes)")
-        counts[name] = src.shape[0]
-        origins[name] = src.origin
-    if len(set(counts.values())) > 1:
-        first = next(iter(counts.values()))
-        odd = next(n for n, c in counts.items() if c != first)
-        detail = ", ".join(f"{n}={c}" for n, c in counts.items())
-        raise ConversionError(f"{origins[odd]}: fields have different sample counts ({detail}; expected all equal)")
-    return next(iter(counts.values()))
 
 
 # -- writing ---------------------------------------------------------------------------------------
@@ -564,9 +194,9 @@ def write_dataset(
     try:
         if not sources and not ragged:
             raise ConversionError(f"{out}: no input arrays (empty input)")
-        check_output(out, overwrite, _input_paths([*sources.values(), *ragged.values()]))
-        num_samples = _validate(sources, ragged)
-        dtypes = {n: _check_dtype(s) for n, s in arrays.items()}
+        check_output(out, overwrite, input_paths(s.origin for s in [*sources.values(), *ragged.values()]))
+        num_samples = check_sources(sources, ragged)
+        dtypes = {n: check_dtype(s) for n, s in arrays.items()}
         row_bytes = {n: dtypes[n].itemsize * math.prod(s.shape[1:]) for n, s in arrays.items()}
         # a variable-length field counts with its mean sample size when choosing samples per block
         sample_bytes = [row_bytes[n] for n in sources] + [
@@ -584,8 +214,8 @@ def write_dataset(
         total = sum(row_bytes[n] * s.shape[0] for n, s in arrays.items())
         tmp, made = None, []
         try:
-            with _protected():
-                tmp, made = _make_temp(out)
+            with protected():
+                tmp, made = make_temp(out)
                 target = _Target(out, tmp)
                 try:
                     fields_attr = {n: {"kind": "fixed"} for n in sources}
@@ -619,22 +249,22 @@ def write_dataset(
                     checksums[key.rsplit("/", 1)[0] if key not in sources else key] = crc.crcs
             _close_all(arrays)
             closed = True
-            with _protected():
+            with protected():
                 try:
                     _write_checksums(group, checksums, num_blocks)
                 except OSError as e:
                     raise target.error(e) from e
                 read_metadata(tmp)  # the result must parse before it may replace anything
-            with _protected(deliver=False):
+            with protected(deliver=False):
                 try:
-                    _publish(tmp, out, overwrite)
+                    publish_output(tmp, out, overwrite)
                 except OSError as e:
                     raise target.error(e, out) from e
         except BaseException as e:
-            with _protected():
-                if tmp is not None and not isinstance(e, _ForeignTemp):
+            with protected():
+                if tmp is not None and not isinstance(e, ForeignTemp):
                     shutil.rmtree(tmp, ignore_errors=True)
-                _remove_empty(made)
+                remove_empty(made)
             raise
     finally:
         if not closed:
@@ -649,7 +279,7 @@ def _write_array(group, target: _Target, key: str, src: Source, dtype: np.dtype,
     shape = src.shape[1:]
     num_chunks = -(-rows // per_chunk)
     cps = max(1, min(shard_bytes // chunk_bytes, num_chunks))
-    with _protected():
+    with protected():
         try:
             group.create_array(key, shape=(rows, *shape), dtype=dtype, chunks=(per_chunk, *shape),
                                shards=(per_chunk * cps, *shape), fill_value=0, compressors=None, filters=None)

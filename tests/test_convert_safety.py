@@ -24,8 +24,8 @@ import pytest
 import zarr
 
 from gdsload import ConversionError
+from gdsload import publish, writer
 from gdsload.format import read_metadata
-from gdsload import writer
 from gdsload.cli import shard_main
 from gdsload.sources import ArraySource, RaggedSource, natural_key, open_input, open_ragged
 from gdsload.writer import convert, write_dataset
@@ -408,16 +408,16 @@ def test_output_replaced_during_overwrite_by_a_non_dataset_is_put_back(tmp_path)
 def test_rename_fallbacks(tmp_path, monkeypatch, mode):
     """renameat2 through a raw syscall (glibc without the symbol), and exists-check + rename where the
     kernel has none (ENOSYS): the same results."""
-    fn = writer._load_renameat2(use_symbol=False) if mode == "syscall" else None
+    fn = publish._load_renameat2(use_symbol=False) if mode == "syscall" else None
     if mode == "syscall" and fn is None:
         pytest.skip("no renameat2 syscall number for this machine")
-    monkeypatch.setattr(writer, "_renameat2_fn", fn)
+    monkeypatch.setattr(publish, "_renameat2_fn", fn)
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     (tmp_path / "a" / "from_a").write_text("")
     with pytest.raises(FileExistsError):
-        writer.rename_noreplace(str(tmp_path / "a"), str(tmp_path / "b"))
-    writer.rename_exchange(str(tmp_path / "a"), str(tmp_path / "b"))
+        publish.rename_noreplace(str(tmp_path / "a"), str(tmp_path / "b"))
+    publish.rename_exchange(str(tmp_path / "a"), str(tmp_path / "b"))
     assert os.listdir(tmp_path / "b") == ["from_a"] and os.listdir(tmp_path / "a") == []
     out = tmp_path / "o.gds"
     write_dataset(out, {"x": ArraySource("<x>", np.arange(3))}, progress=False)

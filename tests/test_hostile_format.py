@@ -349,7 +349,7 @@ CASES: dict[str, tuple[Callable[[str], None], str, str, type]] = {
     "shard unreadable": (unreadable("x/c/1/0"), "x/c/1/0", "shard file is not readable (permission denied)",
                          FormatError),
     "shard read fails": (failing_read("idx/c/1"), "idx/c/1",
-                         "read of 20 bytes at offset 32 failed (Input/output error)", ReadError),
+                         "read of 20 bytes at offset 32 failed (OSError: [Errno 5] Input/output error)", ReadError),
 }
 
 
