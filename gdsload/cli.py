@@ -139,7 +139,7 @@ def run_demo(samples: int, backend: str, batch_size: int, workdir: str | None) -
                     seen += int(lab.shape[0])
                 if seen != samples:
                     raise GDSLoadError(f"{path}: demo read {seen} samples (expected {samples})")
-                nbytes = ds.stats.bytes_read if ds.stats else 0
+                nbytes = ds.stats.bytes_delivered if ds.stats else 0
                 lines.append(f"epoch {epoch}: {samples} samples ({_human(nbytes)}) in {wall:.3f} s: "
                              f"{samples / wall:,.0f} samples/s, {nbytes / wall / 1e9:.2f} GB/s, consumer stalled "
                              f"{ds.stats.stall_s:.3f} s" + (" (includes start-up)" if epoch == 0 else ""))
@@ -268,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     info = sub.add_parser("info", help="GPU, CUDA, KvikIO and GDS status; with PATH, a dataset summary")
     info.add_argument("path", nargs="?")
-    demo = sub.add_parser("demo", help="write a small synthetic dataset and read one epoch of it")
+    demo = sub.add_parser("demo", help="write a small synthetic dataset and read two epochs of it, checking every batch")
     demo.add_argument("--samples", type=int, default=8192)
     demo.add_argument("--batch-size", type=int, default=256)
     demo.add_argument("--backend", default="auto", choices=list(BACKENDS))

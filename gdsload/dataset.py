@@ -69,8 +69,8 @@ class GDSDataset:
     backend_options : passed to the backend (e.g. ``num_threads``, ``task_bytes``, ``pool_bytes``).
     verify : check every block read against the crc32c the converter stored for it (on the GPU for GPU
         backends), raising :class:`ReadError` naming the file, field, block and offset of a bad block before
-        any of its samples is served. Default (None): off, because it costs more than 5 % of warm
-        throughput on every backend (docs/benchmarks.md). True for a dataset without checksums (written by
+        any of its samples is served. Default (None): off, because hashing every byte read costs throughput
+        (docs/benchmarks.md gives the cost per backend). True for a dataset without checksums (written by
         an older converter, or by plain zarr) is a ValueError.
 
     Epochs: without ``set_epoch``, every new pass is the next epoch (as a shuffling DataLoader); with it,

@@ -111,7 +111,10 @@ def read_error(path: str, offset: int, nbytes: int, cause: BaseException | None 
     read raised, or ``got`` the bytes it returned before the file ended (a file truncated after it was
     opened). Every failed read of a dataset's files is reported through here, so the wording is the same
     whichever code path read: ``PATH: read of N bytes at offset X failed (TYPE: cause)`` or
-    ``PATH: file ends at offset Y (expected N bytes from offset X)``."""
+    ``PATH: file ends at offset Y (expected N bytes from offset X)``. A ``cause`` that is already a
+    ReadError is returned as it is (it names its file)."""
+    if isinstance(cause, ReadError):
+        return cause
     if cause is not None:
         return ReadError(f"{path}: read of {nbytes} bytes at offset {offset} failed "
                          f"({type(cause).__name__}: {cause})")

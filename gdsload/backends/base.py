@@ -10,6 +10,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 from ..errors import ReadError
+from ..files import read_error
 
 
 class ReadRequest(NamedTuple):
@@ -54,18 +55,6 @@ def split(request: ReadRequest, chunk_bytes: int) -> list[ReadRequest]:
             for o in range(0, request.nbytes, chunk_bytes)]
 
 
-def read_error(path: str, offset: int, nbytes: int, cause: BaseException | None = None,
-               got: int | None = None) -> ReadError:
-    """The error for a failed read of ``nbytes`` at ``offset`` of ``path``: ``cause`` raised, or only
-    ``got`` bytes were there. A ReadError passes through unchanged (it already names its file)."""
-    if isinstance(cause, ReadError):
-        return cause
-    if cause is not None:
-        return ReadError(f"{path}: read of {nbytes} bytes at offset {offset} failed ({type(cause).__name__}: {cause})")
-    return ReadError(f"{path}: file ends at offset {offset + (got or 0)} (expected {nbytes} bytes from offset "
-                     f"{offset})")
-
-
 def pread_full(fd: int, view: memoryview, offset: int, path: str) -> None:
     """Fill ``view`` from ``fd`` at ``offset``; a short file or an OS error raises ReadError naming both."""
     got, n = 0, len(view)
@@ -105,9 +94,10 @@ def reopened(files: Any, path: str) -> str:
 
 class FileHandles:
     """Per-path handles made once from the dataset's open shard files and kept for the dataset's life
-    (opening a file per read or per pass costs more than the read of a block). By default the dataset's own descriptor; with an
-    opener (KvikIO's CuFile, an O_DIRECT descriptor) a handle opened on :func:`reopened`, which is the same
-    inode wherever ``/proc/self/fd`` exists (elsewhere it falls back to the path, unchecked)."""
+    (opening a file per read or per pass costs more than the read of a block). By default the dataset's
+    own descriptor; with an opener (KvikIO's CuFile, an O_DIRECT descriptor) a handle opened on
+    :func:`reopened`, which is the same inode wherever ``/proc/self/fd`` exists (elsewhere it falls back
+    to the path, unchecked)."""
 
     def __init__(self, opener: Callable[[str], Any] | None = None, closer: Callable[[Any], None] = os.close):
         self._open = opener

@@ -1,0 +1,119 @@
+"""The structure the rest builds on: public exports, the position cursor, KvikIO's shared pool, stats that
+describe what the consumer got, describe(), module sizes."""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+import warnings
+
+import numpy as np
+import pytest
+
+import gdsload
+from gdsload import GDSDataset
+from gdsload.cursor import Cursor
+
+from _helpers import labelled
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_the_package_exports_what_users_need_and_no_internals():
+    for name in gdsload.__all__:
+        assert hasattr(gdsload, name), name
+    assert {"GDSDataset", "EpochStats", "ReadError", "FormatError", "ConversionError", "BackendUnavailable",
+            "GDSLoadError", "ArraySource", "RaggedSource", "convert", "write_dataset"} <= set(gdsload.__all__)
+    assert not {"DatasetLayout", "DatasetMeta", "FieldMeta", "read_metadata"} & set(gdsload.__all__)
+
+
+def test_no_library_module_is_over_450_lines():
+    sizes = {}
+    for folder, _, files in os.walk(os.path.join(ROOT, "gdsload")):
+        for f in files:
+            if f.endswith(".py"):
+                with open(os.path.join(folder, f)) as fh:
+                    sizes[os.path.relpath(os.path.join(folder, f), ROOT)] = sum(1 for _ in fh)
+    assert sizes and max(sizes.values()) <= 450, {k: v for k, v in sizes.items() if v > 450}
+
+
+def test_cursor_next_pass():
+    assert Cursor().next_pass(began=False, numbered=False) == Cursor(), "the first pass is epoch 0"
+    assert Cursor(3, 7).next_pass(began=True, numbered=False) == Cursor(4), "without set_epoch: the next epoch"
+    assert Cursor(3, 7).next_pass(began=True, numbered=True) == Cursor(3), "with set_epoch: the epoch set, again"
+    fixed = Cursor(5, 2, fixed=True)
+    assert fixed.next_pass(began=True, numbered=False) == Cursor(5, 2), "a fixed cursor starts exactly there"
+    assert Cursor(1).reads_as(Cursor(2), shuffle=False) and not Cursor(1).reads_as(Cursor(2), shuffle=True)
+    assert not Cursor(1, 3).reads_as(Cursor(1), shuffle=False)
+
+
+def test_stats_count_what_the_consumer_got_when_every_field_is_resident(make_dataset):
+    """All fields resident: from the second epoch nothing is read, yet data still reaches the consumer,
+    and gb_per_s says how fast (it was 0 when it counted bytes read)."""
+    data = labelled(300, shape=(4,))
+    path = make_dataset(data, samples_per_block=10)
+    with GDSDataset(path, batch_size=32, backend="cpu") as ds:
+        assert set(ds.resident_fields) == {"x", "idx"}
+        expected = sum(a.nbytes for a in data.values())
+        for epoch in range(3):
+            assert sum(len(b["idx"]) for b in ds) == 300
+            s = ds.stats
+            assert s.bytes_delivered == expected and s.gb_per_s > 0
+            assert s.bytes_read == (expected if epoch == 0 else 0)
+
+
+def test_describe_is_json_ready(make_dataset):
+    import json
+
+    path = make_dataset(labelled(100), samples_per_block=10)
+    with GDSDataset(path, batch_size=8, backend="cpu", resident_bytes=0) as ds:
+        next(iter(ds))
+        d = json.loads(json.dumps(ds.describe()))
+    assert d["backend"] == "cpu" and d["io_mode"] == "cpu" and d["window_buffers"] >= 3
+    assert d["open_s"] > 0 and d["backend_stats"] == {"num_threads": 8, "task_bytes": 4 << 20}
+
+
+@pytest.fixture
+def fake_kvikio(monkeypatch):
+    """A stand-in for kvikio.defaults that records every setting of the pool, and a fresh KvikioPool."""
+    calls = []
+    defaults = types.SimpleNamespace(set=lambda d: calls.append(dict(d)))
+    kvikio = types.ModuleType("kvikio")
+    kvikio.defaults = defaults
+    monkeypatch.setitem(sys.modules, "kvikio", kvikio)
+    monkeypatch.setitem(sys.modules, "kvikio.defaults", defaults)
+    from gdsload.backends.cuda import KvikioPool
+
+    monkeypatch.setattr(KvikioPool, "_users", 0)
+    monkeypatch.setattr(KvikioPool, "_settings", None)
+    return KvikioPool, calls
+
+
+def test_kvikio_pool_is_set_once_and_a_conflicting_request_warns(fake_kvikio):
+    pool, calls = fake_kvikio
+    pool.acquire(16, 4 << 20)
+    pool.acquire(16, 4 << 20)  # the same settings: nothing to do
+    assert calls == [{"num_threads": 16, "task_size": 4 << 20}]
+    with pytest.warns(RuntimeWarning, match="in use with 16 threads"):
+        pool.acquire(8, 1 << 20)
+    assert len(calls) == 1, "a pool in use is never restarted under its readers"
+    for _ in range(3):
+        pool.release()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pool.acquire(8, 1 << 20)
+    assert calls[-1] == {"num_threads": 8, "task_size": 1 << 20}, "once free, the next user's settings apply"
+
+
+def test_positions_are_rows_of_the_window():
+    from gdsload.plan import PlanConfig, epoch_plan
+
+    plan = epoch_plan(PlanConfig(num_samples=95, samples_per_block=10, batch_size=7, window_blocks=3,
+                                 shuffle=True, seed=1), 0)
+    k = 10
+    for w, blocks in enumerate(plan.windows):
+        rows = plan.positions[plan.window_of == w]
+        assert (rows // k < len(blocks)).all()
+        ids = np.asarray(blocks)[rows // k] * k + rows % k
+        assert (ids < 95).all()
