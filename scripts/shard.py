@@ -1,5 +1,8 @@
 #!/usr/bin/env python3
-"""Convert .npy / .npz / directories of them / zarr arrays into a gdsload dataset.
+"""A thin wrapper around ``gdsload shard`` (``gdsload.cli.shard_main``), the documented converter.
+
+It takes the same arguments and behaves the same; only its messages start with ``shard.py`` instead of
+``gdsload shard``. Convert .npy / .npz / directories of them / zarr arrays into a gdsload dataset:
 
     python scripts/shard.py images.npy labels.npy -o mydata.gds
     python scripts/shard.py data.npz --block-bytes 4MiB --shard-bytes 1GiB -o mydata.gds
