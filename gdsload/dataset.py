@@ -14,7 +14,7 @@ import numpy as np
 
 from . import _fork, resume
 from .assembler import ResidentField
-from .backends import make_backend, resolve
+from .backends import BACKENDS, make_backend, resolve
 from .cursor import Cursor
 from .errors import GDSLoadError, ReadError
 from .format import DatasetLayout, read_metadata
@@ -106,23 +106,26 @@ class GDSDataset:
             fields = (fields,)
         if backend_options is not None and not isinstance(backend_options, dict):
             raise TypeError(f"backend_options must be a dict (found {type(backend_options).__name__})")
-        self.backend_name, self.backend_reason = resolve(backend)
-        on_gpu = self.backend_name != "cpu"
-        output = output or ("cupy" if on_gpu else "numpy")
-        allowed = ("cupy", "torch") if on_gpu else ("numpy", "torch")
-        if output not in allowed:
-            raise ValueError(f"output {output!r} does not fit backend {self.backend_name!r} (expected one of {allowed})")
-        if output == "torch":
-            require_torch()
-        self.output = output
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r} (expected one of {BACKENDS})")
+        if output not in (None, "numpy", "cupy", "torch"):
+            raise ValueError(f"unknown output {output!r} (expected 'numpy', 'cupy' or 'torch')")
         self.meta = read_metadata(path)
         self._layout = layout = DatasetLayout(self.meta, tuple(fields) if fields is not None else None)
         self.fields = layout.fields
-        if verify and not layout.has_checksums:
+        try:
+            # auto may pick the RAM tier: it needs the size of what this dataset reads.
+            self.backend_name, self.backend_reason = resolve(backend, sum(layout.files.get(p).size
+                                                                          for p in layout.files))
+            self.output = _output(output, self.backend_name)
+            if verify and not layout.has_checksums:
+                raise ValueError(f"verify=True: {self.meta.path} has no block checksums for field(s) "
+                                 f"{[f for f in self.fields if f not in layout.checksums]} (convert it again "
+                                 f"with 'gdsload shard' to add them, or pass verify=False)")
+        except BaseException:
             layout.close()
-            raise ValueError(f"verify=True: {self.meta.path} has no block checksums for field(s) "
-                             f"{[f for f in self.fields if f not in layout.checksums]} (convert it again "
-                             f"with 'gdsload shard' to add them, or pass verify=False)")
+            raise
+        on_gpu = self.backend_name != "cpu"
         self.verify = bool(verify)
         self.device = int(os.environ.get("LOCAL_RANK", 0)) if device is None else device
         if rank is None or world_size is None:
@@ -365,6 +368,19 @@ class GDSDataset:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _output(output: str | None, backend: str) -> str:
+    """The output kind, checked against the backend: numpy or torch on the cpu backend, cupy or torch on a
+    GPU one."""
+    on_gpu = backend != "cpu"
+    output = output or ("cupy" if on_gpu else "numpy")
+    allowed = ("cupy", "torch") if on_gpu else ("numpy", "torch")
+    if output not in allowed:
+        raise ValueError(f"output {output!r} does not fit backend {backend!r} (expected one of {allowed})")
+    if output == "torch":
+        require_torch()
+    return output
 
 
 def _shutdown(active: list[Pipeline], backend: Any, buffers: list[WindowBuffer],

@@ -33,6 +33,19 @@ def gpu_available() -> bool:
         return False
 
 
+def memory_available() -> int:
+    """Bytes of memory available for new use without swapping (``MemAvailable`` of /proc/meminfo; where
+    that is missing, free physical pages)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def kvikio_installed() -> bool:
     try:
         import kvikio  # noqa: F401

@@ -3,33 +3,58 @@ when a GPU backend is made."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-from ..env import gds_available, gpu_available, kvikio_installed
+from ..env import gds_available, gpu_available, kvikio_installed, memory_available
 from ..errors import BackendUnavailable
 from .base import Backend
 
 BACKENDS = ("auto", "cpu", "pinned", "kvikio", "mmap")
 
 
-def resolve(name: str) -> tuple[str, str]:
-    """The concrete backend for ``name`` and why it was chosen.
+#: The RAM tier is chosen by ``auto`` for a dataset of at most this share of the memory available when it
+#: opens: its pages stay locked for the dataset's life, and the rest is left to the training process and
+#: the page cache (docs/design.md: "Which backend auto picks").
+RAM_TIER_SHARE = 0.5
+ENV_BACKEND = "GDSLOAD_BACKEND"
 
-    kvikio with GDS: the only direct path (disk DMA into device memory). Without GDS, pinned: KvikIO's
-    compat mode copies through its own bounce buffers on *blocking* CUDA streams, so its copies serialize
-    with the training step's work on the legacy default stream (CuPy's and torch's default), while the
-    pinned backend copies on non-blocking streams (docs/design.md). cpu without a GPU. Never mmap: it
-    locks the whole dataset in RAM, which only the user can decide to spend.
-    """
+
+def resolve(name: str, dataset_bytes: int | None = None) -> tuple[str, str]:
+    """The concrete backend for ``name`` and why it was chosen. ``"auto"`` gives way to the environment
+    variable ``GDSLOAD_BACKEND`` when it is set; ``dataset_bytes`` (the shard files a dataset reads) lets
+    ``auto`` pick the RAM tier."""
+    if name == "auto" and os.environ.get(ENV_BACKEND, "auto") != "auto":
+        forced = os.environ[ENV_BACKEND]
+        if forced not in BACKENDS:
+            raise ValueError(f"{ENV_BACKEND}={forced!r} is not a backend (expected one of {BACKENDS})")
+        return forced, f"{ENV_BACKEND}={forced}"
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r} (expected one of {BACKENDS})")
     if name != "auto":
         return name, "requested"
-    if not gpu_available():
+    gpu = gpu_available()
+    return choose(gpu, gpu and gds_available(), gpu and kvikio_installed(), dataset_bytes,
+                  memory_available() if dataset_bytes is not None else None)
+
+
+def choose(gpu: bool, gds: bool, kvikio: bool, dataset_bytes: int | None, available: int | None) -> tuple[str, str]:
+    """What ``auto`` picks from the facts, and why (pure: the rule, tested without a GPU).
+
+    cpu without a GPU. mmap when the dataset fits in :data:`RAM_TIER_SHARE` of available memory: every
+    later read is a DMA copy from locked pages, faster than any read from storage. Else kvikio when
+    GPUDirect Storage is there: the only direct path from disk to device. Else pinned: KvikIO's compat
+    mode copies through its own bounce buffers on *blocking* CUDA streams, which serialize with the
+    training step's work on the legacy default stream; the pinned backend copies on non-blocking streams.
+    """
+    if not gpu:
         return "cpu", "no usable GPU (CuPy missing or no device)"
-    if gds_available():
+    if dataset_bytes is not None and available is not None and dataset_bytes <= RAM_TIER_SHARE * available:
+        return "mmap", (f"the dataset ({dataset_bytes / 2**30:.2f} GiB) fits in {RAM_TIER_SHARE:.0%} of available "
+                        f"memory ({available / 2**30:.1f} GiB): locked in RAM once, copied by DMA")
+    if gds:
         return "kvikio", "GPUDirect Storage is available"
-    if kvikio_installed():
+    if kvikio:
         return "pinned", ("GDS unavailable: pinned staging read by KvikIO's threads (KvikIO's compat-mode "
                           "copies serialize with work on the default CUDA stream)")
     return "pinned", "GDS unavailable, KvikIO not installed: pinned staging read by Python threads"

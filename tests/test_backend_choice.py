@@ -1,0 +1,39 @@
+"""What backend ``auto`` picks, from the facts (pure), and the GDSLOAD_BACKEND override."""
+
+from __future__ import annotations
+
+import pytest
+
+from gdsload import GDSDataset
+from gdsload.backends import RAM_TIER_SHARE, choose, resolve
+
+from _helpers import labelled
+
+GiB = 1 << 30
+
+
+def test_without_a_gpu_auto_is_cpu_whatever_else_holds():
+    assert choose(False, True, True, 1, 100 * GiB)[0] == "cpu"
+
+
+@pytest.mark.parametrize("gds,kvikio,other", [(True, True, "kvikio"), (False, True, "pinned"),
+                                              (False, False, "pinned")])
+def test_a_dataset_that_fits_goes_to_the_ram_tier(gds, kvikio, other):
+    available = 100 * GiB
+    fits = int(RAM_TIER_SHARE * available)
+    name, why = choose(True, gds, kvikio, fits, available)
+    assert name == "mmap" and "fits" in why and "GiB" in why
+    assert choose(True, gds, kvikio, fits + 1, available)[0] == other
+    assert choose(True, gds, kvikio, None, available)[0] == other, "size unknown: never the RAM tier"
+
+
+def test_environment_overrides_auto_but_not_an_explicit_backend(monkeypatch, make_dataset):
+    monkeypatch.setenv("GDSLOAD_BACKEND", "cpu")
+    assert resolve("auto") == ("cpu", "GDSLOAD_BACKEND=cpu")
+    assert resolve("mmap") == ("mmap", "requested")
+    path = make_dataset(labelled(50), samples_per_block=10)
+    with GDSDataset(path, batch_size=8) as ds:
+        assert ds.backend_name == "cpu" and ds.backend_reason == "GDSLOAD_BACKEND=cpu"
+    monkeypatch.setenv("GDSLOAD_BACKEND", "fast")
+    with pytest.raises(ValueError, match="GDSLOAD_BACKEND='fast' is not a backend"):
+        resolve("auto")
