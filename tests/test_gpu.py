@@ -270,7 +270,7 @@ def test_missing_chunks_read_as_fill_value(tmp_path, backend):
     np.testing.assert_array_equal(got, want)
 
 
-def test_io_mode_is_reported_honestly(small):
+def test_io_mode_is_reported_honestly(small, monkeypatch):
     from gdsload.env import gds_available
 
     path, _ = small
@@ -278,6 +278,10 @@ def test_io_mode_is_reported_honestly(small):
         assert ds.io_mode == ("gds" if gds_available() else "kvikio-compat")
     with Dataset(path, batch_size=8, backend="pinned") as ds:
         assert ds.io_mode == "pinned"
+    with Dataset(path, batch_size=8) as ds:
+        assert ds.backend_name == "mmap" and "fits" in ds.backend_reason, "a small dataset: the RAM tier"
+        assert ds.io_mode == "mmap"
+    monkeypatch.setattr("gdsload.backends.RAM_TIER_SHARE", 0.0)  # nothing fits: what auto picks from storage
     with Dataset(path, batch_size=8) as ds:
         assert ds.backend_name == ("kvikio" if gds_available() else "pinned") and ds.backend_reason
         assert ds.backend_name == "kvikio" or ds._backend.reader == "kvikio"  # KvikIO is installed there
