@@ -8,6 +8,7 @@ the functions: importing this module costs nothing on a machine without a GPU.
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 from typing import Any
@@ -62,7 +63,13 @@ def gds_available() -> bool:
 
 
 def kvikio_info() -> dict[str, Any]:
-    """KvikIO version and how it would move bytes: "gds" or "kvikio-compat" (and why)."""
+    """KvikIO version and how it would move bytes: "gds" or "kvikio-compat" (and why). Probed once per
+    process (it starts cuFile's driver; what it reports does not change while the process runs)."""
+    return dict(_kvikio_info())
+
+
+@functools.lru_cache(maxsize=1)
+def _kvikio_info() -> dict[str, Any]:
     info: dict[str, Any] = {"kvikio": None}
     try:
         import kvikio

@@ -33,9 +33,16 @@ def resolve(name: str, dataset_bytes: int | None = None) -> tuple[str, str]:
         raise ValueError(f"unknown backend {name!r} (expected one of {BACKENDS})")
     if name != "auto":
         return name, "requested"
-    gpu = gpu_available()
-    return choose(gpu, gpu and gds_available(), gpu and kvikio_installed(), dataset_bytes,
-                  memory_available() if dataset_bytes is not None else None)
+    if not gpu_available():
+        return choose(False, False, False, dataset_bytes, None)
+    available = memory_available() if dataset_bytes is not None else None
+    if _fits(dataset_bytes, available):  # the storage probes (cuFile's driver starts) are not needed
+        return choose(True, False, False, dataset_bytes, available)
+    return choose(True, gds_available(), kvikio_installed(), dataset_bytes, available)
+
+
+def _fits(dataset_bytes: int | None, available: int | None) -> bool:
+    return dataset_bytes is not None and available is not None and dataset_bytes <= RAM_TIER_SHARE * available
 
 
 def choose(gpu: bool, gds: bool, kvikio: bool, dataset_bytes: int | None, available: int | None) -> tuple[str, str]:
@@ -49,7 +56,7 @@ def choose(gpu: bool, gds: bool, kvikio: bool, dataset_bytes: int | None, availa
     """
     if not gpu:
         return "cpu", "no usable GPU (CuPy missing or no device)"
-    if dataset_bytes is not None and available is not None and dataset_bytes <= RAM_TIER_SHARE * available:
+    if _fits(dataset_bytes, available):
         return "mmap", (f"the dataset ({dataset_bytes / 2**30:.2f} GiB) fits in {RAM_TIER_SHARE:.0%} of available "
                         f"memory ({available / 2**30:.1f} GiB): locked in RAM once, copied by DMA")
     if gds:
