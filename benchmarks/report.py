@@ -148,10 +148,11 @@ def markdown(doc: dict[str, Any]) -> str:
     m, s = doc["machine"], doc["settings"]
     rows = doc["results"]
     auto = doc.get("auto_backend") or {}
+    gpu = (f"GPU {m['gpu']} (driver CUDA {m.get('driver')}, runtime {m.get('cuda_runtime')}, CuPy {m.get('cupy')}), "
+           f"KvikIO {m.get('kvikio')}, GDS available: {m.get('is_gds_available')} -> io mode **{m.get('io_mode')}**"
+           if m.get("gpu") else f"No GPU ({m.get('reason')})")
     lines = [f"# gdsload benchmark suite ({doc['mode']}), {doc['date']}", "",
-             f"GPU {m.get('gpu')} (driver CUDA {m.get('driver')}, runtime {m.get('cuda_runtime')}, CuPy "
-             f"{m.get('cupy')}), KvikIO {m.get('kvikio')}, GDS available: {m.get('is_gds_available')} -> io mode "
-             f"**{m.get('io_mode')}**; {m.get('cpu_cores')} cores; data on `{m.get('data_filesystem')}`; "
+             f"{gpu}; {m.get('cpu_cores')} cores; data on `{m.get('data_filesystem')}`; "
              f"batch {s['batch_size']} samples of {s['sample_bytes']} bytes; page cache dropped for cold runs: "
              f"{s['page_cache_dropped']}; run took {doc.get('elapsed_s')} s. Backend `auto` here: "
              + (f"{auto['backend']} ({auto.get('reason')})" if auto else "not recorded") + ". Best of the repeats.", ""]

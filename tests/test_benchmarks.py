@@ -89,7 +89,7 @@ def test_suite_summary(suite_run: str) -> None:
 def test_suite_markdown_and_png(suite_run: str) -> None:
     with open(os.path.join(suite_run, "suite.md")) as f:
         md = f.read()
-    assert md.startswith("# gdsload benchmark suite (quick)")
+    assert md.startswith("# gdsload benchmark suite (quick)") and "No GPU (" in md
     assert "| 0.02GiB-4MiB | warm | gdsload cpu | threads=16 shuffle=True | cpu |" in md
     assert "## Startup" in md and "## Summary (summary.json)" in md and "| cpu | cpu |" in md
     assert os.path.exists(os.path.join(suite_run, "suite.png")) == has_matplotlib()
