@@ -133,8 +133,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def auto_backend(path: str, batch_size: int) -> dict[str, Any]:
     """The backend ``auto`` picks on this machine, and why (from the dataset's own description)."""
-    with GDSDataset(path, batch_size=batch_size) as ds:
-        d = ds.describe()
+    try:
+        with GDSDataset(path, batch_size=batch_size) as ds:
+            d = ds.describe()
+    except Exception as e:  # reported, as a contender that cannot run is
+        return {"backend": None, "reason": f"opening with backend auto failed: {type(e).__name__}: {e}"}
     return {"backend": d["backend"], "reason": d["backend_reason"], "io_mode": d["io_mode"]}
 
 

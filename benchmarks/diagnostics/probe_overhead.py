@@ -1,21 +1,21 @@
 """What a training step pays per batch for taking it from a loader, taken apart piece by piece.
 
-    python -m benchmarks.diagnostics.probe_overhead [--what alone,own,producers,gdsload,kvikio,ahead,pinned-options]
+    python -m benchmarks.diagnostics.probe_overhead [--what alone,own,gdsload,kvikio,ahead,pinned-options]
 
 Each case runs N simulated steps (one GPU kernel of fixed duration, then a sync, as ``loss.item()``) and
 times every step on both sides: the kernel writes when it started and ended (the GPU's global timer), the
 host when ``next()`` began and returned, when the launch returned and when the sync did. Per batch that
 gives the GPU's idle gap between two steps and where it goes: the host's time from the sync's return to the
 next launch (``next()`` included), and the launch's own latency. Cases: the steps alone; the consumer's own
-hand-off (a Python iterator, a queue and a stream wait); a producer thread doing Python or CUDA work per
-batch behind a ``queue.Queue``; then gdsload per backend and with other settings (``batches_ahead``,
-``prefetch``, pinned ``slot_bytes`` / ``pool_bytes`` / ``spin_events`` through ``backend_options``). The
-garbage collector's runs are timed too, and each step's host turnaround split by whether one overlapped it.
+hand-off (a Python iterator, a queue and a stream wait); then gdsload per backend and with other settings
+(``batches_ahead``, ``prefetch``, pinned ``slot_bytes`` / ``pool_bytes`` / ``spin_events`` through
+``backend_options``). The garbage collector's runs are timed too, and each step's host turnaround split by
+whether one overlapped it.
 Also: how much of their duration common CUDA calls release the GIL. Writes
 ``results/<machine>/probe-overhead[-TAG].json``. GPU only.
 
-(Timing gdsload's own threads, and variants of its hand-off, needed its private methods patched: that part
-of the former probe is gone; the library's public surface does not expose those spans.)
+(Gone from the former probe: timing gdsload's own threads and variants of its hand-off, which patched its
+private methods, and producer threads handing off through its private queue or ``queue.Queue``.)
 """
 
 from __future__ import annotations
@@ -115,43 +115,6 @@ def turnaround(step: Spin, batches: Batches, n: int, spans: list[tuple[int, int]
     return out
 
 
-def producer(work: Callable[[], None], n: int, ahead: int = 2) -> Batches:
-    """``n`` items from a thread that runs ``work`` for each, ``ahead`` items before the consumer, through a
-    ``queue.Queue`` (the producer woken by the take); the consumer's stream waits on an event per item."""
-    import cupy
-
-    stream = cupy.cuda.get_current_stream()
-    done = cupy.cuda.Event()
-    done.record(stream)
-
-    def batches() -> Iterator[object]:
-        stop = threading.Event()
-        q: queue.Queue[object] = queue.Queue(maxsize=ahead)
-
-        def run() -> None:
-            while not stop.is_set():
-                work()
-                while not stop.is_set():
-                    try:
-                        q.put(1, timeout=0.05)
-                        break
-                    except queue.Full:
-                        pass
-
-        t = threading.Thread(target=run, daemon=True)
-        t.start()
-        try:
-            for _ in range(n):
-                item = q.get()
-                stream.wait_event(done)
-                yield item
-        finally:
-            stop.set()
-            t.join()
-
-    return batches
-
-
 def gil_released(call: Callable[[], None], calls: int = 200) -> float:
     """Share of the wall time of ``calls`` calls in which a Python thread counting in a loop ran: near 0
     when ``call`` holds the GIL, near 1 when it releases it for most of its duration."""
@@ -200,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = probe_parser(__doc__.splitlines()[0])
     ap.add_argument("--steps-ms", default="1.0,2.5")
     ap.add_argument("--n", type=int, default=400)
-    ap.add_argument("--what", default="alone,own,producers,gdsload",
-                    help="comma list of: alone, own, producers, gdsload, kvikio, ahead, pinned-options")
+    ap.add_argument("--what", default="alone,own,gdsload",
+                    help="comma list of: alone, own, gdsload, kvikio, ahead, pinned-options")
     args = parse_probe_args(ap, argv)
     import cupy
 
@@ -211,8 +174,6 @@ def main(argv: list[str] | None = None) -> int:
     rows = Rows()
     n = args.n
     stream = cupy.cuda.get_current_stream()
-    side = cupy.cuda.Stream(non_blocking=True)
-    scratch = cupy.zeros(1 << 20, dtype=cupy.uint8)
     one_ms, tiny = Spin(1.0), Spin(0.001)
     ev = cupy.cuda.Event()
     rows.emit({"probe": "gil", "released_by": {
@@ -221,21 +182,6 @@ def main(argv: list[str] | None = None) -> int:
         "stream.wait_event": gil_released(lambda: stream.wait_event(ev), 2000),
         "time.sleep(0.001)": gil_released(lambda: time.sleep(0.001))}})
     stream.synchronize()
-
-    def python_work(us: float) -> Callable[[], None]:
-        def work() -> None:
-            end = time.perf_counter() + us / 1e6
-            while time.perf_counter() < end:
-                pass
-        return work
-
-    def cuda_work() -> None:  # about what an assembler issues per batch: allocations, copies, events
-        with side:
-            a = cupy.empty(1 << 20, dtype=cupy.uint8)
-            for _ in range(4):
-                a[...] = scratch
-            side.wait_event(stream.record())
-            side.record()
 
     def queue_and_wait() -> Iterator[object]:
         q: queue.Queue[object] = queue.Queue()
@@ -266,10 +212,6 @@ def main(argv: list[str] | None = None) -> int:
         if "own" in what:
             emit("Python iterator", lambda: (x for x in range(n)))
             emit("queue.get + stream.wait_event", queue_and_wait)
-        if "producers" in what:
-            for label, work in [("50 us of Python", python_work(50)), ("300 us of Python", python_work(300)),
-                                ("CUDA calls", cuda_work), ("sleep 50 us", lambda: time.sleep(50e-6))]:
-                emit(f"producer thread, {label} per batch, queue.Queue", producer(work, n))
         for label, backend, opts in gdsload_cases(what):
             with GDSDataset(path, batch_size=BATCH, backend=backend, **opts) as ds:
                 for _ in ds:  # one pass first: buffers allocated, the next pass read ahead
