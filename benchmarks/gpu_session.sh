@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One batched session on the GPU machine: info, demo, GPU tests, read benchmark. Logs and results to $OUT.
+# One batched session on the GPU machine: info, demo, GPU tests, quick suite. Logs and results to $OUT.
 # Usage (from the project root, wheels carried in .whl/): bash benchmarks/gpu_session.sh [tests|bench|all]
 set -uo pipefail
 what=${1:-all}
@@ -17,7 +17,6 @@ if [[ $what == tests || $what == all ]]; then
   python3 -m pytest -q -p no:cacheprovider tests/ 2>&1 | tail -3 | tee "$OUT/pytest_all.txt"
 fi
 if [[ $what == bench || $what == all ]]; then
-  python3 benchmarks/bench_read.py --data /root/gdsbench --size-gib "${BENCH_GIB:-4}" --out "$OUT" 2>&1 \
-    | tee "$OUT/bench_read.log"
+  python3 -m benchmarks.suite --quick --out "$OUT" 2>&1 | tee "$OUT/suite.log"
 fi
 exit $rc

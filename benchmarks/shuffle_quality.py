@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """How well the windowed shuffle mixes, for several window sizes W, against a full sample permutation.
 
-    python benchmarks/shuffle_quality.py --out benchmarks/results
+    python -m benchmarks.shuffle_quality
 
 Pure computation on the read plan (no I/O, any machine). The dataset is modelled as stored sorted by
 class (the worst case, e.g. ImageFolder order), N samples, K per block. Metrics, per epoch:
@@ -10,7 +9,7 @@ class (the worst case, e.g. ImageFolder order), N samples, K per block. Metrics,
   gives about (K-1)/(N-1));
 - classes per batch: distinct classes in a batch, averaged (a full permutation gives the most);
 - class entropy per batch, as a fraction of the entropy of a perfectly mixed batch.
-Writes ``shuffle-quality.json``, ``.md`` and ``.png``.
+Writes ``results/shuffle-quality.json``, ``.md`` and (with matplotlib) ``.png``.
 """
 
 from __future__ import annotations
@@ -22,12 +21,13 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from gdsload.plan import PlanConfig, epoch_plan
 
-from gdsload.plan import PlanConfig, epoch_plan  # noqa: E402
+from .common import RESULTS_DIR, write_json
 
 
 def metrics(order: np.ndarray, k: int, batch: int, classes: int, n: int) -> dict[str, float]:
+    """The four mixing metrics of one epoch's sample order (module docstring)."""
     pos = np.empty(n, dtype=np.int64)
     pos[order] = np.arange(len(order))
     rho = float(np.corrcoef(np.arange(n), pos)[0, 1])  # both are ranks: Pearson on ranks = Spearman
@@ -52,18 +52,19 @@ def metrics(order: np.ndarray, k: int, batch: int, classes: int, n: int) -> dict
             "class_entropy_fraction": round(float(np.mean(entropy)) / ideal_entropy, 3)}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=200_000)
     ap.add_argument("--samples-per-block", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--classes", type=int, default=1000)
-    ap.add_argument("--out", default="benchmarks/results")
-    args = ap.parse_args()
+    ap.add_argument("--windows", default="1,4,16,64,256,1024", help="window sizes in blocks (comma list)")
+    ap.add_argument("--out", default=RESULTS_DIR)
+    args = ap.parse_args(argv)
     n, k, bs = args.samples, args.samples_per_block, args.batch_size
     blocks = -(-n // k)
     rows = []
-    for w in (1, 4, 16, 64, 256, 1024):
+    for w in (int(w) for w in args.windows.split(",")):
         cfg = PlanConfig(num_samples=n, samples_per_block=k, batch_size=bs, window_blocks=w, shuffle=True, seed=0)
         order = epoch_plan(cfg, 0).sample_ids()
         rows.append({"window_blocks": w, "window_samples": w * k, **metrics(order, k, bs, args.classes, n)})
@@ -77,8 +78,7 @@ def main() -> int:
     base = os.path.join(args.out, "shuffle-quality")
     doc = {"samples": n, "samples_per_block": k, "blocks": blocks, "batch_size": bs, "classes": args.classes,
            "data_order": "sorted by class", "results": rows}
-    with open(base + ".json", "w") as f:
-        json.dump(doc, f, indent=1)
+    write_json(base + ".json", doc)
     lines = [f"# Windowed shuffle quality ({n} samples sorted by class, {args.classes} classes, K={k}, "
              f"batch {bs})", "",
              "| window (blocks) | window (samples) | rank corr. | same-block pairs | classes/batch | class entropy |",
@@ -88,6 +88,15 @@ def main() -> int:
                      f"{r['same_block_pairs']} | {r['classes_per_batch']} | {r['class_entropy_fraction']} |")
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
+    try:
+        plot(rows, k, base + ".png")
+    except ImportError as e:
+        print(f"no plot ({e})")
+    print(f"wrote {base}.json, .md (.png with matplotlib)")
+    return 0
+
+
+def plot(rows: list[dict], k: int, png: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -99,15 +108,14 @@ def main() -> int:
                 label="class entropy per batch (fraction of ideal)")
     ax.semilogx([r["window_blocks"] for r in ws], [r["same_block_pairs"] * 10 for r in ws], "s-",
                 label="same-block pairs x10")
-    full_row = rows[-2]
+    full_row = next(r for r in rows if r["window_blocks"] == "full permutation")
     ax.axhline(full_row["class_entropy_fraction"], color="grey", ls="--", label="full permutation (entropy)")
     ax.set_xlabel(f"window_blocks (K={k} samples per block)")
     ax.set_title("Mixing of the windowed shuffle, data sorted by class")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(base + ".png", dpi=110)
-    print(f"wrote {base}.json, .md, .png")
-    return 0
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,259 @@
-"""Measuring primitives shared by ``gdsload bench`` and the benchmark suite: ceilings and timings.
+"""Measuring primitives shared by ``gdsload bench`` and the benchmark suite: passes, steps and ceilings.
 
-GPU packages are imported inside the functions.
+Every function here works on any gdsload dataset (or on its shard files) and returns what it measured; none
+prints, writes files or keeps state between calls. Rates are GB/s with GB = 1e9 bytes. CPU time is that of
+this process and of its children that have finished (``resource.getrusage``), so a contender whose worker
+processes are still alive is undercounted until they are joined. GPU packages (CuPy, KvikIO) are imported
+inside the functions that need them: the module imports on a machine without a GPU, and everything that
+does not name a GPU works there.
+
+Regimes: *warm* passes read files already in the page cache (read them once first); *cold* passes follow
+:func:`drop_page_cache`, which needs root; without it a cold figure cannot be taken and the caller must say
+so rather than report a warm one.
 """
 
 from __future__ import annotations
 
+import mmap
+import os
+import resource
+import subprocess
+import threading
 import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .format import DatasetLayout, read_metadata
+
+if TYPE_CHECKING:
+    from .format import BlockLocation
+
+#: Reader threads and piece size of the POSIX ceilings and raw KvikIO reads (gdsload's own default threads).
+THREADS = 16
+CHUNK_BYTES = 8 << 20
+_ALIGN = 4096  # O_DIRECT buffers, offsets and lengths
 
 
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process and of its finished (waited-for) children."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def drop_page_cache() -> bool:
+    """``sync`` then drop the kernel's page cache (whole machine). True if dropped; False when not
+    permitted (not root, or a read-only /proc in a container): the caller then has no cold regime."""
+    try:
+        subprocess.run(["sync"], check=True)
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except (OSError, subprocess.CalledProcessError):
+        return False
+
+
+# -- the files of a dataset ------------------------------------------------------------------------------
+def shard_paths(path: str | os.PathLike[str]) -> list[str]:
+    """Every shard file of every field of the dataset at ``path``."""
+    with DatasetLayout(read_metadata(path)) as layout:
+        return layout.shard_paths()
+
+
+def block_locations(path: str | os.PathLike[str], fields: Sequence[str] | None = None) -> list[BlockLocation]:
+    """Where every written block of the fixed-size ``fields`` (default: all of them) lies, field by field in
+    block order. Blocks never written are left out (a reader fills them, it does not read them)."""
+    meta = read_metadata(path)
+    names = tuple(fields) if fields is not None else tuple(meta.fields)
+    with DatasetLayout(meta, names) as layout:
+        locs = [layout.locate(name, b) for name in names for b in range(meta.num_blocks)]
+    return [loc for loc in locs if loc is not None]
+
+
+# -- a pass over a dataset -------------------------------------------------------------------------------
+@dataclass
+class PassResult:
+    """One timed pass (or one read of the same bytes by a contender or a ceiling).
+
+    ``seconds`` is wall time from the first request to the last byte in place (device work synchronized);
+    ``cpu_s`` the CPU time spent in that stretch; ``stall_s`` / ``first_batch_s``: gdsload's own count of the
+    time its consumer waited for data (None for others); ``wait_s``: with a simulated step, wall time beyond
+    the same steps run alone (``alone_s``), clipped at 0."""
+
+    bytes: int
+    seconds: float
+    io_mode: str
+    samples: int | None = None
+    cpu_s: float = 0.0
+    stall_s: float | None = None
+    first_batch_s: float | None = None
+    wait_s: float | None = None
+    alone_s: float | None = None
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    @property
+    def samples_per_s(self) -> float | None:
+        return self.samples / self.seconds if self.samples and self.seconds > 0 else None
+
+    @property
+    def cpu_core_s_per_gb(self) -> float | None:
+        return self.cpu_s / (self.bytes / 1e9) if self.bytes else None
+
+    @property
+    def stall_fraction(self) -> float | None:
+        return self.stall_s / self.seconds if self.stall_s is not None and self.seconds > 0 else None
+
+    @property
+    def steady_stall_fraction(self) -> float | None:
+        """The stall share after the first batch: the pass's steady state, without its first window."""
+        if self.stall_s is None or self.first_batch_s is None or self.seconds <= self.first_batch_s:
+            return None
+        return (self.stall_s - self.first_batch_s) / (self.seconds - self.first_batch_s)
+
+    @property
+    def wait_fraction(self) -> float | None:
+        return self.wait_s / self.seconds if self.wait_s is not None and self.seconds > 0 else None
+
+
+def device_sync(ds: Any) -> Callable[[], None]:
+    """A function waiting for the work queued on the consumer's current stream (nothing for backend cpu)."""
+    if ds.describe()["backend"] == "cpu":
+        return lambda: None
+    import cupy
+
+    return lambda: cupy.cuda.get_current_stream().synchronize()
+
+
+def time_pass(ds: Any, step: Step | None = None) -> PassResult:
+    """Time one pass over ``ds`` (a :class:`gdsload.GDSDataset`), every batch taken and dropped.
+
+    With ``step``, each batch is followed by one simulated training step, and the same number of steps is
+    first timed alone, right before the pass: ``wait_s`` is the pass's wall time beyond it. The pass is
+    warm or cold as the page cache is; a dataset reading ahead (``prefetch_next_epoch``) has already begun
+    it, as in training: call ``ds.stop()`` first for a pass that starts from nothing (:func:`cold_pass`)."""
+    sync = device_sync(ds)
+    alone = step.alone(len(ds)) if step is not None else None
+    c0, t0 = cpu_seconds(), time.perf_counter()
+    for _batch in ds:
+        if step is not None:
+            step()
+    sync()
+    wall = time.perf_counter() - t0
+    cpu = cpu_seconds() - c0
+    s = ds.stats
+    return PassResult(bytes=s.bytes_read, seconds=wall, io_mode=s.io_mode, samples=s.samples, cpu_s=cpu,
+                      stall_s=s.stall_s, first_batch_s=s.first_batch_s,
+                      wait_s=max(0.0, wall - alone) if alone is not None else None, alone_s=alone)
+
+
+def cold_pass(ds: Any, step: Step | None = None) -> PassResult:
+    """A pass from a dropped page cache: reading ahead stopped first (nothing may come from the warm cache).
+    Raises PermissionError when the cache cannot be dropped."""
+    ds.stop()
+    if not drop_page_cache():
+        raise PermissionError("cannot drop the page cache (needs root): no cold pass")
+    return time_pass(ds, step)
+
+
+# -- simulated training steps ----------------------------------------------------------------------------
+class Step:
+    """A simulated training step of fixed duration per batch, with the host waiting for it after every
+    ``sync_every`` steps (1: each step, as ``loss.item()``, the worst case for a loader, whose ``next()``
+    then lies between two steps; more: the host runs ahead, as a loop that reads its loss now and then).
+    Subclasses say how a step is launched and waited for."""
+
+    def __init__(self, ms: float, sync_every: int = 1):
+        if ms <= 0 or sync_every < 1:
+            raise ValueError(f"step needs ms > 0 and sync_every >= 1 (found {ms}, {sync_every})")
+        self.ms, self.sync_every = ms, sync_every
+        self._calls = 0
+
+    def launch(self) -> None:
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        raise NotImplementedError
+
+    def __call__(self) -> None:
+        self.launch()
+        self._calls += 1
+        if self._calls % self.sync_every == 0:
+            self.synchronize()
+
+    def alone(self, steps: int) -> float:
+        """Seconds ``steps`` steps take with no data to wait for, timed now. A pass's wall time beyond this
+        is time spent waiting for data, seen from outside (host waits, device-side waits and gathers alike):
+        time it right before the pass it is compared with, since launch latency drifts within a run."""
+        self()
+        self.synchronize()
+        self._calls = 0
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self()
+        self.synchronize()
+        took = time.perf_counter() - t0
+        self._calls = 0  # the pass timed next starts in the same phase
+        return took
+
+
+class Spin(Step):
+    """The GPU step: one kernel on the current stream spinning on the GPU's nanosecond global timer (not on
+    clock cycles, whose duration follows the clock the GPU happens to run at). ``launch(stamps)`` with a
+    device uint64 pointer writes the kernel's start and end times there (two words)."""
+
+    def __init__(self, ms: float, sync_every: int = 1):
+        super().__init__(ms, sync_every)
+        import cupy
+
+        self.cupy = cupy
+        self.ns = np.uint64(round(ms * 1e6))
+        self.kernel = cupy.RawKernel(r"""
+        extern "C" __global__ void spin(unsigned long long ns, unsigned long long* stamps) {
+            unsigned long long t0, t;
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+            do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+            if (stamps) { stamps[0] = t0; stamps[1] = t; }
+        }""", "spin")
+        self._null = np.uint64(0)
+
+    def launch(self, stamps: np.uint64 | None = None) -> None:
+        self.kernel((1,), (1,), (self.ns, self._null if stamps is None else stamps))
+
+    def synchronize(self) -> None:
+        self.cupy.cuda.get_current_stream().synchronize()
+
+
+class HostStep(Step):
+    """The step without a GPU: a simulated device queue. A launch queues ``ms`` of work behind what is
+    queued; a synchronize sleeps until the queue has drained (releasing the GIL, as a CUDA sync does)."""
+
+    def __init__(self, ms: float, sync_every: int = 1):
+        super().__init__(ms, sync_every)
+        self._busy_until = 0.0
+
+    def launch(self) -> None:
+        self._busy_until = max(time.perf_counter(), self._busy_until) + self.ms / 1e3
+
+    def synchronize(self) -> None:
+        while (left := self._busy_until - time.perf_counter()) > 0:
+            time.sleep(left)
+
+
+def make_step(ms: float, sync_every: int = 1, gpu: bool = True) -> Step:
+    """:class:`Spin` on a GPU, else :class:`HostStep`."""
+    return Spin(ms, sync_every) if gpu else HostStep(ms, sync_every)
+
+
+# -- ceilings --------------------------------------------------------------------------------------------
 def pinned_h2d_gbps(nbytes: int = 256 << 20, repeats: int = 5, device_id: int = 0) -> float:
     """Best-of-``repeats`` host-to-device copy rate from pinned memory, in GB/s (the pinned path's ceiling)."""
     import cupy
-    import numpy as np
 
     with cupy.cuda.Device(device_id):
         mem = cupy.cuda.alloc_pinned_memory(nbytes)
@@ -28,3 +270,126 @@ def pinned_h2d_gbps(nbytes: int = 256 << 20, repeats: int = 5, device_id: int = 
             best = min(best, time.perf_counter() - t0)
         del dev, host, mem
     return nbytes / best / 1e9
+
+
+def _pieces(paths: Sequence[str], chunk: int) -> list[tuple[str, int, int]]:
+    out = []
+    for p in paths:
+        size = os.path.getsize(p)
+        out += [(p, o, min(chunk, size - o)) for o in range(0, size, chunk)]
+    return out
+
+
+def read_files(paths: Sequence[str], direct: bool = False, pinned: bool = False, threads: int = THREADS,
+               chunk: int = CHUNK_BYTES) -> PassResult:
+    """``threads`` threads reading whole files in ``chunk`` pieces into per-thread buffers: with ``direct``
+    through O_DIRECT (the disk's ceiling: run it cold), else buffered (warm: the page cache's). ``pinned``
+    reads into pinned host memory (needs CuPy): the pinned path's first stage alone. Buffers are allocated
+    and files opened before the timing starts. Raises OSError where the file system refuses O_DIRECT."""
+    if direct and chunk % _ALIGN:
+        raise ValueError(f"O_DIRECT needs chunk to be a multiple of {_ALIGN} (found {chunk})")
+    flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
+    fds = {p: os.open(p, flags) for p in paths}
+    local = threading.local()
+    keep: list[Any] = []
+
+    def buf() -> memoryview:
+        if not hasattr(local, "b"):
+            if pinned:
+                import cupy
+
+                mem = cupy.cuda.alloc_pinned_memory(chunk)
+                keep.append(mem)
+                local.b = memoryview(np.frombuffer(mem, np.uint8, chunk))
+            else:
+                local.b = memoryview(mmap.mmap(-1, chunk))  # page aligned, as O_DIRECT needs
+        return local.b
+
+    def read(item: tuple[str, int, int]) -> int:
+        p, off, n = item
+        n_al = -(-n // _ALIGN) * _ALIGN if direct else n
+        return min(os.preadv(fds[p], [buf()[:n_al]], off), n)
+
+    try:
+        items = _pieces(paths, chunk)
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(lambda _: buf(), range(threads * 2)))  # allocate outside the timing
+            c0, t0 = cpu_seconds(), time.perf_counter()
+            total = sum(pool.map(read, items))
+            dt, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    mode = "posix-odirect" if direct else "posix-pinned" if pinned else "posix"
+    return PassResult(bytes=total, seconds=dt, io_mode=mode, cpu_s=cpu)
+
+
+def _kvikio(threads: int) -> Any:
+    """KvikIO with its process-wide pool set as gdsload sets it (``threads`` threads, 4 MiB tasks):
+    KvikIO's own default is one thread, and backends made earlier in the process may have set another."""
+    import kvikio
+    import kvikio.defaults
+
+    kvikio.defaults.set({"num_threads": threads, "task_size": 4 << 20})
+    return kvikio
+
+
+def _kvikio_mode() -> str:
+    from .env import kvikio_info
+
+    return kvikio_info().get("io_mode") or "kvikio"
+
+
+def raw_kvikio_files(paths: Sequence[str], dest: Any, threads: int = THREADS) -> PassResult:
+    """The best raw KvikIO read of a dataset's bytes: each whole shard file in one ``pread`` into the device
+    buffer ``dest`` (at least the files' total size), handles opened before the timing."""
+    import cupy
+
+    kvikio = _kvikio(threads)
+    handles = [kvikio.CuFile(p, "r") for p in paths]
+    sizes = [os.path.getsize(p) for p in paths]
+    try:
+        c0, t0 = cpu_seconds(), time.perf_counter()
+        futures, off = [], 0
+        for h, n in zip(handles, sizes):
+            futures.append(h.pread(dest[off:off + n], n, 0))
+            off += n
+        total = sum(f.get() for f in futures)
+        cupy.cuda.runtime.deviceSynchronize()
+        dt, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+    finally:
+        for h in handles:
+            h.close()
+    return PassResult(bytes=total, seconds=dt, io_mode=_kvikio_mode(), cpu_s=cpu)
+
+
+def raw_kvikio_blocks(blocks: Sequence[BlockLocation], dest: Any, threads: int = THREADS, shuffle: bool = True,
+                      seed: int = 0) -> PassResult:
+    """Raw KvikIO reads of the same blocks a reader of the dataset reads (:func:`block_locations`): one
+    ``pread`` per block into the device buffer ``dest`` (at least their total size), issued in a shuffled
+    order (``shuffle``, from ``seed``) as a shuffled pass issues them, handles opened before the timing.
+    The rate a loader of those blocks could reach through KvikIO alone."""
+    import cupy
+
+    kvikio = _kvikio(threads)
+    handles = {p: kvikio.CuFile(p, "r") for p in dict.fromkeys(b.path for b in blocks)}
+    starts = np.concatenate([[0], np.cumsum([b.nbytes for b in blocks])]).tolist()
+    order = np.random.default_rng(seed).permutation(len(blocks)) if shuffle else np.arange(len(blocks))
+    try:
+        c0, t0 = cpu_seconds(), time.perf_counter()
+        futures = []
+        for i in order.tolist():
+            b = blocks[i]
+            futures.append(handles[b.path].pread(dest[starts[i]:starts[i] + b.nbytes], b.nbytes, b.offset))
+        total = sum(f.get() for f in futures)
+        cupy.cuda.runtime.deviceSynchronize()
+        dt, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+    finally:
+        for h in handles.values():
+            h.close()
+    return PassResult(bytes=total, seconds=dt, io_mode=_kvikio_mode(), cpu_s=cpu)
+
+
+def best(results: Sequence[PassResult]) -> PassResult:
+    """The fastest of several passes of the same thing (the steady state of a warm regime)."""
+    return min(results, key=lambda r: r.seconds)

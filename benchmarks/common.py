@@ -1,0 +1,162 @@
+"""What every benchmark shares and the library does not: synthetic datasets, the machine's description and
+name, and writing results (JSON first; tables and plots are rendered from it by ``benchmarks.report``)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from gdsload.env import system_info
+
+#: Samples of the synthetic image dataset: 224x224x3 uint8 (JPEG-decoded ImageNet size) and an int64 label.
+IMAGE_SHAPE = (224, 224, 3)
+SAMPLE_BYTES = int(np.prod(IMAGE_SHAPE))
+BATCH = 256
+DATA_DIR = "/root/gdsload-bench"
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+class RandomImages:
+    """Noise images generated slice by slice (incompressible, like decoded data): a gdsload ArraySource."""
+
+    origin = "<random>"
+    dtype = np.dtype(np.uint8)
+
+    def __init__(self, n: int):
+        self.shape = (n, *IMAGE_SHAPE)
+        self.rng = np.random.default_rng(0)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        return self.rng.integers(0, 256, (stop - start, *self.shape[1:]), dtype=np.uint8)
+
+    def close(self) -> None:
+        pass
+
+
+class Labels:
+    """Label i = i: a reader's output can be checked against the sample ids it claims."""
+
+    origin = "<labels>"
+    dtype = np.dtype(np.int64)
+
+    def __init__(self, n: int):
+        self.shape = (n,)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        return np.arange(start, stop, dtype=np.int64)
+
+    def close(self) -> None:
+        pass
+
+
+def dataset_tag(size_gib: float, block_bytes: int) -> str:
+    """``1GiB-4MiB``: the name results give a synthetic dataset (size, block size)."""
+    block = f"{block_bytes >> 20}MiB" if block_bytes >= 1 << 20 else f"{block_bytes >> 10}KiB"
+    return f"{size_gib:g}GiB-{block}"
+
+
+def make_dataset(data_dir: str, size_gib: float, block_bytes: int = 4 << 20) -> str:
+    """The synthetic image dataset of ``size_gib`` GiB in blocks of about ``block_bytes``, written under
+    ``data_dir`` unless already there; returns its path. Synced to disk: no writeback runs under a timing."""
+    from gdsload import write_dataset
+
+    path = os.path.join(data_dir, dataset_tag(size_gib, block_bytes) + ".gds")
+    if os.path.exists(path):
+        return path
+    os.makedirs(data_dir, exist_ok=True)
+    n = max(1, int(size_gib * 2**30 // SAMPLE_BYTES))
+    t0 = time.perf_counter()
+    write_dataset(path, {"image": RandomImages(n), "label": Labels(n)}, block_bytes=block_bytes, progress=False)
+    os.sync()
+    print(f"wrote {path}: {n} samples in {time.perf_counter() - t0:.1f} s", flush=True)
+    return path
+
+
+def today() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+
+
+def describe_machine(data_dir: str | None = None) -> dict[str, Any]:
+    """:func:`gdsload.env.system_info` plus the file system holding ``data_dir`` (``df -h``)."""
+    info = system_info()
+    if data_dir is not None:
+        df = subprocess.run(["df", "-h", data_dir], capture_output=True, text=True).stdout.strip().splitlines()
+        info["data_filesystem"] = " ".join(df[-1].split()) if df else None
+    return info
+
+
+def machine_name(info: dict[str, Any]) -> str:
+    """The results folder of a machine: its GPU's name without "NVIDIA ", spaces as dashes
+    (``H100-80GB-HBM3``); ``cpu-only`` without a GPU."""
+    gpu = info.get("gpu")
+    return gpu.replace("NVIDIA ", "").strip().replace(" ", "-") if gpu else "cpu-only"
+
+
+def results_dir(out: str, info: dict[str, Any]) -> str:
+    """``out/<machine>``, created."""
+    path = os.path.join(out, machine_name(info))
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def write_json(path: str, doc: Any) -> str:
+    """Write ``doc`` as indented JSON, replacing ``path`` whole (a reader never sees half a file)."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+    return path
+
+
+class Rows(list):
+    """Result rows, each printed as a JSON line as it is added (a run cut short still shows its figures)."""
+
+    def emit(self, row: dict[str, Any]) -> dict[str, Any]:
+        self.append(row)
+        print(json.dumps(row), flush=True)
+        return row
+
+
+def free_device_memory() -> None:
+    """Give CuPy's cached device blocks back between contenders (nothing without CuPy)."""
+    try:
+        import cupy
+    except ImportError:
+        return
+    cupy.get_default_memory_pool().free_all_blocks()
+
+
+def probe_parser(description: str, size_gib: float = 4.0) -> argparse.ArgumentParser:
+    """The options every diagnostic takes: dataset, output, a tag for the file name, and Python's thread
+    switch interval (:func:`parse_probe_args` applies it)."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--data", default=DATA_DIR)
+    ap.add_argument("--size-gib", type=float, default=size_gib)
+    ap.add_argument("--out", default=RESULTS_DIR)
+    ap.add_argument("--tag", default="", help="added to the result file's name")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval for this run (seconds; Python's default is 0.005)")
+    return ap
+
+
+def parse_probe_args(ap: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    args = ap.parse_args(argv)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
+    return args
+
+
+def write_probe(args: argparse.Namespace, name: str, rows: list[dict[str, Any]], **extra: Any) -> str:
+    """A diagnostic's rows with the machine described, as ``OUT/<machine>/<name>[-<tag>].json``."""
+    info = describe_machine(args.data)
+    path = os.path.join(results_dir(args.out, info), name + (f"-{args.tag}" if args.tag else "") + ".json")
+    return write_json(path, {"benchmark": name, "date": today(), "machine": info, **extra, "results": rows})

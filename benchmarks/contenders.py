@@ -1,0 +1,175 @@
+"""The loaders gdsload is compared with, each reading the same dataset: torch DataLoader over its blocks,
+zarr-python, naive ``np.fromfile`` per shard file, and NVIDIA DALI's file reader when DALI is installed.
+
+Each ``*_run`` function sets a contender up and returns a callable timing one pass as a
+:class:`gdsload.measure.PassResult`. With ``gpu`` the bytes end in device memory (as gdsload's GPU backends
+put them), else in host memory (beside the cpu backend). A contender that cannot run here raises from
+the callable (ImportError when its package is missing), and the suite records why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from gdsload.format import DatasetLayout, read_metadata
+from gdsload.measure import PassResult, Step, cpu_seconds
+
+Run = Callable[[], PassResult]
+
+
+def _device(gpu: bool) -> tuple[Callable[[Any], Any], Callable[[], None]]:
+    """(put: a host array into the destination memory, sync: wait until every put has landed)."""
+    if not gpu:
+        return (lambda x: x), (lambda: None)
+    import cupy
+
+    return cupy.asarray, cupy.cuda.runtime.deviceSynchronize
+
+
+class TorchBlocks:
+    """Map-style torch dataset of the same blocks: item i is block i of the image and label fields, read
+    with ``os.preadv`` (descriptors opened per worker process on first use), and its sample count."""
+
+    def __init__(self, path: str):
+        meta = read_metadata(path)
+        with DatasetLayout(meta, ("image", "label")) as layout:
+            self.items = [(layout.locate("image", b), layout.locate("label", b),
+                           min(meta.samples_per_block, meta.num_samples - b * meta.samples_per_block))
+                          for b in range(meta.num_blocks)]
+        self.fds: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def _read(self, loc: Any) -> Any:
+        import torch
+
+        fd = self.fds.get(loc.path)
+        if fd is None:
+            fd = self.fds[loc.path] = os.open(loc.path, os.O_RDONLY)
+        buf = np.empty(loc.nbytes, dtype=np.uint8)
+        os.preadv(fd, [buf], loc.offset)
+        return torch.from_numpy(buf)
+
+    def __getitem__(self, i: int) -> tuple[Any, Any, int]:
+        image, label, n = self.items[i]
+        return self._read(image), self._read(label), n
+
+
+def torch_run(path: str, workers: int, gpu: bool, step: Step | None = None, shuffle: bool = False) -> Run:
+    """torch DataLoader over the blocks (batch = one block, ``num_workers`` processes); on a GPU with
+    ``pin_memory=True`` and ``.to("cuda", non_blocking=True)``. ``stall_s``: time spent in ``next()``."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    blocks = TorchBlocks(path)
+
+    def run() -> PassResult:
+        loader = DataLoader(blocks, batch_size=None, shuffle=shuffle, num_workers=workers, pin_memory=gpu,
+                            prefetch_factor=4 if workers else None)
+        nbytes, n, stall = 0, 0, 0.0
+        alone = step.alone(len(blocks)) if step is not None else None
+        c0, t0 = cpu_seconds(), time.perf_counter()
+        it = iter(loader)
+        while True:
+            w0 = time.perf_counter()
+            try:
+                image, label, count = next(it)
+            except StopIteration:
+                break
+            stall += time.perf_counter() - w0
+            if gpu:
+                image = image.to("cuda", non_blocking=True)
+                label = label.to("cuda", non_blocking=True)
+            nbytes += image.numel() + label.numel()
+            n += int(count)
+            if step is not None:
+                step()
+        if gpu:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        del it, loader  # workers joined: their CPU time is counted (RUSAGE_CHILDREN)
+        return PassResult(bytes=nbytes, seconds=wall, io_mode="posix-pageable", samples=n,
+                          cpu_s=cpu_seconds() - c0, stall_s=stall,
+                          wait_s=max(0.0, wall - alone) if alone is not None else None, alone_s=alone)
+
+    return run
+
+
+def zarr_run(path: str, gpu: bool, gpu_buffers: bool = False) -> Run:
+    """zarr-python reading shard-sized slices of the image and label arrays, then ``cupy.asarray`` (with
+    ``gpu_buffers``: zarr's own GPU buffers, ``zarr.config.enable_gpu()``)."""
+    import zarr
+
+    put, sync = _device(gpu)
+
+    def run() -> PassResult:
+        with zarr.config.enable_gpu() if gpu_buffers else contextlib.nullcontext():
+            g = zarr.open_group(path, mode="r")
+            image, label = g["image"], g["label"]
+            step = image.shards[0]
+            c0, t0 = cpu_seconds(), time.perf_counter()
+            nbytes = n = 0
+            for a in range(0, image.shape[0], step):
+                x = put(image[a:a + step])
+                y = put(label[a:a + step])
+                nbytes += x.nbytes + y.nbytes
+                n += y.shape[0]
+            sync()
+            wall = time.perf_counter() - t0
+        mode = "zarr-gpu-buffers" if gpu_buffers else "zarr-host"
+        return PassResult(bytes=nbytes, seconds=wall, io_mode=mode, samples=n, cpu_s=cpu_seconds() - c0)
+
+    return run
+
+
+def naive_run(paths: list[str], gpu: bool) -> Run:
+    """What people write first: ``np.fromfile`` per shard file, then ``cupy.asarray`` (a pageable copy)."""
+    put, sync = _device(gpu)
+
+    def run() -> PassResult:
+        c0, t0 = cpu_seconds(), time.perf_counter()
+        total = 0
+        for p in paths:
+            d = put(np.fromfile(p, dtype=np.uint8))
+            total += d.nbytes
+            del d
+        sync()
+        return PassResult(bytes=total, seconds=time.perf_counter() - t0, io_mode="posix-pageable",
+                          cpu_s=cpu_seconds() - c0)
+
+    return run
+
+
+def dali_run(paths: list[str], threads: int = 16) -> Run:
+    """NVIDIA DALI's file reader over the shard files (one file per sample, whole), moved to the GPU by
+    the pipeline (``.gpu()``): DALI's generic path for bytes it does not decode. GPU only."""
+    from nvidia.dali import fn, pipeline_def
+
+    @pipeline_def(batch_size=1, num_threads=threads, device_id=0, prefetch_queue_depth=2)
+    def files() -> Any:
+        data, _ = fn.readers.file(files=list(paths), random_shuffle=False, name="reader")
+        return data.gpu()
+
+    pipe = files()
+    pipe.build()
+
+    def run() -> PassResult:
+        import cupy
+
+        c0, t0 = cpu_seconds(), time.perf_counter()
+        total = 0
+        for _ in paths:
+            (out,) = pipe.run()
+            total += sum(int(np.prod(s)) for s in out.shape())
+        cupy.cuda.runtime.deviceSynchronize()
+        return PassResult(bytes=total, seconds=time.perf_counter() - t0, io_mode="dali-file-reader",
+                          cpu_s=cpu_seconds() - c0)
+
+    return run

@@ -1,0 +1,149 @@
+"""Turning timed passes into result rows: gdsload runs, repeats and regimes, and failures recorded.
+
+A row is a flat JSON object: ``kind`` (ceiling, gdsload, contender, step or startup), ``dataset``,
+``regime`` (warm, cold, shm or -), ``name``, ``config``, ``io_mode`` and the figures (``gb_per_s``,
+``samples_per_s``, ``cpu_core_s_per_gb``, ``seconds``, ``stall_fraction``, ``steady_stall_fraction``,
+``wait_fraction`` and every repeat's ``wait_fraction_runs``); gdsload rows add ``backend``, ``shuffle``,
+``threads``, ``default`` (the suite's standard configuration) and what ``GDSDataset.describe()`` says. A
+contender that could not run has ``error`` (or ``skipped``, its package missing) instead of figures.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from gdsload import GDSDataset
+from gdsload.measure import PassResult, Step, best, device_sync, drop_page_cache, time_pass
+
+from .common import Rows
+
+Run = Callable[[], PassResult]
+
+
+def lazy(build: Callable[[], Run]) -> Run:
+    """A run set up on its first call (so that a contender failing to set up is recorded, not raised)."""
+    made: list[Run] = []
+
+    def run() -> PassResult:
+        if not made:
+            made.append(build())
+        return made[0]()
+
+    return run
+
+
+class GdsRun:
+    """A GDSDataset kept open across passes; each call times one pass (:func:`gdsload.measure.time_pass`),
+    with a simulated training step per batch when ``step`` is given."""
+
+    def __init__(self, path: str, backend: str, batch_size: int, shuffle: bool = False, threads: int | None = None,
+                 step: Step | None = None, backend_options: dict[str, Any] | None = None, **dataset_options: Any):
+        options = dict(backend_options or {})
+        if threads:
+            options["num_threads"] = threads
+        self.ds = GDSDataset(path, batch_size=batch_size, backend=backend, shuffle=shuffle,
+                             backend_options=options or None, **dataset_options)
+        self.step = step
+
+    def __call__(self) -> PassResult:
+        return time_pass(self.ds, self.step)
+
+    def stop(self) -> None:
+        """Before a cold pass: nothing read ahead from the warm cache."""
+        self.ds.stop()
+
+    def extra(self) -> dict[str, Any]:
+        """What the row adds from ``describe()``: window, open time, backend settings, pinned memory held."""
+        d = self.ds.describe()
+        stats = d["backend_stats"]
+        pinned = stats.get("locked_bytes") or (stats.get("peak_slots_in_use", 0) * stats.get("slot_bytes", 0))
+        return {"window_blocks": d["window_blocks"], "window_buffers": d["window_buffers"],
+                "batches_ahead": d["batches_ahead"], "open_s": round(d["open_s"], 4),
+                **({"peak_pinned_bytes": pinned} if pinned else {}), "backend_stats": stats}
+
+    def close(self) -> None:
+        self.ds.close()
+
+
+def figures(r: PassResult, waits: list[float]) -> dict[str, Any]:
+    """A pass's figures, rounded as the results show them."""
+
+    def rnd(v: float | None, n: int) -> float | None:
+        return None if v is None else round(v, n)
+
+    return {"io_mode": r.io_mode, "gb_per_s": round(r.gb_per_s, 2),
+            "samples_per_s": round(r.samples_per_s) if r.samples_per_s else None,
+            "cpu_core_s_per_gb": rnd(r.cpu_core_s_per_gb, 3), "seconds": round(r.seconds, 3),
+            "stall_fraction": rnd(r.stall_fraction, 4), "steady_stall_fraction": rnd(r.steady_stall_fraction, 4),
+            "first_batch_s": rnd(r.first_batch_s, 4), "wait_fraction": rnd(r.wait_fraction, 4),
+            **({"wait_fraction_runs": waits} if len(waits) > 1 else {})}
+
+
+class Recorder:
+    """Runs a measurement the requested number of times in a regime and emits its row (the best pass;
+    with a training step, every pass's waiting share too). A failure becomes a row saying why."""
+
+    def __init__(self, can_drop: bool, batch_size: int):
+        self.can_drop = can_drop
+        self.batch_size = batch_size
+        self.rows = Rows()
+
+    def emit(self, row: dict[str, Any]) -> dict[str, Any]:
+        return self.rows.emit(row)
+
+    def failed(self, where: dict[str, Any], e: BaseException) -> None:
+        why = f"{type(e).__name__}: {e}"[:300]
+        self.emit({**where, ("skipped" if isinstance(e, ImportError) else "error"): why})
+
+    def attempt(self, dataset: str, name: str, config: str, build: Callable[[], Any]) -> Any:
+        """``build()``, or None with an error row when it fails (a backend that cannot open here)."""
+        try:
+            return build()
+        except Exception as e:
+            self.failed({"kind": "gdsload", "dataset": dataset, "regime": "-", "name": name, "config": config}, e)
+            return None
+
+    def record(self, dataset: str, regime: str, name: str, config: str, fn: Run, repeats: int = 1,
+               kind: str = "gdsload", **labels: Any) -> dict[str, Any] | None:
+        where = {"kind": kind, "dataset": dataset, "regime": regime, "name": name, "config": config}
+        if regime == "cold":
+            if not self.can_drop:
+                return None
+            if hasattr(fn, "stop"):
+                fn.stop()  # gdsload reads the next epoch ahead: that must not come from the warm cache
+            drop_page_cache()
+        runs: list[PassResult] = []
+        try:
+            for _ in range(repeats):
+                runs.append(fn())
+        except Exception as e:  # a contender that cannot run here is reported, not hidden
+            self.failed({**where, **labels}, e)
+            return None
+        waits = [round(r.wait_fraction, 4) for r in runs if r.wait_fraction is not None]
+        extra = fn.extra() if hasattr(fn, "extra") else {}
+        return self.emit({**where, **labels, **figures(best(runs), waits), **extra})
+
+    def startup(self, dataset: str, regime: str, backend: str, path: str, batch_size: int, **options: Any) -> None:
+        """Open a fresh dataset and take its first batch: ``open_s`` (``describe()``), ``first_batch_s``
+        (``ds.stats``), and ``seconds`` from the constructor's call to the first batch in hand."""
+        where = {"kind": "startup", "dataset": dataset, "regime": regime, "name": f"gdsload {backend} startup",
+                 "config": "open + first batch", "backend": backend}
+        if regime == "cold" and not drop_page_cache():
+            return
+        try:
+            t0 = time.perf_counter()
+            with GDSDataset(path, batch_size=batch_size, backend=backend, **options) as ds:
+                it = iter(ds)
+                next(it)
+                device_sync(ds)()
+                took = time.perf_counter() - t0
+                d = ds.describe()
+                first = ds.stats.first_batch_s
+                del it
+        except Exception as e:
+            self.failed(where, e)
+            return
+        self.emit({**where, "io_mode": d["io_mode"], "open_s": round(d["open_s"], 4),
+                   "first_batch_s": round(first, 4), "seconds": round(took, 4), "backend_stats": d["backend_stats"]})

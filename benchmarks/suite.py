@@ -1,0 +1,304 @@
+"""gdsload against the loaders people use today, beside the ceilings, in one run on the same data.
+
+    python -m benchmarks.suite --quick          # minutes: 1 + 4 GiB, main contenders, training-step rows
+    python -m benchmarks.suite --full           # 1 GiB in 1/4/16 MiB blocks, 8/16/32 threads; 16 GiB
+    python -m benchmarks.suite --stall-only     # the training-step rows alone, on the larger dataset
+    python -m benchmarks.suite --quick --backends cpu   # no GPU: the cpu backend beside host-memory contenders
+
+Rows (``benchmarks/rows.py`` builds them): ceilings (pinned H2D copy, O_DIRECT disk read, page cache into
+pinned memory, raw KvikIO of whole files and of the same blocks shuffled), gdsload per backend (warm, cold,
+shuffled; mmap cold = open + pass), each backend's startup (open, first batch, cold when the page cache can
+be dropped), contenders (torch DataLoader, zarr-python, naive np.fromfile, DALI if installed), the /dev/shm
+regime, and with a simulated training step the share of the pass spent waiting for data. Writes
+``results/<machine>/suite.json`` first (after every dataset), then ``suite.md``, ``suite.png`` (with
+matplotlib) and ``summary.json`` (``benchmarks.report``); ``--stall-only`` writes ``stall.json`` / ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from typing import Any
+
+from gdsload import GDSDataset
+from gdsload.env import gpu_available
+from gdsload.measure import PassResult, block_locations, drop_page_cache, make_step, pinned_h2d_gbps, \
+    raw_kvikio_blocks, raw_kvikio_files, read_files, shard_paths
+
+from . import report
+from .common import BATCH, DATA_DIR, RESULTS_DIR, SAMPLE_BYTES, describe_machine, free_device_memory, \
+    make_dataset, dataset_tag, results_dir, today, write_json
+from .contenders import dali_run, naive_run, torch_run, zarr_run
+from .rows import GdsRun, Recorder, lazy
+
+GPU_BACKENDS = ("kvikio", "pinned", "mmap")
+THREADS = 16  # reader threads of the suite's standard configuration (gdsload's default)
+MAIN_BLOCK = 4 << 20
+#: Training-step rows: (step duration as a multiple of a batch's read time, host syncs every that many steps).
+STEPS = ((1.5, 1), (3.0, 1), (1.5, 8))
+TORCH_STEP_MS = 5.0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="1 + 4 GiB, the main contenders (default)")
+    mode.add_argument("--full", action="store_true", help="1 GiB in three block sizes and thread counts; 16 GiB")
+    ap.add_argument("--stall-only", action="store_true", help="only the training-step rows, on the larger dataset")
+    ap.add_argument("--backends", default=None, help="comma list (default: kvikio,pinned,mmap with a GPU, else cpu)")
+    ap.add_argument("--sizes-gib", default=None, help="comma list of dataset sizes replacing the mode's")
+    ap.add_argument("--batch-size", type=int, default=BATCH)
+    ap.add_argument("--repeats", type=int, default=3, help="passes per warm row (the best is reported)")
+    ap.add_argument("--stall-repeats", type=int, default=3, help="passes per training-step row")
+    ap.add_argument("--batches-ahead", type=int, default=None, help="GDSDataset(batches_ahead=) for step rows")
+    ap.add_argument("--resident-bytes", type=int, default=None,
+                    help="GDSDataset(resident_bytes=) for every gdsload row (default: the library's)")
+    ap.add_argument("--no-cold", action="store_true", help="never drop the page cache (no cold rows)")
+    ap.add_argument("--data", default=DATA_DIR, help="directory on the disk under test (datasets are kept)")
+    ap.add_argument("--shm", default="/dev/shm/gdsload-bench", help="tmpfs copy for the /dev/shm regime")
+    ap.add_argument("--out", default=RESULTS_DIR, help="results root: files go to OUT/<machine>/")
+    ap.add_argument("--name", default=None, help="base name of the result files (default: suite, or stall)")
+    args = ap.parse_args(argv)
+    args.mode = "full" if args.full else "quick"
+    args.backends = tuple(args.backends.split(",")) if args.backends else (
+        GPU_BACKENDS if gpu_available() else ("cpu",))
+    args.gpu = any(b != "cpu" for b in args.backends)
+    sizes = [float(s) for s in args.sizes_gib.split(",")] if args.sizes_gib else [1.0, 16.0 if args.full else 4.0]
+    args.sizes = sizes[-1:] if args.stall_only else sizes
+    args.options = {} if args.resident_bytes is None else {"resident_bytes": args.resident_bytes}
+    args.name = args.name or ("stall" if args.stall_only else "suite")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    os.makedirs(args.data, exist_ok=True)
+    info = describe_machine(args.data)
+    print(info, flush=True)
+    can_drop = not args.no_cold and drop_page_cache()
+    rec = Recorder(can_drop, args.batch_size)
+    base = os.path.join(results_dir(args.out, info), args.name)
+    doc: dict[str, Any] = {
+        "schema": report.SCHEMA, "benchmark": "benchmarks.suite",
+        "mode": args.mode + ("-stall" if args.stall_only else ""),
+        "date": today(), "machine": info, "auto_backend": None,
+        "settings": {"backends": list(args.backends), "sizes_gib": args.sizes, "batch_size": args.batch_size,
+                     "sample_bytes": SAMPLE_BYTES, "repeats": args.repeats, "stall_repeats": args.stall_repeats,
+                     "batches_ahead": args.batches_ahead, "dataset_options": args.options,
+                     "page_cache_dropped": can_drop},
+        "results": rec.rows}
+
+    def save() -> None:
+        """After every dataset: a run cut short still leaves what it measured."""
+        doc["elapsed_s"] = round(time.perf_counter() - started)
+        write_json(base + ".json", doc)
+
+    if args.gpu and not args.stall_only:
+        rec.emit({"kind": "ceiling", "dataset": "-", "regime": "-", "name": "ceiling: pinned H2D copy",
+                  "config": "1 GiB", "io_mode": "cuda-memcpy", "gb_per_s": round(pinned_h2d_gbps(1 << 30), 2)})
+    for size in args.sizes:
+        blocks = [MAIN_BLOCK] + ([1 << 20, 16 << 20] if args.full and size == args.sizes[0] else [])
+        for block in blocks:
+            path = make_dataset(args.data, size, block)
+            tag = dataset_tag(size, block)
+            paths = shard_paths(path)
+            if doc["auto_backend"] is None:
+                doc["auto_backend"] = auto_backend(path, args.batch_size)
+            if args.stall_only:
+                stall(args, rec, path, tag, paths)
+                continue
+            main_block = block == MAIN_BLOCK
+            ceilings(args, rec, path, tag, paths, main_block)
+            threads = [8, 16, 32] if args.full and main_block and size == args.sizes[0] else [THREADS]
+            backends(args, rec, path, tag, main_block, threads)
+            if not main_block:
+                continue
+            startup(args, rec, path, tag)
+            contenders(args, rec, path, tag, paths)
+            if size == args.sizes[0] and len(args.sizes) > 1:
+                shm(args, rec, path, tag)
+            else:
+                stall(args, rec, path, tag, paths)
+            save()
+            print(f"elapsed {time.perf_counter() - started:.0f} s", flush=True)
+    save()
+    report.render(base + ".json", summary=not args.stall_only)
+    print(f"wrote {base}.json", flush=True)
+    return 0
+
+
+def auto_backend(path: str, batch_size: int) -> dict[str, Any]:
+    """The backend ``auto`` picks on this machine, and why (from the dataset's own description)."""
+    try:
+        with GDSDataset(path, batch_size=batch_size) as ds:
+            d = ds.describe()
+    except Exception as e:  # reported, as a contender that cannot run is
+        return {"backend": None, "reason": f"opening with backend auto failed: {type(e).__name__}: {e}"}
+    return {"backend": d["backend"], "reason": d["backend_reason"], "io_mode": d["io_mode"]}
+
+
+def ceilings(args: argparse.Namespace, rec: Recorder, path: str, tag: str, paths: list[str],
+             main_block: bool) -> None:
+    """The disk, the page cache into (pinned) host memory, and raw KvikIO of the same bytes."""
+    rec.record(tag, "cold", "ceiling: O_DIRECT disk read", f"{THREADS} threads, 8 MiB",
+               lambda: read_files(paths, direct=True), kind="ceiling")
+    pinned = args.gpu
+    read_files(paths, pinned=pinned)  # warm the page cache
+    rec.record(tag, "warm", f"ceiling: page cache -> {'pinned' if pinned else 'host memory'}",
+               f"{THREADS} threads, 8 MiB", lambda: read_files(paths, pinned=pinned), repeats=args.repeats,
+               kind="ceiling")
+    if not args.gpu:
+        return
+    import cupy
+
+    dest = cupy.empty(sum(os.path.getsize(p) for p in paths), dtype=cupy.uint8)
+    for regime in ("cold", "warm") if main_block else ("warm",):
+        rec.record(tag, regime, "raw KvikIO (whole files)", f"{THREADS} threads", lambda: raw_kvikio_files(paths, dest),
+                   repeats=args.repeats if regime == "warm" else 1, kind="ceiling")
+    image = block_locations(path, ("image",))
+    rec.record(tag, "warm", "raw KvikIO (blocks, shuffled)", f"{THREADS} threads, one read per block",
+               lambda: raw_kvikio_blocks(image, dest), repeats=args.repeats, kind="ceiling")
+    dest = None  # free the device copy before the next contender
+    free_device_memory()
+
+
+def backends(args: argparse.Namespace, rec: Recorder, path: str, tag: str, main_block: bool,
+             threads: list[int]) -> None:
+    """Each backend warm (ordered and shuffled) and cold; mmap's cold figure is open + one pass."""
+    regimes = ["cold", "warm"] if main_block else ["warm"]
+    for backend in args.backends:
+        for t in threads if backend != "mmap" else [0]:
+            for shuffle in [False, True] if main_block else [False]:
+                config = f"threads={t} shuffle={shuffle}" if t else f"shuffle={shuffle}"
+                labels = {"backend": backend, "shuffle": shuffle, "threads": t or None,
+                          "default": t in (0, THREADS)}
+                if backend == "mmap" and "cold" in regimes and not shuffle:
+                    rec.record(tag, "cold", "gdsload mmap", config + " (open + pass)",
+                               lambda: mmap_open_and_pass(path, shuffle, args.batch_size, args.options),
+                               kind="gdsload", **labels)
+                run = rec.attempt(tag, f"gdsload {backend}", config, lambda: GdsRun(
+                    path, backend, args.batch_size, shuffle=shuffle, threads=t or None, **args.options))
+                if run is None:
+                    continue
+                run()  # the process's first pass: CUDA modules, kernels and buffers set up
+                for regime in regimes if not shuffle else ["warm"]:
+                    if regime == "warm":
+                        run()
+                    elif backend == "mmap":
+                        continue  # measured above: its files are locked, a dropped cache is no cold start
+                    rec.record(tag, regime, f"gdsload {backend}", config, run,
+                               repeats=args.repeats if regime == "warm" else 1, kind="gdsload", **labels)
+                run.close()
+                free_device_memory()
+
+
+def mmap_open_and_pass(path: str, shuffle: bool, batch_size: int, options: dict[str, Any]) -> PassResult:
+    """The mmap backend from a cold cache: it reads the files while it locks them at open, so its cold
+    figure is open + one pass (a pass alone would replay what the open already loaded)."""
+    t0 = time.perf_counter()
+    run = GdsRun(path, "mmap", batch_size, shuffle=shuffle, **options)
+    opened = time.perf_counter() - t0
+    try:
+        r = run()
+    finally:
+        run.close()
+    r.seconds += opened
+    r.first_batch_s = (r.first_batch_s or 0.0) + opened
+    r.stall_s = (r.stall_s or 0.0) + opened
+    return r
+
+
+def startup(args: argparse.Namespace, rec: Recorder, path: str, tag: str) -> None:
+    """Each backend's time to open the dataset and to its first batch, from a dropped cache if allowed."""
+    for backend in args.backends:
+        regime = "cold" if rec.can_drop else "warm"
+        rec.startup(tag, regime, backend, path, args.batch_size, **args.options)
+        free_device_memory()
+
+
+def contenders(args: argparse.Namespace, rec: Recorder, path: str, tag: str, paths: list[str]) -> None:
+    regimes = ["cold", "warm"]
+    gpu = args.gpu
+    for workers in (0, 4, 8):
+        run = lazy(lambda w=workers: torch_run(path, w, gpu))
+        for regime in regimes:
+            if regime == "warm":
+                read_files(paths, pinned=gpu)
+            rec.record(tag, regime, "torch DataLoader", f"num_workers={workers}" + (" pin_memory" if gpu else ""),
+                       run, repeats=2 if regime == "warm" else 1, kind="contender")
+    for gpu_buffers in (False, True) if gpu else (False,):
+        for regime in regimes:
+            name = "zarr-python" + (" (GPU buffers)" if gpu_buffers else "") + (" + cupy" if gpu else "")
+            rec.record(tag, regime, name, "shard-sized reads", lazy(lambda g=gpu_buffers: zarr_run(path, gpu, g)),
+                       kind="contender")
+    for regime in regimes:
+        rec.record(tag, regime, "naive np.fromfile" + (" + cupy.asarray" if gpu else ""), "per shard file",
+                   naive_run(paths, gpu), kind="contender")
+    if gpu:
+        rec.record(tag, "warm", "DALI file reader", "whole shard files, .gpu()", lazy(lambda: dali_run(paths)),
+                   kind="contender")
+    free_device_memory()
+
+
+def shm(args: argparse.Namespace, rec: Recorder, path: str, tag: str) -> None:
+    """The /dev/shm regime: storage faster than this machine's disk (tmpfs)."""
+    copy = os.path.join(args.shm, os.path.basename(path))
+    shutil.rmtree(args.shm, ignore_errors=True)
+    shutil.copytree(path, copy)
+    try:
+        for backend in args.backends:
+            t = None if backend == "mmap" else THREADS
+            run = rec.attempt(tag, f"gdsload {backend}", "shm",
+                              lambda: GdsRun(copy, backend, args.batch_size, threads=t, **args.options))
+            if run is None:
+                continue
+            run()
+            config = f"threads={t} shuffle=False" if t else "shuffle=False"
+            rec.record(tag, "shm", f"gdsload {backend}", config, run, repeats=args.repeats, kind="gdsload",
+                       backend=backend, shuffle=False, threads=t, default=True)
+            run.close()
+            free_device_memory()
+        rec.record(tag, "shm", "torch DataLoader", "num_workers=8" + (" pin_memory" if args.gpu else ""),
+                   lazy(lambda: torch_run(copy, 8, args.gpu)), kind="contender")
+    finally:
+        shutil.rmtree(args.shm, ignore_errors=True)
+
+
+def stall(args: argparse.Namespace, rec: Recorder, path: str, tag: str, paths: list[str]) -> None:
+    """How long a simulated training step waits for data when it is slower than reading a batch: per
+    backend, steps of 1.5x and 3x a batch's read time (timed just before), host syncs after every step or
+    every 8th; beside them torch DataLoader with a 5 ms step."""
+    read_files(paths, pinned=args.gpu)
+    ahead = {} if args.batches_ahead is None else {"batches_ahead": args.batches_ahead}
+    options = {**args.options, **ahead}
+    for backend in args.backends:
+        probe = rec.attempt(tag, f"gdsload {backend} + training step", "-",
+                            lambda: GdsRun(path, backend, args.batch_size, **args.options))
+        if probe is None:
+            continue
+        probe()
+        r = probe()
+        probe.close()
+        batch_read_ms = r.seconds / -(-r.samples // args.batch_size) * 1e3
+        for factor, sync_every in STEPS:
+            ms = batch_read_ms * factor
+            run = GdsRun(path, backend, args.batch_size, step=make_step(ms, sync_every, args.gpu), **options)
+            run()  # a pass first: the next one is read ahead, as in training
+            synced = "" if sync_every == 1 else f", host syncs every {sync_every} steps"
+            rec.record(tag, "warm", f"gdsload {backend} + training step",
+                       f"step = {factor} x batch read time ({ms:.2f} ms){synced}", run, repeats=args.stall_repeats,
+                       kind="step", backend=backend, step_factor=factor, step_ms=round(ms, 3), sync_every=sync_every,
+                       **ahead)
+            run.close()
+        free_device_memory()
+    rec.record(tag, "warm", "torch DataLoader + training step", f"num_workers=8, step {TORCH_STEP_MS:g} ms",
+               lazy(lambda: torch_run(path, 8, args.gpu, make_step(TORCH_STEP_MS, 1, args.gpu))), kind="step",
+               step_ms=TORCH_STEP_MS, sync_every=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

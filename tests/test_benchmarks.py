@@ -1,0 +1,229 @@
+"""The benchmarks never rot: the suite, the report, the sweep and the shuffle-quality benchmark run on a tiny
+dataset with the cpu backend (no GPU, torch or matplotlib needed), and gdsload.measure's primitives are
+checked against what they measure."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from gdsload import GDSDataset, write_dataset
+from gdsload.measure import HostStep, PassResult, block_locations, read_files, shard_paths, time_pass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SUMMARY_KEYS = {"auto_backend", "io_mode", "warm_shuffled_gbps", "raw_kvikio_shuffled_gbps",
+                "stall_1p5x_sync_every_step", "open_s", "first_batch_s"}
+
+
+def bench(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """``python -m benchmarks.<args>`` from the repository root, as the README runs them."""
+    done = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    if check:
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return done
+
+
+def has_matplotlib() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+@pytest.fixture(scope="module")
+def suite_run(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One quick suite on two tiny datasets, cpu backend, no cold rows: its results folder."""
+    tmp = tmp_path_factory.mktemp("suite")
+    bench("benchmarks.suite", "--quick", "--backends", "cpu", "--sizes-gib", "0.01,0.02", "--batch-size", "16",
+          "--resident-bytes", "0", "--repeats", "2", "--stall-repeats", "2", "--no-cold",
+          "--data", str(tmp / "data"), "--out", str(tmp / "results"), "--shm", str(tmp / "shm"))
+    return str(tmp / "results" / "cpu-only")
+
+
+def test_suite_writes_one_shape(suite_run: str) -> None:
+    with open(os.path.join(suite_run, "suite.json")) as f:
+        doc = json.load(f)
+    assert doc["schema"] == 1 and doc["mode"] == "quick" and doc["machine"]["gpu"] is None
+    assert doc["settings"]["backends"] == ["cpu"] and doc["settings"]["page_cache_dropped"] is False
+    assert doc["auto_backend"]["backend"] == "cpu"
+    rows = doc["results"]
+    assert {r["kind"] for r in rows} == {"ceiling", "gdsload", "startup", "contender", "step"}
+    assert {r["regime"] for r in rows} == {"warm", "shm"}  # no cold rows without dropping the cache
+    gds = [r for r in rows if r["kind"] == "gdsload"]
+    assert {(r["dataset"], r["regime"], r["shuffle"]) for r in gds} == {
+        ("0.01GiB-4MiB", "warm", False), ("0.01GiB-4MiB", "warm", True), ("0.01GiB-4MiB", "shm", False),
+        ("0.02GiB-4MiB", "warm", False), ("0.02GiB-4MiB", "warm", True)}
+    for r in gds:
+        assert r["backend"] == "cpu" and r["io_mode"] == "cpu" and r["default"] is True
+        assert r["gb_per_s"] > 0 and r["samples_per_s"] > 0 and r["cpu_core_s_per_gb"] > 0
+        assert 0 <= r["stall_fraction"] <= 1 and r["open_s"] > 0 and r["backend_stats"]["num_threads"] == 16
+    steps = [r for r in rows if r["kind"] == "step" and r.get("backend") == "cpu"]
+    assert [(r["step_factor"], r["sync_every"]) for r in steps] == [(1.5, 1), (3.0, 1), (1.5, 8)]
+    for r in steps:
+        assert r["dataset"] == "0.02GiB-4MiB" and len(r["wait_fraction_runs"]) == 2
+        assert 0 <= r["wait_fraction"] <= 1 and r["wait_fraction"] in r["wait_fraction_runs"]
+    naive = [r for r in rows if r["name"] == "naive np.fromfile"]
+    assert len(naive) == 2 and all(r["io_mode"] == "posix-pageable" and r["gb_per_s"] > 0 for r in naive)
+    for r in rows:  # every row has figures, or says why not
+        assert "gb_per_s" in r or "open_s" in r or "error" in r or "skipped" in r, r
+
+
+def test_suite_summary(suite_run: str) -> None:
+    with open(os.path.join(suite_run, "summary.json")) as f:
+        summary = json.load(f)
+    assert SUMMARY_KEYS <= set(summary)
+    assert summary["dataset"] == "0.02GiB-4MiB" and summary["auto_backend"] == "cpu"
+    assert summary["io_mode"] == {"cpu": "cpu"} and summary["raw_kvikio_shuffled_gbps"] is None
+    assert summary["warm_shuffled_gbps"]["cpu"] > 0
+    assert 0 <= summary["stall_1p5x_sync_every_step"]["cpu"] <= 1
+    assert summary["open_s"]["cpu"] > 0 and summary["first_batch_s"]["cpu"] >= 0
+    assert summary["startup_regime"] == "warm"
+
+
+def test_suite_markdown_and_png(suite_run: str) -> None:
+    with open(os.path.join(suite_run, "suite.md")) as f:
+        md = f.read()
+    assert md.startswith("# gdsload benchmark suite (quick)") and "No GPU (" in md
+    assert "| 0.02GiB-4MiB | warm | gdsload cpu | threads=16 shuffle=True | cpu |" in md
+    assert "## Startup" in md and "## Summary (summary.json)" in md and "| cpu | cpu |" in md
+    assert os.path.exists(os.path.join(suite_run, "suite.png")) == has_matplotlib()
+
+
+def test_report_renders_the_suite_json_again(suite_run: str, tmp_path: str) -> None:
+    """The markdown comes from the JSON alone: rendering a copy gives the same file."""
+    copy = os.path.join(tmp_path, "suite.json")
+    with open(os.path.join(suite_run, "suite.json")) as f, open(copy, "w") as g:
+        g.write(f.read())
+    bench("benchmarks.report", copy)
+    for name in ("suite.md", "summary.json"):
+        with open(os.path.join(suite_run, name)) as f, open(os.path.join(tmp_path, name)) as g:
+            assert f.read() == g.read(), name
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "benchmarks", "results", "*", "suite.json"))))
+def test_committed_results_render_to_their_summary(path: str, tmp_path: str) -> None:
+    """Every kept suite run has the one shape, and its summary.json is what its JSON gives."""
+    copy = os.path.join(tmp_path, "suite.json")
+    with open(path) as f, open(copy, "w") as g:
+        g.write(f.read())
+    bench("benchmarks.report", copy)
+    with open(os.path.join(os.path.dirname(path), "summary.json")) as f, \
+            open(os.path.join(tmp_path, "summary.json")) as g:
+        kept, fresh = json.load(f), json.load(g)
+    assert kept == fresh and SUMMARY_KEYS <= set(kept)
+
+
+def test_report_refuses_another_shape(tmp_path: str) -> None:
+    path = os.path.join(tmp_path, "old.json")
+    with open(path, "w") as f:
+        json.dump({"benchmark": "run.py", "results": []}, f)
+    done = bench("benchmarks.report", path, check=False)
+    assert done.returncode != 0 and "not a suite result of schema 1" in done.stderr
+
+
+def test_sweep_cpu(tmp_path: str) -> None:
+    bench("benchmarks.sweep", "--configs", "cpu-threads", "--size-gib", "0.02", "--passes", "1", "--batch-size", "16",
+          "--data", os.path.join(tmp_path, "data"), "--out", os.path.join(tmp_path, "results"))
+    with open(os.path.join(tmp_path, "results", "cpu-only", "sweep-cpu-threads.json")) as f:
+        doc = json.load(f)
+    swept = [r for r in doc["results"] if "config" in r]
+    assert [r["backend_stats"]["num_threads"] for r in swept] == [1, 4, 8]  # the option reached the backend
+    assert [r["config"] for r in swept] == ["cpu num_threads=1", "cpu num_threads=4", "cpu num_threads=8"]
+    assert all(r["io_mode"] == "cpu" and len(r["gb_per_s_runs"]) == 1 for r in swept)
+    assert [r["ceiling"] for r in doc["results"] if "ceiling" in r] == ["page cache -> host memory"] * 2
+
+
+def test_shuffle_quality(tmp_path: str) -> None:
+    bench("benchmarks.shuffle_quality", "--samples", "4000", "--samples-per-block", "16", "--batch-size", "64",
+          "--classes", "10", "--windows", "1,16", "--out", str(tmp_path))
+    with open(os.path.join(tmp_path, "shuffle-quality.json")) as f:
+        rows = {str(r["window_blocks"]): r for r in json.load(f)["results"]}
+    assert set(rows) == {"1", "16", "full permutation", "no shuffle"}
+    assert rows["no shuffle"]["rank_correlation"] == 1.0 and rows["full permutation"]["rank_correlation"] < 0.1
+    assert rows["1"]["class_entropy_fraction"] < rows["16"]["class_entropy_fraction"]
+    assert os.path.exists(os.path.join(tmp_path, "shuffle-quality.md"))
+
+
+# -- gdsload.measure ---------------------------------------------------------------------------------------
+class Source:
+    """An array source for write_dataset (the test's own, as the benchmarks' synthetic one)."""
+
+    origin = "<test>"
+
+    def __init__(self, a: np.ndarray):
+        self.a, self.shape, self.dtype = a, a.shape, a.dtype
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        return self.a[start:stop]
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = str(tmp_path_factory.mktemp("measure") / "small.gds")
+    x = np.arange(600 * 1024, dtype=np.uint8).reshape(600, 1024)
+    write_dataset(path, {"x": Source(x), "y": Source(np.arange(600, dtype=np.int64))}, block_bytes=16 << 10,
+                  progress=False)
+    return path
+
+
+def test_time_pass_counts_the_bytes_read(small: str) -> None:
+    with GDSDataset(small, batch_size=50, backend="cpu", resident_bytes=0) as ds:
+        time_pass(ds)
+        r = time_pass(ds)
+    blocks = block_locations(small)
+    assert r.bytes == sum(b.nbytes for b in blocks) and r.samples == 600 and r.io_mode == "cpu"
+    assert r.gb_per_s > 0 and r.samples_per_s > 0 and 0 <= r.stall_fraction <= 1 and r.wait_s is None
+
+
+def test_time_pass_with_a_step_waits_at_least_nothing(small: str) -> None:
+    with GDSDataset(small, batch_size=50, backend="cpu") as ds:
+        r = time_pass(ds, HostStep(2.0))
+    assert r.alone_s >= 12 * 0.002 and r.seconds >= r.alone_s - 0.002 and 0 <= r.wait_fraction < 1
+
+
+def test_host_step_queues_like_a_device() -> None:
+    step = HostStep(5.0, sync_every=4)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        step()  # launched, not waited for
+    assert time.perf_counter() - t0 < 0.005
+    step()  # the 4th syncs: the queue of 4 steps has drained
+    assert time.perf_counter() - t0 >= 0.02
+    assert step.alone(4) >= 0.02
+
+
+def test_read_files_reads_every_byte(small: str) -> None:
+    paths = shard_paths(small)
+    total = sum(os.path.getsize(p) for p in paths)
+    r = read_files(paths, threads=3, chunk=8 << 10)
+    assert r.bytes == total and r.io_mode == "posix" and r.cpu_s >= 0
+    try:
+        direct = read_files(paths, direct=True, threads=2, chunk=8 << 10)
+    except OSError:
+        pytest.skip("this file system refuses O_DIRECT")
+    assert direct.bytes == total and direct.io_mode == "posix-odirect"
+
+
+def test_block_locations_are_the_blocks(small: str) -> None:
+    blocks = block_locations(small, ("x",))
+    assert len(blocks) == -(-600 * 1024 // (16 << 10)) and all(b.nbytes == 16 << 10 for b in blocks)
+    with open(blocks[3].path, "rb") as f:
+        f.seek(blocks[3].offset)
+        data = np.frombuffer(f.read(blocks[3].nbytes), np.uint8)
+    assert np.array_equal(data, np.arange(600 * 1024, dtype=np.uint8)[3 * (16 << 10):4 * (16 << 10)])
+
+
+def test_pass_result_fractions() -> None:
+    r = PassResult(bytes=2_000_000_000, seconds=2.0, io_mode="x", samples=100, cpu_s=1.0, stall_s=0.5,
+                   first_batch_s=0.5, wait_s=0.2)
+    assert (r.gb_per_s, r.samples_per_s, r.cpu_core_s_per_gb) == (1.0, 50.0, 0.5)
+    assert (r.stall_fraction, r.steady_stall_fraction, r.wait_fraction) == (0.25, 0.0, 0.1)
