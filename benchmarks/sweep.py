@@ -20,7 +20,8 @@ import os
 import sys
 from typing import Any
 
-from gdsload import GDSDataset, read_metadata
+from gdsload import GDSDataset
+from gdsload.format import read_metadata
 from gdsload.measure import best, raw_kvikio_files, read_files, shard_paths, time_pass
 
 from .common import BATCH, DATA_DIR, RESULTS_DIR, Rows, describe_machine, free_device_memory, make_dataset, \

@@ -187,7 +187,9 @@ def test_time_pass_counts_the_bytes_read(small: str) -> None:
 def test_time_pass_with_a_step_waits_at_least_nothing(small: str) -> None:
     with GDSDataset(small, batch_size=50, backend="cpu") as ds:
         r = time_pass(ds, HostStep(2.0))
-    assert r.alone_s >= 12 * 0.002 and r.seconds >= r.alone_s - 0.002 and 0 <= r.wait_fraction < 1
+    # Timings on a shared CI machine jitter either way: only the relations that define the figures are checked.
+    assert r.alone_s >= 12 * 0.002 and r.seconds >= 12 * 0.002
+    assert r.wait_s == max(0.0, r.seconds - r.alone_s) and 0 <= r.wait_fraction < 1
 
 
 def test_host_step_queues_like_a_device() -> None:

@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from gdsload import GDSDataset, read_metadata
+from gdsload import GDSDataset
+from gdsload.format import read_metadata
 from gdsload.measure import Spin, best, drop_page_cache, read_files, shard_paths, time_pass
 
 from ..common import BATCH, Rows, make_dataset, parse_probe_args, probe_parser, write_probe
