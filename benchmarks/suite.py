@@ -32,7 +32,7 @@ from . import report
 from .common import BATCH, DATA_DIR, RESULTS_DIR, SAMPLE_BYTES, describe_machine, free_device_memory, \
     make_dataset, dataset_tag, results_dir, today, write_json
 from .contenders import dali_run, naive_run, torch_run, zarr_run
-from .rows import GdsRun, Recorder, lazy
+from .rows import GdsRun, Recorder, Timing, lazy
 
 GPU_BACKENDS = ("kvikio", "pinned", "mmap")
 THREADS = 16  # reader threads of the suite's standard configuration (gdsload's default)
@@ -57,6 +57,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--resident-bytes", type=int, default=None,
                     help="GDSDataset(resident_bytes=) for every gdsload row (default: the library's)")
     ap.add_argument("--no-cold", action="store_true", help="never drop the page cache (no cold rows)")
+    ap.add_argument("--warm-seconds", type=float, default=0.5,
+                    help="a warm measurement times back-to-back passes filling this long, from rest")
+    ap.add_argument("--keep-read-ahead", action="store_true",
+                    help="time one pass without stopping what was read ahead before it (the method of result "
+                         "files before this option existed; for comparisons with them)")
     ap.add_argument("--data", default=DATA_DIR, help="directory on the disk under test (datasets are kept)")
     ap.add_argument("--shm", default="/dev/shm/gdsload-bench", help="tmpfs copy for the /dev/shm regime")
     ap.add_argument("--out", default=RESULTS_DIR, help="results root: files go to OUT/<machine>/")
@@ -69,6 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sizes = [float(s) for s in args.sizes_gib.split(",")] if args.sizes_gib else [1.0, 16.0 if args.full else 4.0]
     args.sizes = sizes[-1:] if args.stall_only else sizes
     args.options = {} if args.resident_bytes is None else {"resident_bytes": args.resident_bytes}
+    args.timing = Timing(0.0, False) if args.keep_read_ahead else Timing(args.warm_seconds, True)
     args.name = args.name or ("stall" if args.stall_only else "suite")
     return args
 
@@ -89,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"backends": list(args.backends), "sizes_gib": args.sizes, "batch_size": args.batch_size,
                      "sample_bytes": SAMPLE_BYTES, "repeats": args.repeats, "stall_repeats": args.stall_repeats,
                      "batches_ahead": args.batches_ahead, "dataset_options": args.options,
-                     "page_cache_dropped": can_drop},
+                     "page_cache_dropped": can_drop, "warm_seconds": args.timing.min_seconds,
+                     "from_rest": args.timing.from_rest},
         "results": rec.rows}
 
     def save() -> None:
@@ -181,7 +188,8 @@ def backends(args: argparse.Namespace, rec: Recorder, path: str, tag: str, main_
                                lambda: mmap_open_and_pass(path, shuffle, args.batch_size, args.options),
                                kind="gdsload", **labels)
                 run = rec.attempt(tag, f"gdsload {backend}", config, lambda: GdsRun(
-                    path, backend, args.batch_size, shuffle=shuffle, threads=t or None, **args.options))
+                    path, backend, args.batch_size, shuffle=shuffle, threads=t or None, timing=args.timing,
+                    **args.options))
                 if run is None:
                     continue
                 run()  # the process's first pass: CUDA modules, kernels and buffers set up
@@ -253,7 +261,8 @@ def shm(args: argparse.Namespace, rec: Recorder, path: str, tag: str) -> None:
         for backend in args.backends:
             t = None if backend == "mmap" else THREADS
             run = rec.attempt(tag, f"gdsload {backend}", "shm",
-                              lambda: GdsRun(copy, backend, args.batch_size, threads=t, **args.options))
+                              lambda: GdsRun(copy, backend, args.batch_size, threads=t, timing=args.timing,
+                                             **args.options))
             if run is None:
                 continue
             run()
@@ -277,7 +286,7 @@ def stall(args: argparse.Namespace, rec: Recorder, path: str, tag: str, paths: l
     options = {**args.options, **ahead}
     for backend in args.backends:
         probe = rec.attempt(tag, f"gdsload {backend} + training step", "-",
-                            lambda: GdsRun(path, backend, args.batch_size, **args.options))
+                            lambda: GdsRun(path, backend, args.batch_size, timing=args.timing, **args.options))
         if probe is None:
             continue
         probe()
@@ -286,7 +295,8 @@ def stall(args: argparse.Namespace, rec: Recorder, path: str, tag: str, paths: l
         batch_read_ms = r.seconds / -(-r.samples // args.batch_size) * 1e3
         for factor, sync_every in STEPS:
             ms = batch_read_ms * factor
-            run = GdsRun(path, backend, args.batch_size, step=make_step(ms, sync_every, args.gpu), **options)
+            run = GdsRun(path, backend, args.batch_size, step=make_step(ms, sync_every, args.gpu), timing=args.timing,
+                         **options)
             run()  # a pass first: the next one is read ahead, as in training
             synced = "" if sync_every == 1 else f", host syncs every {sync_every} steps"
             rec.record(tag, "warm", f"gdsload {backend} + training step",

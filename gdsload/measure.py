@@ -130,26 +130,44 @@ def device_sync(ds: Any) -> Callable[[], None]:
     return lambda: cupy.cuda.get_current_stream().synchronize()
 
 
-def time_pass(ds: Any, step: Step | None = None) -> PassResult:
-    """Time one pass over ``ds`` (a :class:`gdsload.GDSDataset`), every batch taken and dropped.
+def time_pass(ds: Any, step: Step | None = None, min_seconds: float = 0.0, from_rest: bool = True) -> PassResult:
+    """Time passes over ``ds`` (a :class:`gdsload.GDSDataset`), back to back, every batch taken and dropped:
+    one pass, or as many as it takes to fill ``min_seconds``, reported as one stretch.
 
-    With ``step``, each batch is followed by one simulated training step, and the same number of steps is
-    first timed alone, right before the pass: ``wait_s`` is the pass's wall time beyond it. The pass is
-    warm or cold as the page cache is; a dataset reading ahead (``prefetch_next_epoch``) has already begun
-    it, as in training: call ``ds.stop()`` first for a pass that starts from nothing (:func:`cold_pass`)."""
+    Reading ahead is stopped first, so the clock starts from nothing: what the readers did while nobody
+    timed them (between two measurements, or while the steps ran alone) never counts as this stretch's.
+    Within the stretch every pass is read ahead during the one before, as in training; its one start-up
+    is amortized over ``min_seconds``. With ``step``, each batch is followed by one simulated training
+    step, and as many steps are first timed alone: ``wait_s`` is the stretch's wall time beyond them. The
+    passes are warm or cold as the page cache is (:func:`cold_pass` for one pass from a dropped cache).
+    ``from_rest=False`` keeps what was read ahead before the clock started (the method of earlier result
+    files, kept for comparisons with them)."""
     sync = device_sync(ds)
     alone = step.alone(len(ds)) if step is not None else None
+    if from_rest:
+        ds.stop()
     c0, t0 = cpu_seconds(), time.perf_counter()
-    for _batch in ds:
-        if step is not None:
-            step()
+    total = PassResult(bytes=0, seconds=0.0, io_mode="", samples=0, stall_s=0.0)
+    passes = 0
+    while passes == 0 or time.perf_counter() - t0 < min_seconds:
+        for _batch in ds:
+            if step is not None:
+                step()
+        s = ds.stats
+        passes += 1
+        total.bytes += s.bytes_delivered  # what reached the consumer, whichever tier it came from
+        total.samples += s.samples
+        total.stall_s += s.stall_s
+        total.io_mode = s.io_mode
+        if passes == 1:
+            total.first_batch_s = s.first_batch_s
     sync()
-    wall = time.perf_counter() - t0
-    cpu = cpu_seconds() - c0
-    s = ds.stats
-    return PassResult(bytes=s.bytes_read, seconds=wall, io_mode=s.io_mode, samples=s.samples, cpu_s=cpu,
-                      stall_s=s.stall_s, first_batch_s=s.first_batch_s,
-                      wait_s=max(0.0, wall - alone) if alone is not None else None, alone_s=alone)
+    total.seconds = time.perf_counter() - t0
+    total.cpu_s = cpu_seconds() - c0
+    if alone is not None:
+        total.alone_s = alone * passes
+        total.wait_s = max(0.0, total.seconds - total.alone_s)
+    return total
 
 
 def cold_pass(ds: Any, step: Step | None = None) -> PassResult:
