@@ -279,7 +279,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     verify.add_argument("path")
     verify.add_argument("--threads", type=int, default=8)
     verify.add_argument("--quiet", action="store_true", help="no progress bar")
+    doctor = sub.add_parser("doctor", help="is GPUDirect Storage used for PATH, and if not, why: each check, "
+                                           "what it found and the fix")
+    doctor.add_argument("path", nargs="?", help="a dataset directory or any file")
+    doctor.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
+    if args.cmd == "doctor":
+        from .doctor import main as doctor_main
+
+        return doctor_main(args.path, args.json)
     try:
         if args.cmd == "info":
             print(describe_dataset(args.path) if args.path else describe_system())

@@ -1,0 +1,417 @@
+"""gdsload doctor: parsing of recorded system files, the verdicts they lead to, and the command on this
+machine (CPU only). The GPU side (a real live read, real nvidia-fs counters) is checked on a GPU machine."""
+
+from __future__ import annotations
+
+import io
+import json
+import mmap
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import pytest
+
+from gdsload import doctor_probe
+from gdsload.doctor import diagnose, gather, main, render
+from gdsload.doctor_probe import LiveRead, Target, cufile_version, o_direct_read
+from gdsload.format import DatasetLayout, read_metadata
+from gdsload.sources import ArraySource
+from gdsload.sysfiles import (SystemFiles, cufile_settings, find_mount, fs_support, iommu_mode, kvikio_compat_env,
+                              parse_cufile_json, parse_mountinfo, parse_nvfs_stats, strip_json_comments)
+from gdsload.writer import write_dataset
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "doctor")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STATS = "proc/driver/nvidia-fs/stats"
+GDS_KVIKIO = {"kvikio": "25.10.00", "compat_mode_preferred": False, "is_gds_available": True, "io_mode": "gds"}
+COMPAT_KVIKIO = {"kvikio": "25.10.00", "compat_mode_preferred": True, "is_gds_available": False,
+                 "io_mode": "kvikio-compat"}
+
+
+def fixture(*parts: str) -> str:
+    return os.path.join(FIXTURES, *parts)
+
+
+def read_fixture(*parts: str) -> str:
+    with open(fixture(*parts)) as f:
+        return f.read()
+
+
+class Machine:
+    """A GPU machine as the doctor's probes see it; the system files come from a fixture root. A live read
+    copies ``after`` over the root's nvidia-fs stats file, as a read through nvidia-fs would move them."""
+
+    def __init__(self, root: str, kvikio: dict | None = None, after: str | None = None,
+                 o_direct: tuple[bool, str] = (True, "opened with O_DIRECT and read 1048576 bytes"),
+                 backend: tuple[str, str] = ("kvikio", "GPUDirect Storage is available")) -> None:
+        self.root, self.after, self._o_direct, self._backend = root, after, o_direct, backend
+        self._kvikio = dict(GDS_KVIKIO if kvikio is None else kvikio)
+        self.reads: list[list[str]] = []
+
+    def gpu(self) -> dict:
+        return {"gpu": "NVIDIA H100 80GB HBM3", "device_count": 8, "driver": "12.8", "cuda_runtime": "12.8",
+                "cupy": "13.6.0"}
+
+    def kvikio(self, gpu: bool) -> dict:
+        return self._kvikio
+
+    def libcufile(self) -> dict:
+        return {"path": "/usr/local/cuda-12.8/lib64/libcufile.so.0",
+                "file": "/usr/local/cuda-12.8/targets/x86_64-linux/lib/libcufile.so.1.13.1", "version": "1.13"}
+
+    def backend(self) -> tuple[str, str]:
+        return self._backend
+
+    def machine(self) -> str:
+        return "x86_64"
+
+    def inspect(self, path: str) -> Target:
+        return Target(path, path, "dataset", [f"{path}/image/c/0", f"{path}/label/c/0"], 3 << 30, True, True,
+                      "all 768 stored blocks of 2 array(s) start and end on 4 KiB")
+
+    def o_direct(self, path: str) -> tuple[bool, str]:
+        return self._o_direct
+
+    def live_read(self, files: list[str], limit: int) -> LiveRead:
+        self.reads.append(files)
+        if self.after is not None:
+            shutil.copyfile(self.after, os.path.join(self.root, STATS))
+        return LiveRead(limit, 0.05, None, files)
+
+
+def scenario(tmp_path, name: str, env: dict | None = None) -> SystemFiles:
+    """A writable copy of a fixture root (the live read rewrites its stats file)."""
+    root = tmp_path / name
+    shutil.copytree(fixture(name), root)
+    return SystemFiles(str(root), env={} if env is None else env)
+
+
+def report(files: SystemFiles, path: str | None, **machine: object) -> dict:
+    return diagnose(gather(path, files, Machine(files.root, **machine)))
+
+
+def check(rep: dict, name: str) -> dict:
+    return next(c for c in rep["checks"] if c["name"] == name)
+
+
+# -- parsing ---------------------------------------------------------------------------------------
+def test_mountinfo_fields_escapes_and_longest_prefix():
+    mounts = parse_mountinfo(read_fixture("gds_host", "proc", "self", "mountinfo"))
+    spaced = find_mount(mounts, "/mnt/fast scratch/train.gds")
+    assert spaced.mount_point == "/mnt/fast scratch" and spaced.fstype == "ext4" and spaced.optional == ("shared:66",)
+    assert find_mount(mounts, "/raid").mount_point == "/raid"
+    assert find_mount(mounts, "/raid/a/b.gds").source == "/dev/nvme1n1"
+    assert find_mount(mounts, "/raidz/a").mount_point == "/"  # a prefix of the name is not a parent directory
+    assert find_mount(mounts, "/dev/shm/x").fstype == "tmpfs" and find_mount(mounts, "/dev/null").fstype == "devtmpfs"
+    vast = find_mount(mounts, "/mnt/vast/x")
+    assert (vast.fstype, vast.source, vast.dev) == ("nfs", "vast-vip:/datasets", "0:53")
+    assert "proto=rdma" in vast.all_options() and vast.options == "rw,relatime"
+    container = parse_mountinfo(read_fixture("container", "proc", "self", "mountinfo"))
+    data = find_mount(container, "/data/train.gds")
+    assert (data.root, data.optional, data.fstype) == ("/datasets", (), "ext4")
+    with pytest.raises(ValueError, match=r"^mnt:2: not a mountinfo line"):
+        parse_mountinfo("30 1 259:2 / / rw - ext4 /dev/nvme0n1p2 rw\n31 30 0:5 / /x rw shared:1 ext4 /dev/x rw\n",
+                        "mnt")
+
+
+@pytest.mark.parametrize("fstype, options, device, gds, said", [
+    ("ext4", ["rw", "data=ordered"], "nvme1n1", True, "data=ordered, on NVMe device nvme1n1"),
+    ("ext4", ["rw"], "nvme0n1p2", True, "data=ordered (no data= option)"),
+    ("ext4", ["rw", "data=journal"], "nvme1n1", False, "data=journal"),
+    ("xfs", ["rw"], "md127", False, "md RAID (level unknown)"),
+    ("ext4", ["rw"], "vda", False, "virtio disk vda"),
+    ("xfs", ["rw"], "sdb1", False, "SCSI/SATA disk"),
+    ("ext4", ["rw"], "dm-0", False, "device-mapper"),
+    ("ext4", ["rw"], None, None, "block device unknown"),
+    ("nfs4", ["rw", "vers=4.2"], None, False, "nfs4 over tcp"),
+    ("nfs", ["rw", "proto=rdma", "port=20049"], None, True, "over RDMA"),
+    ("gpfs", ["rw"], None, True, "IBM Spectrum Scale"),
+    ("wekafs", ["rw"], None, True, "WekaFS"),
+    ("beegfs", ["rw"], None, True, "BeeGFS"),
+    ("overlay", ["rw", "lowerdir=/a"], None, False, "overlayfs"),
+    ("zfs", ["rw"], None, False, "ZFS"),
+    ("btrfs", ["rw"], "nvme0n1", False, "Btrfs"),
+    ("fuse.sshfs", ["rw"], None, False, "FUSE (fuse.sshfs)"),
+    ("9p", ["rw"], None, False, "not among the file systems GDS reads directly"),
+])
+def test_fs_support_matrix(fstype, options, device, gds, said):
+    verdict = fs_support(fstype, options, device)
+    assert verdict.gds is gds and said in verdict.what
+    assert bool(verdict.fix) == (gds is not True)
+
+
+def test_cufile_json_comments_and_settings():
+    cfg = parse_cufile_json(read_fixture("gds_host", "etc", "cufile.json"), "/etc/cufile.json")
+    assert cufile_settings(cfg) == {"allow_compat_mode": True, "force_compat_mode": None, "use_pci_p2pdma": False,
+                                    "max_direct_io_size_kb": 16384}
+    assert cfg["logging"] == {"level": "ERROR"}  # the commented-out "dir" is gone
+    strict = parse_cufile_json(read_fixture("cufile", "no_compat.json"), "no_compat.json")
+    assert strict["logging"]["dir"] == "/var/log//cufile"  # "//" inside a string is not a comment
+    assert cufile_settings(strict)["allow_compat_mode"] is False
+    assert strip_json_comments('{"a": "x\\"//y", /* c */ "b": [1,2,],}') == '{"a": "x\\"//y",  "b": [1,2]}'
+    with pytest.raises(ValueError, match=r"^bad\.json: not valid JSON once comments are removed"):
+        parse_cufile_json('{"properties": {"allow_compat_mode": tru}}', "bad.json")
+
+
+def test_nvfs_stats_counters_and_versions():
+    before = parse_nvfs_stats(read_fixture("gds_host", *STATS.split("/")))
+    after = parse_nvfs_stats(read_fixture("nvidia-fs", "stats_after_read"))
+    off = parse_nvfs_stats(read_fixture("nvidia-fs", "stats_disabled"))
+    assert (before.io_stats, before.reads, before.reads_ok, before.read_errors, before.read_mib, before.driver) == \
+        (True, 1204, 1204, 0, 4816, "2.28.4")
+    assert (after.reads - before.reads, after.read_mib - before.read_mib) == (64, 256)
+    assert off.io_stats is False and off.reads is None and off.read_mib is None and off.read_errors == 0
+
+
+@pytest.mark.parametrize("cmdline, types, groups, mode", [
+    ("ro amd_iommu=off", [], False, "off"),
+    ("ro iommu=pt", ["identity", "identity"], True, "passthrough"),
+    ("ro intel_iommu=on", ["DMA-FQ"], True, "translated"),
+    ("ro iommu=pt", [], True, "passthrough"),
+    ("ro", [], True, "translated"),
+])
+def test_iommu_mode(cmdline, types, groups, mode):
+    assert iommu_mode(cmdline, types, groups).mode == mode
+
+
+@pytest.mark.parametrize("value, mode", [(None, "auto"), ("ON", "on"), ("true", "on"), ("1", "on"), ("off", "off"),
+                                         ("No", "off"), ("AUTO", "auto"), ("maybe", "invalid")])
+def test_kvikio_compat_env(value, mode):
+    assert kvikio_compat_env(value) == mode
+
+
+# -- verdicts from recorded system files -----------------------------------------------------------
+@pytest.mark.parametrize("path, fs_type, device, said", [
+    ("/raid/imagenet.gds", "ext4", "/dev/nvme1n1", "ext4, data=ordered, on NVMe device nvme1n1"),
+    ("/home/me/train.gds", "ext4", "/dev/nvme0n1p2", "ext4, data=ordered (no data= option), on NVMe device"),
+    ("/xfs/train.gds", "xfs", "/dev/nvme3n1", "xfs, on NVMe device nvme3n1"),
+    ("/md/train.gds", "xfs", "/dev/md127", "md RAID raid0 md127"),
+    ("/mnt/vast/train.gds", "nfs", "vast-vip:/datasets", "nfs over RDMA"),
+    ("/lustre/project/train.gds", "lustre", "172.16.0.2@o2ib:/exafs", "Lustre"),
+])
+def test_gds_capable_mounts_read_through_nvidia_fs_are_active(tmp_path, path, fs_type, device, said):
+    files = scenario(tmp_path, "gds_host")
+    rep = report(files, path, after=fixture("nvidia-fs", "stats_after_read"))
+    assert rep["verdict"] == "GDS: active" and rep["reasons"] == []
+    assert rep["gds_available"] is True and rep["gds_active"] is True and rep["io_mode"] == "gds"
+    assert rep["filesystem"]["type"] == fs_type and rep["filesystem"]["device"] == device
+    assert check(rep, "filesystem")["ok"] is True and said in check(rep, "filesystem")["found"]
+    live = check(rep, "live read")
+    assert live["ok"] is True and "nvidia-fs counted 64 reads, 256 MiB: GDS active" in live["found"]
+    assert all(c["ok"] is not False for c in rep["checks"])
+
+
+@pytest.mark.parametrize("path, first_reason, fix", [
+    ("/scratch/train.gds", "filesystem: ext4 mounted data=writeback", "mount it with -o data=ordered"),
+    ("/dev/shm/train.gds", "filesystem: tmpfs (RAM): cuFile reads it only in compat mode", "backend='mmap'"),
+    ("/mnt/home/train.gds", "filesystem: nfs4 over tcp", "proto=rdma"),
+])
+def test_compat_only_mounts_name_the_file_system(tmp_path, path, first_reason, fix):
+    files = scenario(tmp_path, "gds_host")
+    rep = report(files, path)  # the live read moves no nvidia-fs counter
+    assert rep["verdict"].startswith(f"GDS: not used — {first_reason}") and fix in rep["verdict"].split("; fix: ")[1]
+    assert rep["reasons"][0].startswith(first_reason) and rep["reasons"][1].startswith("live read:")
+    assert check(rep, "live read")["found"].endswith("nvidia-fs counted no reads: cuFile used its compat path")
+    assert rep["gds_available"] is False and rep["gds_active"] is False and rep["io_mode"] == "kvikio-compat"
+    assert [c["name"] for c in rep["checks"] if c["ok"] is False] == ["filesystem", "live read"]
+
+
+def test_writeback_mount_options_in_json(tmp_path):
+    rep = report(scenario(tmp_path, "gds_host"), "/scratch/train.gds")
+    assert rep["filesystem"] == {"type": "ext4", "device": "/dev/nvme2n1", "source": "/dev/nvme2n1", "dev": "259:4",
+                                 "mount_point": "/scratch", "mount_options": "rw,noatime,data=writeback",
+                                 "gds": False}
+    assert rep["o_direct"] is True and rep["aligned"] is True
+
+
+def test_container_without_nvidia_fs_or_udev(tmp_path):
+    files = scenario(tmp_path, "container")
+    rep = report(files, "/data/train.gds", kvikio=COMPAT_KVIKIO,
+                 backend=("pinned", "GDS unavailable: pinned staging read by KvikIO's threads"))
+    assert rep["verdict"].startswith("GDS: not used — nvidia-fs: not loaded (/proc/driver/nvidia-fs is missing)")
+    assert "sudo modprobe nvidia_fs" in rep["verdict"]
+    assert [r.split(":")[0] for r in rep["reasons"]] == ["nvidia-fs", "container", "IOMMU", "KvikIO"]
+    assert check(rep, "filesystem")["ok"] is True and rep["filesystem"]["device"] == "/dev/nvme1n1"
+    udev = check(rep, "container")
+    assert "docker (/.dockerenv); /run/udev not readable" in udev["found"] and "/run/udev:/run/udev:ro" in udev["fix"]
+    assert check(rep, "IOMMU")["found"].startswith("translated: 3 IOMMU group(s), types DMA-FQ (intel_iommu=on)")
+    assert check(rep, "cufile.json")["found"] == "/etc/cufile.json: absent (cuFile's defaults)"
+    assert check(rep, "live read")["ok"] is None and "no nvidia-fs counters" in check(rep, "live read")["found"]
+    assert rep["io_mode"] == "pinned" and rep["gds_available"] is False
+    overlay = report(files, "/workspace/train.gds", kvikio=COMPAT_KVIKIO)
+    fs = check(overlay, "filesystem")
+    assert fs["ok"] is False and fs["found"].startswith("overlayfs (a container's own file system)")
+    assert "docker run -v /nvme/data:/data" in fs["fix"]
+
+
+def test_kvikio_compat_mode_on_comes_first(tmp_path):
+    files = scenario(tmp_path, "gds_host", env={"KVIKIO_COMPAT_MODE": "ON"})
+    rep = report(files, "/raid/imagenet.gds", kvikio=COMPAT_KVIKIO)
+    assert rep["verdict"] == ("GDS: not used — KVIKIO_COMPAT_MODE: ON: KvikIO reads with POSIX calls, never "
+                              "through cuFile; fix: unset KVIKIO_COMPAT_MODE (or set it to AUTO)")
+    assert [r.split(":")[0] for r in rep["reasons"]] == ["KVIKIO_COMPAT_MODE", "KvikIO", "live read"]
+    assert check(rep, "filesystem")["ok"] is True
+
+
+def test_cufile_json_from_env_without_compat_mode(tmp_path):
+    files = scenario(tmp_path, "gds_host", env={"CUFILE_ENV_PATH_JSON": "/opt/strict/cufile.json"})
+    os.makedirs(files.path("/opt/strict"))
+    shutil.copyfile(fixture("cufile", "no_compat.json"), files.path("/opt/strict/cufile.json"))
+    rep = report(files, "/dev/shm/train.gds")
+    cj = check(rep, "cufile.json")
+    assert cj["ok"] is True and cj["found"].startswith("/opt/strict/cufile.json (CUFILE_ENV_PATH_JSON): "
+                                                       "allow_compat_mode=false, use_pci_p2pdma=unset, "
+                                                       "max_direct_io_size_kb=4096")
+    assert "allow_compat_mode=false, so cuFile refuses it" in check(rep, "filesystem")["found"]
+    missing = report(SystemFiles(files.root, env={"CUFILE_ENV_PATH_JSON": "/nowhere.json"}), "/raid/x.gds")
+    assert missing["verdict"].startswith("GDS: not used — cufile.json: /nowhere.json (CUFILE_ENV_PATH_JSON): missing")
+    forced = report(SystemFiles(files.root, env={"CUFILE_FORCE_COMPAT_MODE": "true"}), "/raid/x.gds")
+    assert forced["reasons"][0] == "cufile.json: CUFILE_FORCE_COMPAT_MODE is set: cuFile always uses compat mode"
+
+
+def test_nvidia_fs_counters_off_cannot_confirm(tmp_path):
+    files = scenario(tmp_path, "gds_host")
+    shutil.copyfile(fixture("nvidia-fs", "stats_disabled"), files.path("/" + STATS))
+    rep = report(files, "/raid/imagenet.gds", after=fixture("nvidia-fs", "stats_disabled"))
+    assert rep["verdict"] == ("GDS: not confirmed — nvidia-fs read counters are off; fix: echo 1 | sudo tee "
+                              "/sys/module/nvidia_fs/parameters/rw_stats_enabled, then run the doctor again")
+    assert rep["reasons"] == [] and rep["gds_available"] is True and rep["gds_active"] is False
+    assert "read counters off" in check(rep, "nvidia-fs")["found"]
+
+
+def test_no_path_reports_the_stack_only(tmp_path):
+    rep = report(scenario(tmp_path, "gds_host"), None)
+    assert rep["verdict"] == "GDS: not confirmed — no PATH to read; fix: run gdsload doctor PATH"
+    assert [c["name"] for c in rep["checks"]] == ["GPU", "KvikIO", "libcufile", "nvidia-fs", "cufile.json",
+                                                  "KVIKIO_COMPAT_MODE", "container", "IOMMU", "backend auto"]
+    assert check(rep, "nvidia-fs")["found"] == "2.28 loaded, 4 device(s), read counters on"
+    assert check(rep, "IOMMU")["found"] == "off: no IOMMU groups (amd_iommu=off)"
+    assert rep["filesystem"] is None and rep["o_direct"] is None and rep["aligned"] is None
+
+
+def test_render_one_screen(tmp_path):
+    rep = report(scenario(tmp_path, "container"), "/data/train.gds", kvikio=COMPAT_KVIKIO)
+    text = render(rep)
+    lines = text.splitlines()
+    assert lines[0] == "gdsload doctor: /data/train.gds (dataset)" and lines[-1] == rep["verdict"]
+    assert len(lines) <= 30 and {"stack", "path", "live read"} <= set(lines)
+    assert "  ✘ nvidia-fs           not loaded (/proc/driver/nvidia-fs is missing)" in lines
+    assert "  ✔ filesystem          ext4, data=ordered (no data= option), on NVMe device nvme1n1; ext4 " \
+           "/dev/nvme1n1 at /data (rw,relatime,stripe=32)" in lines
+    fixes = [i for i, line in enumerate(lines) if line.lstrip().startswith("fix: ")]
+    assert len(fixes) == sum(1 for c in rep["checks"] if c["ok"] is not True and c["fix"]) > 0
+    assert all(lines[i - 1][2] in "✘–" for i in fixes)
+
+
+# -- this machine ----------------------------------------------------------------------------------
+def kernel_mount(path: str) -> tuple[str, str]:
+    """The file system type and mount point the kernel reports for ``path`` (findmnt, util-linux)."""
+    out = subprocess.run(["findmnt", "-n", "-o", "FSTYPE,TARGET", "--target", path], capture_output=True,
+                         text=True, check=True).stdout.split()
+    return out[0], out[1]
+
+
+def kernel_o_direct(path: str) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        return False
+    buf = mmap.mmap(-1, 4096)
+    try:
+        os.preadv(fd, [buf], 0)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        buf.close()
+
+
+@pytest.fixture(params=["tmp", "shm"])
+def dataset_dir(request, tmp_path):
+    """A directory for a test dataset: pytest's tmp_path, and one in /dev/shm (tmpfs) where there is one."""
+    if request.param == "tmp":
+        yield str(tmp_path)
+        return
+    if not (os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)):
+        pytest.skip("no writable /dev/shm")
+    d = tempfile.mkdtemp(dir="/dev/shm", prefix="gdsload-doctor-")
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d)
+
+
+def test_doctor_on_this_machine(dataset_dir):
+    path = os.path.join(dataset_dir, "d.gds")
+    write_dataset(path, {"x": ArraySource("<x>", np.arange(8000, dtype=np.float32).reshape(1000, 8))},
+                  block_bytes=8192, progress=False)
+    res = subprocess.run([sys.executable, "-m", "gdsload", "doctor", path, "--json"], capture_output=True,
+                         text=True, cwd=ROOT, timeout=300)
+    assert res.returncode == 0, res.stderr
+    rep = json.loads(res.stdout)
+    real = os.path.realpath(path)
+    fstype, mount_point = kernel_mount(real)
+    st = os.stat(real)
+    assert rep["filesystem"]["type"] == fstype and rep["filesystem"]["mount_point"] == mount_point
+    assert rep["filesystem"]["dev"] == f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    with DatasetLayout(read_metadata(real)) as layout:
+        first = layout.shard_paths()[0]
+    assert rep["o_direct"] is kernel_o_direct(first) and o_direct_read(first)[0] is rep["o_direct"]
+    assert rep["aligned"] is True and rep["kind"] == "dataset"
+    assert rep["verdict"].startswith("GDS: ") and {c["name"] for c in rep["checks"]} >= {"filesystem", "O_DIRECT"}
+    text = subprocess.run([sys.executable, "-m", "gdsload", "doctor", path], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+    assert text.returncode == 0 and text.stdout.splitlines()[-1] == rep["verdict"]
+
+
+def test_unaligned_dataset_and_plain_file(make_dataset, tmp_path, monkeypatch):
+    path = make_dataset({"x": np.zeros((300, 7), np.uint8)}, samples_per_block=10)
+
+    def doctor_json(p: str) -> dict:
+        out = io.StringIO()
+        assert main(p, as_json=True, out=out) == 0
+        return json.loads(out.getvalue())
+
+    small = doctor_json(path)  # a field this small is read whole at open: its blocks are never read singly
+    assert small["aligned"] is False and check(small, "alignment")["ok"] is None
+    assert "read whole at open (at most resident_bytes=67108864)" in check(small, "alignment")["found"]
+    monkeypatch.setattr(doctor_probe, "_resident_default", lambda: 0)
+    rep = doctor_json(path)
+    align = check(rep, "alignment")
+    assert rep["aligned"] is False and align["ok"] is False and "array 'x': 30 of 30 blocks unaligned" in align["found"]
+    assert "multiple of 4 KiB" in align["fix"]
+    assert "alignment" not in [r.split(":")[0] for r in rep["reasons"]]  # slower through bounce buffers, still GDS
+    plain = tmp_path / "blob.bin"
+    plain.write_bytes(b"\0" * 10000)
+    rep = doctor_json(str(plain))
+    assert rep["kind"] == "file" and rep["aligned"] is False and check(rep, "alignment")["ok"] is None
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda tmp: str(tmp / "missing.gds"), "{path}: does not exist"),
+    (lambda tmp: str(tmp), "{path}: not a readable gdsload dataset ({path}/zarr.json: missing"),
+])
+def test_bad_path_exit_2(tmp_path, make, message):
+    path = make(tmp_path)
+    res = subprocess.run([sys.executable, "-m", "gdsload", "doctor", path], capture_output=True, text=True,
+                         cwd=ROOT, timeout=300)
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.count("\n") == 1 and res.stderr.startswith("gdsload doctor: error: " + message.format(path=path))
+
+
+def test_cufile_version_decoding():
+    class Lib:
+        """Stands in for a loaded libcufile: cuFileGetVersion writes 1000 * major + 10 * minor."""
+
+        @staticmethod
+        def cuFileGetVersion(ref):
+            ref._obj.value = 1150
+            return type("CUfileError", (), {"err": 0})()
+
+    assert cufile_version(Lib()) == "1.15"
+    assert cufile_version(object()) is None  # a libcufile older than cuFileGetVersion
