@@ -175,12 +175,14 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> str:
     return path
 
 
-def test_time_pass_counts_the_bytes_read(small: str) -> None:
+def test_time_pass_counts_the_bytes_delivered(small: str) -> None:
     with GDSDataset(small, batch_size=50, backend="cpu", resident_bytes=0) as ds:
         time_pass(ds)
         r = time_pass(ds)
-    blocks = block_locations(small)
-    assert r.bytes == sum(b.nbytes for b in blocks) and r.samples == 600 and r.io_mode == "cpu"
+        twice = time_pass(ds, min_seconds=1e-9)  # at least one pass: the same figures
+    # What reached the consumer: every sample once (the blocks stored add the last block's padding).
+    assert r.bytes == 600 * (1024 + 8) < sum(b.nbytes for b in block_locations(small))
+    assert r.samples == 600 and r.io_mode == "cpu" and twice.bytes == r.bytes
     assert r.gb_per_s > 0 and r.samples_per_s > 0 and 0 <= r.stall_fraction <= 1 and r.wait_s is None
 
 
@@ -229,3 +231,21 @@ def test_pass_result_fractions() -> None:
                    first_batch_s=0.5, wait_s=0.2)
     assert (r.gb_per_s, r.samples_per_s, r.cpu_core_s_per_gb) == (1.0, 50.0, 0.5)
     assert (r.stall_fraction, r.steady_stall_fraction, r.wait_fraction) == (0.25, 0.0, 0.1)
+
+
+def test_time_pass_starts_from_rest_unless_told(small: str) -> None:
+    """What the readers did between measurements (they read the next epoch ahead while nobody timed them)
+    must not count as the timed stretch's: time_pass stops reading ahead before the clock starts."""
+
+    class Spy(GDSDataset):
+        stops = 0
+
+        def stop(self) -> None:
+            Spy.stops += 1
+            super().stop()
+
+    with Spy(small, batch_size=50, backend="cpu", resident_bytes=0) as ds:
+        time_pass(ds)
+        assert Spy.stops == 1
+        time_pass(ds, from_rest=False)
+        assert Spy.stops == 1, "the earlier method, kept for comparisons, keeps what was read ahead"
