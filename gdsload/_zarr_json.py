@@ -143,16 +143,21 @@ def chunk_shape(where: str, doc: dict[str, Any], ndim: int) -> tuple[int, ...]:
     return as_shape(where, "chunk_grid chunk_shape", config.get("chunk_shape"), 1, ndim)
 
 
-def key_separator(where: str, doc: dict[str, Any]) -> str:
-    """The separator of the default chunk key encoding, '/' (the default) or '.'; no other encoding."""
+def key_encoding(where: str, doc: dict[str, Any], allow_v2: bool = False) -> tuple[str, str]:
+    """The chunk key encoding and its separator: ``default`` ('/' unless configured '.') and, if
+    ``allow_v2``, ``v2`` ('.' unless configured '/')."""
     enc = as_object(where, "chunk_key_encoding", doc.get("chunk_key_encoding"))
-    if enc.get("name") != "default":
-        raise fail(where, f"expected the default chunk key encoding, found {show(enc.get('name'))}")
+    name = enc.get("name")
+    if name != "default" and not (allow_v2 and name == "v2"):
+        expected = "'default' or 'v2'" if allow_v2 else "the default"
+        raise fail(where, f"expected {expected} chunk key encoding, found {show(name)}")
     config = enc.get("configuration")
-    sep = "/" if config is None else as_object(where, "chunk_key_encoding configuration", config).get("separator", "/")
+    default = "/" if name == "default" else "."
+    sep = default if config is None else as_object(where, "chunk_key_encoding configuration",
+                                                   config).get("separator", default)
     if sep not in ("/", "."):
         raise fail(where, f"chunk key separator must be '/' or '.' (found {show(sep)})")
-    return sep
+    return name, sep
 
 
 def check_whole_array(where: str, missing: str, what: str, length: int, dtypes: tuple[str, ...]) -> None:

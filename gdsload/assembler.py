@@ -1,8 +1,11 @@
 """Batch assembly: gathering a batch's samples out of window buffers into fresh arrays. No threads here:
 the pipeline runs :meth:`Assembler.batches` on its assembler thread and supplies the windows.
 
-A batch is cut from one or more windows (one segment per window). A segment whose positions are
-consecutive is one copy; otherwise a gather by index. Resident fields are gathered by global sample id;
+A batch is cut from one or more windows (one segment per window). A field whose samples sit at their plan
+positions in a window (:meth:`WindowLayout.direct`) is gathered by the plan's positions: a segment whose
+positions are consecutive is one copy, otherwise a gather by index. Any other field (a foreign store's
+array whose chunks do not divide the block) is gathered by rows of its own (:meth:`WindowLayout.
+stream_rows`), uploaded once per epoch. Resident fields are gathered by global sample id;
 variable-length fields are concatenated (with offsets) or padded (with lengths). Every output array is
 allocated before ``ops.fence()``: memory the consumer freed is rewritten only after the work it queued.
 """
@@ -27,7 +30,7 @@ class ResidentField:
     """A small field read once and kept whole: gathered by global sample index."""
 
     meta: FieldMeta
-    array: Any  # (num_blocks * samples_per_block, *sample_shape)
+    array: Any  # (num_chunks * rows per chunk, *sample_shape): row i is sample i
 
 
 class Assembler:
@@ -44,6 +47,10 @@ class Assembler:
         self.pad = pad
         self.ragged = [n for n in output_fields if n in window_layout.ragged]
         self.windowed = [n for n in output_fields if n not in resident and n not in window_layout.ragged]
+        #: Fields gathered by the plan's positions (one copy per run of consecutive ones); the others by rows
+        #: of their own, always a gather by index.
+        self.direct = [n for n in self.windowed if window_layout.direct(n)]
+        self.mapped = [n for n in self.windowed if n not in self.direct]
         self.shapes = {n: (resident[n].meta if n in resident else window_layout.fields[n]) for n in output_fields
                        if n not in window_layout.ragged}
 
@@ -57,6 +64,7 @@ class Assembler:
         table = plan.segment_table()
         last_batch = plan.last_batch_of_window()
         positions_dev = None  # the epoch's positions on the device, uploaded once
+        rows_dev: dict[str, Any] = {}  # the same for each field gathered by rows of its own
         ids_dev = None  # the epoch's global sample ids, for resident fields
         value_index = {n: epoch_value_index(plan, self.ragged_offsets[n]) for n in self.ragged}  # host: sizes
         value_index_dev: dict[str, tuple[Any, Any]] = {}
@@ -85,13 +93,17 @@ class Assembler:
                 for w, start, stop, first in rows:
                     part = slice(start - lo, stop - lo)
                     if first >= 0:
-                        for name in self.windowed:
+                        for name in self.direct:
                             ops.copy_rows(views[w][name], first, out[name][part])
-                    else:
+                    elif self.direct:
                         if positions_dev is None:
                             positions_dev = ops.index_array(_compact(plan.positions))
-                        for name in self.windowed:
+                        for name in self.direct:
                             ops.take(views[w][name], positions_dev[start:stop], out[name][part])
+                    for name in self.mapped:
+                        if name not in rows_dev:
+                            rows_dev[name] = ops.index_array(_compact(self.wl.stream_rows(plan, name)))
+                        ops.take(views[w][name], rows_dev[name][start:stop], out[name][part])
                 for name in self.ragged:
                     if name not in value_index_dev:
                         value_index_dev[name] = tuple(ops.index_array(a) for a in value_index[name])

@@ -23,7 +23,7 @@ from .pipeline import Pipeline
 from .plan import EpochPlan, PlanConfig, epoch_plan, window_blocks_for, window_buffers_for
 from .ragged import capacity_rows
 from .stats import EpochStats
-from .window import WindowBuffer, WindowLayout
+from .window import WindowBuffer, WindowLayout, slot_rows
 
 
 class GDSDataset:
@@ -31,9 +31,13 @@ class GDSDataset:
 
     Parameters
     ----------
-    path : dataset directory written by ``gdsload shard``.
+    path : dataset directory written by ``gdsload shard``; or any Zarr v3 group of uncompressed arrays that
+        share their length along axis 0 (the fields are its arrays, nested ones named ``a/b``), or one such
+        array (one field, named after its directory). Chunks must hold whole samples; chunks never
+        written, and missing chunk or shard files, read as the array's fill value (docs/format.md).
     batch_size : samples per batch; the last batch of an epoch may be smaller unless ``drop_last``.
-    fields : fields to read (default: all).
+    fields : fields to read (default: all). In a Zarr group without gdsload's attribute, only these arrays
+        must be readable and of one length.
     backend : ``"auto"`` (kvikio with GPUDirect Storage; else pinned; cpu without a GPU), ``"kvikio"``,
         ``"pinned"``, ``"mmap"`` or ``"cpu"``. ``"mmap"`` is for datasets that fit in RAM: it maps the shard
         files and locks them in memory once, at open (reading a cold dataset whole), then every read is a
@@ -110,7 +114,11 @@ class GDSDataset:
             raise ValueError(f"unknown backend {backend!r} (expected one of {BACKENDS})")
         if output not in (None, "numpy", "cupy", "torch"):
             raise ValueError(f"unknown output {output!r} (expected 'numpy', 'cupy' or 'torch')")
-        self.meta = read_metadata(path)
+        meta = read_metadata(path, fields)
+        names = tuple(fields) if fields is not None else tuple(meta.names)
+        whole = _held_whole(meta, names, resident_bytes)
+        # A foreign store's block: chosen for the arrays read block by block (the others are read whole).
+        self.meta = meta.with_block([f for f in names if f in meta.fields and f not in whole])
         self._layout = layout = DatasetLayout(self.meta, tuple(fields) if fields is not None else None)
         self.fields = layout.fields
         try:
@@ -181,11 +189,12 @@ class GDSDataset:
         spb = meta.samples_per_block
         fixed = [f for f in self.fields if f in meta.fields]
         self.ragged_fields = tuple(f for f in self.fields if f in meta.ragged)
-        self.resident_fields = tuple(f for f in fixed if meta.fields[f].block_bytes * meta.num_blocks <= resident_bytes)
+        self.resident_fields = _held_whole(meta, self.fields, resident_bytes)
         self.windowed_fields = tuple(f for f in fixed if f not in self.resident_fields)
         if window_blocks is None:
-            # A variable-length field counts with its mean bytes per block.
-            block_bytes = (sum(meta.fields[f].block_bytes for f in self.windowed_fields)
+            # A fixed field counts with its slot per block; a variable-length field with its mean bytes per block.
+            block_bytes = (sum(slot_rows(spb, meta.fields[f].samples_per_block) * meta.fields[f].sample_bytes
+                               for f in self.windowed_fields)
                            + sum(meta.ragged[f].values.sample_bytes * int(layout.offsets[f][-1]) // meta.num_blocks
                                  for f in self.ragged_fields))
             window_blocks = window_blocks_for(block_bytes, self._backend.window_bytes_hint, batch_size, spb,
@@ -195,7 +204,8 @@ class GDSDataset:
                                  rank=rank, world_size=world_size)
         capacity = {f: (meta.ragged[f], capacity_rows(layout.offsets[f], spb, window_blocks))
                     for f in self.ragged_fields}
-        self._window_layout = WindowLayout([meta.fields[f] for f in self.windowed_fields], window_blocks, capacity)
+        self._window_layout = WindowLayout([meta.fields[f] for f in self.windowed_fields], window_blocks, capacity,
+                                           samples_per_block=spb)
         self._pad = pad_spec(pad_to, pad_value, self.ragged_fields)
 
     # -- properties ------------------------------------------------------------------------------------
@@ -223,9 +233,17 @@ class GDSDataset:
                 f"backend={self.backend_name!r}, io_mode={self.io_mode!r}, rank={c.rank}/{c.world_size})")
 
     def describe(self) -> dict[str, Any]:
-        """How this dataset reads, JSON-ready: backend and why, io mode, window size and buffers, read-ahead
-        depths, resident fields, seconds the constructor took, and the backend's own settings and counters."""
+        """How this dataset reads, JSON-ready: backend and why, io mode, samples per block, how each field is
+        gathered (``"positions"``: at its plan positions, one copy per run of consecutive ones; ``"rows"``:
+        by rows of its own, a foreign store's array whose chunks do not divide the block; ``"resident"``;
+        ``"variable-length"``), window size and buffers, read-ahead depths, resident fields, seconds the
+        constructor took, and the backend's own settings and counters."""
+        wl = self._window_layout
+        gather = {f: "resident" if f in self.resident_fields else "variable-length" if f in wl.ragged
+                  else "positions" if wl.direct(f) else "rows" for f in self.fields}
         return {"backend": self.backend_name, "backend_reason": self.backend_reason, "io_mode": self.io_mode,
+                "foreign_store": self.meta.foreign, "samples_per_block": self.config.samples_per_block,
+                "gather": gather,
                 "window_blocks": self.config.window_blocks, "window_bytes": self._window_layout.nbytes,
                 "window_buffers": len(self._buffers), "prefetch": self.prefetch, "batches_ahead": self.batches_ahead,
                 "resident_fields": list(self.resident_fields), "open_s": self.open_s,
@@ -315,9 +333,10 @@ class GDSDataset:
         loaded = {}
         for name in self.resident_fields:
             f = self.meta.fields[name]
-            single = WindowLayout([f], self.meta.num_blocks)
+            # Every chunk back to back, a block per chunk: row i holds sample i, whatever the plan's block.
+            single = WindowLayout([f], f.num_chunks, samples_per_block=f.samples_per_block)
             buf = self._backend.allocate(single.nbytes)
-            blocks = np.arange(self.meta.num_blocks)
+            blocks = np.arange(f.num_chunks)
             try:
                 event = self._backend.load(buf, single.requests(self._layout, blocks), self._closing)
                 if self._closing.is_set():
@@ -381,6 +400,13 @@ def _output(output: str | None, backend: str) -> str:
     if output == "torch":
         require_torch()
     return output
+
+
+def _held_whole(meta: Any, names: Sequence[str], resident_bytes: int) -> tuple[str, ...]:
+    """The fixed fields among ``names`` read whole, once (resident): those whose chunks total at most
+    ``resident_bytes``."""
+    return tuple(n for n in names if n in meta.fields
+                 and meta.fields[n].block_bytes * meta.fields[n].num_chunks <= resident_bytes)
 
 
 def _shutdown(active: list[Pipeline], backend: Any, buffers: list[WindowBuffer],

@@ -9,6 +9,9 @@ failed read (here and in the backends) is built by :func:`read_error`, so its wo
 Opening refuses, without blocking, anything that is not a regular file: a FIFO in a shard's place would
 otherwise block ``open()`` until some writer appeared, a directory would fail later with a confusing
 error, and a device or socket is not data. Each refusal is a FormatError naming the path and what it is.
+
+A store with a file per chunk may hold more files than the process may open (``RLIMIT_NOFILE``):
+:func:`reserve_descriptors` raises the soft limit toward the hard one before they are opened, or refuses.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import resource
 import stat
 import threading
 import weakref
@@ -152,6 +156,36 @@ def read_small(path: str, what: str, max_bytes: int) -> bytes:
         os.close(f.fd)
 
 
+#: Descriptors left free beyond a dataset's files, for everything else the process opens meanwhile.
+DESCRIPTOR_HEADROOM = 256
+
+
+def reserve_descriptors(count: int, where: str) -> None:
+    """Make sure ``count`` more files can be opened: raise the soft ``RLIMIT_NOFILE`` (for the whole process,
+    and never lowered again) toward the hard limit when the files open now plus ``count`` plus
+    :data:`DESCRIPTOR_HEADROOM` exceed it, asking for room for twice ``count`` where the hard limit allows (a
+    backend may open its own handle per file). A FormatError naming ``where`` if the hard limit is too low."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        in_use = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        in_use = 0
+    need = in_use + count + DESCRIPTOR_HEADROOM
+    if soft == resource.RLIM_INFINITY or need <= soft:
+        return
+    advice = ("raise the hard limit (ulimit -Hn) or rewrite the store with fewer, larger files: 'gdsload shard' "
+              "writes one file per shard of many chunks")
+    if hard != resource.RLIM_INFINITY and need > hard:
+        raise FormatError(f"{where}: needs {count} open files, more than this process may open (limit {hard}, "
+                          f"{in_use} open); {advice}")
+    want = need + count if hard == resource.RLIM_INFINITY else min(hard, need + count)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (ValueError, OSError) as e:
+        raise FormatError(f"{where}: needs {count} open files, more than this process may open (limit {soft}, "
+                          f"raising it to {want} failed: {e}); {advice}") from None
+
+
 def _close_all(files: dict[str, ShardFile]) -> None:
     for f in files.values():
         try:
@@ -189,14 +223,14 @@ class ShardFiles:
             raise
         return files
 
-    def add(self, path: str) -> ShardFile:
-        """Open ``path`` (see :func:`open_shard`) unless it is held already."""
+    def add(self, path: str, what: str = "shard file") -> ShardFile:
+        """Open ``path`` (see :func:`open_regular`; ``what`` names it in messages) unless it is held already."""
         with self._lock:
             if self._closed:
                 raise ReadError(f"{path}: cannot open, the dataset's shard files were closed")
             f = self._files.get(path)
             if f is None:
-                f = self._files[path] = open_shard(path)
+                f = self._files[path] = open_regular(path, what)
             return f
 
     def fd(self, path: str) -> int:

@@ -1,10 +1,12 @@
-"""DatasetLayout: where every block of an open dataset lies, and the shard files that hold them, held open.
+"""DatasetLayout: where every chunk of an open dataset lies, and the files that hold them, held open.
 
-At open, every shard file of the selected arrays is opened once (:mod:`gdsload.files`) and its index read
-and checked through that descriptor (:mod:`gdsload.shard_index`); the offsets of variable-length fields and
-the block checksums are read whole. After that, turning (field, block) into (file, offset, nbytes) is
-arithmetic on arrays held here: no zarr, no metadata, no path lookups, and the bytes come from the very
-inodes whose index was checked.
+At open, every shard file of the selected arrays (for an unsharded array, every chunk file) is opened once
+(:mod:`gdsload.files`) and its index read and checked through that descriptor (:mod:`gdsload.shard_index`);
+the offsets of variable-length fields and the block checksums are read whole. After that, turning (array,
+chunk) into (file, offset, nbytes) is arithmetic on arrays held here: no zarr, no metadata, no path lookups,
+and the bytes come from the very inodes whose index was checked. A chunk of a dataset the converter wrote is
+one of its blocks; a foreign store's arrays have chunks of their own size (:mod:`gdsload.window` maps
+blocks to them).
 
 Error contract: as :mod:`gdsload.format` (FormatError for the dataset on disk, ReadError for an I/O failure),
 and nothing stays open when opening fails.
@@ -20,8 +22,9 @@ import numpy as np
 
 from ._zarr_json import MAX_DIMENSIONS, check_whole_array, exc_text, fail
 from .errors import FormatError
-from .files import ShardFiles, not_regular, refusal
+from .files import ShardFiles, not_regular, refusal, reserve_descriptors
 from .shard_index import chunk_offsets, read_shard_index
+from .zarr_store import present_shards
 
 if TYPE_CHECKING:
     from .format import DatasetMeta, FieldMeta, RaggedMeta
@@ -80,17 +83,20 @@ def _memory_bytes() -> int:
 
 
 class DatasetLayout:
-    """Block locations of every selected array, the offsets of variable-length fields and the block
-    checksums, all read once at open, and the shard files themselves, held open.
+    """Chunk locations of every selected array, the offsets of variable-length fields and the block
+    checksums, all read once at open, and the shard (or chunk) files themselves, held open.
 
-    Every shard file of the selected arrays is opened here (:mod:`gdsload.files`) and kept in ``files``
-    until :meth:`close` (idempotent; also ``with DatasetLayout(...) as layout``); its index is read through
-    that descriptor. Readers read data through ``files.fd(path)``, so the bytes come from the inodes whose
-    index was checked even if the dataset is replaced (renamed over) later. If opening fails, every file
-    opened so far is closed before the error propagates.
+    Every file of the selected arrays is opened here (:mod:`gdsload.files`, after making room for them
+    under ``RLIMIT_NOFILE``) and kept in ``files`` until :meth:`close` (idempotent; also ``with
+    DatasetLayout(...) as layout``); its index is read through that descriptor. Readers read data through
+    ``files.fd(path)``, so the bytes come from the inodes whose index was checked even if the dataset is
+    replaced (renamed over) later. If opening fails, every file opened so far is closed before the error
+    propagates.
 
-    Sizes are checked as Python ints before anything is allocated: an array whose shape implies more shard
-    files than its chunk directory holds is refused before any is opened.
+    A dataset the converter wrote must have every shard file; a foreign store's missing files and chunks
+    read as the fill value (``block_offsets`` -1). Sizes are checked as Python ints before anything is
+    allocated: an array whose shape implies more shard files than its chunk directory holds (converter), or
+    a chunk table larger than this machine's memory (foreign), is refused before any file is opened.
     """
 
     def __init__(self, meta: DatasetMeta, fields: tuple[str, ...] | None = None):
@@ -102,12 +108,20 @@ class DatasetLayout:
         self.keys = tuple(f"{f}/values" if f in meta.ragged else f for f in self.fields)
         self.files = ShardFiles()
         try:
-            self._paths = {k: self._shard_paths(k) for k in self.keys}  # every count checked before any open
+            # Each array's files as (shard, path), every count checked before any open.
+            shards = {k: self._foreign_shards(k) if meta.foreign else self._shard_paths(k) for k in self.keys}
+            self._paths = {k: [p for _, p in shards[k]] for k in self.keys}
+            reserve_descriptors(sum(len(p) for p in self._paths.values()), meta.path)
             for k in self.keys:
+                what = "shard file" if meta.array(k).sharded else "chunk file"
                 for p in self._paths[k]:
-                    self.files.add(p)
-            # block_offsets[key][c] is the byte offset of chunk c in its shard file, -1 if never written.
-            self.block_offsets: dict[str, np.ndarray] = {k: self._scan(meta.array(k)) for k in self.keys}
+                    self.files.add(p, what)
+            # block_offsets[key][c]: the byte offset of chunk c in its file, -1 if never written (or no file);
+            # chunk_files[key][c]: that file's index in the array's paths.
+            self.block_offsets: dict[str, np.ndarray] = {}
+            self.chunk_files: dict[str, np.ndarray] = {}
+            for k in self.keys:
+                self.block_offsets[k], self.chunk_files[k] = self._scan(meta.array(k), shards[k])
             self.offsets: dict[str, np.ndarray] = {f: self._read_offsets(meta.ragged[f]) for f in self.fields
                                                    if f in meta.ragged}
             # checksums[field][b]: crc32c of block b's bytes (see DatasetMeta), for fields that have them.
@@ -136,13 +150,13 @@ class DatasetLayout:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _shard_paths(self, key: str) -> list[str]:
+    def _shard_paths(self, key: str) -> list[tuple[int, str]]:
         """The shard files of an array, once its chunk directory is seen to hold at least as many entries
         as the metadata implies (a shape of 10**15 fails here, before anything is allocated)."""
         fm = self.meta.array(key)
         n = fm.num_shards
         if n:
-            array_dir = os.path.join(self.meta.path, *key.split("/"))
+            array_dir = fm.directory
             if fm.key_separator == "/":
                 directory, prefix = os.path.join(array_dir, "c"), ""
             else:
@@ -158,15 +172,45 @@ class DatasetLayout:
                 raise fail(os.path.join(array_dir, "zarr.json"),
                            f"expected {n} shard files, found {found} (shape ({fm.num_rows}, ...) in shards of "
                            f"{fm.blocks_per_shard * fm.samples_per_block} rows, under {directory})")
-        return [self.meta.shard_path(key, s) for s in range(n)]
+        return [(s, self.meta.shard_path(key, s)) for s in range(n)]
 
-    def _scan(self, field: FieldMeta) -> np.ndarray:
-        bps, parts = field.blocks_per_shard, []
-        for shard, path in enumerate(self._paths[field.name]):
-            index, size = read_shard_index(self.files[path], field)
+    def _foreign_shards(self, key: str) -> list[tuple[int, str]]:
+        """The files of a foreign array that exist, once its chunk table and the plan's per-sample arrays are
+        seen to fit in this machine's memory (a shape of 10**15 in chunks of one fails here)."""
+        fm = self.meta.array(key)
+        need = max(fm.num_chunks * 16, fm.num_rows * 8)
+        if need > _memory_bytes():
+            raise fail(os.path.join(fm.directory, "zarr.json"),
+                       f"shape ({fm.num_rows}, ...) in chunks of {fm.samples_per_block} rows needs {need} bytes of "
+                       f"tables, more than this machine's memory ({_memory_bytes()} bytes)")
+        return list(present_shards(fm).items())
+
+    def _scan(self, field: FieldMeta, shards: list[tuple[int, str]]) -> tuple[np.ndarray, np.ndarray]:
+        """Each chunk's offset in its file (-1: never written) and that file's index in ``shards``."""
+        bps, foreign = field.blocks_per_shard, self.meta.foreign
+        offsets = np.full(field.num_chunks if foreign else 0, -1, dtype=np.int64)
+        files = np.full(len(offsets), -1, dtype=np.int32)
+        parts = []
+        for i, (shard, path) in enumerate(shards):
+            f = self.files[path]
             n = min(bps, field.num_chunks - shard * bps)
-            parts.append(chunk_offsets(path, index.offsets_and_lengths[:n], size, field))
-        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+            if field.sharded:
+                index, size = read_shard_index(f, field)
+                part = chunk_offsets(path, index.offsets_and_lengths[:n], size, field, allow_empty=foreign)
+            elif f.size != field.stored_bytes:
+                raise FormatError(f"{path}: chunk file is {f.size} bytes (expected {field.stored_bytes}: raw, "
+                                  f"uncompressed)")
+            else:
+                part = np.zeros(1, dtype=np.int64)
+            if foreign:
+                offsets[shard * bps:shard * bps + n] = part
+                files[shard * bps:shard * bps + n] = i
+            else:
+                parts.append(part)
+        if not foreign and parts:
+            offsets = np.concatenate(parts)
+            files = np.repeat(np.arange(len(parts), dtype=np.int32), [len(p) for p in parts])
+        return offsets, files
 
     def _read_offsets(self, r: RaggedMeta) -> np.ndarray:
         import zarr
@@ -207,35 +251,38 @@ class DatasetLayout:
                               f"{values.dtype}")
         return values.astype(np.uint32)
 
-    def locate(self, key: str, block: int) -> BlockLocation | None:
-        """File, offset and size of a chunk, or None if it was never written (reads as fill value)."""
-        offset = int(self.block_offsets[key][block])
+    def locate(self, key: str, chunk: int) -> BlockLocation | None:
+        """File, offset and size of a chunk's data, or None if it was never written (reads as fill value)."""
+        offset = int(self.block_offsets[key][chunk])
         if offset < 0:
             return None
-        fm = self.meta.array(key)
-        return BlockLocation(self._paths[key][block // fm.blocks_per_shard], offset, fm.block_bytes)
+        return BlockLocation(self._paths[key][int(self.chunk_files[key][chunk])], offset,
+                             self.meta.array(key).block_bytes)
 
-    def block_runs(self, key: str, blocks: np.ndarray) -> list[tuple[str | None, int, int, int]]:
-        """Blocks read back to back into a buffer, as runs ``(path, offset, nbytes, first)``: ``first`` is the
-        run's position in ``blocks``; each run is one read of consecutive bytes of one file, or one block
-        never written (``path`` None). One numpy pass instead of a lookup per block: this runs on a reader
-        thread, where a long stretch of Python holds the GIL the training loop waits for."""
-        fm = self.meta.array(key)
-        bb = fm.block_bytes
-        blocks = np.asarray(blocks, dtype=np.int64)
-        if len(blocks) == 0:
+    def block_runs(self, key: str, chunks: np.ndarray,
+                   slots: np.ndarray | None = None) -> list[tuple[str | None, int, int, int]]:
+        """Chunks read into a buffer region, chunk ``chunks[i]`` into slot ``slots[i]`` (a slot holds one
+        chunk's data; default: slot i, back to back), as runs ``(path, offset, nbytes, first slot)``: each
+        run is one read of consecutive bytes of one file into consecutive slots, or one chunk never written
+        (``path`` None). One numpy pass instead of a lookup per chunk: this runs on a reader thread, where a
+        long stretch of Python holds the GIL the training loop waits for."""
+        bb = self.meta.array(key).block_bytes
+        chunks = np.asarray(chunks, dtype=np.int64)
+        if len(chunks) == 0:
             return []
-        offsets = self.block_offsets[key][blocks]
-        shards = blocks // fm.blocks_per_shard
+        slots = np.arange(len(chunks)) if slots is None else slots
+        offsets = self.block_offsets[key][chunks]
+        files = self.chunk_files[key][chunks]
         missing = offsets < 0
-        start = np.ones(len(blocks), dtype=bool)
-        start[1:] = (shards[1:] != shards[:-1]) | (offsets[1:] != offsets[:-1] + bb) | missing[1:] | missing[:-1]
+        start = np.ones(len(chunks), dtype=bool)
+        start[1:] = ((files[1:] != files[:-1]) | (offsets[1:] != offsets[:-1] + bb) | (slots[1:] != slots[:-1] + 1)
+                     | missing[1:] | missing[:-1])
         firsts = np.flatnonzero(start)
-        counts = np.diff(np.append(firsts, len(blocks)))
+        counts = np.diff(np.append(firsts, len(chunks)))
         paths = self._paths[key]
-        return [(None if off < 0 else paths[shard], off, n * bb, first)
-                for first, n, off, shard in zip(firsts.tolist(), counts.tolist(), offsets[firsts].tolist(),
-                                                shards[firsts].tolist())]
+        return [(None if off < 0 else paths[file], off, n * bb, slot)
+                for n, off, file, slot in zip(counts.tolist(), offsets[firsts].tolist(), files[firsts].tolist(),
+                                              slots[firsts].tolist())]
 
     def locate_rows(self, key: str, row_start: int, row_stop: int) -> list[RowPiece]:
         """Where rows [row_start, row_stop) of an array lie, one piece per chunk they touch."""

@@ -99,15 +99,18 @@ class EpochPlan:
         """Windows one batch draws from, at most: a batch has one segment per window."""
         return max((len(rows) for rows in self._segments), default=1)
 
-    def sample_ids(self) -> np.ndarray:
-        """Global sample index of every entry of the stream (resident fields are gathered by it)."""
-        k = self.config.samples_per_block
+    def stream_blocks(self) -> np.ndarray:
+        """Global block id of every entry of the stream."""
         if not self.windows:
             return np.zeros(0, np.int64)
         flat = np.concatenate(self.windows)
         starts = np.cumsum([0] + [len(w) for w in self.windows[:-1]])
-        blocks = flat[starts[self.window_of] + self.positions // k]
-        return blocks * k + self.positions % k
+        return flat[starts[self.window_of] + self.positions // self.config.samples_per_block]
+
+    def sample_ids(self) -> np.ndarray:
+        """Global sample index of every entry of the stream (resident fields are gathered by it)."""
+        k = self.config.samples_per_block
+        return self.stream_blocks() * k + self.positions % k
 
 
 def block_order(num_blocks: int, shuffle: bool, seed: int, epoch: int) -> np.ndarray:

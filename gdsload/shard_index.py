@@ -1,7 +1,8 @@
 """The shard index: where each inner chunk of one shard file lies, as the sharding codec writes it.
 
 An index is ``n_chunks x (offset, nbytes)``, uint64 little endian, followed by the crc32c of those bytes
-(the ``bytes`` + ``crc32c`` index codecs), at the end or the start of the shard file. A chunk never written
+(the ``bytes`` + ``crc32c`` index codecs; a foreign store's index may lack the crc32c), at the end or the
+start of the shard file. A chunk never written
 has both values all ones (:data:`MAX_UINT_64`). This module encodes an index (the writer), parses and
 checksums one (:func:`parse_shard_index`), reads it through an open shard file (:func:`read_shard_index`)
 and checks its entries against that file (:func:`chunk_offsets`).
@@ -45,11 +46,14 @@ class ShardIndex(NamedTuple):
         return offset, offset + nbytes
 
 
-def parse_shard_index(buf: bytes, n_chunks: int, path: str) -> ShardIndex:
-    """Parse and checksum a shard index as the ``bytes`` + ``crc32c`` index codecs write it."""
-    expected = n_chunks * INDEX_ENTRY_BYTES + CRC_BYTES
+def parse_shard_index(buf: bytes, n_chunks: int, path: str, checksum: bool = True) -> ShardIndex:
+    """Parse and checksum a shard index as the ``bytes`` + ``crc32c`` index codecs write it (``checksum``
+    False: the ``bytes`` codec alone, no crc32c)."""
+    expected = n_chunks * INDEX_ENTRY_BYTES + (CRC_BYTES if checksum else 0)
     if len(buf) != expected:
         raise FormatError(f"{path}: shard index is {len(buf)} bytes (expected {expected})")
+    if not checksum:
+        return ShardIndex(np.frombuffer(buf, dtype="<u8").reshape(n_chunks, 2).astype(np.uint64))
     body, (stored,) = buf[:-CRC_BYTES], struct.unpack("<I", buf[-CRC_BYTES:])
     actual = crc32c.crc32c(body)
     if actual != stored:
@@ -79,22 +83,24 @@ def read_shard_index(shard: ShardFile | str, field: FieldMeta) -> tuple[ShardInd
     if size < n:
         raise FormatError(f"{path}: shard file is {size} bytes, smaller than its index ({n} bytes)")
     buf = pread_exact(shard, size - n if field.index_location == "end" else 0, n)
-    return parse_shard_index(buf, field.blocks_per_shard, path), size
+    return parse_shard_index(buf, field.blocks_per_shard, path, field.index_checksum), size
 
 
-def chunk_offsets(path: str, table: np.ndarray, size: int, field: FieldMeta) -> np.ndarray:
+def chunk_offsets(path: str, table: np.ndarray, size: int, field: FieldMeta, allow_empty: bool = False) -> np.ndarray:
     """Check the index entries of one shard's chunks (``table``: (n, 2) uint64, the chunks of the array in
     this shard) against a file of ``size`` bytes, and return each chunk's offset (-1: never written).
 
-    A written chunk must be exactly one raw block, lie inside the file and outside the index, and overlap
-    no other chunk; a shard must hold at least one written chunk (zarr deletes a shard with none instead of
-    writing it), which also bounds the block size by the file's.
+    A written chunk must be exactly one raw chunk as stored (``field.stored_bytes``), lie inside the file
+    and outside the index, and overlap no other chunk; unless ``allow_empty`` (a foreign store), a shard must
+    hold at least one written chunk (zarr deletes a shard with none instead of writing it).
     """
-    bb, ib = field.block_bytes, field.index_bytes
+    bb, ib = field.stored_bytes, field.index_bytes
     starts, lengths = table[:, 0], table[:, 1]
     missing = (starts == MAX_UINT_64) & (lengths == MAX_UINT_64)
     written = np.flatnonzero(~missing)
     if len(written) == 0:
+        if allow_empty:
+            return np.full(len(table), -1, dtype=np.int64)
         raise FormatError(f"{path}: shard index marks all {len(table)} chunks as never written (expected at "
                           f"least one: zarr does not write an empty shard)")
     wrong = written if bb > MAX_UINT_64 else written[lengths[written] != np.uint64(bb)]  # no uint64 holds bb
