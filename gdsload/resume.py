@@ -374,19 +374,19 @@ def _deal(rest: _Rest, cfg: PlanConfig) -> list[_RankPlan]:
     out = []
     for r in range(world):
         lo, hi = int(bounds[r]), int(bounds[r + 1])
-        windows, window_of, slots = _windows(rest.ids[lo:hi], rest.window[lo:hi], rest.position[lo:hi], k,
+        windows, window_of, positions = _windows(rest.ids[lo:hi], rest.window[lo:hi], rest.position[lo:hi], k,
                                              cfg.window_blocks)
         if hi - lo < target:  # pad as a fresh plan does: repeat the start of the rank's last window
             if windows:
-                last = slots[window_of == len(windows) - 1]
+                last = positions[window_of == len(windows) - 1]
                 extra = last[np.arange(target - (hi - lo)) % len(last)]
                 window_of = np.concatenate([window_of, np.full(len(extra), len(windows) - 1, dtype=np.int64)])
-                slots = np.concatenate([slots, extra])
+                positions = np.concatenate([positions, extra])
             else:  # fewer samples left than ranks: repeat the remainder's last one
                 s = int(rest.ids[-1])
                 windows = (np.array([s // k], dtype=np.int64),)
-                window_of, slots = np.zeros(target, np.int64), np.full(target, s % k, dtype=np.int64)
-        out.append(_RankPlan(EpochPlan(dataclasses.replace(cfg, rank=r), windows, window_of, slots), hi - lo))
+                window_of, positions = np.zeros(target, np.int64), np.full(target, s % k, dtype=np.int64)
+        out.append(_RankPlan(EpochPlan(dataclasses.replace(cfg, rank=r), windows, window_of, positions), hi - lo))
     return out
 
 
@@ -397,7 +397,7 @@ def _windows(ids: np.ndarray, window: np.ndarray, position: np.ndarray, k: int,
     an old window's blocks go whole into the current new window if they fit, else start a new one, split
     every ``window_blocks`` blocks if there are more. Each new window takes its blocks' samples in their
     order, so the order changes only where an old window is split. Returns the windows' blocks and each
-    stream position's window and slot."""
+    stream position's window and position in it."""
     if not len(ids):
         return (), np.zeros(0, np.int64), np.zeros(0, np.int64)
     # The (old window, block position) pairs held, in order: a mark per pair, no sort of the samples.
@@ -428,8 +428,8 @@ def _windows(ids: np.ndarray, window: np.ndarray, position: np.ndarray, k: int,
     at = offset[group] + np.arange(len(held)) - group_start[group]
     new_window = first_window[group] + at // w_max
     window_of = new_window[inverse]
-    slots = (at % w_max)[inverse] * k + ids % k
+    positions = (at % w_max)[inverse] * k + ids % k
     if (np.diff(window_of) < 0).any():  # an old window was split: window by window, each in the old order
         order = np.argsort(window_of, kind="stable")
-        window_of, slots = window_of[order], slots[order]
-    return tuple(np.split(blocks, np.flatnonzero(np.diff(new_window)) + 1)), window_of, slots
+        window_of, positions = window_of[order], positions[order]
+    return tuple(np.split(blocks, np.flatnonzero(np.diff(new_window)) + 1)), window_of, positions
