@@ -445,11 +445,11 @@ def test_processes_three_then_two_then_four(make_dataset, tmp_path):
 
 
 def test_check_ranks_elastic_on_cpu(tmp_path):
-    """scripts/check_ranks.py's elastic mode, tiny: launches the ranks itself, checks union and bytes."""
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "check_ranks.py"), "--elastic", "3,2,4",
+    """benchmarks.check_ranks's elastic mode, tiny: launches the ranks itself, checks union and bytes."""
+    out = subprocess.run([sys.executable, "-m", "benchmarks.check_ranks", "--elastic", "3,2,4",
                           "--cut", "2,1", "--samples", "130", "--batch-size", "8", "--backend", "cpu",
                           "--data", str(tmp_path), "--out", str(tmp_path / "out")],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
     (summary_file,) = (tmp_path / "out").glob("elastic-*.json")
     summary = json.loads(summary_file.read_text())

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Check that ranks together read every sample of an epoch exactly once (multi-GPU, one process per GPU).
 
-    torchrun --nproc_per_node=2 scripts/check_ranks.py --data /tmp/ranks --out results/
+    torchrun --nproc_per_node=2 -m benchmarks.check_ranks --data /tmp/ranks --out results/
 
 Each rank reads its share into its LOCAL_RANK device (rank and world size come from torch.distributed),
 checks every sample's content on the GPU, and the ranks' sample ids are gathered on rank 0, which checks
@@ -9,7 +9,7 @@ coverage, duplicates and batch counts for two epochs and writes a JSON summary.
 
 Elastic mode checks a resumed epoch on another number of ranks, on GPUs or on the CPU:
 
-    python scripts/check_ranks.py --elastic 3,2,4 --cut 5 --backend cpu --data /tmp/ranks --out results/
+    python -m benchmarks.check_ranks --elastic 3,2,4 --cut 5 --backend cpu --data /tmp/ranks --out results/
 
 launches the ranks of each leg itself, one process each with RANK / WORLD_SIZE / LOCAL_RANK set (no
 torch.distributed): 3 ranks read 5 batches of epoch 0 and checkpoint, 2 ranks resume from their merged
@@ -32,12 +32,12 @@ from collections import Counter
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from gdsload import GDSDataset
+from gdsload.plan import epoch_plan
+from gdsload.resume import merge_states
+from gdsload.sources import ArraySource
 
-from gdsload import GDSDataset  # noqa: E402
-from gdsload.plan import epoch_plan  # noqa: E402
-from gdsload.resume import merge_states  # noqa: E402
-from gdsload.sources import ArraySource  # noqa: E402
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where ``-m benchmarks...`` resolves
 from gdsload.writer import write_dataset  # noqa: E402
 
 SAMPLE = (64, 1024)  # 64 KiB of uint8 per sample
@@ -224,9 +224,9 @@ def run_legs(args: argparse.Namespace, path: str, worlds: list[int], cuts: list[
                    "result": os.path.join(work, f"leg{leg}-rank{r}.json")}
             env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(world),
                    "LOCAL_RANK": str(r % args.gpus if args.gpus else r)}
-            cmd = [sys.executable, os.path.abspath(__file__), "--data", args.data, "--backend", args.backend,
+            cmd = [sys.executable, "-m", "benchmarks.check_ranks", "--data", args.data, "--backend", args.backend,
                    "--worker", json.dumps(job)]
-            procs.append((job, subprocess.Popen(cmd, env=env)))
+            procs.append((job, subprocess.Popen(cmd, env=env, cwd=_ROOT)))
         failed = [r for r, (_, p) in enumerate(procs) if p.wait() != 0]
         if failed:
             print(f"leg {leg}: ranks {failed} of {world} failed", flush=True)
