@@ -297,6 +297,12 @@ def _live_check(f: Facts) -> Check:
                      "cuFile refuses files it cannot read directly: see the filesystem line", 130, "live")
     before, after = f.nvfs_stats, f.nvfs_after
     if before is None or after is None:
+        if f.kvikio.get("compat_mode_preferred") is True or not f.nvfs_loaded:
+            why = ("KvikIO prefers compat mode in this process, so it read with POSIX calls into its bounce "
+                   "buffer, not through cuFile" if f.kvikio.get("compat_mode_preferred") is True else
+                   "without the nvidia-fs driver cuFile can only use its compat path")
+            return Check("live read", False, f"{rate}; compat mode: {why}",
+                         "the ✘ lines above name the causes", 135, "live")
         return Check("live read", None, f"{rate}; no nvidia-fs counters to tell GDS from compat mode", section="live")
     if before.reads is None or after.reads is None:
         return Check("live read", None, f"{rate}; nvidia-fs read counters are off", _COUNTERS_FIX, section="live")
