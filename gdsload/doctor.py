@@ -119,7 +119,7 @@ def gather(path: str | None, files: SystemFiles, probes: Any) -> Facts:
         udev_readable=files.readable_dir("/run/udev"),
         wsl="microsoft" in (files.read("/proc/sys/kernel/osrelease") or "").lower(),
         container=_container(files, mounts),
-        iommu=iommu_mode(files.read("/proc/cmdline"), types, bool(groups)), backend=probes.backend(),
+        iommu=iommu_mode(files.read("/proc/cmdline"), types, bool(groups)), backend=probes.backend(target.nbytes if target is not None and target.kind == "dataset" else None),
         target=target, mount_error=mount_error)
     if target is None:
         return facts

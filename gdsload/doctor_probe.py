@@ -253,10 +253,11 @@ class HostProbes:
     def libcufile(self) -> dict[str, Any]:
         return find_libcufile()
 
-    def backend(self) -> tuple[str, str]:
+    def backend(self, dataset_bytes: int | None = None) -> tuple[str, str]:
+        """What ``auto`` picks, for a dataset of ``dataset_bytes`` (the RAM tier needs its size)."""
         from .backends import resolve
 
-        return resolve("auto")
+        return resolve("auto", dataset_bytes)
 
     def machine(self) -> str:
         return platform.machine()

@@ -63,7 +63,8 @@ class Machine:
         return {"path": "/usr/local/cuda-12.8/lib64/libcufile.so.0",
                 "file": "/usr/local/cuda-12.8/targets/x86_64-linux/lib/libcufile.so.1.13.1", "version": "1.13"}
 
-    def backend(self) -> tuple[str, str]:
+    def backend(self, dataset_bytes: int | None = None) -> tuple[str, str]:
+        self.asked_bytes = dataset_bytes  # what auto was told of the dataset's size
         return self._backend
 
     def machine(self) -> str:
@@ -416,3 +417,14 @@ def test_cufile_version_decoding():
 
     assert cufile_version(Lib()) == "1.15"
     assert cufile_version(object()) is None  # a libcufile older than cuFileGetVersion
+
+
+def test_auto_is_asked_with_the_datasets_size(tmp_path):
+    """The doctor's "backend auto" must be what GDSDataset would pick for this dataset: auto's RAM tier
+    depends on the dataset's size, so the doctor passes it (it asked without one, and could disagree)."""
+    files = scenario(tmp_path, "gds_host")
+    machine = Machine(files.root)
+    gather("/data/train.gds", files, machine)
+    assert machine.asked_bytes == 3 << 30
+    gather(None, files, machine)
+    assert machine.asked_bytes is None
