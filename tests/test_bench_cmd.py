@@ -157,3 +157,25 @@ def test_sized_measures_a_probe_then_what_its_rate_reads_in_the_time_given():
     calls.clear()
     bench.sized([0, 1, 2], sizes[:3], 0.5, measure)
     assert all(c == [0, 1, 2] for c in calls) and 2 <= len(calls) <= 5, "a small set is repeated, the best kept"
+
+
+def test_the_plan_on_a_gpu_machine(tiny, monkeypatch):
+    """What a GPU machine with KvikIO would measure, planned without running it: ceilings first, auto's pick
+    measured once and marked, each backend warm then cold, in order and shuffled."""
+    monkeypatch.setattr(bench, "gpu_available", lambda: True)
+    monkeypatch.setattr(bench, "kvikio_installed", lambda: True)
+    monkeypatch.setattr(bench, "resolve", lambda name, nbytes=None: ("mmap", "the dataset fits"))
+    monkeypatch.setattr(bench, "memory_available", lambda: 1 << 40)
+    monkeypatch.setattr(bench.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(bench.os, "access", lambda path, mode: True)
+    b = bench.Bench(bench.Target.open(tiny), None, cold=True, seconds=1.0, batch_size=64)
+    assert b.backends == ["mmap", "kvikio", "pinned", "cpu"], "auto's pick once, then the others that can run"
+    plan = b.tasks()
+    ceilings = [t.where["ceiling"] + " " + t.where["regime"] for t in plan if t.where.get("ceiling")]
+    assert ceilings == ["pinned H2D copy -", "page cache -> pinned memory warm", "raw KvikIO, same blocks warm",
+                        "O_DIRECT disk read cold", "raw KvikIO, same blocks cold"]
+    measured = [(t.where["backend"], t.where["regime"], t.where["shuffle"]) for t in plan
+                if t.where.get("backend") and not t.where.get("ceiling")]
+    assert measured == [(n, r, s) for r in ("warm", "cold") for n in b.backends for s in (False, True)]
+    assert all(t.where["auto"] == (t.where["backend"] == "mmap") for t in plan if "auto" in t.where)
+    assert [t.label for t in plan if not t.where] == ["reading the dataset into the page cache"]
