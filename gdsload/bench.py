@@ -75,6 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def backend_list(text: str) -> list[str]:
+    """``--backends``: names from :data:`BACKENDS`, comma separated, each once, in the order given."""
     names = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
     bad = [n for n in names if n not in BACKENDS]
     if bad or not names:
@@ -83,6 +84,7 @@ def backend_list(text: str) -> list[str]:
 
 
 def positive_float(text: str) -> float:
+    """``--seconds``: a number > 0."""
     try:
         value = float(text)
     except ValueError:
