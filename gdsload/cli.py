@@ -283,7 +283,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                                            "what it found and the fix")
     doctor.add_argument("path", nargs="?", help="a dataset directory or any file")
     doctor.add_argument("--json", action="store_true", help="print one JSON object")
+    from .bench import add_arguments as bench_arguments, main as bench_main
+
+    bench_arguments(sub.add_parser("bench", help="each backend's GB/s and samples/s on PATH, warm (and cold), "
+                                                 "shuffled and not, beside this machine's ceilings"))
     args = p.parse_args(argv)
+    if args.cmd == "bench":
+        return bench_main(args)
     if args.cmd == "doctor":
         from .doctor import main as doctor_main
 

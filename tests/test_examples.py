@@ -1,0 +1,153 @@
+"""The training examples: they compile and answer --help without torch, make_data writes what they read, the
+DataLoader's per-sample reader reads what zarr reads (everywhere); on a GPU with torch they train a few steps
+with both loaders, resume exactly from a checkpoint, and run under Lightning when it is installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import py_compile
+import re
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+SCRIPTS = ("make_data.py", "train.py", "lightning_train.py", "model.py", "common.py")
+RATE = re.compile(r"^epoch (\d+): (\d+) steps, [\d,]+ images in [\d.]+ s: [\d,]+ images/s on \d+ GPU\(s\)(.*)$", re.M)
+
+
+def example(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, os.path.join(EXAMPLES, script), *args], capture_output=True, text=True,
+                          cwd=ROOT, env=ENV, timeout=timeout)
+
+
+def ok(done: subprocess.CompletedProcess[str]) -> str:
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def examples_path():
+    sys.path.insert(0, EXAMPLES)
+    yield EXAMPLES
+    sys.path.remove(EXAMPLES)
+
+
+def test_examples_compile_and_answer_help_without_importing_torch(tmp_path):
+    for script in SCRIPTS:
+        py_compile.compile(os.path.join(EXAMPLES, script), cfile=str(tmp_path / (script + "c")), doraise=True)
+    for script in ("make_data.py", "train.py", "lightning_train.py"):
+        out = ok(example(script, "--help", timeout=60))
+        assert out.startswith("usage:"), out
+
+
+@pytest.mark.parametrize("nchw", [False, True])
+def test_make_data_writes_what_the_examples_read(tmp_path, examples_path, nchw):
+    import common
+
+    from gdsload import GDSDataset
+
+    path = str(tmp_path / "synth.gds")
+    out = ok(example("make_data.py", path, "--samples", "700", "--size", "8", *(["--nchw"] if nchw else [])))
+    assert out.startswith(f"wrote {path}: 700 images")
+    fields = common.inspect(path, "images", "labels")
+    assert fields == common.Fields("images", "labels", not nchw, 10, 700)
+    with GDSDataset(path, batch_size=700, backend="cpu") as ds:
+        batch = next(iter(ds))
+    images, labels = batch["images"], batch["labels"]
+    colour = images.reshape(700, 3, -1).mean(2) if nchw else images.reshape(700, -1, 3).mean(1)
+    assert np.bincount(labels, minlength=10).min() > 20
+    means = np.stack([colour[labels == c].mean(0) for c in range(10)])
+    nearest = np.linalg.norm(colour[:, None, :] - means[None], axis=2).argmin(1)
+    assert (nearest == labels).all(), "each class has a colour of its own: the model has something to learn"
+
+
+def test_the_dataloader_reader_reads_each_sample_as_zarr_does(tmp_path, examples_path, monkeypatch):
+    import zarr
+
+    if importlib.util.find_spec("torch") is None:  # the reader only wraps its arrays with torch.from_numpy
+        monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(from_numpy=lambda a: a))
+    import train
+
+    path = str(tmp_path / "synth.gds")
+    ok(example("make_data.py", path, "--samples", "1500", "--size", "8"))
+    samples = train.ShardSamples(path, ("images", "labels"))
+    group = zarr.open_group(path, mode="r")
+    assert len(samples) == 1500
+    for i in (0, 1, 340, 341, 777, 1499):
+        got = samples[i]
+        assert np.array_equal(np.asarray(got["images"]), group["images"][i])
+        assert int(np.asarray(got["labels"])) == int(group["labels"][i])
+
+
+# -- on a GPU, with torch --------------------------------------------------------------------------------
+def needs_torch() -> None:
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("needs torch")
+
+
+@pytest.fixture(scope="module")
+def synth(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("examples") / "synth.gds")
+    ok(example("make_data.py", path, "--samples", "4096", "--size", "32"))
+    return path
+
+
+def epochs(out: str) -> dict[int, tuple[int, str]]:
+    """epoch -> (steps, the rest of its line) from the printed images/s lines."""
+    return {int(m.group(1)): (int(m.group(2)), m.group(3)) for m in RATE.finditer(out)}
+
+
+def digest(rest: str) -> int:
+    return int(re.search(r"labels digest (-?\d+)", rest).group(1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loader", ["gdsload", "dataloader"])
+def test_train_runs_a_few_steps_with_each_loader(synth, loader):
+    needs_torch()
+    out = ok(example("train.py", "--data", synth, "--loader", loader, "--steps", "5", "--epochs", "2",
+                     "--batch-size", "64", "--workers", "2"))
+    assert out.startswith(f"loader: {'gdsload' if loader == 'gdsload' else 'torch DataLoader'}")
+    seen = epochs(out)
+    assert sorted(seen) == [0, 1] and all(steps == 5 for steps, _ in seen.values()), out
+    assert all("GPU waited for data" in rest for _, rest in seen.values())
+    assert "epochs after the first:" in out and "images/s" in out
+
+
+@pytest.mark.gpu
+def test_train_resumes_exactly_from_a_checkpoint(synth, tmp_path):
+    """An epoch interrupted after 3 steps and resumed trains on exactly the batches of an uninterrupted one."""
+    needs_torch()
+    common_args = ("--data", synth, "--steps", "6", "--epochs", "1", "--batch-size", "64")
+    whole = epochs(ok(example("train.py", *common_args)))
+    ck = str(tmp_path / "ck.pt")
+    first = ok(example("train.py", *common_args, "--checkpoint", ck, "--checkpoint-every", "3", "--stop-after", "3"))
+    assert "stopped after 3 steps" in first and os.path.exists(ck)
+    second = ok(example("train.py", *common_args, "--resume", ck))
+    assert "resumed from" in second and "epoch 0 after step 3" in second
+    a, b = epochs(first)[0], epochs(second)[0]
+    assert whole[0][0] == 6 and a[0] == 3 and b[0] == 3
+    assert digest(a[1]) + digest(b[1]) == digest(whole[0][1]), (first, second)
+    # A checkpoint written at the end of an epoch resumes at the next one.
+    end = str(tmp_path / "end.pt")
+    ok(example("train.py", *common_args, "--checkpoint", end))
+    resumed = ok(example("train.py", "--data", synth, "--steps", "6", "--epochs", "2", "--batch-size", "64",
+                         "--resume", end))
+    assert sorted(epochs(resumed)) == [1], resumed
+
+
+@pytest.mark.gpu
+def test_lightning_trains_on_a_gdsdataset(synth):
+    needs_torch()
+    if importlib.util.find_spec("lightning") is None and importlib.util.find_spec("pytorch_lightning") is None:
+        pytest.skip("needs lightning or pytorch_lightning")
+    out = ok(example("lightning_train.py", "--data", synth, "--steps", "5", "--epochs", "2", "--batch-size", "64"))
+    seen = epochs(out)
+    assert sorted(seen) == [0, 1] and all(steps == 5 for steps, _ in seen.values()), out
