@@ -177,7 +177,9 @@ class Decoder:
     """
 
     def __init__(self, layout: Any, on_gpu: bool, device_id: int = 0, device: Sequence[str] = (),
-                 threads: int = DECODE_THREADS, nvcomp: Any = None):
+                 threads: int = DECODE_THREADS, nvcomp: Any = None, ops: Any = None):
+        """``nvcomp`` and ``ops`` replace ``nvidia.nvcomp`` and the CUDA side
+        (:class:`gdsload.decode_nvcomp.CupyOps`), for tests of the device path without a GPU."""
         self.layout, self.on_gpu, self.device_id = layout, on_gpu, device_id
         metas = {k: layout.meta.array(k) for k in layout.keys}
         self.chains = {k: Chain(m.codecs) for k, m in metas.items() if m.compressed and k not in device}
@@ -190,7 +192,7 @@ class Decoder:
         if on_gpu:
             from .decode_nvcomp import CupyOps, NvcompBatch
 
-            self.gpu = CupyOps(device_id)
+            self.gpu = ops if ops is not None else CupyOps(device_id)
             if device:
                 self.batch = NvcompBatch(nvcomp or load_nvcomp(), self.gpu, device_id)
 
@@ -219,18 +221,22 @@ class Decoder:
         self._decode_host(wb, host_jobs)
         if self.gpu is None:
             return filled
-        with self._lock:
-            return self.gpu.finish_window(wb.buffer, wb.host, host_jobs,
-                                          [j for j in work.jobs if j.name not in self.chains], filled, self)
+        gpu = self.gpu
+        with self._lock, gpu.ordered(filled):  # the device's work on the decoder's stream, after ``filled``
+            for job in host_jobs:
+                if job.copy is not None:
+                    h, d, n = job.copy
+                    gpu.to_device(wb.buffer, d, wb.host, h, n)
+            outs = [self.batch.decode(wb.buffer, j, self.layout) for j in work.jobs if j.name not in self.chains]
+            return gpu.done(outs)
 
     def _decode_host(self, wb: Any, jobs: list[Any]) -> None:
         tasks: list[Callable[[], None]] = []
         for job in jobs:
-            src = wb.host if job.host else wb.buffer
-            dest = src if (job.host or self.gpu is None) else None
+            buf = wb.host if job.host else wb.buffer  # compressed bytes and decoded slots alike
             chain, bb = self.chains[job.name], self.metas[job.name].block_bytes
             for lo, hi in _groups(len(job.chunks), self.pool._max_workers * 4):
-                tasks.append(self._task(job, chain, bb, src, dest, lo, hi))
+                tasks.append(self._task(job, chain, bb, buf, lo, hi))
             if job.host and job.fills:
                 pattern = np.frombuffer(self.metas[job.name].fill_bytes(), np.uint8)
                 for d in job.fills:
@@ -240,15 +246,15 @@ class Decoder:
         if first is not None:
             raise first
 
-    def _task(self, job: Any, chain: Chain, bb: int, src: Any, dest: Any, lo: int, hi: int) -> Callable[[], None]:
+    def _task(self, job: Any, chain: Chain, bb: int, buf: Any, lo: int, hi: int) -> Callable[[], None]:
         def run() -> None:
             for i in range(lo, hi):
                 s, n, d = int(job.src[i]), int(job.nbytes[i]), int(job.dest[i])
                 try:
-                    out = chain.decode(src[s:s + n], bb)
+                    out = chain.decode(buf[s:s + n], bb)
                 except ValueError as e:
                     raise chunk_error(self.layout, job.name, int(job.chunks[i]), chain.names, str(e)) from None
-                dest[d:d + bb] = out
+                buf[d:d + bb] = out
         return run
 
     def close(self) -> None:

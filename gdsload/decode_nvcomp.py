@@ -19,7 +19,9 @@ the batched call failed, or by a decoded size that is not the chunk's.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -104,24 +106,24 @@ class CupyOps:
             mem = self.cupy.cuda.PinnedMemory(nbytes)
         return np.frombuffer(self.cupy.cuda.PinnedMemoryPointer(mem, 0), dtype=np.uint8, count=nbytes)
 
-    def finish_window(self, buffer: Any, host: Any, host_jobs: list[Any], device_jobs: list[Any], filled: Any,
-                      decoder: Any) -> Any:
-        """After ``filled``: copy host-decoded slots to the device and decode the device fields; the event
-        after both."""
-        rt = self.cupy.cuda.runtime
-        held = []
+    @contextlib.contextmanager
+    def ordered(self, filled: Any) -> Iterator[None]:
+        """The device and the decoder's stream made current; the stream waits on ``filled`` first."""
         with self.device, self.stream:
             if filled is not None:
                 self.stream.wait_event(filled)
-            for job in host_jobs:
-                if job.copy is not None:
-                    h, d, n = job.copy
-                    rt.memcpyAsync(int(buffer.data.ptr) + d, int(host.ctypes.data) + h, n, H2D, self.stream_ptr)
-            for job in device_jobs:
-                held.append(decoder.batch.decode(buffer, job, decoder.layout))
-            event = record_event(self.stream)
+            yield
+
+    def to_device(self, buffer: Any, dest: int, host: np.ndarray, src: int, nbytes: int) -> None:
+        """Copy ``nbytes`` of the pinned ``host`` buffer at ``src`` into the device ``buffer`` at ``dest``."""
+        self.cupy.cuda.runtime.memcpyAsync(int(buffer.data.ptr) + dest, int(host.ctypes.data) + src, nbytes, H2D,
+                                           self.stream_ptr)
+
+    def done(self, outs: list[Any]) -> Any:
+        """The event after the work queued so far; nvCOMP's outputs ``outs`` are kept until it has passed."""
+        event = record_event(self.stream)
         with self._lock:
-            self._held = [(e, o) for e, o in self._held if not e.done] + [(event, held)]
+            self._held = [(e, o) for e, o in self._held if not e.done] + [(event, outs)]
         return event
 
     # -- what NvcompBatch needs ----------------------------------------------------------------------------
