@@ -83,6 +83,20 @@ class NvcompBatch:
                                                                f"({type(error).__name__}: {error})")
 
 
+def trailing_index(hi: np.ndarray) -> np.ndarray:
+    """Offsets of the 4 bytes after each segment ending at ``hi``: where its crc32c is stored."""
+    return (np.asarray(hi, np.int64)[:, None] + np.arange(CRC_BYTES)).reshape(-1)
+
+
+def crc_mismatch(got: np.ndarray, trailing: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Whether each segment's CRC as the device kernel computes it (``got``: :mod:`gdsload.checksum_cuda`)
+    differs from the standard crc32c stored after it (``trailing``: those 4 bytes per segment, little endian)."""
+    from .checksum import device_expected
+
+    stored = np.ascontiguousarray(trailing, dtype=np.uint8).view("<u4").astype(np.uint32)
+    return got != device_expected(stored, lo, hi)
+
+
 class CupyOps:
     """The decode step's CUDA side: a non-blocking stream of its own, pinned host buffers for host-decoded
     fields, copies of their decoded slots to the device, and the buffer operations :class:`NvcompBatch`
@@ -141,15 +155,13 @@ class CupyOps:
     def crc_mismatch(self, buffer: Any, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """Whether each segment ``[lo, hi)`` of the device buffer differs from the crc32c stored in the 4
         bytes after it (computed on the device; only the CRCs come back)."""
-        from .checksum import device_expected
         from .checksum_cuda import DeviceCrc
 
         if self._crc is None:
             self._crc = DeviceCrc(self.device.id)
         got = self._crc.launch(buffer, lo, hi, self.stream).get(stream=self.stream)
-        idx = self.cupy.asarray((hi[:, None] + np.arange(CRC_BYTES)).reshape(-1))
-        stored = buffer[idx].get(stream=self.stream).view("<u4").astype(np.uint32)
-        return got != device_expected(stored, lo, hi)
+        trailing = buffer[self.cupy.asarray(trailing_index(hi))].get(stream=self.stream)
+        return crc_mismatch(got, trailing, lo, hi)
 
     def close(self) -> None:
         self.stream.synchronize()

@@ -25,7 +25,8 @@ from zarr.codecs import Crc32cCodec, GzipCodec, ZstdCodec
 from gdsload import FormatError, GDSDataset, ReadError
 from gdsload.backends.cpu import CpuBackend
 from gdsload.decode import Decoder
-from gdsload.decode_nvcomp import NvcompBatch
+from gdsload.checksum import pieces, reference_device_crcs
+from gdsload.decode_nvcomp import NvcompBatch, crc_mismatch, trailing_index
 from gdsload.format import DatasetLayout, read_metadata
 from gdsload.window import WindowBuffer, WindowLayout
 
@@ -199,9 +200,9 @@ class HostOps:
         pass
 
     def crc_mismatch(self, buffer, lo, hi):
-        import crc32c
-
-        return np.array([crc32c.crc32c(buffer[a:b]) != int(buffer[b:b + 4].view("<u4")[0]) for a, b in zip(lo, hi)])
+        """As CupyOps computes it: the device kernel's algorithm (its numpy reference) on the segments."""
+        got = reference_device_crcs(buffer, pieces(lo, hi))
+        return crc_mismatch(got, buffer[trailing_index(hi)], lo, hi)
 
 
 def _device_windows(path: str, device: list[str], host: list[str], fake: FakeNvcomp, ops: HostOps,
@@ -273,6 +274,18 @@ def test_device_path_names_a_corrupt_chunk(tmp_path):
     with pytest.raises(ReadError, match=rf"^{re.escape(loc.path)}: chunk 5 of array 'z' \(.*codecs \['bytes', "
                                         rf"'zstd'\]\) does not decode: nvCOMP: "):
         _device_windows(path, ["z"], [], FakeNvcomp(), HostOps())
+
+
+def test_device_path_checks_crc32c_after_zstd(tmp_path):
+    path = store(tmp_path, c=(10, None, [ZstdCodec(), Crc32cCodec()]))
+    got, _ = _device_windows(path, ["c"], [], FakeNvcomp(), HostOps())
+    np.testing.assert_array_equal(got["c"], rows())
+    layout = DatasetLayout(read_metadata(path))
+    loc = layout.locate("c", 7)
+    layout.close()
+    _flip(loc.path, loc.offset + loc.nbytes // 2)
+    with pytest.raises(ReadError, match=rf"^{re.escape(loc.path)}: chunk 7 of array 'c' .*crc32c mismatch"):
+        _device_windows(path, ["c"], [], FakeNvcomp(), HostOps())
 
 
 def test_nvcomp_batch_checks_the_decoded_size(tmp_path):
