@@ -31,10 +31,12 @@ class GDSDataset:
 
     Parameters
     ----------
-    path : dataset directory written by ``gdsload shard``; or any Zarr v3 group of uncompressed arrays that
-        share their length along axis 0 (the fields are its arrays, nested ones named ``a/b``), or one such
-        array (one field, named after its directory). Chunks must hold whole samples; chunks never
-        written, and missing chunk or shard files, read as the array's fill value (docs/format.md).
+    path : dataset directory written by ``gdsload shard``; or any Zarr v3 group of arrays that share their
+        length along axis 0 (the fields are its arrays, nested ones named ``a/b``), or one such array (one
+        field, named after its directory). Chunks must hold whole samples, raw or compressed (``zstd``,
+        decoded on the GPU by nvCOMP when installed, else by CPU threads; ``gzip``, ``blosc`` and numcodecs'
+        codecs by CPU threads); chunks never written, and missing chunk or shard files, read as the array's
+        fill value (docs/format.md).
     batch_size : samples per batch; the last batch of an epoch may be smaller unless ``drop_last``.
     fields : fields to read (default: all). In a Zarr group without gdsload's attribute, only these arrays
         must be readable and of one length.

@@ -1,6 +1,7 @@
 """Zarr v3 stores written by zarr-python (no gdsload attribute) read exactly: groups of arrays with chunks of
 their own sizes, sharded and unsharded, every chunk key encoding, partial writes, nested arrays, a single
-array, field selection; unreadable arrays refused by name.
+array, field selection, compressed chunks (zstd, zstd + crc32c, gzip, blosc, numcodecs' zlib); unreadable
+arrays refused by name.
 
 Every sample is checked against the numpy data it was written from, by a per-sample label (the ``id``
 array, or the content itself), and every pass's order against the plan. Parametrized over ``backend``:
