@@ -22,12 +22,13 @@ import pytest
 import zarr
 from zarr.codecs import Crc32cCodec, GzipCodec, ZstdCodec
 
-from gdsload import FormatError, GDSDataset, ReadError
+from gdsload import FormatError, GDSDataset, ReadError, write_dataset
 from gdsload.backends.cpu import CpuBackend
 from gdsload.decode import Decoder
 from gdsload.checksum import pieces, reference_device_crcs
 from gdsload.decode_nvcomp import NvcompBatch, crc_mismatch, trailing_index
 from gdsload.format import DatasetLayout, read_metadata
+from gdsload.sources import ArraySource, RaggedSource
 from gdsload.window import WindowBuffer, WindowLayout
 
 N = 300
@@ -400,3 +401,19 @@ def test_compression_benchmark_runs_on_cpu(tmp_path):
     assert all(r["warm_gbps"] > 0 and 0 < r["ratio"] <= 1 for r in rows if r["kind"] == "pass")
     assert [r["chunk_bytes"] for r in rows if r["kind"] == "chunk"] == [64 << 10, 256 << 10]
     assert {r["mode"] for r in rows if r["kind"] == "zarr"} == {"numpy"}
+
+
+def test_compressed_variable_length_values_are_refused(tmp_path):
+    out = str(tmp_path / "r.gds")
+    values = np.arange(40, dtype=np.int32)
+    write_dataset(out, {"x": ArraySource("x", np.zeros((4, 2)))}, ragged={"t": RaggedSource(
+        "t", ArraySource("t", values), np.array([0, 10, 20, 30, 40]))}, compress="zstd", progress=False)
+    assert not read_metadata(out).ragged["t"].values.compressed  # the converter leaves values raw
+    meta = os.path.join(out, "t", "values", "zarr.json")
+    with open(meta) as f:
+        doc = json.load(f)
+    doc["codecs"][0]["configuration"]["codecs"].append({"name": "zstd", "configuration": {"level": 0}})
+    with open(meta, "w") as f:
+        json.dump(doc, f)
+    with pytest.raises(FormatError, match=rf"^{re.escape(meta)}: the values of variable-length field 't' must be raw"):
+        read_metadata(out)
