@@ -1,16 +1,20 @@
 """One Zarr v3 array gdsload reads: its ``zarr.json`` checked and reduced to a :class:`FieldMeta`.
 
-An array is read sample by sample along axis 0, so whatever holds its bytes must keep samples whole and raw:
-chunks (or a shard's inner chunks) cover axes 1..n entirely, are serialized by the ``bytes`` codec
-(little endian) and are not compressed. :func:`read_array` checks exactly that, in two modes:
+An array is read sample by sample along axis 0, so whatever holds its bytes must keep samples whole:
+chunks (or a shard's inner chunks) cover axes 1..n entirely and are serialized by the ``bytes`` codec
+(little endian), then either stored raw or passed through bytes-to-bytes codecs (compressors such as
+``zstd``, ``gzip``, ``blosc``, checksums), which :mod:`gdsload.decode` undoes chunk by chunk.
+:func:`read_array` checks exactly that, in two modes:
 
 - ``strict`` (a field of a dataset the converter wrote, listed in its ``gdsload`` attribute): the format
-  of docs/format.md, exactly: one ``sharding_indexed`` codec, raw inner chunks of the dataset's block
-  size, a ``bytes`` + ``crc32c`` shard index, the default chunk key encoding.
+  of docs/format.md, exactly: one ``sharding_indexed`` codec, inner chunks of the dataset's block size,
+  raw or ``zstd``-compressed, a ``bytes`` + ``crc32c`` shard index, the default chunk key encoding.
 - foreign (an array of any Zarr v3 store): also unsharded arrays (a file per chunk), the ``v2`` chunk
-  key encoding, an index without checksum, any rows per chunk, and a ``crc32c`` codec after ``bytes``
-  (its 4 bytes are skipped, not verified). Compression, ``transpose``, chunks that split a sample,
-  big-endian data and storage transformers are refused by name.
+  key encoding, an index without checksum, any rows per chunk, any bytes-to-bytes codecs zarr's registry
+  knows and gdsload can decode, and on raw chunks a ``crc32c`` codec after ``bytes`` (its 4 bytes are
+  skipped, not verified; after a compressor it is verified). ``transpose`` and other array-to-array
+  codecs, unknown codecs, chunks that split a sample, big-endian data and storage transformers are
+  refused by name.
 
 Error contract: a FormatError (a ValueError) ``PATH/zarr.json: what is wrong``; values are checked as
 Python ints before anything is allocated; no exception of json, numpy or zarr escapes.
@@ -28,7 +32,10 @@ import numpy as np
 
 from ._zarr_json import (as_list, as_shape, bytes_endian, chunk_shape, codec_entry, exc_text, fail, key_encoding,
                          read_node, show)
+from .decode import check_codec
 from .shard_index import CRC_BYTES, INDEX_ENTRY_BYTES
+
+Codecs = tuple[tuple[str, Any], ...]
 
 #: Data types gdsload reads (Zarr v3 names); numpy's dtype of each.
 DTYPES = {name: np.dtype(name) for name in (
@@ -62,7 +69,20 @@ class FieldMeta:
     sharded: bool = True
     key_encoding: str = "default"  # or "v2"
     index_checksum: bool = True  # the shard index ends with its crc32c
-    chunk_checksum: bool = False  # each stored chunk ends with a crc32c (skipped, not verified)
+    chunk_checksum: bool = False  # each raw stored chunk ends with a crc32c (skipped, not verified)
+    #: The bytes-to-bytes codecs after ``bytes``, in stored order, as (name, configuration): empty for raw
+    #: chunks. A compressed chunk's stored length varies (the chunk table keeps each one's).
+    codecs: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def compressed(self) -> bool:
+        return bool(self.codecs)
+
+    @property
+    def codec_names(self) -> list[str]:
+        """The chunks' codecs as zarr names them, ``bytes`` first."""
+        return ["bytes", *(n for n, _ in self.codecs)] if self.codecs else ["bytes"] + (
+            ["crc32c"] if self.chunk_checksum else [])
 
     @property
     def num_chunks(self) -> int:
@@ -79,12 +99,13 @@ class FieldMeta:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one chunk's data (what is read of it)."""
+        """Bytes of one chunk's data (what is read of a raw chunk; what a compressed one decodes to)."""
         return self.sample_bytes * self.samples_per_block
 
     @property
     def stored_bytes(self) -> int:
-        """Bytes of one chunk as stored: its data, and the crc32c after it if the array has one."""
+        """Bytes of one raw chunk as stored: its data, and the crc32c after it if the array has one (a
+        compressed chunk's length is in the chunk table)."""
         return self.block_bytes + (CRC_BYTES if self.chunk_checksum else 0)
 
     @property
@@ -149,9 +170,10 @@ def read_array(directory: str, key: str, missing: str, strict: bool, num_rows: i
         if len(codecs) > 1:
             raise fail(where, f"codecs after sharding_indexed ({show([n for n, _ in codecs[1:]])}) are not "
                               f"supported; {CONVERT_HINT}")
-        chunk, chunk_crc, index_crc, location = _sharding(where, codecs[0][1], ndim, dtype, strict)
+        chunk, (chunk_crc, chain), index_crc, location = _sharding(where, codecs[0][1], ndim, dtype, strict)
     else:
-        chunk, chunk_crc, index_crc, location = grid, _raw(where, codecs, "chunks", dtype), False, "end"
+        chunk, index_crc, location = grid, False, "end"
+        chunk_crc, chain = _chunk_codecs(where, codecs, "chunks", dtype)
     if strict:
         if num_rows is None or chunk_rows is None:
             num_rows, chunk_rows = shape[0], chunk[0]
@@ -181,23 +203,24 @@ def read_array(directory: str, key: str, missing: str, strict: bool, num_rows: i
         key_encoding=encoding,
         index_checksum=index_crc,
         chunk_checksum=chunk_crc,
+        codecs=chain,
     )
 
 
 def _sharding(where: str, cfg: dict[str, Any], ndim: int, dtype: np.dtype,
-              strict: bool) -> tuple[tuple[int, ...], bool, bool, str]:
-    """Inner chunk shape, inner crc32c, index crc32c and index location of a ``sharding_indexed`` codec."""
+              strict: bool) -> tuple[tuple[int, ...], tuple[bool, Codecs], bool, str]:
+    """Inner chunk shape, inner codecs (crc32c of raw chunks, compressors), index crc32c and index location
+    of a ``sharding_indexed`` codec."""
     chunk = as_shape(where, "inner chunk_shape", cfg.get("chunk_shape"), 1, ndim)
     inner = [codec_entry(where, c) for c in as_list(where, "inner codecs", cfg.get("codecs"))]
     if strict:
-        if [name for name, _ in inner] != ["bytes"]:
-            raise fail(where, f"inner chunks must be raw ('bytes' codec only), found {show([n for n, _ in inner])}")
+        if [name for name, _ in inner] not in (["bytes"], ["bytes", "zstd"]):
+            raise fail(where, f"inner chunks must be raw ('bytes' codec only) or 'bytes' then 'zstd', found "
+                              f"{show([n for n, _ in inner])}")
         endian = bytes_endian(where, inner[0][1])
         if endian != "little" and dtype.itemsize > 1:
             raise fail(where, f"inner chunks must be little endian, found {endian}")
-        chunk_crc = False
-    else:
-        chunk_crc = _raw(where, inner, "inner chunks", dtype)
+    chunk_codecs = _chunk_codecs(where, inner, "inner chunks", dtype)
     index_codecs = [codec_entry(where, c) for c in as_list(where, "index_codecs", cfg.get("index_codecs"))]
     names = [n for n, _ in index_codecs]
     if names != ["bytes", "crc32c"] and (strict or names != ["bytes"]):
@@ -208,16 +231,22 @@ def _sharding(where: str, cfg: dict[str, Any], ndim: int, dtype: np.dtype,
     location = cfg.get("index_location", "end")
     if location not in ("end", "start"):
         raise fail(where, f"index_location must be 'end' or 'start' (found {show(location)})")
-    return chunk, chunk_crc, len(names) == 2, location
+    return chunk, chunk_codecs, len(names) == 2, location
 
 
-def _raw(where: str, codecs: list[tuple[Any, dict[str, Any]]], what: str, dtype: np.dtype) -> bool:
-    """Check that a foreign array's chunk codecs store raw samples: ``bytes`` (little endian, or any order for
-    one-byte data), then nothing or ``crc32c``. Returns whether a crc32c follows each chunk."""
+def _chunk_codecs(where: str, codecs: list[tuple[Any, dict[str, Any]]], what: str, dtype: np.dtype
+                  ) -> tuple[bool, Codecs]:
+    """Check that an array's chunk codecs store whole samples: ``bytes`` (little endian, or any order for
+    one-byte data), then nothing or ``crc32c`` (raw chunks), or bytes-to-bytes codecs gdsload decodes
+    (:func:`gdsload.decode.check_codec`). Returns whether a crc32c follows each raw chunk, and the
+    bytes-to-bytes codecs of compressed chunks (empty for raw ones)."""
     names = [name for name, _ in codecs]
     if "transpose" in names:
         raise fail(where, f"{what} use a 'transpose' codec (stored in another axis order), which gdsload does not "
                           f"read; write the array without it or {CONVERT_HINT}")
+    if "bytes" in names[1:]:
+        raise fail(where, f"{what} use array-to-array codec {show(names[0])} (before 'bytes'), which gdsload does "
+                          f"not read; write the array without it or {CONVERT_HINT}")
     if not names or names[0] != "bytes":
         found = "nested sharding" if names and names[0] == "sharding_indexed" else f"codecs {show(names)}"
         raise fail(where, f"{what} must be stored raw by the 'bytes' codec, found {found}; {CONVERT_HINT}")
@@ -226,10 +255,10 @@ def _raw(where: str, codecs: list[tuple[Any, dict[str, Any]]], what: str, dtype:
                           f"{CONVERT_HINT}")
     rest = names[1:]
     if rest in ([], ["crc32c"]):
-        return bool(rest)
-    codec = next(n for n in rest if n != "crc32c")
-    raise fail(where, f"{what} are compressed (codec {show(codec)}): this version of gdsload reads uncompressed "
-                      f"chunks only; write the array with compressors=None or {CONVERT_HINT}")
+        return bool(rest), ()
+    for name, cfg in codecs[1:]:
+        check_codec(where, name, cfg)
+    return False, tuple((str(name), cfg) for name, cfg in codecs[1:])
 
 
 def _whole_samples(where: str, shape: tuple[int, ...], grid: tuple[int, ...], chunk: tuple[int, ...],

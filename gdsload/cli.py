@@ -55,7 +55,8 @@ def describe_dataset(path: str) -> str:
         total += nbytes
         lines.append(f"  {name}: dtype {f.dtype.str} ({f.dtype.name}), sample shape {f.sample_shape}, "
                      f"block {_human(f.block_bytes)}, {shards} shard(s) of {f.blocks_per_shard} blocks, "
-                     f"{_human(nbytes)}" + (f", {missing} block(s) never written (fill value)" if missing else ""))
+                     f"{_human(nbytes)}" + (f", {missing} block(s) never written (fill value)" if missing else "")
+                     + _codecs(f, layout.chunk_lengths.get(name), f.num_chunks - missing))
     for name, r in meta.ragged.items():
         v = r.values
         lengths = np.diff(layout.offsets[name])
@@ -67,6 +68,15 @@ def describe_dataset(path: str) -> str:
                      f"{_human(nbytes)}")
     lines.append(f"fields: {len(meta.names)}   shards: {len(layout.shard_paths())}   bytes: {_human(total)}")
     return "\n".join(lines)
+
+
+def _codecs(f, lengths, written: int) -> str:
+    """``, codecs [...]`` and, for compressed chunks, ``ratio R`` (stored bytes / decoded bytes of the chunks
+    written, from the chunk table)."""
+    text = f", codecs {f.codec_names}"
+    if lengths is not None and written:
+        text += f", ratio {int(lengths.sum()) / (written * f.block_bytes):.3f} (stored / decoded)"
+    return text
 
 
 def describe_system() -> str:
@@ -173,6 +183,13 @@ def shard_parser(prog: str = "shard.py") -> argparse.ArgumentParser:
     size.add_argument("--block-bytes", type=parse_bytes, default=None,
                       help="target block size (default 4MiB); whole samples, 4 KiB aligned where possible")
     size.add_argument("--samples-per-block", type=int, default=None, help="samples per block, exactly")
+    p.add_argument("--compress", default=None, metavar="zstd[:LEVEL]",
+                   help="store every fixed field's blocks as zstd inner chunks (level 3 by default), which zarr "
+                        "reads and gdsload decodes on the GPU with nvCOMP (gdsload[nvcomp]) or on CPU threads; "
+                        "default: raw")
+    p.add_argument("--chunk-bytes", type=parse_bytes, default=None,
+                   help="with --compress: target inner chunk (= block) size (default 512KiB, provisional: smaller "
+                        "chunks keep a GPU decoder busy)")
     p.add_argument("--shard-bytes", type=parse_bytes, default=None, help="target shard file size (default 1GiB)")
     p.add_argument("--slice-bytes", type=parse_bytes, default=None, help="input read size (bounds memory; 64MiB)")
     p.add_argument("--overwrite", action="store_true",
@@ -227,8 +244,13 @@ def shard_main(argv: Sequence[str] | None = None, prog: str = "shard.py") -> int
                 print(f"{prog}: error: {flag} expects NAME=PATH (found {_printable(repr(spec))})", file=sys.stderr)
                 return 2
             named[flag][name] = path
+    if args.compress is not None and args.block_bytes is not None:
+        print(f"{prog}: error: --block-bytes does not apply with --compress (a block is then one inner chunk: "
+              f"use --chunk-bytes)", file=sys.stderr)
+        return 2
     options = {k: v for k, v in {"block_bytes": args.block_bytes, "samples_per_block": args.samples_per_block,
-                                 "shard_bytes": args.shard_bytes, "slice_bytes": args.slice_bytes}.items()
+                                 "shard_bytes": args.shard_bytes, "slice_bytes": args.slice_bytes,
+                                 "compress": args.compress, "chunk_bytes": args.chunk_bytes}.items()
                if v is not None}
     notes: list[str] = []
     meta = None

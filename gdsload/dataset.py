@@ -31,10 +31,12 @@ class GDSDataset:
 
     Parameters
     ----------
-    path : dataset directory written by ``gdsload shard``; or any Zarr v3 group of uncompressed arrays that
-        share their length along axis 0 (the fields are its arrays, nested ones named ``a/b``), or one such
-        array (one field, named after its directory). Chunks must hold whole samples; chunks never
-        written, and missing chunk or shard files, read as the array's fill value (docs/format.md).
+    path : dataset directory written by ``gdsload shard``; or any Zarr v3 group of arrays that share their
+        length along axis 0 (the fields are its arrays, nested ones named ``a/b``), or one such array (one
+        field, named after its directory). Chunks must hold whole samples, raw or compressed (``zstd``,
+        decoded on the GPU by nvCOMP when installed, else by CPU threads; ``gzip``, ``blosc`` and numcodecs'
+        codecs by CPU threads); chunks never written, and missing chunk or shard files, read as the array's
+        fill value (docs/format.md).
     batch_size : samples per batch; the last batch of an epoch may be smaller unless ``drop_last``.
     fields : fields to read (default: all). In a Zarr group without gdsload's attribute, only these arrays
         must be readable and of one length.
@@ -154,10 +156,17 @@ class GDSDataset:
             from .verify import make_verifier
 
             self._verifier = make_verifier(layout, on_gpu, self.device) if self.verify else None
+            self._decoder = None
+            if any(meta.array(k).compressed for k in layout.keys):
+                from .decode import Decoder
+
+                self._decoder = Decoder(layout, on_gpu, self.device, self._device_decoded)
             # Last: a backend may read the whole dataset here (mmap), which a bad argument must not cost.
             self._backend.prepare(layout.files)
         except BaseException:
             self._backend.close()  # a bad argument must not leave pinned memory or threads behind
+            if getattr(self, "_decoder", None) is not None:
+                self._decoder.close()
             layout.close()
             raise
         self._resident: dict[str, ResidentField] = {}  # filled on the first pass, emptied by close()
@@ -178,7 +187,7 @@ class GDSDataset:
         self._closing = threading.Event()
         self._lock = threading.RLock()
         self._finalizer = weakref.finalize(self, _shutdown, self._active, self._backend, self._buffers,
-                                           self._resident, layout, self._closing)
+                                           self._resident, layout, self._closing, self._decoder)
         _fork.track(self)
         self.open_s = time.perf_counter() - started
 
@@ -204,8 +213,14 @@ class GDSDataset:
                                  rank=rank, world_size=world_size)
         capacity = {f: (meta.ragged[f], capacity_rows(layout.offsets[f], spb, window_blocks))
                     for f in self.ragged_fields}
+        from .decode import device_fields
+
+        # Compressed fields: decoded on the device by nvCOMP, or by CPU threads from a host buffer (GPU backends).
+        self._device_decoded, self._host_decoded = device_fields([meta.fields[f] for f in fixed],
+                                                                 self.backend_name != "cpu")
         self._window_layout = WindowLayout([meta.fields[f] for f in self.windowed_fields], window_blocks, capacity,
-                                           samples_per_block=spb)
+                                           samples_per_block=spb, chunk_lengths=layout.chunk_lengths,
+                                           host_fields=self._host_decoded)
         self._pad = pad_spec(pad_to, pad_value, self.ragged_fields)
 
     # -- properties ------------------------------------------------------------------------------------
@@ -241,9 +256,11 @@ class GDSDataset:
         wl = self._window_layout
         gather = {f: "resident" if f in self.resident_fields else "variable-length" if f in wl.ragged
                   else "positions" if wl.direct(f) else "rows" for f in self.fields}
+        decode = {f: "device (nvCOMP)" if f in self._device_decoded else "cpu threads" for f in self.fields
+                  if f in self.meta.fields and self.meta.fields[f].compressed}
         return {"backend": self.backend_name, "backend_reason": self.backend_reason, "io_mode": self.io_mode,
                 "foreign_store": self.meta.foreign, "samples_per_block": self.config.samples_per_block,
-                "gather": gather,
+                "gather": gather, "decode": decode,
                 "window_blocks": self.config.window_blocks, "window_bytes": self._window_layout.nbytes,
                 "window_buffers": len(self._buffers), "prefetch": self.prefetch, "batches_ahead": self.batches_ahead,
                 "resident_fields": list(self.resident_fields), "open_s": self.open_s,
@@ -313,7 +330,7 @@ class GDSDataset:
                             self.fields, resident, self._pad, ahead=self.batches_ahead,
                             plans=functools.partial(epoch_plan, self.config) if self.prefetch_next_epoch else None,
                             bytes_before=sum(r.array.nbytes for r in resident.values()) if first_load else 0,
-                            verifier=self._verifier)
+                            verifier=self._verifier, decoder=self._decoder)
         self._active.append(pipeline)
         return pipeline
 
@@ -334,11 +351,15 @@ class GDSDataset:
         for name in self.resident_fields:
             f = self.meta.fields[name]
             # Every chunk back to back, a block per chunk: row i holds sample i, whatever the plan's block.
-            single = WindowLayout([f], f.num_chunks, samples_per_block=f.samples_per_block)
+            single = WindowLayout([f], f.num_chunks, samples_per_block=f.samples_per_block,
+                                  chunk_lengths=self._layout.chunk_lengths, host_fields=self._host_decoded)
             buf = self._backend.allocate(single.nbytes)
             blocks = np.arange(f.num_chunks)
             try:
-                event = self._backend.load(buf, single.requests(self._layout, blocks), self._closing)
+                work = single.work(self._layout, blocks)
+                event = self._backend.load(buf, work.requests, self._closing)
+                if f.compressed:
+                    event = self._decoder.start(WindowBuffer(buf), work, self._closing).finish(event)
                 if self._closing.is_set():
                     raise GDSLoadError(f"{self.meta.path}: the dataset was closed while loading field '{name}'")
                 if self._verifier is not None:
@@ -410,11 +431,14 @@ def _held_whole(meta: Any, names: Sequence[str], resident_bytes: int) -> tuple[s
 
 
 def _shutdown(active: list[Pipeline], backend: Any, buffers: list[WindowBuffer],
-              resident: dict[str, ResidentField], layout: DatasetLayout, closing: threading.Event) -> None:
+              resident: dict[str, ResidentField], layout: DatasetLayout, closing: threading.Event,
+              decoder: Any = None) -> None:
     closing.set()
     while active:
         active.pop().close()
     backend.close()
+    if decoder is not None:
+        decoder.close()
     buffers.clear()
     resident.clear()
     layout.close()

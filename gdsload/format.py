@@ -194,6 +194,10 @@ def read_metadata(path: str | os.PathLike[str], fields: list[str] | tuple[str, .
             continue
         key = f"{name}/values"
         ragged[name] = RaggedMeta(name, read_array(os.path.join(path, name, "values"), key, missing + key, True))
+        if ragged[name].values.compressed:  # read by rows, not whole chunks: they must stay raw
+            raise fail(os.path.join(path, name, "values", "zarr.json"), f"the values of variable-length field "
+                                                                       f"'{name}' must be raw (found codecs "
+                                                                       f"{ragged[name].values.codec_names})")
         check_whole_array(os.path.join(path, name, "offsets", "zarr.json"),
                           f"variable-length field '{name}' has no offsets array",
                           f"{num_samples + 1} integer offsets", num_samples + 1, INT_DTYPES)

@@ -23,7 +23,7 @@ import numpy as np
 from ._zarr_json import MAX_DIMENSIONS, check_whole_array, exc_text, fail
 from .errors import FormatError
 from .files import ShardFiles, not_regular, refusal, reserve_descriptors
-from .shard_index import chunk_offsets, read_shard_index
+from .shard_index import chunk_table, read_shard_index
 from .zarr_store import present_shards
 
 if TYPE_CHECKING:
@@ -117,11 +117,15 @@ class DatasetLayout:
                 for p in self._paths[k]:
                     self.files.add(p, what)
             # block_offsets[key][c]: the byte offset of chunk c in its file, -1 if never written (or no file);
-            # chunk_files[key][c]: that file's index in the array's paths.
+            # chunk_files[key][c]: that file's index in the array's paths; chunk_lengths[key][c], for a
+            # compressed array only: chunk c's stored length (0 if never written).
             self.block_offsets: dict[str, np.ndarray] = {}
             self.chunk_files: dict[str, np.ndarray] = {}
+            self.chunk_lengths: dict[str, np.ndarray] = {}
             for k in self.keys:
-                self.block_offsets[k], self.chunk_files[k] = self._scan(meta.array(k), shards[k])
+                self.block_offsets[k], self.chunk_files[k], lengths = self._scan(meta.array(k), shards[k])
+                if meta.array(k).compressed:
+                    self.chunk_lengths[k] = lengths
             self.offsets: dict[str, np.ndarray] = {f: self._read_offsets(meta.ragged[f]) for f in self.fields
                                                    if f in meta.ragged}
             # checksums[field][b]: crc32c of block b's bytes (see DatasetMeta), for fields that have them.
@@ -178,17 +182,19 @@ class DatasetLayout:
         """The files of a foreign array that exist, once its chunk table and the plan's per-sample arrays are
         seen to fit in this machine's memory (a shape of 10**15 in chunks of one fails here)."""
         fm = self.meta.array(key)
-        need = max(fm.num_chunks * 16, fm.num_rows * 8)
+        need = max(fm.num_chunks * 24, fm.num_rows * 8)
         if need > _memory_bytes():
             raise fail(os.path.join(fm.directory, "zarr.json"),
                        f"shape ({fm.num_rows}, ...) in chunks of {fm.samples_per_block} rows needs {need} bytes of "
                        f"tables, more than this machine's memory ({_memory_bytes()} bytes)")
         return list(present_shards(fm).items())
 
-    def _scan(self, field: FieldMeta, shards: list[tuple[int, str]]) -> tuple[np.ndarray, np.ndarray]:
-        """Each chunk's offset in its file (-1: never written) and that file's index in ``shards``."""
+    def _scan(self, field: FieldMeta, shards: list[tuple[int, str]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Each chunk's offset in its file (-1: never written), that file's index in ``shards``, and the
+        chunk's stored length (0: never written)."""
         bps, foreign = field.blocks_per_shard, self.meta.foreign
         offsets = np.full(field.num_chunks if foreign else 0, -1, dtype=np.int64)
+        lengths = np.zeros(len(offsets), dtype=np.int64)
         files = np.full(len(offsets), -1, dtype=np.int32)
         parts = []
         for i, (shard, path) in enumerate(shards):
@@ -196,21 +202,24 @@ class DatasetLayout:
             n = min(bps, field.num_chunks - shard * bps)
             if field.sharded:
                 index, size = read_shard_index(f, field)
-                part = chunk_offsets(path, index.offsets_and_lengths[:n], size, field, allow_empty=foreign)
-            elif f.size != field.stored_bytes:
-                raise FormatError(f"{path}: chunk file is {f.size} bytes (expected {field.stored_bytes}: raw, "
-                                  f"uncompressed)")
+                part = chunk_table(path, index.offsets_and_lengths[:n], size, field, allow_empty=foreign)
+            elif field.compressed and f.size > 0:
+                part = (np.zeros(1, dtype=np.int64), np.full(1, f.size, dtype=np.int64))
+            elif f.size != field.stored_bytes or field.compressed:
+                expected = "at least 1: compressed" if field.compressed else f"{field.stored_bytes}: raw, uncompressed"
+                raise FormatError(f"{path}: chunk file is {f.size} bytes (expected {expected})")
             else:
-                part = np.zeros(1, dtype=np.int64)
+                part = (np.zeros(1, dtype=np.int64), np.full(1, f.size, dtype=np.int64))
             if foreign:
-                offsets[shard * bps:shard * bps + n] = part
+                offsets[shard * bps:shard * bps + n], lengths[shard * bps:shard * bps + n] = part
                 files[shard * bps:shard * bps + n] = i
             else:
                 parts.append(part)
         if not foreign and parts:
-            offsets = np.concatenate(parts)
-            files = np.repeat(np.arange(len(parts), dtype=np.int32), [len(p) for p in parts])
-        return offsets, files
+            offsets = np.concatenate([p[0] for p in parts])
+            lengths = np.concatenate([p[1] for p in parts])
+            files = np.repeat(np.arange(len(parts), dtype=np.int32), [len(p[0]) for p in parts])
+        return offsets, files, lengths
 
     def _read_offsets(self, r: RaggedMeta) -> np.ndarray:
         import zarr
@@ -251,20 +260,26 @@ class DatasetLayout:
                               f"{values.dtype}")
         return values.astype(np.uint32)
 
+    def paths(self, key: str) -> list[str]:
+        """The files of an array (``chunk_files`` indexes them)."""
+        return self._paths[key]
+
     def locate(self, key: str, chunk: int) -> BlockLocation | None:
-        """File, offset and size of a chunk's data, or None if it was never written (reads as fill value)."""
+        """File, offset and size of a chunk's data (of a compressed chunk: its stored bytes), or None if it
+        was never written (reads as fill value)."""
         offset = int(self.block_offsets[key][chunk])
         if offset < 0:
             return None
+        lengths = self.chunk_lengths.get(key)
         return BlockLocation(self._paths[key][int(self.chunk_files[key][chunk])], offset,
-                             self.meta.array(key).block_bytes)
+                             self.meta.array(key).block_bytes if lengths is None else int(lengths[chunk]))
 
     def block_runs(self, key: str, chunks: np.ndarray,
                    slots: np.ndarray | None = None) -> list[tuple[str | None, int, int, int]]:
         """Chunks read into a buffer region, chunk ``chunks[i]`` into slot ``slots[i]`` (a slot holds one
         chunk's data; default: slot i, back to back), as runs ``(path, offset, nbytes, first slot)``: each
         run is one read of consecutive bytes of one file into consecutive slots, or one chunk never written
-        (``path`` None). One numpy pass instead of a lookup per chunk: this runs on a reader thread, where a
+        (``path`` None); raw arrays only. One numpy pass instead of a lookup per chunk: this runs on a reader thread, where a
         long stretch of Python holds the GIL the training loop waits for."""
         bb = self.meta.array(key).block_bytes
         chunks = np.asarray(chunks, dtype=np.int64)
@@ -285,7 +300,7 @@ class DatasetLayout:
                                               slots[firsts].tolist())]
 
     def locate_rows(self, key: str, row_start: int, row_stop: int) -> list[RowPiece]:
-        """Where rows [row_start, row_stop) of an array lie, one piece per chunk they touch."""
+        """Where rows [row_start, row_stop) of a raw array lie, one piece per chunk they touch."""
         fm = self.meta.array(key)
         k, rb = fm.samples_per_block, fm.sample_bytes
         pieces = []

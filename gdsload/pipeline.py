@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .assembler import Assembler, ResidentField
-from .backends.base import Backend, ReadRequest
+from .backends.base import Backend
 from .cursor import Cursor
 from .errors import GDSLoadError, ReadError
 from .format import DatasetLayout
@@ -75,9 +75,10 @@ class Pipeline:
                  buffers: Sequence[WindowBuffer], first: Cursor, plan: EpochPlan, output_fields: Sequence[str],
                  resident: dict[str, ResidentField] | None = None, pad: dict[str, tuple[int | None, Any]] | None = None,
                  ahead: int = 2, plans: Callable[[int], EpochPlan] | None = None, bytes_before: int = 0,
-                 verifier: Any = None):
+                 verifier: Any = None, decoder: Any = None):
         self.backend, self.ops, self.layout, self.wl = backend, ops, layout, window_layout
         self.verifier = verifier  # checks each window against its stored crc32c before it is handed on
+        self.decoder = decoder  # decodes compressed chunks once a window's reads are done (gdsload.decode)
         # A copy of the resident fields: the dataset empties its own on close.
         self.assembler = Assembler(ops, window_layout, layout.offsets, output_fields, dict(resident or {}),
                                    pad or {})
@@ -183,10 +184,11 @@ class Pipeline:
                         return
                     self.ops.synchronize(buf.released)  # the last gather from it is done
                     blocks = p.plan.windows[w]
-                    reqs = self.wl.requests(self.layout, blocks)
-                    nbytes = sum(r.nbytes for r in reqs if isinstance(r, ReadRequest))
+                    work = self.wl.work(self.layout, blocks)
                     checks = self.wl.checks(self.layout, blocks) if self.verifier is not None else None
-                    self._inflight.put((p, w, buf, nbytes, checks, self.backend.submit(buf.buffer, reqs, self._halt)))
+                    pending = self.backend.submit(buf.buffer, work.requests, self._halt)
+                    decode = self.decoder.start(buf, work, self._halt) if self.decoder is not None else None
+                    self._inflight.put((p, w, buf, work.read_bytes, checks, pending, decode))
                 k, p = k + 1, None
         except BaseException as e:
             where = p.describe(w) if p is not None and w >= 0 else f"epoch {self._first.epoch + k}"
@@ -207,9 +209,11 @@ class Pipeline:
                 self._halt.set()
                 self._ready.put(item)
                 continue
-            p, w, buf, nbytes, checks, pending = item
+            p, w, buf, nbytes, checks, pending, decode = item
             try:
                 filled = pending.finish()
+                if decode is not None and not self._halt.is_set():
+                    filled = decode.finish(filled)  # the decoded window is there after this event
                 if checks is not None and not self._halt.is_set():
                     filled = self.verifier.check(buf.buffer, checks, filled)
             except BaseException as e:
@@ -217,6 +221,9 @@ class Pipeline:
                     self._halt.set()
                     self._ready.put(_Failure(e, p.describe(w)))
                 continue
+            finally:
+                if decode is not None:
+                    decode.drain()  # reads into its host buffer are over, whatever happened
             if not self._halt.is_set():
                 p.stats.bytes_read += nbytes
                 self._ready.put((p.index, w, buf, filled))

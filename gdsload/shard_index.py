@@ -87,47 +87,64 @@ def read_shard_index(shard: ShardFile | str, field: FieldMeta) -> tuple[ShardInd
 
 
 def chunk_offsets(path: str, table: np.ndarray, size: int, field: FieldMeta, allow_empty: bool = False) -> np.ndarray:
-    """Check the index entries of one shard's chunks (``table``: (n, 2) uint64, the chunks of the array in
-    this shard) against a file of ``size`` bytes, and return each chunk's offset (-1: never written).
+    """Each chunk's offset (-1: never written), its entries checked as :func:`chunk_table` checks them."""
+    return chunk_table(path, table, size, field, allow_empty)[0]
 
-    A written chunk must be exactly one raw chunk as stored (``field.stored_bytes``), lie inside the file
-    and outside the index, and overlap no other chunk; unless ``allow_empty`` (a foreign store), a shard must
-    hold at least one written chunk (zarr deletes a shard with none instead of writing it).
+
+def chunk_table(path: str, table: np.ndarray, size: int, field: FieldMeta,
+                allow_empty: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Check the index entries of one shard's chunks (``table``: (n, 2) uint64, the chunks of the array in
+    this shard) against a file of ``size`` bytes, and return each chunk's offset (-1: never written) and
+    stored length (0: never written).
+
+    A written chunk of a raw array must be exactly one raw chunk as stored (``field.stored_bytes``); a
+    compressed array's chunks may have any length from 1 byte. Every written chunk must lie inside the file
+    and outside the index, and overlap no other; unless ``allow_empty`` (a foreign store), a shard must hold
+    at least one written chunk (zarr deletes a shard with none instead of writing it).
     """
-    bb, ib = field.stored_bytes, field.index_bytes
+    ib = field.index_bytes
     starts, lengths = table[:, 0], table[:, 1]
     missing = (starts == MAX_UINT_64) & (lengths == MAX_UINT_64)
     written = np.flatnonzero(~missing)
     if len(written) == 0:
         if allow_empty:
-            return np.full(len(table), -1, dtype=np.int64)
+            return np.full(len(table), -1, dtype=np.int64), np.zeros(len(table), dtype=np.int64)
         raise FormatError(f"{path}: shard index marks all {len(table)} chunks as never written (expected at "
                           f"least one: zarr does not write an empty shard)")
-    wrong = written if bb > MAX_UINT_64 else written[lengths[written] != np.uint64(bb)]  # no uint64 holds bb
-    if len(wrong):
-        i = int(wrong[0])
-        raise FormatError(f"{path}: chunk {i} is {int(lengths[i])} bytes (expected {bb}: raw, uncompressed)")
-    # Every written chunk is bb long: it must start within [lo, hi - bb], outside the index region.
+    if field.compressed:
+        wrong = written[(lengths[written] == 0) | (lengths[written] > np.uint64(size))]
+        if len(wrong):
+            i = int(wrong[0])
+            raise FormatError(f"{path}: chunk {i} is {int(lengths[i])} bytes (expected 1 to {size}: the file's size)")
+    else:
+        bb = field.stored_bytes
+        wrong = written if bb > MAX_UINT_64 else written[lengths[written] != np.uint64(bb)]  # no uint64 holds bb
+        if len(wrong):
+            i = int(wrong[0])
+            raise FormatError(f"{path}: chunk {i} is {int(lengths[i])} bytes (expected {bb}: raw, uncompressed)")
+    # Every length is now at most the file's size: int64 arithmetic cannot overflow once starts are checked.
     lo, hi = (0, size - ib) if field.index_location == "end" else (ib, size)
-    s = starts[written]
-    outside = np.ones(len(s), dtype=bool) if hi - bb < lo else (s < np.uint64(lo)) | (s > np.uint64(hi - bb))
+    s, n = starts[written], lengths[written].astype(np.int64)
+    outside = (s < np.uint64(lo)) | (s > np.uint64(max(hi, 0))) | (s.astype(np.float64) + n > max(hi, 0))
     if outside.any():
         k = int(np.flatnonzero(outside)[0])
-        i, start = int(written[k]), int(s[k])
+        i, start, bb = int(written[k]), int(s[k]), int(n[k])
         if start + bb > size:
             raise FormatError(f"{path}: chunk {i} ends at byte {start + bb}, past the end of the file ({size} bytes)")
         region = (size - ib, size) if field.index_location == "end" else (0, ib)
         raise FormatError(f"{path}: chunk {i} (bytes {start}..{start + bb}) overlaps the shard index "
                           f"(bytes {region[0]}..{region[1]})")
+    s = s.astype(np.int64)
     order = np.argsort(s, kind="stable")
-    sorted_starts = s[order]
-    clash = np.flatnonzero(np.diff(sorted_starts) < np.uint64(bb))
+    sorted_starts, sorted_ends = s[order], (s + n)[order]
+    clash = np.flatnonzero(sorted_starts[1:] < sorted_ends[:-1])
     if len(clash):
         k = int(clash[0])
         a, b = int(written[order[k]]), int(written[order[k + 1]])
-        sa, sb = int(sorted_starts[k]), int(sorted_starts[k + 1])
-        raise FormatError(f"{path}: chunks {a} and {b} overlap (chunk {b} starts at byte {sb}, before chunk {a} "
-                          f"ends at byte {sa + bb})")
+        raise FormatError(f"{path}: chunks {a} and {b} overlap (chunk {b} starts at byte {int(sorted_starts[k + 1])}, "
+                          f"before chunk {a} ends at byte {int(sorted_ends[k])})")
     offsets = np.full(len(table), -1, dtype=np.int64)
-    offsets[written] = s.astype(np.int64)
-    return offsets
+    offsets[written] = s
+    out_lengths = np.zeros(len(table), dtype=np.int64)
+    out_lengths[written] = n
+    return offsets, out_lengths

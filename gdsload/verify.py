@@ -191,6 +191,19 @@ def _read_block(layout: DatasetLayout, key: str, block: int) -> np.ndarray:
     fm = meta.array(key)
     first, end, nbytes = _block_span(layout, key, block)
     out = np.empty(nbytes, np.uint8)
+    if key in meta.fields and fm.compressed:  # a compressed block: its chunk read and decoded
+        from .decode import Chain, chunk_error
+
+        loc = layout.locate(key, block)
+        if loc is None:
+            fill_pattern(out, FillRequest(0, nbytes, fm.fill_bytes()))
+            return out
+        stored = np.empty(loc.nbytes, np.uint8)
+        pread_full(layout.files.fd(loc.path), memoryview(stored), loc.offset, loc.path)
+        try:
+            return Chain(fm.codecs).decode(stored, nbytes)
+        except ValueError as e:
+            raise chunk_error(layout, key, block, [n for n, _ in fm.codecs], str(e)) from None
     if key in meta.fields:
         pieces = [(layout.locate(key, block), 0, nbytes)]
     else:

@@ -9,15 +9,23 @@ Otherwise (a foreign store, K = the largest chunk) a slot holds :func:`slot_rows
 block can touch, and sample j of block b sits at row ``i * slot + (b * K) % c + j`` (:meth:`WindowLayout.
 stream_rows`); a chunk straddling two blocks is read for each. Per variable-length field, the values of the
 window's blocks lie back to back, in a region sized for the largest ``window_blocks`` blocks of the dataset.
-Each field's region starts on the 4 KiB alignment. Pure layout: no I/O, no device code.
+Each field's region starts on the 4 KiB alignment.
+
+A compressed field (:mod:`gdsload.decode`) has, beside its slots, a region for the window's compressed chunks,
+back to back in window order, sized for the largest total compressed size of any ``window_blocks`` blocks'
+covering chunks (:func:`compressed_capacity`, from the chunk table, like the value rows of a variable-length
+field). It lies in the window buffer, or, for a field decoded by CPU threads on a GPU backend (``host_fields``),
+in the window's host buffer beside a host mirror of the field's slots. :meth:`WindowLayout.work` says what
+carries a window in: the backend's requests, the reads into the host buffer, and the decode jobs. Pure
+layout: no I/O, no device code.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -36,12 +44,58 @@ class WindowBuffer:
     buffer: Any
     released: Any = None
     _views: dict[str, Any] | None = None
+    host: Any = None  # host buffer of compressed fields decoded by CPU threads (GPU backends; made on first use)
 
     def views(self, layout: WindowLayout) -> dict[str, Any]:
         """Each field's (rows, *sample_shape) view of the buffer, made once."""
         if self._views is None:
             self._views = {name: layout.view(self.buffer, name) for name in layout.rows}
         return self._views
+
+
+class DecodeJob(NamedTuple):
+    """The compressed chunks of one field in one window: chunk ``chunks[i]`` lies at ``src[i]`` of its buffer,
+    ``nbytes[i]`` long, and decodes into ``dest[i]``. ``host``: both offsets are in the window's host buffer
+    (then ``copy`` = (host offset, window buffer offset, bytes) of the decoded slots to move to the device,
+    and ``fills`` the host offsets of slots of chunks never written); else in the window buffer."""
+
+    name: str
+    chunks: np.ndarray
+    src: np.ndarray
+    nbytes: np.ndarray
+    dest: np.ndarray
+    host: bool = False
+    fills: tuple[int, ...] = ()
+    copy: tuple[int, int, int] | None = None
+
+
+@dataclass
+class Work:
+    """What carries one window in: ``requests`` into the window buffer (the backend's), ``host_requests``
+    into its host buffer (``host_nbytes`` long), then ``jobs`` to decode."""
+
+    requests: list[Request]
+    host_requests: list[Request] = field(default_factory=list)
+    jobs: list[DecodeJob] = field(default_factory=list)
+    host_nbytes: int = 0
+
+    @property
+    def read_bytes(self) -> int:
+        """Bytes read from files (compressed bytes as stored)."""
+        return sum(r.nbytes for r in [*self.requests, *self.host_requests] if isinstance(r, ReadRequest))
+
+
+def compressed_capacity(lengths: np.ndarray, samples_per_block: int, chunk_rows: int, num_blocks: int,
+                        window_blocks: int) -> int:
+    """Bytes a window's compressed region of a field must hold: the ``window_blocks`` largest totals, over the
+    blocks, of the stored lengths of the chunks covering each block (``lengths[c]``: chunk c's, 0 if never
+    written). A chunk covering two blocks counts for each: it is read for each."""
+    k, c = samples_per_block, chunk_rows
+    b = np.arange(num_blocks, dtype=np.int64)
+    lo, hi = b * k // c, np.minimum(((b + 1) * k - 1) // c, len(lengths) - 1)
+    cum = np.concatenate([[0], np.cumsum(np.asarray(lengths, dtype=np.int64))])
+    totals = np.sort(cum[hi + 1] - cum[lo])[::-1]
+    return max(1, int(totals[:window_blocks].sum()))
 
 
 def slot_rows(samples_per_block: int, chunk_rows: int) -> int:
@@ -55,9 +109,12 @@ class WindowLayout:
     """Where each field's region lies in a window buffer (``starts``, in bytes) and how many rows it holds."""
 
     def __init__(self, fields: Sequence[FieldMeta], window_blocks: int,
-                 ragged: dict[str, tuple[RaggedMeta, int]] | None = None, samples_per_block: int | None = None):
+                 ragged: dict[str, tuple[RaggedMeta, int]] | None = None, samples_per_block: int | None = None,
+                 chunk_lengths: dict[str, np.ndarray] | None = None, host_fields: Sequence[str] = ()):
         """``ragged``: variable-length field -> (its metadata, the value rows a window must hold);
-        ``samples_per_block``: K, the plan's block (default: the fields' largest rows per chunk)."""
+        ``samples_per_block``: K, the plan's block (default: the fields' largest rows per chunk);
+        ``chunk_lengths``: each compressed field's stored chunk lengths (the chunk table's); ``host_fields``:
+        the compressed fields whose chunks are read into the host buffer and decoded there."""
         self.fields = {f.name: f for f in fields}
         self.ragged = {name: r for name, (r, _) in (ragged or {}).items()}
         self.window_blocks = window_blocks
@@ -70,7 +127,27 @@ class WindowLayout:
         for name in self.rows:
             self.starts[name] = pos
             pos += align_up(self.row_meta(name).sample_bytes * self.rows[name])
+        self.host_fields = tuple(host_fields)
+        # Compressed regions: zstarts[name] in the window buffer, or in the host buffer for host fields, which
+        # also hold a mirror of their slots at mirror[name].
+        self.zbytes: dict[str, int] = {}
+        self.zstarts: dict[str, int] = {}
+        self.mirror: dict[str, int] = {}
+        hpos = 0
+        for f in fields:
+            if not f.compressed:
+                continue
+            nblocks = -(-f.num_rows // self.samples_per_block)
+            self.zbytes[f.name] = compressed_capacity((chunk_lengths or {})[f.name], self.samples_per_block,
+                                                      f.samples_per_block, nblocks, window_blocks)
+            if f.name in self.host_fields:
+                self.zstarts[f.name], self.mirror[f.name] = hpos, hpos + align_up(self.zbytes[f.name])
+                hpos = self.mirror[f.name] + align_up(f.sample_bytes * self.rows[f.name])
+            else:
+                self.zstarts[f.name] = pos
+                pos += align_up(self.zbytes[f.name])
         self.nbytes = pos
+        self.host_nbytes = hpos
 
     def row_meta(self, name: str) -> FieldMeta:
         """The metadata of a region's rows: a fixed field's samples, or a variable-length field's values."""
@@ -107,11 +184,20 @@ class WindowLayout:
         return np.repeat(lo, counts) + within, slots
 
     def requests(self, layout: DatasetLayout, blocks: np.ndarray) -> list[Request]:
-        """What carries ``blocks`` into this layout: one read per run of consecutive bytes of a file into
-        consecutive slots, one fill per chunk never written."""
+        """What the backend carries into the window buffer (:meth:`work`'s ``requests``)."""
+        return self.work(layout, blocks).requests
+
+    def work(self, layout: DatasetLayout, blocks: np.ndarray) -> Work:
+        """What carries ``blocks`` into this layout: for raw fields one read per run of consecutive bytes of a
+        file into consecutive slots; for compressed ones a read per chunk into the compressed region and a
+        decode job; one fill per chunk never written."""
         reqs: list[Request] = []
         blocks = np.asarray(blocks, dtype=np.int64)
+        work = Work(reqs, host_nbytes=self.host_nbytes)
         for name, f in self.fields.items():
+            if f.compressed:
+                self._compressed(layout, f, blocks, work)
+                continue
             base = self.starts[name]
             for path, offset, nbytes, first in layout.block_runs(name, *self._chunk_slots(f, blocks)):
                 dest = base + first * f.block_bytes
@@ -132,7 +218,33 @@ class WindowLayout:
                     else:
                         reqs.append(ReadRequest(piece.location.path, piece.location.offset, nbytes, dest))
                 dest_row += b - a
-        return reqs
+        return work
+
+    def _compressed(self, layout: DatasetLayout, f: FieldMeta, blocks: np.ndarray, work: Work) -> None:
+        """A compressed field's reads (chunk by chunk, back to back into its compressed region), fills and
+        decode job (see :class:`DecodeJob`)."""
+        chunks, slots = self._chunk_slots(f, blocks)
+        slots = np.arange(len(chunks), dtype=np.int64) if slots is None else slots
+        offsets, lengths = layout.block_offsets[f.name][chunks], layout.chunk_lengths[f.name][chunks]
+        files = layout.chunk_files[f.name][chunks]
+        present = offsets >= 0
+        host = f.name in self.host_fields
+        sizes = np.where(present, lengths, 0)
+        src = self.zstarts[f.name] + np.cumsum(sizes) - sizes
+        base = self.mirror[f.name] if host else self.starts[f.name]
+        dest = base + slots * f.block_bytes
+        reads = work.host_requests if host else work.requests
+        paths = layout.paths(f.name)
+        for file, off, n, s in zip(files[present].tolist(), offsets[present].tolist(), lengths[present].tolist(),
+                                   src[present].tolist()):
+            reads.append(ReadRequest(paths[file], off, n, s))
+        missing = dest[~present].tolist()
+        if not host:
+            work.requests.extend(FillRequest(d, f.block_bytes, f.fill_bytes()) for d in missing)
+        used = (int(slots.max()) + 1) * f.block_bytes if len(slots) else 0
+        work.jobs.append(DecodeJob(f.name, chunks[present], src[present], lengths[present], dest[present], host,
+                                   tuple(missing) if host else (),
+                                   (self.mirror[f.name], self.starts[f.name], used) if host else None))
 
     def checks(self, layout: DatasetLayout, blocks: np.ndarray) -> Checks:
         """Where each block of ``blocks`` lands in this layout, with the crc32c stored for it: one segment

@@ -21,6 +21,7 @@ import math
 import os
 import shutil
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -41,8 +42,8 @@ from .sources import open_field, open_input, open_ragged
 
 __all__ = [
     # defined here
-    "write_dataset", "convert", "choose_samples_per_block", "DEFAULT_BLOCK_BYTES", "DEFAULT_SHARD_BYTES",
-    "DEFAULT_SLICE_BYTES",
+    "write_dataset", "convert", "choose_samples_per_block", "parse_compress", "DEFAULT_BLOCK_BYTES",
+    "DEFAULT_SHARD_BYTES", "DEFAULT_SLICE_BYTES", "DEFAULT_CHUNK_BYTES",
     # re-exported from the module named after each line
     "Interrupted", "on_signal", "reset_signals", "check_output", "remove_stale_temps", "rename_noreplace",
     "rename_exchange", "RENAME_NOREPLACE", "RENAME_EXCHANGE",  # gdsload.publish
@@ -53,6 +54,10 @@ __all__ = [
 DEFAULT_BLOCK_BYTES = 4 << 20
 DEFAULT_SHARD_BYTES = 1 << 30
 DEFAULT_SLICE_BYTES = 64 << 20
+#: Inner chunk (= block) of compressed datasets. Smaller than raw blocks: nvCOMP decodes a window's chunks
+#: in parallel, so a few large chunks leave the GPU underused. Provisional until measured on the GPU
+#: (benchmarks/compression.py sweeps it).
+DEFAULT_CHUNK_BYTES = 512 << 10
 
 
 # -- the output being written ---------------------------------------------------------------------
@@ -125,11 +130,11 @@ def _write_all(f, buf: memoryview, target: _Target, path: str) -> None:
 
 def _write_shard(path: str, src: Source, dtype: np.dtype, first_sample: int, stop_sample: int, block_bytes: int,
                  blocks_per_shard: int, slice_samples: int, progress: Callable[[int], None], crc: _BlockCrc,
-                 target: _Target) -> None:
-    """Write one shard file: whole blocks back to back (the last padded with zeros), then the index. Every
-    byte of the blocks also goes through ``crc``. Source errors pass through as they are; errors of the
-    output become ConversionError naming it."""
-    n_bytes = 0
+                 target: _Target, encoder: _Encoder | None = None) -> None:
+    """Write one shard file: whole blocks back to back (the last padded with zeros), each raw or, with an
+    ``encoder``, compressed; then the index. Every byte of the blocks, as read (decoded), also goes through
+    ``crc``. Source errors pass through as they are; errors of the output become ConversionError naming it."""
+    lengths: list[int] = []
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         f = open(path, "wb", buffering=0)  # unbuffered: no flush at close that could fail after the fact
@@ -139,23 +144,52 @@ def _write_shard(path: str, src: Source, dtype: np.dtype, first_sample: int, sto
         pos = first_sample
         while pos < stop_sample:
             end = min(pos + slice_samples, stop_sample)
-            data = np.ascontiguousarray(src.read(pos, end), dtype=dtype)
-            buf = memoryview(data.reshape(-1).view(np.uint8))
-            _write_all(f, buf, target, path)
+            data = np.ascontiguousarray(src.read(pos, end), dtype=dtype).reshape(-1).view(np.uint8)
+            progress(len(data))
+            if end == stop_sample and len(data) % block_bytes:  # the fill value is zero: pad the final block
+                data = np.concatenate([data, np.zeros(-len(data) % block_bytes, np.uint8)])
+            buf = memoryview(data)
             crc.update(buf)
-            n_bytes += len(buf)
-            progress(len(buf))
+            pieces = [buf] if encoder is None else encoder.encode(buf, block_bytes)
+            for piece in pieces:
+                _write_all(f, piece, target, path)
+            lengths += [block_bytes] * (len(buf) // block_bytes) if encoder is None else [len(p) for p in pieces]
             pos = end
-        pad = -n_bytes % block_bytes
-        if pad:
-            padding = memoryview(bytes(pad))  # the fill value is zero: pad the final partial block to full size
-            _write_all(f, padding, target, path)
-            crc.update(padding)
-        n_blocks = (n_bytes + pad) // block_bytes
         table = np.full((blocks_per_shard, 2), MAX_UINT_64, dtype=np.uint64)
-        table[:n_blocks, 0] = np.arange(n_blocks, dtype=np.uint64) * np.uint64(block_bytes)
-        table[:n_blocks, 1] = block_bytes
+        table[:len(lengths), 1] = lengths
+        table[:len(lengths), 0] = np.cumsum(lengths, dtype=np.uint64) - table[:len(lengths), 1]
         _write_all(f, memoryview(encode_shard_index(table)), target, path)
+
+
+class _Encoder:
+    """zstd at ``level`` on a few threads: a slice of whole blocks in, each block compressed out. The bytes
+    are those of zarr's ``ZstdCodec(level=...)`` (the numcodecs codec it encodes with), so zarr reads them."""
+
+    def __init__(self, level: int):
+        import numcodecs
+
+        self.codec = numcodecs.Zstd(level=level)
+        self.pool = ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="gdsload-compress")
+
+    def encode(self, buf: memoryview, block_bytes: int) -> list[memoryview]:
+        blocks = [buf[o:o + block_bytes] for o in range(0, len(buf), block_bytes)]
+        return [memoryview(bytes(b)) for b in self.pool.map(self.codec.encode, blocks)]
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def parse_compress(text: str | None) -> int | None:
+    """``"zstd"`` or ``"zstd:LEVEL"`` -> the zstd level (3 by default); None -> None. ValueError otherwise."""
+    if text is None:
+        return None
+    name, _, level = text.partition(":")
+    if name != "zstd" or (level and not level.lstrip("-").isdigit()):
+        raise ValueError(f"--compress takes zstd or zstd:LEVEL (found {text!r})")
+    value = int(level) if level else 3
+    if not -131072 <= value <= 22:
+        raise ValueError(f"zstd level must be at most 22 (found {value})")
+    return value
 
 
 def _close_all(sources: Mapping[str, Source]) -> None:
@@ -174,13 +208,18 @@ def write_dataset(
     slice_bytes: int = DEFAULT_SLICE_BYTES,
     overwrite: bool = False,
     progress: bool | None = None,
+    compress: str | None = None,
+    chunk_bytes: int | None = None,
 ) -> DatasetMeta:
     """Write ``sources`` (field name -> array source) as a gdsload dataset at ``out``, atomically.
 
     Everything goes to a temporary sibling directory that is renamed to ``out`` only once complete, so a
     failure or interruption leaves nothing at ``out`` (and an existing dataset there untouched).
     ``overwrite`` replaces an existing gdsload dataset, and nothing else. ``samples_per_block`` larger than
-    the dataset is capped at its number of samples. Failures of the inputs and of the output raise
+    the dataset is capped at its number of samples. ``compress`` (``"zstd"`` or ``"zstd:LEVEL"``) stores
+    every fixed field's blocks as zstd inner chunks (variable-length values stay raw); a block is then an
+    inner chunk of about ``chunk_bytes`` (:data:`DEFAULT_CHUNK_BYTES`) instead of ``block_bytes``. Block
+    checksums cover the decoded blocks. Failures of the inputs and of the output raise
     ConversionError naming the file; an error raised by a caller's own source passes through as it is.
     """
     import zarr
@@ -195,6 +234,15 @@ def write_dataset(
         if not sources and not ragged:
             raise ConversionError(f"{out}: no input arrays (empty input)")
         check_output(out, overwrite, input_paths(s.origin for s in [*sources.values(), *ragged.values()]))
+        try:
+            level = parse_compress(compress)
+        except ValueError as e:
+            raise ConversionError(f"{out}: {e}") from None
+        if chunk_bytes is not None and level is None:
+            raise ConversionError(f"{out}: chunk_bytes (--chunk-bytes) sets the inner chunks of compressed fields: "
+                                  f"it needs compress (--compress zstd)")
+        if level is not None:
+            block_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
         num_samples = check_sources(sources, ragged)
         dtypes = {n: check_dtype(s) for n, s in arrays.items()}
         row_bytes = {n: dtypes[n].itemsize * math.prod(s.shape[1:]) for n, s in arrays.items()}
@@ -245,7 +293,7 @@ def write_dataset(
                         offsets = ragged[key.rsplit("/", 1)[0]].offsets
                         crc = _BlockCrc(num_blocks, bounds=offsets[first_samples] * row_bytes[key])
                     _write_array(group, target, key, src, dtypes[key], rows, per_chunk, row_bytes[key] * per_chunk,
-                                 shard_bytes, slice_bytes, bar.update, crc)
+                                 shard_bytes, slice_bytes, bar.update, crc, level if key in sources else None)
                     checksums[key.rsplit("/", 1)[0] if key not in sources else key] = crc.crcs
             _close_all(arrays)
             closed = True
@@ -274,23 +322,35 @@ def write_dataset(
 
 def _write_array(group, target: _Target, key: str, src: Source, dtype: np.dtype, rows: int, per_chunk: int,
                  chunk_bytes: int, shard_bytes: int, slice_bytes: int, progress: Callable[[int], None],
-                 crc: _BlockCrc) -> None:
-    """One sharded array: metadata through zarr, then its shard files streamed chunk by chunk."""
+                 crc: _BlockCrc, level: int | None = None) -> None:
+    """One sharded array: metadata through zarr, then its shard files streamed chunk by chunk (``level``: zstd
+    inner chunks of that level, ``compressors=[ZstdCodec(level=...)]`` in zarr's metadata)."""
+    from zarr.codecs import ZstdCodec
+
     shape = src.shape[1:]
     num_chunks = -(-rows // per_chunk)
     cps = max(1, min(shard_bytes // chunk_bytes, num_chunks))
     with protected():
         try:
             group.create_array(key, shape=(rows, *shape), dtype=dtype, chunks=(per_chunk, *shape),
-                               shards=(per_chunk * cps, *shape), fill_value=0, compressors=None, filters=None)
+                               shards=(per_chunk * cps, *shape), fill_value=0, filters=None,
+                               compressors=None if level is None else [ZstdCodec(level=level)])
         except OSError as e:
             raise target.error(e) from e
+    encoder = None if level is None else _Encoder(level)
     slice_rows = max(per_chunk, (slice_bytes // chunk_bytes) * per_chunk)
     for shard in range(-(-num_chunks // cps)):
         path = os.path.join(target.tmp, *key.split("/"), "c", str(shard), *(["0"] * len(shape)))
         first = shard * cps * per_chunk
-        _write_shard(path, src, dtype, first, min(first + cps * per_chunk, rows), chunk_bytes, cps, slice_rows,
-                     progress, crc, target)
+        try:
+            _write_shard(path, src, dtype, first, min(first + cps * per_chunk, rows), chunk_bytes, cps, slice_rows,
+                         progress, crc, target, encoder)
+        except BaseException:
+            if encoder is not None:
+                encoder.close()
+            raise
+    if encoder is not None:
+        encoder.close()
 
 
 def _write_checksums(group, checksums: Mapping[str, np.ndarray], num_blocks: int) -> None:

@@ -58,11 +58,12 @@ def test_not_a_dataset(tmp_path):
         read_metadata(tmp_path / "plain")
 
 
-def test_compressed_chunks_are_refused(tmp_path):
+def test_converter_datasets_compress_with_zstd_only(tmp_path):
     g = zarr.open_group(str(tmp_path / "c.gds"), mode="w", zarr_format=3)
     g.attrs["gdsload"] = {"format": 1, "num_samples": 8, "samples_per_block": 4, "fields": {"x": {}}}
-    g.create_array("x", shape=(8,), dtype="f4", chunks=(4,), shards=(8,))  # default compressor: zstd
-    with pytest.raises(FormatError, match=r"x/zarr.json: inner chunks must be raw \('bytes' codec only\)"):
+    g.create_array("x", shape=(8,), dtype="f4", chunks=(4,), shards=(8,), compressors=[zarr.codecs.GzipCodec()])
+    with pytest.raises(FormatError, match=r"x/zarr.json: inner chunks must be raw \('bytes' codec only\) or 'bytes' "
+                                          r"then 'zstd', found \['bytes', 'gzip'\]"):
         read_metadata(tmp_path / "c.gds")
 
 

@@ -1,0 +1,224 @@
+"""Compressed against raw on the same data: what zstd inner chunks cost and give back.
+
+    python -m benchmarks.compression                        # GPU machine: every GPU backend
+    python -m benchmarks.compression --backends cpu --tiny  # anywhere (the CPU smoke test runs this)
+
+Data, per kind, written twice by the converter (raw, and ``--compress zstd:LEVEL``): ``tokens`` int32 sequences
+(a Zipf-distributed synthetic stream: no text corpus is on the benchmark machine, and the output says so),
+``images`` uint8 (smooth gradients plus noise), ``float16`` (smooth signals plus noise). Rows:
+
+- ``pass``: gdsload, raw and compressed, per backend, warm (and cold when the page cache can be dropped):
+  GB/s of *decompressed* data delivered, CPU core-seconds per GB, the compression ratio, where it decoded.
+- ``chunk``: GPU decode GB/s against inner chunk size (64 KiB to 4 MiB): nvCOMP's batched decode alone on
+  one window's chunks in device memory, and a warm gdsload pass over the tokens written with that chunk.
+- ``zarr``: zarr-python reading the same compressed store (into numpy, then ``cupy.asarray``), and in its
+  GPU mode (``zarr.config.enable_gpu()``) when that works.
+
+Writes ``results/<machine>/compression[-TAG].json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import time
+from typing import Any
+
+import numpy as np
+
+from gdsload import GDSDataset, write_dataset
+from gdsload.measure import cold_pass, cpu_seconds, time_pass
+from gdsload.sources import ArraySource
+
+from .common import DATA_DIR, RESULTS_DIR, Rows, describe_machine, free_device_memory, results_dir, today, write_json
+
+KINDS = ("tokens", "images", "float16")
+CHUNKS = (64 << 10, 256 << 10, 512 << 10, 1 << 20, 4 << 20)
+TOKENS_NOTE = "tokens: synthetic Zipf-distributed int32 stream (no text corpus on this machine)"
+
+
+def make_kind(kind: str, nbytes: int, seed: int = 0) -> np.ndarray:
+    """About ``nbytes`` of one kind of data (see the module's docstring)."""
+    rng = np.random.default_rng(seed)
+    if kind == "tokens":
+        n = max(2, nbytes // (2048 * 4))
+        return (rng.zipf(1.2, (n, 2048)) % 50_000).astype(np.int32)
+    if kind == "images":
+        n = max(2, nbytes // (64 * 64 * 3))
+        ramp = (np.arange(64)[:, None] + np.arange(64)[None, :]).astype(np.int32)
+        base = (ramp[None, :, :, None] + rng.integers(0, 64, (n, 1, 1, 3))) % 256
+        return (base + rng.integers(0, 8, (n, 64, 64, 3))).astype(np.uint8)
+    n = max(2, nbytes // (1024 * 2))
+    t = np.linspace(0, 8 * np.pi, 1024, dtype=np.float32)
+    return (np.sin(t[None, :] * rng.uniform(0.5, 2, (n, 1))) + rng.normal(0, 0.01, (n, 1024))).astype(np.float16)
+
+
+def write_pair(data_dir: str, kind: str, data: np.ndarray, level: int, chunk_bytes: int | None = None,
+               raw: bool = True) -> dict[str, str]:
+    """The raw and the compressed dataset of ``data`` (rewritten every run: the data are generated)."""
+    paths = {}
+    for mode in (("raw", "zstd") if raw else ("zstd",)):
+        tag = f"{kind}-{mode}" + (f"-{chunk_bytes >> 10}KiB" if chunk_bytes and mode == "zstd" else "")
+        path = os.path.join(data_dir, tag + ".gds")
+        shutil.rmtree(path, ignore_errors=True)
+        fields = {kind: ArraySource(f"<{kind}>", data), "label": ArraySource("<label>", np.arange(len(data)))}
+        options: dict[str, Any] = {"compress": f"zstd:{level}", "chunk_bytes": chunk_bytes} if mode == "zstd" else {}
+        write_dataset(path, fields, progress=False, **options)
+        paths[mode] = path
+    os.sync()
+    return paths
+
+
+def stored_ratio(path: str, field: str) -> float:
+    """Stored bytes / decoded bytes of a field (1.0 raw)."""
+    from gdsload.format import DatasetLayout, read_metadata
+
+    with DatasetLayout(read_metadata(path), (field,)) as layout:
+        lengths = layout.chunk_lengths.get(field)
+        f = layout.meta.fields[field]
+        return 1.0 if lengths is None else float(lengths.sum()) / (f.block_bytes * f.num_chunks)
+
+
+def gdsload_pass(path: str, backend: str, batch: int, warm_s: float, cold: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with GDSDataset(path, batch_size=batch, backend=backend, shuffle=True, resident_bytes=0) as ds:
+        out["decode"] = ds.describe()["decode"]
+        if cold:
+            try:
+                c = cold_pass(ds)
+                out["cold_gbps"], out["cold_cpu_core_s_per_gb"] = c.gb_per_s, c.cpu_core_s_per_gb
+            except PermissionError:
+                out["cold_gbps"] = None
+        time_pass(ds)  # warm the page cache and CUDA
+        r = time_pass(ds, min_seconds=warm_s)
+        out.update(warm_gbps=r.gb_per_s, warm_cpu_core_s_per_gb=r.cpu_core_s_per_gb, io_mode=r.io_mode)
+    free_device_memory()
+    return out
+
+
+def nvcomp_decode_gbps(path: str, field: str, window_bytes: int = 256 << 20, repeats: int = 3) -> float | None:
+    """nvCOMP's batched decode alone: one window's worth of ``field``'s chunks, already in device memory,
+    decoded by one call; decoded GB/s (best of ``repeats``). None without nvCOMP or CuPy."""
+    from gdsload.decode import load_nvcomp
+    from gdsload.format import DatasetLayout, read_metadata
+
+    nvcomp = load_nvcomp()
+    if nvcomp is None:
+        return None
+    import cupy
+
+    with DatasetLayout(read_metadata(path), (field,)) as layout:
+        f = layout.meta.fields[field]
+        n = max(1, min(f.num_chunks, window_bytes // f.block_bytes))
+        chunks = []
+        for c in range(n):
+            loc = layout.locate(field, c)
+            if loc is not None:
+                chunks.append(np.frombuffer(os.pread(layout.files.fd(loc.path), loc.nbytes, loc.offset), np.uint8))
+    dev = [cupy.asarray(c) for c in chunks]
+    codec = nvcomp.Codec(algorithm="Zstd", bitstream_kind=nvcomp.BitstreamKind.RAW)
+    best = float("inf")
+    for _ in range(repeats):
+        cupy.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        out = codec.decode(nvcomp.as_arrays(dev), data_type="|u1")
+        cupy.cuda.Device().synchronize()
+        best = min(best, time.perf_counter() - t0)
+        del out
+    return len(dev) * f.block_bytes / best / 1e9
+
+
+def zarr_reads(path: str, field: str, gpu: bool) -> list[dict[str, Any]]:
+    """zarr-python reading the whole field: into numpy (then to the device with ``cupy.asarray`` when ``gpu``),
+    and with ``zarr.config.enable_gpu()``."""
+    import zarr
+
+    rows = []
+    modes = ["numpy+asarray", "enable_gpu"] if gpu else ["numpy"]
+    for mode in modes:
+        row: dict[str, Any] = {"kind": "zarr", "mode": mode}
+        try:
+            ctx = zarr.config.enable_gpu() if mode == "enable_gpu" else None
+            if ctx is not None:
+                ctx.__enter__()
+            try:
+                arr = zarr.open_group(path, mode="r")[field]
+                c0, t0 = cpu_seconds(), time.perf_counter()
+                data = arr[:]
+                if mode == "numpy+asarray":
+                    import cupy
+
+                    data = cupy.asarray(data)
+                    cupy.cuda.Device().synchronize()
+                elif mode == "enable_gpu":
+                    import cupy
+
+                    cupy.cuda.Device().synchronize()
+                seconds = time.perf_counter() - t0
+                row.update(gbps=data.nbytes / seconds / 1e9, cpu_core_s_per_gb=(cpu_seconds() - c0) / (data.nbytes / 1e9),
+                           array_type=type(data).__module__.split(".")[0])
+            finally:
+                if ctx is not None:
+                    ctx.__exit__(None, None, None)
+        except Exception as e:  # zarr's GPU mode needs its own GPU packages: say why it did not run
+            row["error"] = f"{type(e).__name__}: {e}"
+        rows.append(row)
+    free_device_memory()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> str:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backends", default="kvikio,pinned,mmap")
+    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--size-mib", type=int, default=1024, help="decoded size of each kind's dataset")
+    ap.add_argument("--level", type=int, default=3)
+    ap.add_argument("--chunk-sizes", default=",".join(str(c) for c in CHUNKS), help="bytes, for the chunk rows")
+    ap.add_argument("--warm-seconds", type=float, default=5.0)
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--no-cold", action="store_true")
+    ap.add_argument("--tiny", action="store_true", help="4 MiB per kind, two chunk sizes, short passes")
+    ap.add_argument("--data", default=os.path.join(DATA_DIR, "compression"))
+    ap.add_argument("--out", default=RESULTS_DIR)
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args(argv)
+    backends = [b for b in args.backends.split(",") if b]
+    size = (4 if args.tiny else args.size_mib) << 20
+    chunk_sizes = [64 << 10, 256 << 10] if args.tiny else [int(c) for c in args.chunk_sizes.split(",")]
+    warm_s = 0.0 if args.tiny else args.warm_seconds
+    gpu = any(b != "cpu" for b in backends)
+    os.makedirs(args.data, exist_ok=True)
+    rows = Rows()
+    for kind in args.kinds.split(","):
+        data = make_kind(kind, size)
+        paths = write_pair(args.data, kind, data, args.level)
+        ratio = stored_ratio(paths["zstd"], kind)
+        for backend in backends:
+            for mode, path in paths.items():
+                result = gdsload_pass(path, backend, args.batch_size, warm_s, not args.no_cold)
+                rows.emit({"kind": "pass", "data": kind, "backend": backend, "stored": mode, "ratio": ratio if
+                           mode == "zstd" else 1.0, "decoded_bytes": int(data.nbytes), **result})
+        for r in zarr_reads(paths["zstd"], kind, gpu):
+            rows.emit({**r, "data": kind, "ratio": ratio})
+    tokens = make_kind("tokens", size)
+    for chunk in chunk_sizes:
+        path = write_pair(args.data, "tokens", tokens, args.level, chunk, raw=False)["zstd"]
+        row: dict[str, Any] = {"kind": "chunk", "data": "tokens", "chunk_bytes": chunk,
+                               "ratio": stored_ratio(path, "tokens")}
+        if gpu:
+            row["nvcomp_decode_gbps"] = nvcomp_decode_gbps(path, "tokens")
+        row["warm_gbps"] = {b: gdsload_pass(path, b, args.batch_size, warm_s, False)["warm_gbps"] for b in backends}
+        rows.emit(row)
+    info = describe_machine(args.data)
+    out = os.path.join(results_dir(args.out, info), "compression" + (f"-{args.tag}" if args.tag else "") + ".json")
+    write_json(out, {"benchmark": "compression", "date": today(), "machine": info, "notes": [TOKENS_NOTE],
+                     "settings": {"backends": backends, "size_bytes": size, "level": args.level, "tiny": args.tiny,
+                                  "chunk_sizes": chunk_sizes}, "results": rows})
+    print(TOKENS_NOTE)
+    print(f"wrote {out}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

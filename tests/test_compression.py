@@ -1,0 +1,419 @@
+"""Compressed chunks: corrupt chunks named, unreadable codecs refused, the device path's batching and slot
+mapping (nvCOMP replaced by a fake codec, CUDA by host stand-ins), the converter's ``--compress`` round trip
+and ``gdsload info``, the compression benchmark on the cpu backend.
+
+Reading compressed stores exactly (every codec, sharded and unsharded, partial writes, shuffled, two epochs,
+every backend) is tests/test_zarr_stores.py's matrix (its ``zstd`` and ``codecs`` stores).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+
+import numcodecs
+import numpy as np
+import pytest
+import zarr
+from zarr.codecs import Crc32cCodec, GzipCodec, ZstdCodec
+
+from gdsload import FormatError, GDSDataset, ReadError, write_dataset
+from gdsload.backends.cpu import CpuBackend
+from gdsload.decode import Decoder
+from gdsload.checksum import pieces, reference_device_crcs
+from gdsload.decode_nvcomp import NvcompBatch, crc_mismatch, trailing_index
+from gdsload.format import DatasetLayout, read_metadata
+from gdsload.sources import ArraySource, RaggedSource
+from gdsload.window import WindowBuffer, WindowLayout
+
+N = 300
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BACKENDS = ["cpu", *(pytest.param(b, marks=pytest.mark.gpu) for b in ("pinned", "kvikio", "mmap"))]
+
+
+def rows(n: int = N, tail: tuple[int, ...] = (3,), dtype: str = "int32") -> np.ndarray:
+    return (np.arange(n).reshape(-1, *([1] * len(tail))) * 100 + np.arange(int(np.prod(tail))).reshape(tail)
+            ).astype(dtype)
+
+
+def store(tmp_path, **arrays) -> str:
+    """A group of arrays ``name=(chunk rows, shard rows or None, compressors)``, each holding :func:`rows`."""
+    path = str(tmp_path / "s.zarr")
+    g = zarr.create_group(path)
+    for name, (chunk, shard, compressors) in arrays.items():
+        g.create_array(name, shape=(N, 3), dtype="int32", chunks=(chunk, 3), shards=None if shard is None else
+                       (shard, 3), compressors=compressors)[:] = rows()
+    return path
+
+
+def read_all(path: str, backend: str = "cpu", **options) -> dict[str, np.ndarray]:
+    with GDSDataset(path, batch_size=16, backend=backend, **options) as ds:
+        batches = list(ds)
+    out = {k: np.concatenate([np.asarray(b[k]) if backend == "cpu" else b[k].get() for b in batches])
+           for k in batches[0]}
+    return out
+
+
+# -- errors ------------------------------------------------------------------------------------------------
+def _flip(path: str, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_a_corrupt_chunk_names_file_array_chunk_and_codec(tmp_path):
+    path = store(tmp_path, z=(10, 40, [ZstdCodec()]), g=(12, None, [GzipCodec()]), c=(10, 40, [ZstdCodec(),
+                                                                                              Crc32cCodec()]))
+    layout = DatasetLayout(read_metadata(path))
+    cases = {"z": 6, "g": 3, "c": 9}  # chunk 6 of z: its zstd magic number; chunk 3 of g; a byte inside chunk 9 of c
+    for name, chunk in cases.items():
+        loc = layout.locate(name, chunk)
+        _flip(loc.path, loc.offset + (loc.nbytes // 2 if name != "z" else 0))
+    layout.close()
+    for name, chunk in cases.items():
+        loc_path = read_metadata(path).fields[name].shard_path(chunk // (4 if name != "g" else 1))
+        with pytest.raises(ReadError) as info:
+            read_all(path, fields=[name], resident_bytes=0, window_blocks=2, shuffle=True)
+        msg = str(info.value)
+        codec = {"z": "zstd", "g": "gzip", "c": "crc32c"}[name]
+        assert msg.startswith(f"{loc_path}: chunk {chunk} of array '{name}' ("), msg
+        assert codec in msg and "does not decode" in msg, msg
+    # Read whole (a resident field), the error says so too.
+    with pytest.raises(ReadError, match=r"chunk 6 of array 'z' .*does not decode.*reading resident field 'z'"):
+        read_all(path, fields=["z"], resident_bytes=1 << 30)
+
+
+def test_a_truncated_compressed_chunk_file(tmp_path):
+    path = store(tmp_path, g=(12, None, [GzipCodec()]))
+    os.truncate(os.path.join(path, "g", "c", "2", "0"), 0)
+    with pytest.raises(FormatError, match=r"g/c/2/0: chunk file is 0 bytes \(expected at least 1: compressed\)"):
+        read_all(path)
+
+
+@pytest.mark.parametrize("codecs, fragment", [
+    ([{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "no-such-codec"}],
+     r"unknown codec 'no-such-codec' \(not in zarr's codec registry\)"),
+    ([{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "transpose",
+                                                                 "configuration": {"order": [1, 0]}}],
+     r"chunks use a 'transpose' codec"),
+    ([{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "zstd", "configuration": {"level": 99}}],
+     r"codec 'zstd' with configuration .* cannot be decoded"),
+])
+def test_unreadable_codecs_name_codec_and_array(tmp_path, codecs, fragment):
+    path = store(tmp_path, a=(10, None, [ZstdCodec()]))
+    meta = os.path.join(path, "a", "zarr.json")
+    with open(meta) as f:
+        doc = json.load(f)
+    doc["codecs"] = codecs
+    with open(meta, "w") as f:
+        json.dump(doc, f)
+    with pytest.raises(FormatError, match=rf"^{re.escape(meta)}: {fragment}"):
+        GDSDataset(path, batch_size=4, backend="cpu")
+
+
+# -- the device path, without a GPU ---------------------------------------------------------------------------
+class FakeBatch:
+    """What ``nvcomp.as_arrays`` returns: not a list (nvCOMP refuses plain lists)."""
+
+    def __init__(self, items):
+        self.items = list(items)
+
+    def __len__(self):
+        return len(self.items)
+
+
+class FakeOut:
+    """nvCOMP's batch of outputs: indexed by an int only."""
+
+    def __init__(self, items):
+        self._items = items
+
+    def __getitem__(self, i):
+        if not isinstance(i, int):
+            raise TypeError("slicing is not supported")
+        return self._items[i]
+
+
+class FakeNvcomp:
+    """``nvidia.nvcomp`` as gdsload uses it, decoding zstd frames with numcodecs on host arrays."""
+
+    class BitstreamKind:
+        RAW = "raw"
+
+    def __init__(self):
+        self.calls: list[int] = []  # batch sizes, one per decode call
+        self.settings: list[dict] = []
+        outer = self
+
+        class Codec:
+            def __init__(self, **kwargs):
+                outer.settings.append(kwargs)
+
+            def decode(self, batch, data_type=""):
+                assert isinstance(batch, FakeBatch) and data_type == "|u1"
+                outer.calls.append(len(batch))
+                return FakeOut([np.frombuffer(numcodecs.Zstd().decode(np.asarray(v)), np.uint8) for v in batch.items])
+
+        self.Codec = Codec
+
+    def as_arrays(self, views):
+        return FakeBatch(views)
+
+
+class HostOps:
+    """The CUDA side (decode_nvcomp.CupyOps) on host arrays: copies are numpy assignments."""
+
+    stream_ptr = 0
+
+    def __init__(self):
+        self.to_device_calls = []
+
+    def pinned(self, nbytes):
+        return np.empty(nbytes, np.uint8)
+
+    def ordered(self, filled):
+        return contextlib.nullcontext()
+
+    def to_device(self, buffer, dest, host, src, nbytes):
+        self.to_device_calls.append(nbytes)
+        buffer[dest:dest + nbytes] = host[src:src + nbytes]
+
+    def done(self, outs):
+        return "event"
+
+    def view(self, buffer, lo, hi):
+        return buffer[lo:hi]
+
+    def nbytes(self, arr):
+        return arr.nbytes
+
+    def copy(self, arr, buffer, dest, nbytes):
+        buffer[dest:dest + nbytes] = arr
+
+    def close(self):
+        pass
+
+    def crc_mismatch(self, buffer, lo, hi):
+        """As CupyOps computes it: the device kernel's algorithm (its numpy reference) on the segments."""
+        got = reference_device_crcs(buffer, pieces(lo, hi))
+        return crc_mismatch(got, buffer[trailing_index(hi)], lo, hi)
+
+
+def _device_windows(path: str, device: list[str], host: list[str], fake: FakeNvcomp, ops: HostOps,
+                    window_blocks: int = 3):
+    """Every window of ``path`` (blocks in a shuffled order), carried in and decoded as on a GPU backend:
+    backend requests into the window buffer, host requests into its host buffer, then the decode step."""
+    meta = read_metadata(path)
+    layout = DatasetLayout(meta)
+    fields = [meta.fields[f] for f in meta.fields]
+    wl = WindowLayout(fields, window_blocks, samples_per_block=meta.samples_per_block,
+                      chunk_lengths=layout.chunk_lengths, host_fields=host)
+    backend = CpuBackend()
+    backend.prepare(layout.files)
+    decoder = Decoder(layout, True, 0, device, threads=2, nvcomp=fake, ops=ops)
+    wb = WindowBuffer(np.zeros(wl.nbytes, np.uint8))
+    order = np.random.default_rng(0).permutation(meta.num_blocks)
+    got = {f: np.zeros((meta.num_blocks * meta.samples_per_block, 3), np.int32) for f in meta.fields}
+    stop = threading.Event()
+    try:
+        for w in range(0, len(order), window_blocks):
+            blocks = order[w:w + window_blocks]
+            work = wl.work(layout, blocks)
+            event = backend.load(wb.buffer, work.requests, stop)
+            assert decoder.start(wb, work, stop).finish(event) == "event"
+            views = wb.views(wl)
+            k = meta.samples_per_block
+            for name in meta.fields:
+                for i, b in enumerate(blocks.tolist()):
+                    rows_ = wl.slot_rows[name]
+                    first = i * rows_ + (b * k) % meta.fields[name].samples_per_block
+                    got[name][b * k:(b + 1) * k] = views[name][first:first + k]
+    finally:
+        decoder.close()
+        backend.close()
+        layout.close()
+    return {name: a[:N] for name, a in got.items()}, meta
+
+
+def test_device_path_batches_one_call_per_field_and_window(tmp_path):
+    """nvCOMP gets one batch per device-decoded field and window, every chunk of it in window order, and
+    each output lands in its chunk's slot; host-decoded fields are decoded into the host mirror and copied to
+    the device in one copy per field and window; fill values where chunks were never written."""
+    path = str(tmp_path / "d.zarr")
+    g = zarr.create_group(path)
+    g.create_array("z", shape=(N, 3), dtype="int32", chunks=(10, 3), shards=(40, 3), compressors=[ZstdCodec()],
+                   fill_value=-1)[:200] = rows()[:200]
+    g.create_array("c", shape=(N, 3), dtype="int32", chunks=(7, 3), compressors=[ZstdCodec(), Crc32cCodec()]
+                   )[:] = rows()
+    g.create_array("g", shape=(N, 3), dtype="int32", chunks=(10, 3), compressors=[GzipCodec()])[:] = rows()
+    fake, ops = FakeNvcomp(), HostOps()
+    got, meta = _device_windows(path, ["z", "c"], ["g"], fake, ops)
+    expected_z = rows()
+    expected_z[200:] = -1
+    np.testing.assert_array_equal(got["z"], expected_z)
+    np.testing.assert_array_equal(got["c"], rows())
+    np.testing.assert_array_equal(got["g"], rows())
+    windows = -(-meta.num_blocks // 3)
+    assert len(fake.calls) == 2 * windows  # one batched call per device field and window, never one per chunk
+    assert fake.settings == [{"algorithm": "Zstd", "bitstream_kind": "raw", "device_id": 0, "cuda_stream": 0}]
+    assert len(ops.to_device_calls) == windows
+
+
+def test_device_path_names_a_corrupt_chunk(tmp_path):
+    path = store(tmp_path, z=(10, 40, [ZstdCodec()]))
+    layout = DatasetLayout(read_metadata(path))
+    loc = layout.locate("z", 5)
+    layout.close()
+    _flip(loc.path, loc.offset)
+    with pytest.raises(ReadError, match=rf"^{re.escape(loc.path)}: chunk 5 of array 'z' \(.*codecs \['bytes', "
+                                        rf"'zstd'\]\) does not decode: nvCOMP: "):
+        _device_windows(path, ["z"], [], FakeNvcomp(), HostOps())
+
+
+def test_device_path_checks_crc32c_after_zstd(tmp_path):
+    path = store(tmp_path, c=(10, None, [ZstdCodec(), Crc32cCodec()]))
+    got, _ = _device_windows(path, ["c"], [], FakeNvcomp(), HostOps())
+    np.testing.assert_array_equal(got["c"], rows())
+    layout = DatasetLayout(read_metadata(path))
+    loc = layout.locate("c", 7)
+    layout.close()
+    _flip(loc.path, loc.offset + loc.nbytes // 2)
+    with pytest.raises(ReadError, match=rf"^{re.escape(loc.path)}: chunk 7 of array 'c' .*crc32c mismatch"):
+        _device_windows(path, ["c"], [], FakeNvcomp(), HostOps())
+
+
+def test_nvcomp_batch_checks_the_decoded_size(tmp_path):
+    path = store(tmp_path, z=(10, 40, [ZstdCodec()]))
+    fake = FakeNvcomp()
+    real = fake.Codec.decode
+    fake.Codec.decode = lambda self, batch, data_type="": FakeOut([a[:-1] for a in real(self, batch, data_type)
+                                                                   ._items])
+    with pytest.raises(ReadError, match=r"chunk \d+ of array 'z' .*: nvCOMP decodes it to 119 bytes \(expected 120\)"):
+        _device_windows(path, ["z"], [], fake, HostOps())
+    with pytest.raises(ImportError, match="nvidia.nvcomp is not installed"):
+        NvcompBatch(None, HostOps())
+
+
+def test_zstd_decodes_on_cpu_threads_without_nvcomp(monkeypatch):
+    """Without nvCOMP, zstd fields on a GPU backend are decoded by CPU threads, after one warning naming the
+    extra to install."""
+    from gdsload import decode
+
+    meta = type("M", (), {"name": "z", "compressed": True, "codecs": (("zstd", {}),)})()
+    monkeypatch.setattr(decode, "load_nvcomp", lambda: None)
+    monkeypatch.setattr(decode, "_warned", threading.Event())
+    with pytest.warns(RuntimeWarning, match=r"gdsload\[nvcomp\]"):
+        assert decode.device_fields([meta], True) == ([], ["z"])
+    assert decode.device_fields([meta], True) == ([], ["z"])  # warned once
+    assert decode.device_fields([meta], False) == ([], [])
+    assert decode.device_fields([meta], True, nvcomp=FakeNvcomp()) == (["z"], [])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compressed_and_raw_fields_together(tmp_path, backend):
+    path = store(tmp_path, z=(10, 40, [ZstdCodec(level=3)]), g=(12, None, [GzipCodec()]), r=(8, 32, None),
+                 c=(9, None, [ZstdCodec(), Crc32cCodec()]))
+    for resident in (0, 1 << 30):
+        got = read_all(path, backend, resident_bytes=resident)
+        for name in ("z", "g", "r", "c"):
+            np.testing.assert_array_equal(got[name], rows(), err_msg=name)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "gdsload", *args], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+
+
+# -- the converter ---------------------------------------------------------------------------------------------
+def test_converter_compress_round_trip(tmp_path):
+    """``gdsload shard --compress zstd:3``: zarr-python reads every array back exactly, so does gdsload
+    (shuffled, verified against the decoded blocks' checksums), ``gdsload info`` shows codecs and ratio,
+    ``gdsload verify`` checks decoded blocks and names a corrupt one."""
+    n = 1000
+    images = (np.arange(n)[:, None, None] % 7 * np.ones((1, 16, 16), np.uint8)).astype(np.uint8)
+    tokens = np.random.default_rng(0).zipf(1.5, (n, 64)).clip(0, 50000).astype(np.int32)
+    np.save(tmp_path / "images.npy", images)
+    np.save(tmp_path / "tokens.npy", tokens)
+    np.save(tmp_path / "label.npy", np.arange(n))
+    out = str(tmp_path / "c.gds")
+    done = cli("shard", str(tmp_path / "images.npy"), str(tmp_path / "tokens.npy"), str(tmp_path / "label.npy"),
+               "-o", out, "--compress", "zstd:3", "--chunk-bytes", "16KiB", "--quiet")
+    assert done.returncode == 0, done.stderr
+    g = zarr.open_group(out, mode="r")
+    for name, data in (("images", images), ("tokens", tokens), ("label", np.arange(n))):
+        np.testing.assert_array_equal(g[name][:], data)
+        assert [c.to_dict()["name"] for c in g[name].compressors] == ["zstd"]
+        assert g[name].compressors[0].level == 3
+    meta = read_metadata(out)
+    assert meta.samples_per_block == 64  # 16 KiB of the largest sample (256 bytes)
+    with GDSDataset(out, batch_size=50, backend="cpu", shuffle=True, verify=True, resident_bytes=0) as ds:
+        for epoch in (0, 1):
+            ds.set_epoch(epoch)
+            for b in ds:
+                np.testing.assert_array_equal(b["images"], images[b["label"]])
+                np.testing.assert_array_equal(b["tokens"], tokens[b["label"]])
+    info = cli("info", out)
+    assert info.returncode == 0, info.stderr
+    assert re.search(r"images: .*codecs \['bytes', 'zstd'\], ratio 0\.\d+ \(stored / decoded\)", info.stdout)
+    assert re.search(r"tokens: .*codecs \['bytes', 'zstd'\], ratio 0\.\d+", info.stdout), info.stdout
+    ok = cli("verify", out, "--quiet")
+    assert ok.returncode == 0 and ok.stdout.strip().endswith("0 bad"), ok.stdout + ok.stderr
+    with DatasetLayout(read_metadata(out)) as layout:
+        loc = layout.locate("tokens", 3)
+    _flip(loc.path, loc.offset)
+    bad = cli("verify", out, "--quiet")
+    assert bad.returncode == 1 and f"BAD {loc.path}: chunk 3 of array 'tokens'" in bad.stdout, bad.stdout
+
+
+def test_converter_compress_options_are_checked(tmp_path):
+    np.save(tmp_path / "x.npy", np.zeros((10, 4), np.float32))
+    x, out = str(tmp_path / "x.npy"), str(tmp_path / "o.gds")
+    for args, message in ((["--compress", "lz4"], "--compress takes zstd or zstd:LEVEL (found 'lz4')"),
+                          (["--compress", "zstd:23"], "zstd level must be at most 22"),
+                          (["--chunk-bytes", "64KiB"], "--chunk-bytes) sets the inner chunks of compressed fields"),
+                          (["--compress", "zstd", "--block-bytes", "1MiB"], "--block-bytes does not apply with "
+                                                                              "--compress")):
+        done = cli("shard", x, "-o", out, "--quiet", *args)
+        assert done.returncode == 2 and message in done.stderr, done.stderr
+        assert not os.path.exists(out)
+
+
+def test_compression_benchmark_runs_on_cpu(tmp_path):
+    """``python -m benchmarks.compression --backends cpu --tiny``: every kind of row, and the note that the
+    token stream is synthetic."""
+    done = subprocess.run([sys.executable, "-m", "benchmarks.compression", "--backends", "cpu", "--tiny", "--no-cold",
+                           "--data", str(tmp_path / "data"), "--out", str(tmp_path / "out")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    with open(tmp_path / "out" / "cpu-only" / "compression.json") as f:
+        doc = json.load(f)
+    assert "Zipf" in doc["notes"][0] and "Zipf" in done.stdout
+    rows = doc["results"]
+    passes = {(r["data"], r["stored"]) for r in rows if r["kind"] == "pass"}
+    assert passes == {(k, m) for k in ("tokens", "images", "float16") for m in ("raw", "zstd")}
+    assert all(r["warm_gbps"] > 0 and 0 < r["ratio"] <= 1 for r in rows if r["kind"] == "pass")
+    assert [r["chunk_bytes"] for r in rows if r["kind"] == "chunk"] == [64 << 10, 256 << 10]
+    assert {r["mode"] for r in rows if r["kind"] == "zarr"} == {"numpy"}
+
+
+def test_compressed_variable_length_values_are_refused(tmp_path):
+    out = str(tmp_path / "r.gds")
+    values = np.arange(40, dtype=np.int32)
+    write_dataset(out, {"x": ArraySource("x", np.zeros((4, 2)))}, ragged={"t": RaggedSource(
+        "t", ArraySource("t", values), np.array([0, 10, 20, 30, 40]))}, compress="zstd", progress=False)
+    assert not read_metadata(out).ragged["t"].values.compressed  # the converter leaves values raw
+    meta = os.path.join(out, "t", "values", "zarr.json")
+    with open(meta) as f:
+        doc = json.load(f)
+    doc["codecs"][0]["configuration"]["codecs"].append({"name": "zstd", "configuration": {"level": 0}})
+    with open(meta, "w") as f:
+        json.dump(doc, f)
+    with pytest.raises(FormatError, match=rf"^{re.escape(meta)}: the values of variable-length field 't' must be raw"):
+        read_metadata(out)
