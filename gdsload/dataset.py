@@ -10,16 +10,15 @@ import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import numpy as np
-
 from . import _fork, resume
 from .assembler import ResidentField
 from .backends import BACKENDS, make_backend, resolve
 from .cursor import Cursor
-from .errors import GDSLoadError, ReadError
+from .errors import GDSLoadError
 from .format import DatasetLayout, read_metadata
 from .options import check_int, distributed, pad_spec, require_torch
 from .pipeline import Pipeline
+from .resident import read_resident
 from .plan import EpochPlan, PlanConfig, epoch_plan, window_blocks_for, window_buffers_for
 from .ragged import capacity_rows
 from .stats import EpochStats
@@ -302,7 +301,18 @@ class GDSDataset:
 
     # -- iteration -------------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        """A pass over the next epoch (see the class notes). The pass begins at the first ``next()``:
+        an iterator that is made and never used (as frameworks do to probe an iterable) reads nothing and
+        counts as no pass."""
         _fork.check(self)
+        if not self._finalizer.alive:
+            raise GDSLoadError(f"{self.meta.path}: the dataset was closed (open a new GDSDataset)")
+        return self._pass()
+
+    def _pass(self) -> Iterator[dict[str, Any]]:
+        yield from self._begin()
+
+    def _begin(self) -> Iterator[dict[str, Any]]:
         with self._lock:
             if not self._finalizer.alive:
                 raise GDSLoadError(f"{self.meta.path}: the dataset was closed (open a new GDSDataset)")
@@ -345,32 +355,12 @@ class GDSDataset:
 
     def _load_resident(self) -> dict[str, ResidentField]:
         """Read the small fields whole, once, through the same backend."""
-        if self._resident_loaded:
-            return self._resident
-        loaded = {}
-        for name in self.resident_fields:
-            f = self.meta.fields[name]
-            # Every chunk back to back, a block per chunk: row i holds sample i, whatever the plan's block.
-            single = WindowLayout([f], f.num_chunks, samples_per_block=f.samples_per_block,
-                                  chunk_lengths=self._layout.chunk_lengths, host_fields=self._host_decoded)
-            buf = self._backend.allocate(single.nbytes)
-            blocks = np.arange(f.num_chunks)
-            try:
-                work = single.work(self._layout, blocks)
-                event = self._backend.load(buf, work.requests, self._closing)
-                if f.compressed:
-                    event = self._decoder.start(WindowBuffer(buf), work, self._closing).finish(event)
-                if self._closing.is_set():
-                    raise GDSLoadError(f"{self.meta.path}: the dataset was closed while loading field '{name}'")
-                if self._verifier is not None:
-                    event = self._verifier.check(buf, single.checks(self._layout, blocks), event)
-            except ReadError as e:
-                raise ReadError(f"{e} (reading resident field '{name}')") from e
-            if event is not None:
-                event.synchronize()
-            loaded[name] = ResidentField(f, single.view(buf, name))
-        self._resident.update(loaded)
-        self._resident_loaded = True
+        if not self._resident_loaded:
+            for name in self.resident_fields:
+                self._resident[name] = read_resident(self.meta.fields[name], self._backend, self._layout,
+                                                     self._decoder, self._verifier, self._host_decoded,
+                                                     self._closing)
+            self._resident_loaded = True
         return self._resident
 
     def _run(self, pipeline: Pipeline, start: Cursor) -> Iterator[dict[str, Any]]:

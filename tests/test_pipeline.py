@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import gc
 import json
 import os
@@ -215,10 +216,11 @@ def test_next_epoch_is_read_ahead_and_exact(data_path):
         for e in range(3):
             ds.set_epoch(e)
             it = iter(ds)
-            pipelines.append(ds._active[0])
             if e > 0:  # read while the last pass ran (or since): data waits before the first next()
-                assert wait_for(lambda: ds.stats.bytes_read > 0), "the next epoch is read ahead"
-            got.append([i for b in it for i in (check_batch(b, data), b["idx"].tolist())[1]])
+                assert wait_for(lambda: ds._active[0].stats.bytes_read > 0), "the next epoch is read ahead"
+            first = next(it)
+            pipelines.append(ds._active[0])
+            got.append([i for b in itertools.chain([first], it) for i in (check_batch(b, data), b["idx"].tolist())[1]])
         assert len(set(map(id, pipelines))) == 1, "one pipeline ran the three epochs"
         assert len(reader_threads()) == 3  # reading epoch 3 ahead
     assert got == want

@@ -117,3 +117,17 @@ def test_positions_are_rows_of_the_window():
         assert (rows // k < len(blocks)).all()
         ids = np.asarray(blocks)[rows // k] * k + rows % k
         assert (ids < 95).all()
+
+
+def test_an_iterator_never_used_reads_nothing_and_is_no_pass(make_dataset):
+    """Frameworks (PyTorch Lightning) call iter() on an iterable once to probe it: that must not start a
+    pass, read ahead, or move the epoch on (it did: the first real pass then read epoch 1)."""
+    path = make_dataset(labelled(200), samples_per_block=10)
+    opts = dict(batch_size=16, backend="cpu", shuffle=True, seed=5, resident_bytes=0)
+    with GDSDataset(path, **opts) as ref:
+        want = [b["idx"].tolist() for b in ref]
+    with GDSDataset(path, **opts) as ds:
+        probe = iter(ds)
+        assert ds.stats is None and ds.describe()["window_buffers"] == 0, "nothing started, nothing read"
+        del probe
+        assert [b["idx"].tolist() for b in ds] == want and ds.epoch == 0

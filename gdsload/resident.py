@@ -1,0 +1,38 @@
+"""Resident fields: small fields read whole, once, through the dataset's backend, and kept for its life."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from .assembler import ResidentField
+from .errors import GDSLoadError, ReadError
+from .format import FieldMeta
+from .window import WindowBuffer, WindowLayout
+
+
+def read_resident(f: FieldMeta, backend: Any, layout: Any, decoder: Any, verifier: Any, host_decoded: Any,
+                  closing: threading.Event) -> ResidentField:
+    """Field ``f`` whole: every chunk back to back, a block per chunk, so row i holds sample i whatever the
+    plan's block is; decoded and checked as windows are. A ReadError names the field; a close while it
+    loads is a GDSLoadError."""
+    single = WindowLayout([f], f.num_chunks, samples_per_block=f.samples_per_block,
+                          chunk_lengths=layout.chunk_lengths, host_fields=host_decoded)
+    buf = backend.allocate(single.nbytes)
+    blocks = np.arange(f.num_chunks)
+    try:
+        work = single.work(layout, blocks)
+        event = backend.load(buf, work.requests, closing)
+        if f.compressed:
+            event = decoder.start(WindowBuffer(buf), work, closing).finish(event)
+        if closing.is_set():
+            raise GDSLoadError(f"{layout.meta.path}: the dataset was closed while loading field '{f.name}'")
+        if verifier is not None:
+            event = verifier.check(buf, single.checks(layout, blocks), event)
+    except ReadError as e:
+        raise ReadError(f"{e} (reading resident field '{f.name}')") from e
+    if event is not None:
+        event.synchronize()
+    return ResidentField(f, single.view(buf, f.name))
