@@ -44,8 +44,12 @@ from .errors import ReadError
 DECODE_THREADS = max(1, min(8, os.cpu_count() or 1))
 #: The codec chains nvCOMP decodes on the device: zstd frames, optionally followed by their crc32c.
 NVCOMP_CHAINS = (("zstd",), ("zstd", "crc32c"))
+#: The device path is opt-in until it passes on a GPU: its first run there failed inside nvCOMP ("context
+#: is destroyed"), so by default zstd, too, is decoded by CPU threads (docs/format.md).
+NVCOMP_ENV = "GDSLOAD_NVCOMP"
 #: What the warning about CPU decoding of zstd suggests.
-NVCOMP_HINT = "install gdsload[nvcomp] (or the gpu extra) to decode zstd on the GPU with nvCOMP"
+NVCOMP_HINT = (f"the nvCOMP path is experimental and off unless {NVCOMP_ENV}=1 (with gdsload[nvcomp] "
+               f"installed)")
 _warned = threading.Event()
 
 
@@ -133,7 +137,10 @@ def device_decodable(codecs: Sequence[tuple[str, Any]]) -> bool:
 
 
 def load_nvcomp() -> Any:
-    """``nvidia.nvcomp``, or None when it is not installed (imported only when a dataset needs it)."""
+    """``nvidia.nvcomp`` when the device path is switched on (``GDSLOAD_NVCOMP=1``) and it is installed,
+    else None (imported only when a dataset needs it)."""
+    if os.environ.get(NVCOMP_ENV) != "1":
+        return None
     try:
         from nvidia import nvcomp
     except Exception:
@@ -153,7 +160,7 @@ def device_fields(fields: Sequence[Any], on_gpu: bool, nvcomp: Any = None) -> tu
     if zstd and nvcomp is None and load_nvcomp() is None:
         if not _warned.is_set():
             _warned.set()
-            warnings.warn(f"zstd chunks of {zstd} are decoded by CPU threads: nvCOMP is not installed; {NVCOMP_HINT}",
+            warnings.warn(f"zstd chunks of {zstd} are decoded by CPU threads: {NVCOMP_HINT}",
                           RuntimeWarning, stacklevel=4)
         zstd = []
     return zstd, [f.name for f in compressed if f.name not in zstd]
