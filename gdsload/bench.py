@@ -169,7 +169,8 @@ class Bench:
         self.target, self.cold, self.seconds, self.batch_size = target, cold, seconds, batch_size
         self.gpu = gpu_available()
         try:
-            self.auto: tuple[str | None, str] = resolve("auto", target.nbytes)
+            first = target.files[0] if target.files else None
+            self.auto: tuple[str | None, str] = resolve("auto", target.nbytes, first)
         except ValueError as e:  # GDSLOAD_BACKEND names no backend
             self.auto = (None, str(e))
         names = list(requested) if requested else ["auto"] + runnable_here(target.nbytes)

@@ -124,8 +124,9 @@ class GDSDataset:
         self.fields = layout.fields
         try:
             # auto may pick the RAM tier: it needs the size of what this dataset reads.
-            self.backend_name, self.backend_reason = resolve(backend, sum(layout.files.get(p).size
-                                                                          for p in layout.files))
+            paths = list(layout.files)
+            self.backend_name, self.backend_reason = resolve(backend, sum(layout.files.get(p).size for p in paths),
+                                                             paths[0] if paths else None)
             self.output = _output(output, self.backend_name)
             if verify and not layout.has_checksums:
                 raise ValueError(f"verify=True: {self.meta.path} has no block checksums for field(s) "

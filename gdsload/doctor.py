@@ -19,8 +19,8 @@ from typing import Any, TextIO
 
 from .doctor_probe import LIVE_READ_BYTES, HostProbes, LiveRead, PathError, Target
 from .sysfiles import (NVFS_DIR, NVFS_RW_STATS_PARAM, NVFS_STATS, FsSupport, Iommu, Mount, NvfsStats, SystemFiles,
-                       cufile_json_path, cufile_settings, find_mount, fs_support, iommu_mode, kvikio_compat_env,
-                       mount_device, nvfs_version, parse_cufile_json, parse_mountinfo, parse_nvfs_stats)
+                       cufile_json_path, cufile_settings, find_mount, iommu_mode, kvikio_compat_env, mount_support,
+                       nvfs_version, parse_cufile_json, parse_mountinfo, parse_nvfs_stats)
 
 MARKS = {True: "✔", False: "✘", None: "–"}
 _ENV = ("KVIKIO_COMPAT_MODE", "CUFILE_ENV_PATH_JSON", "CUFILE_FORCE_COMPAT_MODE")
@@ -119,7 +119,7 @@ def gather(path: str | None, files: SystemFiles, probes: Any) -> Facts:
         udev_readable=files.readable_dir("/run/udev"),
         wsl="microsoft" in (files.read("/proc/sys/kernel/osrelease") or "").lower(),
         container=_container(files, mounts),
-        iommu=iommu_mode(files.read("/proc/cmdline"), types, bool(groups)), backend=probes.backend(target.nbytes if target is not None and target.kind == "dataset" else None),
+        iommu=iommu_mode(files.read("/proc/cmdline"), types, bool(groups)), backend=_auto(probes, target),
         target=target, mount_error=mount_error)
     if target is None:
         return facts
@@ -127,10 +127,7 @@ def gather(path: str | None, files: SystemFiles, probes: Any) -> Facts:
     if facts.mount is None and mount_error is None:
         facts.mount_error = f"no mount in /proc/self/mountinfo holds {target.real}"
     if facts.mount is not None:
-        facts.device = mount_device(facts.mount, files)
-        md_level = files.read(f"/sys/block/{facts.device}/md/level") if (facts.device or "").startswith("md") else None
-        facts.fs = fs_support(facts.mount.fstype, facts.mount.all_options(), facts.device,
-                              md_level.strip() if md_level else None)
+        facts.device, facts.fs = mount_support(facts.mount, files)
     if target.files:
         facts.o_direct = probes.o_direct(target.files[0])
     if not gpu.get("gpu"):
@@ -273,7 +270,8 @@ def _path_checks(f: Facts) -> list[Check]:
         where = f"{m.fstype} {m.source} at {m.mount_point} ({opts})"
         refuse = ("; allow_compat_mode=false, so cuFile refuses it" if fs.gds is False
                   and f.cufile["settings"].get("allow_compat_mode") is False else "")
-        out.append(Check("filesystem", fs.gds, f"{fs.what}{refuse}; {where}", fs.fix, rank=80 if fs.gds is False else 0))
+        out.append(Check("filesystem", fs.gds, f"{fs.what}{refuse}; {where}", fs.fix,
+                         rank=80 if fs.gds is False else 0))
     if f.o_direct is None:
         out.append(Check("O_DIRECT", None, "no file to open"))
     else:
@@ -284,6 +282,14 @@ def _path_checks(f: Facts) -> list[Check]:
                      "rewrite with gdsload shard --block-bytes set to a multiple of 4 KiB (and a sample size that "
                      "divides it): cuFile reads unaligned blocks through bounce buffers (slower, still GDS)"))
     return [Check(c.name, c.ok, c.found, c.fix, c.rank, "path") for c in out]
+
+
+def _auto(probes: Any, target: Target | None) -> tuple[str, str]:
+    """What ``auto`` picks for PATH: told the dataset's size (the RAM tier) and where its files lie (GDS)."""
+    if target is None:
+        return probes.backend()
+    return probes.backend(target.nbytes if target.kind == "dataset" else None,
+                          target.files[0] if target.files else None)
 
 
 def _live_check(f: Facts) -> Check:

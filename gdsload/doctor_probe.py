@@ -253,11 +253,12 @@ class HostProbes:
     def libcufile(self) -> dict[str, Any]:
         return find_libcufile()
 
-    def backend(self, dataset_bytes: int | None = None) -> tuple[str, str]:
-        """What ``auto`` picks, for a dataset of ``dataset_bytes`` (the RAM tier needs its size)."""
+    def backend(self, dataset_bytes: int | None = None, path: str | None = None) -> tuple[str, str]:
+        """What ``auto`` picks, for a dataset of ``dataset_bytes`` (the RAM tier needs its size) whose files
+        lie where ``path`` does (GDS needs a file system that allows it)."""
         from .backends import resolve
 
-        return resolve("auto", dataset_bytes)
+        return resolve("auto", dataset_bytes, path)
 
     def machine(self) -> str:
         return platform.machine()

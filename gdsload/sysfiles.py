@@ -249,6 +249,25 @@ def fs_support(fstype: str, options: list[str], device: str | None, md_level: st
 
 
 # -- cufile.json -----------------------------------------------------------------------------------
+def mount_support(m: Mount, files: SystemFiles) -> tuple[str | None, FsSupport]:
+    """A mount's block device name and whether GDS reads files on it directly."""
+    device = mount_device(m, files)
+    md_level = files.read(f"/sys/block/{device}/md/level") if (device or "").startswith("md") else None
+    return device, fs_support(m.fstype, m.all_options(), device, md_level.strip() if md_level else None)
+
+
+def path_support(path: str, files: SystemFiles | None = None) -> FsSupport | None:
+    """Whether GDS reads the file at ``path`` directly, from the mount that holds it (None when the mount
+    cannot be found). The one rule the doctor, backend ``auto`` and the kvikio backend's ``io_mode`` use."""
+    files = files or SystemFiles()
+    try:
+        mounts = parse_mountinfo(files.read("/proc/self/mountinfo") or "")
+    except ValueError:
+        return None
+    m = find_mount(mounts, os.path.realpath(path))
+    return None if m is None else mount_support(m, files)[1]
+
+
 def strip_json_comments(text: str) -> str:
     """JSON text without // and /* */ comments (cufile.json carries them) and without trailing commas
     before } or ]; text inside strings is kept as it is."""

@@ -37,3 +37,23 @@ def test_environment_overrides_auto_but_not_an_explicit_backend(monkeypatch, mak
     monkeypatch.setenv("GDSLOAD_BACKEND", "fast")
     with pytest.raises(ValueError, match="GDSLOAD_BACKEND='fast' is not a backend"):
         resolve("auto")
+
+
+def test_gds_only_where_the_file_system_allows_it():
+    """On a GDS machine, a dataset on a file system cuFile reads only in compat mode (tmpfs, ext4 in
+    writeback, NFS over TCP) is not given to kvikio as GDS, and the kvikio backend does not claim io mode
+    "gds" for it (it did: both looked at the machine only)."""
+    import os
+
+    from gdsload.backends.kvikio import io_mode_for
+    from gdsload.sysfiles import SystemFiles, path_support
+
+    root = SystemFiles(os.path.join(os.path.dirname(__file__), "fixtures", "doctor", "gds_host"))
+    shm, raid, scratch = (path_support(p, root) for p in ("/dev/shm/d.gds/x/c/0", "/raid/d.gds/x/c/0",
+                                                           "/scratch/d.gds/x/c/0"))
+    assert shm.gds is False and raid.gds is True and scratch.gds is False  # tmpfs; ext4 on NVMe; writeback
+    assert choose(True, True, True, None, None, raid) == ("kvikio", "GPUDirect Storage is available")
+    name, why = choose(True, True, True, None, None, shm)
+    assert name == "pinned" and "not for this dataset's files (tmpfs" in why
+    assert io_mode_for(True, [raid]) == "gds" and io_mode_for(True, [raid, shm]) == "kvikio-compat"
+    assert io_mode_for(True, [None]) == "gds" and io_mode_for(False, [raid]) == "kvikio-compat"

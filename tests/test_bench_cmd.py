@@ -164,7 +164,7 @@ def test_the_plan_on_a_gpu_machine(tiny, monkeypatch):
     measured once and marked, each backend warm then cold, in order and shuffled."""
     monkeypatch.setattr(bench, "gpu_available", lambda: True)
     monkeypatch.setattr(bench, "kvikio_installed", lambda: True)
-    monkeypatch.setattr(bench, "resolve", lambda name, nbytes=None: ("mmap", "the dataset fits"))
+    monkeypatch.setattr(bench, "resolve", lambda name, nbytes=None, path=None: ("mmap", "the dataset fits"))
     monkeypatch.setattr(bench, "memory_available", lambda: 1 << 40)
     monkeypatch.setattr(bench.os, "geteuid", lambda: 0)
     monkeypatch.setattr(bench.os, "access", lambda path, mode: True)

@@ -63,7 +63,7 @@ class Machine:
         return {"path": "/usr/local/cuda-12.8/lib64/libcufile.so.0",
                 "file": "/usr/local/cuda-12.8/targets/x86_64-linux/lib/libcufile.so.1.13.1", "version": "1.13"}
 
-    def backend(self, dataset_bytes: int | None = None) -> tuple[str, str]:
+    def backend(self, dataset_bytes: int | None = None, path: str | None = None) -> tuple[str, str]:
         self.asked_bytes = dataset_bytes  # what auto was told of the dataset's size
         return self._backend
 

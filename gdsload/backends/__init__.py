@@ -8,6 +8,7 @@ from typing import Any
 
 from ..env import gds_available, gpu_available, kvikio_installed, memory_available
 from ..errors import BackendUnavailable
+from ..sysfiles import FsSupport, path_support
 from .base import Backend
 
 BACKENDS = ("auto", "cpu", "pinned", "kvikio", "mmap")
@@ -15,15 +16,16 @@ BACKENDS = ("auto", "cpu", "pinned", "kvikio", "mmap")
 
 #: The RAM tier is chosen by ``auto`` for a dataset of at most this share of the memory available when it
 #: opens: its pages stay locked for the dataset's life, and the rest is left to the training process and
-#: the page cache (docs/design.md: "Which backend auto picks").
+#: the page cache (docs/design.md, section `auto`).
 RAM_TIER_SHARE = 0.5
 ENV_BACKEND = "GDSLOAD_BACKEND"
 
 
-def resolve(name: str, dataset_bytes: int | None = None) -> tuple[str, str]:
+def resolve(name: str, dataset_bytes: int | None = None, dataset_path: str | None = None) -> tuple[str, str]:
     """The concrete backend for ``name`` and why it was chosen. ``"auto"`` gives way to the environment
     variable ``GDSLOAD_BACKEND`` when it is set; ``dataset_bytes`` (the shard files a dataset reads) lets
-    ``auto`` pick the RAM tier."""
+    ``auto`` pick the RAM tier, ``dataset_path`` (a file of the dataset) tells whether its file system allows
+    GDS."""
     if name == "auto" and os.environ.get(ENV_BACKEND, "auto") != "auto":
         forced = os.environ[ENV_BACKEND]
         if forced not in BACKENDS:
@@ -38,19 +40,23 @@ def resolve(name: str, dataset_bytes: int | None = None) -> tuple[str, str]:
     available = memory_available() if dataset_bytes is not None else None
     if _fits(dataset_bytes, available):  # the storage probes (cuFile's driver starts) are not needed
         return choose(True, False, False, dataset_bytes, available)
-    return choose(True, gds_available(), kvikio_installed(), dataset_bytes, available)
+    gds = gds_available()
+    fs = path_support(dataset_path) if gds and dataset_path is not None else None
+    return choose(True, gds, kvikio_installed(), dataset_bytes, available, fs)
 
 
 def _fits(dataset_bytes: int | None, available: int | None) -> bool:
     return dataset_bytes is not None and available is not None and dataset_bytes <= RAM_TIER_SHARE * available
 
 
-def choose(gpu: bool, gds: bool, kvikio: bool, dataset_bytes: int | None, available: int | None) -> tuple[str, str]:
+def choose(gpu: bool, gds: bool, kvikio: bool, dataset_bytes: int | None, available: int | None,
+           fs: FsSupport | None = None) -> tuple[str, str]:
     """What ``auto`` picks from the facts, and why (pure: the rule, tested without a GPU).
 
     cpu without a GPU. mmap when the dataset fits in :data:`RAM_TIER_SHARE` of available memory: every
     later read is a DMA copy from locked pages, faster than any read from storage. Else kvikio when
-    GPUDirect Storage is there: the only direct path from disk to device. Else pinned: KvikIO's compat
+    GPUDirect Storage is there and the dataset's file system allows it (``fs``, when known: cuFile reads
+    other file systems in its compat mode): the only direct path from disk to device. Else pinned: KvikIO's compat
     mode copies through its own bounce buffers on *blocking* CUDA streams, which serialize with the
     training step's work on the legacy default stream; the pinned backend copies on non-blocking streams.
     """
@@ -59,6 +65,9 @@ def choose(gpu: bool, gds: bool, kvikio: bool, dataset_bytes: int | None, availa
     if _fits(dataset_bytes, available):
         return "mmap", (f"the dataset ({dataset_bytes / 2**30:.2f} GiB) fits in {RAM_TIER_SHARE:.0%} of available "
                         f"memory ({available / 2**30:.1f} GiB): locked in RAM once, copied by DMA")
+    if gds and fs is not None and fs.gds is False:
+        return "pinned", (f"GPUDirect Storage is available but not for this dataset's files ({fs.what}): pinned "
+                          f"staging")
     if gds:
         return "kvikio", "GPUDirect Storage is available"
     if kvikio:

@@ -8,6 +8,7 @@ handles stay open for the dataset's life.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -39,7 +40,8 @@ class KvikioBackend(CudaBackend):
         self.num_threads, self.task_bytes, self.max_read_bytes = num_threads, task_bytes, max_read_bytes
         KvikioPool.acquire(num_threads, task_bytes)
         self._pool_held = True
-        self.io_mode = "gds" if gds_available() else "kvikio-compat"
+        self._gds = gds_available()
+        self.io_mode = "gds" if self._gds else "kvikio-compat"
         self._files = FileHandles(opener=lambda path: kvikio.CuFile(path, "r"), closer=lambda f: f.close())
 
     def stats(self) -> dict[str, Any]:
@@ -47,6 +49,16 @@ class KvikioBackend(CudaBackend):
 
     def handles(self) -> list[FileHandles]:
         return [self._files]
+
+    def prepare(self, files: Any) -> None:
+        """Bind the dataset's files, and say ``kvikio-compat`` when GDS is there but some of them lie on a
+        file system that cuFile reads only in its compat mode."""
+        super().prepare(files)
+        if self._gds:
+            from ..sysfiles import path_support
+
+            folders = {os.path.dirname(os.path.realpath(p)) for p in files}
+            self.io_mode = io_mode_for(True, [path_support(d) for d in sorted(folders)])
 
     def submit(self, dest: Any, requests: Sequence[Request], stop: threading.Event) -> Pending:
         pending = _Reads(self.write_fills(dest, requests))
@@ -67,6 +79,14 @@ class KvikioBackend(CudaBackend):
         if self._pool_held:
             self._pool_held = False
             KvikioPool.release()
+
+
+def io_mode_for(gds: bool, supports: list[Any]) -> str:
+    """``gds`` only when GDS is available and no file system of the dataset is known to exclude it (an
+    ``FsSupport`` of each, or None where the mount is not known)."""
+    if not gds or any(s is not None and s.gds is False for s in supports):
+        return "kvikio-compat"
+    return "gds"
 
 
 class _Reads(Pending):
