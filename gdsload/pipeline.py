@@ -2,7 +2,8 @@
 
 Thread protocol. Every window buffer has one owner at a time. The *submitter* takes a free buffer, waits
 for the event recorded after the last gather from it (``released``), and submits the window's reads to the
-backend; the *completer* finishes those reads in submission order (and checks them when verifying), then
+backend; the *completer* finishes those reads in submission order, decodes compressed chunks into their
+slots (decode.py) and checks them when verifying, then
 hands the buffer on with the event after which its data is there (``filled``); the *assembler* makes its
 stream wait on ``filled``, gathers every batch that draws from the window (assembler.py), records
 ``released`` after the window's last gather and gives the buffer back. Finished batches go to the
