@@ -259,13 +259,25 @@ def mount_support(m: Mount, files: SystemFiles) -> tuple[str | None, FsSupport]:
 def path_support(path: str, files: SystemFiles | None = None) -> FsSupport | None:
     """Whether GDS reads the file at ``path`` directly, from the mount that holds it (None when the mount
     cannot be found). The one rule the doctor, backend ``auto`` and the kvikio backend's ``io_mode`` use."""
+    return paths_support([path], files)[0]
+
+
+def paths_support(paths: list[str], files: SystemFiles | None = None) -> list[FsSupport | None]:
+    """:func:`path_support` of each of ``paths``, with the mount table read once and each mount judged once
+    (a dataset's files are many, its mounts few)."""
     files = files or SystemFiles()
     try:
         mounts = parse_mountinfo(files.read("/proc/self/mountinfo") or "")
     except ValueError:
-        return None
-    m = find_mount(mounts, os.path.realpath(path))
-    return None if m is None else mount_support(m, files)[1]
+        return [None] * len(paths)
+    judged: dict[int, FsSupport] = {}
+    out: list[FsSupport | None] = []
+    for path in paths:
+        m = find_mount(mounts, os.path.realpath(path))
+        if m is not None and id(m) not in judged:
+            judged[id(m)] = mount_support(m, files)[1]
+        out.append(None if m is None else judged[id(m)])
+    return out
 
 
 def strip_json_comments(text: str) -> str:

@@ -57,3 +57,11 @@ def test_gds_only_where_the_file_system_allows_it():
     assert name == "pinned" and "not for this dataset's files (tmpfs" in why
     assert io_mode_for(True, [raid]) == "gds" and io_mode_for(True, [raid, shm]) == "kvikio-compat"
     assert io_mode_for(True, [None]) == "gds" and io_mode_for(False, [raid]) == "kvikio-compat"
+    from gdsload.sysfiles import paths_support
+
+    reads = []
+    counting = SystemFiles(root.root)
+    counting.read = lambda name, read=counting.read: (reads.append(name), read(name))[1]
+    many = paths_support([f"/raid/d.gds/x/c/{i}" for i in range(50)] + ["/dev/shm/a"], counting)
+    assert many == [raid] * 50 + [shm], "the same answers as one path at a time"
+    assert reads.count("/proc/self/mountinfo") == 1 and len(reads) <= 4, "the mount table read once"

@@ -55,10 +55,10 @@ class KvikioBackend(CudaBackend):
         file system that cuFile reads only in its compat mode."""
         super().prepare(files)
         if self._gds:
-            from ..sysfiles import path_support
+            from ..sysfiles import paths_support
 
             folders = {os.path.dirname(os.path.realpath(p)) for p in files}
-            self.io_mode = io_mode_for(True, [path_support(d) for d in sorted(folders)])
+            self.io_mode = io_mode_for(True, paths_support(sorted(folders)))
 
     def submit(self, dest: Any, requests: Sequence[Request], stop: threading.Event) -> Pending:
         pending = _Reads(self.write_fills(dest, requests))
