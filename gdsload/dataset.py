@@ -117,9 +117,9 @@ class GDSDataset:
             raise ValueError(f"unknown output {output!r} (expected 'numpy', 'cupy' or 'torch')")
         meta = read_metadata(path, fields)
         names = tuple(fields) if fields is not None else tuple(meta.names)
-        whole = _held_whole(meta, names, resident_bytes)
+        self.resident_fields = _held_whole(meta, names, resident_bytes)
         # A foreign store's block: chosen for the arrays read block by block (the others are read whole).
-        self.meta = meta.with_block([f for f in names if f in meta.fields and f not in whole])
+        self.meta = meta.with_block([f for f in names if f in meta.fields and f not in self.resident_fields])
         self._layout = layout = DatasetLayout(self.meta, tuple(fields) if fields is not None else None)
         self.fields = layout.fields
         try:
@@ -148,8 +148,7 @@ class GDSDataset:
             layout.close()
             raise
         try:
-            self._configure(batch_size, window_blocks, shuffle, seed, drop_last, rank, world_size, resident_bytes,
-                            pad_to, pad_value)
+            self._configure(batch_size, window_blocks, shuffle, seed, drop_last, rank, world_size, pad_to, pad_value)
             self.prefetch = prefetch
             self.batches_ahead = self._backend.batches_ahead_hint if batches_ahead is None else batches_ahead
             self.prefetch_next_epoch = prefetch_next_epoch
@@ -192,13 +191,13 @@ class GDSDataset:
         self.open_s = time.perf_counter() - started
 
     def _configure(self, batch_size: int, window_blocks: int | None, shuffle: bool, seed: int, drop_last: bool,
-                   rank: int, world_size: int, resident_bytes: int, pad_to: Any, pad_value: Any) -> None:
-        """Which fields are resident, windowed or variable-length; the plan's config; the window layout."""
+                   rank: int, world_size: int, pad_to: Any, pad_value: Any) -> None:
+        """Which fields are windowed or variable-length (the resident ones are chosen before the block is);
+        the plan's config; the window layout."""
         meta, layout = self.meta, self._layout
         spb = meta.samples_per_block
         fixed = [f for f in self.fields if f in meta.fields]
         self.ragged_fields = tuple(f for f in self.fields if f in meta.ragged)
-        self.resident_fields = _held_whole(meta, self.fields, resident_bytes)
         self.windowed_fields = tuple(f for f in fixed if f not in self.resident_fields)
         if window_blocks is None:
             # A fixed field counts with its slot per block; a variable-length field with its mean bytes per block.
