@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import json
 import os
 import platform
 import re
@@ -29,7 +28,8 @@ import shutil
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Callable
 
-from .errors import ConversionError
+from ._zarr_json import read_json
+from .errors import ConversionError, GDSLoadError
 from .format import ATTRS_KEY
 
 
@@ -98,14 +98,14 @@ def dataset_problem(path: str) -> str | None:
         return "a symbolic link"
     if not os.path.isdir(path):
         return "a regular file" if os.path.isfile(path) else "not a directory"
-    try:
-        with open(os.path.join(path, "zarr.json"), "rb") as f:
-            meta = json.load(f)
-    except FileNotFoundError:
+    where = os.path.join(path, "zarr.json")
+    if not os.path.lexists(where):
         return "a directory without zarr.json"
-    except (OSError, ValueError) as e:
-        return f"a directory whose zarr.json cannot be read ({type(e).__name__})"
-    if not isinstance(meta, dict) or meta.get("zarr_format") != 3 or meta.get("node_type") != "group":
+    try:
+        meta = read_json(where)  # refuses a FIFO or device without blocking, and a huge file
+    except GDSLoadError as e:
+        return f"a directory whose zarr.json cannot be read ({e})"
+    if meta.get("zarr_format") != 3 or meta.get("node_type") != "group":
         return "a directory whose zarr.json is not a Zarr v3 group"
     attrs = meta.get("attributes")
     if not isinstance(attrs, dict) or ATTRS_KEY not in attrs:

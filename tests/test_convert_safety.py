@@ -342,6 +342,20 @@ def test_overwrite_refuses_a_symlink(tmp_path, capsys):
     assert read_metadata(tmp_path / "real.gds").num_samples == 3 and os.path.islink(tmp_path / "link.gds")
 
 
+def test_overwrite_does_not_block_on_a_fifo_in_place_of_zarr_json(tmp_path):
+    """Deciding whether the output is a dataset read OUT/zarr.json with a plain open(): a FIFO there blocked
+    the converter forever. It is refused, in time, and left where it is."""
+    from _helpers import in_thread
+    from gdsload.publish import check_output
+
+    out = tmp_path / "out.gds"
+    out.mkdir()
+    os.mkfifo(out / "zarr.json")
+    with pytest.raises(ConversionError, match="zarr.json cannot be read"):
+        in_thread(lambda: check_output(str(out), True, []))
+    assert os.path.exists(out / "zarr.json")
+
+
 def test_overwrite_replaces_a_dataset(tmp_path, capsys):
     np.save(tmp_path / "x.npy", np.arange(10))
     out = tmp_path / "o.gds"
