@@ -151,11 +151,12 @@ def input_paths(origins: Iterable[str]) -> list[str]:
     return paths
 
 
-def _temp_name(out: str) -> str:
-    """A fresh temporary sibling of ``out``: ``.NAME.tmp-<pid>-<hex>`` (the pid lets a later run tell a dead
-    converter's leftovers from a live one's)."""
+def _temp_name(out: str, kind: str = "tmp") -> str:
+    """A fresh sibling of ``out``: ``.NAME.tmp-<pid>-<hex>`` for a temporary directory (the pid lets a later
+    run tell a dead converter's leftovers from a live one's, and remove them), ``.NAME.old-<pid>-<hex>``
+    for an existing dataset moved aside, which nothing ever removes."""
     parent, name = os.path.split(out)
-    return os.path.join(parent, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    return os.path.join(parent, f".{name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -282,7 +283,7 @@ def rename_exchange(src: str, dst: str) -> None:
     # the same end state; a reader in between finds no dataset at dst.
     if not os.path.lexists(dst):
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), dst)
-    aside = _temp_name(dst)
+    aside = _temp_name(dst, "old")  # not a name remove_stale_temps removes: killed here, the user keeps it
     os.rename(dst, aside)
     try:
         rename_noreplace(src, dst)

@@ -442,6 +442,30 @@ def test_rename_fallbacks(tmp_path, monkeypatch, mode):
     assert sorted(os.listdir(tmp_path)) == ["a", "b", "o.gds"]
 
 
+def test_exchange_fallback_parks_the_old_dataset_where_stale_cleanup_never_looks(tmp_path, monkeypatch):
+    """Without renameat2's exchange, the old dataset is moved aside for a moment. Killed right then, a
+    converter used to leave it under a temporary name that the next run's stale cleanup deletes (its pid is
+    dead): the user's old dataset lost. It is parked under a name that cleanup never matches."""
+    monkeypatch.setattr(publish, "_renameat2_fn", None)
+    (tmp_path / "new").mkdir()
+    (tmp_path / "b").mkdir()
+    seen = []
+    real = publish.rename_noreplace
+
+    def spy(src, dst):
+        seen.extend(n for n in os.listdir(tmp_path) if n.startswith(".b."))
+        real(src, dst)
+
+    monkeypatch.setattr(publish, "rename_noreplace", spy)
+    publish.rename_exchange(str(tmp_path / "new"), str(tmp_path / "b"))
+    (parked,) = seen
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    os.mkdir(tmp_path / parked.replace(str(os.getpid()), dead))  # as a killed converter would leave it
+    assert publish.remove_stale_temps(str(tmp_path / "b")) == []
+    assert os.path.isdir(tmp_path / parked.replace(str(os.getpid()), dead))
+
+
 # -- subprocesses: races, signals, SIGKILL, resource limits -----------------------------------------
 # shard_main with every read slowed down; with GATE set, the first read announces itself with a file
 # GATE.started-<pid> and waits for GATE.go, so a test can line up two converters or a signal.
