@@ -38,6 +38,7 @@ import crc32c
 import numpy as np
 
 from ._zarr_json import exc_text, fail, show
+from .backends.base import TaskGroup
 from .errors import ReadError
 
 #: CPU threads that decode chunks (numcodecs releases the GIL while it decompresses).
@@ -191,6 +192,7 @@ class Decoder:
         metas = {k: layout.meta.array(k) for k in layout.keys}
         self.chains = {k: Chain(m.codecs) for k, m in metas.items() if m.compressed and k not in device}
         self.metas = metas
+        self.threads = threads
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="gdsload-decode")
         self._reader: Any = None
         self._lock = threading.Lock()  # the completer and a resident load may decode at once
@@ -219,13 +221,14 @@ class Decoder:
             wb.host = self.gpu.pinned(work.host_nbytes) if self.gpu is not None else np.empty(work.host_nbytes,
                                                                                                 np.uint8)
         pending = self.reader().submit(wb.host, work.host_requests, stop) if work.host_requests else None
-        return WindowDecode(self, wb, work, pending)
+        return WindowDecode(self, wb, work, pending, stop)
 
-    def decode(self, wb: Any, work: Any, filled: Any) -> Any:
+    def decode(self, wb: Any, work: Any, filled: Any, stop: threading.Event) -> Any:
         """Decode every compressed chunk of ``work`` into its slot (the window's reads are done, or queued
-        before ``filled``); return the event after which the slots hold them (None on cpu)."""
+        before ``filled``); return the event after which the slots hold them (None on cpu). Once ``stop`` is
+        set, chunks not yet started are skipped."""
         host_jobs = [j for j in work.jobs if j.name in self.chains]
-        self._decode_host(wb, host_jobs)
+        self._decode_host(wb, host_jobs, stop)
         if self.gpu is None:
             return filled
         gpu = self.gpu
@@ -237,21 +240,14 @@ class Decoder:
             outs = [self.batch.decode(wb.buffer, j, self.layout) for j in work.jobs if j.name not in self.chains]
             return gpu.done(outs)
 
-    def _decode_host(self, wb: Any, jobs: list[Any]) -> None:
+    def _decode_host(self, wb: Any, jobs: list[Any], stop: threading.Event) -> None:
         tasks: list[Callable[[], None]] = []
         for job in jobs:
             buf = wb.host if job.host else wb.buffer  # compressed bytes and decoded slots alike
             chain, bb = self.chains[job.name], self.metas[job.name].block_bytes
-            for lo, hi in _groups(len(job.chunks), self.pool._max_workers * 4):
+            for lo, hi in _groups(len(job.chunks), self.threads * 4):
                 tasks.append(self._task(job, chain, bb, buf, lo, hi))
-            if job.host and job.fills:
-                pattern = np.frombuffer(self.metas[job.name].fill_bytes(), np.uint8)
-                for d in job.fills:
-                    wb.host[d:d + bb] = np.tile(pattern, bb // len(pattern))
-        errors = [f.exception() for f in [self.pool.submit(t) for t in tasks]]
-        first = next((e for e in errors if e is not None), None)
-        if first is not None:
-            raise first
+        TaskGroup(self.pool, tasks, stop).finish()  # the first error, once every task has stopped
 
     def _task(self, job: Any, chain: Chain, bb: int, buf: Any, lo: int, hi: int) -> Callable[[], None]:
         def run() -> None:
@@ -275,15 +271,15 @@ class Decoder:
 class WindowDecode:
     """One window's decode step: its host reads (if any) in flight until :meth:`finish` or :meth:`drain`."""
 
-    def __init__(self, decoder: Decoder, wb: Any, work: Any, pending: Any):
-        self.decoder, self.wb, self.work, self.pending = decoder, wb, work, pending
+    def __init__(self, decoder: Decoder, wb: Any, work: Any, pending: Any, stop: threading.Event):
+        self.decoder, self.wb, self.work, self.pending, self.stop = decoder, wb, work, pending, stop
 
     def finish(self, filled: Any) -> Any:
         """Wait for the host reads, decode, and return the event after which the decoded window is there."""
         pending, self.pending = self.pending, None
         if pending is not None:
             pending.finish()
-        return self.decoder.decode(self.wb, self.work, filled)
+        return self.decoder.decode(self.wb, self.work, filled, self.stop)
 
     def drain(self) -> None:
         """After an error elsewhere: wait for the host reads still writing into the window, ignoring theirs."""

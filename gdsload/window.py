@@ -56,8 +56,8 @@ class WindowBuffer:
 class DecodeJob(NamedTuple):
     """The compressed chunks of one field in one window: chunk ``chunks[i]`` lies at ``src[i]`` of its buffer,
     ``nbytes[i]`` long, and decodes into ``dest[i]``. ``host``: both offsets are in the window's host buffer
-    (then ``copy`` = (host offset, window buffer offset, bytes) of the decoded slots to move to the device,
-    and ``fills`` the host offsets of slots of chunks never written); else in the window buffer."""
+    (then ``copy`` = (host offset, window buffer offset, bytes) of the decoded slots to move to the device);
+    else in the window buffer. Slots of chunks never written are fill requests among the window's reads."""
 
     name: str
     chunks: np.ndarray
@@ -65,7 +65,6 @@ class DecodeJob(NamedTuple):
     nbytes: np.ndarray
     dest: np.ndarray
     host: bool = False
-    fills: tuple[int, ...] = ()
     copy: tuple[int, int, int] | None = None
 
 
@@ -238,12 +237,10 @@ class WindowLayout:
         for file, off, n, s in zip(files[present].tolist(), offsets[present].tolist(), lengths[present].tolist(),
                                    src[present].tolist()):
             reads.append(ReadRequest(paths[file], off, n, s))
-        missing = dest[~present].tolist()
-        if not host:
-            work.requests.extend(FillRequest(d, f.block_bytes, f.fill_bytes()) for d in missing)
+        fill = f.fill_bytes()
+        reads.extend(FillRequest(d, f.block_bytes, fill) for d in dest[~present].tolist())
         used = (int(slots.max()) + 1) * f.block_bytes if len(slots) else 0
         work.jobs.append(DecodeJob(f.name, chunks[present], src[present], lengths[present], dest[present], host,
-                                   tuple(missing) if host else (),
                                    (self.mirror[f.name], self.starts[f.name], used) if host else None))
 
     def checks(self, layout: DatasetLayout, blocks: np.ndarray) -> Checks:

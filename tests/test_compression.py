@@ -417,3 +417,28 @@ def test_compressed_variable_length_values_are_refused(tmp_path):
         json.dump(doc, f)
     with pytest.raises(FormatError, match=rf"^{re.escape(meta)}: the values of variable-length field 't' must be raw"):
         read_metadata(out)
+
+
+def test_a_stop_skips_the_chunks_not_yet_decoded(tmp_path):
+    """A window's host decode is a task group that honours the stop (close, or another window's error):
+    chunks not yet started are skipped, as reads are, instead of all being decoded before close returns."""
+    import threading
+
+    from gdsload.window import WindowBuffer
+
+    path = store(tmp_path, z=(10, 40, ZstdCodec(level=1)))
+    with GDSDataset(path, batch_size=16, backend="cpu", resident_bytes=0) as ds:
+        dec, wl, layout = ds._decoder, ds._window_layout, ds._layout
+        calls = []
+        chain = dec.chains["z"]
+        real = chain.decode
+        chain.decode = lambda data, n: (calls.append(1), real(data, n))[1]
+        work = wl.work(layout, np.arange(wl.window_blocks))
+        wb = WindowBuffer(ds._backend.allocate(wl.nbytes))
+        ds._backend.load(wb.buffer, work.requests, threading.Event())
+        stop = threading.Event()
+        stop.set()
+        dec.decode(wb, work, None, stop)
+        assert calls == [], "nothing decoded once stopped"
+        dec.decode(wb, work, None, threading.Event())
+        assert len(calls) == wl.window_blocks
