@@ -38,7 +38,7 @@ import crc32c
 import numpy as np
 
 from ._zarr_json import exc_text, fail, show
-from .backends.base import TaskGroup
+from .backends.base import TaskGroup, drain
 from .errors import ReadError
 
 #: CPU threads that decode chunks (numcodecs releases the GIL while it decompresses).
@@ -285,10 +285,7 @@ class WindowDecode:
         """After an error elsewhere: wait for the host reads still writing into the window, ignoring theirs."""
         pending, self.pending = self.pending, None
         if pending is not None:
-            try:
-                pending.finish()
-            except BaseException:
-                pass
+            drain(pending)
 
 
 def _groups(n: int, parts: int) -> list[tuple[int, int]]:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .assembler import Assembler, ResidentField
-from .backends.base import Backend
+from .backends.base import Backend, drain
 from .cursor import Cursor
 from .errors import GDSLoadError, ReadError
 from .format import DatasetLayout
@@ -188,7 +188,11 @@ class Pipeline:
                     work = self.wl.work(self.layout, blocks)
                     checks = self.wl.checks(self.layout, blocks) if self.verifier is not None else None
                     pending = self.backend.submit(buf.buffer, work.requests, self._halt)
-                    decode = self.decoder.start(buf, work, self._halt) if self.decoder is not None else None
+                    try:
+                        decode = self.decoder.start(buf, work, self._halt) if self.decoder is not None else None
+                    except BaseException:
+                        drain(pending)  # its reads write into the buffer: over before the error goes on
+                        raise
                     self._inflight.put((p, w, buf, work.read_bytes, checks, pending, decode))
                 k, p = k + 1, None
         except BaseException as e:

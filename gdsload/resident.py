@@ -20,14 +20,15 @@ def read_resident(f: FieldMeta, backend: Any, layout: Any, decoder: Any, verifie
     loads is a GDSLoadError."""
     single = WindowLayout([f], f.num_chunks, samples_per_block=f.samples_per_block,
                           chunk_lengths=layout.chunk_lengths, host_fields=host_decoded)
-    buf = backend.allocate(single.nbytes)
+    wb = WindowBuffer(backend.allocate(single.nbytes))  # held until the end: its host buffer feeds copies
+    buf = wb.buffer
     blocks = np.arange(f.num_chunks)
     try:
         work = single.work(layout, blocks)
         event = backend.load(buf, work.requests, closing)
-        if f.compressed:
-            event = decoder.start(WindowBuffer(buf), work, closing).finish(event)
-        if closing.is_set():
+        if not closing.is_set() and f.compressed:
+            event = decoder.start(wb, work, closing).finish(event)
+        if closing.is_set():  # before anything is decoded from a read cut short
             raise GDSLoadError(f"{layout.meta.path}: the dataset was closed while loading field '{f.name}'")
         if verifier is not None:
             event = verifier.check(buf, single.checks(layout, blocks), event)

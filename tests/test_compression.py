@@ -22,7 +22,7 @@ import pytest
 import zarr
 from zarr.codecs import Crc32cCodec, GzipCodec, ZstdCodec
 
-from gdsload import FormatError, GDSDataset, ReadError, write_dataset
+from gdsload import FormatError, GDSDataset, GDSLoadError, ReadError, write_dataset
 from gdsload.backends.cpu import CpuBackend
 from gdsload.decode import Decoder
 from gdsload.checksum import pieces, reference_device_crcs
@@ -442,3 +442,44 @@ def test_a_stop_skips_the_chunks_not_yet_decoded(tmp_path):
         assert calls == [], "nothing decoded once stopped"
         dec.decode(wb, work, None, threading.Event())
         assert len(calls) == wl.window_blocks
+
+
+def test_a_failing_decode_setup_waits_for_the_windows_reads(tmp_path, monkeypatch):
+    """When the decode step cannot be set up for a window, the reads already submitted into its buffer are
+    waited for before the error goes on (they were left running, writing into a buffer about to change
+    hands), and the error reaches the consumer."""
+    from gdsload.backends.cpu import CpuBackend
+    from gdsload.decode import Decoder
+
+    finished = []
+    submit = CpuBackend.submit
+
+    def spy(self, dest, requests, stop):
+        pending = submit(self, dest, requests, stop)
+        finish = pending.finish
+        pending.finish = lambda: (finished.append(1), finish())[1]
+        return pending
+
+    monkeypatch.setattr(CpuBackend, "submit", spy)
+    monkeypatch.setattr(Decoder, "start", lambda *a: (_ for _ in ()).throw(MemoryError("no host buffer")))
+    path = store(tmp_path, z=(10, 40, ZstdCodec(level=1)))
+    with GDSDataset(path, batch_size=16, backend="cpu", resident_bytes=0) as ds:
+        with pytest.raises(Exception, match="no host buffer"):
+            list(ds)
+    assert finished, "the submitted reads were waited for"
+
+
+def test_a_resident_field_loaded_as_the_dataset_closes_is_not_decoded(tmp_path):
+    """A close while a compressed resident field loads ends in 'the dataset was closed', never in a decode
+    error about the chunks the cut-short read left unread."""
+    import threading
+
+    from gdsload.resident import read_resident
+
+    path = store(tmp_path, z=(10, 40, ZstdCodec(level=1)))
+    with GDSDataset(path, batch_size=16, backend="cpu") as ds:
+        closing = threading.Event()
+        closing.set()
+        with pytest.raises(GDSLoadError, match="closed while loading field 'z'"):
+            read_resident(ds.meta.fields["z"], ds._backend, ds._layout, ds._decoder, None, ds._host_decoded,
+                          closing)

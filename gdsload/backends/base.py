@@ -148,6 +148,15 @@ class Pending(ABC):
         it is there already."""
 
 
+def drain(pending: Pending) -> None:
+    """Wait for reads whose window is abandoned, whatever they end in (an error is already on its way):
+    none may still write into a buffer that changes hands."""
+    try:
+        pending.finish()
+    except BaseException:
+        pass
+
+
 class TaskGroup(Pending):
     """Tasks run on a shared thread pool. Queued tasks are skipped once ``stop`` is set or one of them
     failed, so a close or an error does not wait for the whole window."""
