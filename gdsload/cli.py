@@ -44,7 +44,11 @@ def describe_dataset(path: str) -> str:
     from .format import DatasetLayout, read_metadata
 
     meta = read_metadata(path)
-    layout = DatasetLayout(meta)
+    with DatasetLayout(meta) as layout:  # it holds every shard file open: closed once described
+        return _describe(meta, layout)
+
+
+def _describe(meta, layout) -> str:
     lines = [f"dataset: {meta.path}", f"samples: {meta.num_samples}   samples_per_block: {meta.samples_per_block}"
              f"   blocks: {meta.num_blocks}"]
     total = 0

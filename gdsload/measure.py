@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ._units import ALIGN, align_up
 from .format import DatasetLayout, read_metadata
 
 if TYPE_CHECKING:
@@ -35,7 +36,6 @@ if TYPE_CHECKING:
 #: Reader threads and piece size of the POSIX ceilings and raw KvikIO reads (gdsload's own default threads).
 THREADS = 16
 CHUNK_BYTES = 8 << 20
-_ALIGN = 4096  # O_DIRECT buffers, offsets and lengths
 
 
 def cpu_seconds() -> float:
@@ -304,10 +304,10 @@ def read_files(paths: Sequence[str], direct: bool = False, pinned: bool = False,
     through O_DIRECT (the disk's ceiling: run it cold), else buffered (warm: the page cache's). ``pinned``
     reads into pinned host memory (needs CuPy): the pinned path's first stage alone. Buffers are allocated
     and files opened before the timing starts. Raises OSError where the file system refuses O_DIRECT."""
-    if direct and chunk % _ALIGN:
-        raise ValueError(f"O_DIRECT needs chunk to be a multiple of {_ALIGN} (found {chunk})")
+    if direct and chunk % ALIGN:
+        raise ValueError(f"O_DIRECT needs chunk to be a multiple of {ALIGN} (found {chunk})")
     flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
-    fds = {p: os.open(p, flags) for p in paths}
+    fds: dict[str, int] = {}
     local = threading.local()
     keep: list[Any] = []
 
@@ -325,10 +325,12 @@ def read_files(paths: Sequence[str], direct: bool = False, pinned: bool = False,
 
     def read(item: tuple[str, int, int]) -> int:
         p, off, n = item
-        n_al = -(-n // _ALIGN) * _ALIGN if direct else n
+        n_al = align_up(n) if direct else n
         return min(os.preadv(fds[p], [buf()[:n_al]], off), n)
 
     try:
+        for p in paths:  # inside the try: a refused open closes those made before it
+            fds[p] = os.open(p, flags)
         items = _pieces(paths, chunk)
         with ThreadPoolExecutor(threads) as pool:
             list(pool.map(lambda _: buf(), range(threads * 2)))  # allocate outside the timing

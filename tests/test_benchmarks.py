@@ -249,3 +249,17 @@ def test_time_pass_starts_from_rest_unless_told(small: str) -> None:
         assert Spy.stops == 1
         time_pass(ds, from_rest=False)
         assert Spy.stops == 1, "the earlier method, kept for comparisons, keeps what was read ahead"
+
+
+def test_read_files_closes_what_it_opened_when_an_open_fails(tmp_path) -> None:
+    """The files were all opened before the try that closes them: a refused open leaked the ones before it."""
+    import os
+
+    from gdsload.measure import read_files
+
+    good = tmp_path / "a.bin"
+    good.write_bytes(b"x" * 8192)
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(OSError):
+        read_files([str(good), str(tmp_path / "missing.bin")])
+    assert len(os.listdir("/proc/self/fd")) == before

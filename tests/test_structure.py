@@ -131,3 +131,4 @@ def test_an_iterator_never_used_reads_nothing_and_is_no_pass(make_dataset):
         assert ds.stats is None and ds.describe()["window_buffers"] == 0, "nothing started, nothing read"
         del probe
         assert [b["idx"].tolist() for b in ds] == want and ds.epoch == 0
+
