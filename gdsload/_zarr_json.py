@@ -13,7 +13,7 @@ import json
 import os
 from typing import Any
 
-from .errors import FormatError
+from .errors import FormatError, one_line
 from .files import read_small
 
 #: A zarr.json larger than this is refused unread (real ones are a few KiB).
@@ -40,7 +40,7 @@ def show(value: Any) -> str:
 
 def exc_text(e: BaseException) -> str:
     """An exception of a library, on one line, cut short."""
-    text = " ".join(str(e).split())
+    text = one_line(e)
     return f"{type(e).__name__}: {text if len(text) <= 300 else text[:297] + '...'}"
 
 

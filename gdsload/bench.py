@@ -46,7 +46,7 @@ import numpy as np
 
 from .backends import BACKENDS, resolve
 from .env import gpu_available, kvikio_installed, memory_available, system_info
-from .errors import GDSLoadError
+from .errors import GDSLoadError, one_line
 from .measure import (PassResult, best, block_locations, cold_pass, cpu_seconds, drop_page_cache, pinned_h2d_gbps,
                       raw_kvikio_blocks, read_files, shard_paths, time_pass)
 
@@ -230,7 +230,7 @@ class Bench:
                 try:
                     result = task.run()
                 except Exception as e:  # a backend or ceiling that cannot run here is a row, not a crash
-                    why = " ".join(f"{type(e).__name__}: {e}".split())
+                    why = one_line(f"{type(e).__name__}: {e}")
                     rows.append({**task.where, **dict.fromkeys(FIGURES), "error": why})
                     if backend is not None:
                         broken[backend] = why
@@ -366,7 +366,7 @@ def main(args: argparse.Namespace) -> int:
         if args.batch_size < 1:
             raise GDSLoadError(f"--batch-size must be at least 1 (found {args.batch_size})")
     except (GDSLoadError, OSError) as e:
-        print("gdsload bench: error: " + " ".join(str(e).split()), file=sys.stderr)
+        print("gdsload bench: error: " + one_line(e), file=sys.stderr)
         return 2
     bench = Bench(target, args.backends, args.cold, args.seconds, args.batch_size)
     rows = bench.run()

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from .backends import BACKENDS
-from .errors import GDSLoadError
+from .errors import GDSLoadError, printable
 
 _UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
           "kb": 1000, "mb": 1000**2, "gb": 1000**3}
@@ -202,10 +202,6 @@ def shard_parser(prog: str = "shard.py") -> argparse.ArgumentParser:
     return p
 
 
-def _printable(text: object) -> str:
-    """A message on one line: control characters (a newline in a file name) and undecodable bytes escaped."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
-
 
 _STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
 
@@ -245,7 +241,7 @@ def shard_main(argv: Sequence[str] | None = None, prog: str = "shard.py") -> int
         for spec in specs:
             name, sep, path = spec.partition("=")
             if not sep or not name or not path:
-                print(f"{prog}: error: {flag} expects NAME=PATH (found {_printable(repr(spec))})", file=sys.stderr)
+                print(f"{prog}: error: {flag} expects NAME=PATH (found {printable(repr(spec))})", file=sys.stderr)
                 return 2
             named[flag][name] = path
     if args.compress is not None and args.block_bytes is not None:
@@ -267,20 +263,20 @@ def shard_main(argv: Sequence[str] | None = None, prog: str = "shard.py") -> int
         reset_signals()
         signum = int(getattr(e, "signum", signal.SIGINT))
         done = f"{args.output} is complete" if meta is not None else f"nothing written to {args.output}"
-        print(f"{prog}: interrupted; {_printable(done)}", file=sys.stderr)
+        print(f"{prog}: interrupted; {printable(done)}", file=sys.stderr)
         return 128 + signum
     except GDSLoadError as e:
-        print(f"{prog}: error: {_printable(e)}", file=sys.stderr)
+        print(f"{prog}: error: {printable(e)}", file=sys.stderr)
         return 2
     except OSError as e:  # every converter error should be a ConversionError by now; this is the backstop
         where = e.filename if e.filename is not None else args.output
-        print(f"{prog}: error: {_printable(where)}: {_printable(e.strerror or e)}", file=sys.stderr)
+        print(f"{prog}: error: {printable(where)}: {printable(e.strerror or e)}", file=sys.stderr)
         return 2
     print(describe_dataset(meta.path))
     for line in notes:
-        print(_printable(line))
+        print(printable(line))
     if late:
-        print(f"{prog}: interrupted; {_printable(args.output)} is complete", file=sys.stderr)
+        print(f"{prog}: interrupted; {printable(args.output)} is complete", file=sys.stderr)
         return 128 + late
     return 0
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from .doctor_probe import LIVE_READ_BYTES, HostProbes, LiveRead, PathError, Target
+from .errors import printable
 from .sysfiles import (NVFS_DIR, NVFS_RW_STATS_PARAM, NVFS_STATS, FsSupport, Iommu, Mount, NvfsStats, SystemFiles,
                        cufile_json_path, cufile_settings, find_mount, iommu_mode, kvikio_compat_env, mount_support,
                        nvfs_version, parse_cufile_json, parse_mountinfo, parse_nvfs_stats)
@@ -386,10 +387,6 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _printable(text: object) -> str:
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
-
-
 def main(path: str | None, as_json: bool = False, files: SystemFiles | None = None, probes: Any = None,
          out: TextIO | None = None, err: TextIO | None = None) -> int:
     """``gdsload doctor``: print the report (text or one JSON object); 0 when the checks ran, 2 with one
@@ -398,7 +395,7 @@ def main(path: str | None, as_json: bool = False, files: SystemFiles | None = No
     try:
         facts = gather(path, files or SystemFiles(), probes or HostProbes())
     except PathError as e:
-        print(f"gdsload doctor: error: {_printable(e)}", file=err)
+        print(f"gdsload doctor: error: {printable(e)}", file=err)
         return 2
     report = diagnose(facts)
     print(json.dumps(report, indent=2) if as_json else render(report), file=out)

@@ -24,13 +24,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._units import ALIGN
+from .errors import GDSLoadError
 
 #: How much of the dataset the live read moves, at most.
 LIVE_READ_BYTES = 256 << 20
 _CHUNK = 64 << 20  # one pread: the device buffer's size
 
 
-class PathError(Exception):
+class PathError(GDSLoadError, ValueError):
     """PATH cannot be examined; the message starts with the path."""
 
 

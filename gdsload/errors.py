@@ -26,3 +26,14 @@ class ReadError(GDSLoadError, OSError):
 
 class BackendUnavailable(GDSLoadError, RuntimeError):
     """The requested backend cannot run here (no GPU, missing package)."""
+
+
+def one_line(text: object) -> str:
+    """An embedded error message on one line (messages from zarr, numcodecs or the OS may span several)."""
+    return " ".join(str(text).split())
+
+
+def printable(text: object) -> str:
+    """A message for a terminal on one line: control characters (a newline in a file name) and undecodable
+    bytes escaped."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))

@@ -25,7 +25,7 @@ from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 
-from .errors import ConversionError
+from .errors import ConversionError, one_line
 
 #: The largest array accepted: past this, byte offsets overflow int64 arithmetic (numpy's and the shard index's).
 MAX_ARRAY_BYTES = 1 << 62
@@ -35,11 +35,6 @@ MAX_ARRAY_BYTES = 1 << 62
 #: compression, RuntimeError for an encrypted member), zlib, and the OS.
 INPUT_ERRORS = (OSError, ValueError, SyntaxError, tokenize.TokenError, EOFError, zlib.error, zipfile.BadZipFile,
                 NotImplementedError, RuntimeError)
-
-
-def one_line(text: object) -> str:
-    """An embedded error message on one line (messages from zarr or numcodecs may span several)."""
-    return " ".join(str(text).split())
 
 
 def input_error(origin: str, what: str, e: BaseException) -> ConversionError:

@@ -30,14 +30,14 @@ import numpy as np
 
 from ._units import ALIGN
 from .convert_checks import NAME_MAX_BYTES, RESERVED_NAMES, check_dtype, check_sources
-from .errors import ConversionError
+from .errors import ConversionError, one_line
 from .format import (ATTRS_KEY, CHECKSUM_ALGORITHM, CHECKSUMS_GROUP, FORMAT_VERSION, MAX_UINT_64, DatasetMeta,
                      read_metadata)
 from .publish import (RENAME_EXCHANGE, RENAME_NOREPLACE, ForeignTemp, Interrupted, check_output, input_paths,
                       make_temp, on_signal, protected, publish_output, remove_empty, remove_stale_temps,
                       rename_exchange, rename_noreplace, reset_signals)
 from .shard_index import encode_shard_index
-from .source_types import RaggedSource, Source, one_line
+from .source_types import RaggedSource, Source
 from .sources import open_field, open_input, open_ragged
 
 __all__ = [
