@@ -253,9 +253,11 @@ class Bench:
             if cold and backend == "mmap":
                 return self.mmap_cold(shuffle)
             with self.open(backend, shuffle) as ds:
+                # Buffers, streams and kernels are set up by a first pass: never inside a timed one, cold
+                # or warm (cold_pass stops the dataset and drops the cache after this).
+                _take(ds, WARMUP_BATCHES)
                 if cold:
                     return cold_pass(Bounded(ds, self.seconds))
-                _take(ds, WARMUP_BATCHES)
                 return time_pass(Bounded(ds, self.seconds), min_seconds=self.seconds)
 
         return run
