@@ -33,7 +33,7 @@ from ._zarr_json import (MAX_DIMENSIONS, MAX_METADATA_BYTES, MIN_CHUNK_LIMIT, as
 from .arrays import INT_DTYPES, FieldMeta, read_array
 from .errors import FormatError
 from .layout import BlockLocation, DatasetLayout, RowPiece
-from .shard_index import (CRC_BYTES, INDEX_ENTRY_BYTES, MAX_UINT_64, ShardIndex, chunk_offsets,
+from .shard_index import (CRC_BYTES, INDEX_ENTRY_BYTES, MAX_UINT_64, ShardIndex,
                           encode_shard_index, parse_shard_index, read_shard_index)
 from .zarr_store import NOT_A_STORE, block_rows, read_store
 
@@ -43,7 +43,7 @@ __all__ = [
     "DatasetMeta", "read_metadata",
     # re-exported from the module named after each line
     "MAX_UINT_64", "INDEX_ENTRY_BYTES", "CRC_BYTES", "ShardIndex", "parse_shard_index", "encode_shard_index",
-    "read_shard_index", "chunk_offsets",  # gdsload.shard_index
+    "read_shard_index",  # gdsload.shard_index
     "FieldMeta",  # gdsload.arrays
     "DatasetLayout", "BlockLocation", "RowPiece",  # gdsload.layout
     "MAX_METADATA_BYTES", "MAX_DIMENSIONS", "MIN_CHUNK_LIMIT",  # gdsload._zarr_json

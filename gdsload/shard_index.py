@@ -5,7 +5,7 @@ An index is ``n_chunks x (offset, nbytes)``, uint64 little endian, followed by t
 start of the shard file. A chunk never written
 has both values all ones (:data:`MAX_UINT_64`). This module encodes an index (the writer), parses and
 checksums one (:func:`parse_shard_index`), reads it through an open shard file (:func:`read_shard_index`)
-and checks its entries against that file (:func:`chunk_offsets`).
+and checks its entries against that file (:func:`chunk_table`).
 
 Error contract: a malformed index is a FormatError whose one-line message starts with the shard's path and
 ``': '``; an I/O failure reading it is a ReadError (:func:`gdsload.files.read_error`).
@@ -13,7 +13,6 @@ Error contract: a malformed index is a FormatError whose one-line message starts
 
 from __future__ import annotations
 
-import os
 import struct
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -21,7 +20,7 @@ import crc32c
 import numpy as np
 
 from .errors import FormatError
-from .files import ShardFile, open_shard, pread_exact
+from .files import ShardFile, pread_exact
 
 if TYPE_CHECKING:
     from .format import FieldMeta
@@ -70,25 +69,14 @@ def encode_shard_index(table: np.ndarray) -> bytes:
     return body + struct.pack("<I", crc32c.crc32c(body))
 
 
-def read_shard_index(shard: ShardFile | str, field: FieldMeta) -> tuple[ShardIndex, int]:
-    """Read one shard's index through an open file (or a path, opened and closed here); returns the index
-    and the file size seen when it was opened."""
-    if isinstance(shard, str):
-        f = open_shard(shard)
-        try:
-            return read_shard_index(f, field)
-        finally:
-            os.close(f.fd)
+def read_shard_index(shard: ShardFile, field: FieldMeta) -> tuple[ShardIndex, int]:
+    """Read one shard's index through its open file; returns the index and the file size seen when it was
+    opened."""
     path, size, n = shard.path, shard.size, field.index_bytes
     if size < n:
         raise FormatError(f"{path}: shard file is {size} bytes, smaller than its index ({n} bytes)")
     buf = pread_exact(shard, size - n if field.index_location == "end" else 0, n)
     return parse_shard_index(buf, field.blocks_per_shard, path, field.index_checksum), size
-
-
-def chunk_offsets(path: str, table: np.ndarray, size: int, field: FieldMeta, allow_empty: bool = False) -> np.ndarray:
-    """Each chunk's offset (-1: never written), its entries checked as :func:`chunk_table` checks them."""
-    return chunk_table(path, table, size, field, allow_empty)[0]
 
 
 def chunk_table(path: str, table: np.ndarray, size: int, field: FieldMeta,

@@ -182,10 +182,6 @@ class WindowLayout:
         slots = np.repeat(np.arange(len(blocks), dtype=np.int64) * (self.slot_rows[f.name] // c), counts) + within
         return np.repeat(lo, counts) + within, slots
 
-    def requests(self, layout: DatasetLayout, blocks: np.ndarray) -> list[Request]:
-        """What the backend carries into the window buffer (:meth:`work`'s ``requests``)."""
-        return self.work(layout, blocks).requests
-
     def work(self, layout: DatasetLayout, blocks: np.ndarray) -> Work:
         """What carries ``blocks`` into this layout: for raw fields one read per run of consecutive bytes of a
         file into consecutive slots; for compressed ones a read per chunk into the compressed region and a
