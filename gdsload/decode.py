@@ -45,8 +45,8 @@ from .errors import ReadError
 DECODE_THREADS = max(1, min(8, os.cpu_count() or 1))
 #: The codec chains nvCOMP decodes on the device: zstd frames, optionally followed by their crc32c.
 NVCOMP_CHAINS = (("zstd",), ("zstd", "crc32c"))
-#: The device path is opt-in until it passes on a GPU: its first run there failed inside nvCOMP ("context
-#: is destroyed"), so by default zstd, too, is decoded by CPU threads (docs/format.md).
+#: The device path is experimental and opt-in (docs/format.md says why): by default zstd, too, is decoded
+#: by CPU threads.
 NVCOMP_ENV = "GDSLOAD_NVCOMP"
 #: What the warning about CPU decoding of zstd suggests.
 NVCOMP_HINT = (f"the nvCOMP path is experimental and off unless {NVCOMP_ENV}=1 (with gdsload[nvcomp] "
@@ -181,7 +181,8 @@ class Decoder:
 
     ``device``: the fields nvCOMP decodes on the device (:func:`device_fields`); ``on_gpu``: the window
     buffers are device memory. Holds a pool of :data:`DECODE_THREADS` threads, on a GPU backend a stream
-    and a reader of host buffers, and the pinned host buffers it gave windows; :meth:`close` frees them.
+    and a reader of host buffers; :meth:`close` stops them. The pinned host buffers it gives windows belong
+    to their window buffers and go with them.
     """
 
     def __init__(self, layout: Any, on_gpu: bool, device_id: int = 0, device: Sequence[str] = (),

@@ -54,9 +54,8 @@ __all__ = [
 DEFAULT_BLOCK_BYTES = 4 << 20
 DEFAULT_SHARD_BYTES = 1 << 30
 DEFAULT_SLICE_BYTES = 64 << 20
-#: Inner chunk (= block) of compressed datasets. Smaller than raw blocks: nvCOMP decodes a window's chunks
-#: in parallel, so a few large chunks leave the GPU underused. Provisional until measured on the GPU
-#: (benchmarks/compression.py sweeps it).
+#: Inner chunk (= block) of compressed datasets. Smaller than raw blocks: chunks decode in parallel (CPU
+#: threads, or nvCOMP's batch), so a few large chunks leave the decoders underused.
 DEFAULT_CHUNK_BYTES = 512 << 10
 
 
