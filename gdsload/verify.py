@@ -145,6 +145,7 @@ def verify_dataset(path: str, num_threads: int = 8, progress: bool | None = None
             raise FormatError(f"{meta.path}: no checksums for field(s) {missing} (written before checksums "
                               f"existed: convert it again with 'gdsload shard')")
         jobs = [(key, b) for key in layout.keys for b in range(meta.num_blocks)]
+        chains = _chains(layout)
         total = sum(_block_span(layout, key, b)[2] for key, b in jobs)
 
         def check(job: tuple[str, int]) -> tuple[int, BadBlock | None]:
@@ -152,7 +153,7 @@ def verify_dataset(path: str, num_threads: int = 8, progress: bool | None = None
             field = key.rsplit("/", 1)[0] if key.endswith("/values") else key
             _, _, nbytes = _block_span(layout, key, b)
             try:
-                data = _read_block(layout, key, b)
+                data = _read_block(layout, key, b, chains.get(key))
             except ReadError as e:
                 return nbytes, BadBlock(describe_block(layout, key, b), str(e))
             got = host_crcs(data, np.array([0]), np.array([len(data)]))
@@ -183,16 +184,25 @@ def _block_span(layout: DatasetLayout, key: str, block: int) -> tuple[int, int, 
     return first, end, (end - first) * fm.sample_bytes
 
 
-def _read_block(layout: DatasetLayout, key: str, block: int) -> np.ndarray:
-    """A block's bytes as the pipeline would put them in a window buffer (fill value where never written)."""
+def _chains(layout: DatasetLayout) -> dict[str, Any]:
+    """The codec chain of every compressed array, made once (building one sets up its codecs)."""
+    from .decode import Chain
+
+    metas = {key: layout.meta.array(key) for key in layout.keys}
+    return {key: Chain(fm.codecs) for key, fm in metas.items() if key in layout.meta.fields and fm.compressed}
+
+
+def _read_block(layout: DatasetLayout, key: str, block: int, chain: Any = None) -> np.ndarray:
+    """A block's bytes as the pipeline would put them in a window buffer (fill value where never written);
+    ``chain`` decodes the block of a compressed array."""
     from .backends.base import FillRequest, fill_pattern, pread_full
 
     meta = layout.meta
     fm = meta.array(key)
     first, end, nbytes = _block_span(layout, key, block)
     out = np.empty(nbytes, np.uint8)
-    if key in meta.fields and fm.compressed:  # a compressed block: its chunk read and decoded
-        from .decode import Chain, chunk_error
+    if chain is not None:  # a compressed block: its chunk read and decoded
+        from .decode import chunk_error
 
         loc = layout.locate(key, block)
         if loc is None:
@@ -201,7 +211,7 @@ def _read_block(layout: DatasetLayout, key: str, block: int) -> np.ndarray:
         stored = np.empty(loc.nbytes, np.uint8)
         pread_full(layout.files.fd(loc.path), memoryview(stored), loc.offset, loc.path)
         try:
-            return Chain(fm.codecs).decode(stored, nbytes)
+            return chain.decode(stored, nbytes)
         except ValueError as e:
             raise chunk_error(layout, key, block, [n for n, _ in fm.codecs], str(e)) from None
     if key in meta.fields:
