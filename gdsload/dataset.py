@@ -16,7 +16,7 @@ from .backends import BACKENDS, make_backend, resolve
 from .cursor import Cursor
 from .errors import GDSLoadError
 from .format import DatasetLayout, read_metadata
-from .options import check_int, distributed, pad_spec, require_torch
+from .options import DEFAULT_RESIDENT_BYTES, check_int, distributed, pad_spec, require_torch, resident_fields
 from .pipeline import Pipeline
 from .resident import read_resident
 from .plan import EpochPlan, PlanConfig, epoch_plan, window_blocks_for, window_buffers_for
@@ -92,7 +92,7 @@ class GDSDataset:
                  backend: str = "auto", shuffle: bool = False, seed: int = 0, window_blocks: int | None = None,
                  prefetch: int = 2, batches_ahead: int | None = None, prefetch_next_epoch: bool = True,
                  drop_last: bool = False, output: str | None = None, rank: int | None = None,
-                 world_size: int | None = None, device: int | None = None, resident_bytes: int = 64 << 20,
+                 world_size: int | None = None, device: int | None = None, resident_bytes: int = DEFAULT_RESIDENT_BYTES,
                  pad_to: int | str | dict[str, int | str] | None = None, pad_value: Any = 0,
                  backend_options: dict[str, Any] | None = None, verify: bool | None = None):
         started = time.perf_counter()
@@ -117,7 +117,7 @@ class GDSDataset:
             raise ValueError(f"unknown output {output!r} (expected 'numpy', 'cupy' or 'torch')")
         meta = read_metadata(path, fields)
         names = tuple(fields) if fields is not None else tuple(meta.names)
-        self.resident_fields = _held_whole(meta, names, resident_bytes)
+        self.resident_fields = resident_fields(meta, names, resident_bytes)
         # A foreign store's block: chosen for the arrays read block by block (the others are read whole).
         self.meta = meta.with_block([f for f in names if f in meta.fields and f not in self.resident_fields])
         self._layout = layout = DatasetLayout(self.meta, tuple(fields) if fields is not None else None)
@@ -411,13 +411,6 @@ def _output(output: str | None, backend: str) -> str:
     if output == "torch":
         require_torch()
     return output
-
-
-def _held_whole(meta: Any, names: Sequence[str], resident_bytes: int) -> tuple[str, ...]:
-    """The fixed fields among ``names`` read whole, once (resident): those whose chunks total at most
-    ``resident_bytes``."""
-    return tuple(n for n in names if n in meta.fields
-                 and meta.fields[n].block_bytes * meta.fields[n].num_chunks <= resident_bytes)
 
 
 def _shutdown(active: list[Pipeline], backend: Any, buffers: list[WindowBuffer],

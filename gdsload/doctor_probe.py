@@ -64,22 +64,16 @@ def _errname(e: OSError) -> str:
     return f"{name} ({e.strerror or e})"
 
 
-def _resident_default() -> int:
-    """``GDSDataset``'s default ``resident_bytes``: fixed fields this small are read whole, once, at open."""
-    import inspect
-
-    from .dataset import GDSDataset
-
-    return inspect.signature(GDSDataset.__init__).parameters["resident_bytes"].default
-
-
 def dataset_alignment(layout: Any) -> tuple[bool, bool | None, str]:
     """Whether every stored block of an open :class:`~gdsload.format.DatasetLayout` starts and ends on
     4 KiB; the check's verdict (None: only fields small enough to be read whole at open are unaligned, and
     their blocks are not read one by one); where the first unaligned block lies."""
     import numpy as np
 
-    resident, blocks, bad_keys = _resident_default(), 0, []
+    from .options import DEFAULT_RESIDENT_BYTES, resident_fields
+
+    resident, blocks, bad_keys = DEFAULT_RESIDENT_BYTES, 0, []
+    small_fields = resident_fields(layout.meta, layout.keys, resident)
     for key in layout.keys:
         offsets = layout.block_offsets[key]
         block_bytes = layout.meta.array(key).block_bytes
@@ -87,7 +81,7 @@ def dataset_alignment(layout: Any) -> tuple[bool, bool | None, str]:
         blocks += int(written.sum())
         bad = np.flatnonzero(written & ((offsets % ALIGN != 0) | (block_bytes % ALIGN != 0)))
         if len(bad):
-            small = key in layout.meta.fields and block_bytes * layout.meta.num_blocks <= resident
+            small = key in small_fields
             loc = layout.locate(key, int(bad[0]))
             bad_keys.append((small, f"array '{key}': {len(bad)} of {len(offsets)} blocks unaligned, the first "
                                     f"(block {int(bad[0])}) at offset {loc.offset} of {loc.path}, {loc.nbytes} bytes"))

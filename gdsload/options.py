@@ -53,3 +53,14 @@ def distributed() -> tuple[int, int]:
     if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+#: GDSDataset's default ``resident_bytes``.
+DEFAULT_RESIDENT_BYTES = 64 << 20
+
+
+def resident_fields(meta: Any, names: Any, resident_bytes: int) -> tuple[str, ...]:
+    """The fixed fields among ``names`` read whole, once, at open (resident): those whose chunks total at most
+    ``resident_bytes``. The one rule for GDSDataset and the doctor."""
+    return tuple(n for n in names if n in meta.fields
+                 and meta.fields[n].block_bytes * meta.fields[n].num_chunks <= resident_bytes)

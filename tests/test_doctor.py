@@ -15,7 +15,6 @@ import tempfile
 import numpy as np
 import pytest
 
-from gdsload import doctor_probe
 from gdsload.doctor import diagnose, gather, main, render
 from gdsload.doctor_probe import LiveRead, Target, cufile_version, o_direct_read
 from gdsload.format import DatasetLayout, read_metadata
@@ -382,7 +381,7 @@ def test_unaligned_dataset_and_plain_file(make_dataset, tmp_path, monkeypatch):
     small = doctor_json(path)  # a field this small is read whole at open: its blocks are never read singly
     assert small["aligned"] is False and check(small, "alignment")["ok"] is None
     assert "read whole at open (at most resident_bytes=67108864)" in check(small, "alignment")["found"]
-    monkeypatch.setattr(doctor_probe, "_resident_default", lambda: 0)
+    monkeypatch.setattr("gdsload.options.DEFAULT_RESIDENT_BYTES", 0)
     rep = doctor_json(path)
     align = check(rep, "alignment")
     assert rep["aligned"] is False and align["ok"] is False and "array 'x': 30 of 30 blocks unaligned" in align["found"]
@@ -428,3 +427,19 @@ def test_auto_is_asked_with_the_datasets_size(tmp_path):
     assert machine.asked_bytes == 3 << 30
     gather(None, files, machine)
     assert machine.asked_bytes is None
+
+
+def test_alignment_calls_small_what_gdsdataset_holds_whole(tmp_path, monkeypatch):
+    """The doctor judged a field "read whole at open" by block bytes times the dataset's blocks; GDSDataset
+    holds whole by its chunks. In a foreign store whose chunks are smaller than the block they disagreed."""
+    import zarr
+
+    path = str(tmp_path / "s.zarr")
+    g = zarr.create_group(path)
+    g.create_array("a", shape=(700, 1000), dtype="uint8", chunks=(7, 1000), compressors=None)[:] = 1
+    g.create_array("b", shape=(700, 1024), dtype="uint8", chunks=(64, 1024), compressors=None)[:] = 2
+    monkeypatch.setattr("gdsload.options.DEFAULT_RESIDENT_BYTES", 100_000)  # 'a' holds 700,000 bytes
+    out = io.StringIO()
+    assert main(path, as_json=True, out=out) == 0
+    found = check(json.loads(out.getvalue()), "alignment")
+    assert found["ok"] is False and "array 'a'" in found["found"] and "read whole" not in found["found"]
