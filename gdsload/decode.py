@@ -266,7 +266,9 @@ class Decoder:
         if self._reader is not None:
             self._reader.close()
         if self.gpu is not None:
-            self.gpu.close()
+            self.gpu.close()  # the stream drained, nvCOMP's outputs freed
+        if self.batch is not None:
+            self.batch.close()  # the codec destroyed before its stream
 
 
 class WindowDecode:

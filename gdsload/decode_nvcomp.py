@@ -13,6 +13,11 @@ copied device-to-device into its chunk's slot on the decoder's stream, after whi
 once that stream has passed them. A corrupt chunk is named by decoding the batch's chunks one by one after
 the batched call failed, or by a decoded size that is not the chunk's.
 
+Teardown order matters: the codec is made on the decoder's stream and uses it when it is destroyed, so
+:meth:`NvcompBatch.close` (called by the decoder's ``close()``, and when the batch is collected) destroys the
+codec while the stream still exists; left to reference counting, the stream went first and the process
+crashed in nvCOMP.
+
 :class:`NvcompBatch` does the batching and the mapping of outputs to slots through an ``ops`` object
 (:class:`CupyOps` here; tests pass host stand-ins and a fake codec, so this logic runs without a GPU).
 """
@@ -38,8 +43,15 @@ class NvcompBatch:
         if nvcomp is None:
             raise ImportError("nvidia.nvcomp is not installed")
         self.nvcomp, self.ops = nvcomp, ops
-        self.codec = nvcomp.Codec(algorithm="Zstd", bitstream_kind=nvcomp.BitstreamKind.RAW, device_id=device_id,
-                                  cuda_stream=ops.stream_ptr)
+        self.codec: Any = nvcomp.Codec(algorithm="Zstd", bitstream_kind=nvcomp.BitstreamKind.RAW,
+                                       device_id=device_id, cuda_stream=ops.stream_ptr)
+
+    def close(self) -> None:
+        """Destroy the codec now, while ``ops`` (and its stream) are still held (see the module's docstring)."""
+        self.codec = None
+
+    def __del__(self) -> None:
+        self.close()
 
     def decode(self, buffer: Any, job: Any, layout: Any) -> Any:
         """Decode chunks ``job.chunks`` (compressed at ``job.src`` of ``buffer``, ``job.nbytes`` long, a crc32c

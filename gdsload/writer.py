@@ -37,7 +37,7 @@ from .publish import (RENAME_EXCHANGE, RENAME_NOREPLACE, ForeignTemp, Interrupte
                       make_temp, on_signal, protected, publish_output, remove_empty, remove_stale_temps,
                       rename_exchange, rename_noreplace, reset_signals)
 from .shard_index import encode_shard_index
-from .source_types import RaggedSource, Source
+from .source_types import RaggedSource, Source, as_source
 from .sources import open_field, open_input, open_ragged
 
 __all__ = [
@@ -226,6 +226,11 @@ def write_dataset(
 
     out = os.path.abspath(os.fspath(out))
     ragged = dict(ragged or {})
+    try:
+        sources = {n: as_source(str(n), s) for n, s in sources.items()}
+    except ConversionError:
+        _close_all({n: s for n, s in sources.items() if callable(getattr(s, "close", None))})
+        raise
     arrays: dict[str, Source] = dict(sources)  # every sharded array, by its path in the group
     arrays.update({f"{n}/values": r.values for n, r in ragged.items()})
     closed = False

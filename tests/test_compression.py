@@ -301,6 +301,32 @@ def test_nvcomp_batch_checks_the_decoded_size(tmp_path):
         NvcompBatch(None, HostOps())
 
 
+@pytest.mark.parametrize("closed", [True, False], ids=["closed", "dropped"])
+def test_the_codec_goes_before_its_stream(tmp_path, closed):
+    """nvCOMP's codec uses the stream it was made with when it is destroyed: a decoder closed, or just dropped,
+    destroys the codec while the decoder's stream still exists (the stream going first crashed the process)."""
+    events = []
+
+    class StreamOps(HostOps):
+        def __del__(self):
+            events.append("stream destroyed")
+
+    fake = FakeNvcomp()
+
+    class Codec(fake.Codec):
+        def __del__(self):
+            events.append("codec destroyed")
+
+    fake.Codec = Codec
+    layout = DatasetLayout(read_metadata(store(tmp_path, z=(10, 40, [ZstdCodec()]))))
+    decoder = Decoder(layout, True, 0, ["z"], threads=1, nvcomp=fake, ops=StreamOps())
+    if closed:
+        decoder.close()
+        assert events == ["codec destroyed"]
+    del decoder
+    assert events == ["codec destroyed", "stream destroyed"]
+
+
 def test_zstd_decodes_on_cpu_threads_without_nvcomp(monkeypatch):
     """Without nvCOMP, zstd fields on a GPU backend are decoded by CPU threads, after one warning naming the
     extra to install."""

@@ -260,3 +260,29 @@ def test_peak_memory_is_bounded_by_slice_not_input(tmp_path, kind):
     assert meta.num_samples == 96 * 1024
     z = zarr.open_group(str(tmp_path / "b.gds"), mode="r")["big" if kind == "npy" else "x"]
     assert float(z[8191, 0]) == 0 and float(z[8192, 5]) == 8192 and float(z[-1, -1]) == 90112
+
+
+def test_write_dataset_takes_plain_arrays_and_names_what_it_cannot(tmp_path):
+    """numpy (or zarr) arrays are what users have: they are written as they are; anything else is a
+    ConversionError naming the field, not an AttributeError from deep inside the writer."""
+    images = np.arange(40 * 6, dtype=np.uint8).reshape(40, 6)
+    labels = zarr.create_array(zarr.storage.MemoryStore(), shape=(40,), dtype="int64", chunks=(7,))
+    labels[:] = np.arange(40) * 3
+    out = tmp_path / "o.gds"
+    write_dataset(out, {"images": images, "labels": labels}, samples_per_block=8, progress=False)
+    with GDSDataset(out, batch_size=40, backend="cpu") as ds:
+        batch = next(iter(ds))
+    np.testing.assert_array_equal(batch["images"], images)
+    np.testing.assert_array_equal(batch["labels"], np.arange(40) * 3)
+
+    closed = []
+
+    class Kept(Exploding):
+        origin = "<kept>"
+
+        def close(self) -> None:
+            closed.append(True)
+
+    with pytest.raises(ConversionError, match=r"field 'bad': expected an array .* found list"):
+        write_dataset(tmp_path / "p.gds", {"kept": Kept(), "bad": [1, 2, 3]}, progress=False)
+    assert closed == [True] and not (tmp_path / "p.gds").exists()

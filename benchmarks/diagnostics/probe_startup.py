@@ -1,0 +1,102 @@
+"""Where opening a dataset and taking its first batch spend their time, per backend, warm.
+
+    python -m benchmarks.diagnostics.probe_startup [--samples 20000] [--repeats 3] [--profile]
+
+The dataset: ``--samples`` images of 3 x 64 x 64 uint8 plus int64 labels (the small-sample case), read into
+the page cache before anything is timed; CUDA is initialised first (a training script has done so before it
+opens its data). For each backend, ``--repeats`` times: the constructor's seconds (``open``), then the
+first ``next()`` (``first batch``, synchronised), then the rest of the pass. With ``--profile`` the last
+repeat runs under cProfile and the functions that took the most time (cumulative) are printed. Prints a
+table and writes ``--json FILE`` when given. GPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import time
+
+import numpy as np
+
+from gdsload import GDSDataset, write_dataset
+from gdsload.measure import device_sync, read_files, shard_paths
+
+
+def make(path: str, samples: int) -> str:
+    if not os.path.exists(path):
+        rng = np.random.default_rng(0)
+        images = rng.integers(0, 256, (samples, 3, 64, 64), dtype=np.uint8)
+        labels = rng.integers(0, 10, samples).astype(np.int64)
+        write_dataset(path, {"images": images, "labels": labels}, progress=False)
+        os.sync()
+    read_files(shard_paths(path))
+    return path
+
+
+def one(path: str, backend: str, batch_size: int, profile: bool) -> dict:
+    prof = cProfile.Profile() if profile else None
+    if prof:
+        prof.enable()
+    t0 = time.perf_counter()
+    ds = GDSDataset(path, batch_size=batch_size, backend=backend, shuffle=True)
+    t1 = time.perf_counter()
+    it = iter(ds)
+    next(it)
+    sync = device_sync(ds)
+    sync()
+    t2 = time.perf_counter()
+    if prof:
+        prof.disable()
+    n = 1
+    for _ in it:
+        n += 1
+    sync()
+    t3 = time.perf_counter()
+    row = {"backend": ds.backend_name, "io_mode": ds.io_mode, "open_s": round(t1 - t0, 4),
+           "first_batch_s": round(t2 - t1, 4), "rest_s": round(t3 - t2, 4), "batches": n,
+           "describe_open_s": round(ds.describe()["open_s"], 4)}
+    ds.close()
+    if prof:
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(30)
+        row["profile"] = s.getvalue()
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", default="/tmp/gdsload-startup.gds")
+    ap.add_argument("--samples", type=int, default=20_000)
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--backends", default="kvikio,pinned,mmap")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    import cupy
+
+    (cupy.arange(1 << 20) * 2).sum().get()  # CUDA initialised, a kernel compiled and launched
+    path = make(args.data, args.samples)
+    rows = []
+    for backend in args.backends.split(","):
+        for r in range(args.repeats):
+            row = one(path, backend, args.batch_size, args.profile and r == args.repeats - 1)
+            row["repeat"] = r
+            rows.append(row)
+            print(f"{backend:7s} #{r} open {row['open_s']:.4f} s  first batch {row['first_batch_s']:.4f} s  "
+                  f"rest {row['rest_s']:.3f} s ({row['batches']} batches)", flush=True)
+            if "profile" in row:
+                print(row["profile"], flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"samples": args.samples, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
