@@ -1,7 +1,7 @@
 """The training examples: they compile and answer --help without torch, make_data writes what they read, the
 DataLoader's per-sample reader reads what zarr reads, the GPU's idle share adds up its gaps (everywhere); on a
-GPU with torch they train a few steps with both loaders, resume exactly from a checkpoint, and run under
-Lightning when it is installed."""
+GPU with torch they train a few steps with both loaders, resume exactly from a checkpoint, and run both loaders
+under Lightning when it is installed."""
 
 from __future__ import annotations
 
@@ -208,10 +208,21 @@ def test_train_resumes_exactly_from_a_checkpoint(synth, tmp_path):
 
 
 @pytest.mark.gpu
-def test_lightning_trains_on_a_gdsdataset(synth):
+@pytest.mark.parametrize("loader", ["gdsload", "dataloader"])
+def test_lightning_trains_with_each_loader(synth, loader):
+    """Both loaders under Trainer.fit: every epoch line has the GPU's idle share; gdsload's epochs are
+    Lightning's (the iterator Lightning makes to probe the dataset starts no pass); the fit is timed."""
     needs_torch()
     if importlib.util.find_spec("lightning") is None and importlib.util.find_spec("pytorch_lightning") is None:
         pytest.skip("needs lightning or pytorch_lightning")
-    out = ok(example("lightning_train.py", "--data", synth, "--steps", "5", "--epochs", "2", "--batch-size", "64"))
+    out = ok(example("lightning_train.py", "--data", synth, "--loader", loader, "--steps", "5", "--epochs", "2",
+                     "--batch-size", "64", "--workers", "2"))
+    assert out.startswith(f"loader: {'gdsload' if loader == 'gdsload' else 'torch DataLoader'}"), out
+    assert re.search(r"^open: [\d.]+ s", out, re.M), out
     seen = epochs(out)
     assert sorted(seen) == [0, 1] and all(steps == 5 for steps, _ in seen.values()), out
+    for epoch, (_, rest) in seen.items():
+        idle = re.search(r"GPU idle between steps ([\d.]+)% of the time", rest)
+        assert idle and 0.0 <= float(idle.group(1)) <= 100.0, rest
+        assert (f"gdsload epoch {epoch}" in rest) == (loader == "gdsload"), rest
+    assert re.search(r"^fit: 2 epochs in [\d.]+ s \(wall, Trainer\.fit call\)$", out, re.M), out
