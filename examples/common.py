@@ -1,5 +1,6 @@
-"""What examples/train.py and examples/lightning_train.py share besides the model (examples/model.py): their
-common options, what the dataset holds, opening it with gdsload, and the line that reports images/s.
+"""What examples/train.py and examples/lightning_train.py share besides the model (examples/model.py) and their
+loaders (examples/feeds.py): their common options, what the dataset holds, opening it with gdsload, and the line
+that reports images/s.
 
 Nothing here imports torch at module level, so ``--help`` works on a machine without it.
 """
@@ -17,6 +18,9 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--data", required=True, help="a dataset written by 'gdsload shard' (or examples/make_data.py)")
     p.add_argument("--images", default="images", help="the image field: uint8, N x H x W x 3 or N x 3 x H x W")
     p.add_argument("--labels", default="labels", help="the label field: integers, N")
+    p.add_argument("--loader", choices=("gdsload", "dataloader"), default="gdsload",
+                   help="gdsload, or a torch DataLoader reading each sample from the same shard files")
+    p.add_argument("--workers", type=int, default=8, help="DataLoader worker processes (--loader dataloader)")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--steps", type=int, default=0, help="at most this many steps per epoch (0: whole epochs)")
     p.add_argument("--batch-size", type=int, default=256, help="per GPU")

@@ -48,12 +48,11 @@ import time
 from typing import Any
 
 import common
+import feeds
 
 
 def build_parser() -> Any:
     p = common.parser(__doc__.split("\n\n")[0])
-    p.add_argument("--loader", choices=("gdsload", "dataloader"), default="gdsload")
-    p.add_argument("--workers", type=int, default=8, help="DataLoader worker processes (--loader dataloader)")
     p.add_argument("--checkpoint", default=None, help="where to save checkpoints (rank 0)")
     p.add_argument("--checkpoint-every", type=int, default=0, help="also save every this many steps (0: at the end "
                                                                    "of each epoch only)")
@@ -67,13 +66,8 @@ def build_parser() -> Any:
 class GdsFeed:
     """Batches from a GDSDataset: already on the GPU and ready on the current stream when ``next()`` returns."""
 
-    def __init__(self, args: Any, fields: common.Fields, device: int):
-        self.ds = common.open_gdsload(args, fields, device)
-        self.fields = fields
-
-    def describe(self) -> str:
-        ds = self.ds
-        return f"gdsload, backend {ds.backend_name} ({ds.backend_reason}), io mode {ds.io_mode}"
+    def __init__(self, ds: Any, fields: common.Fields):
+        self.ds, self.fields = ds, fields
 
     def __len__(self) -> int:
         return len(self.ds)
@@ -93,70 +87,18 @@ class GdsFeed:
         self.ds.close()
 
 
-class ShardSamples:
-    """A map-style dataset over the shard files: sample i of each field read with one ``os.preadv`` into a fresh
-    numpy array. Files are opened lazily in each process (DataLoader workers are forked)."""
-
-    def __init__(self, path: str, names: tuple[str, ...]):
-        import zarr
-
-        from gdsload.measure import block_locations
-
-        self.fields = []
-        for name in names:
-            array = zarr.open_array(os.path.join(path, name), mode="r")
-            rows = array.chunks[0]
-            places = [(b.path, b.offset) for b in block_locations(path, (name,))]
-            if len(places) != -(-array.shape[0] // rows):
-                raise SystemExit(f"{path}/{name}: some blocks were never written; use --loader gdsload")
-            self.fields.append((name, array.dtype, tuple(array.shape[1:]), rows, places))
-        self.length = int(array.shape[0])
-        self._fds: dict[str, int] = {}
-        self._pid = -1
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        import numpy as np
-        import torch
-
-        if self._pid != os.getpid():
-            self._fds, self._pid = {}, os.getpid()
-        sample = {}
-        for name, dtype, shape, rows, places in self.fields:
-            path, offset = places[i // rows]
-            if path not in self._fds:
-                self._fds[path] = os.open(path, os.O_RDONLY)
-            out = np.empty(shape, dtype)
-            where = offset + (i % rows) * out.nbytes
-            if os.preadv(self._fds[path], [out.reshape(-1).view(np.uint8)], where) != out.nbytes:
-                raise OSError(f"{path}: short read of sample {i} at offset {where}")
-            sample[name] = torch.from_numpy(out)
-        return sample
-
-
 class TorchFeed:
-    """Batches from a torch DataLoader over :class:`ShardSamples`, copied to the GPU without blocking the host."""
+    """Batches from a torch DataLoader (:func:`feeds.shard_dataloader`), copied to the GPU without blocking the
+    host."""
 
-    def __init__(self, args: Any, fields: common.Fields, rank: int, world: int, device: Any):
-        from torch.utils.data import DataLoader, DistributedSampler
-
-        data = ShardSamples(args.data, (fields.images, fields.labels))
-        self.sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=args.seed,
-                                          drop_last=True)
-        self.loader = DataLoader(data, batch_size=args.batch_size, sampler=self.sampler, num_workers=args.workers,
-                                 pin_memory=True, drop_last=True, persistent_workers=args.workers > 0)
-        self.fields, self.device, self.workers = fields, device, args.workers
-
-    def describe(self) -> str:
-        return f"torch DataLoader, {self.workers} workers, pin_memory, one pread per field and sample"
+    def __init__(self, loader: Any, fields: common.Fields, device: Any):
+        self.loader, self.fields, self.device = loader, fields, device
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def epoch(self, epoch: int) -> Any:
-        self.sampler.set_epoch(epoch)
+        self.loader.sampler.set_epoch(epoch)
         for batch in self.loader:
             yield (batch[self.fields.images].to(self.device, non_blocking=True),
                    batch[self.fields.labels].to(self.device, non_blocking=True))
@@ -172,33 +114,24 @@ class TorchFeed:
 
 
 class WaitMeter:
-    """The GPU's waits for data in one epoch, as the module docstring defines them."""
+    """The GPU's waits for data in one epoch, as the module docstring defines them, and the host's time
+    blocked in ``next()``."""
 
     def __init__(self, torch: Any):
-        self.torch, self.pairs, self.host_s = torch, [], 0.0
+        self.gaps, self.host_s = feeds.GpuGaps(torch), 0.0
 
     def take(self, it: Any) -> Any:
-        """``next(it)`` between the two events; StopIteration passes through."""
-        before = self.torch.cuda.Event(enable_timing=True)
-        before.record()
+        """``next(it)`` inside a gap; StopIteration passes through (leaving the gap open: not counted)."""
+        self.gaps.open_gap()
         t0 = time.perf_counter()
         batch = next(it)
         self.host_s += time.perf_counter() - t0
-        after = self.torch.cuda.Event(enable_timing=True)
-        after.record()
-        self.pairs.append((before, after))
+        self.gaps.close_gap()
         return batch
 
     def finish(self) -> float:
         """The waiting fraction of the epoch (synchronizes)."""
-        end = self.torch.cuda.Event(enable_timing=True)
-        end.record()
-        end.synchronize()
-        if not self.pairs:
-            return 0.0
-        waited = sum(a.elapsed_time(b) for a, b in self.pairs)
-        total = self.pairs[0][0].elapsed_time(end)
-        return waited / total if total > 0 else 0.0
+        return self.gaps.fraction()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,9 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     model = make_model(fields.num_classes, device)
     net = DistributedDataParallel(model, device_ids=[local]) if world > 1 else model
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True, weight_decay=5e-5)
-    feed = GdsFeed(args, fields, local) if args.loader == "gdsload" else TorchFeed(args, fields, rank, world, device)
+    loader, about = feeds.open_loader(args, fields, rank, world, local)
+    feed = GdsFeed(loader, fields) if args.loader == "gdsload" else TorchFeed(loader, fields, device)
     say = print if rank == 0 else (lambda *a, **k: None)
-    say(f"loader: {feed.describe()}; {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, batch "
+    say(f"loader: {about}; {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, batch "
         f"{args.batch_size} per GPU, {world} GPU(s), {len(feed)} steps per epoch", flush=True)
     start_epoch, done_in_epoch = 0, 0
     if args.resume:

@@ -1,6 +1,7 @@
 """The training examples: they compile and answer --help without torch, make_data writes what they read, the
-DataLoader's per-sample reader reads what zarr reads (everywhere); on a GPU with torch they train a few steps
-with both loaders, resume exactly from a checkpoint, and run under Lightning when it is installed."""
+DataLoader's per-sample reader reads what zarr reads, the GPU's idle share adds up its gaps (everywhere); on a
+GPU with torch they train a few steps with both loaders, resume exactly from a checkpoint, and run both loaders
+under Lightning when it is installed."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import re
 import subprocess
 import sys
 import types
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -18,7 +20,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
-SCRIPTS = ("make_data.py", "train.py", "lightning_train.py", "model.py", "common.py")
+SCRIPTS = ("make_data.py", "train.py", "lightning_train.py", "model.py", "common.py", "feeds.py")
 RATE = re.compile(r"^epoch (\d+): (\d+) steps, [\d,]+ images in [\d.]+ s: [\d,]+ images/s on \d+ GPU\(s\)(.*)$", re.M)
 
 
@@ -73,17 +75,79 @@ def test_the_dataloader_reader_reads_each_sample_as_zarr_does(tmp_path, examples
 
     if importlib.util.find_spec("torch") is None:  # the reader only wraps its arrays with torch.from_numpy
         monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(from_numpy=lambda a: a))
-    import train
+    import feeds
 
     path = str(tmp_path / "synth.gds")
     ok(example("make_data.py", path, "--samples", "1500", "--size", "8"))
-    samples = train.ShardSamples(path, ("images", "labels"))
+    samples = feeds.ShardSamples(path, ("images", "labels"))
     group = zarr.open_group(path, mode="r")
     assert len(samples) == 1500
     for i in (0, 1, 340, 341, 777, 1499):
         got = samples[i]
         assert np.array_equal(np.asarray(got["images"]), group["images"][i])
         assert int(np.asarray(got["labels"])) == int(group["labels"][i])
+
+
+def test_idle_fraction_is_the_gaps_share_of_the_epoch(examples_path):
+    import feeds
+
+    assert feeds.idle_fraction([1.0, 0.5, 0.0], 10.0) == pytest.approx(0.15)
+    assert feeds.idle_fraction([], 10.0) == 0.0
+    assert feeds.idle_fraction([], 0.0) == 0.0  # an epoch with no GPU time: nothing waited
+    assert feeds.idle_fraction([4.0], 4.0) == 1.0
+    with pytest.raises(ValueError, match="negative GPU time"):  # events on two streams, out of order
+        feeds.idle_fraction([1.0, -0.5], 10.0)
+
+
+class FakeEvent:
+    """A CUDA event on a fake clock: ``record()`` takes the clock's time, ``elapsed_time`` subtracts."""
+
+    clock = [0.0]
+
+    def __init__(self, enable_timing: bool):
+        assert enable_timing
+        self.t: float | None = None
+
+    def record(self) -> None:
+        self.t = FakeEvent.clock[0]
+
+    def synchronize(self) -> None:
+        assert self.t is not None
+
+    def elapsed_time(self, other: FakeEvent) -> float:
+        return other.t - self.t
+
+
+def test_gpu_gaps_count_open_to_close_over_first_event_to_the_end(examples_path):
+    """As the Lightning callback drives it: a close opens the epoch, then steps end (open) and the next batch
+    is there (close); the gap after the last step and a close with no open gap are not counted."""
+    import feeds
+
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=FakeEvent))
+    gaps = feeds.GpuGaps(fake)
+
+    def at(t: float, mark: Callable[[], None]) -> None:
+        FakeEvent.clock[0] = t
+        mark()
+
+    at(100.0, gaps.close_gap)  # first on_train_batch_start: the epoch's origin
+    at(110.0, gaps.open_gap)  # step 0 done
+    at(112.0, gaps.close_gap)  # batch 1 there: a 2 ms gap
+    at(120.0, gaps.open_gap)
+    at(121.0, gaps.close_gap)  # 1 ms
+    at(125.0, gaps.close_gap)  # no open gap: nothing counted
+    at(130.0, gaps.open_gap)  # the last step done; never closed
+    FakeEvent.clock[0] = 140.0
+    assert gaps.fraction() == pytest.approx(3.0 / 40.0)
+    # As train.py drives it: the first open is the origin; an open left by StopIteration is not counted.
+    gaps = feeds.GpuGaps(fake)
+    at(0.0, gaps.open_gap)
+    at(5.0, gaps.close_gap)
+    at(20.0, gaps.open_gap)
+    FakeEvent.clock[0] = 25.0
+    assert gaps.fraction() == pytest.approx(5.0 / 25.0)
+    empty = feeds.GpuGaps(fake)
+    assert empty.fraction() == 0.0
 
 
 # -- on a GPU, with torch --------------------------------------------------------------------------------
@@ -144,10 +208,21 @@ def test_train_resumes_exactly_from_a_checkpoint(synth, tmp_path):
 
 
 @pytest.mark.gpu
-def test_lightning_trains_on_a_gdsdataset(synth):
+@pytest.mark.parametrize("loader", ["gdsload", "dataloader"])
+def test_lightning_trains_with_each_loader(synth, loader):
+    """Both loaders under Trainer.fit: every epoch line has the GPU's idle share; gdsload's epochs are
+    Lightning's (the iterator Lightning makes to probe the dataset starts no pass); the fit is timed."""
     needs_torch()
     if importlib.util.find_spec("lightning") is None and importlib.util.find_spec("pytorch_lightning") is None:
         pytest.skip("needs lightning or pytorch_lightning")
-    out = ok(example("lightning_train.py", "--data", synth, "--steps", "5", "--epochs", "2", "--batch-size", "64"))
+    out = ok(example("lightning_train.py", "--data", synth, "--loader", loader, "--steps", "5", "--epochs", "2",
+                     "--batch-size", "64", "--workers", "2"))
+    assert out.startswith(f"loader: {'gdsload' if loader == 'gdsload' else 'torch DataLoader'}"), out
+    assert re.search(r"^open: [\d.]+ s", out, re.M), out
     seen = epochs(out)
     assert sorted(seen) == [0, 1] and all(steps == 5 for steps, _ in seen.values()), out
+    for epoch, (_, rest) in seen.items():
+        idle = re.search(r"GPU idle between steps ([\d.]+)% of the time", rest)
+        assert idle and 0.0 <= float(idle.group(1)) <= 100.0, rest
+        assert (f"gdsload epoch {epoch}" in rest) == (loader == "gdsload"), rest
+    assert re.search(r"^fit: 2 epochs in [\d.]+ s \(wall, Trainer\.fit call\)$", out, re.M), out
