@@ -3,9 +3,11 @@
     python -m benchmarks.compression                        # GPU machine: every GPU backend
     python -m benchmarks.compression --backends cpu --tiny  # anywhere (the CPU smoke test runs this)
 
-Data, per kind, written twice by the converter (raw, and ``--compress zstd:LEVEL``): ``tokens`` int32 sequences
-(a Zipf-distributed synthetic stream: no text corpus is on the benchmark machine, and the output says so),
-``images`` uint8 (smooth gradients plus noise), ``float16`` (smooth signals plus noise). Rows:
+Data, per kind, written twice by the converter (raw, and ``--compress zstd:LEVEL``): ``tokens`` int32 ids of
+real text (the Python standard library's source and documentation files, split into words and punctuation,
+ids by frequency rank in a 50,000-word vocabulary, the stream repeated to size: no corpus or tokenizer is on
+the benchmark machine, and the output says so), ``images`` uint8 (smooth gradients plus noise), ``float16``
+(smooth signals plus noise). Rows:
 
 - ``pass``: gdsload, raw and compressed, per backend, warm (and cold when the page cache can be dropped):
   GB/s of *decompressed* data delivered, CPU core-seconds per GB, the compression ratio, where it decoded.
@@ -20,22 +22,31 @@ Writes ``results/<machine>/compression[-TAG].json``.
 from __future__ import annotations
 
 import argparse
+import collections
+import functools
 import os
+import re
 import shutil
+import sysconfig
 import time
 from typing import Any
 
 import numpy as np
 
 from gdsload import GDSDataset, write_dataset
-from gdsload.measure import cold_pass, cpu_seconds, time_pass
+from gdsload.decode import NVCOMP_ENV
+from gdsload.measure import cold_pass, cpu_seconds, drop_page_cache, time_pass
+from gdsload.writer import DEFAULT_CHUNK_BYTES
 from gdsload.sources import ArraySource
 
 from .common import DATA_DIR, RESULTS_DIR, Rows, describe_machine, free_device_memory, results_dir, today, write_json
 
 KINDS = ("tokens", "images", "float16")
 CHUNKS = (64 << 10, 256 << 10, 512 << 10, 1 << 20, 4 << 20)
-TOKENS_NOTE = "tokens: synthetic Zipf-distributed int32 stream (no text corpus on this machine)"
+TOKENS_NOTE = ("tokens: int32 word-level ids (by frequency rank, 50,000-word vocabulary) of the Python standard "
+               "library's text, repeated to size (no corpus or tokenizer on this machine)")
+VOCAB = 50_000
+_WORD = re.compile(r"\w+|([^\w\s])\1*")
 
 
 def make_kind(kind: str, nbytes: int, seed: int = 0) -> np.ndarray:
@@ -43,7 +54,7 @@ def make_kind(kind: str, nbytes: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     if kind == "tokens":
         n = max(2, nbytes // (2048 * 4))
-        return (rng.zipf(1.2, (n, 2048)) % 50_000).astype(np.int32)
+        return np.resize(text_ids(), (n, 2048))
     if kind == "images":
         n = max(2, nbytes // (64 * 64 * 3))
         ramp = (np.arange(64)[:, None] + np.arange(64)[None, :]).astype(np.int32)
@@ -52,6 +63,24 @@ def make_kind(kind: str, nbytes: int, seed: int = 0) -> np.ndarray:
     n = max(2, nbytes // (1024 * 2))
     t = np.linspace(0, 8 * np.pi, 1024, dtype=np.float32)
     return (np.sin(t[None, :] * rng.uniform(0.5, 2, (n, 1))) + rng.normal(0, 0.01, (n, 1024))).astype(np.float16)
+
+
+@functools.lru_cache(maxsize=1)
+def text_ids(max_words: int = 6_000_000) -> np.ndarray:
+    """Word-level token ids of real text: the standard library's ``.py``, ``.txt`` and ``.rst`` files in a fixed
+    order, split into words and runs of one punctuation mark; ids are frequency ranks, words past the vocabulary share the last id."""
+    words: list[str] = []
+    root = sysconfig.get_paths()["stdlib"]
+    for dirpath, dirnames, files in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__"))
+        for name in sorted(files):
+            if name.endswith((".py", ".txt", ".rst")) and len(words) < max_words:
+                with open(os.path.join(dirpath, name), encoding="utf-8", errors="replace") as f:
+                    words += [m.group(0) for m in _WORD.finditer(f.read())]
+    if not words:
+        raise RuntimeError(f"no text found under {root}")
+    vocab = {w: i for i, (w, _) in enumerate(collections.Counter(words).most_common(VOCAB - 1))}
+    return np.fromiter((vocab.get(w, VOCAB - 1) for w in words), dtype=np.int32, count=len(words))
 
 
 def write_pair(data_dir: str, kind: str, data: np.ndarray, level: int, chunk_bytes: int | None = None,
@@ -80,20 +109,44 @@ def stored_ratio(path: str, field: str) -> float:
         return 1.0 if lengths is None else float(lengths.sum()) / (f.block_bytes * f.num_chunks)
 
 
-def gdsload_pass(path: str, backend: str, batch: int, warm_s: float, cold: bool) -> dict[str, Any]:
+def gdsload_pass(path: str, backend: str, batch: int, warm_s: float, cold: bool, nvcomp: bool = True,
+                 resident_bytes: int | None = None) -> dict[str, Any]:
+    """Cold (from a dropped page cache; for mmap, which reads its files at open, open + pass) and warm GB/s of
+    decoded data delivered, CPU core-s/GB, where each field decodes. ``nvcomp=False``: zstd decoded by CPU
+    threads (``GDSLOAD_NVCOMP=0``); ``resident_bytes``: GDSDataset's (None: its default, as users get it)."""
     out: dict[str, Any] = {}
-    with GDSDataset(path, batch_size=batch, backend=backend, shuffle=True, resident_bytes=0) as ds:
-        out["decode"] = ds.describe()["decode"]
-        if cold:
-            next(iter(ds), None)  # buffers, streams, kernels set up outside the timed pass (cold_pass stops it)
-            try:
-                c = cold_pass(ds)
-                out["cold_gbps"], out["cold_cpu_core_s_per_gb"] = c.gb_per_s, c.cpu_core_s_per_gb
-            except PermissionError:
+    opts: dict[str, Any] = {} if resident_bytes is None else {"resident_bytes": resident_bytes}
+    saved = os.environ.get(NVCOMP_ENV)
+    if not nvcomp:
+        os.environ[NVCOMP_ENV] = "0"
+    try:
+        if cold and backend == "mmap":
+            if drop_page_cache():
+                c0, t0 = cpu_seconds(), time.perf_counter()
+                with GDSDataset(path, batch_size=batch, backend=backend, shuffle=True, **opts) as ds:
+                    r = time_pass(ds)
+                seconds = time.perf_counter() - t0
+                out["cold_gbps"] = r.bytes / seconds / 1e9
+                out["cold_cpu_core_s_per_gb"] = (cpu_seconds() - c0) / (r.bytes / 1e9)
+            else:
                 out["cold_gbps"] = None
-        time_pass(ds)  # warm the page cache and CUDA
-        r = time_pass(ds, min_seconds=warm_s)
-        out.update(warm_gbps=r.gb_per_s, warm_cpu_core_s_per_gb=r.cpu_core_s_per_gb, io_mode=r.io_mode)
+        with GDSDataset(path, batch_size=batch, backend=backend, shuffle=True, **opts) as ds:
+            out["decode"] = ds.describe()["decode"]
+            if cold and backend != "mmap":
+                next(iter(ds), None)  # buffers, streams, kernels set up outside the timed pass (cold_pass stops it)
+                try:
+                    c = cold_pass(ds)
+                    out["cold_gbps"], out["cold_cpu_core_s_per_gb"] = c.gb_per_s, c.cpu_core_s_per_gb
+                except PermissionError:
+                    out["cold_gbps"] = None
+            time_pass(ds)  # warm the page cache and CUDA
+            r = time_pass(ds, min_seconds=warm_s)
+            out.update(warm_gbps=r.gb_per_s, warm_cpu_core_s_per_gb=r.cpu_core_s_per_gb, io_mode=r.io_mode)
+    finally:
+        if saved is None:
+            os.environ.pop(NVCOMP_ENV, None)
+        else:
+            os.environ[NVCOMP_ENV] = saved
     free_device_memory()
     return out
 
@@ -118,15 +171,16 @@ def nvcomp_decode_gbps(path: str, field: str, window_bytes: int = 256 << 20, rep
             if loc is not None:
                 chunks.append(np.frombuffer(os.pread(layout.files.fd(loc.path), loc.nbytes, loc.offset), np.uint8))
     dev = [cupy.asarray(c) for c in chunks]
+    out = nvcomp.as_arrays([cupy.empty(f.block_bytes, cupy.uint8) for _ in dev])  # as the pipeline: into slots
     codec = nvcomp.Codec(algorithm="Zstd", bitstream_kind=nvcomp.BitstreamKind.RAW)
     best = float("inf")
     for _ in range(repeats):
         cupy.cuda.Device().synchronize()
         t0 = time.perf_counter()
-        out = codec.decode(nvcomp.as_arrays(dev), data_type="|u1")
+        codec.decode(nvcomp.as_arrays(dev), out=out)
         cupy.cuda.Device().synchronize()
         best = min(best, time.perf_counter() - t0)
-        del out
+    del codec
     return len(dev) * f.block_bytes / best / 1e9
 
 
@@ -176,6 +230,10 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--size-mib", type=int, default=1024, help="decoded size of each kind's dataset")
     ap.add_argument("--level", type=int, default=3)
     ap.add_argument("--chunk-sizes", default=",".join(str(c) for c in CHUNKS), help="bytes, for the chunk rows")
+    ap.add_argument("--cpu-decode-backend", default="mmap", help="GPU backend also run with zstd decoded by CPU "
+                                                                  "threads (GDSLOAD_NVCOMP=0), for comparison")
+    ap.add_argument("--chunk-backends", default=None, help="backends of the chunk rows' warm passes (default: "
+                                                           "--backends)")
     ap.add_argument("--warm-seconds", type=float, default=5.0)
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--no-cold", action="store_true")
@@ -188,6 +246,9 @@ def main(argv: list[str] | None = None) -> str:
     size = (4 if args.tiny else args.size_mib) << 20
     chunk_sizes = [64 << 10, 256 << 10] if args.tiny else [int(c) for c in args.chunk_sizes.split(",")]
     warm_s = 0.0 if args.tiny else args.warm_seconds
+    # Small fields (the labels) stay resident, as GDSDataset's default keeps them; --tiny's data would be
+    # resident whole, so there every field is read block by block.
+    resident = 0 if args.tiny else None
     gpu = any(b != "cpu" for b in backends)
     os.makedirs(args.data, exist_ok=True)
     rows = Rows()
@@ -197,9 +258,15 @@ def main(argv: list[str] | None = None) -> str:
         ratio = stored_ratio(paths["zstd"], kind)
         for backend in backends:
             for mode, path in paths.items():
-                result = gdsload_pass(path, backend, args.batch_size, warm_s, not args.no_cold)
+                result = gdsload_pass(path, backend, args.batch_size, warm_s, not args.no_cold,
+                                      resident_bytes=resident)
                 rows.emit({"kind": "pass", "data": kind, "backend": backend, "stored": mode, "ratio": ratio if
                            mode == "zstd" else 1.0, "decoded_bytes": int(data.nbytes), **result})
+        if gpu and args.cpu_decode_backend in backends:  # the same zstd store, decoded by CPU threads
+            result = gdsload_pass(paths["zstd"], args.cpu_decode_backend, args.batch_size, warm_s, not args.no_cold,
+                                  nvcomp=False, resident_bytes=resident)
+            rows.emit({"kind": "pass", "data": kind, "backend": args.cpu_decode_backend, "stored": "zstd",
+                       "ratio": ratio, "decoded_bytes": int(data.nbytes), "nvcomp": False, **result})
         for r in zarr_reads(paths["zstd"], kind, gpu):
             rows.emit({**r, "data": kind, "ratio": ratio})
     tokens = make_kind("tokens", size)
@@ -209,15 +276,21 @@ def main(argv: list[str] | None = None) -> str:
                                "ratio": stored_ratio(path, "tokens")}
         if gpu:
             row["nvcomp_decode_gbps"] = nvcomp_decode_gbps(path, "tokens")
-        row["warm_gbps"] = {b: gdsload_pass(path, b, args.batch_size, warm_s, False)["warm_gbps"] for b in backends}
+        row["warm_gbps"] = {b: gdsload_pass(path, b, args.batch_size, warm_s, False, resident_bytes=resident)["warm_gbps"]
+                            for b in (args.chunk_backends.split(",") if args.chunk_backends else backends)}
         rows.emit(row)
     info = describe_machine(args.data)
     out = os.path.join(results_dir(args.out, info), "compression" + (f"-{args.tag}" if args.tag else "") + ".json")
     write_json(out, {"benchmark": "compression", "date": today(), "machine": info, "notes": [TOKENS_NOTE],
                      "settings": {"backends": backends, "size_bytes": size, "level": args.level, "tiny": args.tiny,
-                                  "chunk_sizes": chunk_sizes}, "results": rows})
+                                  "chunk_sizes": chunk_sizes, "default_chunk_bytes": DEFAULT_CHUNK_BYTES,
+                                  "resident_bytes": "0" if resident == 0 else "GDSDataset's default"}, "results": rows})
     print(TOKENS_NOTE)
     print(f"wrote {out}")
+    from .compression_report import render
+
+    for written in render(out):
+        print(f"wrote {written}")
     return out
 
 

@@ -24,3 +24,46 @@ def new_event(blocking: bool = True) -> Any:
 def record_event(stream: Any) -> Any:
     """A :func:`new_event` recorded on ``stream``."""
     return stream.record(new_event())
+
+
+class PinnedHost:
+    """``nbytes`` of page-locked host memory: anonymous pages mapped and faulted in by the kernel
+    (``MAP_POPULATE``), then registered with CUDA for DMA: quicker to set up than ``cudaHostAlloc`` (CuPy's
+    ``PinnedMemory``), and copies from it run at the same rate (docs/design.md). ``array`` is the memory as
+    uint8; :meth:`close` unregisters and unmaps (after every copy out of it is done)."""
+
+    def __init__(self, nbytes: int, device_id: int = 0):
+        import mmap
+
+        import cupy
+        import numpy as np
+
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+        self._mm: Any = mmap.mmap(-1, nbytes, flags=flags)
+        self.array = np.frombuffer(self._mm, dtype=np.uint8)
+        self.ptr = int(self.array.ctypes.data)
+        self.nbytes = nbytes
+        try:
+            with cupy.cuda.Device(device_id):
+                cupy.cuda.runtime.hostRegister(self.ptr, nbytes, HOST_REGISTER_PORTABLE)
+        except BaseException:
+            self._unmap()
+            raise
+        self._registered = True
+
+    def _unmap(self) -> None:
+        import numpy as np
+
+        self.array = np.zeros(0, np.uint8)  # the buffer export dropped before the map closes
+        try:
+            self._mm.close()
+        except BufferError:  # a view of it is still held somewhere: unmapped when the last one goes
+            pass
+
+    def close(self) -> None:
+        if getattr(self, "_registered", False):
+            import cupy
+
+            self._registered = False
+            cupy.cuda.runtime.hostUnregister(self.ptr)
+            self._unmap()

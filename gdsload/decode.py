@@ -8,7 +8,8 @@ bytes; then, in the completer thread, after the window's reads have finished and
 module's decode step writes each chunk, decoded, into its slot, and returns the event after which the decoded
 window is there (GPU backends) or None (cpu: it is there when the call returns). Where each field's bytes go:
 
-- ``zstd`` on a GPU backend with nvCOMP (``gdsload[nvcomp]``): the compressed region lies in the device
+- ``zstd`` on a GPU backend with nvCOMP installed (``gdsload[nvcomp]``, in ``gdsload[gpu]`` too; off with
+  ``GDSLOAD_NVCOMP=0``): the compressed region lies in the device
   window buffer (kvikio reads it straight there, pinned stages and copies it, mmap copies it from its
   locked pages); one batched nvCOMP call per field and window decodes every chunk on the device
   (:mod:`gdsload.decode_nvcomp`).
@@ -45,12 +46,11 @@ from .errors import ReadError
 DECODE_THREADS = max(1, min(8, os.cpu_count() or 1))
 #: The codec chains nvCOMP decodes on the device: zstd frames, optionally followed by their crc32c.
 NVCOMP_CHAINS = (("zstd",), ("zstd", "crc32c"))
-#: The device path is experimental and opt-in (docs/format.md says why): by default zstd, too, is decoded
-#: by CPU threads.
+#: ``GDSLOAD_NVCOMP=0`` turns the device path off: zstd is then decoded by CPU threads, as without nvCOMP.
 NVCOMP_ENV = "GDSLOAD_NVCOMP"
 #: What the warning about CPU decoding of zstd suggests.
-NVCOMP_HINT = (f"the nvCOMP path is experimental and off unless {NVCOMP_ENV}=1 (with gdsload[nvcomp] "
-               f"installed)")
+NVCOMP_HINT = ("install gdsload[nvcomp] (nvidia-nvcomp-cu13, under NVIDIA's licence; also in gdsload[gpu]) to "
+               "decode them on the GPU")
 _warned = threading.Event()
 
 
@@ -138,9 +138,9 @@ def device_decodable(codecs: Sequence[tuple[str, Any]]) -> bool:
 
 
 def load_nvcomp() -> Any:
-    """``nvidia.nvcomp`` when the device path is switched on (``GDSLOAD_NVCOMP=1``) and it is installed,
-    else None (imported only when a dataset needs it)."""
-    if os.environ.get(NVCOMP_ENV) != "1":
+    """``nvidia.nvcomp`` when it is installed and not switched off (``GDSLOAD_NVCOMP=0``), else None
+    (imported only when a dataset needs it)."""
+    if os.environ.get(NVCOMP_ENV) == "0":
         return None
     try:
         from nvidia import nvcomp
@@ -153,13 +153,13 @@ def device_fields(fields: Sequence[Any], on_gpu: bool, nvcomp: Any = None) -> tu
     """Split the compressed ``fields`` (FieldMeta) of a dataset into those decoded on the device (GPU backend,
     nvCOMP installed, a chain in :data:`NVCOMP_CHAINS`) and those decoded by CPU threads from a host buffer
     (the rest, on a GPU backend; none on cpu, which decodes in its own buffer). Warns once per process when
-    zstd is decoded on the CPU for want of nvCOMP."""
+    zstd is decoded on the CPU for want of nvCOMP (not when switched off with ``GDSLOAD_NVCOMP=0``)."""
     compressed = [f for f in fields if f.compressed]
     if not on_gpu or not compressed:
         return [], []
     zstd = [f.name for f in compressed if device_decodable(f.codecs)]
     if zstd and nvcomp is None and load_nvcomp() is None:
-        if not _warned.is_set():
+        if not _warned.is_set() and os.environ.get(NVCOMP_ENV) != "0":
             _warned.set()
             warnings.warn(f"zstd chunks of {zstd} are decoded by CPU threads: {NVCOMP_HINT}",
                           RuntimeWarning, stacklevel=4)

@@ -1,24 +1,26 @@
 """Decoding on the device: zstd chunks batched through nvCOMP, and the decode step's CUDA side.
 
-nvCOMP (``nvidia-nvcomp-cu13``, NVIDIA-proprietary, the optional ``gdsload[nvcomp]`` extra) is imported only
+nvCOMP (``nvidia-nvcomp-cu13`` >= 6, NVIDIA-proprietary, the optional ``gdsload[nvcomp]`` extra) is imported only
 when a dataset with device-decoded fields opens. Its Python API as used here::
 
     codec = nvcomp.Codec(algorithm="Zstd", bitstream_kind=nvcomp.BitstreamKind.RAW, device_id=D, cuda_stream=S)
-    out = codec.decode(nvcomp.as_arrays([chunk, ...]), data_type="|u1")   # out[i]: chunk i, decoded
+    codec.decode(nvcomp.as_arrays([chunk, ...]), out=nvcomp.as_arrays([slot, ...]))  # chunk i into slot i
 
 One call decodes every chunk of one field in one window (a call per chunk is far slower: few large chunks
-leave the GPU underused). The batch takes views of the window buffer's compressed region, so nothing is
-copied before decoding; nvCOMP allocates its outputs (its ``decode`` takes no output buffers), and each is
-copied device-to-device into its chunk's slot on the decoder's stream, after which the outputs are released
-once that stream has passed them. A corrupt chunk is named by decoding the batch's chunks one by one after
-the batched call failed, or by a decoded size that is not the chunk's.
+leave the GPU underused), from views of the window buffer's compressed region straight into views of the
+chunks' slots: nothing is allocated, copied or freed per window (nvCOMP's own outputs would be, and freeing
+device memory synchronises the whole device). nvCOMP does not check the zstd magic number, so each chunk's
+first four bytes are checked here first: a chunk that is not a zstd frame (a store whose metadata names the
+wrong codec, a damaged file) is an error, never decoded into a wrong sample. A chunk nvCOMP refuses is named
+by decoding the batch's chunks one by one after the batched call failed; one whose decoded size is not the
+chunk's is named too.
 
 Teardown order matters: the codec is made on the decoder's stream and uses it when it is destroyed, so
 :meth:`NvcompBatch.close` (called by the decoder's ``close()``, and when the batch is collected) destroys the
 codec while the stream still exists; left to reference counting, the stream went first and the process
 crashed in nvCOMP.
 
-:class:`NvcompBatch` does the batching and the mapping of outputs to slots through an ``ops`` object
+:class:`NvcompBatch` does the batching and the mapping of chunks to slots through an ``ops`` object
 (:class:`CupyOps` here; tests pass host stand-ins and a fake codec, so this logic runs without a GPU).
 """
 
@@ -31,9 +33,12 @@ from typing import Any
 
 import numpy as np
 
-from ._cuda import D2D, H2D, record_event
+from ._cuda import H2D, record_event
 from .decode import chunk_error
 from .shard_index import CRC_BYTES
+
+#: The first four bytes of every zstd frame, read as a little-endian uint32.
+ZSTD_MAGIC = 0xFD2FB528
 
 
 class NvcompBatch:
@@ -55,8 +60,8 @@ class NvcompBatch:
 
     def decode(self, buffer: Any, job: Any, layout: Any) -> Any:
         """Decode chunks ``job.chunks`` (compressed at ``job.src`` of ``buffer``, ``job.nbytes`` long, a crc32c
-        after each when the array's codecs end with one) into ``buffer`` at ``job.dest``; returns nvCOMP's
-        outputs, which must live until the copies out of them are done."""
+        after each when the array's codecs end with one) into ``buffer`` at ``job.dest``; returns what nvCOMP
+        returned, to be kept until the decoder's stream has passed the call."""
         meta = layout.meta.array(job.name)
         names = [n for n, _ in meta.codecs]
         bb, ops = meta.block_bytes, self.ops
@@ -68,18 +73,24 @@ class NvcompBatch:
             bad = np.flatnonzero(ops.crc_mismatch(buffer, src, ends))
             if len(bad):
                 raise chunk_error(layout, job.name, int(job.chunks[bad[0]]), names, "crc32c mismatch")
+        heads = ops.heads(buffer, src, ends)
+        bad = np.flatnonzero(heads != ZSTD_MAGIC)
+        if len(bad):
+            i = int(bad[0])
+            raise chunk_error(layout, job.name, int(job.chunks[i]), names,
+                              f"not a zstd frame (it starts with {int(heads[i]):#010x}, not the magic number "
+                              f"{ZSTD_MAGIC:#010x}{'; shorter than one' if ends[i] - src[i] < 4 else ''})")
         views = [ops.view(buffer, s, e) for s, e in zip(src.tolist(), ends.tolist())]
+        slots = [ops.view(buffer, d, d + bb) for d in np.asarray(job.dest, dtype=np.int64).tolist()]
         try:
-            outs = self.codec.decode(self.nvcomp.as_arrays(views), data_type="|u1")
+            outs = self.codec.decode(self.nvcomp.as_arrays(views), out=self.nvcomp.as_arrays(slots))
         except Exception as e:
             raise self._culprit(views, job, layout, names, e) from None
-        for i, d in enumerate(np.asarray(job.dest, dtype=np.int64).tolist()):
-            out = outs[i]
-            n = ops.nbytes(out)
+        for i in range(len(views)):
+            n = ops.nbytes(outs[i])
             if n != bb:
                 raise chunk_error(layout, job.name, int(job.chunks[i]), names,
                                   f"nvCOMP decodes it to {n} bytes (expected {bb})")
-            ops.copy(out, buffer, d, bb)
         return outs
 
     def _culprit(self, views: list[Any], job: Any, layout: Any, names: list[str], error: Exception) -> Exception:
@@ -93,6 +104,16 @@ class NvcompBatch:
         return chunk_error(layout, job.name, chunks[0], names, f"nvCOMP failed on the batch of chunks {chunks}"
                                                                f"{'...' if len(job.chunks) > 8 else ''} "
                                                                f"({type(error).__name__}: {error})")
+
+
+def heads(gather: Any, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Each segment's first four bytes as a little-endian uint32, zero past its end; ``gather(index)``
+    returns the buffer's bytes at ``index`` (a host array)."""
+    lo, hi = np.asarray(lo, np.int64), np.asarray(hi, np.int64)
+    idx = lo[:, None] + np.arange(4)
+    inside = idx < hi[:, None]
+    got = np.asarray(gather(np.where(inside, idx, lo[:, None]).reshape(-1)), np.uint8).reshape(-1, 4)
+    return np.ascontiguousarray(np.where(inside, got, 0).astype(np.uint8)).view("<u4").reshape(-1)
 
 
 def trailing_index(hi: np.ndarray) -> np.ndarray:
@@ -160,9 +181,10 @@ class CupyOps:
         cai = arr.__cuda_array_interface__
         return int(np.prod(cai["shape"], dtype=np.int64)) * np.dtype(cai["typestr"]).itemsize
 
-    def copy(self, arr: Any, buffer: Any, dest: int, nbytes: int) -> None:
-        ptr = arr.__cuda_array_interface__["data"][0]
-        self.cupy.cuda.runtime.memcpyAsync(int(buffer.data.ptr) + dest, ptr, nbytes, D2D, self.stream_ptr)
+    def heads(self, buffer: Any, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """The first four bytes of each segment ``[lo, hi)`` as little-endian uint32 (bytes past ``hi`` read as
+        zero); only these come back to the host."""
+        return heads(lambda idx: buffer[self.cupy.asarray(idx)].get(stream=self.stream), lo, hi)
 
     def crc_mismatch(self, buffer: Any, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """Whether each segment ``[lo, hi)`` of the device buffer differs from the crc32c stored in the 4

@@ -26,7 +26,7 @@ from gdsload import FormatError, GDSDataset, GDSLoadError, ReadError, write_data
 from gdsload.backends.cpu import CpuBackend
 from gdsload.decode import Decoder
 from gdsload.checksum import pieces, reference_device_crcs
-from gdsload.decode_nvcomp import NvcompBatch, crc_mismatch, trailing_index
+from gdsload.decode_nvcomp import ZSTD_MAGIC, NvcompBatch, crc_mismatch, heads, trailing_index
 from gdsload.format import DatasetLayout, read_metadata
 from gdsload.sources import ArraySource, RaggedSource
 from gdsload.window import WindowBuffer, WindowLayout
@@ -156,10 +156,19 @@ class FakeNvcomp:
             def __init__(self, **kwargs):
                 outer.settings.append(kwargs)
 
-            def decode(self, batch, data_type=""):
+            def decode(self, batch, data_type="|u1", out=None):
+                """Into ``out``'s buffers when given (ValueError if one is too small), as nvCOMP 6 does."""
                 assert isinstance(batch, FakeBatch) and data_type == "|u1"
+                assert out is None or (isinstance(out, FakeBatch) and len(out) == len(batch))
                 outer.calls.append(len(batch))
-                return FakeOut([np.frombuffer(numcodecs.Zstd().decode(np.asarray(v)), np.uint8) for v in batch.items])
+                decoded = [np.frombuffer(numcodecs.Zstd().decode(np.asarray(v)), np.uint8) for v in batch.items]
+                if out is None:
+                    return FakeOut(decoded)
+                for d, o in zip(decoded, out.items):
+                    if len(d) > len(o):
+                        raise ValueError("output buffer too small")
+                    o[:len(d)] = d
+                return FakeOut([o[:len(d)] for d, o in zip(decoded, out.items)])
 
         self.Codec = Codec
 
@@ -194,8 +203,8 @@ class HostOps:
     def nbytes(self, arr):
         return arr.nbytes
 
-    def copy(self, arr, buffer, dest, nbytes):
-        buffer[dest:dest + nbytes] = arr
+    def heads(self, buffer, lo, hi):
+        return heads(lambda idx: buffer[idx], lo, hi)
 
     def close(self):
         pass
@@ -271,10 +280,33 @@ def test_device_path_names_a_corrupt_chunk(tmp_path):
     layout = DatasetLayout(read_metadata(path))
     loc = layout.locate("z", 5)
     layout.close()
-    _flip(loc.path, loc.offset)
+    _flip(loc.path, loc.offset)  # its magic number: nvCOMP would not notice, the check before it does
     with pytest.raises(ReadError, match=rf"^{re.escape(loc.path)}: chunk 5 of array 'z' \(.*codecs \['bytes', "
-                                        rf"'zstd'\]\) does not decode: nvCOMP: "):
+                                        rf"'zstd'\]\) does not decode: not a zstd frame \(it starts with "
+                                        rf"0xfd2fb5d7, not the magic number 0xfd2fb528\)"):
         _device_windows(path, ["z"], [], FakeNvcomp(), HostOps())
+    _flip(loc.path, loc.offset)
+    fake = FakeNvcomp()
+    real = fake.Codec.decode
+
+    def refuse_chunk_5(self, batch, data_type="|u1", out=None):
+        if any(np.array_equal(np.asarray(v), chunk5) for v in batch.items):
+            raise RuntimeError("nvcompStatus: cannot decompress")
+        return real(self, batch, data_type, out)
+
+    with open(loc.path, "rb") as f:
+        chunk5 = np.frombuffer(os.pread(f.fileno(), loc.nbytes, loc.offset), np.uint8)
+    fake.Codec.decode = refuse_chunk_5
+    with pytest.raises(ReadError, match=rf"^{re.escape(loc.path)}: chunk 5 of array 'z' .*does not decode: nvCOMP: "
+                                        rf"RuntimeError: nvcompStatus: cannot decompress"):
+        _device_windows(path, ["z"], [], fake, HostOps())
+
+
+def test_zstd_frame_heads():
+    """The four bytes each chunk starts with, as nvCOMP's batch would see them; zero past a short chunk."""
+    buf = np.frombuffer(b"\x28\xb5\x2f\xfdxyz\x28\xb5", np.uint8)
+    np.testing.assert_array_equal(heads(lambda i: buf[i], np.array([0, 4, 7]), np.array([4, 7, 9])),
+                                  [ZSTD_MAGIC, int.from_bytes(b"xyz\0", "little"), 0xB528])
 
 
 def test_device_path_checks_crc32c_after_zstd(tmp_path):
@@ -293,8 +325,8 @@ def test_nvcomp_batch_checks_the_decoded_size(tmp_path):
     path = store(tmp_path, z=(10, 40, [ZstdCodec()]))
     fake = FakeNvcomp()
     real = fake.Codec.decode
-    fake.Codec.decode = lambda self, batch, data_type="": FakeOut([a[:-1] for a in real(self, batch, data_type)
-                                                                   ._items])
+    fake.Codec.decode = lambda self, batch, data_type="|u1", out=None: FakeOut(
+        [a[:-1] for a in real(self, batch, data_type, out)._items])
     with pytest.raises(ReadError, match=r"chunk \d+ of array 'z' .*: nvCOMP decodes it to 119 bytes \(expected 120\)"):
         _device_windows(path, ["z"], [], fake, HostOps())
     with pytest.raises(ImportError, match="nvidia.nvcomp is not installed"):
@@ -412,15 +444,15 @@ def test_converter_compress_options_are_checked(tmp_path):
 
 
 def test_compression_benchmark_runs_on_cpu(tmp_path):
-    """``python -m benchmarks.compression --backends cpu --tiny``: every kind of row, and the note that the
-    token stream is synthetic."""
+    """``python -m benchmarks.compression --backends cpu --tiny``: every kind of row, and the note saying where
+    the token ids come from."""
     done = subprocess.run([sys.executable, "-m", "benchmarks.compression", "--backends", "cpu", "--tiny", "--no-cold",
                            "--data", str(tmp_path / "data"), "--out", str(tmp_path / "out")], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     with open(tmp_path / "out" / "cpu-only" / "compression.json") as f:
         doc = json.load(f)
-    assert "Zipf" in doc["notes"][0] and "Zipf" in done.stdout
+    assert "standard library's text" in doc["notes"][0] and "standard library's text" in done.stdout
     rows = doc["results"]
     passes = {(r["data"], r["stored"]) for r in rows if r["kind"] == "pass"}
     assert passes == {(k, m) for k in ("tokens", "images", "float16") for m in ("raw", "zstd")}
@@ -509,3 +541,51 @@ def test_a_resident_field_loaded_as_the_dataset_closes_is_not_decoded(tmp_path):
         with pytest.raises(GDSLoadError, match="closed while loading field 'z'"):
             read_resident(ds.meta.fields["z"], ds._backend, ds._layout, ds._decoder, None, ds._host_decoded,
                           closing)
+
+
+def test_benchmark_tokens_are_ids_of_real_text():
+    """The compression benchmark's tokens: word ids by frequency rank (0 the commonest), within the
+    vocabulary, the same on every call, and repeated to the size asked."""
+    from benchmarks.compression import VOCAB, make_kind, text_ids
+
+    ids = text_ids()
+    assert len(ids) > 100_000 and ids.dtype == np.int32 and 0 <= ids.min() and ids.max() < VOCAB
+    counts = np.bincount(ids, minlength=VOCAB)
+    assert counts[0] == counts[:VOCAB - 1].max()  # rank 0 is the commonest word
+    tokens = make_kind("tokens", 8 << 20)
+    assert tokens.shape == ((8 << 20) // (2048 * 4), 2048)
+    np.testing.assert_array_equal(tokens.reshape(-1)[:len(ids)], ids[:tokens.size])
+    np.testing.assert_array_equal(make_kind("tokens", 8 << 20), tokens)
+
+
+GPU_BACKENDS = [pytest.param(b, marks=pytest.mark.gpu) for b in ("pinned", "kvikio", "mmap")]
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_nvcomp_decodes_on_the_device(tmp_path, backend, monkeypatch):
+    """With nvCOMP installed and switched on, zstd chunks (with and without a crc32c) decode on the device,
+    exactly, shuffled, over two epochs, datasets opened and dropped one after another; a corrupt chunk is
+    named."""
+    pytest.importorskip("nvidia.nvcomp", reason="needs nvidia-nvcomp-cu13 (gdsload[nvcomp])")
+    monkeypatch.setenv("GDSLOAD_NVCOMP", "1")
+    path = store(tmp_path, z=(10, 40, [ZstdCodec(level=3)]), c=(9, None, [ZstdCodec(), Crc32cCodec()]),
+                 r=(8, 32, None))
+    for _ in range(3):  # each dataset's decoder torn down before the next opens
+        got = read_all(path, backend, resident_bytes=0)
+        for name in ("z", "c", "r"):
+            np.testing.assert_array_equal(got[name], rows(), err_msg=name)
+    with GDSDataset(path, batch_size=16, backend=backend, shuffle=True, resident_bytes=0) as ds:
+        assert ds.describe()["decode"] == {"z": "device (nvCOMP)", "c": "device (nvCOMP)"}
+        for epoch in (0, 1):
+            ds.set_epoch(epoch)
+            seen = np.concatenate([b["z"].get() for b in ds])
+            np.testing.assert_array_equal(np.sort(seen[:, 0]), rows()[:, 0])
+    with DatasetLayout(read_metadata(path)) as layout:
+        loc_z, loc_c = layout.locate("z", 6), layout.locate("c", 9)
+    _flip(loc_z.path, loc_z.offset)
+    with pytest.raises(ReadError, match=r"chunk 6 of array 'z' .*does not decode: not a zstd frame"):
+        read_all(path, backend, resident_bytes=0)
+    _flip(loc_z.path, loc_z.offset)
+    _flip(loc_c.path, loc_c.offset + loc_c.nbytes // 2)
+    with pytest.raises(ReadError, match=r"chunk 9 of array 'c' .*crc32c mismatch"):
+        read_all(path, backend, resident_bytes=0)

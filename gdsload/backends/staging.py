@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .._cuda import new_event
+from .._cuda import PinnedHost, new_event
 from .._units import ALIGN
 
 _POLL_S = 0.05
@@ -31,12 +31,10 @@ class StagingPool:
                              f"(found {slot_bytes}, {num_slots})")
         self.slot_bytes, self.num_slots = slot_bytes, num_slots
         self.total_bytes = slot_bytes * num_slots
-        with cupy.cuda.Device(device_id):
-            # Not from CuPy's pinned pool: that one caches freed memory, and close() must really free it.
-            self._mem: Any = cupy.cuda.PinnedMemory(self.total_bytes)
-        self._base = np.frombuffer(cupy.cuda.PinnedMemoryPointer(self._mem, 0), dtype=np.uint8,
-                                   count=self.total_bytes)
-        self._ptr = int(self._base.ctypes.data)  # once: ndarray.ctypes builds objects on every access
+        # Not from CuPy's pinned pool: that one caches freed memory, and close() must really free it.
+        self._mem: PinnedHost | None = PinnedHost(self.total_bytes, device_id)
+        self._base = self._mem.array
+        self._ptr = self._mem.ptr  # once: ndarray.ctypes builds objects on every access
         # Each slot's view made once: the driver thread slices one per read, holding the GIL.
         self._views = [memoryview(self._base[i * slot_bytes:(i + 1) * slot_bytes]) for i in range(num_slots)]
         # C-level: the pinned driver takes and gives back a slot per load, holding the GIL while it does.
@@ -90,4 +88,6 @@ class StagingPool:
         self._recorded = [False] * self.num_slots
         self._views = []
         self._base = np.zeros(0, np.uint8)
-        self._mem = None
+        if self._mem is not None:
+            self._mem.close()
+            self._mem = None
