@@ -1,7 +1,7 @@
 """Publishing a conversion's output safely: temporary directory, overwrite rules, atomic rename, signals.
 
 Nothing the user owns is ever lost. A conversion writes into a temporary sibling ``.NAME.tmp-<pid>-<hex>``
-(:func:`make_temp`) and publishes it with one atomic rename (:func:`publish_output`) that fails if the output
+(:func:`make_temp`), flushes it to disk, and publishes it with one atomic rename (:func:`publish_output`) that fails if the output
 appeared meanwhile (``renameat2`` with ``RENAME_NOREPLACE``), or, with ``overwrite``, swaps it with the old
 dataset (``RENAME_EXCHANGE``) before the old one is removed. ``overwrite`` replaces only a gdsload dataset,
 never a file, a directory holding an input or the working directory (:func:`check_output`, checked before
@@ -297,10 +297,31 @@ class ForeignTemp(ConversionError):
     """The temporary directory holds what was at the output and could not be put back: keep it."""
 
 
+def sync_tree(root: str) -> None:
+    """Flush every file and directory under ``root`` (and ``root``) to stable storage, deepest first. Before
+    the rename that publishes a dataset: otherwise a crash or power loss soon after could leave the new name
+    pointing at files whose data never reached the disk (empty or partial shards where the old dataset was)."""
+    for dirpath, _, files in os.walk(root, topdown=False):
+        for name in files:
+            _fsync(os.path.join(dirpath, name), os.O_RDONLY)
+        _fsync(dirpath, os.O_RDONLY | os.O_DIRECTORY)
+
+
+def _fsync(path: str, flags: int) -> None:
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def publish_output(tmp: str, out: str, overwrite: bool) -> None:
-    """Move the finished dataset at ``tmp`` to ``out`` in one step. Without ``overwrite`` this fails if
-    anything appeared at ``out`` during the conversion; with it, the old dataset is swapped out (into
-    ``tmp``) and removed, after checking it is still a dataset."""
+    """Move the finished dataset at ``tmp`` to ``out`` in one step, its data flushed first (:func:`sync_tree`)
+    and the rename itself after (the parent directory). Without ``overwrite`` this fails if anything
+    appeared at ``out`` during the conversion; with it, the old dataset is swapped out (into ``tmp``) and
+    removed, after checking it is still a dataset."""
+    sync_tree(tmp)
+    parent = os.path.dirname(os.path.abspath(out))
     if not overwrite:
         try:
             rename_noreplace(tmp, out)
@@ -308,6 +329,7 @@ def publish_output(tmp: str, out: str, overwrite: bool) -> None:
             raise ConversionError(f"{out}: output exists (it appeared during the conversion; pass --overwrite "
                                   "to replace it)") from None
         _signals.published = True
+        _fsync(parent, os.O_RDONLY | os.O_DIRECTORY)
         return
     try:
         rename_exchange(tmp, out)
@@ -319,10 +341,12 @@ def publish_output(tmp: str, out: str, overwrite: bool) -> None:
         except FileExistsError:
             raise ConversionError(f"{out}: output was replaced during the conversion; left as it is") from None
         _signals.published = True
+        _fsync(parent, os.O_RDONLY | os.O_DIRECTORY)
         return
     problem = dataset_problem(tmp)  # what was at out: the dataset checked at the start, unless replaced since
     if problem is None:
         _signals.published = True
+        _fsync(parent, os.O_RDONLY | os.O_DIRECTORY)  # the swap is durable before the old dataset goes
         shutil.rmtree(tmp, ignore_errors=True)  # what a failure leaves is removed as stale once we exit
         return
     try:

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import zarr
 
-from gdsload import ConversionError
+from gdsload import ConversionError, GDSDataset
 from gdsload import publish, writer
 from gdsload.format import read_metadata
 from gdsload.cli import shard_main
@@ -365,6 +365,42 @@ def test_overwrite_replaces_a_dataset(tmp_path, capsys):
     meta = read_metadata(out)
     assert list(meta.fields) == ["x"] and meta.num_samples == 10
     assert sorted(os.listdir(tmp_path)) == ["o.gds", "x.npy"]
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_every_file_reaches_the_disk_before_the_dataset_is_published(tmp_path, monkeypatch, overwrite):
+    """Every file and directory of the new dataset is fsynced before the rename that publishes it, and its
+    parent directory after it: a crash just after a conversion cannot leave the name on empty shards."""
+    out = tmp_path / "o.gds"
+    if overwrite:
+        write_dataset(out, {"old": np.arange(3)}, progress=False)
+    events: list[tuple[str, str]] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def renamed(fn):
+        def wrapper(src, dst):
+            events.append(("rename", str(src)))
+            return fn(src, dst)
+        return wrapper
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(publish, "rename_noreplace", renamed(publish.rename_noreplace))
+    monkeypatch.setattr(publish, "rename_exchange", renamed(publish.rename_exchange))
+    write_dataset(out, {"x": np.arange(1000, dtype=np.int64).reshape(100, 10)}, samples_per_block=8,
+                  overwrite=overwrite, progress=False)
+    first_rename = next(i for i, (what, _) in enumerate(events) if what == "rename")
+    tmp = events[first_rename][1]
+    before = {path for what, path in events[:first_rename] if what == "fsync"}
+    written = {os.path.join(d, f) for d, _, files in os.walk(out) for f in files}
+    written |= {d for d, _, _ in os.walk(out)}
+    assert {p.replace(str(out), tmp, 1) for p in written} <= before
+    assert ("fsync", str(tmp_path)) in events[first_rename:]
+    np.testing.assert_array_equal(next(iter(GDSDataset(out, batch_size=100, backend="cpu")))["x"],
+                                  np.arange(1000).reshape(100, 10))
 
 
 class Hook:
