@@ -2,8 +2,8 @@
 
 Nothing the user owns is ever lost. A conversion writes into a temporary sibling ``.NAME.tmp-<pid>-<hex>``
 (:func:`make_temp`), flushes it to disk, and publishes it with one atomic rename (:func:`publish_output`)
-that fails if the output appeared meanwhile (``renameat2`` with ``RENAME_NOREPLACE``), or, with ``overwrite``, swaps it with the old
-dataset (``RENAME_EXCHANGE``) before the old one is removed. ``overwrite`` replaces only a gdsload dataset,
+that fails if the output appeared meanwhile (``renameat2`` with ``RENAME_NOREPLACE``), or, with
+``overwrite``, swaps it with the old dataset (``RENAME_EXCHANGE``) before the old one is removed. ``overwrite`` replaces only a gdsload dataset,
 never a file, a directory holding an input or the working directory (:func:`check_output`, checked before
 anything is written and again on the swapped-out directory). A temporary directory left by a killed
 converter is recognised by its pid and removed by the next conversion to the same output
