@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -160,3 +160,19 @@ def write_probe(args: argparse.Namespace, name: str, rows: list[dict[str, Any]],
     info = describe_machine(args.data)
     path = os.path.join(results_dir(args.out, info), name + (f"-{args.tag}" if args.tag else "") + ".json")
     return write_json(path, {"benchmark": name, "date": today(), "machine": info, **extra, "results": rows})
+
+
+def write_report(json_path: str, text: str, plot: Callable[[str], None], command: str) -> list[str]:
+    """``text`` as ``<json_path without .json>.md`` and ``plot(png_path)`` beside it; returns the files written.
+    Without matplotlib (``plot`` raises ImportError) the PNG is left out, and said so with ``command``, which
+    makes it where matplotlib is installed."""
+    base = os.path.splitext(json_path)[0]
+    with open(base + ".md", "w") as f:
+        f.write(text)
+    written = [base + ".md"]
+    try:
+        plot(base + ".png")
+        written.append(base + ".png")
+    except ImportError as e:
+        print(f"no plot ({e}): run '{command} {json_path}' where matplotlib is installed")
+    return written

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from typing import Any
+
+from .common import write_report
 
 #: The acceptance targets: cold tokens zstd/raw per backend, and warm zstd gdsload / zarr-python per kind.
 COLD_TARGET = 2.0
@@ -310,16 +311,7 @@ def render(path: str) -> list[str]:
     """Write ``<path without .json>.md`` (and ``.png`` when matplotlib imports; otherwise say so) beside the
     compression JSON at ``path``; returns the paths written."""
     doc = load(path)
-    base = os.path.splitext(path)[0]
-    with open(base + ".md", "w") as f:
-        f.write(markdown(doc))
-    written = [base + ".md"]
-    try:
-        plot(doc, base + ".png")
-        written.append(base + ".png")
-    except ImportError as e:
-        print(f"no plot ({e}): run 'python -m benchmarks.compression_report {path}' where matplotlib is installed")
-    return written
+    return write_report(path, markdown(doc), lambda png: plot(doc, png), "python -m benchmarks.compression_report")
 
 
 if __name__ == "__main__":

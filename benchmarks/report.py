@@ -218,21 +218,11 @@ def load(path: str) -> dict[str, Any]:
 def render(path: str, summary: bool = True) -> list[str]:
     """Write the markdown (and PNG, and ``summary.json`` beside it) of the suite JSON at ``path``; returns
     the files written. Without matplotlib the PNG is left out, and said so."""
-    from .common import write_json
+    from .common import write_json, write_report
 
     doc = load(path)
-    base = os.path.splitext(path)[0]
-    with open(base + ".md", "w") as f:
-        f.write(markdown(doc))
-    written = [base + ".md"]
-    if summary:
-        written.append(write_json(os.path.join(os.path.dirname(path), "summary.json"), summarize(doc)))
-    try:
-        plot(doc, base + ".png")
-        written.append(base + ".png")
-    except ImportError as e:
-        print(f"no plot ({e}): run 'python -m benchmarks.report {path}' where matplotlib is installed")
-    return written
+    extra = [write_json(os.path.join(os.path.dirname(path), "summary.json"), summarize(doc))] if summary else []
+    return write_report(path, markdown(doc), lambda png: plot(doc, png), "python -m benchmarks.report") + extra
 
 
 if __name__ == "__main__":
