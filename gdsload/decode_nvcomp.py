@@ -70,6 +70,11 @@ class NvcompBatch:
         if len(src) == 0:
             return None
         if names[-1] == "crc32c":
+            short = np.flatnonzero(ends < src)
+            if len(short):
+                i = int(short[0])
+                raise chunk_error(layout, job.name, int(job.chunks[i]), names,
+                                  f"{int(job.nbytes[i])} bytes, too short for a crc32c")
             bad = np.flatnonzero(ops.crc_mismatch(buffer, src, ends))
             if len(bad):
                 raise chunk_error(layout, job.name, int(job.chunks[bad[0]]), names, "crc32c mismatch")

@@ -321,6 +321,20 @@ def test_device_path_checks_crc32c_after_zstd(tmp_path):
         _device_windows(path, ["c"], [], FakeNvcomp(), HostOps())
 
 
+def test_device_path_names_a_chunk_too_short_for_its_crc32c(tmp_path):
+    """A chunk of 3 bytes cannot hold the 4-byte crc32c after it: named as the CPU path names it, not checked
+    against bytes outside it."""
+    path = store(tmp_path, c=(10, None, [ZstdCodec(), Crc32cCodec()]))
+    with DatasetLayout(read_metadata(path)) as layout:
+        loc = layout.locate("c", 7)
+    os.truncate(loc.path, 3)
+    with pytest.raises(ReadError, match=rf"^{re.escape(loc.path)}: chunk 7 of array 'c' .*does not decode: "
+                                        rf"3 bytes, too short for a crc32c"):
+        _device_windows(path, ["c"], [], FakeNvcomp(), HostOps())
+    with pytest.raises(ReadError, match=r"chunk 7 of array 'c' .*does not decode: 3 bytes, too short for a crc32c"):
+        read_all(path, "cpu", resident_bytes=0)
+
+
 def test_nvcomp_batch_checks_the_decoded_size(tmp_path):
     path = store(tmp_path, z=(10, 40, [ZstdCodec()]))
     fake = FakeNvcomp()
