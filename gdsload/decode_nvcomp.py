@@ -117,7 +117,7 @@ def heads(gather: Any, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     lo, hi = np.asarray(lo, np.int64), np.asarray(hi, np.int64)
     idx = lo[:, None] + np.arange(4)
     inside = idx < hi[:, None]
-    got = np.asarray(gather(np.where(inside, idx, lo[:, None]).reshape(-1)), np.uint8).reshape(-1, 4)
+    got = np.asarray(gather(np.where(inside, idx, 0).reshape(-1)), np.uint8).reshape(-1, 4)  # 0: any valid index
     return np.ascontiguousarray(np.where(inside, got, 0).astype(np.uint8)).view("<u4").reshape(-1)
 
 

@@ -307,6 +307,7 @@ def test_zstd_frame_heads():
     buf = np.frombuffer(b"\x28\xb5\x2f\xfdxyz\x28\xb5", np.uint8)
     np.testing.assert_array_equal(heads(lambda i: buf[i], np.array([0, 4, 7]), np.array([4, 7, 9])),
                                   [ZSTD_MAGIC, int.from_bytes(b"xyz\0", "little"), 0xB528])
+    assert heads(lambda i: buf[i], np.array([9]), np.array([9])).tolist() == [0]  # empty, at the buffer's end
 
 
 def test_device_path_checks_crc32c_after_zstd(tmp_path):
