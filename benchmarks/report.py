@@ -43,7 +43,8 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
     def per_backend(key: str, **match: Any) -> dict[str, Any]:
         return {b: (one(backend=b, **match) or {}).get(key) for b in backends}
 
-    startup = measured(rows, kind="startup", dataset=main)
+    startup = {r["regime"] for r in measured(rows, kind="startup", dataset=main)}
+    warm_or_cold = "warm" if "warm" in startup else "cold" if startup else None  # warm: what targets are set for
     raw, raw_files = one(regime="warm", name=RAW_SHUFFLED), one(regime="warm", name=RAW_FILES)
     auto = doc.get("auto_backend") or {}
     return {"schema": SCHEMA, "date": doc["date"], "mode": doc["mode"], "gpu": doc["machine"].get("gpu"),
@@ -53,9 +54,11 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
             "raw_kvikio_shuffled_gbps": raw and raw["gb_per_s"],
             "raw_kvikio_whole_files_gbps": raw_files and raw_files["gb_per_s"],
             "stall_1p5x_sync_every_step": per_backend("wait_fraction", kind="step", step_factor=1.5, sync_every=1),
-            "startup_regime": startup[0]["regime"] if startup else None,
-            "open_s": per_backend("open_s", kind="startup"),
-            "first_batch_s": per_backend("first_batch_s", kind="startup")}
+            "startup_regime": warm_or_cold,
+            "open_s": per_backend("open_s", kind="startup", regime=warm_or_cold),
+            "first_batch_s": per_backend("first_batch_s", kind="startup", regime=warm_or_cold),
+            "open_s_cold": per_backend("open_s", kind="startup", regime="cold"),
+            "first_batch_s_cold": per_backend("first_batch_s", kind="startup", regime="cold")}
 
 
 def targets(doc: dict[str, Any]) -> list[str]:

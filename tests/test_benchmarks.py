@@ -263,3 +263,22 @@ def test_read_files_closes_what_it_opened_when_an_open_fails(tmp_path) -> None:
     with pytest.raises(OSError):
         read_files([str(good), str(tmp_path / "missing.bin")])
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_summary_startup_is_the_warm_regime_with_cold_beside_it(suite_run: str) -> None:
+    """The start-up targets are set for a warm dataset: a run with both regimes summarises the warm rows
+    and keeps the cold ones under their own keys (a run with cold rows only summarised those as if warm)."""
+    from benchmarks.report import load, summarize
+
+    doc = load(os.path.join(suite_run, "suite.json"))
+    warm = [r for r in doc["results"] if r["kind"] == "startup"]
+    assert {r["regime"] for r in warm} == {"warm"}
+    cold = [{**r, "regime": "cold", "open_s": r["open_s"] + 1.0, "first_batch_s": r["first_batch_s"] + 2.0}
+            for r in warm]
+    doc["results"] = cold + doc["results"]
+    s = summarize(doc)
+    main = [r for r in warm if r["dataset"] == s["dataset"]][0]
+    assert s["startup_regime"] == "warm"
+    assert (s["open_s"]["cpu"], s["first_batch_s"]["cpu"]) == (main["open_s"], main["first_batch_s"])
+    assert (s["open_s_cold"]["cpu"], s["first_batch_s_cold"]["cpu"]) == (main["open_s"] + 1.0,
+                                                                         main["first_batch_s"] + 2.0)
