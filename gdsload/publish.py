@@ -3,8 +3,9 @@
 Nothing the user owns is ever lost. A conversion writes into a temporary sibling ``.NAME.tmp-<pid>-<hex>``
 (:func:`make_temp`), flushes it to disk, and publishes it with one atomic rename (:func:`publish_output`)
 that fails if the output appeared meanwhile (``renameat2`` with ``RENAME_NOREPLACE``), or, with
-``overwrite``, swaps it with the old dataset (``RENAME_EXCHANGE``) before the old one is removed. ``overwrite`` replaces only a gdsload dataset,
-never a file, a directory holding an input or the working directory (:func:`check_output`, checked before
+``overwrite``, swaps it with the old dataset (``RENAME_EXCHANGE``) before the old one is removed.
+``overwrite`` replaces only a gdsload dataset, never a file, a directory holding an input or the working
+directory (:func:`check_output`, checked before
 anything is written and again on the swapped-out directory). A temporary directory left by a killed
 converter is recognised by its pid and removed by the next conversion to the same output
 (:func:`remove_stale_temps`).
@@ -304,7 +305,7 @@ def sync_tree(root: str) -> None:
     for dirpath, _, files in os.walk(root, topdown=False):
         for name in files:
             _fsync(os.path.join(dirpath, name), os.O_RDONLY)
-        _fsync(dirpath, os.O_RDONLY | os.O_DIRECTORY)
+        _fsync_dir(dirpath)
 
 
 def _fsync(path: str, flags: int) -> None:
@@ -313,6 +314,21 @@ def _fsync(path: str, flags: int) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    """fsync a directory; file systems that cannot (EINVAL, ENOTSUP) are left as they are."""
+    try:
+        _fsync(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+
+
+def _fsync_published(parent: str) -> None:
+    """Make the rename durable; the dataset is published already, so a failure here is not the conversion's."""
+    with contextlib.suppress(OSError):
+        _fsync(parent, os.O_RDONLY | os.O_DIRECTORY)
 
 
 def publish_output(tmp: str, out: str, overwrite: bool) -> None:
@@ -329,7 +345,7 @@ def publish_output(tmp: str, out: str, overwrite: bool) -> None:
             raise ConversionError(f"{out}: output exists (it appeared during the conversion; pass --overwrite "
                                   "to replace it)") from None
         _signals.published = True
-        _fsync(parent, os.O_RDONLY | os.O_DIRECTORY)
+        _fsync_published(parent)
         return
     try:
         rename_exchange(tmp, out)
@@ -341,12 +357,12 @@ def publish_output(tmp: str, out: str, overwrite: bool) -> None:
         except FileExistsError:
             raise ConversionError(f"{out}: output was replaced during the conversion; left as it is") from None
         _signals.published = True
-        _fsync(parent, os.O_RDONLY | os.O_DIRECTORY)
+        _fsync_published(parent)
         return
     problem = dataset_problem(tmp)  # what was at out: the dataset checked at the start, unless replaced since
     if problem is None:
         _signals.published = True
-        _fsync(parent, os.O_RDONLY | os.O_DIRECTORY)  # the swap is durable before the old dataset goes
+        _fsync_published(parent)  # the swap is durable before the old dataset goes
         shutil.rmtree(tmp, ignore_errors=True)  # what a failure leaves is removed as stale once we exit
         return
     try:
