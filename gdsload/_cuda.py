@@ -30,7 +30,8 @@ class PinnedHost:
     """``nbytes`` of page-locked host memory: anonymous pages mapped and faulted in by the kernel
     (``MAP_POPULATE``), then registered with CUDA for DMA: quicker to set up than ``cudaHostAlloc`` (CuPy's
     ``PinnedMemory``), and copies from it run at the same rate (docs/design.md). ``array`` is the memory as
-    uint8; :meth:`close` unregisters and unmaps (after every copy out of it is done)."""
+    uint8; :meth:`close` unregisters and unmaps (after every copy out of it is done), and so does dropping
+    the last reference (an owner whose constructor failed later never gets to call ``close``)."""
 
     def __init__(self, nbytes: int, device_id: int = 0):
         import mmap
@@ -67,3 +68,9 @@ class PinnedHost:
             self._registered = False
             cupy.cuda.runtime.hostUnregister(self.ptr)
             self._unmap()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # at interpreter exit CUDA may be gone already; the process frees the pages
+            pass

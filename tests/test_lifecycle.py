@@ -271,3 +271,40 @@ def test_shard_mutations_with_verify_never_serve_different_data(make_dataset, tm
             outcomes["exact"] += 1
         shutil.rmtree(path)
     assert outcomes["error"] > 0
+
+
+class _FakeRuntime:
+    """CuPy's runtime calls that ``PinnedHost`` makes, recorded (no GPU here)."""
+
+    def __init__(self):
+        self.registered: dict[int, int] = {}
+
+    def hostRegister(self, ptr, nbytes, flags):
+        self.registered[ptr] = nbytes
+
+    def hostUnregister(self, ptr):
+        del self.registered[ptr]
+
+
+def test_pinned_host_memory_is_unregistered_when_dropped_unclosed(monkeypatch):
+    """A staging pool whose owner failed before it could close it (an error later in a backend's constructor)
+    must not leave its pages registered with CUDA: dropping the last reference unregisters them, once."""
+    import contextlib
+    import sys
+    import types
+
+    from gdsload._cuda import PinnedHost
+
+    runtime = _FakeRuntime()
+    cuda = types.SimpleNamespace(runtime=runtime, Device=lambda i: contextlib.nullcontext())
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda))
+    kept = PinnedHost(1 << 20)
+    kept.array[:] = 7
+    assert list(runtime.registered.values()) == [1 << 20]
+    kept.close()
+    assert runtime.registered == {}
+    dropped = PinnedHost(1 << 20)
+    assert len(runtime.registered) == 1
+    del dropped
+    assert runtime.registered == {}
+    kept.close()  # closing twice does nothing
