@@ -163,16 +163,16 @@ class ArraySource:
         pass
 
 
-def as_source(name: str, obj: Any) -> Source:
-    """``obj`` as the source of field ``name``: a :class:`Source` as it is, an array-like (numpy, zarr, anything
-    with ``shape``, ``dtype`` and slicing along axis 0) wrapped in :class:`ArraySource`; anything else is a
-    ConversionError naming the field and the type."""
+def as_source(out: str, name: str, obj: Any) -> Source:
+    """``obj`` as the source of field ``name`` of the dataset at ``out``: a :class:`Source` as it is, an
+    array-like (numpy, zarr, anything with ``shape``, ``dtype`` and slicing along axis 0) wrapped in
+    :class:`ArraySource`; anything else is a ConversionError naming the output, the field and the type."""
     if all(hasattr(obj, a) for a in ("origin", "shape", "dtype", "read", "close")):
         return obj
     if all(hasattr(obj, a) for a in ("shape", "dtype", "__getitem__")):
         return ArraySource(f"<{type(obj).__name__} for field {name!r}>", obj)
-    raise ConversionError(f"field {name!r}: expected an array (numpy, zarr, anything with shape, dtype and slicing "
-                          f"along axis 0) or a gdsload Source, found {type(obj).__name__}")
+    raise ConversionError(f"{out}: field {name!r}: expected an array (numpy, zarr, anything with shape, dtype "
+                          f"and slicing along axis 0) or a gdsload Source, found {type(obj).__name__}")
 
 
 def _settle_zarr() -> None:

@@ -227,7 +227,7 @@ def write_dataset(
     out = os.path.abspath(os.fspath(out))
     ragged = dict(ragged or {})
     try:
-        sources = {n: as_source(str(n), s) for n, s in sources.items()}
+        sources = {n: as_source(out, str(n), s) for n, s in sources.items()}
     except ConversionError:
         _close_all({n: s for n, s in sources.items() if callable(getattr(s, "close", None))})
         raise
