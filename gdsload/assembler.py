@@ -13,7 +13,7 @@ allocated before ``ops.fence()``: memory the consumer freed is rewritten only af
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -23,6 +23,12 @@ from .plan import EpochPlan
 from .ragged import epoch_value_index, gather
 from .ragged import pad as pad_values
 from .window import WindowLayout
+
+
+#: Batches are gathered together up to this many output bytes. Each batch of a group is a view of the group's
+#: arrays, so memory the consumer drops returns to the pool once every batch of its group is dropped: this
+#: bounds what that holds back.
+GROUP_BYTES = 8 << 20
 
 
 @dataclass
@@ -38,9 +44,10 @@ class Assembler:
 
     def __init__(self, ops: Any, window_layout: WindowLayout, ragged_offsets: dict[str, np.ndarray],
                  output_fields: Sequence[str], resident: dict[str, ResidentField],
-                 pad: dict[str, tuple[int | None, Any]]):
+                 pad: dict[str, tuple[int | None, Any]], group_bytes: int | None = None):
         """``ragged_offsets``: each variable-length field's offsets array; ``pad``: variable-length field ->
-        (width, or None for the batch's longest; pad value)."""
+        (width, or None for the batch's longest; pad value); ``group_bytes``: batches smaller than this are
+        gathered several at a time, up to this many bytes (1: one at a time; None: :data:`GROUP_BYTES`)."""
         self.ops, self.wl = ops, window_layout
         self.ragged_offsets = ragged_offsets
         self.resident = resident
@@ -53,25 +60,29 @@ class Assembler:
         self.mapped = [n for n in self.windowed if n not in self.direct]
         self.shapes = {n: (resident[n].meta if n in resident else window_layout.fields[n]) for n in output_fields
                        if n not in window_layout.ragged}
+        self.group_bytes = GROUP_BYTES if group_bytes is None else group_bytes
 
     def batches(self, plan: EpochPlan, start_batch: int, window: Callable[[int], dict[str, Any] | None],
                 release: Callable[[int], None], stopped: Callable[[], bool]
                 ) -> Iterator[tuple[int, dict[str, Any], int]]:
         """Yield ``(batch index, arrays, samples)`` from ``start_batch`` on. ``window(w)`` gives window
         ``w``'s field views once its data may be read on the assembler's stream (None: stop);
-        ``release(w)`` is called, inside the batch's scope, after the last gather from window ``w``."""
+        ``release(w)`` is called, inside the batch's scope, after the last gather from window ``w``.
+
+        Small batches are gathered in groups (:func:`batch_groups`): one allocation and one gather per
+        field and window for the whole group, each batch a view of its rows. What a batch costs in Python
+        (allocations, launches, events) is then paid once per group, not per batch."""
         ops = self.ops
         table = plan.segment_table()
         last_batch = plan.last_batch_of_window()
-        positions_dev = None  # the epoch's positions on the device, uploaded once
-        rows_dev: dict[str, Any] = {}  # the same for each field gathered by rows of its own
-        ids_dev = None  # the epoch's global sample ids, for resident fields
+        state = _EpochIndex()
         value_index = {n: epoch_value_index(plan, self.ragged_offsets[n]) for n in self.ragged}  # host: sizes
         value_index_dev: dict[str, tuple[Any, Any]] = {}
-        for i in range(start_batch, plan.num_batches):
+        per_group = 1 if self.ragged else max(1, self.group_bytes // max(1, self._batch_bytes(plan)))
+        for first, stop in batch_groups(table, last_batch, start_batch, plan.num_batches, per_group):
             if stopped():
                 return
-            rows = table[i]
+            rows = merge_segments([seg for i in range(first, stop) for seg in table[i]])
             views = {}
             for w, _, _, _ in rows:
                 got = window(w)
@@ -84,34 +95,50 @@ class Assembler:
                 for name in self.ragged:
                     self._ragged_outputs(name, lo, hi, value_index[name][1], out)
                 ops.fence()
-                if self.resident:
-                    if ids_dev is None:
-                        ids_dev = ops.index_array(_compact(plan.sample_ids()))
-                    for name, r in self.resident.items():
-                        if name in out:
-                            ops.take(r.array, ids_dev[lo:hi], out[name])
-                for w, start, stop, first in rows:
-                    part = slice(start - lo, stop - lo)
-                    if first >= 0:
-                        for name in self.direct:
-                            ops.copy_rows(views[w][name], first, out[name][part])
-                    elif self.direct:
-                        if positions_dev is None:
-                            positions_dev = ops.index_array(_compact(plan.positions))
-                        for name in self.direct:
-                            ops.take(views[w][name], positions_dev[start:stop], out[name][part])
-                    for name in self.mapped:
-                        if name not in rows_dev:
-                            rows_dev[name] = ops.index_array(_compact(self.wl.stream_rows(plan, name)))
-                        ops.take(views[w][name], rows_dev[name][start:stop], out[name][part])
+                self._gather(plan, rows, views, lo, out, state)
                 for name in self.ragged:
                     if name not in value_index_dev:
                         value_index_dev[name] = tuple(ops.index_array(a) for a in value_index[name])
                     self._gather_ragged(name, rows, views, value_index[name][1], value_index_dev[name], out)
                 for w, _, _, _ in rows:
-                    if last_batch[w] == i:
+                    if first <= last_batch[w] < stop:
                         release(w)
-            yield i, out, hi - lo
+            if stop - first == 1:
+                yield first, out, hi - lo
+                continue
+            for i in range(first, stop):
+                b_lo, b_hi = plan.batch_bounds(i)
+                yield i, {n: a[b_lo - lo:b_hi - lo] for n, a in out.items()}, b_hi - b_lo
+
+    def _batch_bytes(self, plan: EpochPlan) -> int:
+        """Output bytes of one full batch of the fixed-size fields."""
+        return plan.config.batch_size * sum(f.sample_bytes for f in self.shapes.values())
+
+    def _gather(self, plan: EpochPlan, rows: list[tuple[int, int, int, int]], views: dict[int, dict[str, Any]],
+                lo: int, out: dict[str, Any], state: _EpochIndex) -> None:
+        """Queue the gathers of the fixed-size fields of stream rows ``rows[0].start .. rows[-1].stop``."""
+        ops = self.ops
+        hi = rows[-1][2]
+        if self.resident:
+            if state.ids is None:
+                state.ids = ops.index_array(_compact(plan.sample_ids()))
+            for name, r in self.resident.items():
+                if name in out:
+                    ops.take(r.array, state.ids[lo:hi], out[name])
+        for w, start, stop, first in rows:
+            part = slice(start - lo, stop - lo)
+            if first >= 0:
+                for name in self.direct:
+                    ops.copy_rows(views[w][name], first, out[name][part])
+            elif self.direct:
+                if state.positions is None:
+                    state.positions = ops.index_array(_compact(plan.positions))
+                for name in self.direct:
+                    ops.take(views[w][name], state.positions[start:stop], out[name][part])
+            for name in self.mapped:
+                if name not in state.rows:
+                    state.rows[name] = ops.index_array(_compact(self.wl.stream_rows(plan, name)))
+                ops.take(views[w][name], state.rows[name][start:stop], out[name][part])
 
     def _ragged_outputs(self, name: str, lo: int, hi: int, lengths_host: np.ndarray, out: dict[str, Any]) -> None:
         """Allocate a variable-length field's outputs: values back to back plus (B + 1) offsets, or
@@ -152,6 +179,47 @@ class Assembler:
             offsets = out[f"{name}/offsets"]
             offsets[:1] = 0
             xp.cumsum(batch_lengths, out=offsets[1:])
+
+
+@dataclass
+class _EpochIndex:
+    """Index arrays of one epoch, uploaded at their first use: positions in the windows (fields gathered by
+    the plan's positions), rows of each field gathered by rows of its own, global sample ids (resident)."""
+
+    positions: Any = None
+    rows: dict[str, Any] = field(default_factory=dict)
+    ids: Any = None
+
+
+def batch_groups(table: Sequence[Sequence[tuple[int, int, int, int]]], last_batch: np.ndarray, start: int,
+                 stop: int, per_group: int) -> Iterator[tuple[int, int]]:
+    """Batches ``start .. stop - 1`` as groups ``(first, stop)`` of at most ``per_group`` batches. A group
+    ends with the last batch of a window, so it never waits for a window its first batches do not need,
+    and every window is released as early as it was batch by batch."""
+    first = start
+    while first < stop:
+        end = first
+        while True:
+            end += 1
+            if end - first >= per_group or end >= stop or any(last_batch[w] == end - 1 for w, *_ in table[end - 1]):
+                break
+        yield first, end
+        first = end
+
+
+def merge_segments(rows: Sequence[tuple[int, int, int, int]]) -> list[tuple[int, int, int, int]]:
+    """Consecutive segments ``(window, start, stop, first_position)`` of the stream merged per window: one
+    gather for the lot. The merged segment stays a copy (``first_position`` >= 0) only when its positions
+    run on without a break."""
+    out: list[tuple[int, int, int, int]] = []
+    for w, start, stop, first in rows:
+        if out and out[-1][0] == w and out[-1][2] == start:
+            pw, pstart, _, pfirst = out[-1]
+            run_on = pfirst >= 0 and first == pfirst + (start - pstart)
+            out[-1] = (w, pstart, stop, pfirst if run_on else -1)
+        else:
+            out.append((w, start, stop, first))
+    return out
 
 
 def _compact(a: np.ndarray) -> np.ndarray:
