@@ -35,7 +35,7 @@ import numpy as np
 
 from gdsload import GDSDataset, write_dataset
 from gdsload.decode import NVCOMP_ENV
-from gdsload.measure import cold_pass, cpu_seconds, drop_page_cache, time_pass
+from gdsload.measure import cold_pass, cpu_seconds, drop_page_cache, pinned_h2d_gbps, read_files, shard_paths, time_pass
 from gdsload.writer import DEFAULT_CHUNK_BYTES
 from gdsload.sources import ArraySource
 
@@ -124,10 +124,12 @@ def gdsload_pass(path: str, backend: str, batch: int, warm_s: float, cold: bool,
             if drop_page_cache():
                 c0, t0 = cpu_seconds(), time.perf_counter()
                 with GDSDataset(path, batch_size=batch, backend=backend, shuffle=True, **opts) as ds:
+                    opened = time.perf_counter() - t0
                     r = time_pass(ds)
                 seconds = time.perf_counter() - t0
                 out["cold_gbps"] = r.bytes / seconds / 1e9
                 out["cold_cpu_core_s_per_gb"] = (cpu_seconds() - c0) / (r.bytes / 1e9)
+                out["cold_open_s"], out["cold_pass_s"] = opened, r.seconds
             else:
                 out["cold_gbps"] = None
         with GDSDataset(path, batch_size=batch, backend=backend, shuffle=True, **opts) as ds:
@@ -149,6 +151,24 @@ def gdsload_pass(path: str, backend: str, batch: int, warm_s: float, cold: bool,
             os.environ[NVCOMP_ENV] = saved
     free_device_memory()
     return out
+
+
+def ceilings(paths: dict[str, str], kind: str) -> list[dict[str, Any]]:
+    """The ceilings beside a kind's passes: each store's files read cold with O_DIRECT (the disk; GB/s of
+    stored bytes, and of decoded bytes for the zstd store: what a decoder keeping up would deliver)."""
+    rows = []
+    for mode, path in paths.items():
+        row: dict[str, Any] = {"kind": "ceiling", "data": kind, "what": "disk", "stored": mode}
+        if not drop_page_cache():
+            row["error"] = "page cache could not be dropped"
+        else:
+            try:
+                r = read_files(shard_paths(path), direct=True)
+                row.update(stored_gbps=r.gb_per_s, stored_bytes=r.bytes, io_mode=r.io_mode)
+            except OSError as e:
+                row["error"] = f"{type(e).__name__}: {e}"
+        rows.append(row)
+    return rows
 
 
 def nvcomp_decode_gbps(path: str, field: str, window_bytes: int = 256 << 20, repeats: int = 3) -> float | None:
@@ -269,6 +289,11 @@ def main(argv: list[str] | None = None) -> str:
                        "ratio": ratio, "decoded_bytes": int(data.nbytes), "nvcomp": False, **result})
         for r in zarr_reads(paths["zstd"], kind, gpu):
             rows.emit({**r, "data": kind, "ratio": ratio})
+        if not args.no_cold:
+            for r in ceilings(paths, kind):
+                rows.emit({**r, "ratio": ratio if r["stored"] == "zstd" else 1.0})
+    if gpu:
+        rows.emit({"kind": "ceiling", "what": "h2d", "gbps": pinned_h2d_gbps(), "io_mode": "cuda-memcpy"})
     tokens = make_kind("tokens", size)
     for chunk in chunk_sizes:
         path = write_pair(args.data, "tokens", tokens, args.level, chunk, raw=False)["zstd"]

@@ -184,13 +184,48 @@ def _header(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
+def ceiling_rows(doc: dict[str, Any], what: str, data: str | None = None) -> list[dict[str, Any]]:
+    """The ``ceiling`` rows of one kind (``disk``: per store; ``h2d``: one per run, no data kind)."""
+    return [r for r in doc["results"] if r.get("kind") == "ceiling" and r.get("what") == what
+            and (data is None or r.get("data") == data)]
+
+
+def _ceiling_lines(doc: dict[str, Any], data: str) -> list[str]:
+    """The disk ceiling of each store (stored GB/s; for a compressed one, also the decoded GB/s a decoder
+    keeping up would deliver) and the run's pinned host-to-device copy rate."""
+    parts = []
+    for r in ceiling_rows(doc, "disk", data):
+        if "error" in r:
+            parts.append(f"{r['stored']} store not measured ({_cell(r['error'])})")
+        elif r.get("ratio") and r["ratio"] != 1.0:
+            parts.append(f"{r['stored']} store {fmt(r['stored_gbps'])} GB/s stored = "
+                         f"{fmt(r['stored_gbps'] / r['ratio'])} GB/s decoded")
+        else:
+            parts.append(f"{r['stored']} store {fmt(r['stored_gbps'])} GB/s")
+    h2d = ceiling_rows(doc, "h2d")
+    lines = []
+    if parts:
+        lines.append("Ceilings: disk, cold O_DIRECT reads of the store's files: " + "; ".join(parts) + ".")
+    if h2d:
+        lines.append(f"Pinned host-to-device copy: {fmt(h2d[0].get('gbps'))} GB/s.")
+    return lines + ([""] if lines else [])
+
+
+def _cold(r: dict[str, Any]) -> str:
+    """The cold GB/s; for a row timed from the open (mmap), the open's and the pass's seconds after it."""
+    if r.get("cold_open_s") is None:
+        return fmt(r.get("cold_gbps"))
+    return f"{fmt(r.get('cold_gbps'))} (open {r['cold_open_s']:.2f} s + pass {r['cold_pass_s']:.2f} s)"
+
+
 def _kind_tables(doc: dict[str, Any], data: str) -> list[str]:
-    lines = [f"## {data}", "", "| backend | stored | decoded:stored | io mode | warm GB/s | cold GB/s | "
+    lines = [f"## {data}", "", *_ceiling_lines(doc, data),
+             "| backend | stored | decoded:stored | io mode | warm GB/s | cold GB/s | "
              "warm CPU core-s/GB | cold CPU core-s/GB | decoded where |", "|---|---|---:|---|---:|---:|---:|---:|---|"]
     for r in passes(doc, data=data):
         where = ", ".join(f"{k}: {v}" for k, v in (r.get("decode") or {}).items()) or "-"
         lines.append(f"| {r['backend']} | {r['stored']} | {decoded_per_stored(r.get('ratio'))} | "
-                     f"{r.get('io_mode', '-')} | {fmt(r.get('warm_gbps'))} | {fmt(r.get('cold_gbps'))} | "
+                     f"{r.get('io_mode', '-')} | {fmt(r.get('warm_gbps'))} | {_cold(r)} | "
                      f"{fmt(r.get('warm_cpu_core_s_per_gb'))} | {fmt(r.get('cold_cpu_core_s_per_gb'))} | "
                      f"{_cell(where)} |")
     z = zarr_rows(doc, data)

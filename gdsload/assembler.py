@@ -28,7 +28,7 @@ from .window import WindowLayout
 #: Batches are gathered together up to this many output bytes. Each batch of a group is a view of the group's
 #: arrays, so memory the consumer drops returns to the pool once every batch of its group is dropped: this
 #: bounds what that holds back.
-GROUP_BYTES = 8 << 20
+GROUP_BYTES = 64 << 20
 
 
 @dataclass

@@ -239,3 +239,22 @@ def test_command_line(tmp_path: Any) -> None:
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"wrote {os.path.join(tmp_path, 'compression-cli.md')}" in done.stdout
+
+
+def test_ceilings_and_the_mmap_cold_split_are_shown(tmp_path: Any) -> None:
+    doc = gpu_doc()
+    doc["results"] += [
+        {"kind": "ceiling", "what": "disk", "data": "tokens", "stored": "raw", "ratio": 1.0, "stored_gbps": 1.5123},
+        {"kind": "ceiling", "what": "disk", "data": "tokens", "stored": "zstd", "ratio": 0.25, "stored_gbps": 1.25},
+        {"kind": "ceiling", "what": "disk", "data": "images", "stored": "raw", "ratio": 1.0,
+         "error": "OSError: O_DIRECT refused"},
+        {"kind": "ceiling", "what": "h2d", "gbps": 54.97, "io_mode": "cuda-memcpy"}]
+    mmap = next(r for r in doc["results"] if r.get("kind") == "pass" and r["backend"] == "mmap")
+    mmap.update(cold_open_s=0.4012, cold_pass_s=0.3349)
+    _, text = rendered(tmp_path, doc)
+    assert ("Ceilings: disk, cold O_DIRECT reads of the store's files: raw store 1.51 GB/s; zstd store 1.25 GB/s "
+            "stored = 5.00 GB/s decoded.") in text
+    assert "raw store not measured (OSError: O_DIRECT refused)" in text
+    assert text.count("Pinned host-to-device copy: 55.0 GB/s.") == len({r["data"] for r in doc["results"]
+                                                                         if r.get("kind") == "pass"})
+    assert "(open 0.40 s + pass 0.33 s)" in text
