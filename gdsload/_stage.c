@@ -1,0 +1,780 @@
+/* gdsload's native stager: worker pthreads read pieces of files into their own small staging buffers and
+ * copy them to destination addresses (host memory with memcpy, or device memory with cuMemcpyHtoDAsync), so
+ * no Python runs per piece. Loaded by ctypes (gdsload/stager.py documents the contract); no Python.h and
+ * no CUDA headers: the few driver API entry points used are declared here and resolved with dlopen at
+ * create time, so the library builds and runs (host mode) on machines without CUDA.
+ *
+ * Concurrency: one mutex guards the job table, the FIFO of jobs with pieces still to hand out, and every
+ * job's counters; workers drop it around pread, memcpy and CUDA calls. Staging buffers belong to one worker
+ * each, so they need no lock. Waits are condition variables or cuEventSynchronize, never polls.
+ */
+#define _GNU_SOURCE
+#define _FILE_OFFSET_BITS 64
+#include <dlfcn.h>
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#define GDS_STAGER_ABI 1
+#define MODE_HOST 0
+#define MODE_CUDA 1
+#define ALIGN 4096
+#define MSG_LEN 256
+#define WORKER_STACK (1024 * 1024) /* CUDA driver calls run on it too */
+
+/* ---- the CUDA driver API, declared by hand ---- */
+typedef int CUresult;
+typedef int CUdevice;
+typedef struct CUctx_st *CUcontext;
+typedef struct CUstream_st *CUstream;
+typedef struct CUevent_st *CUevent;
+typedef unsigned long long CUdeviceptr;
+#define CU_STREAM_NON_BLOCKING 0x1
+#define CU_EVENT_DISABLE_TIMING 0x2
+#define CU_MEMHOSTREGISTER_PORTABLE 0x1
+
+typedef struct {
+    CUresult (*Init)(unsigned int);
+    CUresult (*DeviceGet)(CUdevice *, int);
+    CUresult (*DevicePrimaryCtxRetain)(CUcontext *, CUdevice);
+    CUresult (*DevicePrimaryCtxRelease)(CUdevice);
+    CUresult (*CtxSetCurrent)(CUcontext);
+    CUresult (*CtxGetCurrent)(CUcontext *);
+    CUresult (*StreamCreate)(CUstream *, unsigned int);
+    CUresult (*StreamDestroy)(CUstream);
+    CUresult (*StreamSynchronize)(CUstream);
+    CUresult (*EventCreate)(CUevent *, unsigned int);
+    CUresult (*EventDestroy)(CUevent);
+    CUresult (*EventRecord)(CUevent, CUstream);
+    CUresult (*EventSynchronize)(CUevent);
+    CUresult (*MemcpyHtoDAsync)(CUdeviceptr, const void *, size_t, CUstream);
+    CUresult (*MemHostRegister)(void *, size_t, unsigned int);
+    CUresult (*MemHostUnregister)(void *);
+    CUresult (*GetErrorName)(CUresult, const char **);
+} cuda_api;
+
+/* ---- jobs ---- */
+enum { JOB_RUNNING, JOB_DONE, JOB_FAILED, JOB_CANCELLED };
+
+typedef struct {
+    int fd;
+    int64_t offset, size;
+    uint64_t dest;
+} piece_t;
+
+typedef struct job {
+    int64_t id;
+    piece_t *pieces;
+    int n;
+    int next_piece;       /* dispatch cursor: the piece and offset in it of the next sub-piece */
+    int64_t next_off;
+    int64_t undispatched; /* sub-pieces not yet taken by a worker */
+    int64_t remaining;    /* sub-pieces not yet complete (copied, skipped or dropped), undispatched included */
+    int state;
+    int has_error;
+    int64_t err_piece, err_got;
+    int err_no;
+    char msg[MSG_LEN];
+    int queued;           /* in the FIFO (iff RUNNING and undispatched > 0) */
+    struct job *qprev, *qnext;
+    struct job *tnext;    /* the job table, until wait() returned its final result */
+    int waiters, reported;
+} job_t;
+
+typedef struct {
+    unsigned char *ptr;
+    CUevent ev;
+    job_t *job;           /* non-NULL: a copy out of this buffer is outstanding, for a sub-piece of job */
+    int piece;
+} buf_t;
+
+typedef struct gds_stager gds_stager;
+
+typedef struct {
+    gds_stager *s;
+    pthread_t tid;
+    int running;
+    CUstream stream;
+    buf_t *bufs;
+    int next;
+} worker_t;
+
+struct gds_stager {
+    int mode, device, nthreads, nbufs;
+    size_t buf_bytes, mem_bytes;
+    unsigned char *mem;
+    int registered;
+    cuda_api cu;
+    void *libcuda;
+    CUdevice dev;
+    CUcontext ctx;
+    int ctx_retained;
+    pthread_mutex_t mu;
+    pthread_cond_t work_cv, done_cv, calls_cv;
+    int sync_ready;
+    job_t *qhead, *qtail, *jobs;
+    int64_t next_id;
+    int closing, joined, in_calls;
+    int started, start_failed;
+    char start_err[MSG_LEN];
+    worker_t *workers;
+};
+
+static void set_msg(char *buf, size_t len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void set_msg(char *buf, size_t len, const char *fmt, ...) {
+    va_list ap;
+    if (buf == NULL || len == 0) return;
+    va_start(ap, fmt);
+    vsnprintf(buf, len, fmt, ap);
+    va_end(ap);
+}
+
+static const char *cu_name(gds_stager *s, CUresult r) {
+    const char *name = NULL;
+    if (s->cu.GetErrorName == NULL || s->cu.GetErrorName(r, &name) != 0 || name == NULL) return "CUDA_ERROR_UNKNOWN";
+    return name;
+}
+
+/* ---- job bookkeeping (all under s->mu) ---- */
+static void queue_remove(gds_stager *s, job_t *j) {
+    if (!j->queued) return;
+    if (j->qprev) j->qprev->qnext = j->qnext; else s->qhead = j->qnext;
+    if (j->qnext) j->qnext->qprev = j->qprev; else s->qtail = j->qprev;
+    j->qprev = j->qnext = NULL;
+    j->queued = 0;
+}
+
+static void queue_append(gds_stager *s, job_t *j) {
+    j->qnext = NULL;
+    j->qprev = s->qtail;
+    if (s->qtail) s->qtail->qnext = j; else s->qhead = j;
+    s->qtail = j;
+    j->queued = 1;
+}
+
+static void complete(gds_stager *s, job_t *j, int64_t n) {
+    j->remaining -= n;
+    if (j->remaining == 0) {
+        if (j->state == JOB_RUNNING) j->state = JOB_DONE;
+        pthread_cond_broadcast(&s->done_cv);
+    }
+}
+
+/* Sub-pieces never handed out count as complete: a failed or cancelled job ends without them. */
+static void drop_undispatched(gds_stager *s, job_t *j) {
+    int64_t n = j->undispatched;
+    queue_remove(s, j);
+    j->undispatched = 0;
+    if (n > 0) complete(s, j, n);
+}
+
+/* The first error of a job is kept; a later short read of the same piece that ends earlier in the file
+ * replaces it (sub-pieces of one piece are read in parallel, the one nearest the end may fail first). */
+static void fail(gds_stager *s, job_t *j, int piece, int err_no, int64_t got, const char *msg) {
+    if (j->state == JOB_RUNNING) {
+        j->state = JOB_FAILED;
+        drop_undispatched(s, j);
+    } else if (!(j->state == JOB_FAILED && j->has_error && err_no == 0 && j->err_no == 0 &&
+                 piece == j->err_piece && got < j->err_got)) {
+        return;
+    }
+    j->has_error = 1;
+    j->err_piece = piece;
+    j->err_no = err_no;
+    j->err_got = got;
+    snprintf(j->msg, sizeof j->msg, "%s", msg);
+}
+
+static job_t *find(gds_stager *s, int64_t id) {
+    for (job_t *j = s->jobs; j; j = j->tnext)
+        if (j->id == id) return j;
+    return NULL;
+}
+
+static void unlink_job(gds_stager *s, job_t *j) {
+    for (job_t **p = &s->jobs; *p; p = &(*p)->tnext)
+        if (*p == j) { *p = j->tnext; return; }
+}
+
+static void free_job(job_t *j) {
+    free(j->pieces);
+    free(j);
+}
+
+/* ---- the worker ---- */
+typedef struct {
+    job_t *job;
+    int piece, fd;
+    int64_t sub_off, len, offset;
+    uint64_t dest;
+} task_t;
+
+/* The next sub-piece of the job at the FIFO's head (which has one). */
+static void take(gds_stager *s, task_t *t) {
+    job_t *j = s->qhead;
+    while (j->pieces[j->next_piece].size == 0) j->next_piece++;
+    piece_t *p = &j->pieces[j->next_piece];
+    int64_t left = p->size - j->next_off;
+    t->job = j;
+    t->piece = j->next_piece;
+    t->fd = p->fd;
+    t->offset = p->offset;
+    t->dest = p->dest;
+    t->sub_off = j->next_off;
+    t->len = left < (int64_t)s->buf_bytes ? left : (int64_t)s->buf_bytes;
+    j->next_off += t->len;
+    if (j->next_off == p->size) { j->next_piece++; j->next_off = 0; }
+    if (--j->undispatched == 0) queue_remove(s, j);
+}
+
+/* Wait for the copy out of buffer b and complete its sub-piece. */
+static void settle(worker_t *w, buf_t *b) {
+    gds_stager *s = w->s;
+    CUresult r = s->cu.EventSynchronize(b->ev);
+    pthread_mutex_lock(&s->mu);
+    if (r != 0) {
+        char msg[MSG_LEN];
+        snprintf(msg, sizeof msg, "cuEventSynchronize after a host-to-device copy failed: %s", cu_name(s, r));
+        fail(s, b->job, b->piece, -1, 0, msg);
+    }
+    complete(s, b->job, 1);
+    pthread_mutex_unlock(&s->mu);
+    b->job = NULL;
+}
+
+static int has_outstanding(worker_t *w) {
+    for (int i = 0; i < w->s->nbufs; i++)
+        if (w->bufs[i].job) return 1;
+    return 0;
+}
+
+static void settle_all(worker_t *w) {
+    for (int i = 0; i < w->s->nbufs; i++)
+        if (w->bufs[i].job) settle(w, &w->bufs[i]);
+}
+
+/* Read len bytes at off: 0 when all came, 1 when the file ended first, 2 on an error (*err_no). */
+static int read_full(int fd, unsigned char *buf, int64_t len, int64_t off, int64_t *got, int *err_no) {
+    int64_t g = 0;
+    while (g < len) {
+        ssize_t k = pread(fd, buf + g, (size_t)(len - g), (off_t)(off + g));
+        if (k < 0) {
+            if (errno == EINTR) continue;
+            *err_no = errno;
+            *got = g;
+            return 2;
+        }
+        if (k == 0) { *got = g; return 1; }
+        g += k;
+    }
+    *got = g;
+    return 0;
+}
+
+static void run_task(worker_t *w, buf_t *b, task_t *t) {
+    gds_stager *s = w->s;
+    job_t *j = t->job;
+    char msg[MSG_LEN];
+    pthread_mutex_lock(&s->mu);
+    int live = j->state == JOB_RUNNING;
+    if (!live) complete(s, j, 1); /* failed or cancelled since it was taken: not started, dropped */
+    pthread_mutex_unlock(&s->mu);
+    if (!live) return;
+
+    int64_t got = 0;
+    int err_no = 0;
+    int rc = read_full(t->fd, b->ptr, t->len, t->offset + t->sub_off, &got, &err_no);
+    pthread_mutex_lock(&s->mu);
+    if (rc != 0) {
+        got += t->sub_off; /* bytes of the whole piece */
+        if (rc == 1) {
+            /* The file may end before this sub-piece even began (a sibling's range): say where it ends. */
+            struct stat st;
+            if (fstat(t->fd, &st) == 0 && st.st_size - t->offset < got)
+                got = st.st_size > t->offset ? st.st_size - t->offset : 0;
+            snprintf(msg, sizeof msg, "file ends after %lld bytes of the piece", (long long)got);
+            fail(s, j, t->piece, 0, got, msg);
+        } else {
+            snprintf(msg, sizeof msg, "pread failed (errno %d)", err_no);
+            fail(s, j, t->piece, err_no, got, msg);
+        }
+        complete(s, j, 1);
+        pthread_mutex_unlock(&s->mu);
+        return;
+    }
+    live = j->state == JOB_RUNNING;
+    if (!live) complete(s, j, 1); /* read, but the job ended meanwhile: no copy */
+    pthread_mutex_unlock(&s->mu);
+    if (!live) return;
+
+    uint64_t dest = t->dest + (uint64_t)t->sub_off;
+    if (s->mode == MODE_HOST) {
+        memcpy((void *)(uintptr_t)dest, b->ptr, (size_t)t->len);
+        pthread_mutex_lock(&s->mu);
+        complete(s, j, 1);
+        pthread_mutex_unlock(&s->mu);
+        return;
+    }
+    CUresult r = s->cu.MemcpyHtoDAsync((CUdeviceptr)dest, b->ptr, (size_t)t->len, w->stream);
+    const char *what = "cuMemcpyHtoDAsync";
+    if (r == 0) {
+        r = s->cu.EventRecord(b->ev, w->stream);
+        if (r == 0) { b->job = j; b->piece = t->piece; return; } /* complete once its event is synchronized */
+        what = "cuEventRecord";
+        s->cu.StreamSynchronize(w->stream); /* the copy was queued: it must be over before the buffer is reused */
+    }
+    snprintf(msg, sizeof msg, "%s failed: %s", what, cu_name(s, r));
+    pthread_mutex_lock(&s->mu);
+    fail(s, j, t->piece, -1, 0, msg);
+    complete(s, j, 1);
+    pthread_mutex_unlock(&s->mu);
+}
+
+static void *worker_main(void *arg) {
+    worker_t *w = arg;
+    gds_stager *s = w->s;
+    CUresult r = 0;
+    if (s->mode == MODE_CUDA) r = s->cu.CtxSetCurrent(s->ctx);
+    pthread_mutex_lock(&s->mu);
+    s->started++;
+    if (r != 0 && !s->start_failed) {
+        s->start_failed = 1;
+        snprintf(s->start_err, sizeof s->start_err, "cuCtxSetCurrent in a worker failed: %s", cu_name(s, r));
+    }
+    pthread_cond_broadcast(&s->done_cv);
+    pthread_mutex_unlock(&s->mu);
+    if (r != 0) return NULL;
+
+    for (;;) {
+        task_t t;
+        pthread_mutex_lock(&s->mu);
+        while (s->qhead == NULL && !s->closing) {
+            if (has_outstanding(w)) {
+                /* No more work now: finish the copies in flight, so a job's last pieces do not wait for more
+                 * work to arrive. */
+                pthread_mutex_unlock(&s->mu);
+                settle_all(w);
+                pthread_mutex_lock(&s->mu);
+                continue;
+            }
+            pthread_cond_wait(&s->work_cv, &s->mu);
+        }
+        if (s->qhead == NULL) { /* closing, and stop() emptied the queue */
+            pthread_mutex_unlock(&s->mu);
+            break;
+        }
+        take(s, &t);
+        pthread_mutex_unlock(&s->mu);
+        buf_t *b = &w->bufs[w->next];
+        w->next = (w->next + 1) % s->nbufs;
+        if (b->job) settle(w, b);
+        run_task(w, b, &t);
+    }
+    settle_all(w);
+    return NULL;
+}
+
+/* ---- CUDA set-up ---- */
+static int load_cuda(gds_stager *s, char *err, size_t errlen) {
+    s->libcuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (s->libcuda == NULL) {
+        const char *e = dlerror();
+        set_msg(err, errlen, "cannot load the CUDA driver library libcuda.so.1 (%s)", e ? e : "dlopen failed");
+        return -1;
+    }
+#define SYM(field, name)                                                                   \
+    do {                                                                                   \
+        *(void **)(&s->cu.field) = dlsym(s->libcuda, name);                                \
+        if (s->cu.field == NULL) {                                                         \
+            set_msg(err, errlen, "libcuda.so.1 lacks %s (driver too old?)", name);         \
+            return -1;                                                                     \
+        }                                                                                  \
+    } while (0)
+    SYM(GetErrorName, "cuGetErrorName");
+    SYM(Init, "cuInit");
+    SYM(DeviceGet, "cuDeviceGet");
+    SYM(DevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain");
+    SYM(DevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2");
+    SYM(CtxSetCurrent, "cuCtxSetCurrent");
+    SYM(CtxGetCurrent, "cuCtxGetCurrent");
+    SYM(StreamCreate, "cuStreamCreate");
+    SYM(StreamDestroy, "cuStreamDestroy_v2");
+    SYM(StreamSynchronize, "cuStreamSynchronize");
+    SYM(EventCreate, "cuEventCreate");
+    SYM(EventDestroy, "cuEventDestroy_v2");
+    SYM(EventRecord, "cuEventRecord");
+    SYM(EventSynchronize, "cuEventSynchronize");
+    SYM(MemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2");
+    SYM(MemHostRegister, "cuMemHostRegister_v2");
+    SYM(MemHostUnregister, "cuMemHostUnregister");
+#undef SYM
+    CUresult r;
+    const char *what;
+    if ((r = s->cu.Init(0)) != 0) { what = "cuInit"; goto fail; }
+    if ((r = s->cu.DeviceGet(&s->dev, s->device)) != 0) { what = "cuDeviceGet"; goto fail; }
+    if ((r = s->cu.DevicePrimaryCtxRetain(&s->ctx, s->dev)) != 0) { what = "cuDevicePrimaryCtxRetain"; goto fail; }
+    s->ctx_retained = 1;
+    return 0;
+fail:
+    set_msg(err, errlen, "%s (device %d) failed: %s", what, s->device, cu_name(s, r));
+    return -1;
+}
+
+/* Streams, events and pinned memory, made with the primary context current (the caller's restored). */
+static int cuda_resources(gds_stager *s, char *err, size_t errlen) {
+    CUcontext saved = NULL;
+    CUresult r;
+    const char *what;
+    int rc = -1;
+    if ((r = s->cu.CtxGetCurrent(&saved)) != 0) { what = "cuCtxGetCurrent"; goto fail; }
+    if ((r = s->cu.CtxSetCurrent(s->ctx)) != 0) { what = "cuCtxSetCurrent"; goto fail; }
+    if ((r = s->cu.MemHostRegister(s->mem, s->mem_bytes, CU_MEMHOSTREGISTER_PORTABLE)) != 0) {
+        what = "cuMemHostRegister";
+        goto restore;
+    }
+    s->registered = 1;
+    for (int i = 0; i < s->nthreads; i++) {
+        worker_t *w = &s->workers[i];
+        if ((r = s->cu.StreamCreate(&w->stream, CU_STREAM_NON_BLOCKING)) != 0) {
+            w->stream = NULL;
+            what = "cuStreamCreate";
+            goto restore;
+        }
+        for (int k = 0; k < s->nbufs; k++) {
+            if ((r = s->cu.EventCreate(&w->bufs[k].ev, CU_EVENT_DISABLE_TIMING)) != 0) {
+                w->bufs[k].ev = NULL;
+                what = "cuEventCreate";
+                goto restore;
+            }
+        }
+    }
+    rc = 0;
+restore:
+    s->cu.CtxSetCurrent(saved);
+    if (rc == 0) return 0;
+fail:
+    set_msg(err, errlen, "%s failed: %s", what, cu_name(s, r));
+    return -1;
+}
+
+/* ---- the API ---- */
+int gds_stager_abi(void) { return GDS_STAGER_ABI; }
+
+void gds_stager_stop(gds_stager *s) {
+    pthread_mutex_lock(&s->mu);
+    if (!s->closing) {
+        s->closing = 1;
+        for (job_t *j = s->jobs; j; j = j->tnext) {
+            if (j->state == JOB_RUNNING) {
+                j->state = JOB_CANCELLED;
+                drop_undispatched(s, j);
+            }
+        }
+        pthread_cond_broadcast(&s->work_cv);
+        pthread_cond_broadcast(&s->done_cv);
+    }
+    pthread_mutex_unlock(&s->mu);
+}
+
+void gds_stager_destroy(gds_stager *s) {
+    if (s == NULL) return;
+    if (s->sync_ready) {
+        gds_stager_stop(s);
+        if (!s->joined) {
+            for (int i = 0; i < s->nthreads; i++)
+                if (s->workers && s->workers[i].running) pthread_join(s->workers[i].tid, NULL);
+            s->joined = 1;
+        }
+        pthread_mutex_lock(&s->mu);
+        while (s->in_calls > 0) pthread_cond_wait(&s->calls_cv, &s->mu); /* waiters leave with 3 */
+        pthread_mutex_unlock(&s->mu);
+        while (s->jobs) {
+            job_t *j = s->jobs;
+            s->jobs = j->tnext;
+            free_job(j);
+        }
+    }
+    CUcontext saved = NULL;
+    int cuda = s->mode == MODE_CUDA && s->ctx_retained;
+    if (cuda) {
+        if (s->cu.CtxGetCurrent(&saved) != 0) saved = NULL;
+        s->cu.CtxSetCurrent(s->ctx);
+    }
+    if (s->workers) {
+        for (int i = 0; i < s->nthreads; i++) {
+            worker_t *w = &s->workers[i];
+            if (w->bufs && cuda)
+                for (int k = 0; k < s->nbufs; k++)
+                    if (w->bufs[k].ev) s->cu.EventDestroy(w->bufs[k].ev);
+            if (w->stream && cuda) s->cu.StreamDestroy(w->stream);
+            free(w->bufs);
+        }
+        free(s->workers);
+    }
+    if (s->registered) s->cu.MemHostUnregister(s->mem);
+    if (cuda) {
+        s->cu.CtxSetCurrent(saved);
+        s->cu.DevicePrimaryCtxRelease(s->dev);
+    }
+    if (s->mem) {
+        if (s->mode == MODE_CUDA) munmap(s->mem, s->mem_bytes); else free(s->mem);
+    }
+    /* libcuda stays loaded: unloading the driver under other users (CuPy, KvikIO) is asking for trouble. */
+    if (s->sync_ready) {
+        pthread_mutex_destroy(&s->mu);
+        pthread_cond_destroy(&s->work_cv);
+        pthread_cond_destroy(&s->done_cv);
+        pthread_cond_destroy(&s->calls_cv);
+    }
+    free(s);
+}
+
+gds_stager *gds_stager_create(int mode, int device, int nthreads, size_t buf_bytes, int bufs_per_thread, char *err,
+                              size_t errlen) {
+    if (mode != MODE_HOST && mode != MODE_CUDA) {
+        set_msg(err, errlen, "mode must be 0 (host) or 1 (cuda), not %d", mode);
+        return NULL;
+    }
+    if (nthreads < 1 || nthreads > 4096 || bufs_per_thread < 1 || bufs_per_thread > 4096 || buf_bytes < 1 ||
+        buf_bytes > ((size_t)1 << 40)) {
+        set_msg(err, errlen, "bad sizes: nthreads %d (1..4096), bufs_per_thread %d (1..4096), buf_bytes %zu "
+                "(1..2^40)", nthreads, bufs_per_thread, buf_bytes);
+        return NULL;
+    }
+    size_t per_buf = (buf_bytes + ALIGN - 1) / ALIGN * ALIGN;
+    size_t count = (size_t)nthreads * (size_t)bufs_per_thread;
+    if (per_buf > SIZE_MAX / count) {
+        set_msg(err, errlen, "%zu buffers of %zu bytes overflow the address space", count, per_buf);
+        return NULL;
+    }
+    gds_stager *s = calloc(1, sizeof *s);
+    if (s == NULL) {
+        set_msg(err, errlen, "out of memory");
+        return NULL;
+    }
+    s->mode = mode;
+    s->device = device;
+    s->nthreads = nthreads;
+    s->nbufs = bufs_per_thread;
+    s->buf_bytes = buf_bytes;
+    s->mem_bytes = per_buf * count;
+
+    pthread_condattr_t ca;
+    int e = pthread_condattr_init(&ca);
+    if (e == 0) {
+        e = pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+        if (e == 0 && (e = pthread_mutex_init(&s->mu, NULL)) == 0) {
+            if ((e = pthread_cond_init(&s->done_cv, &ca)) == 0) {
+                if ((e = pthread_cond_init(&s->work_cv, NULL)) == 0) {
+                    if ((e = pthread_cond_init(&s->calls_cv, NULL)) == 0) s->sync_ready = 1;
+                    else pthread_cond_destroy(&s->work_cv);
+                }
+                if (!s->sync_ready) pthread_cond_destroy(&s->done_cv);
+            }
+            if (!s->sync_ready) pthread_mutex_destroy(&s->mu);
+        }
+        pthread_condattr_destroy(&ca);
+    }
+    if (!s->sync_ready) {
+        set_msg(err, errlen, "cannot make a mutex or condition variable (error %d)", e);
+        free(s);
+        return NULL;
+    }
+    if (mode == MODE_CUDA && load_cuda(s, err, errlen) != 0) goto fail;
+
+    if (mode == MODE_HOST) {
+        void *p = NULL;
+        if ((e = posix_memalign(&p, ALIGN, s->mem_bytes)) != 0) {
+            set_msg(err, errlen, "cannot allocate %zu bytes of staging buffers (error %d)", s->mem_bytes, e);
+            goto fail;
+        }
+        s->mem = p;
+    } else {
+        void *p = mmap(NULL, s->mem_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+        if (p == MAP_FAILED) {
+            set_msg(err, errlen, "cannot map %zu bytes of staging buffers (errno %d)", s->mem_bytes, errno);
+            goto fail;
+        }
+        s->mem = p;
+    }
+    s->workers = calloc((size_t)nthreads, sizeof *s->workers);
+    if (s->workers == NULL) { set_msg(err, errlen, "out of memory"); goto fail; }
+    for (int i = 0; i < nthreads; i++) {
+        worker_t *w = &s->workers[i];
+        w->s = s;
+        w->bufs = calloc((size_t)bufs_per_thread, sizeof *w->bufs);
+        if (w->bufs == NULL) { set_msg(err, errlen, "out of memory"); goto fail; }
+        for (int k = 0; k < bufs_per_thread; k++) w->bufs[k].ptr = s->mem + ((size_t)i * bufs_per_thread + k) * per_buf;
+    }
+    if (mode == MODE_CUDA && cuda_resources(s, err, errlen) != 0) goto fail;
+
+    /* Workers block every signal: they are for the application's threads (Python's main thread). */
+    pthread_attr_t attr;
+    sigset_t all, old;
+    if ((e = pthread_attr_init(&attr)) != 0) {
+        set_msg(err, errlen, "pthread_attr_init failed (error %d)", e);
+        goto fail;
+    }
+    pthread_attr_setstacksize(&attr, WORKER_STACK);
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    int made = 0;
+    for (; made < nthreads; made++) {
+        if ((e = pthread_create(&s->workers[made].tid, &attr, worker_main, &s->workers[made])) != 0) break;
+        s->workers[made].running = 1;
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    pthread_attr_destroy(&attr);
+    pthread_mutex_lock(&s->mu);
+    while (s->started < made) pthread_cond_wait(&s->done_cv, &s->mu);
+    int failed = s->start_failed;
+    pthread_mutex_unlock(&s->mu);
+    if (made < nthreads) {
+        set_msg(err, errlen, "cannot start worker thread %d of %d (error %d)", made + 1, nthreads, e);
+        goto fail;
+    }
+    if (failed) {
+        set_msg(err, errlen, "%s", s->start_err);
+        goto fail;
+    }
+    return s;
+fail:
+    gds_stager_destroy(s);
+    return NULL;
+}
+
+int64_t gds_stager_submit(gds_stager *s, int n, const int *fds, const int64_t *offsets, const int64_t *sizes,
+                          const uint64_t *dests, char *err, size_t errlen) {
+    if (n < 0) {
+        set_msg(err, errlen, "negative piece count %d", n);
+        return -1;
+    }
+    int64_t subs = 0;
+    for (int i = 0; i < n; i++) {
+        if (offsets[i] < 0 || sizes[i] < 0 || sizes[i] > INT64_MAX - offsets[i]) {
+            set_msg(err, errlen, "piece %d: bad offset %lld or size %lld", i, (long long)offsets[i],
+                    (long long)sizes[i]);
+            return -1;
+        }
+        if (dests[i] > UINT64_MAX - (uint64_t)sizes[i]) {
+            set_msg(err, errlen, "piece %d: destination range wraps around", i);
+            return -1;
+        }
+        int64_t k = sizes[i] / (int64_t)s->buf_bytes + (sizes[i] % (int64_t)s->buf_bytes != 0);
+        if (k > INT64_MAX - subs) {
+            set_msg(err, errlen, "too many sub-pieces of %zu bytes", s->buf_bytes);
+            return -1;
+        }
+        subs += k;
+    }
+    job_t *j = calloc(1, sizeof *j);
+    piece_t *pieces = n ? malloc((size_t)n * sizeof *pieces) : NULL;
+    if (j == NULL || (n && pieces == NULL)) {
+        free(j);
+        free(pieces);
+        set_msg(err, errlen, "out of memory for a job of %d pieces", n);
+        return -1;
+    }
+    for (int i = 0; i < n; i++) {
+        pieces[i].fd = fds[i];
+        pieces[i].offset = offsets[i];
+        pieces[i].size = sizes[i];
+        pieces[i].dest = dests[i];
+    }
+    j->pieces = pieces;
+    j->n = n;
+    j->undispatched = j->remaining = subs;
+    j->state = subs ? JOB_RUNNING : JOB_DONE;
+    pthread_mutex_lock(&s->mu);
+    if (s->closing) {
+        pthread_mutex_unlock(&s->mu);
+        free_job(j);
+        set_msg(err, errlen, "the stager is closed");
+        return -1;
+    }
+    j->id = s->next_id++;
+    j->tnext = s->jobs;
+    s->jobs = j;
+    if (subs) {
+        queue_append(s, j);
+        pthread_cond_broadcast(&s->work_cv);
+    }
+    int64_t id = j->id;
+    pthread_mutex_unlock(&s->mu);
+    return id;
+}
+
+int gds_stager_wait(gds_stager *s, int64_t id, int timeout_ms, int64_t *failed_piece, int *err_no, int64_t *got,
+                    char *msg, size_t msglen) {
+    struct timespec deadline = {0, 0};
+    if (timeout_ms > 0) {
+        clock_gettime(CLOCK_MONOTONIC, &deadline);
+        deadline.tv_sec += timeout_ms / 1000;
+        deadline.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+        if (deadline.tv_nsec >= 1000000000L) { deadline.tv_sec++; deadline.tv_nsec -= 1000000000L; }
+    }
+    int rc;
+    set_msg(msg, msglen, "%s", "");
+    pthread_mutex_lock(&s->mu);
+    s->in_calls++;
+    job_t *j = find(s, id);
+    if (j == NULL) {
+        set_msg(msg, msglen, "unknown job %lld", (long long)id);
+        rc = -1;
+        goto out;
+    }
+    j->waiters++;
+    while (j->remaining > 0 && timeout_ms != 0) {
+        if (timeout_ms < 0) pthread_cond_wait(&s->done_cv, &s->mu);
+        else if (pthread_cond_timedwait(&s->done_cv, &s->mu, &deadline) == ETIMEDOUT) break;
+    }
+    if (j->remaining > 0) {
+        rc = 1;
+    } else if (j->reported) {
+        set_msg(msg, msglen, "unknown job %lld (its result went to another waiter)", (long long)id);
+        rc = -1;
+    } else {
+        j->reported = 1;
+        unlink_job(s, j);
+        if (j->state == JOB_DONE) {
+            rc = 0;
+        } else if (j->state == JOB_FAILED) {
+            rc = 2;
+            if (failed_piece) *failed_piece = j->err_piece;
+            if (err_no) *err_no = j->err_no;
+            if (got) *got = j->err_got;
+            set_msg(msg, msglen, "%s", j->msg);
+        } else {
+            rc = 3;
+            set_msg(msg, msglen, "%s", s->closing ? "the stager was closed" : "cancelled");
+        }
+    }
+    if (--j->waiters == 0 && j->reported) free_job(j);
+out:
+    if (--s->in_calls == 0) pthread_cond_broadcast(&s->calls_cv);
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+void gds_stager_cancel(gds_stager *s, int64_t id) {
+    pthread_mutex_lock(&s->mu);
+    job_t *j = find(s, id);
+    if (j && j->state == JOB_RUNNING) {
+        j->state = JOB_CANCELLED;
+        drop_undispatched(s, j);
+    }
+    pthread_mutex_unlock(&s->mu);
+}
+
+int64_t gds_stager_pinned_bytes(gds_stager *s) { return s->mode == MODE_CUDA ? (int64_t)s->mem_bytes : 0; }
+
+int64_t gds_stager_buffer_bytes(gds_stager *s) { return (int64_t)s->mem_bytes; }
