@@ -75,7 +75,8 @@ class GdsRun:
         """What the row adds from ``describe()``: window, open time, backend settings, pinned memory held."""
         d = self.ds.describe()
         stats = d["backend_stats"]
-        pinned = stats.get("locked_bytes") or (stats.get("peak_slots_in_use", 0) * stats.get("slot_bytes", 0))
+        pinned = (stats.get("locked_bytes") or (stats.get("peak_slots_in_use", 0) * stats.get("slot_bytes", 0))
+                  or (stats.get("pool_bytes") if stats.get("reader") == "native" else 0))
         return {"window_blocks": d["window_blocks"], "window_buffers": d["window_buffers"],
                 "batches_ahead": d["batches_ahead"], "open_s": round(d["open_s"], 4),
                 **({"peak_pinned_bytes": pinned} if pinned else {}), "backend_stats": stats}

@@ -4,6 +4,7 @@
     python -m benchmarks.sweep --configs events      # pinned: slot events spinning or sleeping
     python -m benchmarks.sweep --configs pools       # pinned: small pools, KvikIO or Python reader threads
     python -m benchmarks.sweep --configs windows     # kvikio / pinned: window size x prefetch depth
+    python -m benchmarks.sweep --configs readers     # pinned: native stager / KvikIO reader, beside kvikio, mmap
     python -m benchmarks.sweep --configs cpu-threads --size-gib 0.1   # no GPU needed
 
 A configuration is the keyword arguments of ``GDSDataset`` (``backend``, ``backend_options``, ``prefetch``;
@@ -45,6 +46,11 @@ CONFIGS: dict[str, list[dict[str, Any]]] = {
     "windows": [{"backend": b, "window_mib": w, "prefetch": p, "backend_options": {"num_threads": 16}}
                 for b, w, p in itertools.product(("kvikio", "pinned"), (128, 256), (1, 2, 4))],
     "cpu-threads": [{"backend": "cpu", "backend_options": {"num_threads": t}} for t in (1, 4, 8)],
+    # pinned's readers side by side: the native stager (16 or 32 threads), KvikIO's pool, shuffled or not
+    "readers": [{"backend": "pinned", "shuffle": sh, "backend_options": {"reader": "native", "num_threads": t}}
+                for sh in (False, True) for t in (16, 32)]
+               + [{"backend": "pinned", "shuffle": sh, "backend_options": {"reader": "kvikio"}} for sh in (False, True)]
+               + [{"backend": "kvikio", "shuffle": True}, {"backend": "mmap", "shuffle": True}],
 }
 
 

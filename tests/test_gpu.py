@@ -161,7 +161,8 @@ def test_pinned_pool_is_bounded_and_freed(small, slots):
     pinned bytes held never above the pool."""
     path, data = small
     pool_bytes = slots * 8192
-    opts = {"pool_bytes": pool_bytes, "slot_bytes": 8192, "num_threads": 8}  # blocks (8064 B) span slots
+    opts = {"pool_bytes": pool_bytes, "slot_bytes": 8192, "num_threads": 8,  # blocks (8064 B) span slots
+            "reader": "kvikio"}
     ds = Dataset(path, batch_size=64, backend="pinned", backend_options=opts, window_blocks=8)
     pool = ds._backend.pool
     assert pool.total_bytes == pool_bytes
@@ -175,17 +176,31 @@ def test_pinned_pool_is_bounded_and_freed(small, slots):
     assert pool._mem is None
 
 
-@pytest.mark.parametrize("reader", ["kvikio", "threads"])
+@pytest.mark.parametrize("reader", ["native", "kvikio", "threads"])
 def test_pinned_readers(small, reader):
-    """KvikIO's thread pool or Python threads fill the pinned slots: same batches, threads stopped on close."""
+    """The native stager, KvikIO's thread pool or Python threads: same batches, threads stopped on close."""
     path, data = small
     opts = {"reader": reader, "slot_bytes": 8192, "pool_bytes": 4 * 8192}  # many slot loads per window
+    before = len(os.listdir("/proc/self/task"))
     with Dataset(path, batch_size=64, backend="pinned", shuffle=True, window_blocks=5, backend_options=opts) as ds:
         assert ds._backend.reader == reader
         seen = np.concatenate([check(b, data) for b in ds])
         np.testing.assert_array_equal(seen, epoch_plan(ds.config, 0).sample_ids())
-        assert ds._backend.pool.peak_bytes_in_use <= 4 * 8192
+        if reader == "native":
+            assert ds._backend.pool is None and ds.describe()["backend_stats"]["pool_bytes"] > 0
+        else:
+            assert ds._backend.pool.peak_bytes_in_use <= 4 * 8192
     assert not [t.name for t in threading.enumerate() if t.name.startswith("gdsload-pinned")]
+    if reader == "native":
+        assert len(os.listdir("/proc/self/task")) <= before  # the stager's pthreads joined
+
+
+def test_pinned_auto_reader_is_native_where_it_builds(small):
+    path, data = small
+    with Dataset(path, batch_size=64, backend="pinned") as ds:
+        assert ds._backend.reader == "native", ds.describe()["backend_stats"]
+        for b in ds:
+            check(b, data)
 
 
 def test_pinned_with_o_direct(tmp_path):

@@ -1,6 +1,10 @@
 """The pinned backend: reads land in a small pool of pinned host slots, copies go async to the device.
 
-Two readers fill the slots. With KvikIO installed (the default), KvikIO's C++ thread pool reads into them
+Three readers. The default, where the native stager builds (:mod:`gdsload.stager`; a C compiler at
+install or first use): C threads read each piece into a small pinned buffer of their own and copy it on a
+non-blocking stream of their own, with no Python per piece, so nothing on the consumer's path competes for
+the GIL; its buffers (``num_threads`` x 2 x 4 MiB) replace the staging pool. Otherwise two readers fill the
+pool's slots. With KvikIO installed, KvikIO's C++ thread pool reads into them
 (host memory: plain POSIX reads, no bounce buffer) and one driver thread copies each finished slot on a
 non-blocking stream: no Python thread per read, so the consumer's thread is not fighting 16 readers for
 the GIL. Otherwise (or with O_DIRECT) a pool of Python threads reads with ``os.preadv`` and copies on
@@ -21,6 +25,7 @@ from typing import Any
 from .._cuda import H2D, record_event
 from .._units import ALIGN, align_up
 from ..errors import ReadError
+from ..handoff import POLL_S
 from .base import FileHandles, Pending, ReadRequest, Request, TaskGroup, coalesce, pread_full, read_error, split
 from .cuda import CudaBackend, KvikioPool
 from .staging import StagingPool
@@ -34,6 +39,8 @@ DEFAULT_POOL_BYTES = 512 << 20
 # wait for each copy before issuing the next read.
 DEFAULT_COPY_SHARE = 4
 TASK_BYTES = 4 << 20  # KvikIO's task size for the staging reads
+NATIVE_BUF_BYTES = 4 << 20  # the native stager's buffers: two per thread
+NATIVE_BUFS_PER_THREAD = 2
 
 
 def _open_direct(path: str) -> int:
@@ -79,19 +86,34 @@ class PinnedBackend(CudaBackend):
             raise ValueError(f"pool_bytes ({pool_bytes}) must hold at least one slot of {slot_bytes} bytes")
         if not isinstance(copy_share, int) or copy_share < 0:
             raise ValueError(f"copy_share must be a non-negative int (found {copy_share!r})")
-        if reader not in ("auto", "kvikio", "threads"):
-            raise ValueError(f"reader must be 'auto', 'kvikio' or 'threads' (found {reader!r})")
-        if reader == "auto":
-            reader = "kvikio" if kvikio_installed() and not direct else "threads"
-        if reader == "kvikio" and direct:
-            raise ValueError("reader='kvikio' reads through the page cache: O_DIRECT (direct=True) needs 'threads'")
+        if reader not in ("auto", "native", "kvikio", "threads"):
+            raise ValueError(f"reader must be 'auto', 'native', 'kvikio' or 'threads' (found {reader!r})")
+        if reader in ("native", "kvikio") and direct:
+            raise ValueError(f"reader={reader!r} reads through the page cache: O_DIRECT (direct=True) needs 'threads'")
         super().__init__(device_id)
         self.num_threads = num_threads
         self.direct = direct
-        self.reader = reader
         self.io_mode = "pinned-odirect" if direct else "pinned"
         self.copy_share, self.spin_events = copy_share, spin_events
-        self.pool = StagingPool(slot_bytes, pool_bytes // slot_bytes, device_id, spin_events)
+        self.native_reason: str | None = None  # why "auto" did not get the native stager
+        self._stager: Any = None
+        if reader in ("auto", "native") and not direct:
+            from ..errors import BackendUnavailable
+            from ..stager import Stager
+
+            try:
+                self._stager = Stager("cuda", device_id, num_threads, NATIVE_BUF_BYTES, NATIVE_BUFS_PER_THREAD)
+                reader = "native"
+            except BackendUnavailable as e:
+                if reader == "native":
+                    raise
+                self.native_reason = str(e)
+        if reader == "auto":
+            reader = "kvikio" if kvikio_installed() and not direct else "threads"
+        self.reader = reader
+        # The native stager stages through buffers of its own: the pool is not made.
+        self.pool = StagingPool(slot_bytes, pool_bytes // slot_bytes, device_id, spin_events) if reader != "native" \
+            else None
         self._local = threading.local()
         self._streams: list[Any] = []
         self._streams_lock = threading.Lock()
@@ -101,20 +123,23 @@ class PinnedBackend(CudaBackend):
         self._driver: _KvikioDriver | None = None
         if reader == "kvikio":
             self._driver = _KvikioDriver(self, num_threads)
-        else:
+        elif reader == "threads":
             self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="gdsload-pinned",
                                                 initializer=self.cupy.cuda.runtime.setDevice, initargs=(device_id,))
 
     @property
     def pinned_bytes(self) -> int:
-        return self.pool.total_bytes
+        return self._stager.pinned_bytes if self._stager is not None else self.pool.total_bytes
 
     def stats(self) -> dict[str, Any]:
+        if self._stager is not None:
+            return {"reader": "native", "num_threads": self.num_threads, "buf_bytes": self._stager.buf_bytes,
+                    "bufs_per_thread": self._stager.bufs_per_thread, "pool_bytes": self._stager.pinned_bytes}
         return {"reader": self.reader, "num_threads": self.num_threads, "slot_bytes": self.pool.slot_bytes,
                 "slots": self.pool.num_slots, "pool_bytes": self.pool.total_bytes,
                 "reading_slots": self._driver.reading_slots if self._driver is not None else self.pool.num_slots,
                 "peak_slots_in_use": self.pool.peak_in_use, "copy_share": self.copy_share,
-                "spin_events": self.spin_events}
+                "spin_events": self.spin_events, **({"native": self.native_reason} if self.native_reason else {})}
 
     def handles(self) -> list[FileHandles]:
         return [h for h in (self._files, self._direct_files, self._driver and self._driver.files) if h is not None]
@@ -164,8 +189,10 @@ class PinnedBackend(CudaBackend):
     def submit(self, dest: Any, requests: Sequence[Request], stop: threading.Event) -> Pending:
         filled = self.write_fills(dest, requests)  # the window's "filled" event must cover them too
         reads = [r for r in requests if isinstance(r, ReadRequest)]
-        pieces = [p for r in coalesce(reads, 1 << 62) for p in split(r, self.pool.slot_bytes)]
         dest_ptr = int(dest.data.ptr)
+        if self._stager is not None:
+            return _NativeJob(self, dest_ptr, coalesce(reads, 1 << 62), stop, filled)
+        pieces = [p for r in coalesce(reads, 1 << 62) for p in split(r, self.pool.slot_bytes)]
         if self._driver is not None:
             return self._driver.submit(dest_ptr, pack(pieces, self.pool.slot_bytes), stop, filled)
 
@@ -188,12 +215,47 @@ class PinnedBackend(CudaBackend):
             self._executor.shutdown(wait=True, cancel_futures=True)
         if self._driver is not None:
             self._driver.close()
+        if self._stager is not None:
+            self._stager.close()  # every copy it issued is complete
         for s in [self.stream, *self._streams]:
             s.synchronize()
-        self.pool.close()
+        if self.pool is not None:
+            self.pool.close()
         self._files.close()
         if self._direct_files is not None:
             self._direct_files.close()
+
+
+class _NativeJob(Pending):
+    """One window's reads, carried out by the native stager; the data is on the device when they finish
+    (its threads wait for their own copies)."""
+
+    def __init__(self, backend: PinnedBackend, dest_ptr: int, reads: Sequence[ReadRequest], stop: threading.Event,
+                 fills: Any):
+        self.backend, self.stop, self.fills = backend, stop, fills
+        self.paths = [r.path for r in reads]
+        files = backend._files
+        self.job = backend._stager.submit([(files.get(r.path), r.offset, r.nbytes, dest_ptr + r.dest_offset)
+                                           for r in reads])
+
+    def finish(self) -> Any:
+        from ..stager import JobCancelled
+
+        stager = self.backend._stager
+        cancelled = False
+        try:
+            while True:
+                if self.stop.is_set() and not cancelled:
+                    stager.cancel(self.job)  # pieces not started are dropped; the wait ends once none is in flight
+                    cancelled = True
+                if stager.wait(self.job, POLL_S, self.paths):
+                    break
+        except JobCancelled:
+            if not self.stop.is_set():
+                raise
+        # The reads' copies are complete; the fills, if any, are queued on the backend's stream.
+        with self.backend.device:
+            return self.fills if self.fills is not None else record_event(self.backend.stream)
 
 
 class _Job(Pending):

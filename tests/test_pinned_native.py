@@ -1,0 +1,88 @@
+"""The pinned backend's native reader on the CPU: a window's reads through the stager's host mode, as the
+backend hands them over (coalesced, named by path), with its stop and its errors."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from gdsload import stager
+from gdsload.backends.base import FileHandles, ReadRequest, coalesce
+from gdsload.backends.pinned import _NativeJob
+from gdsload.errors import ReadError
+from gdsload.files import ShardFiles
+
+if stager.load() is None:
+    pytest.skip(f"the native stager cannot be built here: {stager.unavailable_reason()}", allow_module_level=True)
+
+FILLS = object()  # stands for the event after the window's fill writes
+
+
+@pytest.fixture
+def backend(tmp_path):
+    rng = np.random.default_rng(0)
+    datas, paths = [], []
+    for i in range(3):
+        d = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+        p = str(tmp_path / f"shard{i}")
+        d.tofile(p)
+        datas.append(d)
+        paths.append(p)
+    files = ShardFiles.open(paths)
+    handles = FileHandles()
+    handles.bind(files)
+    st = stager.Stager("host", num_threads=3, buf_bytes=64 << 10)
+    yield SimpleNamespace(_stager=st, _files=handles, device=contextlib.nullcontext(), stream=None), paths, datas
+    st.close()
+    files.close()
+
+
+def test_a_window_lands_exactly_and_hands_back_the_fill_event(backend):
+    b, paths, datas = backend
+    rng = np.random.default_rng(1)
+    dest = np.zeros(4 << 20, np.uint8)
+    reads, at = [], 0
+    for _ in range(40):
+        f = int(rng.integers(3))
+        n = int(rng.integers(1, 200_000))
+        off = int(rng.integers(0, (1 << 20) - n))
+        reads.append(ReadRequest(paths[f], off, n, at))
+        at += n
+    reads.append(ReadRequest(paths[0], 1000, 5000, at))  # two adjacent reads: merged into one piece
+    reads.append(ReadRequest(paths[0], 6000, 3000, at + 5000))
+    merged = coalesce(reads, 1 << 62)
+    assert len(merged) == len(reads) - 1
+    job = _NativeJob(b, dest.ctypes.data, merged, threading.Event(), FILLS)
+    assert job.finish() is FILLS
+    for r in reads:
+        f = paths.index(r.path)
+        np.testing.assert_array_equal(dest[r.dest_offset:r.dest_offset + r.nbytes], datas[f][r.offset:r.offset + r.nbytes])
+
+
+def test_a_failed_read_names_its_file(backend):
+    b, paths, _ = backend
+    dest = np.zeros(1 << 20, np.uint8)
+    reads = [ReadRequest(paths[1], 0, 4096, 0), ReadRequest(paths[2], (1 << 20) - 100, 300, 8192)]
+    job = _NativeJob(b, dest.ctypes.data, reads, threading.Event(), FILLS)
+    with pytest.raises(ReadError, match=rf"{paths[2]}.*offset {(1 << 20) - 100}"):
+        job.finish()
+
+
+def test_stop_cancels_and_nothing_is_written_after_finish(backend):
+    b, paths, _ = backend
+    n = 50_000
+    dest = np.zeros((n, 4096), np.uint8)
+    reads = [ReadRequest(paths[i % 3], (i % 256) << 12, 4096, i << 12) for i in range(n)]
+    stop = threading.Event()
+    job = _NativeJob(b, dest.ctypes.data, reads, stop, FILLS)
+    stop.set()
+    job.finish()  # no error: the window is abandoned, the pipeline is stopping
+    assert (~dest.any(axis=1)).sum() > n // 2  # most pieces were dropped, not read
+    dest[:] = 0
+    time.sleep(0.2)
+    assert not dest.any()  # no read still wrote into the buffer after finish() returned
