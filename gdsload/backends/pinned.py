@@ -188,11 +188,11 @@ class PinnedBackend(CudaBackend):
 
     def submit(self, dest: Any, requests: Sequence[Request], stop: threading.Event) -> Pending:
         filled = self.write_fills(dest, requests)  # the window's "filled" event must cover them too
-        reads = [r for r in requests if isinstance(r, ReadRequest)]
+        reads = coalesce([r for r in requests if isinstance(r, ReadRequest)], 1 << 62)
         dest_ptr = int(dest.data.ptr)
         if self._stager is not None:
-            return _NativeJob(self, dest_ptr, coalesce(reads, 1 << 62), stop, filled)
-        pieces = [p for r in coalesce(reads, 1 << 62) for p in split(r, self.pool.slot_bytes)]
+            return _NativeJob(self, dest_ptr, reads, stop, filled)
+        pieces = [p for r in reads for p in split(r, self.pool.slot_bytes)]
         if self._driver is not None:
             return self._driver.submit(dest_ptr, pack(pieces, self.pool.slot_bytes), stop, filled)
 
