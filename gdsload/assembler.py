@@ -62,22 +62,52 @@ class Assembler:
                        if n not in window_layout.ragged}
         self.group_bytes = GROUP_BYTES if group_bytes is None else group_bytes
 
+    def index(self, plan: EpochPlan) -> EpochIndex:
+        """``plan``'s index arrays, uploaded now (``ops.upload``: on a stream of their own, with an event).
+
+        The pipeline asks for them when it makes a pass, before that pass's first read is submitted: an
+        upload queued behind a window's host-to-device copies would wait for them (the copy engine serves
+        them in order), and the pass's first batch with it."""
+        table = plan.segment_table()
+        value_index = {n: epoch_value_index(plan, self.ragged_offsets[n]) for n in self.ragged}  # host: sizes
+        host: dict[Any, np.ndarray] = {}
+        if self.resident:
+            host["ids"] = _compact(plan.sample_ids())
+        if self.direct:
+            host["positions"] = _compact(plan.positions)
+        for name in self.mapped:
+            host["rows", name] = _compact(self.wl.stream_rows(plan, name))
+        for name in self.ragged:
+            host["starts", name], host["lengths", name] = value_index[name]
+        dev, ready = self.ops.upload(host)
+        return EpochIndex(plan, table, plan.last_batch_of_window(), value_index, dev, ready)
+
     def batches(self, plan: EpochPlan, start_batch: int, window: Callable[[int], dict[str, Any] | None],
-                release: Callable[[int], None], stopped: Callable[[], bool]
+                release: Callable[[int], None], stopped: Callable[[], bool], index: EpochIndex | None = None
                 ) -> Iterator[tuple[int, dict[str, Any], int]]:
         """Yield ``(batch index, arrays, samples)`` from ``start_batch`` on. ``window(w)`` gives window
         ``w``'s field views once its data may be read on the assembler's stream (None: stop);
-        ``release(w)`` is called, inside the batch's scope, after the last gather from window ``w``.
+        ``release(w)`` is called, inside the batch's scope, after the last gather from window ``w``;
+        ``index``: :meth:`index` of ``plan``, made now when not given.
 
         Small batches are gathered in groups (:func:`batch_groups`): one allocation and one gather per
         field and window for the whole group, each batch a view of its rows. What a batch costs in Python
         (allocations, launches, events) is then paid once per group, not per batch."""
         ops = self.ops
-        table = plan.segment_table()
-        last_batch = plan.last_batch_of_window()
-        state = _EpochIndex()
-        value_index = {n: epoch_value_index(plan, self.ragged_offsets[n]) for n in self.ragged}  # host: sizes
-        value_index_dev: dict[str, tuple[Any, Any]] = {}
+        index = self.index(plan) if index is None else index
+        if index.plan is not plan:
+            raise ValueError("internal error: an epoch index made for another plan")
+        try:
+            yield from self._batches(plan, start_batch, window, release, stopped, index)
+        finally:
+            ops.retire(index.dev)
+
+    def _batches(self, plan: EpochPlan, start_batch: int, window: Callable[[int], dict[str, Any] | None],
+                 release: Callable[[int], None], stopped: Callable[[], bool], index: EpochIndex
+                 ) -> Iterator[tuple[int, dict[str, Any], int]]:
+        ops = self.ops
+        table, last_batch = index.table, index.last_batch
+        waited = False
         per_group = 1 if self.ragged else max(1, self.group_bytes // max(1, self._batch_bytes(plan)))
         for first, stop in batch_groups(table, last_batch, start_batch, plan.num_batches, per_group):
             if stopped():
@@ -91,15 +121,17 @@ class Assembler:
                 views[w] = got
             lo, hi = rows[0][1], rows[-1][2]
             with ops.scope():
+                if not waited:
+                    ops.wait(index.ready)
+                    waited = True
                 out = {n: ops.empty((hi - lo, *f.sample_shape), f.dtype) for n, f in self.shapes.items()}
                 for name in self.ragged:
-                    self._ragged_outputs(name, lo, hi, value_index[name][1], out)
+                    self._ragged_outputs(name, lo, hi, index.value_index[name][1], out)
                 ops.fence()
-                self._gather(plan, rows, views, lo, out, state)
+                self._gather(rows, views, lo, out, index.dev)
                 for name in self.ragged:
-                    if name not in value_index_dev:
-                        value_index_dev[name] = tuple(ops.index_array(a) for a in value_index[name])
-                    self._gather_ragged(name, rows, views, value_index[name][1], value_index_dev[name], out)
+                    self._gather_ragged(name, rows, views, index.value_index[name][1],
+                                        (index.dev["starts", name], index.dev["lengths", name]), out)
                 for w, _, _, _ in rows:
                     if first <= last_batch[w] < stop:
                         release(w)
@@ -114,31 +146,24 @@ class Assembler:
         """Output bytes of one full batch of the fixed-size fields."""
         return plan.config.batch_size * sum(f.sample_bytes for f in self.shapes.values())
 
-    def _gather(self, plan: EpochPlan, rows: list[tuple[int, int, int, int]], views: dict[int, dict[str, Any]],
-                lo: int, out: dict[str, Any], state: _EpochIndex) -> None:
+    def _gather(self, rows: list[tuple[int, int, int, int]], views: dict[int, dict[str, Any]], lo: int,
+                out: dict[str, Any], dev: dict[Any, Any]) -> None:
         """Queue the gathers of the fixed-size fields of stream rows ``rows[0].start .. rows[-1].stop``."""
         ops = self.ops
         hi = rows[-1][2]
-        if self.resident:
-            if state.ids is None:
-                state.ids = ops.index_array(_compact(plan.sample_ids()))
-            for name, r in self.resident.items():
-                if name in out:
-                    ops.take(r.array, state.ids[lo:hi], out[name])
+        for name, r in self.resident.items():
+            if name in out:
+                ops.take(r.array, dev["ids"][lo:hi], out[name])
         for w, start, stop, first in rows:
             part = slice(start - lo, stop - lo)
             if first >= 0:
                 for name in self.direct:
                     ops.copy_rows(views[w][name], first, out[name][part])
-            elif self.direct:
-                if state.positions is None:
-                    state.positions = ops.index_array(_compact(plan.positions))
+            else:
                 for name in self.direct:
-                    ops.take(views[w][name], state.positions[start:stop], out[name][part])
+                    ops.take(views[w][name], dev["positions"][start:stop], out[name][part])
             for name in self.mapped:
-                if name not in state.rows:
-                    state.rows[name] = ops.index_array(_compact(self.wl.stream_rows(plan, name)))
-                ops.take(views[w][name], state.rows[name][start:stop], out[name][part])
+                ops.take(views[w][name], dev["rows", name][start:stop], out[name][part])
 
     def _ragged_outputs(self, name: str, lo: int, hi: int, lengths_host: np.ndarray, out: dict[str, Any]) -> None:
         """Allocate a variable-length field's outputs: values back to back plus (B + 1) offsets, or
@@ -182,13 +207,19 @@ class Assembler:
 
 
 @dataclass
-class _EpochIndex:
-    """Index arrays of one epoch, uploaded at their first use: positions in the windows (fields gathered by
-    the plan's positions), rows of each field gathered by rows of its own, global sample ids (resident)."""
+class EpochIndex:
+    """What gathering one epoch's batches needs, made once per pass (:meth:`Assembler.index`): the plan's
+    segments and each window's last batch (host), each variable-length field's value index (host, for
+    sizes), and the index arrays in the ops' memory (``dev``), usable on the assembler's stream after the
+    ``ready`` event: sample positions in the windows, rows of fields gathered by rows of their own, global
+    sample ids (resident fields), value starts and lengths (variable-length fields)."""
 
-    positions: Any = None
-    rows: dict[str, Any] = field(default_factory=dict)
-    ids: Any = None
+    plan: EpochPlan
+    table: list[list[tuple[int, int, int, int]]]
+    last_batch: np.ndarray
+    value_index: dict[str, tuple[np.ndarray, np.ndarray]]
+    dev: dict[Any, Any] = field(default_factory=dict)
+    ready: Any = None
 
 
 def batch_groups(table: Sequence[Sequence[tuple[int, int, int, int]]], last_batch: np.ndarray, start: int,

@@ -8,6 +8,7 @@ pipeline code runs on machines without a GPU.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any
 
 import numpy as np
@@ -59,8 +60,12 @@ class HostOps:
     def synchronize(self, event: Any) -> None:
         pass
 
-    def index_array(self, a: np.ndarray) -> Any:
-        return a
+    def upload(self, arrays: dict[Any, np.ndarray]) -> tuple[dict[Any, Any], Any]:
+        """Index arrays where the gathers read them, and the event after which they are there (None)."""
+        return dict(arrays), None
+
+    def retire(self, arrays: dict[Any, Any]) -> None:
+        """Uploaded arrays no gather will be queued from any more (kept until the queued ones are done)."""
 
     def copy_rows(self, src: Any, first: int, out: Any) -> None:
         """``out[:] = src[first:first + len(out)]``."""
@@ -115,6 +120,9 @@ class CudaOps:
             # allocated "on" this one return, once the consumer drops them, to a pool only empty() draws
             # from, and the assembler's own scratch never lands in memory the consumer may still read.
             self.outputs = cupy.cuda.Stream(non_blocking=True)
+            self.uploads = cupy.cuda.Stream(non_blocking=True)  # index arrays, from whichever thread makes a pass
+        self._retired: list[tuple[Any, dict[Any, Any]]] = []
+        self._retired_lock = threading.Lock()
 
     def _current_stream(self) -> Any:
         if self.torch is not None:
@@ -165,9 +173,23 @@ class CudaOps:
         if event is not None:
             event.synchronize()
 
-    def index_array(self, a: np.ndarray) -> Any:
-        with self.device, self.work:
-            return self.cupy.asarray(a)
+    def upload(self, arrays: dict[Any, np.ndarray]) -> tuple[dict[Any, Any], Any]:
+        """Copied to the device on a stream of their own (any thread): the assembler's stream waits on the
+        event returned, and nothing else does."""
+        with self._retired_lock:  # memory of retired arrays the assembler's stream is done with may go
+            self._retired = [(e, a) for e, a in self._retired if not e.done]
+        with self.device, self.uploads:
+            dev = {k: self.cupy.asarray(a) for k, a in arrays.items()}
+            return dev, record_event(self.uploads)
+
+    def retire(self, arrays: dict[Any, Any]) -> None:
+        """Freed memory goes back to the pool of the stream it was allocated on, here the upload stream, at
+        once: kept until the assembler's stream has run every gather queued so far, or a later upload could
+        overwrite indices a queued gather has yet to read."""
+        with self.device:
+            event = record_event(self.work)
+        with self._retired_lock:
+            self._retired.append((event, arrays))
 
     # Called inside scope(): the device and the assembler's stream are current.
     def copy_rows(self, src: Any, first: int, out: Any) -> None:

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .assembler import Assembler, ResidentField
+from .assembler import Assembler, EpochIndex, ResidentField
 from .backends.base import Backend, drain
 from .cursor import Cursor
 from .errors import GDSLoadError, ReadError
@@ -58,6 +58,7 @@ class _Pass:
     start_batch: int
     first_window: int
     stats: EpochStats
+    epoch_index: EpochIndex  # the plan's index arrays, uploaded when the pass was made
 
     def describe(self, w: int) -> str:
         blocks = [int(b) for b in self.plan.windows[w]]
@@ -121,7 +122,9 @@ class Pipeline:
                 plan = self._plan0 if k == 0 else self._plans(epoch)  # type: ignore[misc]
                 running = start < plan.num_batches
                 first = int(plan.window_of[plan.batch_bounds(start)[0]]) if running else len(plan.windows)
-                p = _Pass(k, epoch, plan, start, first, EpochStats(io_mode=self.backend.io_mode))
+                # The index arrays go up now, before any read of this pass is submitted (Assembler.index).
+                p = _Pass(k, epoch, plan, start, first, EpochStats(io_mode=self.backend.io_mode),
+                          self.assembler.index(plan))
                 # Only passes the consumer is done with are dropped: every other thread may still ask for
                 # the others, and must get the same object (its stats are shared).
                 self._passes = {j: q for j, q in self._passes.items() if j >= self._consumer_pass}
@@ -273,7 +276,8 @@ class Pipeline:
                     buf.released = self.ops.record()
                     self._free.put(buf)
 
-                for i, batch, samples in self.assembler.batches(p.plan, p.start_batch, window, release, stopped):
+                for i, batch, samples in self.assembler.batches(p.plan, p.start_batch, window, release, stopped,
+                                                                p.epoch_index):
                     nbytes = sum(a.nbytes for a in batch.values())
                     if not self._assembled.put((k, i, batch, samples, nbytes, self.ops.record()), self._stop):
                         return

@@ -97,3 +97,42 @@ def test_a_batch_kept_alone_outlives_its_group(data_path, monkeypatch):
         assert kept["x"].base is not None  # a view of its group's rows
         np.testing.assert_array_equal(kept["x"], data["x"][kept["idx"]])
         assert kept["x"].shape[0] == 16 and kept["x"].flags.c_contiguous
+
+
+def test_a_pass_index_arrays_go_up_before_its_first_read(data_path, monkeypatch):
+    """An upload queued behind a window's copies waits for them (the copy engine serves them in order), and
+    the pass's first batch with it: each pass's index arrays are uploaded before its first read is
+    submitted, the next pass's (read ahead) included. Its windows, in order: uploads counted per pass."""
+    import threading
+
+    from gdsload.backends.cpu import CpuBackend
+    from gdsload.device import HostOps
+
+    path, data = data_path
+    log: list[str] = []
+    lock = threading.Lock()
+    upload, submit = HostOps.upload, CpuBackend.submit
+
+    def logged(name, fn):
+        def f(*a, **kw):
+            with lock:
+                log.append(name)
+            return fn(*a, **kw)
+        return f
+
+    monkeypatch.setattr(HostOps, "upload", logged("upload", upload))
+    monkeypatch.setattr(CpuBackend, "submit", logged("submit", submit))
+    with Dataset(path, backend="cpu", batch_size=16, window_blocks=5, shuffle=True) as ds:
+        windows, resident = len(ds._plan(0).windows), len(ds.resident_fields)
+        for _ in range(2):
+            for b in ds:
+                np.testing.assert_array_equal(b["x"], data["x"][b["idx"]])
+        ds.stop()
+    with lock:
+        reads = [i for i, e in enumerate(log) if e == "submit"]
+        uploads = [i for i, e in enumerate(log) if e == "upload"]
+    # Resident fields are read once first (one submit each), through the same backend; then pass after pass.
+    assert resident >= 1 and len(reads) >= resident + 2 * windows and len(uploads) >= 2
+    for k in range(2):
+        first_read = reads[resident + k * windows]
+        assert uploads[k] < first_read, f"pass {k}: its index went up after its first read ({log[:40]})"

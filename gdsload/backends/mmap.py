@@ -4,8 +4,11 @@ to the device.
 For datasets that fit in RAM. Registering a mapping page-locks it (``cudaHostRegister`` with the
 read-only flag), so every later "read" is a host-to-device DMA copy, with no page-cache read in between.
 The price is memory: the dataset's pages stay locked in RAM for the dataset's life (shared with other
-processes that map the same files), and opening a cold dataset reads all of it once. Registration happens
-when the dataset opens, so a dataset too large for the budget fails there, never mid-epoch.
+processes that map the same files), and a cold dataset is read once, all of it. The budget and the
+ability to lock are checked when the dataset opens, so a dataset too large fails there, never mid-epoch;
+the files are then read and locked in ranges of ``RANGE_BYTES`` on background threads (gdsload.preload),
+the ranges a window needs first, so the first pass runs while the rest loads: a copy waits only for the
+ranges it reads, and never spans two of them (each is registered on its own).
 
 As with any memory-mapped file, a shard file truncated in place while the dataset is open kills the
 process with SIGBUS. Replacing the dataset is safe: ``gdsload shard --overwrite`` renames a new folder
@@ -17,20 +20,24 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+import time
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from .._cuda import H2D, HOST_REGISTER_PORTABLE, HOST_REGISTER_READ_ONLY, record_event
 from ..errors import BackendUnavailable, ReadError
-from .base import Pending, ReadRequest, Request, coalesce, pread_full, read_error, split
+from ..preload import Preloader
+from .base import Pending, ReadRequest, Request, coalesce, read_error
 from .cuda import CudaBackend
 
 DEFAULT_COPY_BYTES = 64 << 20
 DEFAULT_STREAMS = 2
-_PRELOAD_CHUNK = 8 << 20
+#: Files are locked in ranges of this many bytes (a multiple of the page size), each as soon as it is read.
+#: Small enough that a shuffled window's blocks are in a fraction of a cold file's ranges (the first pass
+#: starts once those are in, not the whole file); copies are cut at range ends, so also the largest copy.
+RANGE_BYTES = 8 << 20
 
 
 def default_budget() -> int:
@@ -49,44 +56,76 @@ def check_budget(sizes: dict[str, int], budget: int) -> None:
             f"RAM). Use backend='kvikio' or 'pinned' for datasets that do not fit in memory.")
 
 
-def plan_copies(reads: Sequence[ReadRequest], sizes: dict[str, int], max_bytes: int) -> list[ReadRequest]:
-    """Reads -> copies of at most ``max_bytes``, adjacent blocks merged; a read past a file's end raises
-    ReadError naming the file (the mapping covers the file as it was when registered)."""
+def plan_copies(reads: Sequence[ReadRequest], sizes: dict[str, int], max_bytes: int,
+                range_bytes: int = RANGE_BYTES) -> list[ReadRequest]:
+    """Reads -> copies of at most ``max_bytes``, adjacent blocks merged, none crossing a multiple of
+    ``range_bytes`` in its file (the ranges are locked one by one); a read past a file's end raises ReadError
+    naming the file (the mapping covers the file as it was when the dataset opened)."""
     for r in reads:
         size = sizes.get(r.path)
         if size is None:
             raise ReadError(f"{r.path}: not registered with the mmap backend")
         if r.offset + r.nbytes > size:
             raise read_error(r.path, r.offset, r.nbytes, got=max(0, size - r.offset))
-    return [p for r in coalesce(reads, max_bytes) for p in split(r, max_bytes)]
+    return [p for r in coalesce(reads, max_bytes) for p in _cut(r, max_bytes, range_bytes)]
+
+
+def _cut(r: ReadRequest, max_bytes: int, range_bytes: int) -> Iterator[ReadRequest]:
+    """``r`` in pieces of at most ``max_bytes`` that end at every multiple of ``range_bytes``."""
+    start, end = r.offset, r.offset + r.nbytes
+    while start < end:
+        stop = min(end, start + max_bytes, (start // range_bytes + 1) * range_bytes)
+        yield r._replace(offset=start, nbytes=stop - start, dest_offset=r.dest_offset + start - r.offset)
+        start = stop
+
+
+def file_ranges(sizes: dict[str, int], range_bytes: int = RANGE_BYTES) -> dict[tuple[str, int], tuple[str, int, int]]:
+    """Every file's ranges, in file order: (path, index) -> (path, offset, nbytes)."""
+    return {(p, i): (p, o, min(range_bytes, n - o)) for p, n in sizes.items()
+            for i, o in enumerate(range(0, n, range_bytes))}
 
 
 class _Mapping:
-    """One shard file: mapped read-only, its pages locked and registered with CUDA until ``close``."""
+    """One shard file mapped read-only; its ranges locked and registered with CUDA one at a time, all
+    unregistered by ``close``."""
 
-    def __init__(self, path: str, fd: int, cupy: Any):
-        self.cupy = cupy
-        self.size = os.fstat(fd).st_size
-        if self.size == 0:
+    def __init__(self, path: str, fd: int, size: int, cupy: Any):
+        self.path, self.size, self.cupy = path, size, cupy
+        if size == 0:
             raise ReadError(f"{path}: empty file")
-        self._mm = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        try:
+            self._mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        except (OSError, ValueError) as e:
+            raise ReadError(f"{path}: cannot map its {size} bytes ({type(e).__name__}: {e}; now "
+                            f"{os.fstat(fd).st_size} bytes: changed since the dataset opened?)") from e
         self._array = np.frombuffer(self._mm, dtype=np.uint8)
         self.ptr = int(self._array.ctypes.data)
-        try:
-            cupy.cuda.runtime.hostRegister(self.ptr, self.size, HOST_REGISTER_PORTABLE | HOST_REGISTER_READ_ONLY)
-        except Exception as e:
-            self._unmap()
-            raise BackendUnavailable(f"{path}: cannot lock and register {self.size} bytes for DMA "
-                                     f"({type(e).__name__}: {e}); backend 'mmap' needs read-only host "
-                                     f"registration (Linux, CUDA 11.1+)") from e
+        self._registered: list[int] = []  # offsets of the ranges registered
+        self._lock = threading.Lock()
 
-    def _unmap(self) -> None:
-        self._array = np.zeros(0, np.uint8)  # drop the buffer export before closing the map
-        self._mm.close()
+    def register(self, offset: int, nbytes: int) -> None:
+        """Lock ``nbytes`` at ``offset`` and register them for DMA (faults the pages in)."""
+        try:
+            self.cupy.cuda.runtime.hostRegister(self.ptr + offset, nbytes,
+                                                HOST_REGISTER_PORTABLE | HOST_REGISTER_READ_ONLY)
+        except Exception as e:
+            raise BackendUnavailable(f"{self.path}: cannot lock and register {nbytes} bytes at offset {offset} for "
+                                     f"DMA ({type(e).__name__}: {e}); backend 'mmap' needs read-only host "
+                                     f"registration (Linux, CUDA 11.1+)") from e
+        with self._lock:
+            self._registered.append(offset)
+
+    def close_ranges(self) -> None:
+        """Unregister every range registered so far."""
+        with self._lock:
+            for offset in self._registered:
+                self.cupy.cuda.runtime.hostUnregister(self.ptr + offset)
+            self._registered.clear()
 
     def close(self) -> None:
-        self.cupy.cuda.runtime.hostUnregister(self.ptr)
-        self._unmap()
+        self.close_ranges()
+        self._array = np.zeros(0, np.uint8)  # drop the buffer export before closing the map
+        self._mm.close()
 
 
 class MmapBackend(CudaBackend):
@@ -96,9 +135,9 @@ class MmapBackend(CudaBackend):
 
     def __init__(self, device_id: int = 0, max_bytes: int | None = None, num_streams: int = DEFAULT_STREAMS,
                  copy_bytes: int = DEFAULT_COPY_BYTES, register_threads: int = 16):
-        """``max_bytes`` caps the bytes locked (default half of RAM); copies of at most ``copy_bytes`` go
-        round robin over ``num_streams`` non-blocking streams; ``register_threads`` read and lock the files
-        at open."""
+        """``max_bytes`` caps the bytes locked (default half of RAM); copies of at most ``copy_bytes`` (and
+        never across two locked ranges) go round robin over ``num_streams`` non-blocking streams;
+        ``register_threads`` read and lock the files in the background from open on."""
         if num_streams < 1 or copy_bytes < 1 or register_threads < 1:
             raise ValueError(f"num_streams, copy_bytes and register_threads must be positive "
                              f"(found {num_streams}, {copy_bytes}, {register_threads})")
@@ -106,71 +145,67 @@ class MmapBackend(CudaBackend):
         self.max_bytes = default_budget() if max_bytes is None else max_bytes
         self.copy_bytes = copy_bytes
         self.register_threads = register_threads
+        self.range_bytes = RANGE_BYTES
         with self.device:
             self._streams = [self.cupy.cuda.Stream(non_blocking=True) for _ in range(num_streams)]
-        self._sizes: dict[str, int] = {}
-        self._sizes_lock = threading.Lock()
-        self._maps: dict[str, _Mapping] = {}  # every file the dataset reads, mapped and locked at prepare()
-        self.register_s = 0.0  # wall time spent opening: reading the files once, mapping and locking them
-        self.preload_s = 0.0  # from the start of opening to the end of the last read (locks overlap the reads)
+        self._maps: dict[str, _Mapping] = {}  # every file the dataset reads, mapped at prepare()
+        self._loader: Preloader | None = None
+        self.register_s = 0.0  # time prepare() took: the checks, mapping the files, starting the loader
 
     @property
     def pinned_bytes(self) -> int:
-        """Bytes of shard files locked in RAM."""
-        return sum(self._sizes.values())
+        """Bytes of shard files this backend locks in RAM (all of them once loading is over)."""
+        return sum(m.size for m in self._maps.values())
 
     def stats(self) -> dict[str, Any]:
-        return {"locked_bytes": self.pinned_bytes, "open_s": self.register_s, "preload_s": self.preload_s,
+        loader = self._loader.stats() if self._loader is not None else {}
+        return {"locked_bytes": self.pinned_bytes, "open_s": self.register_s,
+                "loaded_bytes": loader.get("bytes_loaded", 0), "load_s": loader.get("load_s"),
                 "num_streams": len(self._streams), "copy_bytes": self.copy_bytes}
 
-    def _register(self, path: str, fd: int) -> None:
-        with self.device:
-            m = _Mapping(path, fd, self.cupy)
-        with self._sizes_lock:
-            self._maps[path] = m
-            self._sizes[path] = m.size
-
     def prepare(self, files: Any) -> None:
-        """Map and lock every file the dataset reads, checking the whole set against the budget first.
-
-        The files are read once through the page cache by parallel reads, and each is locked as soon as its
-        last read is done, while the others still load: locking alone faults pages in one at a time, far
-        below the disk's rate, and locking only after all the reads adds its whole time at the end.
-        """
-        import time
-
-        paths = list(files)
-        sizes = {p: files.get(p).size for p in paths}
-        check_budget(sizes, self.max_bytes)
+        """Check the whole set against the budget, map every file, check that this process can lock and
+        register its memory, and start loading: every range of every file read once through the page cache
+        by parallel reads (locking alone faults pages in one at a time, far below the disk's rate), then
+        locked, on the loader's threads, while the dataset is already read."""
         t0 = time.perf_counter()
-        left = {p: -(-n // _PRELOAD_CHUNK) for p, n in sizes.items()}  # reads still to do, per file
-        lock = threading.Lock()
-        local = threading.local()
-        read_done = [t0]
+        sizes = {p: files.get(p).size for p in files}
+        check_budget(sizes, self.max_bytes)
+        for p, n in sizes.items():
+            self._maps[p] = _Mapping(p, files.fd(p), n, self.cupy)
+        probe = next(iter(self._maps.values()), None)
+        if probe is not None:  # a page locked and unlocked: a process that cannot lock fails here, not mid-pass
+            with self.device:
+                probe.register(0, min(probe.size, mmap.PAGESIZE))
+                probe.close_ranges()
+        self._loader = Preloader(file_ranges(sizes, self.range_bytes), files.fd, self._lock_range, self.register_threads)
+        self.register_s = time.perf_counter() - t0
 
-        def load(path: str, offset: int, nbytes: int) -> None:
-            if getattr(local, "buf", None) is None:
-                local.buf = np.empty(_PRELOAD_CHUNK, dtype=np.uint8)
-            pread_full(files.fd(path), memoryview(local.buf)[:nbytes], offset, path)
-            with lock:
-                left[path] -= 1
-                last = left[path] == 0
-                read_done[0] = max(read_done[0], time.perf_counter())
-            if last:
-                self._register(path, files.fd(path))  # map and lock it now, while the other files load
+    def _lock_range(self, key: tuple[str, int]) -> None:
+        """Lock a range the loader has read (on a loader thread)."""
+        path, i = key
+        m, r = self._maps[path], self.range_bytes
+        with self.device:
+            m.register(i * r, min(r, m.size - i * r))
 
-        chunks = [(p, o, min(_PRELOAD_CHUNK, n - o)) for p, n in sizes.items() for o in range(0, n, _PRELOAD_CHUNK)]
-        pool = ThreadPoolExecutor(self.register_threads, thread_name_prefix="gdsload-mmap-open")
-        try:
-            # An empty file has no reads: registering it reports it.
-            futures = [pool.submit(load, *c) for c in chunks] + [pool.submit(self._register, p, files.fd(p))
-                                                                  for p in paths if sizes[p] == 0]
-            for f in futures:
-                f.result()
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)  # after an error, the reads not yet started are dropped
-        self.preload_s += read_done[0] - t0
-        self.register_s += time.perf_counter() - t0
+    def submit(self, dest: Any, requests: Sequence[Request], stop: threading.Event) -> Pending:
+        reads = [r for r in requests if isinstance(r, ReadRequest)]
+        copies = plan_copies(reads, {p: self._mapping(p).size for p in {r.path for r in reads}}, self.copy_bytes,
+                             self.range_bytes)
+        if self._loader is None:
+            raise ReadError("internal error: the mmap backend was not prepared with the dataset's files")
+        if not self._loader.wait([(c.path, c.offset // self.range_bytes) for c in copies], stop):
+            return _Queued(None)  # stopped while its ranges loaded: nothing copied, nobody reads it
+        dest_ptr = int(dest.data.ptr)
+        rt = self.cupy.cuda.runtime
+        self.write_fills(dest, requests)  # on self.stream: the event recorded last covers them
+        with self.device:
+            for i, c in enumerate(copies):
+                s = self._streams[i % len(self._streams)]
+                rt.memcpyAsync(dest_ptr + c.dest_offset, self._maps[c.path].ptr + c.offset, c.nbytes, H2D, s.ptr)
+            for s in self._streams[:len(copies)]:
+                self.stream.wait_event(record_event(s))
+            return _Queued(record_event(self.stream))
 
     def _mapping(self, path: str) -> _Mapping:
         m = self._maps.get(path)
@@ -178,29 +213,14 @@ class MmapBackend(CudaBackend):
             raise ReadError(f"{path}: not registered with the mmap backend")
         return m
 
-    def submit(self, dest: Any, requests: Sequence[Request], stop: threading.Event) -> Pending:
-        reads = [r for r in requests if isinstance(r, ReadRequest)]
-        maps = {p: self._mapping(p) for p in {r.path for r in reads}}
-        copies = plan_copies(reads, {p: m.size for p, m in maps.items()}, self.copy_bytes)
-        dest_ptr = int(dest.data.ptr)
-        rt = self.cupy.cuda.runtime
-        self.write_fills(dest, requests)  # on self.stream: the event recorded last covers them
-        with self.device:
-            for i, c in enumerate(copies):
-                s = self._streams[i % len(self._streams)]
-                rt.memcpyAsync(dest_ptr + c.dest_offset, maps[c.path].ptr + c.offset, c.nbytes, H2D, s.ptr)
-            for s in self._streams[:len(copies)]:
-                self.stream.wait_event(record_event(s))
-            return _Queued(record_event(self.stream))
-
     def close(self) -> None:
+        if self._loader is not None:
+            self._loader.close()  # no range is locked after this
         for s in [self.stream, *self._streams]:
             s.synchronize()  # no copy may still read a mapping that is about to go
-        with self._sizes_lock:
-            for m in self._maps.values():
-                m.close()
-            self._maps.clear()
-            self._sizes.clear()
+        for m in self._maps.values():
+            m.close()
+        self._maps.clear()
 
 
 class _Queued(Pending):

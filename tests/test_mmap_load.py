@@ -1,0 +1,293 @@
+"""The mmap backend's background load (gdsload.preload, backends/mmap.py) on the CPU: ranges read once and
+locked in order, the ranges a window needs first; a copy waits for its ranges and never spans two; errors
+reach whoever waits, naming the file; close() stops the threads and unlocks everything. CUDA is a stand-in
+that copies host memory and refuses a copy from memory not registered in one piece."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import sys
+import threading
+import time
+import types
+
+import numpy as np
+import pytest
+
+from gdsload.errors import BackendUnavailable, ReadError
+from gdsload.preload import Preloader
+
+MiB = 1 << 20
+
+
+def _files(tmp_path, sizes):
+    paths, fds = [], {}
+    rng = np.random.default_rng(0)
+    for i, n in enumerate(sizes):
+        p = str(tmp_path / f"f{i}")
+        rng.integers(0, 256, n, dtype=np.uint8).tofile(p)
+        paths.append(p)
+        fds[p] = os.open(p, os.O_RDONLY)
+    return paths, fds
+
+
+# -- Preloader ---------------------------------------------------------------------------------------------
+def test_every_unit_is_read_whole_then_done_once(tmp_path):
+    paths, fds = _files(tmp_path, [3 * MiB + 5, 1, 2 * MiB])
+    units = {(p, i): (p, o, min(MiB, os.path.getsize(p) - o)) for p in paths
+             for i, o in enumerate(range(0, os.path.getsize(p), MiB))}
+    seen: list = []
+    reads: list = []
+    real = os.preadv
+
+    def counting(fd, bufs, offset):
+        reads.append((fd, offset, sum(len(b) for b in bufs)))
+        return real(fd, bufs, offset)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "preadv", counting)
+        loader = Preloader(units, fds.__getitem__, seen.append, threads=3, chunk_bytes=256 << 10)
+        assert loader.wait(units)
+        loader.close()
+    assert sorted(seen) == sorted(units) and len(seen) == len(set(seen))
+    # Every byte read exactly once, by chunks of at most 256 KiB.
+    got = {}
+    for fd, offset, n in reads:
+        assert n <= 256 << 10
+        got.setdefault(fd, []).append((offset, n))
+    for p in paths:
+        spans = sorted(got[fds[p]])
+        assert sum(n for _, n in spans) == os.path.getsize(p)
+        assert all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:]))
+    s = loader.stats()
+    assert s["bytes_loaded"] == s["bytes"] == sum(map(os.path.getsize, paths)) and s["load_s"] >= 0
+
+
+def test_units_waited_for_jump_the_queue(tmp_path):
+    """One thread, 40 units: a wait for the last one is served before the units queued ahead of it."""
+    paths, fds = _files(tmp_path, [40 * 4096])
+    p = paths[0]
+    units = {i: (p, i * 4096, 4096) for i in range(40)}
+    order: list = []
+    gate = threading.Event()
+
+    def done(key):
+        order.append(key)
+        if key == 0:
+            gate.wait(5)  # hold the only thread until the wait below has queued its unit
+
+    loader = Preloader(units, fds.__getitem__, done, threads=1, chunk_bytes=4096)
+    waiter = threading.Thread(target=lambda: loader.wait([39]))
+    waiter.start()
+    time.sleep(0.2)
+    gate.set()
+    waiter.join(5)
+    loader.close()
+    assert order[:2] == [0, 39], order[:5]
+
+
+def test_a_failed_unit_raises_for_its_waiters_naming_the_file_and_the_others_load(tmp_path):
+    paths, fds = _files(tmp_path, [MiB, MiB])
+    units = {p: (p, 0, 2 * MiB if p == paths[0] else MiB) for p in paths}  # the first is shorter than said
+    loader = Preloader(units, fds.__getitem__, lambda k: None, threads=2, chunk_bytes=MiB)
+    with pytest.raises(ReadError, match=paths[0]):
+        loader.wait([paths[0]])
+    assert loader.wait([paths[1]])
+    with pytest.raises(ReadError, match=paths[0]):
+        loader.wait(paths)  # and again, for every later waiter
+    loader.close()
+
+
+def test_a_failing_callback_is_named_with_its_file(tmp_path):
+    paths, fds = _files(tmp_path, [4096])
+
+    def done(key):
+        raise RuntimeError("cannot lock")
+
+    loader = Preloader({paths[0]: (paths[0], 0, 4096)}, fds.__getitem__, done, threads=1)
+    with pytest.raises(ReadError, match=rf"{paths[0]}: loading it into memory failed \(RuntimeError: cannot lock"):
+        loader.wait([paths[0]])
+    loader.close()
+
+
+def test_close_stops_the_threads_and_ends_waits(tmp_path):
+    paths, fds = _files(tmp_path, [64 * 4096])
+    p = paths[0]
+    started = threading.Event()
+
+    def slow(key):
+        started.set()
+        time.sleep(0.05)
+
+    loader = Preloader({i: (p, i * 4096, 4096) for i in range(64)}, fds.__getitem__, slow, threads=2, chunk_bytes=4096)
+    started.wait(5)
+    result: list = []
+    waiter = threading.Thread(target=lambda: result.append(loader.wait([63])))
+    waiter.start()
+    loader.close()
+    waiter.join(5)
+    assert result == [False], "a wait ends once the loader is closed"
+    assert not [t for t in threading.enumerate() if t.name.startswith("gdsload-preload")]
+    assert loader.stats()["bytes_loaded"] < 64 * 4096, "chunks not started were dropped"
+    stop = threading.Event()
+    stop.set()
+    assert loader.wait([0, 1, 2, 63], stop) in (True, False)  # returns, never hangs
+
+
+def test_a_wait_returns_false_once_its_stop_is_set(tmp_path):
+    paths, fds = _files(tmp_path, [8 * 4096])
+    gate = threading.Event()
+    loader = Preloader({i: (paths[0], i * 4096, 4096) for i in range(8)}, fds.__getitem__,
+                       lambda k: gate.wait(5), threads=1, chunk_bytes=4096)
+    stop = threading.Event()
+    threading.Timer(0.1, stop.set).start()
+    assert loader.wait([7], stop) is False
+    gate.set()
+    loader.close()
+
+
+# -- the mmap backend, CUDA replaced ---------------------------------------------------------------------
+class _Runtime:
+    """hostRegister / hostUnregister / memcpyAsync on host memory; a copy from memory that is not inside one
+    registered range fails, as a DMA from pageable memory would not be what the backend means to do."""
+
+    def __init__(self):
+        self.registered: dict[int, int] = {}
+        self.copies: list[tuple[int, int]] = []
+        self.lock = threading.Lock()
+
+    def hostRegister(self, ptr, nbytes, flags):
+        with self.lock:
+            assert not any(p < ptr + nbytes and ptr < p + n for p, n in self.registered.items()), "overlap"
+            self.registered[ptr] = nbytes
+
+    def hostUnregister(self, ptr):
+        with self.lock:
+            del self.registered[ptr]
+
+    def memcpyAsync(self, dst, src, nbytes, kind, stream):
+        with self.lock:
+            ok = any(p <= src and src + nbytes <= p + n for p, n in self.registered.items())
+        if not ok:
+            raise RuntimeError(f"copy of {nbytes} bytes from unregistered memory")
+        self.copies.append((src, nbytes))
+        ctypes.memmove(dst, src, nbytes)
+
+
+class _Stream:
+    def __init__(self, non_blocking=False):
+        self.ptr = id(self)
+
+    def synchronize(self):
+        pass
+
+    def wait_event(self, e):
+        pass
+
+    def record(self, e=None):
+        return e
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        pass
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    runtime = _Runtime()
+    cuda = types.SimpleNamespace(runtime=runtime, Device=lambda i: contextlib.nullcontext(), Stream=_Stream,
+                                 Event=lambda **kw: object())
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda, uint8=np.uint8))
+    return runtime
+
+
+class _Dest:
+    """A "device" buffer: host memory with ``.data.ptr``."""
+
+    def __init__(self, n):
+        self.array = np.zeros(n, np.uint8)
+        self.data = types.SimpleNamespace(ptr=self.array.ctypes.data)
+
+
+def test_mmap_backend_copies_wait_for_their_ranges_and_never_span_two(tmp_path, fake_cupy, monkeypatch):
+    from gdsload.backends import mmap as mmap_backend
+    from gdsload.backends.base import ReadRequest
+    from gdsload.files import ShardFiles
+
+    monkeypatch.setattr(mmap_backend, "RANGE_BYTES", 64 << 10)
+    paths, _ = _files(tmp_path, [300 << 10, 100 << 10])
+    files = ShardFiles.open(paths)
+    gate, real = threading.Event(), os.preadv
+    monkeypatch.setattr(os, "preadv", lambda *a: (gate.wait(5), real(*a))[1])  # the loader reads once let
+    backend = mmap_backend.MmapBackend(copy_bytes=1 << 30, register_threads=2)  # reads RANGE_BYTES here
+    t0 = time.perf_counter()
+    backend.prepare(files)
+    assert time.perf_counter() - t0 < 1, "the open does not wait for the files to load"
+    reads = [ReadRequest(paths[0], 10, 250 << 10, 0), ReadRequest(paths[1], 0, 100 << 10, 250 << 10),
+             ReadRequest(paths[0], 290 << 10, 10 << 10, 350 << 10)]
+    dest = _Dest(360 << 10)
+    submit = threading.Thread(target=lambda: backend.submit(dest, reads, threading.Event()).finish())
+    submit.start()
+    time.sleep(0.2)
+    assert submit.is_alive() and not fake_cupy.copies, "nothing is copied before its ranges are locked"
+    gate.set()
+    submit.join(5)
+    want = np.concatenate([np.fromfile(paths[0], np.uint8)[10:10 + (250 << 10)], np.fromfile(paths[1], np.uint8),
+                           np.fromfile(paths[0], np.uint8)[290 << 10:]])
+    np.testing.assert_array_equal(dest.array, want)
+    boundaries = {m.ptr + o for m in backend._maps.values() for o in range(0, m.size, 64 << 10)}
+    assert all(not any(src < b < src + n for b in boundaries) for src, n in fake_cupy.copies)
+    assert len(fake_cupy.copies) > len(reads), "copies were cut at range boundaries"
+    backend._loader.wait(list(backend._loader._units))
+    assert sum(fake_cupy.registered.values()) == (400 << 10) == backend.pinned_bytes
+    backend.close()
+    assert fake_cupy.registered == {}, "close() unlocks every range"
+    assert not [t for t in threading.enumerate() if t.name.startswith("gdsload-preload")]
+    files.close()
+
+
+def test_mmap_backend_checks_budget_and_locking_at_open(tmp_path, fake_cupy):
+    from gdsload.backends.mmap import MmapBackend
+    from gdsload.files import ShardFiles
+
+    paths, _ = _files(tmp_path, [8192])
+    files = ShardFiles.open(paths)
+    with pytest.raises(BackendUnavailable, match="over its budget"):
+        MmapBackend(max_bytes=4096).prepare(files)
+
+    def refuse(ptr, nbytes, flags):
+        raise RuntimeError("cudaErrorNotSupported")
+
+    fake_cupy.hostRegister = refuse
+    backend = MmapBackend()
+    with pytest.raises(BackendUnavailable, match=rf"{paths[0]}: cannot lock and register .*cudaErrorNotSupported"):
+        backend.prepare(files)
+    backend.close()
+    files.close()
+
+
+def test_mmap_backend_read_error_names_the_file(tmp_path, fake_cupy, monkeypatch):
+    """A file cut short after the dataset opened: the window that needs the lost bytes fails, naming the file
+    and where; cut short before the backend maps it, the open fails, naming it."""
+    from gdsload.backends.base import ReadRequest
+    from gdsload.backends.mmap import MmapBackend
+    from gdsload.files import ShardFiles
+
+    paths, _ = _files(tmp_path, [1 << 20])
+    files = ShardFiles.open(paths)
+    gate, real = threading.Event(), os.preadv
+    monkeypatch.setattr(os, "preadv", lambda *a: (gate.wait(5), real(*a))[1])  # the loader reads once let
+    backend = MmapBackend(register_threads=1)
+    backend.prepare(files)
+    os.truncate(paths[0], 4096)
+    gate.set()
+    with pytest.raises(ReadError, match=rf"{paths[0]}.*offset 0"):
+        backend.submit(_Dest(1 << 20), [ReadRequest(paths[0], 0, 1 << 20, 0)], threading.Event())
+    backend.close()
+    with pytest.raises(ReadError, match=rf"{paths[0]}: cannot map its {1 << 20} bytes .*now 4096 bytes"):
+        MmapBackend().prepare(files)
+    files.close()
