@@ -13,7 +13,7 @@ allocated before ``ops.fence()``: memory the consumer freed is rewritten only af
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -82,65 +82,55 @@ class Assembler:
         dev, ready = self.ops.upload(host)
         return EpochIndex(plan, table, plan.last_batch_of_window(), value_index, dev, ready)
 
-    def batches(self, plan: EpochPlan, start_batch: int, window: Callable[[int], dict[str, Any] | None],
-                release: Callable[[int], None], stopped: Callable[[], bool], index: EpochIndex | None = None
+    def batches(self, index: EpochIndex, start_batch: int, window: Callable[[int], dict[str, Any] | None],
+                release: Callable[[int], None], stopped: Callable[[], bool]
                 ) -> Iterator[tuple[int, dict[str, Any], int]]:
-        """Yield ``(batch index, arrays, samples)`` from ``start_batch`` on. ``window(w)`` gives window
-        ``w``'s field views once its data may be read on the assembler's stream (None: stop);
-        ``release(w)`` is called, inside the batch's scope, after the last gather from window ``w``;
-        ``index``: :meth:`index` of ``plan``, made now when not given.
+        """Yield ``(batch index, arrays, samples)`` of ``index.plan`` from ``start_batch`` on. ``window(w)``
+        gives window ``w``'s field views once its data may be read on the assembler's stream (None: stop);
+        ``release(w)`` is called, inside the batch's scope, after the last gather from window ``w``.
 
         Small batches are gathered in groups (:func:`batch_groups`): one allocation and one gather per
         field and window for the whole group, each batch a view of its rows. What a batch costs in Python
         (allocations, launches, events) is then paid once per group, not per batch."""
-        ops = self.ops
-        index = self.index(plan) if index is None else index
-        if index.plan is not plan:
-            raise ValueError("internal error: an epoch index made for another plan")
-        try:
-            yield from self._batches(plan, start_batch, window, release, stopped, index)
-        finally:
-            ops.retire(index.dev)
-
-    def _batches(self, plan: EpochPlan, start_batch: int, window: Callable[[int], dict[str, Any] | None],
-                 release: Callable[[int], None], stopped: Callable[[], bool], index: EpochIndex
-                 ) -> Iterator[tuple[int, dict[str, Any], int]]:
-        ops = self.ops
+        ops, plan = self.ops, index.plan
         table, last_batch = index.table, index.last_batch
         waited = False
         per_group = 1 if self.ragged else max(1, self.group_bytes // max(1, self._batch_bytes(plan)))
-        for first, stop in batch_groups(table, last_batch, start_batch, plan.num_batches, per_group):
-            if stopped():
-                return
-            rows = merge_segments([seg for i in range(first, stop) for seg in table[i]])
-            views = {}
-            for w, _, _, _ in rows:
-                got = window(w)
-                if got is None:
+        try:
+            for first, stop in batch_groups(table, last_batch, start_batch, plan.num_batches, per_group):
+                if stopped():
                     return
-                views[w] = got
-            lo, hi = rows[0][1], rows[-1][2]
-            with ops.scope():
-                if not waited:
-                    ops.wait(index.ready)
-                    waited = True
-                out = {n: ops.empty((hi - lo, *f.sample_shape), f.dtype) for n, f in self.shapes.items()}
-                for name in self.ragged:
-                    self._ragged_outputs(name, lo, hi, index.value_index[name][1], out)
-                ops.fence()
-                self._gather(rows, views, lo, out, index.dev)
-                for name in self.ragged:
-                    self._gather_ragged(name, rows, views, index.value_index[name][1],
-                                        (index.dev["starts", name], index.dev["lengths", name]), out)
+                rows = merge_segments([seg for i in range(first, stop) for seg in table[i]])
+                views = {}
                 for w, _, _, _ in rows:
-                    if first <= last_batch[w] < stop:
-                        release(w)
-            if stop - first == 1:
-                yield first, out, hi - lo
-                continue
-            for i in range(first, stop):
-                b_lo, b_hi = plan.batch_bounds(i)
-                yield i, {n: a[b_lo - lo:b_hi - lo] for n, a in out.items()}, b_hi - b_lo
+                    got = window(w)
+                    if got is None:
+                        return
+                    views[w] = got
+                lo, hi = rows[0][1], rows[-1][2]
+                with ops.scope():
+                    if not waited:
+                        ops.wait(index.ready)
+                        waited = True
+                    out = {n: ops.empty((hi - lo, *f.sample_shape), f.dtype) for n, f in self.shapes.items()}
+                    for name in self.ragged:
+                        self._ragged_outputs(name, lo, hi, index.value_index[name][1], out)
+                    ops.fence()
+                    self._gather(rows, views, lo, out, index.dev)
+                    for name in self.ragged:
+                        self._gather_ragged(name, rows, views, index.value_index[name][1],
+                                            (index.dev["starts", name], index.dev["lengths", name]), out)
+                    for w, _, _, _ in rows:
+                        if first <= last_batch[w] < stop:
+                            release(w)
+                if stop - first == 1:
+                    yield first, out, hi - lo
+                    continue
+                for i in range(first, stop):
+                    b_lo, b_hi = plan.batch_bounds(i)
+                    yield i, {n: a[b_lo - lo:b_hi - lo] for n, a in out.items()}, b_hi - b_lo
+        finally:
+            ops.retire(index.dev)
 
     def _batch_bytes(self, plan: EpochPlan) -> int:
         """Output bytes of one full batch of the fixed-size fields."""
@@ -218,8 +208,8 @@ class EpochIndex:
     table: list[list[tuple[int, int, int, int]]]
     last_batch: np.ndarray
     value_index: dict[str, tuple[np.ndarray, np.ndarray]]
-    dev: dict[Any, Any] = field(default_factory=dict)
-    ready: Any = None
+    dev: dict[Any, Any]
+    ready: Any
 
 
 def batch_groups(table: Sequence[Sequence[tuple[int, int, int, int]]], last_batch: np.ndarray, start: int,

@@ -276,8 +276,8 @@ class Pipeline:
                     buf.released = self.ops.record()
                     self._free.put(buf)
 
-                for i, batch, samples in self.assembler.batches(p.plan, p.start_batch, window, release, stopped,
-                                                                p.epoch_index):
+                for i, batch, samples in self.assembler.batches(p.epoch_index, p.start_batch, window, release,
+                                                                stopped):
                     nbytes = sum(a.nbytes for a in batch.values())
                     if not self._assembled.put((k, i, batch, samples, nbytes, self.ops.record()), self._stop):
                         return

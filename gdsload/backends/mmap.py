@@ -150,6 +150,7 @@ class MmapBackend(CudaBackend):
             self._streams = [self.cupy.cuda.Stream(non_blocking=True) for _ in range(num_streams)]
         self._maps: dict[str, _Mapping] = {}  # every file the dataset reads, mapped at prepare()
         self._loader: Preloader | None = None
+        self._ranges: dict[tuple[str, int], tuple[str, int, int]] = {}  # what the loader loads (file_ranges)
         self.register_s = 0.0  # time prepare() took: the checks, mapping the files, starting the loader
 
     @property
@@ -178,15 +179,15 @@ class MmapBackend(CudaBackend):
             with self.device:
                 probe.register(0, min(probe.size, mmap.PAGESIZE))
                 probe.close_ranges()
-        self._loader = Preloader(file_ranges(sizes, self.range_bytes), files.fd, self._lock_range, self.register_threads)
+        self._ranges = file_ranges(sizes, self.range_bytes)
+        self._loader = Preloader(self._ranges, files.fd, self._lock_range, self.register_threads)
         self.register_s = time.perf_counter() - t0
 
     def _lock_range(self, key: tuple[str, int]) -> None:
         """Lock a range the loader has read (on a loader thread)."""
-        path, i = key
-        m, r = self._maps[path], self.range_bytes
+        path, offset, nbytes = self._ranges[key]
         with self.device:
-            m.register(i * r, min(r, m.size - i * r))
+            self._maps[path].register(offset, nbytes)
 
     def submit(self, dest: Any, requests: Sequence[Request], stop: threading.Event) -> Pending:
         reads = [r for r in requests if isinstance(r, ReadRequest)]
