@@ -3,7 +3,8 @@
 A row is a flat JSON object: ``kind`` (ceiling, gdsload, contender, step or startup), ``dataset``,
 ``regime`` (warm, cold, shm or -), ``name``, ``config``, ``io_mode`` and the figures (``gb_per_s``,
 ``samples_per_s``, ``cpu_core_s_per_gb``, ``seconds``, ``stall_fraction``, ``steady_stall_fraction``,
-``wait_fraction`` and every repeat's ``wait_fraction_runs``); gdsload rows add ``backend``, ``shuffle``,
+``wait_fraction`` and every repeat's ``wait_fraction_runs``; training-step rows: the median of the passes
+after the one from rest, and that pass's ``first_pass_wait_fraction``); gdsload rows add ``backend``, ``shuffle``,
 ``threads``, ``default`` (the suite's standard configuration) and what ``GDSDataset.describe()`` says. A
 contender that could not run has ``error`` (or ``skipped``, its package missing) instead of figures.
 """
@@ -15,8 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from gdsload import GDSDataset
-from gdsload.measure import PassResult, Step, best, device_sync, drop_page_cache, time_pass
+from gdsload.measure import PassResult, Step, best, device_sync, drop_page_cache, time_pass, time_passes
 
 from .common import Rows
 
@@ -65,6 +68,10 @@ class GdsRun:
             self._cold = False
             return time_pass(self.ds, self.step)
         return time_pass(self.ds, self.step, self.timing.min_seconds, self.timing.from_rest)
+
+    def passes(self, n: int) -> list[PassResult]:
+        """The pass from rest and ``n`` passes after it, each timed on its own (:func:`time_passes`)."""
+        return time_passes(self.ds, self.step, n)
 
     def stop(self) -> None:
         """Before a cold pass: nothing read ahead from the warm cache, and the next call times one pass."""
@@ -142,6 +149,25 @@ class Recorder:
         waits = [round(r.wait_fraction, 4) for r in runs if r.wait_fraction is not None]
         extra = fn.extra() if hasattr(fn, "extra") else {}
         return self.emit({**where, **labels, **figures(best(runs), waits), **extra})
+
+    def steps(self, dataset: str, name: str, config: str, run: GdsRun, passes: int, **labels: Any) -> dict[str, Any] | None:
+        """A training-step row from ``run.passes(passes)``: the figures of the passes after the one from rest
+        (their bytes over their time; waiting: their median, each in ``wait_fraction_runs``), and the pass
+        from rest beside them (``first_pass_wait_fraction``, ``first_batch_s``: the pipeline's start)."""
+        where = {"kind": "step", "dataset": dataset, "regime": "warm", "name": name, "config": config}
+        try:
+            first, *steady = run.passes(passes)
+        except Exception as e:
+            self.failed({**where, **labels}, e)
+            return None
+        total = PassResult(bytes=sum(r.bytes for r in steady), seconds=sum(r.seconds for r in steady),
+                           io_mode=first.io_mode, samples=sum(r.samples or 0 for r in steady),
+                           cpu_s=sum(r.cpu_s for r in steady), stall_s=sum(r.stall_s or 0.0 for r in steady))
+        waits = [round(r.wait_fraction or 0.0, 4) for r in steady]
+        row = {**figures(total, waits), "wait_fraction": round(float(np.median(waits)), 4), "wait_fraction_runs": waits,
+               "first_pass_wait_fraction": round(first.wait_fraction or 0.0, 4),
+               "first_pass_seconds": round(first.seconds, 4), "first_batch_s": round(first.first_batch_s or 0.0, 4)}
+        return self.emit({**where, **labels, **row, **run.extra()})
 
     def startup(self, dataset: str, regime: str, backend: str, path: str, batch_size: int, **options: Any) -> None:
         """Open a fresh dataset and take its first batch: ``open_s`` (``describe()``), ``first_batch_s``

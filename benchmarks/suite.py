@@ -35,7 +35,7 @@ from .contenders import dali_run, naive_run, torch_run, zarr_run
 from .rows import GdsRun, Recorder, Timing, lazy
 
 GPU_BACKENDS = ("kvikio", "pinned", "mmap")
-THREADS = 16  # reader threads of the suite's standard configuration (gdsload's default)
+THREADS = 16  # reader threads of the ceilings (KvikIO's pool as the kvikio backend sets it by default)
 MAIN_BLOCK = 4 << 20
 #: Training-step rows: (step duration as a multiple of a batch's read time, host syncs every that many steps).
 STEPS = ((1.5, 1), (3.0, 1), (1.5, 8))
@@ -52,7 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sizes-gib", default=None, help="comma list of dataset sizes replacing the mode's")
     ap.add_argument("--batch-size", type=int, default=BATCH)
     ap.add_argument("--repeats", type=int, default=3, help="passes per warm row (the best is reported)")
-    ap.add_argument("--stall-repeats", type=int, default=3, help="passes per training-step row")
+    ap.add_argument("--stall-repeats", type=int, default=3,
+                    help="passes per training-step row, after the one from rest (their median is reported)")
     ap.add_argument("--batches-ahead", type=int, default=None, help="GDSDataset(batches_ahead=) for step rows")
     ap.add_argument("--resident-bytes", type=int, default=None,
                     help="GDSDataset(resident_bytes=) for every gdsload row (default: the library's)")
@@ -120,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             main_block = block == MAIN_BLOCK
             ceilings(args, rec, path, tag, paths, main_block)
-            threads = [8, 16, 32] if args.full and main_block and size == args.sizes[0] else [THREADS]
+            # None: the backend's own default (the pinned native reader leaves the pipeline's threads a core).
+            threads = [None, 8, 16, 32] if args.full and main_block and size == args.sizes[0] else [None]
             backends(args, rec, path, tag, main_block, threads)
             if not main_block:
                 continue
@@ -174,24 +176,27 @@ def ceilings(args: argparse.Namespace, rec: Recorder, path: str, tag: str, paths
 
 
 def backends(args: argparse.Namespace, rec: Recorder, path: str, tag: str, main_block: bool,
-             threads: list[int]) -> None:
-    """Each backend warm (ordered and shuffled) and cold; mmap's cold figure is open + one pass."""
+             threads: list[int | None]) -> None:
+    """Each backend warm (ordered and shuffled) and cold; mmap's cold figure is open + one pass. A thread
+    count of None is the backend's default (the rows the summary takes), others are the full mode's sweep."""
     regimes = ["cold", "warm"] if main_block else ["warm"]
     for backend in args.backends:
-        for t in threads if backend != "mmap" else [0]:
+        for t in threads if backend != "mmap" else [None]:
             for shuffle in [False, True] if main_block else [False]:
                 config = f"threads={t} shuffle={shuffle}" if t else f"shuffle={shuffle}"
-                labels = {"backend": backend, "shuffle": shuffle, "threads": t or None,
-                          "default": t in (0, THREADS)}
+                labels = {"backend": backend, "shuffle": shuffle, "threads": t, "default": t is None}
                 if backend == "mmap" and "cold" in regimes and not shuffle:
                     rec.record(tag, "cold", "gdsload mmap", config + " (open + pass)",
                                lambda: mmap_open_and_pass(path, shuffle, args.batch_size, args.options),
                                kind="gdsload", **labels)
                 run = rec.attempt(tag, f"gdsload {backend}", config, lambda: GdsRun(
-                    path, backend, args.batch_size, shuffle=shuffle, threads=t or None, timing=args.timing,
+                    path, backend, args.batch_size, shuffle=shuffle, threads=t, timing=args.timing,
                     **args.options))
                 if run is None:
                     continue
+                n = run.ds.describe()["backend_stats"].get("num_threads")  # what a default came to
+                if t is None and n:
+                    config, labels["threads"] = f"threads={n} shuffle={shuffle}", n
                 run()  # the process's first pass: CUDA modules, kernels and buffers set up
                 for regime in regimes if not shuffle else ["warm"]:
                     if regime == "warm":
@@ -262,16 +267,13 @@ def shm(args: argparse.Namespace, rec: Recorder, path: str, tag: str) -> None:
     shutil.copytree(path, copy)
     try:
         for backend in args.backends:
-            t = None if backend == "mmap" else THREADS
             run = rec.attempt(tag, f"gdsload {backend}", "shm",
-                              lambda: GdsRun(copy, backend, args.batch_size, threads=t, timing=args.timing,
-                                             **args.options))
+                              lambda: GdsRun(copy, backend, args.batch_size, timing=args.timing, **args.options))
             if run is None:
                 continue
             run()
-            config = f"threads={t} shuffle=False" if t else "shuffle=False"
-            rec.record(tag, "shm", f"gdsload {backend}", config, run, repeats=args.repeats, kind="gdsload",
-                       backend=backend, shuffle=False, threads=t, default=True)
+            rec.record(tag, "shm", f"gdsload {backend}", "shuffle=False", run, repeats=args.repeats, kind="gdsload",
+                       backend=backend, shuffle=False, threads=None, default=True)
             run.close()
             free_device_memory()
         rec.record(tag, "shm", "torch DataLoader", "num_workers=8" + (" pin_memory" if args.gpu else ""),
@@ -283,7 +285,9 @@ def shm(args: argparse.Namespace, rec: Recorder, path: str, tag: str) -> None:
 def stall(args: argparse.Namespace, rec: Recorder, path: str, tag: str, paths: list[str]) -> None:
     """How long a simulated training step waits for data when it is slower than reading a batch: per
     backend, steps of 1.5x and 3x a batch's read time (timed just before), host syncs after every step or
-    every 8th; beside them torch DataLoader with a 5 ms step."""
+    every 8th, as training runs epochs: a pass from rest, then ``--stall-repeats`` passes, each timed on its
+    own; the row's waiting is their median, the pass from rest (the pipeline's start) is reported beside it.
+    Beside them torch DataLoader with a 5 ms step."""
     read_files(paths, pinned=args.gpu)
     ahead = {} if args.batches_ahead is None else {"batches_ahead": args.batches_ahead}
     options = {**args.options, **ahead}
@@ -300,12 +304,11 @@ def stall(args: argparse.Namespace, rec: Recorder, path: str, tag: str, paths: l
             ms = batch_read_ms * factor
             run = GdsRun(path, backend, args.batch_size, step=make_step(ms, sync_every, args.gpu), timing=args.timing,
                          **options)
-            run()  # a pass first: the next one is read ahead, as in training
+            run()  # the process's first pass with this step: its kernel compiled, its buffers set up
             synced = "" if sync_every == 1 else f", host syncs every {sync_every} steps"
-            rec.record(tag, "warm", f"gdsload {backend} + training step",
-                       f"step = {factor} x batch read time ({ms:.2f} ms){synced}", run, repeats=args.stall_repeats,
-                       kind="step", backend=backend, step_factor=factor, step_ms=round(ms, 3), sync_every=sync_every,
-                       **ahead)
+            rec.steps(tag, f"gdsload {backend} + training step",
+                      f"step = {factor} x batch read time ({ms:.2f} ms){synced}", run, args.stall_repeats,
+                      backend=backend, step_factor=factor, step_ms=round(ms, 3), sync_every=sync_every, **ahead)
             run.close()
         free_device_memory()
     rec.record(tag, "warm", "torch DataLoader + training step", f"num_workers=8, step {TORCH_STEP_MS:g} ms",

@@ -24,7 +24,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define GDS_STAGER_ABI 1
+#define GDS_STAGER_ABI 2
 #define MODE_HOST 0
 #define MODE_CUDA 1
 #define ALIGN 4096
@@ -39,7 +39,9 @@ typedef struct CUstream_st *CUstream;
 typedef struct CUevent_st *CUevent;
 typedef unsigned long long CUdeviceptr;
 #define CU_STREAM_NON_BLOCKING 0x1
+#define CU_EVENT_BLOCKING_SYNC 0x1
 #define CU_EVENT_DISABLE_TIMING 0x2
+#define STAGER_BLOCKING_SYNC 0x1 /* gds_stager_create flags: copy waits sleep instead of spinning */
 #define CU_MEMHOSTREGISTER_PORTABLE 0x1
 
 typedef struct {
@@ -110,6 +112,7 @@ typedef struct {
 
 struct gds_stager {
     int mode, device, nthreads, nbufs;
+    unsigned int event_flags;
     size_t buf_bytes, mem_bytes;
     unsigned char *mem;
     int registered;
@@ -450,7 +453,7 @@ static int cuda_resources(gds_stager *s, char *err, size_t errlen) {
             goto restore;
         }
         for (int k = 0; k < s->nbufs; k++) {
-            if ((r = s->cu.EventCreate(&w->bufs[k].ev, CU_EVENT_DISABLE_TIMING)) != 0) {
+            if ((r = s->cu.EventCreate(&w->bufs[k].ev, s->event_flags)) != 0) {
                 w->bufs[k].ev = NULL;
                 what = "cuEventCreate";
                 goto restore;
@@ -538,8 +541,8 @@ void gds_stager_destroy(gds_stager *s) {
     free(s);
 }
 
-gds_stager *gds_stager_create(int mode, int device, int nthreads, size_t buf_bytes, int bufs_per_thread, char *err,
-                              size_t errlen) {
+gds_stager *gds_stager_create(int mode, int device, int nthreads, size_t buf_bytes, int bufs_per_thread, int flags,
+                              char *err, size_t errlen) {
     if (mode != MODE_HOST && mode != MODE_CUDA) {
         set_msg(err, errlen, "mode must be 0 (host) or 1 (cuda), not %d", mode);
         return NULL;
@@ -565,6 +568,7 @@ gds_stager *gds_stager_create(int mode, int device, int nthreads, size_t buf_byt
     s->device = device;
     s->nthreads = nthreads;
     s->nbufs = bufs_per_thread;
+    s->event_flags = CU_EVENT_DISABLE_TIMING | ((flags & STAGER_BLOCKING_SYNC) ? CU_EVENT_BLOCKING_SYNC : 0);
     s->buf_bytes = buf_bytes;
     s->mem_bytes = per_buf * count;
 

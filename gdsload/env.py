@@ -136,3 +136,11 @@ def system_info(device_id: int = 0, bandwidth: bool = False) -> dict[str, Any]:
             except Exception as e:
                 info["pinned_h2d_error"] = f"{type(e).__name__}: {e}"
     return info
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, which containers and ``taskset`` narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1

@@ -22,28 +22,41 @@ def get(q: queue.Queue[Any] | queue.SimpleQueue[Any], stop: threading.Event) -> 
 
 
 class Handoff:
-    """Assembled batches, from the assembler thread to the consumer, at most ``capacity`` waiting.
+    """Assembled batches, from the assembler thread to the consumer: ``ahead`` of them kept ready.
 
     Unlike ``queue.Queue``, taking a batch wakes nobody: the consumer gives its room back with
-    :meth:`release` once its own calls for the batch are made. The assembler, woken there, then does the
-    next batch's Python work while the consumer's step runs, not between the consumer's wake-up from its
-    previous step and its next launch, where it would hold the GIL the consumer needs. Items and room
-    tokens go through C-level ``SimpleQueue``s: this is on the consumer's path for every batch.
+    :meth:`release` once its own calls for the batch are made, and only every ``GROUP``-th release wakes the
+    producer, giving back that many places at once. Waking a thread is a system call on the consumer's path
+    between two training steps, so it is made once per ``GROUP`` batches; the producer, once woken, does that
+    many batches' Python work while the consumer's step runs, not between the consumer's wake-up from its
+    previous step and its next launch, where it would hold the GIL the consumer needs. To keep as many
+    batches ready as a per-batch hand-back would, it holds up to ``ahead + GROUP - 1``: after any take at
+    least ``ahead - 1`` are ready. Items and room go through C-level ``SimpleQueue``s.
     """
 
-    def __init__(self, capacity: int):
+    GROUP = 2
+
+    def __init__(self, ahead: int):
+        if ahead < 1:
+            raise ValueError(f"ahead must be at least 1 (found {ahead})")
+        self.capacity = ahead + self.GROUP - 1
         self._items: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._room: queue.SimpleQueue[bool] = queue.SimpleQueue()  # one token per free place
-        for _ in range(capacity):
-            self._room.put(True)
+        self._room: queue.SimpleQueue[int] = queue.SimpleQueue()  # counts of places given back
+        self._room.put(self.capacity)
+        self._free = 0  # places the producer holds (its thread only)
+        self._owed = 0  # places taken by the consumer, not given back yet (its thread only)
 
     def __len__(self) -> int:
         return self._items.qsize()
 
     def put(self, item: Any, stop: threading.Event) -> bool:
         """Queue ``item`` once there is room; False once ``stop`` is set first."""
-        if get(self._room, stop) is None:
-            return False
+        if self._free == 0:
+            n = get(self._room, stop)
+            if n is None:
+                return False
+            self._free = n
+        self._free -= 1
         self._items.put(item)
         return True
 
@@ -53,8 +66,12 @@ class Handoff:
         return get(self._items, stop)
 
     def release(self) -> None:
-        """Room for one more item: wakes the producer if it waits."""
-        self._room.put(True)
+        """The consumer is done with its calls for a batch: every ``GROUP``-th call gives that many places
+        back, waking the producer if it waits."""
+        self._owed += 1
+        if self._owed >= self.GROUP:
+            self._room.put(self._owed)
+            self._owed = 0
 
     def clear(self) -> None:
         """Drop what is queued and make room for the producer (stopping)."""
@@ -63,5 +80,4 @@ class Handoff:
                 self._items.get_nowait()
             except queue.Empty:
                 break
-            self._room.put(True)
-        self._room.put(True)
+        self._room.put(self.capacity)

@@ -143,9 +143,9 @@ def time_pass(ds: Any, step: Step | None = None, min_seconds: float = 0.0, from_
     ``from_rest=False`` keeps what was read ahead before the clock started (the method of earlier result
     files, kept for comparisons with them)."""
     sync = device_sync(ds)
-    alone = step.alone(len(ds)) if step is not None else None
     if from_rest:
-        ds.stop()
+        ds.stop()  # before the steps alone: no reader competes with them either
+    alone = step.alone(len(ds)) if step is not None else None
     c0, t0 = cpu_seconds(), time.perf_counter()
     total = PassResult(bytes=0, seconds=0.0, io_mode="", samples=0, stall_s=0.0)
     passes = 0
@@ -168,6 +168,38 @@ def time_pass(ds: Any, step: Step | None = None, min_seconds: float = 0.0, from_
         total.alone_s = alone * passes
         total.wait_s = max(0.0, total.seconds - total.alone_s)
     return total
+
+
+def time_passes(ds: Any, step: Step | None = None, passes: int = 3) -> list[PassResult]:
+    """Passes as a training run takes them, each timed on its own: ``1 + passes`` passes back to back from
+    rest, the first carrying the pipeline's start (its first batch included), each later one read ahead
+    during the one before, as epochs are. A pass's time runs from the end of the one before (the first: from
+    rest) to its last batch and step done, so the passes split one stretch of wall time between them. With
+    ``step``, one pass's worth of steps is timed alone first (reading ahead stopped, so no reader competes
+    with them), and every pass ends with a sync as those steps do; ``wait_s`` is a pass's time beyond
+    them. The median of the later passes is the steady state the suite's training-step rows report."""
+    sync = device_sync(ds)
+    ds.stop()
+    alone = step.alone(len(ds)) if step is not None else None
+    out: list[PassResult] = []
+    c_prev, t_prev = cpu_seconds(), time.perf_counter()
+    for _ in range(1 + passes):
+        for _batch in ds:
+            if step is not None:
+                step()
+        if step is not None:
+            step.synchronize()
+            step._calls = 0  # every pass starts in the phase its steps alone started in
+        sync()
+        t, c = time.perf_counter(), cpu_seconds()
+        s = ds.stats
+        r = PassResult(bytes=s.bytes_delivered, seconds=t - t_prev, io_mode=s.io_mode, samples=s.samples,
+                       cpu_s=c - c_prev, stall_s=s.stall_s, first_batch_s=s.first_batch_s, alone_s=alone)
+        if alone is not None:
+            r.wait_s = max(0.0, r.seconds - alone)
+        out.append(r)
+        c_prev, t_prev = c, t
+    return out
 
 
 def cold_pass(ds: Any, step: Step | None = None) -> PassResult:

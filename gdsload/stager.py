@@ -46,7 +46,7 @@ from .errors import BackendUnavailable, ReadError, one_line
 from .files import read_error
 
 ENV_NATIVE = "GDSLOAD_NATIVE"
-ABI = 1  # GDS_STAGER_ABI in _stage.c: a library of another version is not used
+ABI = 2  # GDS_STAGER_ABI in _stage.c: a library of another version is not used
 _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(_HERE, "_stage.c")
 _MODES = {"host": 0, "cuda": 1}
@@ -77,7 +77,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     c_int, c_i64, c_size, c_ptr, c_str = ctypes.c_int, ctypes.c_int64, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_char_p
     for name, restype, argtypes in (
             ("gds_stager_abi", c_int, []),
-            ("gds_stager_create", c_ptr, [c_int, c_int, c_int, c_size, c_int, c_str, c_size]),
+            ("gds_stager_create", c_ptr, [c_int, c_int, c_int, c_size, c_int, c_int, c_str, c_size]),
             ("gds_stager_submit", c_i64, [c_ptr, c_int, c_ptr, c_ptr, c_ptr, c_ptr, c_str, c_size]),
             ("gds_stager_wait", c_int, [c_ptr, c_i64, c_int, ctypes.POINTER(c_i64), ctypes.POINTER(c_int),
                                         ctypes.POINTER(c_i64), c_str, c_size]),
@@ -223,8 +223,10 @@ class Stager:
     """
 
     def __init__(self, mode: str = "host", device: int = 0, num_threads: int = 16, buf_bytes: int = 4 << 20,
-                 bufs_per_thread: int = 2):
-        """BackendUnavailable (with the reason) when the library is missing or its creation fails (no
+                 bufs_per_thread: int = 2, blocking_sync: bool = False):
+        """``blocking_sync``: a worker waiting for its buffer's last copy sleeps (an event created with
+        CU_EVENT_BLOCKING_SYNC) instead of spinning on a core the other workers' reads could use.
+        BackendUnavailable (with the reason) when the library is missing or its creation fails (no
         libcuda, no such device, no memory); ValueError for a bad argument."""
         if mode not in _MODES:
             raise ValueError(f"mode must be 'host' or 'cuda' (found {mode!r})")
@@ -235,12 +237,13 @@ class Stager:
         if lib is None:
             raise BackendUnavailable(f"native stager: {unavailable_reason()}")
         err = ctypes.create_string_buffer(_MSG_LEN)
-        handle = lib.gds_stager_create(_MODES[mode], device, num_threads, buf_bytes, bufs_per_thread, err, _MSG_LEN)
+        handle = lib.gds_stager_create(_MODES[mode], device, num_threads, buf_bytes, bufs_per_thread,
+                                       1 if blocking_sync else 0, err, _MSG_LEN)
         if not handle:
             raise BackendUnavailable(f"native stager ({mode} mode): {err.value.decode(errors='replace')}")
         self._lib, self._handle = lib, handle
         self.mode, self.device, self.num_threads = mode, device, num_threads
-        self.buf_bytes, self.bufs_per_thread = buf_bytes, bufs_per_thread
+        self.buf_bytes, self.bufs_per_thread, self.blocking_sync = buf_bytes, bufs_per_thread, blocking_sync
         #: Page-locked bytes held ("cuda" mode; 0 in "host" mode, whose buffers are ordinary memory).
         self.pinned_bytes: int = lib.gds_stager_pinned_bytes(handle)
         #: Staging bytes held, pinned or not: ``num_threads * bufs_per_thread`` buffers of ``buf_bytes``

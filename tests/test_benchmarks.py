@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from gdsload import GDSDataset, write_dataset
-from gdsload.measure import HostStep, PassResult, block_locations, read_files, shard_paths, time_pass
+from gdsload.backends.cpu import DEFAULT_THREADS as CPU_THREADS
+from gdsload.measure import HostStep, PassResult, block_locations, read_files, shard_paths, time_pass, time_passes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUMMARY_KEYS = {"auto_backend", "io_mode", "warm_shuffled_gbps", "raw_kvikio_shuffled_gbps",
@@ -62,12 +63,13 @@ def test_suite_writes_one_shape(suite_run: str) -> None:
     for r in gds:
         assert r["backend"] == "cpu" and r["io_mode"] == "cpu" and r["default"] is True
         assert r["gb_per_s"] > 0 and r["samples_per_s"] > 0 and r["cpu_core_s_per_gb"] > 0
-        assert 0 <= r["stall_fraction"] <= 1 and r["open_s"] > 0 and r["backend_stats"]["num_threads"] == 16
+        assert 0 <= r["stall_fraction"] <= 1 and r["open_s"] > 0 and r["backend_stats"]["num_threads"] == CPU_THREADS
     steps = [r for r in rows if r["kind"] == "step" and r.get("backend") == "cpu"]
     assert [(r["step_factor"], r["sync_every"]) for r in steps] == [(1.5, 1), (3.0, 1), (1.5, 8)]
     for r in steps:
         assert r["dataset"] == "0.02GiB-4MiB" and len(r["wait_fraction_runs"]) == 2
-        assert 0 <= r["wait_fraction"] <= 1 and r["wait_fraction"] in r["wait_fraction_runs"]
+        assert r["wait_fraction"] == round(float(np.median(r["wait_fraction_runs"])), 4)
+        assert 0 <= r["first_pass_wait_fraction"] <= 1 and r["first_batch_s"] > 0 and r["first_pass_seconds"] > 0
     naive = [r for r in rows if r["name"] == "naive np.fromfile"]
     assert len(naive) == 2 and all(r["io_mode"] == "posix-pageable" and r["gb_per_s"] > 0 for r in naive)
     for r in rows:  # every row has figures, or says why not
@@ -90,7 +92,7 @@ def test_suite_markdown_and_png(suite_run: str) -> None:
     with open(os.path.join(suite_run, "suite.md")) as f:
         md = f.read()
     assert md.startswith("# gdsload benchmark suite (quick)") and "No GPU (" in md
-    assert "| 0.02GiB-4MiB | warm | gdsload cpu | threads=16 shuffle=True | cpu |" in md
+    assert f"| 0.02GiB-4MiB | warm | gdsload cpu | threads={CPU_THREADS} shuffle=True | cpu |" in md
     assert "## Startup" in md and "## Summary (summary.json)" in md and "| cpu | cpu |" in md
     assert os.path.exists(os.path.join(suite_run, "suite.png")) == has_matplotlib()
 
@@ -192,6 +194,40 @@ def test_time_pass_with_a_step_waits_at_least_nothing(small: str) -> None:
     # Timings on a shared CI machine jitter either way: only the relations that define the figures are checked.
     assert r.alone_s >= 12 * 0.002 and r.seconds >= 12 * 0.002
     assert r.wait_s == max(0.0, r.seconds - r.alone_s) and 0 <= r.wait_fraction < 1
+
+
+class _Watched(HostStep):
+    """A step that notes, when its steps alone are timed, whether the dataset still had a pass reading."""
+
+    def __init__(self, ds: GDSDataset, ms: float):
+        super().__init__(ms)
+        self.ds, self.reading_while_alone = ds, []
+
+    def alone(self, steps: int) -> float:
+        self.reading_while_alone.append(bool(self.ds._active))
+        return super().alone(steps)
+
+
+@pytest.mark.parametrize("timer", ["time_pass", "time_passes"])
+def test_steps_alone_are_timed_with_nothing_reading(small: str, timer: str) -> None:
+    with GDSDataset(small, batch_size=50, backend="cpu", resident_bytes=0) as ds:
+        step = _Watched(ds, 0.5)
+        for _ in range(2):  # the second time, the pass before has left the pipeline reading the next epoch
+            time_pass(ds, step) if timer == "time_pass" else time_passes(ds, step, 1)
+    assert step.reading_while_alone == [False, False]
+
+
+def test_time_passes_splits_one_stretch_into_passes(small: str) -> None:
+    with GDSDataset(small, batch_size=50, backend="cpu", resident_bytes=0) as ds:
+        time_pass(ds)
+        t0 = time.perf_counter()
+        runs = time_passes(ds, HostStep(1.0), passes=3)
+        wall = time.perf_counter() - t0
+    assert len(runs) == 4
+    for r in runs:  # every pass delivers every sample once, with its own first batch and waiting
+        assert r.samples == 600 and r.bytes == 600 * (1024 + 8) and r.first_batch_s is not None
+        assert r.alone_s == runs[0].alone_s >= 12 * 0.001 and r.wait_s == max(0.0, r.seconds - r.alone_s)
+    assert sum(r.seconds for r in runs) <= wall  # consecutive stretches of one clock, the steps alone before them
 
 
 def test_host_step_queues_like_a_device() -> None:

@@ -4,6 +4,7 @@ backend hands them over (coalesced, named by path), with its stop and its errors
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from types import SimpleNamespace
@@ -13,7 +14,8 @@ import pytest
 
 from gdsload import stager
 from gdsload.backends.base import FileHandles, ReadRequest, coalesce
-from gdsload.backends.pinned import _NativeJob
+from gdsload.backends.pinned import DEFAULT_THREADS, PIPELINE_THREADS, _NativeJob, native_threads
+from gdsload.env import usable_cores
 from gdsload.errors import ReadError
 from gdsload.files import ShardFiles
 
@@ -86,3 +88,10 @@ def test_stop_cancels_and_nothing_is_written_after_finish(backend):
     dest[:] = 0
     time.sleep(0.2)
     assert not dest.any()  # no read still wrote into the buffer after finish() returned
+
+
+def test_the_native_reader_leaves_the_pipeline_threads_their_cores():
+    assert native_threads(16) == 16 - PIPELINE_THREADS == 12
+    assert native_threads(64) == DEFAULT_THREADS  # never more than the KvikIO-sized default
+    assert native_threads(2) == native_threads(1) == 2  # two readers at least, even on a small machine
+    assert 1 <= usable_cores() <= (os.cpu_count() or 1)

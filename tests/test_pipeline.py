@@ -487,22 +487,30 @@ def test_resident_read_error_names_field_and_file(data_path):
             next(iter(ds))
 
 
-def test_taking_a_batch_wakes_the_assembler_only_on_release():
-    """The consumer's take leaves the assembler waiting until the consumer releases the room, so the
-    assembler's next batch of work starts after the consumer's own calls for this one."""
+def test_taking_a_batch_wakes_the_assembler_only_on_every_second_release():
+    """The consumer's take leaves the assembler waiting until the consumer gives room back, two places at a
+    time (one wake-up per two batches), so the assembler's next work starts after the consumer's own calls;
+    it holds one batch more than ``ahead`` so that as many are ready after a take as before."""
     from gdsload.handoff import Handoff
 
     stop = threading.Event()
     handoff = Handoff(1)
-    assert handoff.put("a", stop)
-    second = threading.Thread(target=handoff.put, args=("b", stop))
-    second.start()
+    assert handoff.capacity == 1 + Handoff.GROUP - 1 == 2
+    assert handoff.put("a", stop) and handoff.put("b", stop)
+    third = threading.Thread(target=handoff.put, args=("c", stop))
+    third.start()
     assert handoff.get(stop) == "a"
-    second.join(0.2)
-    assert second.is_alive() and len(handoff) == 0, "room is given back by release(), not by the take"
     handoff.release()
-    second.join(5)
-    assert not second.is_alive() and handoff.get(stop) == "b"
+    third.join(0.2)
+    assert third.is_alive() and len(handoff) == 1, "one release gives no room back"
+    assert handoff.get(stop) == "b"
+    third.join(0.2)
+    assert third.is_alive() and len(handoff) == 0, "room is given back by release(), not by the take"
+    handoff.release()
+    third.join(5)
+    assert not third.is_alive() and handoff.get(stop) == "c"
+    assert handoff.put("d", stop), "the second place given back is the producer's too"
+    assert handoff.get(stop) == "d"
     stop.set()
     assert handoff.get(stop) is None, "stopped and empty"
-    assert not handoff.put("c", stop), "stopped and full: the producer gives up"
+    assert not handoff.put("e", stop), "stopped, no place given back: the producer gives up"

@@ -317,7 +317,7 @@ typedef struct { stream_t *st; size_t upto; } event_t;
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static __thread void *cur;
 static int primary, inited;
-static long retained, streams, events, regs, queued, fail_at = -1;
+static long retained, streams, events, regs, queued, blocking, fail_at = -1;
 static char *reg_p[64]; static size_t reg_n[64];
 R cuGetErrorName(R r, const char **s) {
     *s = r == 1 ? "CUDA_ERROR_INVALID_VALUE" : r == 101 ? "CUDA_ERROR_INVALID_DEVICE" :
@@ -333,8 +333,8 @@ R cuCtxGetCurrent(void **c) { *c = cur; return 0; }
 R cuStreamCreate(void **s, unsigned f) { CTX; if (f != 1) return 1; *s = calloc(1, sizeof(stream_t));
     pthread_mutex_lock(&mu); streams++; pthread_mutex_unlock(&mu); return 0; }
 R cuStreamDestroy_v2(void *s) { CTX; free(((stream_t *)s)->q); free(s); pthread_mutex_lock(&mu); streams--; pthread_mutex_unlock(&mu); return 0; }
-R cuEventCreate(void **e, unsigned f) { CTX; if (f != 2) return 1; *e = calloc(1, sizeof(event_t));
-    pthread_mutex_lock(&mu); events++; pthread_mutex_unlock(&mu); return 0; }
+R cuEventCreate(void **e, unsigned f) { CTX; if (f != 2 && f != 3) return 1; *e = calloc(1, sizeof(event_t));
+    pthread_mutex_lock(&mu); events++; blocking += f & 1; pthread_mutex_unlock(&mu); return 0; }
 R cuEventDestroy_v2(void *e) { CTX; free(e); pthread_mutex_lock(&mu); events--; pthread_mutex_unlock(&mu); return 0; }
 R cuMemHostRegister_v2(void *p, size_t n, unsigned f) { CTX; if (f != 1) return 1; pthread_mutex_lock(&mu);
     for (int i = 0; i < 64; i++) if (!reg_p[i]) { reg_p[i] = p; reg_n[i] = n; regs++; break; }
@@ -357,7 +357,7 @@ static void flush(stream_t *st, size_t upto) {  /* the copies run now, from the 
 R cuEventSynchronize(void *e) { CTX; event_t *ev = e; if (ev->st) flush(ev->st, ev->upto); return 0; }
 R cuStreamSynchronize(void *s) { CTX; flush(s, ((stream_t *)s)->len); return 0; }
 void fake_counts(long *out) { pthread_mutex_lock(&mu); out[0] = retained; out[1] = streams; out[2] = events;
-    out[3] = regs; out[4] = queued; pthread_mutex_unlock(&mu); }
+    out[3] = regs; out[4] = queued; out[5] = blocking; pthread_mutex_unlock(&mu); }
 """
 
 CUDA_SCRIPT = r"""
@@ -367,7 +367,7 @@ from gdsload.errors import BackendUnavailable, ReadError
 from gdsload.stager import Stager
 fake = ctypes.CDLL("libcuda.so.1")
 def counts():
-    out = (ctypes.c_long * 5)()
+    out = (ctypes.c_long * 6)()
     fake.fake_counts(out)
     return list(out)
 paths = sys.argv[1:]
@@ -375,7 +375,8 @@ datas = [np.fromfile(p, np.uint8) for p in paths]
 fds = [os.open(p, os.O_RDONLY) for p in paths]
 rng = np.random.default_rng(3)
 report = {}
-with Stager("cuda", num_threads=3, buf_bytes=65536, bufs_per_thread=2) as st:
+with Stager("cuda", num_threads=3, buf_bytes=65536, bufs_per_thread=2,
+            blocking_sync=bool(os.environ.get("STAGER_BLOCKING"))) as st:
     report["open"] = counts()
     report["pinned"] = st.pinned_bytes
     ok = True
@@ -434,11 +435,18 @@ def test_cuda_mode_copies_after_every_read_waits_for_them_and_frees_everything(f
     read into again. Streams, events, the registration and the context reference are all given back."""
     paths, _, _ = files
     r = run_cuda_script(fake_libcuda, paths)
-    retained, streams, events, regs, queued = r["open"]
-    assert (retained, streams, events, regs) == (1, 3, 6, 1) and r["pinned"] == 6 * 65536
+    retained, streams, events, regs, queued, blocking = r["open"]
+    assert (retained, streams, events, regs, blocking) == (1, 3, 6, 1, 0) and r["pinned"] == 6 * 65536
     assert r["exact"] is True
     assert r["closed"][:4] == [0, 0, 0, 0] and r["closed"][4] > 30
     assert "cuDeviceGet (device 3) failed: CUDA_ERROR_INVALID_DEVICE" in r["device3"]
+
+
+def test_cuda_mode_blocking_sync_makes_sleeping_events_and_still_waits_for_every_copy(files, fake_libcuda):
+    paths, _, _ = files
+    r = run_cuda_script(fake_libcuda, paths, STAGER_BLOCKING="1")
+    assert r["open"][2] == r["open"][5] == 6  # every buffer's event made with CU_EVENT_BLOCKING_SYNC
+    assert r["exact"] is True and r["closed"][:4] == [0, 0, 0, 0]
 
 
 def test_cuda_mode_a_failed_copy_is_a_read_error_naming_the_cuda_error(files, fake_libcuda):

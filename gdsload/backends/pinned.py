@@ -31,6 +31,10 @@ from .cuda import CudaBackend, KvikioPool
 from .staging import StagingPool
 
 DEFAULT_THREADS = 16
+#: Threads of the pipeline busy beside the native readers (submitter, completer, assembler, the consumer):
+#: the native reader's default leaves them their cores, since its workers spin while their copies run and
+#: readers on every core starve those threads (docs/design.md, "pinned and the staging pool").
+PIPELINE_THREADS = 4
 # Larger staging slots mean fewer calls per byte in the driver thread (docs/benchmarks.md: the sweep).
 DEFAULT_SLOT_BYTES = 16 << 20
 DEFAULT_POOL_BYTES = 512 << 20
@@ -41,6 +45,12 @@ DEFAULT_COPY_SHARE = 4
 TASK_BYTES = 4 << 20  # KvikIO's task size for the staging reads
 NATIVE_BUF_BYTES = 4 << 20  # the native stager's buffers: two per thread
 NATIVE_BUFS_PER_THREAD = 2
+
+
+def native_threads(cores: int) -> int:
+    """The native reader's default thread count on ``cores`` cores: ``DEFAULT_THREADS`` at most, and the
+    pipeline's own threads' cores left free (two readers at least)."""
+    return max(2, min(DEFAULT_THREADS, cores - PIPELINE_THREADS))
 
 
 def _open_direct(path: str) -> int:
@@ -69,7 +79,7 @@ class PinnedBackend(CudaBackend):
     # keep that from a loop that syncs every step (docs/design.md).
     batches_ahead_hint = 4
 
-    def __init__(self, device_id: int = 0, num_threads: int = DEFAULT_THREADS, slot_bytes: int = DEFAULT_SLOT_BYTES,
+    def __init__(self, device_id: int = 0, num_threads: int | None = None, slot_bytes: int = DEFAULT_SLOT_BYTES,
                  pool_bytes: int = DEFAULT_POOL_BYTES, direct: bool = False, reader: str = "auto",
                  copy_share: int = DEFAULT_COPY_SHARE, spin_events: bool = True):
         """``pool_bytes`` bounds the pinned memory held (``pool_bytes // slot_bytes`` slots); ``direct`` reads
@@ -77,9 +87,14 @@ class PinnedBackend(CudaBackend):
         "kvikio" (KvikIO's thread pool, ``num_threads`` threads), "threads" (Python threads) or "auto"
         (kvikio when installed, threads with ``direct``); ``copy_share``: with KvikIO's reader, one
         staging slot in ``copy_share`` is kept for copies in flight (0: every slot reads); ``spin_events``:
-        waits for a slot's last copy spin rather than sleep."""
-        from ..env import kvikio_installed
+        waits for a slot's last copy spin rather than sleep. ``num_threads`` (reader threads) defaults to
+        :func:`native_threads` of the usable cores for the native reader, ``DEFAULT_THREADS`` for the others."""
+        from ..env import kvikio_installed, usable_cores
 
+        native = reader in ("auto", "native") and not direct
+        chosen = num_threads
+        if num_threads is None:
+            num_threads = native_threads(usable_cores()) if native else DEFAULT_THREADS
         if num_threads < 1:
             raise ValueError(f"num_threads must be positive (found {num_threads})")
         if pool_bytes < slot_bytes:
@@ -97,7 +112,7 @@ class PinnedBackend(CudaBackend):
         self.copy_share, self.spin_events = copy_share, spin_events
         self.native_reason: str | None = None  # why "auto" did not get the native stager
         self._stager: Any = None
-        if reader in ("auto", "native") and not direct:
+        if native:
             from ..errors import BackendUnavailable
             from ..stager import Stager
 
@@ -110,6 +125,7 @@ class PinnedBackend(CudaBackend):
                 self.native_reason = str(e)
         if reader == "auto":
             reader = "kvikio" if kvikio_installed() and not direct else "threads"
+            self.num_threads = num_threads = DEFAULT_THREADS if chosen is None else num_threads
         self.reader = reader
         # The native stager stages through buffers of its own: the pool is not made.
         self.pool = StagingPool(slot_bytes, pool_bytes // slot_bytes, device_id, spin_events) if reader != "native" \
