@@ -91,11 +91,7 @@ class PinnedBackend(CudaBackend):
         :func:`native_threads` of the usable cores for the native reader, ``DEFAULT_THREADS`` for the others."""
         from ..env import kvikio_installed, usable_cores
 
-        native = reader in ("auto", "native") and not direct
-        chosen = num_threads
-        if num_threads is None:
-            num_threads = native_threads(usable_cores()) if native else DEFAULT_THREADS
-        if num_threads < 1:
+        if num_threads is not None and num_threads < 1:
             raise ValueError(f"num_threads must be positive (found {num_threads})")
         if pool_bytes < slot_bytes:
             raise ValueError(f"pool_bytes ({pool_bytes}) must hold at least one slot of {slot_bytes} bytes")
@@ -106,18 +102,18 @@ class PinnedBackend(CudaBackend):
         if reader in ("native", "kvikio") and direct:
             raise ValueError(f"reader={reader!r} reads through the page cache: O_DIRECT (direct=True) needs 'threads'")
         super().__init__(device_id)
-        self.num_threads = num_threads
         self.direct = direct
         self.io_mode = "pinned-odirect" if direct else "pinned"
         self.copy_share, self.spin_events = copy_share, spin_events
         self.native_reason: str | None = None  # why "auto" did not get the native stager
         self._stager: Any = None
-        if native:
+        if reader in ("auto", "native") and not direct:
             from ..errors import BackendUnavailable
             from ..stager import Stager
 
             try:
-                self._stager = Stager("cuda", device_id, num_threads, NATIVE_BUF_BYTES, NATIVE_BUFS_PER_THREAD)
+                self._stager = Stager("cuda", device_id, num_threads or native_threads(usable_cores()),
+                                      NATIVE_BUF_BYTES, NATIVE_BUFS_PER_THREAD)
                 reader = "native"
             except BackendUnavailable as e:
                 if reader == "native":
@@ -125,8 +121,10 @@ class PinnedBackend(CudaBackend):
                 self.native_reason = str(e)
         if reader == "auto":
             reader = "kvikio" if kvikio_installed() and not direct else "threads"
-            self.num_threads = num_threads = DEFAULT_THREADS if chosen is None else num_threads
         self.reader = reader
+        # The default depends on the reader that runs: the native one leaves the pipeline's threads a core.
+        self.num_threads = num_threads = (self._stager.num_threads if self._stager is not None
+                                          else num_threads or DEFAULT_THREADS)
         # The native stager stages through buffers of its own: the pool is not made.
         self.pool = StagingPool(slot_bytes, pool_bytes // slot_bytes, device_id, spin_events) if reader != "native" \
             else None
