@@ -102,7 +102,7 @@ def figures(r: PassResult, waits: list[float]) -> dict[str, Any]:
             "samples_per_s": round(r.samples_per_s) if r.samples_per_s else None,
             "cpu_core_s_per_gb": rnd(r.cpu_core_s_per_gb, 3), "seconds": round(r.seconds, 3),
             "stall_fraction": rnd(r.stall_fraction, 4), "steady_stall_fraction": rnd(r.steady_stall_fraction, 4),
-            "first_batch_s": rnd(r.first_batch_s, 4), "wait_fraction": rnd(r.wait_fraction, 4),
+            "first_batch_s": rnd(r.first_batch_s, 6), "wait_fraction": rnd(r.wait_fraction, 4),
             **({"wait_fraction_runs": waits} if len(waits) > 1 else {})}
 
 
@@ -166,7 +166,7 @@ class Recorder:
         waits = [round(r.wait_fraction or 0.0, 4) for r in steady]
         row = {**figures(total, waits), "wait_fraction": round(float(np.median(waits)), 4), "wait_fraction_runs": waits,
                "first_pass_wait_fraction": round(first.wait_fraction or 0.0, 4),
-               "first_pass_seconds": round(first.seconds, 4), "first_batch_s": round(first.first_batch_s or 0.0, 4)}
+               "first_pass_seconds": round(first.seconds, 4), "first_batch_s": round(first.first_batch_s or 0.0, 6)}
         return self.emit({**where, **labels, **row, **run.extra()})
 
     def startup(self, dataset: str, regime: str, backend: str, path: str, batch_size: int, **options: Any) -> None:
@@ -190,4 +190,4 @@ class Recorder:
             self.failed(where, e)
             return
         self.emit({**where, "io_mode": d["io_mode"], "open_s": round(d["open_s"], 4),
-                   "first_batch_s": round(first, 4), "seconds": round(took, 4), "backend_stats": d["backend_stats"]})
+                   "first_batch_s": round(first, 6), "seconds": round(took, 4), "backend_stats": d["backend_stats"]})
