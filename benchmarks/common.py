@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import numpy as np
@@ -146,6 +147,28 @@ def probe_parser(description: str, size_gib: float = 4.0) -> argparse.ArgumentPa
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for this run (seconds; Python's default is 0.005)")
     return ap
+
+
+def timed(iterable: Any, took: list[float]) -> Iterator[Any]:
+    """The items of ``iterable``; the host seconds of each ``next()`` on it are appended to ``took``."""
+    it = iter(iterable)
+    while True:
+        t0 = time.perf_counter()
+        try:
+            item = next(it)
+        except StopIteration:
+            return
+        took.append(time.perf_counter() - t0)
+        yield item
+
+
+def add_step_options(ap: argparse.ArgumentParser) -> None:
+    """The options of the probes that time a training step beside a backend: which backend, the step as a
+    multiple of a batch's read time, passes per variant and repeats."""
+    ap.add_argument("--backend", default="mmap")
+    ap.add_argument("--factor", type=float, default=1.5)
+    ap.add_argument("--passes", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=2)
 
 
 def parse_probe_args(ap: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ._cuda import D2D, record_event
+from .gather_cuda import Gather
 
 _WORDS = ((16, np.complex128), (8, np.uint64), (4, np.uint32), (2, np.uint16), (1, np.uint8))
 
@@ -123,6 +124,7 @@ class CudaOps:
             self.uploads = cupy.cuda.Stream(non_blocking=True)  # index arrays, from whichever thread makes a pass
         self._retired: list[tuple[Any, dict[Any, Any]]] = []
         self._retired_lock = threading.Lock()
+        self.gather = Gather(cupy, self.device)
 
     def _current_stream(self) -> Any:
         if self.torch is not None:
@@ -200,9 +202,11 @@ class CudaOps:
                                                self.work.ptr)
 
     def take(self, src: Any, idx: Any, out: Any) -> None:
-        """Rows moved as whole words (up to 16 bytes), not elements: a gather moves one element per thread,
-        so a uint8 row gathered as bytes takes up to 16 times the memory transactions."""
-        self.cupy.take(_as_words(src), idx, axis=0, out=_as_words(out))
+        """Rows moved as whole words (up to 16 bytes), by a kernel of bounded grid that runs beside the
+        consumer's work instead of in front of it (gdsload.gather_cuda); arrays it does not take (not
+        contiguous) go through CuPy's ``take``, also by words."""
+        if not self.gather(src, idx, out):
+            self.cupy.take(_as_words(src), idx, axis=0, out=_as_words(out))
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
         """An array for the consumer (call fence() after allocating, before writing)."""

@@ -39,7 +39,8 @@ from gdsload.device import CudaOps
 from gdsload.handoff import Handoff
 from gdsload.measure import Spin, read_files, shard_paths, time_pass, time_passes
 
-from ..common import BATCH, Rows, make_dataset, parse_probe_args, probe_parser, write_probe
+from ..common import (BATCH, Rows, add_step_options, make_dataset, parse_probe_args, probe_parser, timed,
+                      write_probe)
 
 
 def unit_us(fn: Callable[[], Any], n: int = 20000) -> float:
@@ -157,15 +158,7 @@ def host_next(ds: GDSDataset, step: Spin) -> list[float]:
     ds.stop()
     took: list[float] = []
     for k in range(2):
-        it = iter(ds)
-        while True:
-            t0 = time.perf_counter()
-            try:
-                next(it)
-            except StopIteration:
-                break
-            if k:
-                took.append(time.perf_counter() - t0)
+        for _batch in timed(ds, took if k else []):
             step()
     return took
 
@@ -193,10 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     import cupy
 
     ap = probe_parser(__doc__.splitlines()[0])
-    ap.add_argument("--backend", default="mmap")
-    ap.add_argument("--factor", type=float, default=1.5)
-    ap.add_argument("--passes", type=int, default=5)
-    ap.add_argument("--repeats", type=int, default=2)
+    add_step_options(ap)
     args = parse_probe_args(ap, argv)
     rows = Rows()
     s = cupy.cuda.get_current_stream()
