@@ -185,6 +185,15 @@ def write_probe(args: argparse.Namespace, name: str, rows: list[dict[str, Any]],
     return write_json(path, {"benchmark": name, "date": today(), "machine": info, **extra, "results": rows})
 
 
+def save_figure(fig: Any, png: str, dpi: int = 100) -> None:
+    """Lay ``fig`` out, write it to ``png`` and free it (pyplot keeps every open figure otherwise)."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(png, dpi=dpi)
+    plt.close(fig)
+
+
 def write_report(json_path: str, text: str, plot: Callable[[str], None], command: str) -> list[str]:
     """``text`` as ``<json_path without .json>.md`` and ``plot(png_path)`` beside it; returns the files written.
     Without matplotlib (``plot`` raises ImportError) the PNG is left out, and said so with ``command``, which

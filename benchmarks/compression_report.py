@@ -13,7 +13,7 @@ import math
 import sys
 from typing import Any
 
-from .common import write_report
+from .common import save_figure, write_report
 
 #: The acceptance targets: cold tokens zstd/raw per backend, and warm zstd gdsload / zarr-python per kind.
 COLD_TARGET = 2.0
@@ -328,9 +328,7 @@ def plot(doc: dict[str, Any], png: str) -> None:
     m = doc.get("machine") or {}
     fig.suptitle(f"{m.get('gpu') or 'no GPU'}, zstd level {(doc.get('settings') or {}).get('level')}, "
                  f"{doc.get('date')}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
+    save_figure(fig, png)
 
 
 def load(path: str) -> dict[str, Any]:

@@ -194,6 +194,8 @@ def plot(doc: dict[str, Any], png: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from .common import save_figure
+
     main = main_dataset(doc["results"])
     rows = [r for r in doc["results"] if "gb_per_s" in r and r["dataset"] in ("-", main) and r.get("kind") != "step"]
     labels = [f"{r['name']} [{r['regime']}] {r['config']}" for r in rows]
@@ -209,9 +211,7 @@ def plot(doc: dict[str, Any], png: str) -> None:
     m = doc["machine"]
     fig.suptitle(f"{m.get('gpu')}, io mode {m.get('io_mode')}, dataset {main}, batch "
                  f"{doc['settings']['batch_size']}, {doc['date']} ({doc['mode']})", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
+    save_figure(fig, png)
 
 
 def load(path: str) -> dict[str, Any]:

@@ -23,7 +23,7 @@ import numpy as np
 
 from gdsload.plan import PlanConfig, epoch_plan
 
-from .common import RESULTS_DIR, write_json
+from .common import RESULTS_DIR, save_figure, write_json
 
 
 def metrics(order: np.ndarray, k: int, batch: int, classes: int, n: int) -> dict[str, float]:
@@ -113,9 +113,7 @@ def plot(rows: list[dict], k: int, png: str) -> None:
     ax.set_xlabel(f"window_blocks (K={k} samples per block)")
     ax.set_title("Mixing of the windowed shuffle, data sorted by class")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    save_figure(fig, png, dpi=110)
 
 
 if __name__ == "__main__":
