@@ -188,8 +188,7 @@ def time_passes(ds: Any, step: Step | None = None, passes: int = 3) -> list[Pass
             if step is not None:
                 step()
         if step is not None:
-            step.synchronize()
-            step._calls = 0  # every pass starts in the phase its steps alone started in
+            step.finish()  # every pass starts in the phase its steps alone started in
         sync()
         t, c = time.perf_counter(), cpu_seconds()
         s = ds.stats
@@ -241,15 +240,18 @@ class Step:
         is time spent waiting for data, seen from outside (host waits, device-side waits and gathers alike):
         time it right before the pass it is compared with, since launch latency drifts within a run."""
         self()
-        self.synchronize()
-        self._calls = 0
+        self.finish()
         t0 = time.perf_counter()
         for _ in range(steps):
             self()
+        self.finish()
+        return time.perf_counter() - t0
+
+    def finish(self) -> None:
+        """Wait for every step queued, and count the next ones from a fresh start: whatever was timed
+        before, the steps that follow sync at the same points as the steps alone did."""
         self.synchronize()
-        took = time.perf_counter() - t0
-        self._calls = 0  # the pass timed next starts in the same phase
-        return took
+        self._calls = 0
 
 
 class Spin(Step):
