@@ -1,7 +1,7 @@
 """gdsload against the loaders people use today, beside the ceilings, in one run on the same data.
 
     python -m benchmarks.suite --quick          # minutes: 1 + 4 GiB, main contenders, training-step rows
-    python -m benchmarks.suite --full           # 1 GiB in 1/4/16 MiB blocks, 8/16/32 threads; 16 GiB
+    python -m benchmarks.suite --full           # 1 GiB in 1/4/16 MiB blocks, 8/16/32 threads; 8 GiB
     python -m benchmarks.suite --stall-only     # the training-step rows alone, on the larger dataset
     python -m benchmarks.suite --quick --backends cpu   # no GPU: the cpu backend beside host-memory contenders
 
@@ -46,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="1 + 4 GiB, the main contenders (default)")
-    mode.add_argument("--full", action="store_true", help="1 GiB in three block sizes and thread counts; 16 GiB")
+    mode.add_argument("--full", action="store_true", help="1 GiB in three block sizes and thread counts; 8 GiB")
     ap.add_argument("--stall-only", action="store_true", help="only the training-step rows, on the larger dataset")
     ap.add_argument("--backends", default=None, help="comma list (default: kvikio,pinned,mmap with a GPU, else cpu)")
     ap.add_argument("--sizes-gib", default=None, help="comma list of dataset sizes replacing the mode's")
@@ -72,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.backends = tuple(args.backends.split(",")) if args.backends else (
         GPU_BACKENDS if gpu_available() else ("cpu",))
     args.gpu = any(b != "cpu" for b in args.backends)
-    sizes = [float(s) for s in args.sizes_gib.split(",")] if args.sizes_gib else [1.0, 16.0 if args.full else 4.0]
+    sizes = [float(s) for s in args.sizes_gib.split(",")] if args.sizes_gib else [1.0, 8.0 if args.full else 4.0]
     args.sizes = sizes[-1:] if args.stall_only else sizes
     args.options = {} if args.resident_bytes is None else {"resident_bytes": args.resident_bytes}
     args.timing = Timing(0.0, False) if args.keep_read_ahead else Timing(args.warm_seconds, True)

@@ -39,10 +39,11 @@ class HostOps:
 
     # Called from the consumer's thread.
     def begin(self) -> None:
-        """Called before each batch: pick up the consumer's current stream."""
+        """Called as a pass starts: pick up the consumer's current stream."""
 
     def hand_over(self, ready: Any) -> None:
-        """Make the consumer's stream wait until an assembled batch is written."""
+        """Called for each batch, in series with the consumer's step: pick up its current stream (as
+        :meth:`begin`) and make that stream wait until the assembled batch is written."""
 
     # Called from the assembler's thread.
     def scope(self) -> Any:
@@ -79,17 +80,19 @@ class HostOps:
     def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
         return np.empty(shape, dtype=dtype)
 
-    def export(self, a: Any) -> Any:
-        return a
+    def export(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """A batch's arrays as the consumer gets them (after hand_over()); the dict itself when they need
+        no conversion (the assembler made it for this batch alone)."""
+        return batch
 
 
 class TorchHostOps(HostOps):
     """numpy work, handed out as CPU torch tensors sharing the same memory."""
 
-    def export(self, a: Any) -> Any:
+    def export(self, batch: dict[str, Any]) -> dict[str, Any]:
         import torch
 
-        return torch.from_numpy(a)
+        return {name: torch.from_numpy(a) for name, a in batch.items()}
 
 
 class CudaOps:
@@ -141,16 +144,24 @@ class CudaOps:
         return self.cupy.cuda.get_current_stream(self.device.id)
 
     def begin(self) -> None:
-        stream = self._current_stream()  # per batch, in series with training: no device switch unless needed
+        stream = self._current_stream()
         if self.stream is not None and stream.ptr != self.stream.ptr:
-            # The consumer switched streams: work already queued on the old one must come first.
-            with self.device:
-                stream.wait_event(record_event(self.stream))
+            self._switched(stream)
         self.stream = stream
 
     def hand_over(self, ready: Any) -> None:
+        # begin() inlined: this runs between two of the consumer's steps, where every call is waited for.
+        stream = self._current_stream()  # no device switch unless the streams differ
+        if stream.ptr != self.stream.ptr:
+            self._switched(stream)
+            self.stream = stream
         if ready is not None:
-            self.stream.wait_event(ready)
+            stream.wait_event(ready)
+
+    def _switched(self, stream: Any) -> None:
+        """The consumer switched streams: work already queued on the old one must come first."""
+        with self.device:
+            stream.wait_event(record_event(self.stream))
 
     def scope(self) -> Any:
         stack = contextlib.ExitStack()
@@ -213,10 +224,11 @@ class CudaOps:
         with self.outputs:
             return self.cupy.empty(shape, dtype=dtype)
 
-    def export(self, a: Any) -> Any:
-        """Called from the consumer's thread after hand_over(): the batch is ready on its stream."""
+    def export(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """Called from the consumer's thread after hand_over(): the batch is ready on its stream. CuPy
+        arrays go out as they are (the dict was made for this batch alone)."""
         if self.torch is None:
-            return a
+            return batch
         # CuPy's current stream made torch's, so DLPack adds no synchronization of its own.
         with self.device, self.stream:
-            return self.torch.from_dlpack(a)
+            return {name: self.torch.from_dlpack(a) for name, a in batch.items()}

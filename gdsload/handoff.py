@@ -45,6 +45,9 @@ class Handoff:
         self._room.put(self.capacity)
         self._free = 0  # places the producer holds (its thread only)
         self._owed = 0  # places taken by the consumer, not given back yet (its thread only)
+        #: The next item if one is queued, else ``queue.Empty`` (no wait, no timeout: the consumer's fast path).
+        #: The caller owes a :meth:`release`.
+        self.take_ready = self._items.get_nowait
 
     def __len__(self) -> int:
         return self._items.qsize()

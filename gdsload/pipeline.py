@@ -287,17 +287,14 @@ class Pipeline:
             self._assembled.put(_Failure(e), self._stop)
 
     # -- consumer ------------------------------------------------------------------------------------
-    def _take_assembled(self, stats: EpochStats) -> tuple[int, int, dict[str, Any], int, int, Any]:
+    def _wait_assembled(self, stats: EpochStats) -> Any:
+        """The next assembled batch when none was ready: the wait is the consumer's stall."""
         t0 = time.perf_counter()
         item = self._assembled.get(self._stop)
-        if item is None or self._closed:  # close() drops queued batches: what comes after is not due
-            raise GDSLoadError(_CLOSED)
         waited = time.perf_counter() - t0
         stats.stall_s += waited
         if stats.batches == 0:
             stats.first_batch_s += waited
-        if isinstance(item, _Failure):
-            raise item.error
         return item
 
     def batches(self) -> Iterator[dict[str, Any]]:
@@ -314,30 +311,41 @@ class Pipeline:
         return self._yield_pass(self._pass(k))
 
     def _yield_pass(self, p: _Pass) -> Iterator[dict[str, Any]]:
-        ops, k, stats = self.ops, p.index, p.stats
-        started = time.perf_counter()
+        # Each turn of this loop lies between two of the consumer's training steps: a batch already
+        # assembled is taken without a clock or a blocking call, and the calls are looked up once.
+        k, stats = p.index, p.stats
+        take, release = self._assembled.take_ready, self._assembled.release
+        hand_over, export, clock = self.ops.hand_over, self.ops.export, time.perf_counter
+        started = clock()
         done = False
         try:
             for i in range(p.start_batch, p.plan.num_batches):
                 if self._closed:
                     raise GDSLoadError(_CLOSED)
-                ops.begin()
-                got_k, got, out, samples, nbytes, ready = self._take_assembled(stats)
-                if (got_k, got) != (k, i):
+                try:
+                    item = take()
+                except queue.Empty:
+                    item = self._wait_assembled(stats)
+                if item is None or self._closed:  # close() drops queued batches: what comes after is not due
+                    raise GDSLoadError(_CLOSED)
+                if isinstance(item, _Failure):
+                    raise item.error
+                got_k, got, out, samples, nbytes, ready = item
+                if got != i or got_k != k:
                     raise GDSLoadError(f"internal error: batch {got} of pass {got_k} assembled where {i} of pass "
                                        f"{k} was due")
-                ops.hand_over(ready)
-                batch = {name: ops.export(a) for name, a in out.items()}
+                hand_over(ready)
+                batch = export(out)
                 stats.batches += 1
                 stats.samples += samples
                 stats.bytes_delivered += nbytes
-                stats.wall_s = time.perf_counter() - started
-                self._assembled.release()  # last: the assembler wakes as the consumer's step starts
+                stats.wall_s = clock() - started
+                release()  # last: the assembler wakes as the consumer's step starts
                 yield batch
             done = True
             self._consumer_pass, self._taken = k + 1, False
         finally:
-            stats.wall_s = time.perf_counter() - started
+            stats.wall_s = clock() - started
             if not (done and self.follow):
                 self.close()
 

@@ -107,8 +107,7 @@ class PollRoomHandoff(Handoff):
 
 def _ready_query(old: Callable[..., Any]) -> Callable[..., Any]:
     def hand_over(self: CudaOps, ready: Any) -> None:
-        if ready is not None and not ready.done:
-            self.stream.wait_event(ready)
+        old(self, None if ready is not None and ready.done else ready)
     return hand_over
 
 
@@ -131,7 +130,7 @@ def variant(name: str) -> Iterator[None]:
 @contextlib.contextmanager
 def breakdown(times: dict[str, list[float]]) -> Iterator[None]:
     """Time the consumer-side calls of every batch (host µs per call) while the context is open."""
-    targets = [(CudaOps, "begin"), (CudaOps, "hand_over"), (pipeline_module.Pipeline, "_take_assembled"),
+    targets = [(CudaOps, "hand_over"), (CudaOps, "export"), (pipeline_module.Pipeline, "_wait_assembled"),
                (pipeline_module.Handoff, "release")]
     saved = [(owner, attr, getattr(owner, attr)) for owner, attr in targets]
 
