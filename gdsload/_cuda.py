@@ -10,6 +10,7 @@ H2D = 1  # cudaMemcpyHostToDevice
 D2D = 3  # cudaMemcpyDeviceToDevice
 HOST_REGISTER_PORTABLE = 0x01  # cudaHostRegisterPortable
 HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly
+DEV_ATTR_MULTIPROCESSOR_COUNT = 16  # cudaDevAttrMultiProcessorCount
 
 
 def new_event(blocking: bool = True) -> Any:

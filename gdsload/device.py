@@ -14,22 +14,19 @@ from typing import Any
 import numpy as np
 
 from ._cuda import D2D, record_event
-from .gather_cuda import Gather
+from .gather_cuda import Gather, word_bytes
 
-_WORDS = ((16, np.complex128), (8, np.uint64), (4, np.uint32), (2, np.uint16), (1, np.uint8))
+_WORD_DTYPES = {16: np.complex128, 8: np.uint64, 4: np.uint32, 2: np.uint16, 1: np.uint8}
 
 
 def _as_words(a: Any) -> Any:
-    """A C-contiguous (rows, ...) array viewed as (rows, words) of the widest word dividing a row."""
+    """A C-contiguous (rows, ...) array viewed as (rows, words) of the widest word dividing a row and its
+    address (:func:`gdsload.gather_cuda.word_bytes`)."""
     rows = a.shape[0]
     if rows == 0:
         return a
-    row_bytes = a.nbytes // rows
     flat = a.reshape(rows, -1).view(np.uint8)
-    for size, dtype in _WORDS:
-        if row_bytes % size == 0 and a.data.ptr % size == 0:
-            return flat.view(dtype)
-    return flat
+    return flat.view(_WORD_DTYPES[word_bytes(a.nbytes // rows, a.data.ptr)])
 
 
 class HostOps:

@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from ._cuda import DEV_ATTR_MULTIPROCESSOR_COUNT
+
 #: Threads per block, and blocks per multiprocessor at most: 512 of the 2048 threads an SM can hold.
 THREADS = 256
 BLOCKS_PER_SM = 2
@@ -72,7 +74,8 @@ class Gather:
 
     def __init__(self, cupy: Any, device: Any):
         self.cupy = cupy
-        self.sm_count = int(device.attributes["MultiProcessorCount"])
+        # One attribute, not Device.attributes (which queries every one): this runs as a dataset opens.
+        self.sm_count = int(cupy.cuda.runtime.deviceGetAttribute(DEV_ATTR_MULTIPROCESSOR_COUNT, device.id))
         self._kernels: dict[tuple[str, int, int], Any] = {}
 
     def _kernel(self, name: str, word: int, index: int) -> Any:

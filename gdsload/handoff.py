@@ -78,9 +78,12 @@ class Handoff:
 
     def clear(self) -> None:
         """Drop what is queued and make room for the producer (stopping)."""
+        self._drop_items()
+        self._room.put(self.capacity)
+
+    def _drop_items(self) -> None:
         while True:
             try:
                 self._items.get_nowait()
             except queue.Empty:
-                break
-        self._room.put(self.capacity)
+                return

@@ -98,11 +98,7 @@ class PollRoomHandoff(Handoff):
         self._released += 1
 
     def clear(self) -> None:
-        while True:
-            try:
-                self._items.get_nowait()
-            except queue.Empty:
-                return
+        self._drop_items()  # no room to give back: it is counted, not queued
 
 
 def _ready_query(old: Callable[..., Any]) -> Callable[..., Any]:
