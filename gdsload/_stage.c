@@ -24,7 +24,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define GDS_STAGER_ABI 2
+#define GDS_STAGER_ABI 3
 #define MODE_HOST 0
 #define MODE_CUDA 1
 #define ALIGN 4096
@@ -58,6 +58,7 @@ typedef struct {
     CUresult (*EventDestroy)(CUevent);
     CUresult (*EventRecord)(CUevent, CUstream);
     CUresult (*EventSynchronize)(CUevent);
+    CUresult (*StreamWaitEvent)(CUstream, CUevent, unsigned int);
     CUresult (*MemcpyHtoDAsync)(CUdeviceptr, const void *, size_t, CUstream);
     CUresult (*MemHostRegister)(void *, size_t, unsigned int);
     CUresult (*MemHostUnregister)(void *);
@@ -141,9 +142,9 @@ static void set_msg(char *buf, size_t len, const char *fmt, ...) {
     va_end(ap);
 }
 
-static const char *cu_name(gds_stager *s, CUresult r) {
+static const char *cu_name(const cuda_api *cu, CUresult r) {
     const char *name = NULL;
-    if (s->cu.GetErrorName == NULL || s->cu.GetErrorName(r, &name) != 0 || name == NULL) return "CUDA_ERROR_UNKNOWN";
+    if (cu->GetErrorName == NULL || cu->GetErrorName(r, &name) != 0 || name == NULL) return "CUDA_ERROR_UNKNOWN";
     return name;
 }
 
@@ -246,7 +247,7 @@ static void settle(worker_t *w, buf_t *b) {
     pthread_mutex_lock(&s->mu);
     if (r != 0) {
         char msg[MSG_LEN];
-        snprintf(msg, sizeof msg, "cuEventSynchronize after a host-to-device copy failed: %s", cu_name(s, r));
+        snprintf(msg, sizeof msg, "cuEventSynchronize after a host-to-device copy failed: %s", cu_name(&s->cu, r));
         fail(s, b->job, b->piece, -1, 0, msg);
     }
     complete(s, b->job, 1);
@@ -335,7 +336,7 @@ static void run_task(worker_t *w, buf_t *b, task_t *t) {
         what = "cuEventRecord";
         s->cu.StreamSynchronize(w->stream); /* the copy was queued: it must be over before the buffer is reused */
     }
-    snprintf(msg, sizeof msg, "%s failed: %s", what, cu_name(s, r));
+    snprintf(msg, sizeof msg, "%s failed: %s", what, cu_name(&s->cu, r));
     pthread_mutex_lock(&s->mu);
     fail(s, j, t->piece, -1, 0, msg);
     complete(s, j, 1);
@@ -351,7 +352,7 @@ static void *worker_main(void *arg) {
     s->started++;
     if (r != 0 && !s->start_failed) {
         s->start_failed = 1;
-        snprintf(s->start_err, sizeof s->start_err, "cuCtxSetCurrent in a worker failed: %s", cu_name(s, r));
+        snprintf(s->start_err, sizeof s->start_err, "cuCtxSetCurrent in a worker failed: %s", cu_name(&s->cu, r));
     }
     pthread_cond_broadcast(&s->done_cv);
     pthread_mutex_unlock(&s->mu);
@@ -387,17 +388,19 @@ static void *worker_main(void *arg) {
 }
 
 /* ---- CUDA set-up ---- */
-static int load_cuda(gds_stager *s, char *err, size_t errlen) {
-    s->libcuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (s->libcuda == NULL) {
+/* libcuda opened, the entry points resolved, device `device`'s primary context retained (*retained = 1). */
+static int load_cuda(cuda_api *cu, void **libcuda, int device, CUdevice *dev, CUcontext *ctx, int *retained,
+                     char *err, size_t errlen) {
+    *libcuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (*libcuda == NULL) {
         const char *e = dlerror();
         set_msg(err, errlen, "cannot load the CUDA driver library libcuda.so.1 (%s)", e ? e : "dlopen failed");
         return -1;
     }
 #define SYM(field, name)                                                                   \
     do {                                                                                   \
-        *(void **)(&s->cu.field) = dlsym(s->libcuda, name);                                \
-        if (s->cu.field == NULL) {                                                         \
+        *(void **)(&cu->field) = dlsym(*libcuda, name);                                    \
+        if (cu->field == NULL) {                                                           \
             set_msg(err, errlen, "libcuda.so.1 lacks %s (driver too old?)", name);         \
             return -1;                                                                     \
         }                                                                                  \
@@ -416,19 +419,20 @@ static int load_cuda(gds_stager *s, char *err, size_t errlen) {
     SYM(EventDestroy, "cuEventDestroy_v2");
     SYM(EventRecord, "cuEventRecord");
     SYM(EventSynchronize, "cuEventSynchronize");
+    SYM(StreamWaitEvent, "cuStreamWaitEvent");
     SYM(MemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2");
     SYM(MemHostRegister, "cuMemHostRegister_v2");
     SYM(MemHostUnregister, "cuMemHostUnregister");
 #undef SYM
     CUresult r;
     const char *what;
-    if ((r = s->cu.Init(0)) != 0) { what = "cuInit"; goto fail; }
-    if ((r = s->cu.DeviceGet(&s->dev, s->device)) != 0) { what = "cuDeviceGet"; goto fail; }
-    if ((r = s->cu.DevicePrimaryCtxRetain(&s->ctx, s->dev)) != 0) { what = "cuDevicePrimaryCtxRetain"; goto fail; }
-    s->ctx_retained = 1;
+    if ((r = cu->Init(0)) != 0) { what = "cuInit"; goto fail; }
+    if ((r = cu->DeviceGet(dev, device)) != 0) { what = "cuDeviceGet"; goto fail; }
+    if ((r = cu->DevicePrimaryCtxRetain(ctx, *dev)) != 0) { what = "cuDevicePrimaryCtxRetain"; goto fail; }
+    *retained = 1;
     return 0;
 fail:
-    set_msg(err, errlen, "%s (device %d) failed: %s", what, s->device, cu_name(s, r));
+    set_msg(err, errlen, "%s (device %d) failed: %s", what, device, cu_name(cu, r));
     return -1;
 }
 
@@ -465,7 +469,7 @@ restore:
     s->cu.CtxSetCurrent(saved);
     if (rc == 0) return 0;
 fail:
-    set_msg(err, errlen, "%s failed: %s", what, cu_name(s, r));
+    set_msg(err, errlen, "%s failed: %s", what, cu_name(&s->cu, r));
     return -1;
 }
 
@@ -593,7 +597,9 @@ gds_stager *gds_stager_create(int mode, int device, int nthreads, size_t buf_byt
         free(s);
         return NULL;
     }
-    if (mode == MODE_CUDA && load_cuda(s, err, errlen) != 0) goto fail;
+    if (mode == MODE_CUDA &&
+        load_cuda(&s->cu, &s->libcuda, s->device, &s->dev, &s->ctx, &s->ctx_retained, err, errlen) != 0)
+        goto fail;
 
     if (mode == MODE_HOST) {
         void *p = NULL;
@@ -782,3 +788,122 @@ void gds_stager_cancel(gds_stager *s, int64_t id) {
 int64_t gds_stager_pinned_bytes(gds_stager *s) { return s->mode == MODE_CUDA ? (int64_t)s->mem_bytes : 0; }
 
 int64_t gds_stager_buffer_bytes(gds_stager *s) { return (int64_t)s->mem_bytes; }
+
+/* ---- the copier: a window's host-to-device copies queued in one call (the mmap backend) ----
+ * No threads of its own. gds_copier_copy queues copy i on streams[i % nstreams] (the caller's streams,
+ * borrowed), then makes `after` wait for every stream used, through events of the copier's own: an event
+ * may be recorded again as soon as the waits on it are queued (a wait takes the latest record at its call).
+ * Calls on one copier come from one thread at a time (the caller's lock or thread). Host mode: memcpy, for
+ * tests on machines without CUDA. */
+typedef struct {
+    int mode, device, nstreams;
+    cuda_api cu;
+    void *libcuda;
+    CUdevice dev;
+    CUcontext ctx;
+    int ctx_retained;
+    CUstream *streams;
+    CUevent *joins;
+} gds_copier;
+
+void gds_copier_destroy(gds_copier *c) {
+    if (c == NULL) return;
+    if (c->ctx_retained) {
+        CUcontext saved = NULL;
+        if (c->cu.CtxGetCurrent(&saved) != 0) saved = NULL;
+        c->cu.CtxSetCurrent(c->ctx);
+        for (int i = 0; c->joins && i < c->nstreams; i++)
+            if (c->joins[i]) c->cu.EventDestroy(c->joins[i]);
+        c->cu.CtxSetCurrent(saved);
+        c->cu.DevicePrimaryCtxRelease(c->dev);
+    }
+    free(c->joins);
+    free(c->streams);
+    free(c);
+}
+
+gds_copier *gds_copier_create(int mode, int device, int nstreams, const uint64_t *streams, char *err, size_t errlen) {
+    if (mode != MODE_HOST && mode != MODE_CUDA) {
+        set_msg(err, errlen, "mode must be 0 (host) or 1 (cuda), not %d", mode);
+        return NULL;
+    }
+    if (nstreams < 1 || nstreams > 4096) {
+        set_msg(err, errlen, "nstreams must be 1..4096, not %d", nstreams);
+        return NULL;
+    }
+    gds_copier *c = calloc(1, sizeof *c);
+    if (c == NULL) {
+        set_msg(err, errlen, "out of memory");
+        return NULL;
+    }
+    c->mode = mode;
+    c->device = device;
+    c->nstreams = nstreams;
+    c->streams = calloc((size_t)nstreams, sizeof *c->streams);
+    c->joins = calloc((size_t)nstreams, sizeof *c->joins);
+    if (c->streams == NULL || c->joins == NULL) {
+        set_msg(err, errlen, "out of memory");
+        goto fail;
+    }
+    for (int i = 0; i < nstreams; i++) c->streams[i] = (CUstream)(uintptr_t)streams[i];
+    if (mode == MODE_HOST) return c;
+    if (load_cuda(&c->cu, &c->libcuda, device, &c->dev, &c->ctx, &c->ctx_retained, err, errlen) != 0) goto fail;
+    CUcontext saved = NULL;
+    CUresult r = c->cu.CtxGetCurrent(&saved);
+    if (r == 0 && (r = c->cu.CtxSetCurrent(c->ctx)) == 0) {
+        for (int i = 0; i < nstreams && r == 0; i++) {
+            r = c->cu.EventCreate(&c->joins[i], CU_EVENT_DISABLE_TIMING);
+            if (r != 0) c->joins[i] = NULL;
+        }
+        c->cu.CtxSetCurrent(saved);
+    }
+    if (r != 0) {
+        set_msg(err, errlen, "cuEventCreate (device %d) failed: %s", device, cu_name(&c->cu, r));
+        goto fail;
+    }
+    return c;
+fail:
+    gds_copier_destroy(c);
+    return NULL;
+}
+
+/* Queue n copies of nbytes[i] from host address src[i] to device address dst[i] (host mode: memcpy, done on
+ * return), then make stream `after` wait for all of them. 0, or -1 with a message naming the copy. */
+int gds_copier_copy(gds_copier *c, int n, const uint64_t *dst, const uint64_t *src, const int64_t *nbytes,
+                    uint64_t after, char *err, size_t errlen) {
+    if (c->mode == MODE_HOST) {
+        for (int i = 0; i < n; i++)
+            memcpy((void *)(uintptr_t)dst[i], (const void *)(uintptr_t)src[i], (size_t)nbytes[i]);
+        return 0;
+    }
+    CUcontext saved = NULL;
+    CUresult r = c->cu.CtxGetCurrent(&saved);
+    if (r != 0 || (r = c->cu.CtxSetCurrent(c->ctx)) != 0) {
+        set_msg(err, errlen, "cuCtxSetCurrent (device %d) failed: %s", c->device, cu_name(&c->cu, r));
+        return -1;
+    }
+    int rc = 0;
+    for (int i = 0; i < n; i++) {
+        r = c->cu.MemcpyHtoDAsync((CUdeviceptr)dst[i], (const void *)(uintptr_t)src[i], (size_t)nbytes[i],
+                                  c->streams[i % c->nstreams]);
+        if (r != 0) {
+            set_msg(err, errlen, "cuMemcpyHtoDAsync of copy %d of %d (%lld bytes from 0x%llx to 0x%llx) failed: %s",
+                    i, n, (long long)nbytes[i], (unsigned long long)src[i], (unsigned long long)dst[i],
+                    cu_name(&c->cu, r));
+            rc = -1;
+            n = i; /* the copies queued so far are still joined: `after` orders whatever frees their memory */
+            break;
+        }
+    }
+    int used = n < c->nstreams ? n : c->nstreams;
+    for (int j = 0; j < used; j++) {
+        if ((r = c->cu.EventRecord(c->joins[j], c->streams[j])) != 0 ||
+            (r = c->cu.StreamWaitEvent((CUstream)(uintptr_t)after, c->joins[j], 0)) != 0) {
+            if (rc == 0) set_msg(err, errlen, "joining the copies' streams failed: %s", cu_name(&c->cu, r));
+            rc = -1;
+            break;
+        }
+    }
+    c->cu.CtxSetCurrent(saved);
+    return rc;
+}

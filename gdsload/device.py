@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ._cuda import D2D, record_event
+from ._cuda import D2D, new_event, record_event
 from .gather_cuda import Gather, word_bytes
 
 _WORD_DTYPES = {16: np.complex128, 8: np.uint64, 4: np.uint32, 2: np.uint16, 1: np.uint8}
@@ -122,6 +122,7 @@ class CudaOps:
             # from, and the assembler's own scratch never lands in memory the consumer may still read.
             self.outputs = cupy.cuda.Stream(non_blocking=True)
             self.uploads = cupy.cuda.Stream(non_blocking=True)  # index arrays, from whichever thread makes a pass
+            self._fence = new_event()
         self._retired: list[tuple[Any, dict[Any, Any]]] = []
         self._retired_lock = threading.Lock()
         self.gather = Gather(cupy, self.device)
@@ -168,8 +169,10 @@ class CudaOps:
 
     def fence(self) -> None:
         """Arrays from empty() may be memory the consumer dropped while its queued work still reads it:
-        the assembler's stream waits for everything the consumer has queued so far."""
-        self.work.wait_event(record_event(self.stream))
+        the assembler's stream waits for everything the consumer has queued so far. One event, recorded
+        again each time: a stream wait takes the record current when it is queued, and only the
+        assembler's thread fences."""
+        self.work.wait_event(self.stream.record(self._fence))
 
     def record(self) -> Any:
         with self.device:

@@ -46,11 +46,11 @@ from .errors import BackendUnavailable, ReadError, one_line
 from .files import read_error
 
 ENV_NATIVE = "GDSLOAD_NATIVE"
-ABI = 2  # GDS_STAGER_ABI in _stage.c: a library of another version is not used
+ABI = 3  # GDS_STAGER_ABI in _stage.c: a library of another version is not used
 _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(_HERE, "_stage.c")
 _MODES = {"host": 0, "cuda": 1}
-_MSG_LEN = 512
+MSG_LEN = 512  # bytes of the buffer the library writes its error message into
 #: The longest single wait in C: a wait without a timeout returns to Python this often, so Ctrl-C in the
 #: waiting thread is seen.
 _WAIT_SLICE_MS = 1000
@@ -85,7 +85,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
             ("gds_stager_stop", None, [c_ptr]),
             ("gds_stager_destroy", None, [c_ptr]),
             ("gds_stager_pinned_bytes", c_i64, [c_ptr]),
-            ("gds_stager_buffer_bytes", c_i64, [c_ptr])):
+            ("gds_stager_buffer_bytes", c_i64, [c_ptr]),
+            ("gds_copier_create", c_ptr, [c_int, c_int, c_int, c_ptr, c_str, c_size]),
+            ("gds_copier_copy", c_int, [c_ptr, c_int, c_ptr, c_ptr, c_ptr, ctypes.c_uint64, c_str, c_size]),
+            ("gds_copier_destroy", None, [c_ptr])):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
     return lib
@@ -236,9 +239,9 @@ class Stager:
         lib = load()
         if lib is None:
             raise BackendUnavailable(f"native stager: {unavailable_reason()}")
-        err = ctypes.create_string_buffer(_MSG_LEN)
+        err = ctypes.create_string_buffer(MSG_LEN)
         handle = lib.gds_stager_create(_MODES[mode], device, num_threads, buf_bytes, bufs_per_thread,
-                                       1 if blocking_sync else 0, err, _MSG_LEN)
+                                       1 if blocking_sync else 0, err, MSG_LEN)
         if not handle:
             raise BackendUnavailable(f"native stager ({mode} mode): {err.value.decode(errors='replace')}")
         self._lib, self._handle = lib, handle
@@ -295,11 +298,11 @@ class Stager:
         fds = np.ascontiguousarray(a[:, 0], dtype=np.intc)
         offsets, sizes = np.ascontiguousarray(a[:, 1]), np.ascontiguousarray(a[:, 2])
         dests = np.ascontiguousarray(a[:, 3]).view(np.uint64)
-        err = ctypes.create_string_buffer(_MSG_LEN)
+        err = ctypes.create_string_buffer(MSG_LEN)
         self._enter("submit")
         try:
             job = self._lib.gds_stager_submit(self._handle, len(a), fds.ctypes.data, offsets.ctypes.data,
-                                              sizes.ctypes.data, dests.ctypes.data, err, _MSG_LEN)
+                                              sizes.ctypes.data, dests.ctypes.data, err, MSG_LEN)
             if job < 0:
                 raise ReadError(f"native stager: submit failed ({err.value.decode(errors='replace')})")
             self._jobs[job] = (fds, offsets, sizes)
@@ -316,7 +319,7 @@ class Stager:
         error the job is forgotten: waiting on it again is a ValueError."""
         deadline = None if timeout_s is None else max(0.0, timeout_s)
         piece, err_no, got = ctypes.c_int64(-1), ctypes.c_int(0), ctypes.c_int64(0)
-        msg = ctypes.create_string_buffer(_MSG_LEN)
+        msg = ctypes.create_string_buffer(MSG_LEN)
         while True:
             step = _WAIT_SLICE_MS if deadline is None else min(_WAIT_SLICE_MS, math.ceil(deadline * 1000))
             self._enter("wait")
@@ -324,7 +327,7 @@ class Stager:
                 # ctypes releases the GIL for the foreign call: the other Python threads (the consumer,
                 # close()) run while this one blocks in the library.
                 rc = self._lib.gds_stager_wait(self._handle, job, step, ctypes.byref(piece), ctypes.byref(err_no),
-                                               ctypes.byref(got), msg, _MSG_LEN)
+                                               ctypes.byref(got), msg, MSG_LEN)
             finally:
                 self._leave()
             if rc != 1:

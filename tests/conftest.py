@@ -1,8 +1,9 @@
-"""Fixtures: tiny datasets written through the real converter, and a GPU switch."""
+"""Fixtures: tiny datasets written through the real converter, a GPU switch, and a fake CUDA driver."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Callable
 
 import numpy as np
@@ -37,3 +38,16 @@ def make_dataset(tmp_path: os.PathLike[str]) -> Callable[..., str]:
 
 
 
+
+
+@pytest.fixture(scope="session")
+def fake_libcuda(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A folder holding the fake libcuda.so.1 built from tests/fixtures/fake_libcuda.c (put it first on
+    LD_LIBRARY_PATH in a child process)."""
+    d = tmp_path_factory.mktemp("fakecuda")
+    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "fake_libcuda.c")
+    done = subprocess.run(["cc", "-O1", "-shared", "-fPIC", "-pthread", "-Wl,-soname,libcuda.so.1", "-o",
+                           str(d / "libcuda.so.1"), source], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot build the fake libcuda: {done.stderr[-300:]}")
+    return str(d)

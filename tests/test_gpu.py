@@ -279,6 +279,24 @@ def test_mmap_locks_at_open_within_budget(small, tmp_path):
     assert sorted(np.concatenate(seen).tolist()) == list(range(len(data["idx"])))
 
 
+@pytest.mark.parametrize("copier", ["native", "cupy"])
+def test_mmap_copies_through_either_copier_serve_the_same_batches(small, copier):
+    """The native copier (a window's copies in one call) and the CuPy loop it replaces: every sample of two
+    shuffled epochs, every batch kept alive while later windows are copied."""
+    import cupy
+
+    path, data = small
+    with Dataset(path, batch_size=50, backend="mmap", shuffle=True, seed=3, window_blocks=4,
+                 backend_options={"copier": copier}) as ds:
+        assert ds.describe()["backend_stats"]["copier"] == copier
+        batches = list(ds)
+        ds.set_epoch(1)
+        batches += list(ds)
+        cupy.cuda.get_current_stream().synchronize()
+        seen = np.concatenate([check(b, data) for b in batches])
+        np.testing.assert_array_equal(seen, np.concatenate([epoch_plan(ds.config, e).sample_ids() for e in (0, 1)]))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_missing_chunks_read_as_fill_value(tmp_path, backend):
     path = str(tmp_path / "z.gds")

@@ -306,59 +306,6 @@ def test_the_runtime_build_is_cached_and_reused_without_compiling(tmp_path):
 
 # -- the CUDA mode against a fake driver --
 
-FAKE_LIBCUDA = r"""
-#include <pthread.h>
-#include <stdlib.h>
-#include <string.h>
-typedef int R;
-typedef struct { unsigned long long dst; const void *src; size_t n; } copy_t;
-typedef struct { copy_t *q; size_t len, cap, done; } stream_t;
-typedef struct { stream_t *st; size_t upto; } event_t;
-static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
-static __thread void *cur;
-static int primary, inited;
-static long retained, streams, events, regs, queued, blocking, fail_at = -1;
-static char *reg_p[64]; static size_t reg_n[64];
-R cuGetErrorName(R r, const char **s) {
-    *s = r == 1 ? "CUDA_ERROR_INVALID_VALUE" : r == 101 ? "CUDA_ERROR_INVALID_DEVICE" :
-         r == 201 ? "CUDA_ERROR_INVALID_CONTEXT" : r == 700 ? "CUDA_ERROR_ILLEGAL_ADDRESS" : "CUDA_ERROR_UNKNOWN";
-    return 0; }
-R cuInit(unsigned f) { const char *e = getenv("FAKE_CUDA_FAIL_COPY"); if (e) fail_at = atol(e); inited = 1; return f ? 1 : 0; }
-R cuDeviceGet(int *d, int o) { if (!inited) return 3; if (o != 0) return 101; *d = 0; return 0; }
-R cuDevicePrimaryCtxRetain(void **c, int d) { pthread_mutex_lock(&mu); retained++; pthread_mutex_unlock(&mu); *c = &primary; return 0; }
-R cuDevicePrimaryCtxRelease_v2(int d) { pthread_mutex_lock(&mu); retained--; pthread_mutex_unlock(&mu); return 0; }
-R cuCtxSetCurrent(void *c) { cur = c; return 0; }
-R cuCtxGetCurrent(void **c) { *c = cur; return 0; }
-#define CTX if (cur != &primary) return 201
-R cuStreamCreate(void **s, unsigned f) { CTX; if (f != 1) return 1; *s = calloc(1, sizeof(stream_t));
-    pthread_mutex_lock(&mu); streams++; pthread_mutex_unlock(&mu); return 0; }
-R cuStreamDestroy_v2(void *s) { CTX; free(((stream_t *)s)->q); free(s); pthread_mutex_lock(&mu); streams--; pthread_mutex_unlock(&mu); return 0; }
-R cuEventCreate(void **e, unsigned f) { CTX; if (f != 2 && f != 3) return 1; *e = calloc(1, sizeof(event_t));
-    pthread_mutex_lock(&mu); events++; blocking += f & 1; pthread_mutex_unlock(&mu); return 0; }
-R cuEventDestroy_v2(void *e) { CTX; free(e); pthread_mutex_lock(&mu); events--; pthread_mutex_unlock(&mu); return 0; }
-R cuMemHostRegister_v2(void *p, size_t n, unsigned f) { CTX; if (f != 1) return 1; pthread_mutex_lock(&mu);
-    for (int i = 0; i < 64; i++) if (!reg_p[i]) { reg_p[i] = p; reg_n[i] = n; regs++; break; }
-    pthread_mutex_unlock(&mu); return 0; }
-R cuMemHostUnregister(void *p) { CTX; R r = 713; pthread_mutex_lock(&mu);
-    for (int i = 0; i < 64; i++) if (reg_p[i] == p) { reg_p[i] = 0; regs--; r = 0; break; }
-    pthread_mutex_unlock(&mu); return r; }
-R cuMemcpyHtoDAsync_v2(unsigned long long dst, const void *src, size_t n, void *s) {
-    CTX; stream_t *st = s; int ok = 0; pthread_mutex_lock(&mu);
-    for (int i = 0; i < 64; i++)
-        if (reg_p[i] && (const char *)src >= reg_p[i] && (const char *)src + n <= reg_p[i] + reg_n[i]) ok = 1;
-    long k = ++queued; pthread_mutex_unlock(&mu);
-    if (!ok) return 1;
-    if (k == fail_at) return 700;
-    if (st->len == st->cap) { st->cap = st->cap ? 2 * st->cap : 16; st->q = realloc(st->q, st->cap * sizeof(copy_t)); }
-    st->q[st->len++] = (copy_t){dst, src, n}; return 0; }
-R cuEventRecord(void *e, void *s) { CTX; event_t *ev = e; ev->st = s; ev->upto = ev->st->len; return 0; }
-static void flush(stream_t *st, size_t upto) {  /* the copies run now, from the staging buffer as it is now */
-    for (; st->done < upto; st->done++) memcpy((void *)(size_t)st->q[st->done].dst, st->q[st->done].src, st->q[st->done].n); }
-R cuEventSynchronize(void *e) { CTX; event_t *ev = e; if (ev->st) flush(ev->st, ev->upto); return 0; }
-R cuStreamSynchronize(void *s) { CTX; flush(s, ((stream_t *)s)->len); return 0; }
-void fake_counts(long *out) { pthread_mutex_lock(&mu); out[0] = retained; out[1] = streams; out[2] = events;
-    out[3] = regs; out[4] = queued; out[5] = blocking; pthread_mutex_unlock(&mu); }
-"""
 
 CUDA_SCRIPT = r"""
 import ctypes, json, os, sys
@@ -408,18 +355,6 @@ except BackendUnavailable as e:
     report["device3"] = str(e)
 print(json.dumps(report))
 """
-
-
-@pytest.fixture(scope="module")
-def fake_libcuda(tmp_path_factory):
-    """A folder holding the fake libcuda.so.1 (first on LD_LIBRARY_PATH in a child process)."""
-    d = tmp_path_factory.mktemp("fakecuda")
-    (d / "fake.c").write_text(FAKE_LIBCUDA)
-    done = subprocess.run(["cc", "-O1", "-shared", "-fPIC", "-pthread", "-Wl,-soname,libcuda.so.1", "-o",
-                           str(d / "libcuda.so.1"), str(d / "fake.c")], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot build the fake libcuda: {done.stderr[-300:]}")
-    return str(d)
 
 
 def run_cuda_script(fake_libcuda: str, paths: list[str], **env: str) -> dict:

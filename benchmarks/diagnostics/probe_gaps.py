@@ -16,7 +16,8 @@ excess is reported whole and by the host part that was largest in each gap.
 
 Variants (patched in for the run only): ``base``; ``switch-100us`` (``sys.setswitchinterval(1e-4)``: a long
 gap that shrinks with it is a thread holding the GIL); ``group-NMiB`` (``assembler.GROUP_BYTES``: batches
-gathered N MiB at a time, so the assembler's Python work is paid once per group). GPU only. Writes
+gathered N MiB at a time, so the assembler's Python work is paid once per group); ``cupy-copies`` (mmap: a
+window's copies queued one CuPy call each, not by the native copier). GPU only. Writes
 ``results/<machine>/probe-gaps[-TAG].json``.
 """
 
@@ -94,6 +95,9 @@ class Timeline:
                                         time.perf_counter()))
         gc.callbacks.append(on_gc)
         interval, group = sys.getswitchinterval(), assembler_module.GROUP_BYTES
+        copier = getattr(backend, "_copier", None)
+        if variant == "cupy-copies":
+            backend._copier = None
         if variant == "switch-100us":
             sys.setswitchinterval(1e-4)
         if variant.startswith("group-"):  # read by each pipeline's assembler as it starts
@@ -103,6 +107,8 @@ class Timeline:
         finally:
             sys.setswitchinterval(interval)
             assembler_module.GROUP_BYTES = group
+            if copier is not None:
+                backend._copier = copier
             gc.callbacks.remove(on_gc)
             for cls, name, f in saved:
                 setattr(cls, name, f)

@@ -28,6 +28,7 @@ import numpy as np
 
 from .._cuda import H2D, HOST_REGISTER_PORTABLE, HOST_REGISTER_READ_ONLY, record_event
 from ..errors import BackendUnavailable, ReadError
+from ..copier import Copier
 from ..preload import Preloader
 from .base import Pending, ReadRequest, Request, coalesce, read_error
 from .cuda import CudaBackend
@@ -134,13 +135,17 @@ class MmapBackend(CudaBackend):
     window_bytes_hint = 256 << 20
 
     def __init__(self, device_id: int = 0, max_bytes: int | None = None, num_streams: int = DEFAULT_STREAMS,
-                 copy_bytes: int = DEFAULT_COPY_BYTES, register_threads: int = 16):
+                 copy_bytes: int = DEFAULT_COPY_BYTES, register_threads: int = 16, copier: str = "auto"):
         """``max_bytes`` caps the bytes locked (default half of RAM); copies of at most ``copy_bytes`` (and
         never across two locked ranges) go round robin over ``num_streams`` non-blocking streams;
-        ``register_threads`` read and lock the files in the background from open on."""
+        ``register_threads`` read and lock the files in the background from open on. ``copier``: "native"
+        queues a window's copies in one call (gdsload.copier), "cupy" one CuPy call per copy, "auto" the
+        native one where the library loads (``copier_reason`` says why not)."""
         if num_streams < 1 or copy_bytes < 1 or register_threads < 1:
             raise ValueError(f"num_streams, copy_bytes and register_threads must be positive "
                              f"(found {num_streams}, {copy_bytes}, {register_threads})")
+        if copier not in ("auto", "native", "cupy"):
+            raise ValueError(f"copier must be 'auto', 'native' or 'cupy' (found {copier!r})")
         super().__init__(device_id)
         self.max_bytes = default_budget() if max_bytes is None else max_bytes
         self.copy_bytes = copy_bytes
@@ -148,6 +153,15 @@ class MmapBackend(CudaBackend):
         self.range_bytes = RANGE_BYTES
         with self.device:
             self._streams = [self.cupy.cuda.Stream(non_blocking=True) for _ in range(num_streams)]
+        self._copier: Copier | None = None
+        self.copier_reason: str | None = None  # why "auto" queues copies through CuPy
+        if copier != "cupy":
+            try:
+                self._copier = Copier("cuda", device_id, [s.ptr for s in self._streams])
+            except BackendUnavailable as e:
+                if copier == "native":
+                    raise
+                self.copier_reason = str(e)
         self._maps: dict[str, _Mapping] = {}  # every file the dataset reads, mapped at prepare()
         self._loader: Preloader | None = None
         self._ranges: dict[tuple[str, int], tuple[str, int, int]] = {}  # what the loader loads (file_ranges)
@@ -162,7 +176,8 @@ class MmapBackend(CudaBackend):
         loader = self._loader.stats() if self._loader is not None else {}
         return {"locked_bytes": self.pinned_bytes, "open_s": self.register_s,
                 "loaded_bytes": loader.get("bytes_loaded", 0), "load_s": loader.get("load_s"),
-                "num_streams": len(self._streams), "copy_bytes": self.copy_bytes}
+                "num_streams": len(self._streams), "copy_bytes": self.copy_bytes,
+                "copier": "cupy" if self._copier is None else "native"}
 
     def prepare(self, files: Any) -> None:
         """Check the whole set against the budget, map every file, check that this process can lock and
@@ -201,6 +216,12 @@ class MmapBackend(CudaBackend):
         rt = self.cupy.cuda.runtime
         self.write_fills(dest, requests)  # on self.stream: the event recorded last covers them
         with self.device:
+            if self._copier is not None:
+                maps = self._maps
+                self._copier.copy(np.array([dest_ptr + c.dest_offset for c in copies], np.uint64),
+                                  np.array([maps[c.path].ptr + c.offset for c in copies], np.uint64),
+                                  np.array([c.nbytes for c in copies], np.int64), self.stream.ptr)
+                return _Queued(record_event(self.stream))
             for i, c in enumerate(copies):
                 s = self._streams[i % len(self._streams)]
                 rt.memcpyAsync(dest_ptr + c.dest_offset, self._maps[c.path].ptr + c.offset, c.nbytes, H2D, s.ptr)
@@ -219,6 +240,8 @@ class MmapBackend(CudaBackend):
             self._loader.close()  # no range is locked after this
         for s in [self.stream, *self._streams]:
             s.synchronize()  # no copy may still read a mapping that is about to go
+        if self._copier is not None:
+            self._copier.close()
         for m in self._maps.values():
             m.close()
         self._maps.clear()
