@@ -261,6 +261,11 @@ class Decoder:
                 buf[d:d + bb] = out
         return run
 
+    def quiesce(self) -> None:
+        """Wait until no device work of this decoder still writes into a window buffer (a pipeline stops)."""
+        if self.gpu is not None:
+            self.gpu.quiesce()
+
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
         if self._reader is not None:

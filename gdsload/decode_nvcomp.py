@@ -202,7 +202,11 @@ class CupyOps:
         trailing = buffer[self.cupy.asarray(trailing_index(hi))].get(stream=self.stream)
         return crc_mismatch(got, trailing, lo, hi)
 
-    def close(self) -> None:
+    def quiesce(self) -> None:
+        """Wait for every copy and decode queued so far (they write into window buffers)."""
         self.stream.synchronize()
+
+    def close(self) -> None:
+        self.quiesce()
         with self._lock:
             self._held.clear()

@@ -59,6 +59,9 @@ class HostOps:
     def synchronize(self, event: Any) -> None:
         pass
 
+    def quiesce(self) -> None:
+        """Wait for every gather and upload queued so far (a pipeline stops: what it frees is then unused)."""
+
     def upload(self, arrays: dict[Any, np.ndarray]) -> tuple[dict[Any, Any], Any]:
         """Index arrays where the gathers read them, and the event after which they are there (None)."""
         return dict(arrays), None
@@ -185,6 +188,14 @@ class CudaOps:
     def synchronize(self, event: Any) -> None:
         if event is not None:
             event.synchronize()
+
+    def quiesce(self) -> None:
+        """The pipeline stops and drops this object, its streams and the arrays it holds (uploads, retired
+        ones, batches nobody took): CuPy's pool hands freed memory out again at once, keyed by a stream
+        handle the driver may give a new stream, so work still queued could read or write memory already
+        someone else's. No kernel or copy of this pipeline runs after this returns."""
+        for s in (self.work, self.uploads):
+            s.synchronize()
 
     def upload(self, arrays: dict[Any, np.ndarray]) -> tuple[dict[Any, Any], Any]:
         """Copied to the device on a stream of their own (any thread): the assembler's stream waits on the

@@ -16,7 +16,8 @@ threads go on into the next epoch (at most one pass ahead), so a new pass does n
 Stopping: ``close()`` (from any thread but the pipeline's own) sets ``stop`` and ``halt``, wakes every
 waiter and joins the threads; a reader's error sets ``halt`` only, and travels to the consumer through the
 assembler with the window it was reading. The completer drains everything submitted before it ends, so no
-read still writes into a buffer once the threads are gone.
+read still writes into a buffer once the threads are gone; then ``close()`` waits for the device work the
+pipeline queued (gathers, index uploads, copies), so none of it touches memory that changes hands.
 """
 
 from __future__ import annotations
@@ -366,9 +367,14 @@ class Pipeline:
             if t.is_alive() and t is not threading.current_thread():
                 t.join()
         try:
-            # Gathers the assembler queued may still read any buffer: whoever fills it next waits for them.
-            released = self.ops.record()
+            # The GPU work this pipeline queued ends before anything it used changes hands: its gathers and
+            # uploads (memory freed with this pipeline is handed out again at once), and copies still
+            # writing into window buffers the next pipeline fills (on another stream, unordered with them).
+            self.ops.quiesce()
+            self.backend.quiesce()
+            if self.decoder is not None:
+                self.decoder.quiesce()
         except Exception:  # interpreter or CUDA context shutting down: nothing left to order against
             return
         for b in self.buffers:
-            b.released = released
+            b.released = None  # nothing of this pipeline reads them any more

@@ -209,6 +209,9 @@ class HostOps:
     def close(self):
         pass
 
+    def quiesce(self):
+        pass
+
     def crc_mismatch(self, buffer, lo, hi):
         """As CupyOps computes it: the device kernel's algorithm (its numpy reference) on the segments."""
         got = reference_device_crcs(buffer, pieces(lo, hi))

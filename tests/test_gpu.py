@@ -279,6 +279,40 @@ def test_mmap_locks_at_open_within_budget(small, tmp_path):
     assert sorted(np.concatenate(seen).tolist()) == list(range(len(data["idx"])))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stopping_waits_for_the_gpu_work_its_pipeline_queued(small, backend):
+    """Memory freed with a stopped pipeline (index uploads, batches nobody took) goes back to CuPy's pool and
+    out again at once, so none of its gathers may still be queued: on the H100, stop/start in a loop made a
+    gather read indices overwritten by a later pipeline's data (cudaErrorInvalidAddressSpace, or an illegal
+    address). Here the gathers queue behind a long step on the consumer's stream; stop() must wait for them."""
+    import time
+
+    import cupy
+
+    from gdsload.measure import Spin
+
+    path, data = small
+    with Dataset(path, batch_size=64, backend=backend, shuffle=True, seed=2, window_blocks=3) as ds:
+        it = iter(ds)
+        check(next(it), data)
+        pipeline = ds._active[0]
+        Spin(3000.0).launch()  # on the consumer's stream: what the assembler queues from now on waits for it
+        next(it)  # room given back: the assembler gathers the next batches (once their windows are read), behind it
+        deadline = time.monotonic() + 2.5
+        while pipeline.ops.work.done and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert not pipeline.ops.work.done, "no gather queued behind the step: the test would prove nothing"
+        ds.stop()
+        assert pipeline.ops.work.done and pipeline.ops.uploads.done, "stop() returned with gathers still queued"
+        assert all(s.done for s in pipeline.backend.streams()), "stop() returned with copies still queued"
+        del it
+        for _ in range(2):  # and the next pipelines serve the right samples
+            seen = np.concatenate([check(b, data) for b in ds])
+            assert sorted(seen.tolist()) == list(range(len(data["idx"])))
+            ds.stop()
+        cupy.cuda.get_current_stream().synchronize()
+
+
 @pytest.mark.parametrize("copier", ["native", "cupy"])
 def test_mmap_copies_through_either_copier_serve_the_same_batches(small, copier):
     """The native copier (a window's copies in one call) and the CuPy loop it replaces: every sample of two

@@ -166,6 +166,33 @@ def test_no_thread_survives_close(data_path):
     assert threads_left_after_use(Dataset(path, batch_size=32, shuffle=True)) == set()
 
 
+def test_a_stopped_pipeline_waits_for_its_device_work_after_its_threads(data_path, monkeypatch):
+    """close() quiesces the ops (gathers, uploads), the backend (copies) and the decoder, in that order after
+    the threads are joined; on the GPU that is what keeps freed memory from being handed out while queued
+    work still uses it (tests/test_gpu.py checks the streams)."""
+    from gdsload.backends.cpu import CpuBackend
+    from gdsload.device import HostOps
+
+    calls = []
+
+    def quiesce(self, what):
+        calls.append((what, sorted(t.name for t in gdsload_threads() if "reader" in t.name)))
+
+    monkeypatch.setattr(HostOps, "quiesce", lambda self: quiesce(self, "ops"), raising=False)
+    monkeypatch.setattr(CpuBackend, "quiesce", lambda self: quiesce(self, "backend"), raising=False)
+    path, _ = data_path
+    with Dataset(path, batch_size=32, shuffle=True) as ds:
+        for i, _batch in enumerate(ds):
+            if i == 3:
+                break  # leaving a pass stops its pipeline
+        assert [c[0] for c in calls] == ["ops", "backend"] and calls[0][1] == [] == calls[1][1]
+        ds.stop()  # the pipeline reading the next epoch ahead
+        assert [c[0] for c in calls] == ["ops", "backend"]  # none was running: the break closed it
+        list(ds)
+        ds.stop()
+        assert [c[0] for c in calls] == ["ops", "backend"] * 2
+
+
 # -- forked children ---------------------------------------------------------------------------------
 def test_a_forked_child_refuses_the_inherited_dataset(data_path):
     path, _ = data_path

@@ -17,7 +17,9 @@ excess is reported whole and by the host part that was largest in each gap.
 Variants (patched in for the run only): ``base``; ``switch-100us`` (``sys.setswitchinterval(1e-4)``: a long
 gap that shrinks with it is a thread holding the GIL); ``group-NMiB`` (``assembler.GROUP_BYTES``: batches
 gathered N MiB at a time, so the assembler's Python work is paid once per group); ``cupy-copies`` (mmap: a
-window's copies queued one CuPy call each, not by the native copier). GPU only. Writes
+window's copies queued one CuPy call each, not by the native copier); ``nap-Nus`` (the assembler, woken by
+the room the consumer gives back just before launching its step, sleeps N us before its next batch: a
+launch part that shrinks with it was the assembler's Python beside the launch). GPU only. Writes
 ``results/<machine>/probe-gaps[-TAG].json``.
 """
 
@@ -80,6 +82,9 @@ class Timeline:
     def patched(self, backend: Any, variant: str) -> Iterator[None]:
         saved = [(cls, name, getattr(cls, name)) for cls, name, _ in TIMED]
         saved.append((type(backend), "submit", type(backend).submit))
+        if variant.startswith("nap-"):  # wrapped by the timing below, restored with it
+            handoff_module.Handoff.put = napping(handoff_module.Handoff.put,  # type: ignore[method-assign]
+                                                 float(variant[4:].removesuffix("us")) * 1e-6)
         for cls, name, label in TIMED:
             setattr(cls, name, self.wrap(getattr(cls, name), label))
         type(backend).submit = self.wrap(type(backend).submit, "submitter: submit")  # type: ignore[method-assign]
@@ -116,6 +121,19 @@ class Timeline:
     def overlapping(self, t0: float, t1: float) -> list[dict[str, Any]]:
         return [{"call": e[0], "thread": e[1], "start_us": round((e[2] - t0) * 1e6, 1),
                  "took_us": round((e[3] - e[2]) * 1e6, 1)} for e in self.events if e[3] > t0 and e[2] < t1]
+
+
+def napping(put: Callable[..., bool], nap_s: float) -> Callable[..., bool]:
+    """``Handoff.put`` that, when it had to wait for room, sleeps ``nap_s`` before the assembler goes on: the
+    consumer, which gave the room back just before launching its step, has launched it by then."""
+
+    def put_then_nap(self: Any, item: Any, stop: threading.Event) -> bool:
+        waited = self._free == 0
+        ok = put(self, item, stop)
+        if waited:
+            time.sleep(nap_s)
+        return ok
+    return put_then_nap
 
 
 class Stepper:

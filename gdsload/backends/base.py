@@ -235,5 +235,10 @@ class Backend(ABC):
         """Submit and finish: the data is in ``dest``, or queued behind the returned event."""
         return self.submit(dest, requests, stop).finish()
 
+    def quiesce(self) -> None:
+        """Wait until no device work the backend queued (copies, fills) still writes into a window buffer:
+        called when a pipeline stops, before its buffers change hands. Host-side reads are already over
+        then (the pipeline finished every one it submitted)."""
+
     def close(self) -> None:
         """Stop threads and free memory the backend holds."""

@@ -26,6 +26,14 @@ class CudaBackend(Backend):
         with self.device:
             self.stream = cupy.cuda.Stream(non_blocking=True)
 
+    def streams(self) -> list[Any]:
+        """Every stream the backend queues device work on."""
+        return [self.stream]
+
+    def quiesce(self) -> None:
+        for s in self.streams():
+            s.synchronize()
+
     def allocate(self, nbytes: int) -> Any:
         with self.device:
             return self.cupy.empty(nbytes, dtype=self.cupy.uint8)

@@ -229,6 +229,9 @@ class MmapBackend(CudaBackend):
                 self.stream.wait_event(record_event(s))
             return _Queued(record_event(self.stream))
 
+    def streams(self) -> list[Any]:
+        return [self.stream, *self._streams]
+
     def _mapping(self, path: str) -> _Mapping:
         m = self._maps.get(path)
         if m is None:
@@ -238,8 +241,7 @@ class MmapBackend(CudaBackend):
     def close(self) -> None:
         if self._loader is not None:
             self._loader.close()  # no range is locked after this
-        for s in [self.stream, *self._streams]:
-            s.synchronize()  # no copy may still read a mapping that is about to go
+        self.quiesce()  # no copy may still read a mapping that is about to go
         if self._copier is not None:
             self._copier.close()
         for m in self._maps.values():

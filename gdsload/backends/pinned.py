@@ -158,6 +158,10 @@ class PinnedBackend(CudaBackend):
     def handles(self) -> list[FileHandles]:
         return [h for h in (self._files, self._direct_files, self._driver and self._driver.files) if h is not None]
 
+    def streams(self) -> list[Any]:
+        with self._streams_lock:
+            return [self.stream, *self._streams]
+
     def _thread_stream(self) -> Any:
         """This reader thread's own copy stream. One shared stream serialises every copy behind every
         other; per-thread streams let copies overlap, as KvikIO's own per-thread streams do."""
@@ -231,8 +235,7 @@ class PinnedBackend(CudaBackend):
             self._driver.close()
         if self._stager is not None:
             self._stager.close()  # every copy it issued is complete
-        for s in [self.stream, *self._streams]:
-            s.synchronize()
+        self.quiesce()
         if self.pool is not None:
             self.pool.close()
         self._files.close()
