@@ -213,20 +213,19 @@ class MmapBackend(CudaBackend):
         if not self._loader.wait([(c.path, c.offset // self.range_bytes) for c in copies], stop):
             return _Queued(None)  # stopped while its ranges loaded: nothing copied, nobody reads it
         dest_ptr = int(dest.data.ptr)
-        rt = self.cupy.cuda.runtime
+        dst = [dest_ptr + c.dest_offset for c in copies]
+        src = [self._maps[c.path].ptr + c.offset for c in copies]
         self.write_fills(dest, requests)  # on self.stream: the event recorded last covers them
         with self.device:
             if self._copier is not None:
-                maps = self._maps
-                self._copier.copy(np.array([dest_ptr + c.dest_offset for c in copies], np.uint64),
-                                  np.array([maps[c.path].ptr + c.offset for c in copies], np.uint64),
+                self._copier.copy(np.array(dst, np.uint64), np.array(src, np.uint64),
                                   np.array([c.nbytes for c in copies], np.int64), self.stream.ptr)
-                return _Queued(record_event(self.stream))
-            for i, c in enumerate(copies):
-                s = self._streams[i % len(self._streams)]
-                rt.memcpyAsync(dest_ptr + c.dest_offset, self._maps[c.path].ptr + c.offset, c.nbytes, H2D, s.ptr)
-            for s in self._streams[:len(copies)]:
-                self.stream.wait_event(record_event(s))
+            else:
+                rt = self.cupy.cuda.runtime
+                for i, (d, h, c) in enumerate(zip(dst, src, copies)):
+                    rt.memcpyAsync(d, h, c.nbytes, H2D, self._streams[i % len(self._streams)].ptr)
+                for s in self._streams[:len(copies)]:
+                    self.stream.wait_event(record_event(s))
             return _Queued(record_event(self.stream))
 
     def streams(self) -> list[Any]:
