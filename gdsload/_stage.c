@@ -24,7 +24,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define GDS_STAGER_ABI 3
+#define GDS_STAGER_ABI 4
 #define MODE_HOST 0
 #define MODE_CUDA 1
 #define ALIGN 4096
@@ -868,9 +868,11 @@ fail:
 }
 
 /* Queue n copies of nbytes[i] from host address src[i] to device address dst[i] (host mode: memcpy, done on
- * return), then make stream `after` wait for all of them. 0, or -1 with a message naming the copy. */
+ * return), then make stream `after` wait for all of them. 0, or -1 with a message naming the copy; *failed is
+ * the index of the copy that could not be queued (the caller names its file), -1 when no copy failed. */
 int gds_copier_copy(gds_copier *c, int n, const uint64_t *dst, const uint64_t *src, const int64_t *nbytes,
-                    uint64_t after, char *err, size_t errlen) {
+                    uint64_t after, int *failed, char *err, size_t errlen) {
+    *failed = -1;
     if (c->mode == MODE_HOST) {
         for (int i = 0; i < n; i++)
             memcpy((void *)(uintptr_t)dst[i], (const void *)(uintptr_t)src[i], (size_t)nbytes[i]);
@@ -891,6 +893,7 @@ int gds_copier_copy(gds_copier *c, int n, const uint64_t *dst, const uint64_t *s
                     i, n, (long long)nbytes[i], (unsigned long long)src[i], (unsigned long long)dst[i],
                     cu_name(&c->cu, r));
             rc = -1;
+            *failed = i;
             n = i; /* the copies queued so far are still joined: `after` orders whatever frees their memory */
             break;
         }

@@ -26,6 +26,15 @@ from .errors import BackendUnavailable, ReadError
 _MODES = {"host": 0, "cuda": 1}
 
 
+class CopyFailed(ReadError):
+    """A copy could not be queued: ``index`` is the copy's position in the call (None: the failure was not
+    one copy's), so that the caller, who knows which file each copy reads, can name it."""
+
+    def __init__(self, message: str, index: int | None):
+        super().__init__(message)
+        self.index = index
+
+
 class Copier:
     """Queues host-to-device copies over ``streams`` (raw ``cudaStream_t`` handles of device ``device``,
     borrowed: they must outlive the copier). One thread at a time copies (calls are serialised); close()
@@ -49,6 +58,7 @@ class Copier:
         self.mode, self.device, self.num_streams = mode, device, len(handles)
         self._lib, self._handle = lib, handle
         self._err = ctypes.create_string_buffer(stager.MSG_LEN)
+        self._failed = ctypes.c_int(-1)
         self._lock = threading.Lock()
         self._finalizer = weakref.finalize(self, lib.gds_copier_destroy, handle)
         self._finalizer.atexit = False  # at exit the driver goes with the process; nothing to give back
@@ -57,7 +67,8 @@ class Copier:
         """Queue ``nbytes[i]`` from host address ``src[i]`` to device address ``dst[i]`` for every i, then
         make stream ``after`` wait for them all (host mode: copied on return). The host memory must be
         page-locked for the copies to be asynchronous, and both sides must stay valid until they are done.
-        ReadError naming the copy that could not be queued; the ones before it are still joined."""
+        :class:`CopyFailed` (a ReadError) naming the copy that could not be queued, by its index too; the ones
+        before it are still joined."""
         n = len(nbytes)
         dst = np.ascontiguousarray(dst, dtype=np.uint64)
         src = np.ascontiguousarray(src, dtype=np.uint64)
@@ -68,9 +79,11 @@ class Copier:
             if not self._finalizer.alive:
                 raise ReadError("native copier: closed")
             rc = self._lib.gds_copier_copy(self._handle, n, dst.ctypes.data, src.ctypes.data, sizes.ctypes.data,
-                                           after, self._err, stager.MSG_LEN)
+                                           after, ctypes.byref(self._failed), self._err, stager.MSG_LEN)
             if rc != 0:
-                raise ReadError(f"native copier: {self._err.value.decode(errors='replace')}")
+                failed = self._failed.value
+                raise CopyFailed(f"native copier: {self._err.value.decode(errors='replace')}",
+                                 failed if 0 <= failed < n else None)
 
     def close(self) -> None:
         """Free the copier's events (idempotent). Copies already queued are not waited for: the caller

@@ -46,7 +46,7 @@ from .errors import BackendUnavailable, ReadError, one_line
 from .files import read_error
 
 ENV_NATIVE = "GDSLOAD_NATIVE"
-ABI = 3  # GDS_STAGER_ABI in _stage.c: a library of another version is not used
+ABI = 4  # GDS_STAGER_ABI in _stage.c: a library of another version is not used
 _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(_HERE, "_stage.c")
 _MODES = {"host": 0, "cuda": 1}
@@ -87,7 +87,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
             ("gds_stager_pinned_bytes", c_i64, [c_ptr]),
             ("gds_stager_buffer_bytes", c_i64, [c_ptr]),
             ("gds_copier_create", c_ptr, [c_int, c_int, c_int, c_ptr, c_str, c_size]),
-            ("gds_copier_copy", c_int, [c_ptr, c_int, c_ptr, c_ptr, c_ptr, ctypes.c_uint64, c_str, c_size]),
+            ("gds_copier_copy", c_int, [c_ptr, c_int, c_ptr, c_ptr, c_ptr, ctypes.c_uint64, c_ptr, c_str, c_size]),
             ("gds_copier_destroy", None, [c_ptr])):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes

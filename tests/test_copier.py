@@ -115,7 +115,7 @@ try:
                 np.array([64, 64]), after)
     report["error"] = None
 except ReadError as e:
-    report["error"] = str(e)
+    report["error"], report["index"] = str(e), e.index
 fake.fake_sync(after)
 report["first_joined"] = bool(np.array_equal(out[:64], source[:64]))
 copier.close()
@@ -136,5 +136,23 @@ def test_cuda_mode_joins_every_stream_into_the_callers_and_gives_everything_back
     src, dst = r["addrs"]
     assert r["error"] == (f"native copier: cuMemcpyHtoDAsync of copy 1 of 2 (64 bytes from {src:#x} to {dst:#x}) "
                           f"failed: CUDA_ERROR_INVALID_VALUE")
+    assert r["index"] == 1, "the failed copy's index, for the caller to name its file"
     assert r["first_joined"], "the copy queued before the failed one was not joined into the caller's stream"
     assert r["closed"][:3] == [0, 4, 0], r  # events destroyed, context released; the streams are the caller's
+
+
+def test_a_copy_that_fails_is_reported_with_the_file_it_reads():
+    """The copier knows addresses only: the mmap backend turns the failed copy's index into its file, offset
+    and size, so the error begins with the shard's path as every read error does."""
+    from gdsload.backends.base import ReadRequest
+    from gdsload.backends.mmap import copy_error
+    from gdsload.copier import CopyFailed
+
+    copies = [ReadRequest("/d/a.shard", 0, 64, 0), ReadRequest("/d/b.shard", 4096, 128, 64)]
+    cause = CopyFailed("native copier: cuMemcpyHtoDAsync of copy 1 of 2 failed: CUDA_ERROR_ILLEGAL_ADDRESS", 1)
+    e = copy_error(copies, cause)
+    assert isinstance(e, ReadError)
+    assert str(e) == ("/d/b.shard: read of 128 bytes at offset 4096 failed (native copier: cuMemcpyHtoDAsync of "
+                      "copy 1 of 2 failed: CUDA_ERROR_ILLEGAL_ADDRESS)")
+    joined = CopyFailed("native copier: joining the copies' streams failed: CUDA_ERROR_UNKNOWN", None)
+    assert copy_error(copies, joined) is joined, "no one copy failed: nothing to name"

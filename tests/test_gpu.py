@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import threading
 
 import numpy as np
@@ -329,6 +330,24 @@ def test_mmap_copies_through_either_copier_serve_the_same_batches(small, copier)
         cupy.cuda.get_current_stream().synchronize()
         seen = np.concatenate([check(b, data) for b in batches])
         np.testing.assert_array_equal(seen, np.concatenate([epoch_plan(ds.config, e).sample_ids() for e in (0, 1)]))
+
+
+def test_a_copy_the_native_copier_cannot_queue_names_the_shard_it_reads(small, monkeypatch):
+    """A failed copy reaches the consumer as a ReadError beginning with the shard file the copy reads (the
+    copier reports the copy's index; the backend knows its file), with what was being read."""
+    from gdsload.copier import Copier, CopyFailed
+    from gdsload.errors import ReadError
+
+    def fail(self, dst, src, nbytes, after):
+        raise CopyFailed(f"native copier: cuMemcpyHtoDAsync of copy {len(nbytes) - 1} of {len(nbytes)} failed: "
+                         f"CUDA_ERROR_ILLEGAL_ADDRESS", len(nbytes) - 1)
+
+    path, _ = small
+    with Dataset(path, batch_size=50, backend="mmap", backend_options={"copier": "native"}) as ds:
+        monkeypatch.setattr(Copier, "copy", fail)
+        with pytest.raises(ReadError, match=rf"^{re.escape(path)}/\S+: read of \d+ bytes at offset \d+ failed \("
+                                            r"native copier: .*CUDA_ERROR_ILLEGAL_ADDRESS\) \(reading "):
+            next(iter(ds))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

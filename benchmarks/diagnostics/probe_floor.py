@@ -16,13 +16,22 @@ with the host's time in ``next()`` and in the step's launch:
 - ``list-xstream``: the same, each batch's event recorded on another stream (as the assembler's are);
 - ``list-busy``: ``list`` beside a thread shaped like the assembler (every 0.5 ms some Python work and a
   few launches on another stream): what another Python thread costs the consumer by itself;
+- ``list-busy-py``: ``list`` beside a thread doing only Python (ten 15 µs pieces, the GIL given up between
+  them, every 0.5 ms): the GIL alone;
+- ``list-busy-native``: ``list`` beside a thread whose work is one native call queueing 16 small copies
+  (the GIL given up for the whole call, every 0.5 ms): the driver's own locks alone;
 - ``base``: the library as it is;
+- ``base-holdgil``: the consumer's stream wait made through a ctypes call that keeps the GIL (a thread
+  waiting for it cannot take it in the middle of ``next()``);
 - ``switch-100us``: the same with ``sys.setswitchinterval(1e-4)`` (a thread waiting for the GIL asks its
   holder to drop it after 100 µs instead of 5 ms);
 - ``gc-off``: the same with the garbage collector disabled;
 - ``ahead-32``: ``batches_ahead=32`` (the assembler finishes far ahead and is idle more often);
 - ``pause-100us``: the assembler, woken for room, sleeps 100 µs before it goes on (off the GIL while the
   consumer launches its step);
+- ``pause-200us``: the same, 200 µs;
+- ``gated``: ``pause-100us``, and the submitter starts each window's work 100 µs after the consumer's next
+  hand-back (its Python inside the consumer's step, not across its turn);
 - ``group-4``: room given back four batches at a time (``Handoff.GROUP = 4``);
 - ``poll-room``: the consumer wakes nobody; the assembler polls for room every 100 µs;
 - ``cupy-take``: gathers by CuPy's ``take`` (one thread per word, as many blocks as that takes) instead of
@@ -36,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import queue
 import sys
 import threading
 import time
@@ -54,8 +64,9 @@ from .probe_next import PollRoomHandoff
 from ..common import (BATCH, Rows, add_step_options, make_dataset, parse_probe_args, probe_parser, timed,
                       write_probe)
 
-VARIANTS = ["alone", "list", "list-xstream", "list-busy", "base", "switch-100us", "gc-off", "ahead-32",
-            "pause-100us", "group-4", "poll-room", "cupy-take"]
+VARIANTS = ["alone", "list", "list-xstream", "list-busy", "list-busy-py", "list-busy-native", "base",
+            "base-holdgil", "switch-100us", "gc-off", "ahead-32",
+            "pause-100us", "pause-200us", "gated", "group-4", "poll-room", "cupy-take"]
 
 
 class Stamped:
@@ -117,31 +128,90 @@ def _us(seconds: list[float]) -> dict[str, float]:
 
 
 class PauseHandoff(Handoff):
-    """The hand-off whose producer, once woken for room, sleeps 100 µs before going on."""
+    """The hand-off whose producer, once woken for room, sleeps ``PAUSE_S`` before going on (off the GIL
+    while the consumer launches its step)."""
+
+    PAUSE_S = 100e-6
 
     def put(self, item: Any, stop: Any) -> bool:
         if self._free == 0:
-            n = get(self._room, stop)
-            if n is None:
-                return False
-            time.sleep(100e-6)
+            try:
+                n = self._room.get_nowait()
+            except queue.Empty:  # woken by a release: the consumer is about to launch its step
+                n = get(self._room, stop)
+                if n is None:
+                    return False
+                time.sleep(self.PAUSE_S)
             self._free = n
         return super().put(item, stop)
+
+
+class Pause200Handoff(PauseHandoff):
+    PAUSE_S = 200e-6
+
+
+class GatedHandoff(PauseHandoff):
+    """PauseHandoff that also counts the consumer's releases: the submitter (patched) starts a window's work
+    only ``PAUSE_S`` after the next one, inside the consumer's step rather than across its turn."""
+
+    turns = 0
+
+    def release(self) -> None:
+        GatedHandoff.turns += 1
+        super().release()
+
+
+def _gated_next_free(self: Any) -> Any:
+    buf = _next_free(self)
+    seen, give_up = GatedHandoff.turns, time.perf_counter() + 2e-3  # no turn comes while the consumer waits
+    while GatedHandoff.turns == seen and time.perf_counter() < give_up:
+        time.sleep(50e-6)
+    if GatedHandoff.turns != seen:
+        time.sleep(GatedHandoff.PAUSE_S)
+    return buf
+
+
+_next_free = pipeline_module.Pipeline._next_free
 
 
 class Group4Handoff(Handoff):
     GROUP = 4
 
 
+_wait_holding_gil: Any = None
+
+
+def _hand_over_holding_gil(self: CudaOps, ready: Any) -> None:
+    """CudaOps.hand_over with the stream wait through ``ctypes.PyDLL`` (the GIL kept across the call)."""
+    global _wait_holding_gil
+    if _wait_holding_gil is None:
+        import ctypes
+
+        _wait_holding_gil = ctypes.PyDLL("libcuda.so.1").cuStreamWaitEvent
+        _wait_holding_gil.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+    stream = self._current_stream()
+    if stream.ptr != self.stream.ptr:
+        self._switched(stream)
+        self.stream = stream
+    if ready is not None and _wait_holding_gil(stream.ptr, ready.ptr, 0) != 0:
+        raise RuntimeError("cuStreamWaitEvent failed")
+
+
 @contextlib.contextmanager
 def patched(name: str) -> Iterator[None]:
     old_interval, was_enabled = sys.getswitchinterval(), gc.isenabled()
-    handoffs = {"pause-100us": PauseHandoff, "group-4": Group4Handoff, "poll-room": PollRoomHandoff}
+    handoffs = {"pause-100us": PauseHandoff, "pause-200us": Pause200Handoff, "gated": GatedHandoff,
+                "group-4": Group4Handoff, "poll-room": PollRoomHandoff}
     pipeline_module.Handoff = handoffs.get(name, Handoff)  # type: ignore[misc]
     take = CudaOps.take
     if name == "cupy-take":
         CudaOps.take = lambda self, src, idx, out: self.cupy.take(  # type: ignore[method-assign]
             _as_words(src), idx, axis=0, out=_as_words(out))
+    hand_over = CudaOps.hand_over
+    if name == "gated":
+        pipeline_module.Pipeline._next_free = _gated_next_free  # type: ignore[method-assign]
+    if name == "base-holdgil":
+        CudaOps.hand_over = _hand_over_holding_gil  # type: ignore[method-assign]
     if name == "switch-100us":
         sys.setswitchinterval(1e-4)
     if name == "gc-off":
@@ -151,6 +221,8 @@ def patched(name: str) -> Iterator[None]:
     finally:
         pipeline_module.Handoff = Handoff  # type: ignore[misc]
         CudaOps.take = take  # type: ignore[method-assign]
+        CudaOps.hand_over = hand_over  # type: ignore[method-assign]
+        pipeline_module.Pipeline._next_free = _next_free  # type: ignore[method-assign]
         sys.setswitchinterval(old_interval)
         if was_enabled:
             gc.enable()
@@ -200,6 +272,35 @@ def main(argv: list[str] | None = None) -> int:
             stream.wait_event(ready if events is None else events[i])
             yield b
 
+    def busy_py(stop: threading.Event) -> None:
+        """Only Python: ten 15 µs pieces, the GIL given up between them, every 0.5 ms."""
+        clock = time.perf_counter
+        while not stop.is_set():
+            for _ in range(10):
+                end = clock() + 15e-6
+                while clock() < end:
+                    pass
+                time.sleep(0)
+            time.sleep(0.5e-3)
+
+    def busy_native(stop: threading.Event) -> None:
+        """One native call queueing 16 small copies (the GIL given up for all of it), every 0.5 ms."""
+        from gdsload.copier import Copier
+
+        host = cupy.cuda.alloc_pinned_memory(16 << 12)
+        dev = cupy.empty(16 << 12, dtype=cupy.uint8)
+        copier = Copier("cuda", dev.device.id, [side.ptr])
+        dst = np.array([dev.data.ptr + (i << 12) for i in range(16)], np.uint64)
+        src = np.array([host.ptr + (i << 12) for i in range(16)], np.uint64)
+        sizes = np.full(16, 4096, np.int64)
+        try:
+            while not stop.is_set():
+                copier.copy(dst, src, sizes, side.ptr)
+                time.sleep(0.5e-3)
+        finally:
+            side.synchronize()
+            copier.close()
+
     def busy(stop: threading.Event) -> None:
         """A thread shaped like the assembler: every 0.5 ms, Python work and a few launches on a side stream."""
         scratch = cupy.zeros(1 << 20, dtype=cupy.uint8)
@@ -218,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
         cupy.cuda.get_current_stream().synchronize()
         alone_s = time.perf_counter() - t0
         step.gaps_us()
-        for name in args.variants.split(","):
+        names = args.variants.split(",")
+        for name in names if rep % 2 == 0 else names[::-1]:  # no variant always last (drift within a repeat)
             with patched(name):
                 if name == "alone":
                     got = passes(lambda: range(nb), step, args.passes, alone_s)
@@ -226,9 +328,10 @@ def main(argv: list[str] | None = None) -> int:
                     got = passes(from_list, step, args.passes, alone_s)
                 elif name == "list-xstream":
                     got = passes(lambda: from_list(side_events), step, args.passes, alone_s)
-                elif name == "list-busy":
+                elif name.startswith("list-busy"):
                     stop = threading.Event()
-                    t = threading.Thread(target=busy, args=(stop,), daemon=True)
+                    target = {"list-busy": busy, "list-busy-py": busy_py, "list-busy-native": busy_native}[name]
+                    t = threading.Thread(target=target, args=(stop,), daemon=True)
                     t.start()
                     try:
                         got = passes(from_list, step, args.passes, alone_s)

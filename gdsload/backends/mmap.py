@@ -28,7 +28,7 @@ import numpy as np
 
 from .._cuda import H2D, HOST_REGISTER_PORTABLE, HOST_REGISTER_READ_ONLY, record_event
 from ..errors import BackendUnavailable, ReadError
-from ..copier import Copier
+from ..copier import Copier, CopyFailed
 from ..preload import Preloader
 from .base import Pending, ReadRequest, Request, coalesce, read_error
 from .cuda import CudaBackend
@@ -78,6 +78,15 @@ def _cut(r: ReadRequest, max_bytes: int, range_bytes: int) -> Iterator[ReadReque
         stop = min(end, start + max_bytes, (start // range_bytes + 1) * range_bytes)
         yield r._replace(offset=start, nbytes=stop - start, dest_offset=r.dest_offset + start - r.offset)
         start = stop
+
+
+def copy_error(copies: Sequence[ReadRequest], error: CopyFailed) -> ReadError:
+    """The error for a window whose copy ``error.index`` could not be queued, beginning with the file that copy
+    reads (the copier only knows addresses); ``error`` itself when no one copy failed."""
+    if error.index is None:
+        return error
+    c = copies[error.index]
+    return ReadError(f"{c.path}: read of {c.nbytes} bytes at offset {c.offset} failed ({error})")
 
 
 def file_ranges(sizes: dict[str, int], range_bytes: int = RANGE_BYTES) -> dict[tuple[str, int], tuple[str, int, int]]:
@@ -218,12 +227,18 @@ class MmapBackend(CudaBackend):
         self.write_fills(dest, requests)  # on self.stream: the event recorded last covers them
         with self.device:
             if self._copier is not None:
-                self._copier.copy(np.array(dst, np.uint64), np.array(src, np.uint64),
-                                  np.array([c.nbytes for c in copies], np.int64), self.stream.ptr)
+                try:
+                    self._copier.copy(np.array(dst, np.uint64), np.array(src, np.uint64),
+                                      np.array([c.nbytes for c in copies], np.int64), self.stream.ptr)
+                except CopyFailed as e:
+                    raise copy_error(copies, e) from e
             else:
                 rt = self.cupy.cuda.runtime
                 for i, (d, h, c) in enumerate(zip(dst, src, copies)):
-                    rt.memcpyAsync(d, h, c.nbytes, H2D, self._streams[i % len(self._streams)].ptr)
+                    try:
+                        rt.memcpyAsync(d, h, c.nbytes, H2D, self._streams[i % len(self._streams)].ptr)
+                    except Exception as e:
+                        raise read_error(c.path, c.offset, c.nbytes, cause=e) from e
                 for s in self._streams[:len(copies)]:
                     self.stream.wait_event(record_event(s))
             return _Queued(record_event(self.stream))
