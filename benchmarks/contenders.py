@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 
 from gdsload.format import DatasetLayout, read_metadata
-from gdsload.measure import PassResult, Step, cpu_seconds
+from gdsload.measure import PassResult, cpu_seconds
+from gdsload.steps import Step
 
 Run = Callable[[], PassResult]
 

@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from gdsload import GDSDataset
-from gdsload.measure import PassResult, Step, best, device_sync, drop_page_cache, time_pass, time_passes
+from gdsload.measure import PassResult, best, device_sync, drop_page_cache, time_pass, time_passes
+from gdsload.steps import Step
 
 from .common import Rows
 
@@ -152,8 +153,10 @@ class Recorder:
 
     def steps(self, dataset: str, name: str, config: str, run: GdsRun, passes: int, **labels: Any) -> dict[str, Any] | None:
         """A training-step row from ``run.passes(passes)``: the figures of the passes after the one from rest
-        (their bytes over their time; waiting: their median, each in ``wait_fraction_runs``), and the pass
-        from rest beside them (``first_pass_wait_fraction``, ``first_batch_s``: the pipeline's start)."""
+        (their bytes over their time; waiting: their median, each in ``wait_fraction_runs``), the pass
+        from rest beside them (``first_pass_wait_fraction``, ``first_batch_s``: the pipeline's start), and
+        how much longer the steps alone took when timed again after the passes (``alone_drift_fraction``,
+        negative when shorter)."""
         where = {"kind": "step", "dataset": dataset, "regime": "warm", "name": name, "config": config}
         try:
             first, *steady = run.passes(passes)
@@ -167,6 +170,8 @@ class Recorder:
         row = {**figures(total, waits), "wait_fraction": round(float(np.median(waits)), 4), "wait_fraction_runs": waits,
                "first_pass_wait_fraction": round(first.wait_fraction or 0.0, 4),
                "first_pass_seconds": round(first.seconds, 4), "first_batch_s": round(first.first_batch_s or 0.0, 6)}
+        if first.alone_s and first.alone_again_s:  # the steps alone against themselves: this row's noise floor
+            row["alone_drift_fraction"] = round(first.alone_again_s / first.alone_s - 1, 4)
         return self.emit({**where, **labels, **row, **run.extra()})
 
     def startup(self, dataset: str, regime: str, backend: str, path: str, batch_size: int, **options: Any) -> None:

@@ -25,8 +25,9 @@ from typing import Any
 
 from gdsload import GDSDataset
 from gdsload.env import gpu_available
-from gdsload.measure import PassResult, block_locations, drop_page_cache, make_step, pinned_h2d_gbps, \
-    raw_kvikio_blocks, raw_kvikio_files, read_files, shard_paths
+from gdsload.measure import PassResult, block_locations, drop_page_cache, pinned_h2d_gbps, raw_kvikio_blocks, \
+    raw_kvikio_files, read_files, shard_paths
+from gdsload.steps import make_step
 
 from . import report
 from .common import BATCH, DATA_DIR, RESULTS_DIR, SAMPLE_BYTES, describe_machine, free_device_memory, \

@@ -29,6 +29,7 @@ import numpy as np
 
 from ._units import ALIGN, align_up
 from .format import DatasetLayout, read_metadata
+from .steps import Step
 
 if TYPE_CHECKING:
     from .format import BlockLocation
@@ -81,7 +82,8 @@ class PassResult:
     ``seconds`` is wall time from the first request to the last byte in place (device work synchronized);
     ``cpu_s`` the CPU time spent in that stretch; ``stall_s`` / ``first_batch_s``: gdsload's own count of the
     time its consumer waited for data (None for others); ``wait_s``: with a simulated step, wall time beyond
-    the same steps run alone (``alone_s``), clipped at 0."""
+    the same steps run alone (``alone_s``), clipped at 0; ``alone_again_s``: those steps timed alone once more
+    after the passes (:func:`time_passes`), so how far they move by themselves stands beside ``wait_s``."""
 
     bytes: int
     seconds: float
@@ -92,6 +94,7 @@ class PassResult:
     first_batch_s: float | None = None
     wait_s: float | None = None
     alone_s: float | None = None
+    alone_again_s: float | None = None
 
     @property
     def gb_per_s(self) -> float:
@@ -177,7 +180,8 @@ def time_passes(ds: Any, step: Step | None = None, passes: int = 3) -> list[Pass
     rest) to its last batch and step done, so the passes split one stretch of wall time between them. With
     ``step``, one pass's worth of steps is timed alone first (reading ahead stopped, so no reader competes
     with them), and every pass ends with a sync as those steps do; ``wait_s`` is a pass's time beyond
-    them. The median of the later passes is the steady state the suite's training-step rows report."""
+    them; they are timed alone again after the passes, reading stopped again (``alone_again_s``). The median
+    of the later passes is the steady state the suite's training-step rows report."""
     sync = device_sync(ds)
     ds.stop()
     alone = step.alone(len(ds)) if step is not None else None
@@ -198,6 +202,11 @@ def time_passes(ds: Any, step: Step | None = None, passes: int = 3) -> list[Pass
             r.wait_s = max(0.0, r.seconds - alone)
         out.append(r)
         c_prev, t_prev = c, t
+    if step is not None:
+        ds.stop()
+        again = step.alone(len(ds))
+        for r in out:
+            r.alone_again_s = again
     return out
 
 
@@ -208,98 +217,6 @@ def cold_pass(ds: Any, step: Step | None = None) -> PassResult:
     if not drop_page_cache():
         raise PermissionError("cannot drop the page cache (needs root): no cold pass")
     return time_pass(ds, step)
-
-
-# -- simulated training steps ----------------------------------------------------------------------------
-class Step:
-    """A simulated training step of fixed duration per batch, with the host waiting for it after every
-    ``sync_every`` steps (1: each step, as ``loss.item()``, the worst case for a loader, whose ``next()``
-    then lies between two steps; more: the host runs ahead, as a loop that reads its loss now and then).
-    Subclasses say how a step is launched and waited for."""
-
-    def __init__(self, ms: float, sync_every: int = 1):
-        if ms <= 0 or sync_every < 1:
-            raise ValueError(f"step needs ms > 0 and sync_every >= 1 (found {ms}, {sync_every})")
-        self.ms, self.sync_every = ms, sync_every
-        self._calls = 0
-
-    def launch(self) -> None:
-        raise NotImplementedError
-
-    def synchronize(self) -> None:
-        raise NotImplementedError
-
-    def __call__(self) -> None:
-        self.launch()
-        self._calls += 1
-        if self._calls % self.sync_every == 0:
-            self.synchronize()
-
-    def alone(self, steps: int) -> float:
-        """Seconds ``steps`` steps take with no data to wait for, timed now. A pass's wall time beyond this
-        is time spent waiting for data, seen from outside (host waits, device-side waits and gathers alike):
-        time it right before the pass it is compared with, since launch latency drifts within a run."""
-        self()
-        self.finish()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            self()
-        self.finish()
-        return time.perf_counter() - t0
-
-    def finish(self) -> None:
-        """Wait for every step queued, and count the next ones from a fresh start: whatever was timed
-        before, the steps that follow sync at the same points as the steps alone did."""
-        self.synchronize()
-        self._calls = 0
-
-
-class Spin(Step):
-    """The GPU step: one kernel on the current stream spinning on the GPU's nanosecond global timer (not on
-    clock cycles, whose duration follows the clock the GPU happens to run at). ``launch(stamps)`` with a
-    device uint64 pointer writes the kernel's start and end times there (two words)."""
-
-    def __init__(self, ms: float, sync_every: int = 1):
-        super().__init__(ms, sync_every)
-        import cupy
-
-        self.cupy = cupy
-        self.ns = np.uint64(round(ms * 1e6))
-        self.kernel = cupy.RawKernel(r"""
-        extern "C" __global__ void spin(unsigned long long ns, unsigned long long* stamps) {
-            unsigned long long t0, t;
-            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-            do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
-            if (stamps) { stamps[0] = t0; stamps[1] = t; }
-        }""", "spin")
-        self._null = np.uint64(0)
-
-    def launch(self, stamps: np.uint64 | None = None) -> None:
-        self.kernel((1,), (1,), (self.ns, self._null if stamps is None else stamps))
-
-    def synchronize(self) -> None:
-        self.cupy.cuda.get_current_stream().synchronize()
-
-
-class HostStep(Step):
-    """The step without a GPU: a simulated device queue. A launch queues ``ms`` of work behind what is
-    queued; a synchronize sleeps until the queue has drained (releasing the GIL, as a CUDA sync does)."""
-
-    def __init__(self, ms: float, sync_every: int = 1):
-        super().__init__(ms, sync_every)
-        self._busy_until = 0.0
-
-    def launch(self) -> None:
-        self._busy_until = max(time.perf_counter(), self._busy_until) + self.ms / 1e3
-
-    def synchronize(self) -> None:
-        while (left := self._busy_until - time.perf_counter()) > 0:
-            time.sleep(left)
-
-
-def make_step(ms: float, sync_every: int = 1, gpu: bool = True) -> Step:
-    """:class:`Spin` on a GPU, else :class:`HostStep`."""
-    return Spin(ms, sync_every) if gpu else HostStep(ms, sync_every)
 
 
 # -- ceilings --------------------------------------------------------------------------------------------

@@ -16,7 +16,8 @@ import pytest
 
 from gdsload import GDSDataset, write_dataset
 from gdsload.backends.cpu import DEFAULT_THREADS as CPU_THREADS
-from gdsload.measure import HostStep, PassResult, block_locations, read_files, shard_paths, time_pass, time_passes
+from gdsload.measure import PassResult, block_locations, read_files, shard_paths, time_pass, time_passes
+from gdsload.steps import HostStep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUMMARY_KEYS = {"auto_backend", "io_mode", "warm_shuffled_gbps", "raw_kvikio_shuffled_gbps",
@@ -70,6 +71,7 @@ def test_suite_writes_one_shape(suite_run: str) -> None:
         assert r["dataset"] == "0.02GiB-4MiB" and len(r["wait_fraction_runs"]) == 2
         assert r["wait_fraction"] == round(float(np.median(r["wait_fraction_runs"])), 4)
         assert 0 <= r["first_pass_wait_fraction"] <= 1 and r["first_pass_seconds"] > 0
+        assert -1 < r["alone_drift_fraction"] < 1  # the steps alone timed again after the passes
         # the first batch can be ready before the consumer asks (a tiny batch on a fast machine): never negative,
         # never longer than its pass
         assert 0 <= r["first_batch_s"] <= r["first_pass_seconds"]
@@ -97,6 +99,7 @@ def test_suite_markdown_and_png(suite_run: str) -> None:
     assert md.startswith("# gdsload benchmark suite (quick)") and "No GPU (" in md
     assert f"| 0.02GiB-4MiB | warm | gdsload cpu | threads={CPU_THREADS} shuffle=True | cpu |" in md
     assert "## Startup" in md and "## Summary (summary.json)" in md and "| cpu | cpu |" in md
+    assert "; steps alone again " in md and "the steps alone timed again after them: " in md
     assert os.path.exists(os.path.join(suite_run, "suite.png")) == has_matplotlib()
 
 
@@ -217,7 +220,8 @@ def test_steps_alone_are_timed_with_nothing_reading(small: str, timer: str) -> N
         step = _Watched(ds, 0.5)
         for _ in range(2):  # the second time, the pass before has left the pipeline reading the next epoch
             time_pass(ds, step) if timer == "time_pass" else time_passes(ds, step, 1)
-    assert step.reading_while_alone == [False, False]
+    # time_passes times the steps alone before its passes and again after them
+    assert step.reading_while_alone == [False] * (2 if timer == "time_pass" else 4)
 
 
 def test_time_passes_splits_one_stretch_into_passes(small: str) -> None:
@@ -230,6 +234,7 @@ def test_time_passes_splits_one_stretch_into_passes(small: str) -> None:
     for r in runs:  # every pass delivers every sample once, with its own first batch and waiting
         assert r.samples == 600 and r.bytes == 600 * (1024 + 8) and r.first_batch_s is not None
         assert r.alone_s == runs[0].alone_s >= 12 * 0.001 and r.wait_s == max(0.0, r.seconds - r.alone_s)
+        assert r.alone_again_s == runs[0].alone_again_s >= 12 * 0.001  # the steps alone, timed again after
     assert sum(r.seconds for r in runs) <= wall  # consecutive stretches of one clock, the steps alone before them
 
 

@@ -62,7 +62,7 @@ def test_a_kernel_of_another_stream_starts_while_a_large_gather_runs():
     import cupy
 
     from gdsload.device import CudaOps
-    from gdsload.measure import Spin
+    from gdsload.steps import Spin
 
     ops = CudaOps(0, "cupy")
     src = cupy.zeros((1024, 3, 224, 224), dtype=cupy.uint8)  # 154 MB of rows

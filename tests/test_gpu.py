@@ -290,7 +290,7 @@ def test_stopping_waits_for_the_gpu_work_its_pipeline_queued(small, backend):
 
     import cupy
 
-    from gdsload.measure import Spin
+    from gdsload.steps import Spin
 
     path, data = small
     with Dataset(path, batch_size=64, backend=backend, shuffle=True, seed=2, window_blocks=3) as ds:

@@ -58,7 +58,8 @@ from gdsload import GDSDataset
 from gdsload import pipeline as pipeline_module
 from gdsload.device import CudaOps, _as_words
 from gdsload.handoff import Handoff, get
-from gdsload.measure import Spin, read_files, shard_paths, time_pass
+from gdsload.measure import read_files, shard_paths, time_pass
+from gdsload.steps import Spin
 
 from .probe_next import PollRoomHandoff
 from ..common import (BATCH, Rows, add_step_options, make_dataset, parse_probe_args, probe_parser, timed,

@@ -42,7 +42,8 @@ from gdsload import handoff as handoff_module
 from gdsload import pipeline as pipeline_module
 from gdsload.assembler import Assembler
 from gdsload.device import CudaOps
-from gdsload.measure import Spin, read_files, shard_paths, time_pass
+from gdsload.measure import read_files, shard_paths, time_pass
+from gdsload.steps import Spin
 
 from ..common import BATCH, Rows, add_step_options, make_dataset, parse_probe_args, probe_parser, write_probe
 

@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from gdsload import GDSDataset, assembler, write_dataset
-from gdsload.measure import Spin, read_files, shard_paths, time_pass
+from gdsload.measure import read_files, shard_paths, time_pass
+from gdsload.steps import Spin
 
 from ..common import BATCH, make_dataset, parse_probe_args, probe_parser, write_probe
 

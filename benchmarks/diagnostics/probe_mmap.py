@@ -17,7 +17,9 @@ import os
 import sys
 import time
 
-from gdsload.measure import Spin, best, drop_page_cache, pinned_h2d_gbps, raw_kvikio_files, read_files, shard_paths
+from gdsload.measure import best, drop_page_cache, pinned_h2d_gbps, raw_kvikio_files, read_files, shard_paths
+
+from gdsload.steps import Spin
 
 from ..common import Rows, free_device_memory, make_dataset, parse_probe_args, probe_parser, write_probe
 from ..rows import GdsRun

@@ -37,7 +37,8 @@ from gdsload import GDSDataset
 from gdsload import pipeline as pipeline_module
 from gdsload.device import CudaOps
 from gdsload.handoff import Handoff
-from gdsload.measure import Spin, read_files, shard_paths, time_pass, time_passes
+from gdsload.measure import read_files, shard_paths, time_pass, time_passes
+from gdsload.steps import Spin
 
 from ..common import (BATCH, Rows, add_step_options, make_dataset, parse_probe_args, probe_parser, timed,
                       write_probe)

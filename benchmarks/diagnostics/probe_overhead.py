@@ -31,7 +31,8 @@ from typing import Any
 import numpy as np
 
 from gdsload import GDSDataset
-from gdsload.measure import Spin, read_files, shard_paths
+from gdsload.measure import read_files, shard_paths
+from gdsload.steps import Spin
 
 from ..common import BATCH, Rows, free_device_memory, make_dataset, parse_probe_args, probe_parser, write_probe
 

@@ -21,7 +21,8 @@ import numpy as np
 
 from gdsload import GDSDataset
 from gdsload.format import read_metadata
-from gdsload.measure import Spin, best, drop_page_cache, read_files, shard_paths, time_pass
+from gdsload.measure import best, drop_page_cache, read_files, shard_paths, time_pass
+from gdsload.steps import Spin
 
 from ..common import BATCH, Rows, make_dataset, parse_probe_args, probe_parser, write_probe
 

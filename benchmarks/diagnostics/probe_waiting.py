@@ -34,7 +34,8 @@ from gdsload.assembler import Assembler
 from gdsload.device import CudaOps
 from gdsload.handoff import Handoff
 from gdsload.window import WindowLayout
-from gdsload.measure import Spin, read_files, shard_paths, time_pass
+from gdsload.measure import read_files, shard_paths, time_pass
+from gdsload.steps import Spin
 
 from ..common import BATCH, Rows, free_device_memory, make_dataset, parse_probe_args, probe_parser, write_probe
 
