@@ -62,13 +62,16 @@ class Assembler:
                        if n not in window_layout.ragged}
         self.group_bytes = GROUP_BYTES if group_bytes is None else group_bytes
 
-    def index(self, plan: EpochPlan) -> EpochIndex:
-        """``plan``'s index arrays, uploaded now (``ops.upload``: on a stream of their own, with an event).
+    def index(self, plan: EpochPlan, pace: Callable[[], None] | None = None) -> EpochIndex:
+        """``plan``'s index arrays, uploaded now (``ops.upload``: on a stream of their own, with an event);
+        ``pace`` (a :class:`gdsload.pacing.Pacer`) is called between the steps.
 
         The pipeline asks for them when it makes a pass, before that pass's first read is submitted: an
         upload queued behind a window's host-to-device copies would wait for them (the copy engine serves
         them in order), and the pass's first batch with it."""
+        pace = pace or _no_pace
         table = plan.segment_table()
+        pace()
         value_index = {n: epoch_value_index(plan, self.ragged_offsets[n]) for n in self.ragged}  # host: sizes
         host: dict[Any, np.ndarray] = {}
         if self.resident:
@@ -79,8 +82,10 @@ class Assembler:
             host["rows", name] = _compact(self.wl.stream_rows(plan, name))
         for name in self.ragged:
             host["starts", name], host["lengths", name] = value_index[name]
+        last_batch = plan.last_batch_of_window()
+        pace()
         dev, ready = self.ops.upload(host)
-        return EpochIndex(plan, table, plan.last_batch_of_window(), value_index, dev, ready)
+        return EpochIndex(plan, table, last_batch, value_index, dev, ready)
 
     def batches(self, index: EpochIndex, start_batch: int, window: Callable[[int], dict[str, Any] | None],
                 release: Callable[[int], None], stopped: Callable[[], bool]
@@ -241,6 +246,10 @@ def merge_segments(rows: Sequence[tuple[int, int, int, int]]) -> list[tuple[int,
         else:
             out.append((w, start, stop, first))
     return out
+
+
+def _no_pace() -> None:
+    pass
 
 
 def _compact(a: np.ndarray) -> np.ndarray:

@@ -35,6 +35,7 @@ from .cursor import Cursor
 from .errors import GDSLoadError, ReadError
 from .format import DatasetLayout
 from .handoff import POLL_S, Handoff, get
+from .pacing import Pacer
 from .plan import EpochPlan
 from .stats import EpochStats
 from .window import WindowBuffer, WindowLayout
@@ -70,14 +71,14 @@ class Pipeline:
     """Runs passes from ``first`` (whose plan is ``plan``): reader threads ahead, batches assembled ahead,
     the consumer takes each pass with one call of :meth:`batches`.
 
-    Given ``plans`` (epoch -> plan), the pipeline follows on: once the consumer has begun a pass, it reads
+    Given ``plans`` ((epoch, pace) -> plan, as :func:`gdsload.plan.epoch_plan`), the pipeline follows on: once the consumer has begun a pass, it reads
     the next epoch from its start, and the threads run until :meth:`close`; without it, there is one pass.
     """
 
     def __init__(self, backend: Backend, ops: Any, layout: DatasetLayout, window_layout: WindowLayout,
                  buffers: Sequence[WindowBuffer], first: Cursor, plan: EpochPlan, output_fields: Sequence[str],
                  resident: dict[str, ResidentField] | None = None, pad: dict[str, tuple[int | None, Any]] | None = None,
-                 ahead: int = 2, plans: Callable[[int], EpochPlan] | None = None, bytes_before: int = 0,
+                 ahead: int = 2, plans: Callable[[int, Pacer | None], EpochPlan] | None = None, bytes_before: int = 0,
                  verifier: Any = None, decoder: Any = None):
         self.backend, self.ops, self.layout, self.wl = backend, ops, layout, window_layout
         self.verifier = verifier  # checks each window against its stored crc32c before it is handed on
@@ -115,17 +116,19 @@ class Pipeline:
                 t.start()
 
     def _pass(self, k: int) -> _Pass:
-        """Pass ``k``, its plan made by whichever thread asks first (the readers, ahead of the consumer)."""
+        """Pass ``k``, its plan made by whichever thread asks first (the readers, ahead of the consumer).
+        On a pipeline thread that work is paced (gdsload.pacing): it runs while the consumer's steps do."""
         with self._passes_lock:
             p = self._passes.get(k)
             if p is None:
+                pace = Pacer() if threading.current_thread() in self._threads else None
                 epoch, start = (self._first.epoch, self._first.batch) if k == 0 else (self._first.epoch + k, 0)
-                plan = self._plan0 if k == 0 else self._plans(epoch)  # type: ignore[misc]
+                plan = self._plan0 if k == 0 else self._plans(epoch, pace)  # type: ignore[misc]
                 running = start < plan.num_batches
                 first = int(plan.window_of[plan.batch_bounds(start)[0]]) if running else len(plan.windows)
                 # The index arrays go up now, before any read of this pass is submitted (Assembler.index).
                 p = _Pass(k, epoch, plan, start, first, EpochStats(io_mode=self.backend.io_mode),
-                          self.assembler.index(plan))
+                          self.assembler.index(plan, pace))
                 # Only passes the consumer is done with are dropped: every other thread may still ask for
                 # the others, and must get the same object (its stats are shared).
                 self._passes = {j: q for j, q in self._passes.items() if j >= self._consumer_pass}
@@ -180,6 +183,7 @@ class Pipeline:
 
     def _submit_loop(self) -> None:
         k, p, w = 0, None, -1
+        pace = Pacer()
         try:
             while self._may_read(k):
                 p, w = self._pass(k), -1
@@ -188,9 +192,12 @@ class Pipeline:
                     if buf is None:
                         return
                     self.ops.synchronize(buf.released)  # the last gather from it is done
+                    pace.start()
                     blocks = p.plan.windows[w]
                     work = self.wl.work(self.layout, blocks)
+                    pace()
                     checks = self.wl.checks(self.layout, blocks) if self.verifier is not None else None
+                    pace()
                     pending = self.backend.submit(buf.buffer, work.requests, self._halt)
                     try:
                         decode = self.decoder.start(buf, work, self._halt) if self.decoder is not None else None

@@ -9,6 +9,7 @@ recomputing the plan and skipping batches; no index arrays are ever stored.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -147,35 +148,45 @@ def _block_positions(sizes: np.ndarray, samples_per_block: int) -> np.ndarray:
     return owner * samples_per_block + (np.arange(len(owner), dtype=np.int64) - starts[owner])
 
 
-def epoch_plan(cfg: PlanConfig, epoch: int) -> EpochPlan:
-    """The plan of ``epoch`` for ``cfg.rank``.
+def epoch_plan(cfg: PlanConfig, epoch: int, pace: Callable[[], None] | None = None) -> EpochPlan:
+    """The plan of ``epoch`` for ``cfg.rank``; ``pace`` (a :class:`gdsload.pacing.Pacer`) is called after
+    each window, and changes nothing in the plan.
 
     With ``drop_last`` every rank yields the same number of full batches and the remainder is dropped.
     Without it, ranks holding fewer samples are padded up to the largest rank's count by repeating samples
     of their own last window (already resident, so padding costs no extra reads); a rank's last batch may
     be partial, and all ranks' batches have the same sizes.
     """
-    k, w = cfg.samples_per_block, cfg.window_blocks
+    k = cfg.samples_per_block
     order = block_order(cfg.num_blocks, cfg.shuffle, cfg.seed, epoch)
     mine = rank_blocks(order, cfg.rank, cfg.world_size)
+    w = min(cfg.window_blocks, max(1, len(mine)))  # a window of more blocks than the rank has is all of them
     target = _target_samples(cfg, order)
     rng = np.random.default_rng([cfg.seed, epoch, 1 + cfg.rank]) if cfg.shuffle else None
 
-    windows, window_of, positions = [], [], []
+    # Every window's positions at once, in window order (block j of a window holds j*K .. j*K+size-1); the
+    # loop below only shuffles them, window by window, as the seeded generator always has.
+    sizes = block_sizes(mine, cfg.num_samples, k)
+    within = np.arange(len(mine), dtype=np.int64) % w
+    owner = np.repeat(np.arange(len(mine), dtype=np.int64), sizes)
+    ends = np.cumsum(sizes)
+    flat = within[owner] * k + (np.arange(len(owner), dtype=np.int64) - (ends - sizes)[owner])
+    bounds = [int(b) for b in np.append(ends[w - 1::w], ends[-1:])] if len(mine) else []
+    windows, positions = [], []
     total = 0
     for i in range(0, len(mine), w):
         if total >= target:
             break
-        blocks = mine[i:i + w]
-        sizes = block_sizes(blocks, cfg.num_samples, k)
-        local = _block_positions(sizes, k)
+        local = flat[total:bounds[i // w]]
         if rng is not None:
             local = rng.permutation(local)
-        windows.append(blocks)
-        window_of.append(np.full(len(local), len(windows) - 1, dtype=np.int64))
+        windows.append(mine[i:i + w])
         positions.append(local)
         total += len(local)
-    window_of_a = np.concatenate(window_of) if window_of else np.zeros(0, np.int64)
+        if pace is not None:
+            pace()
+    counts = [len(p) for p in positions]
+    window_of_a = np.repeat(np.arange(len(windows), dtype=np.int64), counts)
     positions_a = np.concatenate(positions) if positions else np.zeros(0, np.int64)
     if total > target:
         window_of_a, positions_a = window_of_a[:target], positions_a[:target]

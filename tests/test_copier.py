@@ -145,10 +145,11 @@ def test_a_copy_that_fails_is_reported_with_the_file_it_reads():
     """The copier knows addresses only: the mmap backend turns the failed copy's index into its file, offset
     and size, so the error begins with the shard's path as every read error does."""
     from gdsload.backends.base import ReadRequest
-    from gdsload.backends.mmap import copy_error
+    from gdsload.backends.mmap import copy_error, plan_copies
     from gdsload.copier import CopyFailed
 
-    copies = [ReadRequest("/d/a.shard", 0, 64, 0), ReadRequest("/d/b.shard", 4096, 128, 64)]
+    copies = plan_copies([ReadRequest("/d/a.shard", 0, 64, 0), ReadRequest("/d/b.shard", 4096, 128, 64)],
+                         {"/d/a.shard": 64, "/d/b.shard": 8192}, 1 << 20)
     cause = CopyFailed("native copier: cuMemcpyHtoDAsync of copy 1 of 2 failed: CUDA_ERROR_ILLEGAL_ADDRESS", 1)
     e = copy_error(copies, cause)
     assert isinstance(e, ReadError)

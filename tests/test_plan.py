@@ -117,16 +117,55 @@ def test_mmap_copies_merge_split_and_stop_at_the_file_end():
     from gdsload.backends.mmap import plan_copies
     from gdsload.errors import ReadError
 
+    def listed(c):
+        return [c.read(i) for i in range(len(c))]
+
     reads = [ReadRequest("a", 0, 100, 0), ReadRequest("a", 100, 100, 100), ReadRequest("b", 0, 300, 200)]
-    assert plan_copies(reads, {"a": 200, "b": 300}, 1 << 20) == [ReadRequest("a", 0, 200, 0),
-                                                                  ReadRequest("b", 0, 300, 200)]
-    assert plan_copies(reads, {"a": 200, "b": 300}, 128) == [
-        ReadRequest("a", 0, 100, 0), ReadRequest("a", 100, 100, 100), ReadRequest("b", 0, 128, 200),
+    assert listed(plan_copies(reads, {"a": 200, "b": 300}, 1 << 20)) == [ReadRequest("a", 0, 200, 0),
+                                                                         ReadRequest("b", 0, 300, 200)]
+    assert listed(plan_copies(reads, {"a": 200, "b": 300}, 128)) == [
+        ReadRequest("a", 0, 128, 0), ReadRequest("a", 128, 72, 128), ReadRequest("b", 0, 128, 200),
         ReadRequest("b", 128, 128, 328), ReadRequest("b", 256, 44, 456)]
+    # Cut where the locked ranges end (multiples of range_bytes in the file), then every max_bytes.
+    assert listed(plan_copies([ReadRequest("b", 50, 250, 7)], {"b": 300}, 64, range_bytes=128)) == [
+        ReadRequest("b", 50, 64, 7), ReadRequest("b", 114, 14, 71), ReadRequest("b", 128, 64, 85),
+        ReadRequest("b", 192, 64, 149), ReadRequest("b", 256, 44, 213)]
+    assert len(plan_copies([], {}, 64)) == 0
     with pytest.raises(ReadError, match="b: file ends at offset 250 \\(expected 300 bytes from offset 0\\)"):
         plan_copies(reads, {"a": 200, "b": 250}, 1 << 20)
     with pytest.raises(ReadError, match="b: not registered"):
         plan_copies(reads, {"a": 200}, 1 << 20)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_mmap_copies_move_every_byte_of_the_reads_and_nothing_else(seed):
+    """Random reads (some continuing one another, across range ends): the copies carry exactly the bytes the
+    reads ask for, to the same places, none longer than max_bytes nor across a range end."""
+    from gdsload.backends.base import ReadRequest
+    from gdsload.backends.mmap import plan_copies
+
+    rng = np.random.default_rng(seed)
+    reads, dest = [], 0
+    for _ in range(int(rng.integers(1, 40))):
+        path = f"f{int(rng.integers(3))}"
+        if reads and rng.random() < 0.5:  # continue the last read in file and buffer
+            path, offset = reads[-1].path, reads[-1].offset + reads[-1].nbytes
+        else:
+            offset = int(rng.integers(0, 5000))
+            dest += int(rng.integers(0, 50))
+        n = int(rng.integers(1, 700))
+        reads.append(ReadRequest(path, offset, n, dest))
+        dest += n
+    max_bytes, range_bytes = int(rng.integers(1, 400)), int(rng.choice([64, 256, 1024]))
+    copies = plan_copies(reads, {f"f{i}": 10_000 for i in range(3)}, max_bytes, range_bytes)
+
+    def bytes_of(items):
+        return sorted((r.path, r.offset + j, r.dest_offset + j) for r in items for j in range(r.nbytes))
+
+    pieces = [copies.read(i) for i in range(len(copies))]
+    assert bytes_of(pieces) == bytes_of(reads)
+    assert all(0 < c.nbytes <= max_bytes for c in pieces)
+    assert all(c.offset // range_bytes == (c.offset + c.nbytes - 1) // range_bytes for c in pieces)
 
 
 def test_mmap_budget_is_checked_before_anything_is_locked():

@@ -21,7 +21,8 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,7 +31,7 @@ from .._cuda import H2D, HOST_REGISTER_PORTABLE, HOST_REGISTER_READ_ONLY, record
 from ..errors import BackendUnavailable, ReadError
 from ..copier import Copier, CopyFailed
 from ..preload import Preloader
-from .base import Pending, ReadRequest, Request, coalesce, read_error
+from .base import Pending, ReadRequest, Request, read_error
 from .cuda import CudaBackend
 
 DEFAULT_COPY_BYTES = 64 << 20
@@ -57,35 +58,81 @@ def check_budget(sizes: dict[str, int], budget: int) -> None:
             f"RAM). Use backend='kvikio' or 'pinned' for datasets that do not fit in memory.")
 
 
+@dataclass(frozen=True)
+class Copies:
+    """A window's copies as columns: copy i moves ``nbytes[i]`` at ``offsets[i]`` of ``paths[file[i]]`` to
+    ``dest[i]`` of the window buffer (arrays of int64)."""
+
+    paths: list[str]
+    file: np.ndarray
+    offsets: np.ndarray
+    nbytes: np.ndarray
+    dest: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.nbytes)
+
+    def read(self, i: int) -> ReadRequest:
+        """Copy ``i`` as a read request (for messages)."""
+        return ReadRequest(self.paths[int(self.file[i])], int(self.offsets[i]), int(self.nbytes[i]), int(self.dest[i]))
+
+
 def plan_copies(reads: Sequence[ReadRequest], sizes: dict[str, int], max_bytes: int,
-                range_bytes: int = RANGE_BYTES) -> list[ReadRequest]:
-    """Reads -> copies of at most ``max_bytes``, adjacent blocks merged, none crossing a multiple of
-    ``range_bytes`` in its file (the ranges are locked one by one); a read past a file's end raises ReadError
-    naming the file (the mapping covers the file as it was when the dataset opened)."""
-    for r in reads:
-        size = sizes.get(r.path)
-        if size is None:
-            raise ReadError(f"{r.path}: not registered with the mmap backend")
-        if r.offset + r.nbytes > size:
-            raise read_error(r.path, r.offset, r.nbytes, got=max(0, size - r.offset))
-    return [p for r in coalesce(reads, max_bytes) for p in _cut(r, max_bytes, range_bytes)]
+                range_bytes: int = RANGE_BYTES) -> Copies:
+    """Reads -> copies: reads adjacent both in their file and in the buffer merged, then cut at every multiple
+    of ``range_bytes`` in the file (the ranges are locked one by one) and every ``max_bytes`` after it; a read
+    past a file's end raises ReadError naming the file (the mapping covers the file as it was when the
+    dataset opened). Whole-array numpy: this runs once per window on the submitter's thread, beside the
+    consumer's, which needs the GIL the moment its step ends."""
+    empty = np.zeros(0, np.int64)
+    if not reads:
+        return Copies([], empty, empty, empty, empty)
+    path_of, offsets, nbytes, dest = zip(*reads)
+    paths = list(dict.fromkeys(path_of))
+    for p in paths:
+        if p not in sizes:
+            raise ReadError(f"{p}: not registered with the mmap backend")
+    index = {p: i for i, p in enumerate(paths)}
+    file = np.array([index[p] for p in path_of], np.int64)
+    start, n, to = np.array(offsets, np.int64), np.array(nbytes, np.int64), np.array(dest, np.int64)
+    over = np.flatnonzero(start + n > np.array([sizes[p] for p in paths], np.int64)[file])
+    if len(over):
+        i = int(over[0])
+        size = sizes[path_of[i]]
+        raise read_error(path_of[i], int(start[i]), int(n[i]), got=max(0, size - int(start[i])))
+    # Runs of reads that continue one another in file and buffer.
+    first = np.ones(len(n), bool)
+    first[1:] = (file[1:] != file[:-1]) | (start[1:] != start[:-1] + n[:-1]) | (to[1:] != to[:-1] + n[:-1])
+    heads = np.flatnonzero(first)
+    ends = np.append(heads[1:], len(n)) - 1
+    run_file, run_start, run_end = file[heads], start[heads], start[ends] + n[ends]
+    run_dest = to[heads]
+    # Cut at range ends (multiples of range_bytes in the file), then every max_bytes from a piece's start.
+    seg_start, seg_end, run = _cut(run_start, run_end, range_bytes, np.zeros_like(run_start))
+    piece_start, piece_end, seg = _cut(seg_start, seg_end, max_bytes, seg_start)
+    owner = run[seg]
+    return Copies(paths, run_file[owner], piece_start, piece_end - piece_start,
+                  run_dest[owner] + piece_start - run_start[owner])
 
 
-def _cut(r: ReadRequest, max_bytes: int, range_bytes: int) -> Iterator[ReadRequest]:
-    """``r`` in pieces of at most ``max_bytes`` that end at every multiple of ``range_bytes``."""
-    start, end = r.offset, r.offset + r.nbytes
-    while start < end:
-        stop = min(end, start + max_bytes, (start // range_bytes + 1) * range_bytes)
-        yield r._replace(offset=start, nbytes=stop - start, dest_offset=r.dest_offset + start - r.offset)
-        start = stop
+def _cut(start: np.ndarray, end: np.ndarray, unit: int, origin: np.ndarray) -> tuple[np.ndarray, np.ndarray,
+                                                                                      np.ndarray]:
+    """Intervals ``[start, end)`` cut at ``origin + j * unit`` for every j: the pieces' starts, ends, and the
+    interval each comes from."""
+    lo = (start - origin) // unit
+    counts = (end - 1 - origin) // unit - lo + 1
+    which = np.repeat(np.arange(len(start), dtype=np.int64), counts)
+    j = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    at = origin[which] + (lo[which] + j) * unit
+    return np.maximum(start[which], at), np.minimum(end[which], at + unit), which
 
 
-def copy_error(copies: Sequence[ReadRequest], error: CopyFailed) -> ReadError:
+def copy_error(copies: Copies, error: CopyFailed) -> ReadError:
     """The error for a window whose copy ``error.index`` could not be queued, beginning with the file that copy
     reads (the copier only knows addresses); ``error`` itself when no one copy failed."""
     if error.index is None:
         return error
-    c = copies[error.index]
+    c = copies.read(error.index)
     return ReadError(f"{c.path}: read of {c.nbytes} bytes at offset {c.offset} failed ({error})")
 
 
@@ -172,6 +219,7 @@ class MmapBackend(CudaBackend):
                     raise
                 self.copier_reason = str(e)
         self._maps: dict[str, _Mapping] = {}  # every file the dataset reads, mapped at prepare()
+        self._sizes: dict[str, int] = {}  # their sizes as mapped
         self._loader: Preloader | None = None
         self._ranges: dict[tuple[str, int], tuple[str, int, int]] = {}  # what the loader loads (file_ranges)
         self.register_s = 0.0  # time prepare() took: the checks, mapping the files, starting the loader
@@ -198,6 +246,7 @@ class MmapBackend(CudaBackend):
         check_budget(sizes, self.max_bytes)
         for p, n in sizes.items():
             self._maps[p] = _Mapping(p, files.fd(p), n, self.cupy)
+            self._sizes[p] = n
         probe = next(iter(self._maps.values()), None)
         if probe is not None:  # a page locked and unlocked: a process that cannot lock fails here, not mid-pass
             with self.device:
@@ -215,29 +264,29 @@ class MmapBackend(CudaBackend):
 
     def submit(self, dest: Any, requests: Sequence[Request], stop: threading.Event) -> Pending:
         reads = [r for r in requests if isinstance(r, ReadRequest)]
-        copies = plan_copies(reads, {p: self._mapping(p).size for p in {r.path for r in reads}}, self.copy_bytes,
-                             self.range_bytes)
+        copies = plan_copies(reads, self._sizes, self.copy_bytes, self.range_bytes)
         if self._loader is None:
             raise ReadError("internal error: the mmap backend was not prepared with the dataset's files")
-        if not self._loader.wait([(c.path, c.offset // self.range_bytes) for c in copies], stop):
+        ranges = dict.fromkeys(zip(copies.file.tolist(), (copies.offsets // self.range_bytes).tolist()))
+        if not self._loader.wait([(copies.paths[f], i) for f, i in ranges], stop):
             return _Queued(None)  # stopped while its ranges loaded: nothing copied, nobody reads it
-        dest_ptr = int(dest.data.ptr)
-        dst = [dest_ptr + c.dest_offset for c in copies]
-        src = [self._maps[c.path].ptr + c.offset for c in copies]
+        bases = np.array([self._maps[p].ptr for p in copies.paths], np.uint64)
+        dst = np.uint64(int(dest.data.ptr)) + copies.dest.astype(np.uint64)
+        src = bases[copies.file] + copies.offsets.astype(np.uint64)
         self.write_fills(dest, requests)  # on self.stream: the event recorded last covers them
         with self.device:
             if self._copier is not None:
                 try:
-                    self._copier.copy(np.array(dst, np.uint64), np.array(src, np.uint64),
-                                      np.array([c.nbytes for c in copies], np.int64), self.stream.ptr)
+                    self._copier.copy(dst, src, copies.nbytes, self.stream.ptr)
                 except CopyFailed as e:
                     raise copy_error(copies, e) from e
             else:
                 rt = self.cupy.cuda.runtime
-                for i, (d, h, c) in enumerate(zip(dst, src, copies)):
+                for i, (d, h, n) in enumerate(zip(dst.tolist(), src.tolist(), copies.nbytes.tolist())):
                     try:
-                        rt.memcpyAsync(d, h, c.nbytes, H2D, self._streams[i % len(self._streams)].ptr)
+                        rt.memcpyAsync(d, h, n, H2D, self._streams[i % len(self._streams)].ptr)
                     except Exception as e:
+                        c = copies.read(i)
                         raise read_error(c.path, c.offset, c.nbytes, cause=e) from e
                 for s in self._streams[:len(copies)]:
                     self.stream.wait_event(record_event(s))
@@ -245,12 +294,6 @@ class MmapBackend(CudaBackend):
 
     def streams(self) -> list[Any]:
         return [self.stream, *self._streams]
-
-    def _mapping(self, path: str) -> _Mapping:
-        m = self._maps.get(path)
-        if m is None:
-            raise ReadError(f"{path}: not registered with the mmap backend")
-        return m
 
     def close(self) -> None:
         if self._loader is not None:
@@ -261,6 +304,7 @@ class MmapBackend(CudaBackend):
         for m in self._maps.values():
             m.close()
         self._maps.clear()
+        self._sizes.clear()
 
 
 class _Queued(Pending):
