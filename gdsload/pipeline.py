@@ -71,8 +71,9 @@ class Pipeline:
     """Runs passes from ``first`` (whose plan is ``plan``): reader threads ahead, batches assembled ahead,
     the consumer takes each pass with one call of :meth:`batches`.
 
-    Given ``plans`` ((epoch, pace) -> plan, as :func:`gdsload.plan.epoch_plan`), the pipeline follows on: once the consumer has begun a pass, it reads
-    the next epoch from its start, and the threads run until :meth:`close`; without it, there is one pass.
+    Given ``plans`` ((epoch, pace) -> plan, as :func:`gdsload.plan.epoch_plan`), the pipeline follows on:
+    once the consumer has begun a pass, it reads the next epoch from its start, and the threads run until
+    :meth:`close`; without it, there is one pass.
     """
 
     def __init__(self, backend: Backend, ops: Any, layout: DatasetLayout, window_layout: WindowLayout,
