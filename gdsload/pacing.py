@@ -2,9 +2,9 @@
 
 The consumer gives the GIL up while it waits for its step on the GPU and needs it back the moment the step
 ends. A thread holding the GIL keeps it until it blocks, or until a waiting thread has waited the
-interpreter's switch interval (5 ms by default); giving it up for an instant (a numpy shuffle,
+interpreter's switch interval (``sys.getswitchinterval()``); giving it up for an instant (a numpy shuffle,
 ``time.sleep(0)``) does not hand it over, because the holder takes it back before the waiter has woken. So a
-pipeline thread that makes the next epoch's plan (milliseconds of Python) holds back every step that ends
+pipeline thread that makes the next epoch's plan (a long stretch of Python) holds back every step that ends
 meanwhile until the plan is made. A :class:`Pacer` cuts such work into pieces of at most ``piece_s``, with a
 nap between them long enough for a waiting thread to wake and take the GIL. Nothing here touches data.
 """
@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 #: Python work on a pipeline thread between two naps, at most (seconds).
 PIECE_S = 100e-6
-#: A nap: asked of the OS, which rounds it up to its timer slack (50 us by default on Linux); a waiting
-#: thread's wake-up takes a few to tens of microseconds.
+#: A nap: asked of the OS, which rounds it up to its timer slack; long enough for a waiting thread to wake
+#: and take the GIL (docs/design.md, "Pacing").
 NAP_S = 20e-6
 
 

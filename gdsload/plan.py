@@ -140,12 +140,12 @@ def _target_samples(cfg: PlanConfig, order: np.ndarray) -> int:
     return max(counts)
 
 
-def _block_positions(sizes: np.ndarray, samples_per_block: int) -> np.ndarray:
-    """Positions of the valid samples of blocks laid out back to back: block j holds positions
-    j*K .. j*K+sizes[j]-1."""
+def _block_positions(sizes: np.ndarray, samples_per_block: int, slots: np.ndarray) -> np.ndarray:
+    """Positions of the valid samples of blocks, in block order: block j in slot ``slots[j]`` of its window
+    holds positions slots[j]*K .. slots[j]*K+sizes[j]-1."""
     owner = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
     starts = np.cumsum(sizes) - sizes
-    return owner * samples_per_block + (np.arange(len(owner), dtype=np.int64) - starts[owner])
+    return slots[owner] * samples_per_block + (np.arange(len(owner), dtype=np.int64) - starts[owner])
 
 
 def epoch_plan(cfg: PlanConfig, epoch: int, pace: Callable[[], None] | None = None) -> EpochPlan:
@@ -167,10 +167,8 @@ def epoch_plan(cfg: PlanConfig, epoch: int, pace: Callable[[], None] | None = No
     # Every window's positions at once, in window order (block j of a window holds j*K .. j*K+size-1); the
     # loop below only shuffles them, window by window, as the seeded generator always has.
     sizes = block_sizes(mine, cfg.num_samples, k)
-    within = np.arange(len(mine), dtype=np.int64) % w
-    owner = np.repeat(np.arange(len(mine), dtype=np.int64), sizes)
-    ends = np.cumsum(sizes)
-    flat = within[owner] * k + (np.arange(len(owner), dtype=np.int64) - (ends - sizes)[owner])
+    flat = _block_positions(sizes, k, np.arange(len(mine), dtype=np.int64) % w)
+    ends = np.cumsum(sizes)  # where each window's positions end in flat: at its last block's
     bounds = [int(b) for b in np.append(ends[w - 1::w], ends[-1:])] if len(mine) else []
     windows, positions = [], []
     total = 0

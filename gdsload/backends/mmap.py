@@ -219,7 +219,7 @@ class MmapBackend(CudaBackend):
                     raise
                 self.copier_reason = str(e)
         self._maps: dict[str, _Mapping] = {}  # every file the dataset reads, mapped at prepare()
-        self._sizes: dict[str, int] = {}  # their sizes as mapped
+        self._sizes: dict[str, int] = {}  # their sizes as mapped (checked against the budget)
         self._loader: Preloader | None = None
         self._ranges: dict[tuple[str, int], tuple[str, int, int]] = {}  # what the loader loads (file_ranges)
         self.register_s = 0.0  # time prepare() took: the checks, mapping the files, starting the loader
@@ -244,9 +244,9 @@ class MmapBackend(CudaBackend):
         t0 = time.perf_counter()
         sizes = {p: files.get(p).size for p in files}
         check_budget(sizes, self.max_bytes)
+        self._sizes = sizes
         for p, n in sizes.items():
             self._maps[p] = _Mapping(p, files.fd(p), n, self.cupy)
-            self._sizes[p] = n
         probe = next(iter(self._maps.values()), None)
         if probe is not None:  # a page locked and unlocked: a process that cannot lock fails here, not mid-pass
             with self.device:
@@ -304,7 +304,7 @@ class MmapBackend(CudaBackend):
         for m in self._maps.values():
             m.close()
         self._maps.clear()
-        self._sizes.clear()
+        self._sizes = {}
 
 
 class _Queued(Pending):
