@@ -172,7 +172,7 @@ def markdown(doc: dict[str, Any]) -> str:
               "beyond the same steps run alone, as a share of the pass: it also sees device-side waits (best "
               "pass; every pass in brackets; training-step rows: the median of the passes after the one from "
               "rest, as epochs after the first run, and that first pass, with the pipeline's start, after them). "
-              "Pinned: gdsload's peak pinned host memory (mmap: the dataset's files, locked at open).", "",
+              "Pinned: gdsload's peak pinned host memory (mmap: the dataset's files, locked once read).", "",
               "| dataset | cache | what | config | io mode | GB/s | samples/s | CPU core-s/GB | stall | waiting "
               "| pinned |", "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
     lines += [_row(r) for r in rows if r.get("kind") != "startup"]

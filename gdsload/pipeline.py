@@ -184,7 +184,7 @@ class Pipeline:
 
     def _submit_loop(self) -> None:
         k, p, w = 0, None, -1
-        pace = Pacer()
+        pace, first = Pacer(), True
         try:
             while self._may_read(k):
                 p, w = self._pass(k), -1
@@ -206,6 +206,9 @@ class Pipeline:
                         drain(pending)  # its reads write into the buffer: over before the error goes on
                         raise
                     self._inflight.put((p, w, buf, work.read_bytes, checks, pending, decode))
+                    if first:
+                        self.backend.started()  # what it kept back for the first window may begin
+                        first = False
                 k, p = k + 1, None
         except BaseException as e:
             where = p.describe(w) if p is not None and w >= 0 else f"epoch {self._first.epoch + k}"

@@ -2,9 +2,12 @@
 
 A *unit* is a byte range of a file. Threads read each unit in chunks through the page cache (what a cold
 file needs; a warm one is only walked), units in the order given, except that units a caller waits for
-move to the front. When a unit's last chunk is read, ``done(key)`` runs on that reader thread (the mmap
-backend locks the range there). A failure of either is kept with its unit and raised to whoever waits for
-it; the other units go on loading. No CUDA here: the callback is the caller's.
+move to the front. Made with ``hold``, the threads load only units waited for until :meth:`Preloader.start`:
+the mmap backend holds the bulk back until the first window is in, so that window's units do not queue
+behind chunks already handed out and the pipeline's start does not share the GIL and the driver's
+registration lock with every loader thread. When a unit's last chunk is read, ``done(key)`` runs on that
+reader thread (the mmap backend locks the range there). A failure of either is kept with its unit and
+raised to whoever waits for it; the other units go on loading. No CUDA here: the callback is the caller's.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ class Preloader:
     once they are gone."""
 
     def __init__(self, units: dict[Hashable, tuple[str, int, int]], fd: Callable[[str], int],
-                 done: Callable[[Any], None], threads: int, chunk_bytes: int = CHUNK_BYTES):
+                 done: Callable[[Any], None], threads: int, chunk_bytes: int = CHUNK_BYTES, hold: bool = False):
+        """``hold``: load only the units :meth:`wait` names until :meth:`start` is called."""
         if threads < 1 or chunk_bytes < 1:
             raise ValueError(f"threads and chunk_bytes must be positive (found {threads}, {chunk_bytes})")
         self._fd, self._done, self._chunk = fd, done, chunk_bytes
@@ -46,6 +50,7 @@ class Preloader:
         self._errors: dict[Hashable, BaseException] = {}
         self._cond = threading.Condition()
         self._closing = False
+        self._bulk = not hold  # the threads may go on to units nobody waits for
         self.started = time.perf_counter()
         self.finished: float | None = None if units else self.started  # when the last unit was done (or failed)
         self._threads = [threading.Thread(target=self._run, name=f"gdsload-preload-{i}", daemon=True)
@@ -54,8 +59,9 @@ class Preloader:
             t.start()
 
     def _next(self) -> tuple[Hashable, int] | None:
-        """The next chunk to read (called under the lock): units waited for first, then the load order."""
-        for q in (self._urgent, self._order):
+        """The next chunk to read (called under the lock): units waited for first, then the load order (once
+        the bulk may load)."""
+        for q in (self._urgent, self._order) if self._bulk else (self._urgent,):
             while q:
                 todo = self._todo[q[0]]
                 if todo:
@@ -67,9 +73,10 @@ class Preloader:
         buf = None
         while True:
             with self._cond:
-                got = None if self._closing else self._next()
-            if got is None:
-                return
+                while not self._closing and (got := self._next()) is None and not self._bulk:
+                    self._cond.wait()  # held: until a unit is waited for, start() or close()
+                if self._closing or got is None:
+                    return
             key, offset = got
             path, start, nbytes = self._units[key]
             n = min(self._chunk, start + nbytes - offset)
@@ -109,6 +116,7 @@ class Preloader:
                     raise ReadError(f"internal error: {k} is not among the parts of files loaded")
             waiting = [k for k in keys if k not in self._ready]
             self._urgent.extend(k for k in waiting if self._todo[k])
+            self._cond.notify_all()  # threads held back wake for them
             while True:
                 for k in waiting:
                     if k in self._errors:
@@ -118,6 +126,12 @@ class Preloader:
                 if self._closing or (stop is not None and stop.is_set()):
                     return False
                 self._cond.wait(POLL_S)
+
+    def start(self) -> None:
+        """Let the threads go on to every unit, in load order (idempotent; nothing to do without ``hold``)."""
+        with self._cond:
+            self._bulk = True
+            self._cond.notify_all()
 
     def close(self) -> None:
         """Stop reading: chunks not started are dropped; returns once every thread has ended (a ``done``

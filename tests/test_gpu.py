@@ -281,7 +281,7 @@ def test_mmap_locks_at_open_within_budget(small, tmp_path):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_stopping_waits_for_the_gpu_work_its_pipeline_queued(small, backend):
+def test_stopping_waits_for_the_gpu_work_its_pipeline_queued(small, backend, monkeypatch):
     """Memory freed with a stopped pipeline (index uploads, batches nobody took) goes back to CuPy's pool and
     out again at once, so none of its gathers may still be queued: on the H100, stop/start in a loop made a
     gather read indices overwritten by a later pipeline's data (cudaErrorInvalidAddressSpace, or an illegal
@@ -290,10 +290,17 @@ def test_stopping_waits_for_the_gpu_work_its_pipeline_queued(small, backend):
 
     import cupy
 
+    from gdsload import assembler
     from gdsload.steps import Spin
 
     path, data = small
-    with Dataset(path, batch_size=64, backend=backend, shuffle=True, seed=2, window_blocks=3) as ds:
+    # One gather per batch: the batches assembled after the step is launched are gathered then (in groups,
+    # they may all have been gathered with a group before it). The consumer on a stream of its own: on the
+    # legacy default stream, KvikIO's compat-mode copies (blocking streams) would queue behind the step too,
+    # and the windows those gathers need might never be read.
+    monkeypatch.setattr(assembler, "GROUP_BYTES", 1)
+    consumer = cupy.cuda.Stream(non_blocking=True)
+    with consumer, Dataset(path, batch_size=64, backend=backend, shuffle=True, seed=2, window_blocks=3) as ds:
         it = iter(ds)
         check(next(it), data)
         pipeline = ds._active[0]

@@ -148,6 +148,33 @@ def test_a_wait_returns_false_once_its_stop_is_set(tmp_path):
     loader.close()
 
 
+def _loaded_keys(loader):
+    with loader._cond:
+        return set(loader._ready)
+
+
+def test_a_held_loader_loads_only_the_units_waited_for_until_started(tmp_path):
+    """With ``hold``, the threads take no unit nobody waits for (a window's units load alone, not behind
+    chunks already handed out); start() lets them load the rest without any wait; close() ends them."""
+    paths, fds = _files(tmp_path, [16 * 4096])
+    units = {i: (paths[0], i * 4096, 4096) for i in range(16)}
+    loader = Preloader(units, fds.__getitem__, lambda k: None, threads=4, chunk_bytes=4096, hold=True)
+    time.sleep(0.1)
+    assert _loaded_keys(loader) == set()
+    assert loader.wait([9, 3])
+    time.sleep(0.1)
+    assert _loaded_keys(loader) == {3, 9}
+    loader.start()
+    deadline = time.monotonic() + 5
+    while _loaded_keys(loader) != set(units) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _loaded_keys(loader) == set(units) and loader.stats()["load_s"] is not None
+    loader.close()
+    held = Preloader(units, fds.__getitem__, lambda k: None, threads=2, chunk_bytes=4096, hold=True)
+    held.close()  # threads waiting for work end too
+    assert not [t for t in threading.enumerate() if t.name.startswith("gdsload-preload")]
+
+
 # -- the mmap backend, CUDA replaced ---------------------------------------------------------------------
 class _Runtime:
     """hostRegister / hostUnregister / memcpyAsync on host memory; a copy from memory that is not inside one
@@ -247,6 +274,31 @@ def test_mmap_backend_copies_wait_for_their_ranges_and_never_span_two(tmp_path, 
     backend.close()
     assert fake_cupy.registered == {}, "close() unlocks every range"
     assert not [t for t in threading.enumerate() if t.name.startswith("gdsload-preload")]
+    files.close()
+
+
+def test_mmap_backend_locks_only_a_windows_ranges_until_the_pipeline_started(tmp_path, fake_cupy, monkeypatch):
+    """The first window's ranges load alone (nothing else queued before them); started() loads the rest."""
+    from gdsload.backends import mmap as mmap_backend
+    from gdsload.backends.base import ReadRequest
+    from gdsload.files import ShardFiles
+
+    monkeypatch.setattr(mmap_backend, "RANGE_BYTES", 64 << 10)
+    paths, _ = _files(tmp_path, [512 << 10])
+    files = ShardFiles.open(paths)
+    backend = mmap_backend.MmapBackend(register_threads=4)
+    backend.prepare(files)
+    dest = _Dest(100 << 10)
+    backend.submit(dest, [ReadRequest(paths[0], 200 << 10, 100 << 10, 0)], threading.Event()).finish()
+    np.testing.assert_array_equal(dest.array, np.fromfile(paths[0], np.uint8)[200 << 10:300 << 10])
+    time.sleep(0.1)
+    assert sorted(fake_cupy.registered.values()) == [64 << 10] * 2, "ranges 3 and 4 only"
+    backend.started()
+    deadline = time.monotonic() + 5
+    while sum(fake_cupy.registered.values()) < (512 << 10) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sum(fake_cupy.registered.values()) == (512 << 10) == backend.pinned_bytes
+    backend.close()
     files.close()
 
 

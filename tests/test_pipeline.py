@@ -514,3 +514,27 @@ def test_taking_a_batch_wakes_the_assembler_only_on_every_second_release():
     stop.set()
     assert handoff.get(stop) is None, "stopped and empty"
     assert not handoff.put("e", stop), "stopped, no place given back: the producer gives up"
+
+
+def test_the_backend_is_told_once_that_the_first_window_was_submitted(data_path, monkeypatch):
+    """Backend.started() (what the mmap backend's background load waits for) comes once per pipeline, right
+    after its first window's submission, and not before the resident fields were read."""
+    from gdsload.backends.cpu import CpuBackend
+
+    path, data = data_path
+    calls: list[tuple[str, int]] = []
+    submit = CpuBackend.submit
+
+    def counting_submit(self, *a, **k):
+        calls.append(("submit", len(a[1])))
+        return submit(self, *a, **k)
+
+    monkeypatch.setattr(CpuBackend, "submit", counting_submit)
+    monkeypatch.setattr(CpuBackend, "started", lambda self: calls.append(("started", 0)), raising=False)
+    with Dataset(path, backend="cpu", batch_size=32, window_blocks=2, prefetch_next_epoch=False) as ds:
+        for b in ds:
+            check_batch(b, data)
+    kinds = [k for k, _ in calls]
+    assert kinds.count("started") == 1
+    i = kinds.index("started")
+    assert i >= 2 and kinds[i - 1] == "submit" and kinds[:i].count("submit") == 2, calls[:i + 1]

@@ -19,7 +19,10 @@ gap that shrinks with it is a thread holding the GIL); ``group-NMiB`` (``assembl
 gathered N MiB at a time, so the assembler's Python work is paid once per group); ``cupy-copies`` (mmap: a
 window's copies queued one CuPy call each, not by the native copier); ``nap-Nus`` (the assembler, woken by
 the room the consumer gives back just before launching its step, sleeps N us before its next batch: a
-launch part that shrinks with it was the assembler's Python beside the launch). GPU only. Writes
+launch part that shrinks with it was the assembler's Python beside the launch); ``no-fence`` (the
+assembler's stream does not wait for the consumer's queued work before writing a batch, so its gathers, and
+the window releases after them, no longer start as each step ends; unsafe in general, harmless here, where
+no step reads its batch). Variants combine with ``+`` (``no-fence+nap-100us``). GPU only. Writes
 ``results/<machine>/probe-gaps[-TAG].json``.
 """
 
@@ -81,11 +84,15 @@ class Timeline:
 
     @contextlib.contextmanager
     def patched(self, backend: Any, variant: str) -> Iterator[None]:
+        parts = variant.split("+")
         saved = [(cls, name, getattr(cls, name)) for cls, name, _ in TIMED]
-        saved.append((type(backend), "submit", type(backend).submit))
-        if variant.startswith("nap-"):  # wrapped by the timing below, restored with it
-            handoff_module.Handoff.put = napping(handoff_module.Handoff.put,  # type: ignore[method-assign]
-                                                 float(variant[4:].removesuffix("us")) * 1e-6)
+        saved += [(type(backend), "submit", type(backend).submit), (CudaOps, "fence", CudaOps.fence)]
+        for part in parts:
+            if part.startswith("nap-"):  # wrapped by the timing below, restored with it
+                handoff_module.Handoff.put = napping(handoff_module.Handoff.put,  # type: ignore[method-assign]
+                                                     float(part[4:].removesuffix("us")) * 1e-6)
+        if "no-fence" in parts:  # safe here only: the steps read no batch, and each one is synced
+            CudaOps.fence = lambda self: None  # type: ignore[method-assign]
         for cls, name, label in TIMED:
             setattr(cls, name, self.wrap(getattr(cls, name), label))
         type(backend).submit = self.wrap(type(backend).submit, "submitter: submit")  # type: ignore[method-assign]
@@ -102,12 +109,13 @@ class Timeline:
         gc.callbacks.append(on_gc)
         interval, group = sys.getswitchinterval(), assembler_module.GROUP_BYTES
         copier = getattr(backend, "_copier", None)
-        if variant == "cupy-copies":
+        if "cupy-copies" in parts:
             backend._copier = None
-        if variant == "switch-100us":
+        if "switch-100us" in parts:
             sys.setswitchinterval(1e-4)
-        if variant.startswith("group-"):  # read by each pipeline's assembler as it starts
-            assembler_module.GROUP_BYTES = int(variant[6:].removesuffix("MiB")) << 20
+        for part in parts:
+            if part.startswith("group-"):  # read by each pipeline's assembler as it starts
+                assembler_module.GROUP_BYTES = int(part[6:].removesuffix("MiB")) << 20
         try:
             yield
         finally:

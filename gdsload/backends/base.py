@@ -223,6 +223,10 @@ class Backend(ABC):
         for handles in self.handles():
             handles.bind(files)
 
+    def started(self) -> None:
+        """Called once a pipeline's first window is submitted: work a backend kept back so that window came
+        first (the mmap backend's background load) may begin. Idempotent."""
+
     def handles(self) -> list[FileHandles]:
         """The backend's per-file handles, bound to the dataset's files by :meth:`prepare`."""
         return []

@@ -7,8 +7,9 @@ The price is memory: the dataset's pages stay locked in RAM for the dataset's li
 processes that map the same files), and a cold dataset is read once, all of it. The budget and the
 ability to lock are checked when the dataset opens, so a dataset too large fails there, never mid-epoch;
 the files are then read and locked in ranges of ``RANGE_BYTES`` on background threads (gdsload.preload),
-the ranges a window needs first, so the first pass runs while the rest loads: a copy waits only for the
-ranges it reads, and never spans two of them (each is registered on its own).
+the ranges a window needs first (only those until the first window's are in), so the first pass runs
+while the rest loads: a copy waits only for the ranges it reads, and never spans two of them (each is
+registered on its own).
 
 As with any memory-mapped file, a shard file truncated in place while the dataset is open kills the
 process with SIGBUS. Replacing the dataset is safe: ``gdsload shard --overwrite`` renames a new folder
@@ -194,7 +195,8 @@ class MmapBackend(CudaBackend):
                  copy_bytes: int = DEFAULT_COPY_BYTES, register_threads: int = 16, copier: str = "auto"):
         """``max_bytes`` caps the bytes locked (default half of RAM); copies of at most ``copy_bytes`` (and
         never across two locked ranges) go round robin over ``num_streams`` non-blocking streams;
-        ``register_threads`` read and lock the files in the background from open on. ``copier``: "native"
+        ``register_threads`` read and lock the files in the background (the first window's ranges from
+        its submission, everything once it is in). ``copier``: "native"
         queues a window's copies in one call (gdsload.copier), "cupy" one CuPy call per copy, "auto" the
         native one where the library loads (``copier_reason`` says why not)."""
         if num_streams < 1 or copy_bytes < 1 or register_threads < 1:
@@ -238,9 +240,10 @@ class MmapBackend(CudaBackend):
 
     def prepare(self, files: Any) -> None:
         """Check the whole set against the budget, map every file, check that this process can lock and
-        register its memory, and start loading: every range of every file read once through the page cache
-        by parallel reads (locking alone faults pages in one at a time, far below the disk's rate), then
-        locked, on the loader's threads, while the dataset is already read."""
+        register its memory, and start the loader: every range of every file read once through the page
+        cache by parallel reads (locking alone faults pages in one at a time, far below the disk's rate),
+        then locked, on the loader's threads, while the dataset is already read. Until :meth:`started`, the
+        loader loads only the ranges a submitted window waits for."""
         t0 = time.perf_counter()
         sizes = {p: files.get(p).size for p in files}
         check_budget(sizes, self.max_bytes)
@@ -253,8 +256,13 @@ class MmapBackend(CudaBackend):
                 probe.register(0, min(probe.size, mmap.PAGESIZE))
                 probe.close_ranges()
         self._ranges = file_ranges(sizes, self.range_bytes)
-        self._loader = Preloader(self._ranges, files.fd, self._lock_range, self.register_threads)
+        # Held until the first window is in (started()): the ranges it waits for load alone.
+        self._loader = Preloader(self._ranges, files.fd, self._lock_range, self.register_threads, hold=True)
         self.register_s = time.perf_counter() - t0
+
+    def started(self) -> None:
+        if self._loader is not None:
+            self._loader.start()
 
     def _lock_range(self, key: tuple[str, int]) -> None:
         """Lock a range the loader has read (on a loader thread)."""
