@@ -124,6 +124,31 @@ class FieldMeta:
         return np.full(1, self.fill_value, dtype=self.dtype).tobytes()
 
 
+#: The keys of a Zarr v3 array document; any other is an extension, which zarr judges.
+ARRAY_KEYS = frozenset({"zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding",
+                        "fill_value", "codecs", "attributes", "storage_transformers", "dimension_names"})
+
+
+def array_fill_value(where: str, doc: dict[str, Any], shape: tuple[int, ...], dtype: np.dtype) -> Any:
+    """The array's fill value, a value of ``dtype``. A document of the specification's keys only, whose fill
+    value is a plain JSON number within range of its numeric type (or a JSON bool for ``bool``), is read
+    here; anything else (extensions, "NaN" and the other spellings, complex values) zarr opens and judges,
+    as :func:`zarr_fill_value`. Importing zarr costs a fresh process tenths of a second, which a dataset the
+    converter wrote then never pays at open."""
+    names = doc.get("dimension_names")
+    if (set(doc) <= ARRAY_KEYS and isinstance(doc.get("attributes", {}), dict)
+            and (names is None or (isinstance(names, list) and len(names) == len(shape)
+                                   and all(n is None or isinstance(n, str) for n in names)))):
+        v = doc.get("fill_value")
+        if dtype.kind == "b" and type(v) is bool:
+            return dtype.type(v)
+        if dtype.kind in "iu" and type(v) is int and np.iinfo(dtype).min <= v <= np.iinfo(dtype).max:
+            return dtype.type(v)
+        if dtype.kind == "f" and type(v) in (int, float) and math.isfinite(v) and abs(v) <= np.finfo(dtype).max.item():
+            return dtype.type(v)
+    return zarr_fill_value(where, shape, dtype)
+
+
 def zarr_fill_value(where: str, shape: tuple[int, ...], dtype: np.dtype) -> Any:
     """Let zarr open the array (its own validation of the metadata) and return its fill value, checked to be
     a value of ``dtype``."""
@@ -192,7 +217,7 @@ def read_array(directory: str, key: str, missing: str, strict: bool, num_rows: i
         name=key,
         dtype=dtype.newbyteorder("<") if dtype.itemsize > 1 else dtype,
         sample_shape=shape[1:],
-        fill_value=zarr_fill_value(where, shape, dtype),
+        fill_value=array_fill_value(where, doc, shape, dtype),
         samples_per_block=chunk[0],
         blocks_per_shard=grid[0] // chunk[0] if sharded else 1,
         index_location=location,

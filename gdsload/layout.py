@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from ._zarr_json import MAX_DIMENSIONS, check_whole_array, exc_text, fail
+from .arrays import read_array
 from .errors import FormatError
 from .files import ShardFiles, not_regular, refusal, reserve_descriptors
 from .shard_index import chunk_table, read_shard_index
@@ -45,6 +46,40 @@ class RowPiece(NamedTuple):
     location: BlockLocation | None
     row_start: int
     row_stop: int
+
+
+def _read_whole(where: str, length: int, failure: str) -> np.ndarray:
+    """A 1-D array of ``length`` values (offsets, checksums) read whole, once :func:`_stored_chunks` checked
+    its files. Stored as one raw chunk (as the converter writes checksums), its chunk file is read here:
+    opening a dataset then needs no zarr, whose import costs a fresh process tenths of a second. Stored any
+    other way (compressed, in chunks, with extensions), or written nowhere (fill values), zarr reads it.
+    ``failure`` begins the message of a read that fails."""
+    try:
+        fm = read_array(where, os.path.basename(where), f"{failure}: no zarr.json", strict=False)
+    except FormatError:
+        fm = None  # zarr says what is wrong with it
+    if (fm is not None and not (fm.sharded or fm.compressed or fm.chunk_checksum or fm.sample_shape)
+            and fm.num_rows == length and fm.samples_per_block >= length):
+        path, want = fm.shard_path(0), length * fm.dtype.itemsize
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                values = np.fromfile(f, dtype=fm.dtype, count=length) if size == want else None
+        except FileNotFoundError:
+            values = None  # never written: zarr gives its fill values
+        except OSError as e:
+            raise fail(where, f"{failure} ({exc_text(e)})") from None
+        else:
+            if values is None or len(values) != length:
+                raise fail(where, f"{failure} ({path} is {size} bytes, expected {want}: {length} raw "
+                                  f"{fm.dtype.name} values)")
+            return values
+    import zarr
+
+    try:
+        return np.asarray(zarr.open_array(where, mode="r", zarr_format=3)[:])
+    except Exception as e:
+        raise fail(where, f"{failure} ({exc_text(e)})") from None
 
 
 def _stored_chunks(array_dir: str) -> int:
@@ -222,18 +257,13 @@ class DatasetLayout:
         return offsets, files, lengths
 
     def _read_offsets(self, r: RaggedMeta) -> np.ndarray:
-        import zarr
-
         where = os.path.join(self.meta.path, r.name, "offsets")
         n = self.meta.num_samples + 1
         if n * 8 > _memory_bytes():
             raise fail(os.path.join(where, "zarr.json"), f"{n} offsets need {n * 8} bytes, more than this "
                                                          f"machine's memory ({_memory_bytes()} bytes)")
         _stored_chunks(where)
-        try:
-            offsets = np.asarray(zarr.open_array(where, mode="r", zarr_format=3)[:]).astype(np.int64)
-        except Exception as e:
-            raise fail(where, f"cannot read the offsets ({exc_text(e)})") from None
+        offsets = _read_whole(where, n, "cannot read the offsets").astype(np.int64)
         if offsets.shape != (n,):
             raise fail(where, f"expected {n} offsets, found shape {offsets.shape}")
         if offsets[0] != 0 or (np.diff(offsets) < 0).any() or offsets[-1] != r.values.num_rows:
@@ -243,18 +273,13 @@ class DatasetLayout:
 
     def _read_checksums(self, name: str, key: str) -> np.ndarray:
         """A field's checksum array, read whole: uint32, one per block."""
-        import zarr
-
         where = os.path.join(self.meta.path, *key.split("/"))
         n = self.meta.num_blocks
         check_whole_array(os.path.join(where, "zarr.json"), f"field '{name}' names it as its checksum array",
                           f"the checksums of field '{name}': ({n},) uint32", n, ("uint32",))
         if _stored_chunks(where) == 0:
             raise fail(where, f"checksum array of field '{name}' holds no stored chunks (expected its values)")
-        try:
-            values = np.asarray(zarr.open_array(where, mode="r", zarr_format=3)[:])
-        except Exception as e:
-            raise fail(where, f"cannot read the checksum array of field '{name}' ({exc_text(e)})") from None
+        values = _read_whole(where, n, f"cannot read the checksum array of field '{name}'")
         if values.dtype != np.uint32 or values.shape != (n,):
             raise fail(where, f"expected the checksums of field '{name}': ({n},) uint32, found {values.shape} "
                               f"{values.dtype}")

@@ -410,3 +410,68 @@ def test_checksums_are_parsed_and_read_whole(make_dataset):
     import crc32c
 
     assert sums["x"][2] == crc32c.crc32c(bytes(range(24, 33)) + bytes(3))
+
+
+# -- opening without zarr ----------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype, fill", [("uint8", 0), ("int64", -5), ("uint64", 2**64 - 1), ("float32", 1.5),
+                                         ("float16", 2), ("float64", -0.0), ("bool", True)])
+def test_a_plain_fill_value_is_read_as_zarr_reads_it(tmp_path, dtype, fill):
+    from gdsload.arrays import array_fill_value, zarr_fill_value
+    from gdsload._zarr_json import read_json
+
+    zarr.create_array(str(tmp_path / "a"), shape=(3, 2), chunks=(1, 2), dtype=dtype, fill_value=fill)
+    where = str(tmp_path / "a" / "zarr.json")
+    doc = read_json(where)
+    ours = array_fill_value(where, doc, (3, 2), np.dtype(dtype))
+    theirs = zarr_fill_value(where, (3, 2), np.dtype(dtype))
+    assert type(ours) is type(theirs) and ours == theirs and np.signbit(ours) == np.signbit(theirs)
+
+
+@pytest.mark.parametrize("change", [
+    lambda d: d.update(fill_value="NaN"),  # spellings zarr reads
+    lambda d: d.update(fill_value="0x7fc00000"),
+    lambda d: d.update(extension={"must_understand": True}),  # an extension: zarr judges it
+    lambda d: d.update(dimension_names=["a"]),  # of the wrong length
+    lambda d: d.update(fill_value=1e39),  # out of float32's range
+])
+def test_any_other_fill_value_or_document_goes_to_zarr(tmp_path, monkeypatch, change):
+    from gdsload import arrays
+    from gdsload._zarr_json import read_json
+
+    zarr.create_array(str(tmp_path / "a"), shape=(3, 2), chunks=(1, 2), dtype="float32", fill_value=0)
+    where = str(tmp_path / "a" / "zarr.json")
+    doc = read_json(where)
+    change(doc)
+    asked = []
+    monkeypatch.setattr(arrays, "zarr_fill_value", lambda *a: asked.append(a) or "zarr's")
+    assert arrays.array_fill_value(where, doc, (3, 2), np.dtype("float32")) == "zarr's" and asked
+
+
+def test_opening_a_converted_dataset_imports_no_zarr(make_dataset):
+    """The converter's datasets (fixed-size fields, checksums) open and read without zarr, whose import costs a
+    fresh process tenths of a second; their checksums are those zarr reads."""
+    import subprocess
+    import sys
+
+    path = make_dataset({"x": np.arange(60, dtype=np.float32).reshape(20, 3), "y": np.arange(20)},
+                        samples_per_block=4)
+    sums = add_checksums(path)
+    code = ("import sys, gdsload, numpy as np\n"
+            f"ds = gdsload.GDSDataset({path!r}, batch_size=8, backend='cpu', verify=True)\n"
+            "n = sum(len(b['y']) for b in ds)\n"
+            "print(n, 'zarr' in sys.modules, *(int(ds._layout.checksums[f].sum()) for f in ('x', 'y')))\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+                         env={**os.environ, "PYTHONPATH": root}).stdout.split()
+    assert out == ["20", "False", str(int(sums["x"].sum())), str(int(sums["y"].sum()))]
+
+
+def test_a_raw_checksum_chunk_of_the_wrong_size_is_named(make_dataset):
+    path = make_dataset({"x": np.zeros((20, 3), np.float32)}, samples_per_block=4)
+    add_checksums(path)
+    chunk = os.path.join(path, "_checksums", "x", "c", "0")
+    with open(chunk, "r+b") as f:
+        f.truncate(12)
+    with pytest.raises(FormatError, match=rf"cannot read the checksum array of field 'x' \({chunk} is 12 bytes, "
+                                          rf"expected 20: 5 raw uint32 values\)"):
+        GDSDataset(path, backend="cpu", batch_size=4)

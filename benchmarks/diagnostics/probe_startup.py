@@ -1,12 +1,14 @@
 """Where opening a dataset and taking its first batch spend their time, per backend, warm.
 
-    python -m benchmarks.diagnostics.probe_startup [--samples 20000] [--repeats 3] [--profile]
+    python -m benchmarks.diagnostics.probe_startup [--samples 20000] [--repeats 3] [--profile] [--fresh]
 
 The dataset: ``--samples`` images of 3 x 64 x 64 uint8 plus int64 labels (the small-sample case), read into
 the page cache before anything is timed; CUDA is initialised first (a training script has done so before it
 opens its data). For each backend, ``--repeats`` times: the constructor's seconds (``open``), then the
 first ``next()`` (``first batch``, synchronised), then the rest of the pass. With ``--profile`` the last
-repeat runs under cProfile and the functions that took the most time (cumulative) are printed. Prints a
+repeat runs under cProfile and the functions that took the most time (cumulative) are printed. With
+``--fresh`` each measurement is a new process, as a training script starts: ``import gdsload``, CUDA's start
+(first, as a script that built its model would, or left to the open), the open and the first batch. Prints a
 table and writes ``--json FILE`` when given. GPU only.
 """
 
@@ -18,6 +20,7 @@ import io
 import json
 import os
 import pstats
+import subprocess
 import sys
 import time
 
@@ -68,6 +71,35 @@ def one(path: str, backend: str, batch_size: int, profile: bool) -> dict:
     return row
 
 
+#: One fresh process: its own clock from before ``import gdsload``.
+FRESH = """
+import json, time
+t0 = time.perf_counter()
+import gdsload
+from gdsload.measure import device_sync
+t1 = time.perf_counter()
+if {cuda_first}:
+    import cupy
+    (cupy.arange(1 << 20) * 2).sum().get()
+t2 = time.perf_counter()
+ds = gdsload.GDSDataset({path!r}, batch_size={batch_size}, backend={backend!r}, shuffle=True)
+t3 = time.perf_counter()
+next(iter(ds))
+device_sync(ds)()
+t4 = time.perf_counter()
+print(json.dumps({{"backend": ds.backend_name, "io_mode": ds.io_mode, "cuda_first": {cuda_first},
+                  "import_s": round(t1 - t0, 4), "cuda_start_s": round(t2 - t1, 4), "open_s": round(t3 - t2, 4),
+                  "first_batch_s": round(t4 - t3, 4)}}))
+ds.close()
+"""
+
+
+def fresh(path: str, backend: str, batch_size: int, cuda_first: bool) -> dict:
+    code = FRESH.format(path=path, backend=backend, batch_size=batch_size, cuda_first=cuda_first)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    return {"asked": backend, **json.loads(out.stdout.strip().splitlines()[-1])}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default="/tmp/gdsload-startup.gds")
@@ -76,8 +108,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backends", default="kvikio,pinned,mmap")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--fresh", action="store_true", help="each measurement in a new process")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.fresh:
+        path, rows = make(args.data, args.samples), []
+        for r in range(args.repeats):
+            for backend in ["auto", *args.backends.split(",")]:
+                for cuda_first in (True, False):
+                    rows.append({**fresh(path, backend, args.batch_size, cuda_first), "repeat": r})
+                    w = rows[-1]
+                    print(f"{backend:6s} -> {w['backend']:6s} #{r} {'CUDA first' if cuda_first else 'CUDA in open'}: "
+                          f"import {w['import_s']:.3f} s  CUDA {w['cuda_start_s']:.3f} s  open {w['open_s']:.3f} s  "
+                          f"first batch {w['first_batch_s']:.4f} s", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"samples": args.samples, "fresh_processes": True, "rows": rows}, f, indent=1)
+        return 0
     import cupy
 
     (cupy.arange(1 << 20) * 2).sum().get()  # CUDA initialised, a kernel compiled and launched
