@@ -50,16 +50,17 @@ class RowPiece(NamedTuple):
 
 def _read_whole(where: str, length: int, failure: str) -> np.ndarray:
     """A 1-D array of ``length`` values (offsets, checksums) read whole, once :func:`_stored_chunks` checked
-    its files. Stored as one raw chunk (as the converter writes checksums), its chunk file is read here:
-    opening a dataset then needs no zarr, whose import costs a fresh process tenths of a second. Stored any
-    other way (compressed, in chunks, with extensions), or written nowhere (fill values), zarr reads it.
+    its files. Stored as one raw chunk of exactly its length (as the converter writes checksums), its chunk
+    file is read here: opening a dataset then needs no zarr, whose import costs a fresh process tenths of a
+    second. Stored any other way (compressed, in chunks, in a chunk longer than the array, which zarr stores
+    whole, with extensions), or written nowhere (fill values), zarr reads it.
     ``failure`` begins the message of a read that fails."""
     try:
         fm = read_array(where, os.path.basename(where), f"{failure}: no zarr.json", strict=False)
     except FormatError:
         fm = None  # zarr says what is wrong with it
     if (fm is not None and not (fm.sharded or fm.compressed or fm.chunk_checksum or fm.sample_shape)
-            and fm.num_rows == length and fm.samples_per_block >= length):
+            and fm.num_rows == length == fm.samples_per_block):
         path, want = fm.shard_path(0), length * fm.dtype.itemsize
         try:
             with open(path, "rb") as f:

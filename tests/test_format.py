@@ -475,3 +475,15 @@ def test_a_raw_checksum_chunk_of_the_wrong_size_is_named(make_dataset):
     with pytest.raises(FormatError, match=rf"cannot read the checksum array of field 'x' \({chunk} is 12 bytes, "
                                           rf"expected 20: 5 raw uint32 values\)"):
         GDSDataset(path, backend="cpu", batch_size=4)
+
+
+def test_a_raw_whole_array_in_a_chunk_longer_than_itself_reads_as_zarr_reads_it(tmp_path):
+    """zarr stores a chunk whole, past the array's end: a 1-D array of 5 values in a raw chunk of 8 holds 8
+    values in its file, and reads as its first 5."""
+    from gdsload.layout import _read_whole
+
+    where = str(tmp_path / "a")
+    a = zarr.create_array(where, shape=(5,), chunks=(8,), dtype="uint32", fill_value=0, compressors=None)
+    a[:] = np.arange(5, dtype=np.uint32) + 7
+    assert os.path.getsize(os.path.join(where, "c", "0")) == 8 * 4
+    np.testing.assert_array_equal(_read_whole(where, 5, "cannot read"), np.arange(5, dtype=np.uint32) + 7)
