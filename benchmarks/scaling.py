@@ -2,20 +2,28 @@
 
     torchrun --nproc_per_node=1 -m benchmarks.scaling --backend kvikio
     torchrun --nproc_per_node=2 -m benchmarks.scaling --backend kvikio
+    torchrun --nproc_per_node=2 -m benchmarks.scaling --backend raw
 
 Each rank reads its share of every epoch with gdsload into its own GPU; aggregate GB/s is all ranks'
-bytes over the slowest rank's wall time, best of three epochs after a warm-up epoch. Rank 0 prints the row
-and writes ``results/<machine>/scaling-<N>proc-<backend>.json`` with ``--write``.
+bytes over the slowest rank's wall time, best of three epochs after a warm-up epoch. ``--backend raw`` is
+the ceiling beside them: raw KvikIO reads of the image blocks (one ``pread`` per block, shuffled, handles
+open), each rank every ``world``-th block. Rank 0 prints the row and writes
+``results/<machine>/scaling-<N>proc-<backend>.json`` with ``--write``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import sys
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from gdsload import GDSDataset
-from gdsload.measure import time_pass
+from gdsload.env import kvikio_info
+from gdsload.measure import PassResult, block_locations, raw_kvikio_blocks, time_pass
 
 from .common import BATCH, DATA_DIR, RESULTS_DIR, describe_machine, make_dataset, results_dir, write_json
 
@@ -24,7 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default=DATA_DIR)
     ap.add_argument("--size-gib", type=float, default=8.0)
-    ap.add_argument("--backend", default="kvikio")
+    ap.add_argument("--backend", default="kvikio", help="a gdsload backend, or 'raw' (raw KvikIO, the ceiling)")
+    ap.add_argument("--threads", type=int, default=None, help="the backend's reader threads (default: its own)")
+    ap.add_argument("--options", type=json.loads, default={}, help="more backend_options, as JSON")
+    ap.add_argument("--tag", default="", help="appended to the result file's name")
     ap.add_argument("--out", default=RESULTS_DIR)
     ap.add_argument("--write", action="store_true", help="write the row under --out (else print it only)")
     args = ap.parse_args(argv)
@@ -39,12 +50,11 @@ def main(argv: list[str] | None = None) -> int:
         make_dataset(args.data, args.size_gib)
     dist.barrier()
     path = make_dataset(args.data, args.size_gib)  # written by rank 0: only its path here
-    with GDSDataset(path, batch_size=BATCH, backend=args.backend) as ds:
+    with _reader(path, args.backend, args.threads, args.options, rank, world) as (one_pass, io_mode):
         best = None
         for epoch in range(4):
-            ds.set_epoch(epoch)
             dist.barrier()
-            r = time_pass(ds)
+            r = one_pass(epoch)
             stats = torch.tensor([r.bytes, r.seconds], dtype=torch.float64, device="cuda")
             everyone = [torch.empty_like(stats) for _ in range(world)]
             dist.all_gather(everyone, stats)
@@ -52,18 +62,40 @@ def main(argv: list[str] | None = None) -> int:
             slowest = max(float(s[1]) for s in everyone)
             if epoch > 0 and (best is None or slowest < best[1]):
                 best = (total, slowest, [round(float(s[0]) / float(s[1]) / 1e9, 2) for s in everyone])
-        io_mode = ds.describe()["io_mode"]
     if rank == 0 and best is not None:
-        row = {"world_size": world, "backend": args.backend, "io_mode": io_mode,
+        row = {"world_size": world, "backend": args.backend, "threads": args.threads, "options": args.options,
+               "io_mode": io_mode,
                "aggregate_gb_per_s": round(best[0] / best[1] / 1e9, 2), "per_rank_gb_per_s": best[2],
                "bytes": int(best[0]), "seconds": round(best[1], 4)}
         print(row, flush=True)
         if args.write:
             info = describe_machine(args.data)
-            out = os.path.join(results_dir(args.out, info), f"scaling-{world}proc-{args.backend}.json")
+            out = os.path.join(results_dir(args.out, info), f"scaling-{world}proc-{args.backend}"
+                               f"{f'-{args.threads}threads' if args.threads else ''}{args.tag}.json")
             write_json(out, {**row, "machine": info})
     dist.destroy_process_group()
     return 0
+
+
+@contextlib.contextmanager
+def _reader(path: str, backend: str, threads: int | None, options: dict[str, Any], rank: int,
+            world: int) -> Iterator[tuple[Callable[[int], PassResult], str]]:
+    """One epoch's reading for this rank (given the epoch) and the io mode it runs in."""
+    if backend == "raw":
+        import cupy
+
+        blocks = block_locations(path, ("image",))[rank::world]
+        dest = cupy.empty(sum(b.nbytes for b in blocks), dtype=cupy.uint8)
+        kw = {"threads": threads} if threads else {}
+        yield (lambda epoch: raw_kvikio_blocks(blocks, dest, seed=epoch, **kw)), kvikio_info()["io_mode"]
+        return
+    options = {**options, **({"num_threads": threads} if threads else {})}
+    with GDSDataset(path, batch_size=BATCH, backend=backend, backend_options=options or None) as ds:
+        def one_pass(epoch: int) -> PassResult:
+            ds.set_epoch(epoch)
+            return time_pass(ds)
+
+        yield one_pass, ds.describe()["io_mode"]
 
 
 if __name__ == "__main__":

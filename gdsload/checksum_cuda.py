@@ -77,11 +77,14 @@ class DeviceCrc:
     def __init__(self, device_id: int):
         import cupy
 
+        from .kernel_cache import load_module
+
         self.cupy = cupy
         self.device = cupy.cuda.Device(device_id)
         slices, stride, powers = host.device_tables()
         with self.device:
-            self.kernel = cupy.RawKernel(_SOURCE.replace("THREADS", str(host.THREADS)), "crc32c_pieces")
+            self.kernel = load_module(cupy, _SOURCE.replace("THREADS", str(host.THREADS)), device_id,
+                                      probe="crc32c_pieces").get_function("crc32c_pieces")
             self.slices, self.stride, self.powers = (cupy.asarray(t.reshape(-1)) for t in (slices, stride, powers))
 
     def launch(self, buf: Any, lo: np.ndarray, hi: np.ndarray, stream: Any) -> Any:

@@ -240,7 +240,7 @@ class HostProbes:
         from .env import _version, kvikio_info, kvikio_installed
 
         if gpu:
-            return kvikio_info()
+            return kvikio_info(driver=True)
         if kvikio_installed():
             return {"kvikio": _version("kvikio") or _version("kvikio-cu13") or _version("kvikio-cu12") or "?"}
         return {"kvikio": None, "kvikio_error": "ModuleNotFoundError: No module named 'kvikio'"}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import platform
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -62,14 +63,20 @@ def gds_available() -> bool:
     return kvikio_info().get("io_mode") == "gds"
 
 
-def kvikio_info() -> dict[str, Any]:
+def kvikio_info(driver: bool = False) -> dict[str, Any]:
     """KvikIO version and how it would move bytes: "gds" or "kvikio-compat" (and why). Probed once per
-    process (it starts cuFile's driver; what it reports does not change while the process runs)."""
-    return dict(_kvikio_info())
+    process (what it reports does not change while the process runs).
+
+    Whether cuFile's driver reports GDS is asked (which starts the driver, a fraction of a second) only
+    where it decides the io mode, when KvikIO does not prefer its compat mode, or when ``driver`` asks for it
+    (``gdsload info``, ``doctor``): with compat mode preferred (``KVIKIO_COMPAT_MODE=ON``, or no usable
+    cuFile library), KvikIO never uses GDS, whatever the driver says.
+    """
+    return dict(_kvikio_info(driver))
 
 
-@functools.lru_cache(maxsize=1)
-def _kvikio_info() -> dict[str, Any]:
+@functools.lru_cache(maxsize=2)
+def _kvikio_info(driver: bool) -> dict[str, Any]:
     info: dict[str, Any] = {"kvikio": None}
     try:
         import kvikio
@@ -83,11 +90,15 @@ def _kvikio_info() -> dict[str, Any]:
         info["compat_mode_preferred"] = bool(kvikio.defaults.is_compat_mode_preferred())
     except Exception as e:
         info["compat_mode_error"] = f"{type(e).__name__}: {e}"
-    try:
-        info["is_gds_available"] = bool(kvikio.cufile_driver.get("is_gds_available"))
-    except Exception as e:
-        info["is_gds_available"] = False
-        info["gds_error"] = f"{type(e).__name__}: {e}"
+    if driver or not info.get("compat_mode_preferred", False):
+        try:
+            info["is_gds_available"] = bool(kvikio.cufile_driver.get("is_gds_available"))
+        except Exception as e:
+            info["is_gds_available"] = False
+            info["gds_error"] = f"{type(e).__name__}: {e}"
+    else:
+        info["is_gds_available"] = None
+        info["gds_not_asked"] = "KvikIO prefers its compat mode here, so it would not use GDS"
     info["nvidia_fs_loaded"] = os.path.exists("/proc/driver/nvidia-fs")
     gds = info.get("is_gds_available") and not info.get("compat_mode_preferred", True)
     info["io_mode"] = "gds" if gds else "kvikio-compat"
@@ -127,7 +138,7 @@ def system_info(device_id: int = 0, bandwidth: bool = False) -> dict[str, Any]:
                             "numpy": _version("numpy"), "zarr": _version("zarr"), "gdsload": _version("gdsload")}
     info.update(gpu_info(device_id))
     if info.get("gpu"):
-        info.update(kvikio_info())
+        info.update(kvikio_info(driver=True))
         if bandwidth:
             try:
                 from .measure import pinned_h2d_gbps
@@ -136,6 +147,19 @@ def system_info(device_id: int = 0, bandwidth: bool = False) -> dict[str, Any]:
             except Exception as e:
                 info["pinned_h2d_error"] = f"{type(e).__name__}: {e}"
     return info
+
+
+#: The cache folder's environment variable (the native stager's build, compiled kernels).
+CACHE_ENV = "GDSLOAD_CACHE_DIR"
+
+
+def cache_dir(environ: Mapping[str, str] = os.environ) -> str:
+    """Where gdsload keeps what it builds once per machine: ``$GDSLOAD_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/gdsload``, else ``~/.cache/gdsload``."""
+    if environ.get(CACHE_ENV):
+        return environ[CACHE_ENV]
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "gdsload")
 
 
 def usable_cores() -> int:

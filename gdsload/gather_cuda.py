@@ -29,9 +29,10 @@ WIDE_ROW_WORDS = 64
 _CTYPES = {16: "uint4", 8: "unsigned long long", 4: "unsigned int", 2: "unsigned short", 1: "unsigned char"}
 _ITYPES = {4: "int", 8: "long long"}
 
-_SOURCE = r"""
-extern "C" __global__ void gather_wide(const WORD* __restrict__ src, const INDEX* __restrict__ idx,
-                                       WORD* __restrict__ out, long long rows, long long words) {
+_TEMPLATES = r"""
+template <typename WORD, typename INDEX>
+__device__ __forceinline__ void wide(const WORD* __restrict__ src, const INDEX* __restrict__ idx,
+                                     WORD* __restrict__ out, long long rows, long long words) {
     for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
         const WORD* s = src + (long long)idx[r] * words;
         WORD* o = out + r * words;
@@ -39,8 +40,9 @@ extern "C" __global__ void gather_wide(const WORD* __restrict__ src, const INDEX
         for (long long c = threadIdx.x; c < words; c += blockDim.x) o[c] = s[c];
     }
 }
-extern "C" __global__ void gather_narrow(const WORD* __restrict__ src, const INDEX* __restrict__ idx,
-                                         WORD* __restrict__ out, long long rows, long long words) {
+template <typename WORD, typename INDEX>
+__device__ __forceinline__ void narrow(const WORD* __restrict__ src, const INDEX* __restrict__ idx,
+                                       WORD* __restrict__ out, long long rows, long long words) {
     const long long total = rows * words;
     for (long long t = blockIdx.x * (long long)blockDim.x + threadIdx.x; t < total;
          t += (long long)gridDim.x * blockDim.x) {
@@ -49,6 +51,15 @@ extern "C" __global__ void gather_narrow(const WORD* __restrict__ src, const IND
     }
 }
 """
+_ENTRY = """extern "C" __global__ void gather_{kind}_{word}_{index}(const {w}* __restrict__ src,
+    const {i}* __restrict__ idx, {w}* __restrict__ out, long long rows, long long words) {{
+    {kind}<{w}, {i}>(src, idx, out, rows, words);
+}}
+"""
+#: Every kernel in one module (``gather_<wide|narrow>_<word bytes>_<index bytes>``): one file to load.
+SOURCE = _TEMPLATES + "".join(_ENTRY.format(kind=k, word=word, index=index, w=w, i=i)
+                              for k in ("wide", "narrow") for word, w in _CTYPES.items()
+                              for index, i in _ITYPES.items())
 
 
 def word_bytes(row_bytes: int, *pointers: int) -> int:
@@ -70,19 +81,24 @@ def launch_shape(rows: int, words: int, sm_count: int) -> tuple[str, int]:
 
 
 class Gather:
-    """The kernels for one device, compiled per (word, index) type on first use."""
+    """The kernels for one device, loaded on first use (:mod:`gdsload.kernel_cache`)."""
 
     def __init__(self, cupy: Any, device: Any):
         self.cupy = cupy
         # One attribute, not Device.attributes (which queries every one): this runs as a dataset opens.
         self.sm_count = int(cupy.cuda.runtime.deviceGetAttribute(DEV_ATTR_MULTIPROCESSOR_COUNT, device.id))
+        self.device_id = int(device.id)
+        self._module: Any = None
         self._kernels: dict[tuple[str, int, int], Any] = {}
 
     def _kernel(self, name: str, word: int, index: int) -> Any:
         kernel = self._kernels.get((name, word, index))
         if kernel is None:
-            source = _SOURCE.replace("WORD", _CTYPES[word]).replace("INDEX", _ITYPES[index])
-            kernel = self._kernels[(name, word, index)] = self.cupy.RawModule(code=source).get_function(name)
+            if self._module is None:
+                from .kernel_cache import load_module
+
+                self._module = load_module(self.cupy, SOURCE, self.device_id, probe="gather_wide_16_8")
+            kernel = self._kernels[(name, word, index)] = self._module.get_function(f"{name}_{word}_{index}")
         return kernel
 
     def __call__(self, src: Any, idx: Any, out: Any) -> bool:

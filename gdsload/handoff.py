@@ -53,7 +53,11 @@ class Handoff:
         return self._items.qsize()
 
     def put(self, item: Any, stop: threading.Event) -> bool:
-        """Queue ``item`` once there is room; False once ``stop`` is set first."""
+        """Queue ``item`` once there is room; False once ``stop`` is set first. A producer stopped already
+        gives up at once: the room :meth:`clear` gives back as a pipeline closes must not send it on to
+        another batch and a wait of a whole poll on a queue nobody fills any more."""
+        if stop.is_set():
+            return False
         if self._free == 0:
             n = get(self._room, stop)
             if n is None:

@@ -18,7 +18,7 @@ nothing of the job is in flight, so no worker writes into the destination after 
 everything, lets each worker finish its current read and copies, joins the threads and frees the memory.
 
 Finding the library: a build installed next to this module (``pip install`` runs setup.py), else one
-compiled at first use into ``$XDG_CACHE_HOME/gdsload`` (named by the source's hash) with ``$CC`` or ``cc``:
+compiled at first use into :func:`gdsload.env.cache_dir` (named by the source's hash) with ``$CC`` or ``cc``:
 tests and source checkouts import the package from the repository, where pip's copy is not on the path.
 ``GDSLOAD_NATIVE=0`` switches the native path off (:func:`load` returns None; callers use pure Python).
 """
@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from .env import cache_dir
 from .errors import BackendUnavailable, ReadError, one_line
 from .files import read_error
 
@@ -65,12 +66,6 @@ _reason: str | None = None
 class JobCancelled(ReadError):
     """A job's wait found it cancelled (by :meth:`Stager.cancel` or by :meth:`Stager.close`): none of its
     copies is in flight any more, some of its data may be missing."""
-
-
-def cache_dir() -> str:
-    """Where the runtime build is kept: ``$XDG_CACHE_HOME/gdsload``, by default ``~/.cache/gdsload``."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "gdsload")
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:

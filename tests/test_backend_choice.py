@@ -65,3 +65,59 @@ def test_gds_only_where_the_file_system_allows_it():
     many = paths_support([f"/raid/d.gds/x/c/{i}" for i in range(50)] + ["/dev/shm/a"], counting)
     assert many == [raid] * 50 + [shm], "the same answers as one path at a time"
     assert reads.count("/proc/self/mountinfo") == 1 and len(reads) <= 4, "the mount table read once"
+
+
+def _fake_kvikio(monkeypatch, compat_preferred: bool, driver_gds: bool) -> list[str]:
+    """KvikIO's modules as gdsload.env reads them; returns the list of driver properties asked for."""
+    import sys
+    import types
+
+    from gdsload import env
+
+    asked: list[str] = []
+    kvikio = types.ModuleType("kvikio")
+    kvikio.__version__ = "26.10.0"
+    driver = types.ModuleType("kvikio.cufile_driver")
+    driver.get = lambda key: asked.append(key) or driver_gds
+    defaults = types.ModuleType("kvikio.defaults")
+    defaults.is_compat_mode_preferred = lambda: compat_preferred
+    defaults.get = lambda key: {"num_threads": 1, "task_size": 4 << 20}[key]
+    kvikio.cufile_driver, kvikio.defaults = driver, defaults
+    for name, module in [("kvikio", kvikio), ("kvikio.cufile_driver", driver), ("kvikio.defaults", defaults)]:
+        monkeypatch.setitem(sys.modules, name, module)
+    env._kvikio_info.cache_clear()
+    return asked
+
+
+@pytest.fixture
+def fresh_kvikio_info():
+    from gdsload import env
+
+    env._kvikio_info.cache_clear()
+    yield
+    env._kvikio_info.cache_clear()
+
+
+@pytest.mark.parametrize("driver_gds", [True, False])
+def test_with_compat_mode_preferred_the_io_mode_needs_no_driver_start(monkeypatch, fresh_kvikio_info, driver_gds):
+    """The defect: every kvikio dataset's open started cuFile's driver to ask about GDS, even where KvikIO
+    prefers compat mode and would never use GDS."""
+    from gdsload import env
+
+    asked = _fake_kvikio(monkeypatch, compat_preferred=True, driver_gds=driver_gds)
+    info = env.kvikio_info()
+    assert asked == [] and info["io_mode"] == "kvikio-compat" and not env.gds_available()
+    assert info["is_gds_available"] is None and "compat mode" in info["gds_not_asked"]
+    full = env.kvikio_info(driver=True)  # gdsload info and doctor ask the driver anyway
+    assert asked == ["is_gds_available"] and full["is_gds_available"] is driver_gds
+    assert full["io_mode"] == "kvikio-compat"
+
+
+def test_without_compat_mode_preferred_the_driver_decides(monkeypatch, fresh_kvikio_info):
+    from gdsload import env
+
+    asked = _fake_kvikio(monkeypatch, compat_preferred=False, driver_gds=True)
+    assert env.kvikio_info()["io_mode"] == "gds" and env.gds_available() and asked == ["is_gds_available"]
+    env._kvikio_info.cache_clear()
+    asked = _fake_kvikio(monkeypatch, compat_preferred=False, driver_gds=False)
+    assert env.kvikio_info()["io_mode"] == "kvikio-compat" and asked == ["is_gds_available"]

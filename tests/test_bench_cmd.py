@@ -16,7 +16,6 @@ from gdsload import bench, cli
 from gdsload.env import gpu_available
 from gdsload.errors import BackendUnavailable
 from gdsload.measure import PassResult
-from gdsload.measure import PassResult
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}

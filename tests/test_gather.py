@@ -46,6 +46,7 @@ def test_every_row_is_gathered_exactly(row_shape, dtype, index_dtype):
     src, idx = cupy.asarray(src_host), cupy.asarray(idx_host)
     out = cupy.empty((257, *row_shape), dtype=dtype)
     part = out[100:200]  # a slice of rows, as a batch spanning windows is written
+    cupy.cuda.Device().synchronize()  # the uploads ran on the null stream; the gather's stream does not wait for it
     with ops.scope():
         assert ops.gather(src, idx, out)
         ops.take(src, idx[::2][:100], part)  # a strided index: CuPy's take, same result
@@ -68,6 +69,7 @@ def test_a_kernel_of_another_stream_starts_while_a_large_gather_runs():
     src = cupy.zeros((1024, 3, 224, 224), dtype=cupy.uint8)  # 154 MB of rows
     idx = cupy.asarray(np.random.default_rng(1).permutation(1024).astype(np.int32))
     out = cupy.empty_like(src)
+    cupy.cuda.Device().synchronize()  # the uploads ran on the null stream; the gather's stream does not wait for it
     stamp = Spin(0.001)
     stamps = cupy.zeros(6, dtype=cupy.uint64)
     ptr = stamps.data.ptr

@@ -516,6 +516,25 @@ def test_taking_a_batch_wakes_the_assembler_only_on_every_second_release():
     assert not handoff.put("e", stop), "stopped, no place given back: the producer gives up"
 
 
+def test_a_stopped_producer_gives_up_at_once_even_where_room_was_given_back():
+    """The defect: closing a pipeline whose assembler waited for room cleared the hand-off (room given back),
+    the assembler gathered batches nobody would take until the room ran out again, then waited a whole poll
+    (``POLL_S``) before it saw the stop; close() joined it 50 ms later (H100, probe_timeline)."""
+    from gdsload.handoff import POLL_S, Handoff
+
+    stop = threading.Event()
+    handoff = Handoff(1)
+    assert handoff.put("a", stop) and handoff.put("b", stop)
+    stop.set()
+    handoff.clear()  # as close() does: room for a whole hand-off again
+    t0 = time.perf_counter()
+    assert not handoff.put("c", stop), "stopped: nothing more is queued"
+    assert not handoff.put("d", stop)
+    assert not handoff.put("e", stop)  # no room left here without the check: a poll's wait
+    assert time.perf_counter() - t0 < POLL_S / 2
+    assert len(handoff) == 0
+
+
 def test_the_backend_is_told_once_that_the_first_window_was_submitted(data_path, monkeypatch):
     """Backend.started() (what the mmap backend's background load waits for) comes once per pipeline, right
     after its first window's submission, and not before the resident fields were read."""

@@ -55,7 +55,7 @@ def random_jobs(rng, fds, datas, njobs, max_pieces, dest_size=None):
     destination): (jobs of (pieces, file index per piece), expected destination, destination size)."""
     jobs, at = [], 0
     for _ in range(njobs):
-        pieces, which = [], []
+        pieces = []
         for _ in range(int(rng.integers(1, max_pieces + 1))):
             f = int(rng.integers(len(fds)))
             n = int(rng.integers(1, 3 * BUF + 2)) if rng.random() < 0.7 else int(rng.integers(1, 64))

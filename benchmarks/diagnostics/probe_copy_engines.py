@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import sys
 
-import numpy as np
-
 from ..common import Rows, parse_probe_args, probe_parser, write_probe
 
 

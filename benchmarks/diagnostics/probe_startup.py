@@ -8,7 +8,9 @@ opens its data). For each backend, ``--repeats`` times: the constructor's second
 first ``next()`` (``first batch``, synchronised), then the rest of the pass. With ``--profile`` the last
 repeat runs under cProfile and the functions that took the most time (cumulative) are printed. With
 ``--fresh`` each measurement is a new process, as a training script starts: ``import gdsload``, CUDA's start
-(first, as a script that built its model would, or left to the open), the open and the first batch. Prints a
+(first, as a script that built its model would, or left to the open), the open and the first batch; there
+``--profile`` profiles the last repeat's open and first batch, every thread's calls together (CUDA first),
+and each row counts the NVRTC runs of CuPy's kernel cache key in the process (``nvrtc_key_runs``). Prints a
 table and writes ``--json FILE`` when given. GPU only.
 """
 
@@ -23,6 +25,7 @@ import pstats
 import subprocess
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -71,59 +74,111 @@ def one(path: str, backend: str, batch_size: int, profile: bool) -> dict:
     return row
 
 
-#: One fresh process: its own clock from before ``import gdsload``.
+#: One fresh process: its own clock from before ``import gdsload``. CUDA is started as a training script that
+#: built its model has started it: a context and an allocation, no CuPy kernel compiled.
 FRESH = """
-import json, time
+import json, sys, time
 t0 = time.perf_counter()
 import gdsload
 from gdsload.measure import device_sync
 t1 = time.perf_counter()
 if {cuda_first}:
     import cupy
-    (cupy.arange(1 << 20) * 2).sum().get()
+    cupy.zeros(1 << 20, dtype=cupy.uint8)
+    cupy.cuda.Device().synchronize()
 t2 = time.perf_counter()
+if {profile}:
+    from benchmarks.diagnostics.probe_startup import ThreadProfiles
+    profiles = ThreadProfiles()
 ds = gdsload.GDSDataset({path!r}, batch_size={batch_size}, backend={backend!r}, shuffle=True)
 t3 = time.perf_counter()
-next(iter(ds))
+it = iter(ds)  # kept: a dropped iterator closes its pass, inside the timing
+next(it)
 device_sync(ds)()
 t4 = time.perf_counter()
-print(json.dumps({{"backend": ds.backend_name, "io_mode": ds.io_mode, "cuda_first": {cuda_first},
-                  "import_s": round(t1 - t0, 4), "cuda_start_s": round(t2 - t1, 4), "open_s": round(t3 - t2, 4),
-                  "first_batch_s": round(t4 - t3, 4)}}))
+row = {{"backend": ds.backend_name, "io_mode": ds.io_mode, "cuda_first": {cuda_first},
+       "import_s": round(t1 - t0, 4), "cuda_start_s": round(t2 - t1, 4), "open_s": round(t3 - t2, 4),
+       "first_batch_s": round(t4 - t3, 4)}}
+from cupy.cuda import compiler
+row["nvrtc_key_runs"] = len(compiler._empty_file_preprocess_cache)
 ds.close()
+if {profile}:
+    row["profile"] = profiles.report()
+print(json.dumps(row))
 """
 
 
-def fresh(path: str, backend: str, batch_size: int, cuda_first: bool) -> dict:
-    code = FRESH.format(path=path, backend=backend, batch_size=batch_size, cuda_first=cuda_first)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
-    return {"asked": backend, **json.loads(out.stdout.strip().splitlines()[-1])}
+class ThreadProfiles:
+    """One cProfile from here to :meth:`report`. Under Python 3.12+ (sys.monitoring) it sees the calls of every
+    thread, the pipeline's too; a profiler per thread is refused there ("another profiling tool is already
+    active"), so the threads' calls are reported together, by cumulative and by own time."""
+
+    def __init__(self) -> None:
+        self.prof = cProfile.Profile()
+        self.prof.enable()
+
+    def report(self, top: int = 40) -> str:
+        self.prof.disable()
+        parts = []
+        for key in ("cumulative", "tottime"):
+            s = io.StringIO()
+            pstats.Stats(self.prof, stream=s).sort_stats(key).print_stats(top)
+            parts.append(f"==== by {key}\n{s.getvalue()}")
+        return "\n".join(parts)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def run_fresh(code: str, what: str) -> Any:
+    """Run ``code`` in a new interpreter and return its last line of output, as JSON; a RuntimeError naming
+    ``what`` and ending with the process's last lines of stderr when it fails."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    if out.returncode:
+        raise RuntimeError(f"{what}: {out.stderr.strip().splitlines()[-3:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def parser(doc: str, backends: str, repeats: int) -> argparse.ArgumentParser:
+    """The arguments every start-up probe takes (its dataset, batch, backends, repeats, JSON output)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--data", default="/tmp/gdsload-startup.gds")
     ap.add_argument("--samples", type=int, default=20_000)
     ap.add_argument("--batch-size", type=int, default=256)
-    ap.add_argument("--backends", default="kvikio,pinned,mmap")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--backends", default=backends)
+    ap.add_argument("--repeats", type=int, default=repeats)
+    ap.add_argument("--json", default=None)
+    return ap
+
+
+def save(args: argparse.Namespace, rows: list[dict], **extra: Any) -> None:
+    """The rows as JSON under ``--json``, when given."""
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"samples": args.samples, **extra, "rows": rows}, f, indent=1)
+
+
+def fresh(path: str, backend: str, batch_size: int, cuda_first: bool, profile: bool = False) -> dict:
+    code = FRESH.format(path=path, backend=backend, batch_size=batch_size, cuda_first=cuda_first, profile=profile)
+    return {"asked": backend, **run_fresh(code, backend)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser(__doc__, "kvikio,pinned,mmap", 3)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--fresh", action="store_true", help="each measurement in a new process")
-    ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.fresh:
         path, rows = make(args.data, args.samples), []
         for r in range(args.repeats):
             for backend in ["auto", *args.backends.split(",")]:
                 for cuda_first in (True, False):
-                    rows.append({**fresh(path, backend, args.batch_size, cuda_first), "repeat": r})
+                    profile = args.profile and cuda_first and r == args.repeats - 1
+                    rows.append({**fresh(path, backend, args.batch_size, cuda_first, profile), "repeat": r})
                     w = rows[-1]
                     print(f"{backend:6s} -> {w['backend']:6s} #{r} {'CUDA first' if cuda_first else 'CUDA in open'}: "
                           f"import {w['import_s']:.3f} s  CUDA {w['cuda_start_s']:.3f} s  open {w['open_s']:.3f} s  "
                           f"first batch {w['first_batch_s']:.4f} s", flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"samples": args.samples, "fresh_processes": True, "rows": rows}, f, indent=1)
+                    if "profile" in w:
+                        print(w["profile"], flush=True)
+        save(args, rows, fresh_processes=True)
         return 0
     import cupy
 
@@ -139,9 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"rest {row['rest_s']:.3f} s ({row['batches']} batches)", flush=True)
             if "profile" in row:
                 print(row["profile"], flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"samples": args.samples, "rows": rows}, f, indent=1)
+    save(args, rows)
     return 0
 
 
