@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default="kvikio", help="a gdsload backend, or 'raw' (raw KvikIO, the ceiling)")
     ap.add_argument("--threads", type=int, default=None, help="the backend's reader threads (default: its own)")
     ap.add_argument("--options", type=json.loads, default={}, help="more backend_options, as JSON")
+    ap.add_argument("--dataset-options", type=json.loads, default={},
+                    help="more GDSDataset arguments (prefetch, window_blocks, ...), as JSON")
     ap.add_argument("--tag", default="", help="appended to the result file's name")
     ap.add_argument("--out", default=RESULTS_DIR)
     ap.add_argument("--write", action="store_true", help="write the row under --out (else print it only)")
@@ -50,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         make_dataset(args.data, args.size_gib)
     dist.barrier()
     path = make_dataset(args.data, args.size_gib)  # written by rank 0: only its path here
-    with _reader(path, args.backend, args.threads, args.options, rank, world) as (one_pass, io_mode):
+    reader = _reader(path, args.backend, args.threads, args.options, args.dataset_options, rank, world)
+    with reader as (one_pass, io_mode):
         best = None
         for epoch in range(4):
             dist.barrier()
@@ -64,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                 best = (total, slowest, [round(float(s[0]) / float(s[1]) / 1e9, 2) for s in everyone])
     if rank == 0 and best is not None:
         row = {"world_size": world, "backend": args.backend, "threads": args.threads, "options": args.options,
+               "dataset_options": args.dataset_options,
                "io_mode": io_mode,
                "aggregate_gb_per_s": round(best[0] / best[1] / 1e9, 2), "per_rank_gb_per_s": best[2],
                "bytes": int(best[0]), "seconds": round(best[1], 4)}
@@ -78,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 @contextlib.contextmanager
-def _reader(path: str, backend: str, threads: int | None, options: dict[str, Any], rank: int,
-            world: int) -> Iterator[tuple[Callable[[int], PassResult], str]]:
+def _reader(path: str, backend: str, threads: int | None, options: dict[str, Any], dataset_options: dict[str, Any],
+            rank: int, world: int) -> Iterator[tuple[Callable[[int], PassResult], str]]:
     """One epoch's reading for this rank (given the epoch) and the io mode it runs in."""
     if backend == "raw":
         import cupy
@@ -90,7 +94,8 @@ def _reader(path: str, backend: str, threads: int | None, options: dict[str, Any
         yield (lambda epoch: raw_kvikio_blocks(blocks, dest, seed=epoch, **kw)), kvikio_info()["io_mode"]
         return
     options = {**options, **({"num_threads": threads} if threads else {})}
-    with GDSDataset(path, batch_size=BATCH, backend=backend, backend_options=options or None) as ds:
+    with GDSDataset(path, batch_size=BATCH, backend=backend, backend_options=options or None,
+                    **dataset_options) as ds:
         def one_pass(epoch: int) -> PassResult:
             ds.set_epoch(epoch)
             return time_pass(ds)
