@@ -94,7 +94,7 @@ def test_kvikio_pool_is_set_once_and_a_conflicting_request_warns(fake_kvikio):
     pool, calls = fake_kvikio
     pool.acquire(16, 4 << 20)
     pool.acquire(16, 4 << 20)  # the same settings: nothing to do
-    assert calls == [{"num_threads": 16, "task_size": 4 << 20}]
+    assert calls == [{"num_threads": 16, "task_size": 4 << 20, "bounce_buffer_size": 4 << 20}]
     with pytest.warns(RuntimeWarning, match="in use with 16 threads"):
         pool.acquire(8, 1 << 20)
     assert len(calls) == 1, "a pool in use is never restarted under its readers"
@@ -103,7 +103,8 @@ def test_kvikio_pool_is_set_once_and_a_conflicting_request_warns(fake_kvikio):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         pool.acquire(8, 1 << 20)
-    assert calls[-1] == {"num_threads": 8, "task_size": 1 << 20}, "once free, the next user's settings apply"
+    assert calls[-1] == {"num_threads": 8, "task_size": 1 << 20, "bounce_buffer_size": 1 << 20}, \
+        "once free, the next user's settings apply"
 
 
 def test_positions_are_rows_of_the_window():

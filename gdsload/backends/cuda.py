@@ -53,7 +53,11 @@ class CudaBackend(Backend):
 class KvikioPool:
     """KvikIO's thread pool is one per process, and setting it restarts it. Backends that read through it
     ask for their settings here: the first one applies them; while it is in use, a request for other
-    settings warns and gets the pool as it is."""
+    settings warns and gets the pool as it is.
+
+    The bounce buffers (compat mode: each task's bytes go from the file into one, then to the device) are
+    made the task's size: KvikIO's default (16 MiB) held four 4 MiB tasks' worth of pinned memory per
+    thread of which a task used one, and a process's first reads allocated all of it."""
 
     _lock = threading.Lock()
     _users = 0
@@ -71,7 +75,8 @@ class KvikioPool:
                               f"and {have[1]}-byte tasks; this dataset asked for {num_threads} and {task_bytes} "
                               f"and gets the pool as it is", RuntimeWarning, stacklevel=4)
             elif cls._settings != wanted:
-                kvikio.defaults.set({"num_threads": num_threads, "task_size": task_bytes})
+                kvikio.defaults.set({"num_threads": num_threads, "task_size": task_bytes,
+                                     "bounce_buffer_size": task_bytes})
                 cls._settings = wanted
             cls._users += 1
 
