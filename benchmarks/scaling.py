@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     dist.barrier()
     path = make_dataset(args.data, args.size_gib)  # written by rank 0: only its path here
     reader = _reader(path, args.backend, args.threads, args.options, args.dataset_options, rank, world)
-    with reader as (one_pass, io_mode):
+    with reader as (one_pass, io_mode, settings):
         best = None
         for epoch in range(4):
             dist.barrier()
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0 and best is not None:
         row = {"world_size": world, "backend": args.backend, "threads": args.threads, "options": args.options,
                "dataset_options": args.dataset_options,
-               "io_mode": io_mode,
+               "io_mode": io_mode, "backend_settings": settings,
                "aggregate_gb_per_s": round(best[0] / best[1] / 1e9, 2), "per_rank_gb_per_s": best[2],
                "bytes": int(best[0]), "seconds": round(best[1], 4)}
         print(row, flush=True)
@@ -83,15 +83,16 @@ def main(argv: list[str] | None = None) -> int:
 
 @contextlib.contextmanager
 def _reader(path: str, backend: str, threads: int | None, options: dict[str, Any], dataset_options: dict[str, Any],
-            rank: int, world: int) -> Iterator[tuple[Callable[[int], PassResult], str]]:
-    """One epoch's reading for this rank (given the epoch) and the io mode it runs in."""
+            rank: int, world: int) -> Iterator[tuple[Callable[[int], PassResult], str, dict[str, Any]]]:
+    """One epoch's reading for this rank (given the epoch), the io mode it runs in and the reader's
+    settings (the backend's own, as :meth:`GDSDataset.describe` gives them)."""
     if backend == "raw":
         import cupy
 
         blocks = block_locations(path, ("image",))[rank::world]
         dest = cupy.empty(sum(b.nbytes for b in blocks), dtype=cupy.uint8)
         kw = {"threads": threads} if threads else {}
-        yield (lambda epoch: raw_kvikio_blocks(blocks, dest, seed=epoch, **kw)), kvikio_info()["io_mode"]
+        yield (lambda epoch: raw_kvikio_blocks(blocks, dest, seed=epoch, **kw)), kvikio_info()["io_mode"], kw
         return
     options = {**options, **({"num_threads": threads} if threads else {})}
     with GDSDataset(path, batch_size=BATCH, backend=backend, backend_options=options or None,
@@ -100,7 +101,8 @@ def _reader(path: str, backend: str, threads: int | None, options: dict[str, Any
             ds.set_epoch(epoch)
             return time_pass(ds)
 
-        yield one_pass, ds.describe()["io_mode"]
+        d = ds.describe()
+        yield one_pass, d["io_mode"], {"backend": d["backend"], **d["backend_stats"]}
 
 
 if __name__ == "__main__":

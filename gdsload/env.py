@@ -168,3 +168,27 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+#: Launchers' variables for the number of a job's processes on this machine, in the order asked.
+LOCAL_RANKS_ENV = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
+
+
+def local_ranks(environ: Mapping[str, str] = os.environ) -> int:
+    """The job's processes on this machine, as its launcher says (torchrun, Open MPI, Slurm); 1 when none
+    does. A value that is not a positive count (Slurm's "2(x3)" gives its leading count) is skipped."""
+    for name in LOCAL_RANKS_ENV:
+        value = environ.get(name, "").split("(")[0].strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
+def rank_cores(cores: int | None = None, total: int | None = None, ranks: int | None = None) -> int:
+    """The cores this process's reader threads may count on: its affinity mask (``cores``), shared out
+    among the job's ``ranks`` on this machine when the mask spans all ``total`` cores (the ranks run on the
+    same cores). A mask narrower than the machine is taken as the launcher's binding for this rank alone."""
+    cores = usable_cores() if cores is None else cores
+    total = (os.cpu_count() or cores) if total is None else total
+    ranks = local_ranks() if ranks is None else ranks
+    return max(1, cores // ranks) if ranks > 1 and cores >= total else cores

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
+from numpy.random import default_rng  # imported with gdsload, not by the first pass's plan
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ def block_order(num_blocks: int, shuffle: bool, seed: int, epoch: int) -> np.nda
     """All block ids in this epoch's order (identical on every rank)."""
     if not shuffle:
         return np.arange(num_blocks, dtype=np.int64)
-    return np.random.default_rng([seed, epoch]).permutation(num_blocks).astype(np.int64)
+    return default_rng([seed, epoch]).permutation(num_blocks).astype(np.int64)
 
 
 def rank_blocks(order: np.ndarray, rank: int, world_size: int) -> np.ndarray:
@@ -162,7 +163,7 @@ def epoch_plan(cfg: PlanConfig, epoch: int, pace: Callable[[], None] | None = No
     mine = rank_blocks(order, cfg.rank, cfg.world_size)
     w = min(cfg.window_blocks, max(1, len(mine)))  # a window of more blocks than the rank has is all of them
     target = _target_samples(cfg, order)
-    rng = np.random.default_rng([cfg.seed, epoch, 1 + cfg.rank]) if cfg.shuffle else None
+    rng = default_rng([cfg.seed, epoch, 1 + cfg.rank]) if cfg.shuffle else None
 
     # Every window's positions at once, in window order (block j of a window holds j*K .. j*K+size-1); the
     # loop below only shuffles them, window by window, as the seeded generator always has.

@@ -15,8 +15,8 @@ import pytest
 
 from _helpers import break_then_close, labelled, wait_no_readers, zarr_dataset_with_missing_block
 from gdsload import GDSDataset, ReadError
-from gdsload.backends.pinned import native_threads
-from gdsload.env import usable_cores
+from gdsload.backends.native import native_threads
+from gdsload.env import rank_cores
 from gdsload.plan import epoch_plan
 from gdsload.sources import ArraySource
 from gdsload.writer import write_dataset
@@ -202,7 +202,7 @@ def test_pinned_auto_reader_is_native_where_it_builds(small):
     path, data = small
     with Dataset(path, batch_size=64, backend="pinned") as ds:
         assert ds._backend.reader == "native", ds.describe()["backend_stats"]
-        assert ds.describe()["backend_stats"]["num_threads"] == native_threads(usable_cores())
+        assert ds.describe()["backend_stats"]["num_threads"] == native_threads(rank_cores())
         for b in ds:
             check(b, data)
 

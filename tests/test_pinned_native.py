@@ -14,8 +14,11 @@ import pytest
 
 from gdsload import stager
 from gdsload.backends.base import FileHandles, ReadRequest, coalesce
-from gdsload.backends.pinned import DEFAULT_THREADS, PIPELINE_THREADS, _NativeJob, native_threads
-from gdsload.env import usable_cores
+from gdsload.backends.kvikio import DEFAULT_THREADS as KVIKIO_THREADS
+from gdsload.backends.kvikio import default_threads
+from gdsload.backends.native import (MAX_THREADS, NATIVE_BUF_BYTES, NATIVE_SHARED_BUF_BYTES, PIPELINE_THREADS,
+                                     NativeJob, native_buf_bytes, native_threads)
+from gdsload.env import local_ranks, rank_cores, usable_cores
 from gdsload.errors import ReadError
 from gdsload.files import ShardFiles
 
@@ -59,7 +62,7 @@ def test_a_window_lands_exactly_and_hands_back_the_fill_event(backend):
     reads.append(ReadRequest(paths[0], 6000, 3000, at + 5000))
     merged = coalesce(reads, 1 << 62)
     assert len(merged) == len(reads) - 1
-    job = _NativeJob(b, dest.ctypes.data, merged, threading.Event(), FILLS)
+    job = NativeJob(b, dest.ctypes.data, merged, threading.Event(), FILLS)
     assert job.finish() is FILLS
     for r in reads:
         f = paths.index(r.path)
@@ -70,7 +73,7 @@ def test_a_failed_read_names_its_file(backend):
     b, paths, _ = backend
     dest = np.zeros(1 << 20, np.uint8)
     reads = [ReadRequest(paths[1], 0, 4096, 0), ReadRequest(paths[2], (1 << 20) - 100, 300, 8192)]
-    job = _NativeJob(b, dest.ctypes.data, reads, threading.Event(), FILLS)
+    job = NativeJob(b, dest.ctypes.data, reads, threading.Event(), FILLS)
     with pytest.raises(ReadError, match=rf"{paths[2]}.*offset {(1 << 20) - 100}"):
         job.finish()
 
@@ -81,7 +84,7 @@ def test_stop_cancels_and_nothing_is_written_after_finish(backend):
     dest = np.zeros((n, 4096), np.uint8)
     reads = [ReadRequest(paths[i % 3], (i % 256) << 12, 4096, i << 12) for i in range(n)]
     stop = threading.Event()
-    job = _NativeJob(b, dest.ctypes.data, reads, stop, FILLS)
+    job = NativeJob(b, dest.ctypes.data, reads, stop, FILLS)
     stop.set()
     job.finish()  # no error: the window is abandoned, the pipeline is stopping
     assert (~dest.any(axis=1)).sum() > n // 2  # most pieces were dropped, not read
@@ -92,6 +95,33 @@ def test_stop_cancels_and_nothing_is_written_after_finish(backend):
 
 def test_the_native_reader_leaves_the_pipeline_threads_their_cores():
     assert native_threads(16) == 16 - PIPELINE_THREADS == 12
-    assert native_threads(64) == DEFAULT_THREADS  # never more than the KvikIO-sized default
+    assert native_threads(64) == MAX_THREADS  # never more than the KvikIO-sized default
     assert native_threads(2) == native_threads(1) == 2  # two readers at least, even on a small machine
     assert 1 <= usable_cores() <= (os.cpu_count() or 1)
+
+
+def test_ranks_on_one_machine_are_counted_from_the_launchers_variables():
+    assert local_ranks({}) == 1
+    assert local_ranks({"LOCAL_WORLD_SIZE": "2"}) == 2  # torchrun
+    assert local_ranks({"OMPI_COMM_WORLD_LOCAL_SIZE": "4"}) == 4
+    assert local_ranks({"SLURM_NTASKS_PER_NODE": "8(x2)"}) == 8  # Slurm's "count(xnodes)"
+    assert local_ranks({"LOCAL_WORLD_SIZE": "2", "SLURM_NTASKS_PER_NODE": "8"}) == 2  # torchrun's first
+    # Not a positive count: skipped, not guessed from.
+    assert local_ranks({"LOCAL_WORLD_SIZE": "", "SLURM_NTASKS_PER_NODE": "x"}) == 1
+    assert local_ranks({"LOCAL_WORLD_SIZE": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "3"}) == 3
+
+
+def test_ranks_sharing_a_machines_cores_each_count_on_their_share():
+    assert rank_cores(32, 32, 1) == 32
+    assert rank_cores(32, 32, 2) == 16  # two ranks on the same 32 cores
+    assert rank_cores(8, 32, 4) == 8  # a mask narrower than the machine: the launcher bound this rank
+    assert rank_cores(2, 2, 4) == 1
+
+
+def test_readers_of_ranks_sharing_a_machine_leave_its_cores_and_caches_to_the_others():
+    # Two ranks on a 32-core machine: 12 readers each, as on 16 cores alone (docs/benchmarks.md, "Multi-GPU").
+    assert native_threads(rank_cores(32, 32, 2)) == 12
+    assert native_buf_bytes(1) == NATIVE_BUF_BYTES and native_buf_bytes(2) == NATIVE_SHARED_BUF_BYTES
+    assert NATIVE_SHARED_BUF_BYTES < NATIVE_BUF_BYTES
+    assert default_threads(1, 32) == default_threads(1, 16) == KVIKIO_THREADS  # alone: KvikIO's as before
+    assert default_threads(2, rank_cores(32, 32, 2)) == 12

@@ -557,3 +557,39 @@ def test_the_backend_is_told_once_that_the_first_window_was_submitted(data_path,
     assert kinds.count("started") == 1
     i = kinds.index("started")
     assert i >= 2 and kinds[i - 1] == "submit" and kinds[:i].count("submit") == 2, calls[:i + 1]
+
+
+def test_the_pass_being_taken_never_waits_for_the_next_ones_plan(data_path, monkeypatch):
+    """The readers make the next epoch's plan while the consumer takes this one: asking for the pass it is
+    in (its stats, a new batch) must not wait until that plan is made (it did: one lock for every pass)."""
+    import gdsload.dataset as dataset_module
+
+    path, data = data_path
+    gate, making = threading.Event(), threading.Event()
+    real = dataset_module.epoch_plan
+
+    def slow(config, epoch, pace=None):
+        if epoch >= 1:  # the next epoch's plan, made by a reader thread
+            making.set()
+            gate.wait(5)
+        return real(config, epoch, pace)
+
+    monkeypatch.setattr(dataset_module, "epoch_plan", slow)
+    release = threading.Timer(4, gate.set)  # nothing hangs for good where the lock is shared
+    release.start()
+    try:
+        with Dataset(path, batch_size=32, backend="cpu", shuffle=True, seed=1) as ds:
+            it = iter(ds)
+            check_batch(next(it), data)
+            assert making.wait(5), "the readers went on to the next epoch's plan"
+            t0 = time.perf_counter()
+            pipeline = ds._active[0]
+            assert pipeline.stats.batches == 1
+            rest = [check_batch(b, data) for b in it]
+            took = time.perf_counter() - t0
+            assert not gate.is_set() and took < 2, f"the pass waited {took:.2f} s for the next epoch's plan"
+            assert len(rest) == -(-len(data["idx"]) // 32) - 1
+            gate.set()
+    finally:
+        gate.set()
+        release.cancel()

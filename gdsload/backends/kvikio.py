@@ -15,24 +15,36 @@ from typing import Any
 
 from .base import FileHandles, Pending, ReadRequest, Request, coalesce, read_error
 from .cuda import CudaBackend, KvikioPool
+from .native import native_threads
 
 DEFAULT_THREADS = 16
 DEFAULT_TASK_BYTES = 4 << 20
 DEFAULT_MAX_READ_BYTES = 64 << 20
 
 
+def default_threads(ranks: int, cores: int) -> int:
+    """KvikIO's pool size by default: ``DEFAULT_THREADS`` for a process alone on its machine; where ``ranks``
+    processes of the job read on it, as many as the native reader's on this rank's ``cores`` (its share,
+    :func:`gdsload.env.rank_cores`), so that the ranks' readers and pipeline threads do not outnumber the
+    cores (docs/benchmarks.md, "Multi-GPU")."""
+    return DEFAULT_THREADS if ranks <= 1 else native_threads(cores)
+
+
 class KvikioBackend(CudaBackend):
     name = "kvikio"
     window_bytes_hint = 256 << 20
 
-    def __init__(self, device_id: int = 0, num_threads: int = DEFAULT_THREADS, task_bytes: int = DEFAULT_TASK_BYTES,
+    def __init__(self, device_id: int = 0, num_threads: int | None = None, task_bytes: int = DEFAULT_TASK_BYTES,
                  max_read_bytes: int = DEFAULT_MAX_READ_BYTES):
         """``num_threads`` and ``task_bytes`` ask for KvikIO's process-wide thread pool and task size (its own
-        default is one thread); adjacent blocks are merged into reads of up to ``max_read_bytes``."""
+        default is one thread; ours :func:`default_threads`); adjacent blocks are merged into reads of up to
+        ``max_read_bytes``."""
         import kvikio
 
-        from ..env import gds_available
+        from ..env import gds_available, local_ranks, rank_cores
 
+        if num_threads is None:
+            num_threads = default_threads(local_ranks(), rank_cores())
         if num_threads < 1 or task_bytes < 1 or max_read_bytes < 1:
             raise ValueError(f"num_threads, task_bytes and max_read_bytes must be positive (found {num_threads}, "
                              f"{task_bytes}, {max_read_bytes})")

@@ -25,16 +25,12 @@ from typing import Any
 from .._cuda import H2D, record_event
 from .._units import ALIGN, align_up
 from ..errors import ReadError
-from ..handoff import POLL_S
 from .base import FileHandles, Pending, ReadRequest, Request, TaskGroup, coalesce, pread_full, read_error, split
 from .cuda import CudaBackend, KvikioPool
+from .native import NATIVE_BUFS_PER_THREAD, NativeJob, native_buf_bytes, native_threads
 from .staging import StagingPool
 
 DEFAULT_THREADS = 16
-#: Threads of the pipeline busy beside the native readers (submitter, completer, assembler, the consumer):
-#: the native reader's default leaves them their cores, since its workers spin while their copies run and
-#: readers on every core starve those threads (docs/design.md, "pinned and the staging pool").
-PIPELINE_THREADS = 4
 # Larger staging slots mean fewer calls per byte in the driver thread (docs/benchmarks.md: the sweep).
 DEFAULT_SLOT_BYTES = 16 << 20
 DEFAULT_POOL_BYTES = 512 << 20
@@ -43,16 +39,6 @@ DEFAULT_POOL_BYTES = 512 << 20
 # wait for each copy before issuing the next read.
 DEFAULT_COPY_SHARE = 4
 TASK_BYTES = 4 << 20  # KvikIO's task size for the staging reads
-NATIVE_BUF_BYTES = 4 << 20  # the native stager's buffers: two per thread
-NATIVE_BUFS_PER_THREAD = 2
-
-
-def native_threads(cores: int) -> int:
-    """The native reader's default thread count on ``cores`` cores: ``DEFAULT_THREADS`` at most, and the
-    pipeline's own threads' cores left free (two readers at least)."""
-    return max(2, min(DEFAULT_THREADS, cores - PIPELINE_THREADS))
-
-
 def _open_direct(path: str) -> int:
     return os.open(path, os.O_RDONLY | os.O_DIRECT)
 
@@ -81,15 +67,18 @@ class PinnedBackend(CudaBackend):
 
     def __init__(self, device_id: int = 0, num_threads: int | None = None, slot_bytes: int = DEFAULT_SLOT_BYTES,
                  pool_bytes: int = DEFAULT_POOL_BYTES, direct: bool = False, reader: str = "auto",
-                 copy_share: int = DEFAULT_COPY_SHARE, spin_events: bool = True):
+                 copy_share: int = DEFAULT_COPY_SHARE, spin_events: bool = True, buf_bytes: int | None = None,
+                 bufs_per_thread: int = NATIVE_BUFS_PER_THREAD):
         """``pool_bytes`` bounds the pinned memory held (``pool_bytes // slot_bytes`` slots); ``direct`` reads
         aligned blocks with O_DIRECT, bypassing the page cache (for datasets larger than RAM); ``reader``:
         "kvikio" (KvikIO's thread pool, ``num_threads`` threads), "threads" (Python threads) or "auto"
         (kvikio when installed, threads with ``direct``); ``copy_share``: with KvikIO's reader, one
         staging slot in ``copy_share`` is kept for copies in flight (0: every slot reads); ``spin_events``:
-        waits for a slot's last copy spin rather than sleep. ``num_threads`` (reader threads) defaults to
-        :func:`native_threads` of the usable cores for the native reader, ``DEFAULT_THREADS`` for the others."""
-        from ..env import kvikio_installed, usable_cores
+        waits for a slot's last copy spin rather than sleep; ``buf_bytes`` and ``bufs_per_thread``: the native
+        reader's own pinned buffers per thread (default :func:`native_buf_bytes`). ``num_threads`` (reader
+        threads) defaults to :func:`native_threads` of this rank's cores for the native reader,
+        ``DEFAULT_THREADS`` for the others."""
+        from ..env import kvikio_installed, local_ranks, rank_cores
 
         if num_threads is not None and num_threads < 1:
             raise ValueError(f"num_threads must be positive (found {num_threads})")
@@ -112,8 +101,8 @@ class PinnedBackend(CudaBackend):
             from ..stager import Stager
 
             try:
-                self._stager = Stager("cuda", device_id, num_threads or native_threads(usable_cores()),
-                                      NATIVE_BUF_BYTES, NATIVE_BUFS_PER_THREAD)
+                self._stager = Stager("cuda", device_id, num_threads or native_threads(rank_cores()),
+                                      native_buf_bytes(local_ranks()) if buf_bytes is None else buf_bytes, bufs_per_thread)
                 reader = "native"
             except BackendUnavailable as e:
                 if reader == "native":
@@ -209,7 +198,7 @@ class PinnedBackend(CudaBackend):
         reads = coalesce([r for r in requests if isinstance(r, ReadRequest)], 1 << 62)
         dest_ptr = int(dest.data.ptr)
         if self._stager is not None:
-            return _NativeJob(self, dest_ptr, reads, stop, filled)
+            return NativeJob(self, dest_ptr, reads, stop, filled)
         pieces = [p for r in reads for p in split(r, self.pool.slot_bytes)]
         if self._driver is not None:
             return self._driver.submit(dest_ptr, pack(pieces, self.pool.slot_bytes), stop, filled)
@@ -241,38 +230,6 @@ class PinnedBackend(CudaBackend):
         self._files.close()
         if self._direct_files is not None:
             self._direct_files.close()
-
-
-class _NativeJob(Pending):
-    """One window's reads, carried out by the native stager; the data is on the device when they finish
-    (its threads wait for their own copies)."""
-
-    def __init__(self, backend: PinnedBackend, dest_ptr: int, reads: Sequence[ReadRequest], stop: threading.Event,
-                 fills: Any):
-        self.backend, self.stop, self.fills = backend, stop, fills
-        self.paths = [r.path for r in reads]
-        files = backend._files
-        self.job = backend._stager.submit([(files.get(r.path), r.offset, r.nbytes, dest_ptr + r.dest_offset)
-                                           for r in reads])
-
-    def finish(self) -> Any:
-        from ..stager import JobCancelled
-
-        stager = self.backend._stager
-        cancelled = False
-        try:
-            while True:
-                if self.stop.is_set() and not cancelled:
-                    stager.cancel(self.job)  # pieces not started are dropped; the wait ends once none is in flight
-                    cancelled = True
-                if stager.wait(self.job, POLL_S, self.paths):
-                    break
-        except JobCancelled:
-            if not self.stop.is_set():
-                raise
-        # The reads' copies are complete; the fills, if any, are queued on the backend's stream.
-        with self.backend.device:
-            return self.fills if self.fills is not None else record_event(self.backend.stream)
 
 
 class _Job(Pending):
