@@ -17,7 +17,7 @@ MAX_THREADS = 16  # as KvikIO's pool by default
 #: readers on every core starve those threads (docs/design.md, "pinned and the staging pool").
 PIPELINE_THREADS = 4
 # The native stager's buffers: two per thread, smaller where other ranks of the job stage on the same
-# machine (their staging shares the host's caches and memory bandwidth; docs/benchmarks.md, "Multi-GPU", has the sweep).
+# machine, whose staging shares the host's caches and memory bandwidth (docs/benchmarks.md, "Multi-GPU").
 NATIVE_BUF_BYTES = 4 << 20
 NATIVE_SHARED_BUF_BYTES = 2 << 20
 NATIVE_BUFS_PER_THREAD = 2

@@ -39,6 +39,8 @@ DEFAULT_POOL_BYTES = 512 << 20
 # wait for each copy before issuing the next read.
 DEFAULT_COPY_SHARE = 4
 TASK_BYTES = 4 << 20  # KvikIO's task size for the staging reads
+
+
 def _open_direct(path: str) -> int:
     return os.open(path, os.O_RDONLY | os.O_DIRECT)
 
@@ -101,8 +103,9 @@ class PinnedBackend(CudaBackend):
             from ..stager import Stager
 
             try:
-                self._stager = Stager("cuda", device_id, num_threads or native_threads(rank_cores()),
-                                      native_buf_bytes(local_ranks()) if buf_bytes is None else buf_bytes, bufs_per_thread)
+                buf = native_buf_bytes(local_ranks()) if buf_bytes is None else buf_bytes
+                self._stager = Stager("cuda", device_id, num_threads or native_threads(rank_cores()), buf,
+                                      bufs_per_thread)
                 reader = "native"
             except BackendUnavailable as e:
                 if reader == "native":
