@@ -88,8 +88,10 @@ def describe_system() -> str:
     from .env import system_info
 
     info = system_info(bandwidth=True)
+    shared = (f" (readers count on {info['rank_cores']}: one of {info['local_ranks']} ranks on this machine)"
+              if info["local_ranks"] > 1 else "")
     lines = [f"gdsload {info.get('gdsload')}  python {info['python']}  numpy {info['numpy']}  zarr {info['zarr']}"
-             f"  cores {info['cpu_cores']}"]
+             f"  cores {info['cpu_cores']}{shared}"]
     if not info.get("gpu"):
         lines.append(f"GPU: none ({info.get('reason')})")
     else:

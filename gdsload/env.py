@@ -135,6 +135,7 @@ def system_info(device_id: int = 0, bandwidth: bool = False) -> dict[str, Any]:
     """Everything above plus host facts, as one JSON-ready dict; ``bandwidth`` adds the pinned
     host-to-device copy rate (:func:`gdsload.measure.pinned_h2d_gbps`)."""
     info: dict[str, Any] = {"python": platform.python_version(), "cpu_cores": os.cpu_count(),
+                            "local_ranks": local_ranks(), "rank_cores": rank_cores(),
                             "numpy": _version("numpy"), "zarr": _version("zarr"), "gdsload": _version("gdsload")}
     info.update(gpu_info(device_id))
     if info.get("gpu"):

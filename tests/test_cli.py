@@ -51,3 +51,19 @@ def test_system_info_and_demo(tmp_path):
     assert res.returncode == 0, res.stderr
     assert "epoch 1: 3000 samples" in res.stdout and "every batch checked against its labels" in res.stdout
     assert os.listdir(tmp_path) == []
+
+
+def test_system_info_names_this_ranks_share_of_the_cores():
+    """Under torchrun with two ranks per machine, the readers' default counts on this rank's share of the
+    cores: gdsload info says so, and says nothing of ranks for a process alone."""
+    from gdsload.env import LOCAL_RANKS_ENV, rank_cores
+
+    alone = {k: v for k, v in ENV.items() if k not in LOCAL_RANKS_ENV}
+    for env, want in ((alone, None), ({**alone, "LOCAL_WORLD_SIZE": "2"}, rank_cores(ranks=2))):
+        res = subprocess.run([sys.executable, "-m", "gdsload.cli", "info"], capture_output=True, text=True, cwd=ROOT,
+                             env=env, timeout=300)
+        assert res.returncode == 0, res.stderr
+        if want is None:
+            assert "ranks on this machine" not in res.stdout
+        else:
+            assert f"(readers count on {want}: one of 2 ranks on this machine)" in res.stdout
