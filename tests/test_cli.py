@@ -12,8 +12,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
 
 
-def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=300)
+def run(*args: str, env: dict[str, str] = ENV) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
 
 
 def test_shard_script_and_info(tmp_path):
@@ -60,8 +60,7 @@ def test_system_info_names_this_ranks_share_of_the_cores():
 
     alone = {k: v for k, v in ENV.items() if k not in LOCAL_RANKS_ENV}
     for env, want in ((alone, None), ({**alone, "LOCAL_WORLD_SIZE": "2"}, rank_cores(ranks=2))):
-        res = subprocess.run([sys.executable, "-m", "gdsload.cli", "info"], capture_output=True, text=True, cwd=ROOT,
-                             env=env, timeout=300)
+        res = run("-m", "gdsload.cli", "info", env=env)
         assert res.returncode == 0, res.stderr
         if want is None:
             assert "ranks on this machine" not in res.stdout

@@ -16,7 +16,7 @@ from gdsload import stager
 from gdsload.backends.base import FileHandles, ReadRequest, coalesce
 from gdsload.backends.kvikio import DEFAULT_THREADS as KVIKIO_THREADS
 from gdsload.backends.kvikio import default_threads
-from gdsload.backends.native import (MAX_THREADS, NATIVE_BUF_BYTES, NATIVE_SHARED_BUF_BYTES, PIPELINE_THREADS,
+from gdsload.backends.native import (DEFAULT_THREADS, NATIVE_BUF_BYTES, NATIVE_SHARED_BUF_BYTES, PIPELINE_THREADS,
                                      NativeJob, native_buf_bytes, native_threads)
 from gdsload.env import local_ranks, rank_cores, usable_cores
 from gdsload.errors import ReadError
@@ -95,7 +95,7 @@ def test_stop_cancels_and_nothing_is_written_after_finish(backend):
 
 def test_the_native_reader_leaves_the_pipeline_threads_their_cores():
     assert native_threads(16) == 16 - PIPELINE_THREADS == 12
-    assert native_threads(64) == MAX_THREADS  # never more than the KvikIO-sized default
+    assert native_threads(64) == DEFAULT_THREADS  # never more than the KvikIO-sized default
     assert native_threads(2) == native_threads(1) == 2  # two readers at least, even on a small machine
     assert 1 <= usable_cores() <= (os.cpu_count() or 1)
 

@@ -11,7 +11,8 @@ from .._cuda import record_event
 from ..handoff import POLL_S
 from .base import Pending, ReadRequest
 
-MAX_THREADS = 16  # as KvikIO's pool by default
+#: The readers' default where cores allow, as KvikIO's pool by default (the pinned backend's other readers too).
+DEFAULT_THREADS = 16
 #: Threads of the pipeline busy beside the native readers (submitter, completer, assembler, the consumer):
 #: the native reader's default leaves them their cores, since its workers spin while their copies run and
 #: readers on every core starve those threads (docs/design.md, "pinned and the staging pool").
@@ -25,9 +26,9 @@ NATIVE_BUFS_PER_THREAD = 2
 
 def native_threads(cores: int) -> int:
     """The native reader's default thread count on ``cores`` cores (this rank's share,
-    :func:`gdsload.env.rank_cores`): ``MAX_THREADS`` at most, and the pipeline's own threads' cores left
+    :func:`gdsload.env.rank_cores`): ``DEFAULT_THREADS`` at most, and the pipeline's own threads' cores left
     free (two readers at least)."""
-    return max(2, min(MAX_THREADS, cores - PIPELINE_THREADS))
+    return max(2, min(DEFAULT_THREADS, cores - PIPELINE_THREADS))
 
 
 def native_buf_bytes(ranks: int) -> int:

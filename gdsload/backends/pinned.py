@@ -27,10 +27,9 @@ from .._units import ALIGN, align_up
 from ..errors import ReadError
 from .base import FileHandles, Pending, ReadRequest, Request, TaskGroup, coalesce, pread_full, read_error, split
 from .cuda import CudaBackend, KvikioPool
-from .native import NATIVE_BUFS_PER_THREAD, NativeJob, native_buf_bytes, native_threads
+from .native import DEFAULT_THREADS, NATIVE_BUFS_PER_THREAD, NativeJob, native_buf_bytes, native_threads
 from .staging import StagingPool
 
-DEFAULT_THREADS = 16
 # Larger staging slots mean fewer calls per byte in the driver thread (docs/benchmarks.md: the sweep).
 DEFAULT_SLOT_BYTES = 16 << 20
 DEFAULT_POOL_BYTES = 512 << 20
