@@ -162,6 +162,9 @@ class GDSDataset:
                 self._decoder = Decoder(layout, on_gpu, self.device, self._device_decoded)
             # Last: a backend may read the whole dataset here (mmap), which a bad argument must not cost.
             self._backend.prepare(layout.files)
+            # The first pass's first window made ready now (the backend's own start), not by the first batch.
+            first_plan = epoch_plan(self.config, 0)
+            self._backend.prime(self._window_layout.first_requests(layout, first_plan))
         except BaseException:
             self._backend.close()  # a bad argument must not leave pinned memory or threads behind
             if getattr(self, "_decoder", None) is not None:
@@ -177,7 +180,7 @@ class GDSDataset:
         self._epochs_set = False  # set_epoch() was called: the user numbers the epochs
         self._passes = 0  # passes begun
         self._fingerprint: resume.Fingerprint | None = None  # made on first use
-        self._plan_cache: tuple[int, EpochPlan] | None = None
+        self._plan_cache: tuple[int, EpochPlan] | None = (0, first_plan)
         self.stats: EpochStats | None = None
         self._buffers: list[WindowBuffer] = []
         self._active: list[Pipeline] = []  # at most one; a list so the finalizer can see it without self

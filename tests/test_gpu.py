@@ -280,6 +280,34 @@ def test_mmap_locks_at_open_within_budget(small, tmp_path):
     assert sorted(np.concatenate(seen).tolist()) == list(range(len(data["idx"])))
 
 
+def test_the_open_makes_the_first_window_ready(small, monkeypatch):
+    """kvikio reads the first window's first tasks at open, into a scratch buffer (its threads and bounce
+    buffers start there, not under the first batch); mmap locks that window's ranges, and no other range
+    before the pass starts (tests/test_mmap_load.py has the exact ranges)."""
+    import cupy
+
+    from gdsload.backends.kvikio import KvikioBackend
+
+    path, data = small
+    reads, real = [], KvikioBackend._start
+    monkeypatch.setattr(KvikioBackend, "_start", lambda self, pending, dest, todo, stop: (
+        reads.append((dest, list(todo))), real(self, pending, dest, todo, stop))[1])
+    with Dataset(path, batch_size=64, backend="kvikio", shuffle=True, window_blocks=3) as ds:
+        assert len(reads) == 1 and sum(r.nbytes for r, _ in reads[0][1]) > 0
+        scratch, todo = reads[0]
+        want = ds._window_layout.first_requests(ds._layout, ds._plan(0))
+        assert {r.path for r, _ in todo} <= {r.path for r in want if hasattr(r, "path")}
+        for r, at in todo:
+            with open(r.path, "rb") as f:
+                f.seek(r.offset)
+                assert cupy.asnumpy(scratch[at:at + r.nbytes]).tobytes() == f.read(r.nbytes)
+        assert sorted(np.concatenate([check(b, data) for b in ds]).tolist()) == list(range(len(data["idx"])))
+    with Dataset(path, batch_size=64, backend="mmap", shuffle=True, window_blocks=3) as ds:
+        loaded = ds._backend.stats()["loaded_bytes"]
+        assert 0 < loaded < ds._backend.pinned_bytes, "the first window's ranges only, before any pass"
+        assert sorted(np.concatenate([check(b, data) for b in ds]).tolist()) == list(range(len(data["idx"])))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_stopping_waits_for_the_gpu_work_its_pipeline_queued(small, backend, monkeypatch):
     """Memory freed with a stopped pipeline (index uploads, batches nobody took) goes back to CuPy's pool and

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from _helpers import labelled, threads_left_after_use, wait_no_readers
+from _helpers import labelled, open_fds, threads_left_after_use, wait_no_readers
 from gdsload import BackendUnavailable, GDSDataset, GDSLoadError, ReadError
 from gdsload.cli import main as cli_main
 from gdsload.format import DatasetLayout, read_metadata
@@ -191,6 +191,39 @@ def test_a_stopped_pipeline_waits_for_its_device_work_after_its_threads(data_pat
         list(ds)
         ds.stop()
         assert [c[0] for c in calls] == ["ops", "backend"] * 2
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_the_open_primes_the_backend_with_the_window_the_first_pass_submits_first(data_path, monkeypatch, rank):
+    from gdsload.backends.cpu import CpuBackend
+
+    primed, submitted = [], []
+    real_submit = CpuBackend.submit
+    monkeypatch.setattr(CpuBackend, "prime", lambda self, requests: primed.append(list(requests)), raising=False)
+    monkeypatch.setattr(CpuBackend, "submit", lambda self, dest, requests, stop: (
+        submitted.append(list(requests)), real_submit(self, dest, requests, stop))[1])
+    path, _ = data_path
+    with Dataset(path, batch_size=16, shuffle=True, seed=5, window_blocks=3, rank=rank, world_size=2,
+                 resident_bytes=0) as ds:
+        assert len(primed) == 1 and primed[0] and not submitted, "at open, before any pass"
+        next(iter(ds))
+        assert submitted[0] == primed[0]
+        ds.set_epoch(3)  # another window first: nothing is primed again, the pass reads as ever
+        assert len(primed) == 1 and len(list(ds)) == len(ds)
+
+
+def test_a_prime_that_fails_fails_the_open_and_leaves_nothing_open(data_path, monkeypatch):
+    from gdsload.backends.cpu import CpuBackend
+
+    def fail(self, requests):
+        raise ReadError(f"{requests[0].path}: cannot read")
+
+    monkeypatch.setattr(CpuBackend, "prime", fail, raising=False)
+    path, _ = data_path
+    before = open_fds()
+    with pytest.raises(ReadError, match="cannot read"):
+        Dataset(path, batch_size=16)
+    assert open_fds() == before and wait_no_readers() == []
 
 
 # -- forked children ---------------------------------------------------------------------------------

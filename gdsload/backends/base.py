@@ -223,6 +223,12 @@ class Backend(ABC):
         for handles in self.handles():
             handles.bind(files)
 
+    def prime(self, requests: Sequence[Request]) -> None:
+        """Called once, at open, after :meth:`prepare`, with the requests of the first window a pass from the
+        dataset's start submits: a backend whose first reads would wait for its own start (locking ranges,
+        starting reader threads) makes it ready now, so the first batch waits only for the reads. A failure
+        raises here, naming the file. The requests are a hint: a pass from elsewhere submits others."""
+
     def started(self) -> None:
         """Called once a pipeline's first window is submitted: work a backend kept back so that window came
         first (the mmap backend's background load) may begin. Idempotent."""

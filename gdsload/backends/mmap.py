@@ -270,13 +270,24 @@ class MmapBackend(CudaBackend):
         with self.device:
             self._maps[path].register(offset, nbytes)
 
-    def submit(self, dest: Any, requests: Sequence[Request], stop: threading.Event) -> Pending:
+    def prime(self, requests: Sequence[Request]) -> None:
+        """Load and lock the first window's ranges now (on the loader's threads; the bulk stays held until
+        that window is submitted): locking and registering them is most of what its first batch would
+        wait for, serialized in the driver."""
+        self._copies_locked(requests, None)
+
+    def _copies_locked(self, requests: Sequence[Request], stop: threading.Event | None) -> Copies | None:
+        """The copies of ``requests`` once every range they read from is locked (None: stopped first)."""
         reads = [r for r in requests if isinstance(r, ReadRequest)]
         copies = plan_copies(reads, self._sizes, self.copy_bytes, self.range_bytes)
         if self._loader is None:
             raise ReadError("internal error: the mmap backend was not prepared with the dataset's files")
         ranges = dict.fromkeys(zip(copies.file.tolist(), (copies.offsets // self.range_bytes).tolist()))
-        if not self._loader.wait([(copies.paths[f], i) for f, i in ranges], stop):
+        return copies if self._loader.wait([(copies.paths[f], i) for f, i in ranges], stop) else None
+
+    def submit(self, dest: Any, requests: Sequence[Request], stop: threading.Event) -> Pending:
+        copies = self._copies_locked(requests, stop)
+        if copies is None:
             return _Queued(None)  # stopped while its ranges loaded: nothing copied, nobody reads it
         bases = np.array([self._maps[p].ptr for p in copies.paths], np.uint64)
         dst = np.uint64(int(dest.data.ptr)) + copies.dest.astype(np.uint64)
