@@ -39,10 +39,11 @@ class GDSDataset:
     batch_size : samples per batch; the last batch of an epoch may be smaller unless ``drop_last``.
     fields : fields to read (default: all). In a Zarr group without gdsload's attribute, only these arrays
         must be readable and of one length.
-    backend : ``"auto"`` (kvikio with GPUDirect Storage; else pinned; cpu without a GPU), ``"kvikio"``,
-        ``"pinned"``, ``"mmap"`` or ``"cpu"``. ``"mmap"`` is for datasets that fit in RAM: it maps the shard
-        files and locks them in memory once, at open (reading a cold dataset whole), then every read is a
-        host-to-device DMA copy. It holds the dataset's size in locked RAM until ``close()``;
+    backend : ``"auto"`` (mmap when the dataset fits in its RAM budget; else kvikio with GPUDirect Storage;
+        else pinned; cpu without a GPU; ``backend_reason`` says which), ``"kvikio"``, ``"pinned"``,
+        ``"mmap"`` or ``"cpu"``. ``"mmap"`` is for datasets that fit in RAM: it maps the shard files and
+        locks them in memory once (the first window's ranges at open, the rest in the background), then
+        every read is a host-to-device DMA copy. It holds the dataset's size in locked RAM until ``close()``;
         ``backend_options={"max_bytes": ...}`` caps it (default half of RAM). Never truncate its shard files
         in place while it is open (SIGBUS, as with any memory-mapped file); replacing the dataset with
         ``gdsload shard --overwrite`` is safe.
