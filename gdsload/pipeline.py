@@ -134,8 +134,7 @@ class Pipeline:
             pace = Pacer() if threading.current_thread() in self._threads else None
             epoch, start = (self._first.epoch, self._first.batch) if k == 0 else (self._first.epoch + k, 0)
             plan = self._plan0 if k == 0 else self._plans(epoch, pace)  # type: ignore[misc]
-            running = start < plan.num_batches
-            first = int(plan.window_of[plan.batch_bounds(start)[0]]) if running else len(plan.windows)
+            first = plan.first_window(start)
             # The index arrays go up now, before any read of this pass is submitted (Assembler.index).
             p = _Pass(k, epoch, plan, start, first, EpochStats(io_mode=self.backend.io_mode),
                       self.assembler.index(plan, pace))

@@ -63,6 +63,11 @@ class EpochPlan:
         b = self.config.batch_size
         return i * b, min((i + 1) * b, len(self.positions))
 
+    def first_window(self, batch: int) -> int:
+        """The window batch ``batch`` draws from first: the first a pass from there reads
+        (``len(windows)`` past the plan's end)."""
+        return int(self.window_of[self.batch_bounds(batch)[0]]) if batch < self.num_batches else len(self.windows)
+
     def segment_table(self) -> list[list[tuple[int, int, int, int]]]:
         """Every batch's segments as ``(window, start, stop, first_position)``, ``first_position`` being -1
         unless the positions are consecutive (then the gather is one copy). Computed for the whole epoch at once, and

@@ -218,9 +218,8 @@ class WindowLayout:
     def first_requests(self, layout: DatasetLayout, plan: EpochPlan, batch: int = 0) -> list[Request]:
         """The backend's requests for the window that batch ``batch`` of ``plan`` draws from first (none past
         the plan's end): what a pass from there submits before anything else."""
-        if batch >= plan.num_batches:
-            return []
-        return self.work(layout, plan.windows[int(plan.window_of[plan.batch_bounds(batch)[0]])]).requests
+        w = plan.first_window(batch)
+        return self.work(layout, plan.windows[w]).requests if w < len(plan.windows) else []
 
     def _compressed(self, layout: DatasetLayout, f: FieldMeta, blocks: np.ndarray, work: Work) -> None:
         """A compressed field's reads (chunk by chunk, back to back into its compressed region), fills and

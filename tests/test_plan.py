@@ -43,6 +43,16 @@ def test_samples_stay_inside_their_window():
         assert set((mine // 10).tolist()) == set(blocks.tolist())
 
 
+def test_a_batchs_first_window_is_the_window_of_its_first_sample_and_none_past_the_end():
+    cfg = PlanConfig(num_samples=500, samples_per_block=10, batch_size=7, window_blocks=5, shuffle=True)
+    plan = epoch_plan(cfg, 2)
+    ids = plan.sample_ids()
+    for i in range(plan.num_batches):
+        first = plan.first_window(i)
+        assert ids[i * 7] // 10 in plan.windows[first].tolist() and first == plan.window_of[i * 7]
+    assert plan.first_window(plan.num_batches) == len(plan.windows) == plan.first_window(plan.num_batches + 3)
+
+
 @pytest.mark.parametrize("n, k, w, b, world", list(itertools.product(
     [1, 7, 97, 1000], [1, 3, 16], [1, 2, 5], [1, 4, 33], [1, 2, 3])))
 def test_every_sample_once_and_ranks_agree(n, k, w, b, world):
