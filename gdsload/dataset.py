@@ -49,7 +49,8 @@ class GDSDataset:
         ``gdsload shard --overwrite`` is safe.
     shuffle, seed : permute blocks per epoch and samples inside each window; same seed, same order.
     window_blocks : blocks read together into one window buffer. Default: enough for a batch and about the
-        backend's preferred window size (64-256 MiB). Memory held is about ``prefetch`` windows.
+        backend's preferred window size (64-256 MiB). Memory held is about ``prefetch`` windows. The open
+        reads the window a pass from the dataset's start reads first (that pass does not read it again).
     prefetch : windows read ahead of the consumer's current one(s); their reads are queued back to back, so
         the readers never wait at a window boundary. Window buffers held: ``prefetch`` + the windows one
         batch spans (usually 1-2).
@@ -163,9 +164,8 @@ class GDSDataset:
                 self._decoder = Decoder(layout, on_gpu, self.device, self._device_decoded)
             # Last: a backend may read the whole dataset here (mmap), which a bad argument must not cost.
             self._backend.prepare(layout.files)
-            # The first pass's first window made ready now (the backend's own start), not by the first batch.
             first_plan = epoch_plan(self.config, 0)
-            self._backend.prime(self._window_layout.first_requests(layout, first_plan))
+            buffers = [self._load_first_window(first_plan)]
         except BaseException:
             self._backend.close()  # a bad argument must not leave pinned memory or threads behind
             if getattr(self, "_decoder", None) is not None:
@@ -183,7 +183,7 @@ class GDSDataset:
         self._fingerprint: resume.Fingerprint | None = None  # made on first use
         self._plan_cache: tuple[int, EpochPlan] | None = (0, first_plan)
         self.stats: EpochStats | None = None
-        self._buffers: list[WindowBuffer] = []
+        self._buffers: list[WindowBuffer] = buffers
         self._active: list[Pipeline] = []  # at most one; a list so the finalizer can see it without self
         # close() may come from any thread: it sets _closing at once (a resident load or a backend call in
         # progress stops early), then takes _lock, which starting a pass holds, so no pass starts after it.
@@ -193,6 +193,20 @@ class GDSDataset:
                                            self._resident, layout, self._closing, self._decoder)
         _fork.track(self)
         self.open_s = time.perf_counter() - started
+
+    def _load_first_window(self, plan: EpochPlan) -> WindowBuffer:
+        """The first window buffer, holding the window a pass from the dataset's start reads first (which
+        that pass then does not read again): the backend's own start (threads, buffers, locked ranges) and
+        that window's reads happen in the open instead of under the first batch, and a file they cannot
+        read fails the open, naming it."""
+        buffer = WindowBuffer(self._backend.allocate(self._window_layout.nbytes))
+        requests = self._window_layout.first_requests(self._layout, plan)
+        if requests:
+            filled = self._backend.load(buffer.buffer, requests, threading.Event())
+            if filled is not None:
+                filled.synchronize()  # there when the open returns (copies still queued would hold up the pass)
+            buffer.loaded = (requests, None)
+        return buffer
 
     def _configure(self, batch_size: int, window_blocks: int | None, shuffle: bool, seed: int, drop_last: bool,
                    rank: int, world_size: int, pad_to: Any, pad_value: Any) -> None:

@@ -2,15 +2,16 @@
 
 Thread protocol. Every window buffer has one owner at a time. The *submitter* takes a free buffer, waits
 for the event recorded after the last gather from it (``released``), and submits the window's reads to the
-backend; the *completer* finishes those reads in submission order, decodes compressed chunks into their
-slots (decode.py) and checks them when verifying, then
-hands the buffer on with the event after which its data is there (``filled``); the *assembler* makes its
-stream wait on ``filled``, gathers every batch that draws from the window (assembler.py), records
-``released`` after the window's last gather and gives the buffer back. Finished batches go to the
-consumer through a bounded hand-off with the event after which they are written ("ready"); the consumer's
-stream waits on it in ``next()``. Submission runs ahead of completion, so the next window's reads queue
-behind the current one's and the readers never idle at a window boundary; assembly runs ``ahead`` batches
-before the consumer, so ``next()`` only takes a finished batch. Once the consumer has begun a pass, the
+backend (a buffer that already holds the window, read at the dataset's open, needs none:
+``WindowBuffer.take_loaded``); the *completer* finishes those reads in submission order, decodes
+compressed chunks into their slots (decode.py) and checks them when verifying, then hands the buffer on
+with the event after which its data is there (``filled``); the *assembler* makes its stream wait on
+``filled``, gathers every batch that draws from the window (assembler.py), records ``released`` after the
+window's last gather and gives the buffer back. Finished batches go to the consumer through a bounded
+hand-off with the event after which they are written ("ready"); the consumer's stream waits on it in
+``next()``. Submission runs ahead of completion, so the next window's reads queue behind the current one's
+and the readers never idle at a window boundary; assembly runs ``ahead`` batches before the consumer, so
+``next()`` only takes a finished batch. Once the consumer has begun a pass, the
 threads go on into the next epoch (at most one pass ahead), so a new pass does not start by waiting.
 
 Stopping: ``close()`` (from any thread but the pipeline's own) sets ``stop`` and ``halt``, wakes every
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .assembler import Assembler, EpochIndex, ResidentField
-from .backends.base import Backend, drain
+from .backends.base import Backend, Queued, drain
 from .cursor import Cursor
 from .errors import GDSLoadError, ReadError
 from .format import DatasetLayout
@@ -195,7 +196,7 @@ class Pipeline:
 
     def _submit_loop(self) -> None:
         k, p, w = 0, None, -1
-        pace, first = Pacer(), True
+        pace = Pacer()
         try:
             while self._may_read(k):
                 p, w = self._pass(k), -1
@@ -210,16 +211,14 @@ class Pipeline:
                     pace()
                     checks = self.wl.checks(self.layout, blocks) if self.verifier is not None else None
                     pace()
-                    pending = self.backend.submit(buf.buffer, work.requests, self._halt)
+                    loaded, filled = buf.take_loaded(work.requests)  # read at open: nothing to read again
+                    pending = Queued(filled) if loaded else self.backend.submit(buf.buffer, work.requests, self._halt)
                     try:
                         decode = self.decoder.start(buf, work, self._halt) if self.decoder is not None else None
                     except BaseException:
                         drain(pending)  # its reads write into the buffer: over before the error goes on
                         raise
                     self._inflight.put((p, w, buf, work.read_bytes, checks, pending, decode))
-                    if first:
-                        self.backend.started()  # what it kept back for the first window may begin
-                        first = False
                 k, p = k + 1, None
         except BaseException as e:
             where = p.describe(w) if p is not None and w >= 0 else f"epoch {self._first.epoch + k}"
@@ -279,6 +278,7 @@ class Pipeline:
         thread's own) is handed on for the consumer."""
         held: dict[tuple[int, int], WindowBuffer] = {}
         stopped = self._stop.is_set
+        first = True
         try:
             k = 0
             while k == 0 or self._may_read(k):
@@ -304,6 +304,9 @@ class Pipeline:
                     nbytes = sum(a.nbytes for a in batch.values())
                     if not self._assembled.put((k, i, batch, samples, nbytes, self.ops.record()), self._stop):
                         return
+                    if first:  # what the backend kept back (mmap's bulk load) no longer competes with it
+                        self.backend.started()
+                        first = False
                 k += 1
         except BaseException as e:
             self._halt.set()

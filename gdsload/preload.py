@@ -3,7 +3,7 @@
 A *unit* is a byte range of a file. Threads read each unit in chunks through the page cache (what a cold
 file needs; a warm one is only walked), units in the order given, except that units a caller waits for
 move to the front. Made with ``hold``, the threads load only units waited for until :meth:`Preloader.start`:
-the mmap backend holds the bulk back until the first window is in, so that window's units do not queue
+the mmap backend holds the bulk back until the first batch is assembled, so a window's units do not queue
 behind chunks already handed out and the pipeline's start does not share the GIL and the driver's
 registration lock with every loader thread. When a unit's last chunk is read, ``done(key)`` runs on that
 reader thread (the mmap backend locks the range there). A failure of either is kept with its unit and

@@ -121,22 +121,3 @@ def test_without_compat_mode_preferred_the_driver_decides(monkeypatch, fresh_kvi
     env._kvikio_info.cache_clear()
     asked = _fake_kvikio(monkeypatch, compat_preferred=False, driver_gds=False)
     assert env.kvikio_info()["io_mode"] == "kvikio-compat" and asked == ["is_gds_available"]
-
-
-def test_kvikio_primes_with_the_first_windows_first_tasks_cut_to_a_task_each():
-    """What the kvikio backend reads at open (prime): the window's first reads, adjacent ones merged, cut to
-    at most a task each, at most ``tasks`` of them, back to back in the scratch buffer. A read of a whole
-    unshuffled window (one run of 256 MiB) is not read whole."""
-    from gdsload.backends.base import FillRequest, ReadRequest
-    from gdsload.backends.kvikio import first_tasks
-
-    mib = 1 << 20
-    whole = [ReadRequest("a", 0, 256 * mib, 0)]
-    got = first_tasks(whole, 4 * mib, 32)
-    assert [(r.offset, r.nbytes, at) for r, at in got] == [(i * 4 * mib, 4 * mib, i * 4 * mib) for i in range(32)]
-    small = [ReadRequest("a", i * mib, mib, i * mib) for i in range(6)] + [FillRequest(6 * mib, 8, b"\0"),
-                                                                         ReadRequest("b", 0, 3 * mib, 7 * mib)]
-    got = first_tasks(small, 4 * mib, 3)
-    assert [(r.path, r.offset, r.nbytes, at) for r, at in got] == [
-        ("a", 0, 4 * mib, 0), ("a", 4 * mib, 2 * mib, 4 * mib), ("b", 0, 3 * mib, 6 * mib)]
-    assert first_tasks([FillRequest(0, 8, b"\0")], 4 * mib, 32) == []

@@ -280,32 +280,40 @@ def test_mmap_locks_at_open_within_budget(small, tmp_path):
     assert sorted(np.concatenate(seen).tolist()) == list(range(len(data["idx"])))
 
 
-def test_the_open_makes_the_first_window_ready(small, monkeypatch):
-    """kvikio reads the first window's first tasks at open, into a scratch buffer (its threads and bounce
-    buffers start there, not under the first batch); mmap locks that window's ranges, and no other range
-    before the pass starts (tests/test_mmap_load.py has the exact ranges)."""
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_open_reads_the_first_window_and_the_first_pass_does_not_read_it_again(small, backend, monkeypatch):
+    """The open reads the window a pass from the dataset's start reads first into the first window buffer
+    (each backend's own start happens there, not under the first batch); that pass submits every other
+    window, and its batches are right."""
     import cupy
 
     from gdsload.backends.kvikio import KvikioBackend
+    from gdsload.backends.mmap import MmapBackend
+    from gdsload.backends.pinned import PinnedBackend
 
     path, data = small
-    reads, real = [], KvikioBackend._start
-    monkeypatch.setattr(KvikioBackend, "_start", lambda self, pending, dest, todo, stop: (
-        reads.append((dest, list(todo))), real(self, pending, dest, todo, stop))[1])
-    with Dataset(path, batch_size=64, backend="kvikio", shuffle=True, window_blocks=3) as ds:
-        assert len(reads) == 1 and sum(r.nbytes for r, _ in reads[0][1]) > 0
-        scratch, todo = reads[0]
-        want = ds._window_layout.first_requests(ds._layout, ds._plan(0))
-        assert {r.path for r, _ in todo} <= {r.path for r in want if hasattr(r, "path")}
-        for r, at in todo:
-            with open(r.path, "rb") as f:
-                f.seek(r.offset)
-                assert cupy.asnumpy(scratch[at:at + r.nbytes]).tobytes() == f.read(r.nbytes)
+    kind = {"kvikio": KvikioBackend, "pinned": PinnedBackend, "mmap": MmapBackend}[backend]
+    submitted, real = [], kind.submit
+    monkeypatch.setattr(kind, "submit", lambda self, dest, requests, stop: (
+        submitted.append(list(requests)), real(self, dest, requests, stop))[1])
+    with Dataset(path, batch_size=64, backend=backend, shuffle=True, window_blocks=3, resident_bytes=0,
+                 prefetch_next_epoch=False) as ds:
+        plan = ds._plan(0)
+        first = ds._window_layout.first_requests(ds._layout, plan)
+        assert submitted == [first] and ds._buffers[0].loaded is not None
+        cupy.cuda.Device().synchronize()
+        buffer = ds._buffers[0].buffer
+        for r in first:
+            if hasattr(r, "path"):
+                with open(r.path, "rb") as f:
+                    f.seek(r.offset)
+                    assert cupy.asnumpy(buffer[r.dest_offset:r.dest_offset + r.nbytes]).tobytes() == f.read(r.nbytes)
+        if backend == "mmap":
+            loaded = ds._backend.stats()["loaded_bytes"]
+            assert 0 < loaded < ds._backend.pinned_bytes, "the first window's ranges only, before any pass"
+        submitted.clear()
         assert sorted(np.concatenate([check(b, data) for b in ds]).tolist()) == list(range(len(data["idx"])))
-    with Dataset(path, batch_size=64, backend="mmap", shuffle=True, window_blocks=3) as ds:
-        loaded = ds._backend.stats()["loaded_bytes"]
-        assert 0 < loaded < ds._backend.pinned_bytes, "the first window's ranges only, before any pass"
-        assert sorted(np.concatenate([check(b, data) for b in ds]).tolist()) == list(range(len(data["idx"])))
+        assert len(submitted) == len(plan.windows) - 1
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -119,8 +119,10 @@ def test_files_replaced_after_open_are_not_read(data_path, make_dataset):
 
 def test_a_shard_truncated_after_open_is_a_read_error(data_path):
     path, _ = data_path
-    with Dataset(path, batch_size=32) as ds:
-        shard = ds._layout.locate("x", 0).path
+    with Dataset(path, batch_size=32, window_blocks=1) as ds:
+        # The last block's shard: not the first window's, which the open has read already.
+        shard = ds._layout.locate("x", ds.meta.num_blocks - 1).path
+        assert shard != ds._layout.locate("x", 0).path
         with open(shard, "r+b") as f:
             f.truncate(100)
         with pytest.raises(ReadError, match=f"^{shard}: "):
@@ -194,31 +196,83 @@ def test_a_stopped_pipeline_waits_for_its_device_work_after_its_threads(data_pat
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_the_open_primes_the_backend_with_the_window_the_first_pass_submits_first(data_path, monkeypatch, rank):
+def test_the_open_reads_the_window_the_first_pass_reads_first_and_that_pass_does_not_read_it_again(
+        data_path, monkeypatch, rank):
     from gdsload.backends.cpu import CpuBackend
 
-    primed, submitted = [], []
+    submitted = []
     real_submit = CpuBackend.submit
-    monkeypatch.setattr(CpuBackend, "prime", lambda self, requests: primed.append(list(requests)), raising=False)
+    monkeypatch.setattr(CpuBackend, "submit", lambda self, dest, requests, stop: (
+        submitted.append((dest, list(requests))), real_submit(self, dest, requests, stop))[1])
+    path, data = data_path
+    with Dataset(path, batch_size=16, shuffle=True, seed=5, window_blocks=3, rank=rank, world_size=2,
+                 resident_bytes=0, prefetch_next_epoch=False) as ds:
+        plan = ds._plan(0)
+        first = ds._window_layout.first_requests(ds._layout, plan)
+        assert len(submitted) == 1 and submitted[0][1] == first, "the first window, at open"
+        assert submitted[0][0] is ds._buffers[0].buffer
+        submitted.clear()
+        batches = list(ds)
+        assert [r for _, r in submitted] == [ds._window_layout.work(ds._layout, w).requests
+                                             for w in plan.windows[1:]], "every window but the first"
+        for b in batches:
+            np.testing.assert_array_equal(b["x"], data["x"][b["idx"]])
+        ds.stop()
+        submitted.clear()
+        ds.set_epoch(0)  # the buffer was written since: the same window is read again
+        assert len(list(ds)) == len(ds) and len(submitted) == len(plan.windows)
+
+
+def test_a_first_window_read_at_open_serves_no_pass_but_one_from_the_start(data_path, monkeypatch):
+    from gdsload.backends.cpu import CpuBackend
+
+    submitted = []
+    real_submit = CpuBackend.submit
     monkeypatch.setattr(CpuBackend, "submit", lambda self, dest, requests, stop: (
         submitted.append(list(requests)), real_submit(self, dest, requests, stop))[1])
-    path, _ = data_path
-    with Dataset(path, batch_size=16, shuffle=True, seed=5, window_blocks=3, rank=rank, world_size=2,
-                 resident_bytes=0) as ds:
-        assert len(primed) == 1 and primed[0] and not submitted, "at open, before any pass"
-        next(iter(ds))
-        assert submitted[0] == primed[0]
-        ds.set_epoch(3)  # another window first: nothing is primed again, the pass reads as ever
-        assert len(primed) == 1 and len(list(ds)) == len(ds)
+    path, data = data_path
+    for leave_early in (False, True):
+        with Dataset(path, batch_size=16, shuffle=True, seed=5, window_blocks=3, resident_bytes=0,
+                     prefetch_next_epoch=False) as ds:
+            ds.set_epoch(3)  # another window first
+            if leave_early:
+                next(iter(ds))  # the first pass stops after its first window
+            else:
+                assert len(list(ds)) == len(ds)
+            ds.stop()
+            submitted.clear()
+            ds.set_epoch(0)  # the first buffer holds another window now
+            batches = list(ds)
+            assert len(submitted) == len(ds._plan(0).windows), "every window read by the pass"
+            for b in batches:
+                np.testing.assert_array_equal(b["x"], data["x"][b["idx"]])
 
 
-def test_a_prime_that_fails_fails_the_open_and_leaves_nothing_open(data_path, monkeypatch):
+def test_stopping_before_any_pass_keeps_the_window_read_at_open(data_path, monkeypatch):
     from gdsload.backends.cpu import CpuBackend
 
-    def fail(self, requests):
+    submitted = []
+    real_submit = CpuBackend.submit
+    monkeypatch.setattr(CpuBackend, "submit", lambda self, dest, requests, stop: (
+        submitted.append(list(requests)), real_submit(self, dest, requests, stop))[1])
+    path, data = data_path
+    with Dataset(path, batch_size=16, shuffle=True, seed=5, window_blocks=3, resident_bytes=0,
+                     prefetch_next_epoch=False) as ds:
+        submitted.clear()
+        ds.stop()  # no pipeline runs, none wrote the buffer
+        batches = list(ds)
+        assert len(submitted) == len(ds._plan(0).windows) - 1
+        for b in batches:
+            np.testing.assert_array_equal(b["x"], data["x"][b["idx"]])
+
+
+def test_a_first_window_that_cannot_be_read_fails_the_open_and_leaves_nothing_open(data_path, monkeypatch):
+    from gdsload.backends.cpu import CpuBackend
+
+    def fail(self, dest, requests, stop):
         raise ReadError(f"{requests[0].path}: cannot read")
 
-    monkeypatch.setattr(CpuBackend, "prime", fail, raising=False)
+    monkeypatch.setattr(CpuBackend, "submit", fail)
     path, _ = data_path
     before = open_fds()
     with pytest.raises(ReadError, match="cannot read"):

@@ -302,44 +302,6 @@ def test_mmap_backend_locks_only_a_windows_ranges_until_the_pipeline_started(tmp
     files.close()
 
 
-def test_mmap_backend_primed_at_open_has_the_first_windows_ranges_locked_and_no_other(tmp_path, fake_cupy,
-                                                                                       monkeypatch):
-    """prime() returns once the ranges of the window it is given are locked (the first batch no longer waits
-    for them), loads no other range before started(), and raises a failed range's error naming the file."""
-    from gdsload.backends import mmap as mmap_backend
-    from gdsload.backends.base import ReadRequest
-    from gdsload.files import ShardFiles
-
-    monkeypatch.setattr(mmap_backend, "RANGE_BYTES", 64 << 10)
-    paths, _ = _files(tmp_path, [512 << 10, 128 << 10])
-    files = ShardFiles.open(paths)
-    backend = mmap_backend.MmapBackend(register_threads=4)
-    backend.prepare(files)
-    first = [ReadRequest(paths[0], 200 << 10, 100 << 10, 0), ReadRequest(paths[1], 0, 10, 100 << 10)]
-    backend.prime(first)
-    want = {backend._maps[paths[0]].ptr + (192 << 10), backend._maps[paths[0]].ptr + (256 << 10),
-            backend._maps[paths[1]].ptr}
-    assert set(fake_cupy.registered) == want, "the window's three ranges, locked when prime() returns"
-    time.sleep(0.1)
-    assert set(fake_cupy.registered) == want, "nothing else before the pipeline starts"
-    copies = len(fake_cupy.copies)
-    dest = _Dest((100 << 10) + 10)
-    backend.submit(dest, first, threading.Event()).finish()
-    assert len(fake_cupy.copies) > copies
-    np.testing.assert_array_equal(dest.array[:100 << 10], np.fromfile(paths[0], np.uint8)[200 << 10:300 << 10])
-    backend.close()
-    files.close()
-
-    files = ShardFiles.open(paths)
-    backend = mmap_backend.MmapBackend(register_threads=1)
-    backend.prepare(files)
-    os.truncate(paths[1], 16)
-    with pytest.raises(ReadError, match=rf"{paths[1]}"):
-        backend.prime([ReadRequest(paths[1], 0, 10, 0)])
-    backend.close()
-    files.close()
-
-
 def test_mmap_backend_checks_budget_and_locking_at_open(tmp_path, fake_cupy):
     from gdsload.backends.mmap import MmapBackend
     from gdsload.files import ShardFiles

@@ -446,8 +446,8 @@ def test_backend_is_prepared_with_every_shard_it_may_read(data_path, monkeypatch
     from gdsload.backends.cpu import CpuBackend
 
     path, _ = data_path
-    seen = []
-    monkeypatch.setattr(CpuBackend, "prepare", lambda self, files: seen.append(list(files)))
+    seen, prepare = [], CpuBackend.prepare
+    monkeypatch.setattr(CpuBackend, "prepare", lambda self, files: (seen.append(list(files)), prepare(self, files)))
     with Dataset(path, batch_size=8, backend="cpu", fields=["x"]) as ds:
         want = ds._layout.shard_paths()
     assert seen == [want] and want and all(os.path.isfile(p) and "/x/" in p for p in want)
@@ -535,28 +535,30 @@ def test_a_stopped_producer_gives_up_at_once_even_where_room_was_given_back():
     assert len(handoff) == 0
 
 
-def test_the_backend_is_told_once_that_the_first_window_was_submitted(data_path, monkeypatch):
+def test_the_backend_is_told_once_that_the_first_batch_was_assembled(data_path, monkeypatch):
     """Backend.started() (what the mmap backend's background load waits for) comes once per pipeline, right
-    after its first window's submission, and not before the resident fields were read."""
+    after its first batch was assembled (so that load does not compete with that batch), after the resident
+    fields and the first window were read."""
+    from gdsload import pipeline as pipeline_module
     from gdsload.backends.cpu import CpuBackend
 
     path, data = data_path
-    calls: list[tuple[str, int]] = []
-    submit = CpuBackend.submit
-
-    def counting_submit(self, *a, **k):
-        calls.append(("submit", len(a[1])))
-        return submit(self, *a, **k)
-
-    monkeypatch.setattr(CpuBackend, "submit", counting_submit)
-    monkeypatch.setattr(CpuBackend, "started", lambda self: calls.append(("started", 0)), raising=False)
+    calls: list[str] = []
+    submit, put = CpuBackend.submit, pipeline_module.Handoff.put
+    monkeypatch.setattr(CpuBackend, "submit", lambda self, *a, **k: (calls.append("submit"), submit(self, *a, **k))[1])
+    monkeypatch.setattr(CpuBackend, "started", lambda self: calls.append("started"), raising=False)
+    monkeypatch.setattr(pipeline_module.Handoff, "put", lambda self, item, stop: (calls.append("batch"),
+                                                                                 put(self, item, stop))[1])
     with Dataset(path, backend="cpu", batch_size=32, window_blocks=2, prefetch_next_epoch=False) as ds:
         for b in ds:
             check_batch(b, data)
-    kinds = [k for k, _ in calls]
-    assert kinds.count("started") == 1
-    i = kinds.index("started")
-    assert i >= 2 and kinds[i - 1] == "submit" and kinds[:i].count("submit") == 2, calls[:i + 1]
+        assert calls.count("started") == 1
+        i = calls.index("started")
+        assert calls[i - 1] == "batch" and calls[:i].count("batch") == 1, calls[:i + 1]
+        assert calls[:2] == ["submit", "submit"], "the first window at open, then the resident field"
+        calls.clear()
+        ds.set_epoch(1)
+        assert len(list(ds)) == len(ds) and calls.count("started") == 1, "once per pipeline"
 
 
 def test_the_pass_being_taken_never_waits_for_the_next_ones_plan(data_path, monkeypatch):

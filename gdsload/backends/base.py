@@ -148,6 +148,17 @@ class Pending(ABC):
         it is there already."""
 
 
+class Queued(Pending):
+    """Work whose host part is over (copies queued on the device, or reads done before): ``finish`` returns
+    the event after which the data is there (None: it is there already)."""
+
+    def __init__(self, event: Any):
+        self.event = event
+
+    def finish(self) -> Any:
+        return self.event
+
+
 def drain(pending: Pending) -> None:
     """Wait for reads whose window is abandoned, whatever they end in (an error is already on its way):
     none may still write into a buffer that changes hands."""
@@ -223,15 +234,10 @@ class Backend(ABC):
         for handles in self.handles():
             handles.bind(files)
 
-    def prime(self, requests: Sequence[Request]) -> None:
-        """Called once, at open, after :meth:`prepare`, with the requests of the first window a pass from the
-        dataset's start submits: a backend whose first reads would wait for its own start (locking ranges,
-        starting reader threads) makes it ready now, so the first batch waits only for the reads. A failure
-        raises here, naming the file. The requests are a hint: a pass from elsewhere submits others."""
-
     def started(self) -> None:
-        """Called once a pipeline's first window is submitted: work a backend kept back so that window came
-        first (the mmap backend's background load) may begin. Idempotent."""
+        """Called once a pipeline's first batch is assembled: work a backend kept back so that the first window
+        came first and that batch did not compete with it (the mmap backend's background load) may begin.
+        Idempotent."""
 
     def handles(self) -> list[FileHandles]:
         """The backend's per-file handles, bound to the dataset's files by :meth:`prepare`."""

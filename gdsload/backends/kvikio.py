@@ -8,20 +8,18 @@ handles stay open for the dataset's life.
 
 from __future__ import annotations
 
-import itertools
 import os
 import threading
 from collections.abc import Sequence
 from typing import Any
 
-from .base import FileHandles, Pending, ReadRequest, Request, coalesce, read_error, split
+from .base import FileHandles, Pending, ReadRequest, Request, coalesce, read_error
 from .cuda import CudaBackend, KvikioPool
 from .native import native_threads
 
 DEFAULT_THREADS = 16
 DEFAULT_TASK_BYTES = 4 << 20
 DEFAULT_MAX_READ_BYTES = 64 << 20
-PRIME_TASKS_PER_THREAD = 2  # read at open per KvikIO thread (prime)
 
 
 def default_threads(ranks: int, cores: int) -> int:
@@ -74,37 +72,18 @@ class KvikioBackend(CudaBackend):
             folders = {os.path.dirname(os.path.realpath(p)) for p in files}
             self.io_mode = io_mode_for(True, paths_support(sorted(folders)))
 
-    def prime(self, requests: Sequence[Request]) -> None:
-        """Read two tasks per thread of the first window now (at most that many reads of at most a task
-        each), into a scratch buffer: a process's first reads start KvikIO's threads and allocate their
-        bounce buffers (compat mode), which the first batch would otherwise wait for; with one task per
-        thread, threads done first take a second task and others stay cold. The bytes read stay in the page
-        cache for the window."""
-        reads = first_tasks(requests, self.task_bytes, PRIME_TASKS_PER_THREAD * self.num_threads)
-        if reads:
-            with self.device:
-                scratch = self.cupy.empty(sum(r.nbytes for r, _ in reads), dtype=self.cupy.uint8)
-                self._start(_Reads(None), scratch, reads, None).finish()  # over before the scratch buffer goes
-
     def submit(self, dest: Any, requests: Sequence[Request], stop: threading.Event) -> Pending:
-        reads = coalesce([r for r in requests if isinstance(r, ReadRequest)], self.max_read_bytes)
+        pending = _Reads(self.write_fills(dest, requests))
         with self.device:
-            return self._start(_Reads(self.write_fills(dest, requests)), dest, [(r, r.dest_offset) for r in reads],
-                               stop)
-
-    def _start(self, pending: _Reads, dest: Any, reads: Sequence[tuple[ReadRequest, int]],
-               stop: threading.Event | None) -> _Reads:
-        """A pread per (request, its offset in ``dest``) into ``pending``; the first that fails to start is
-        kept as its error, and nothing after it (or after a stop) starts."""
-        for r, at in reads:
-            if stop is not None and stop.is_set():
-                break
-            try:
-                view = dest[at:at + r.nbytes]
-                pending.futures.append((r, self._files.get(r.path).pread(view, r.nbytes, r.offset)))
-            except BaseException as e:
-                pending.error = read_error(r.path, r.offset, r.nbytes, cause=e)
-                break
+            for r in coalesce([r for r in requests if isinstance(r, ReadRequest)], self.max_read_bytes):
+                if stop.is_set():
+                    break
+                try:
+                    view = dest[r.dest_offset:r.dest_offset + r.nbytes]
+                    pending.futures.append((r, self._files.get(r.path).pread(view, r.nbytes, r.offset)))
+                except BaseException as e:
+                    pending.error = read_error(r.path, r.offset, r.nbytes, cause=e)
+                    break
         return pending
 
     def close(self) -> None:
@@ -112,18 +91,6 @@ class KvikioBackend(CudaBackend):
         if self._pool_held:
             self._pool_held = False
             KvikioPool.release()
-
-
-def first_tasks(requests: Sequence[Request], task_bytes: int, tasks: int) -> list[tuple[ReadRequest, int]]:
-    """The first ``tasks`` reads of ``requests`` cut to at most ``task_bytes`` each (adjacent ones merged
-    first), each with its offset in a buffer holding them back to back."""
-    pieces = (p for r in coalesce([r for r in requests if isinstance(r, ReadRequest)], task_bytes)
-              for p in split(r, task_bytes))
-    out, at = [], 0
-    for p in itertools.islice(pieces, tasks):
-        out.append((p, at))
-        at += p.nbytes
-    return out
 
 
 def io_mode_for(gds: bool, supports: list[Any]) -> str:

@@ -7,7 +7,7 @@ The price is memory: the dataset's pages stay locked in RAM for the dataset's li
 processes that map the same files), and a cold dataset is read once, all of it. The budget and the
 ability to lock are checked when the dataset opens, so a dataset too large fails there, never mid-epoch;
 the files are then read and locked in ranges of ``RANGE_BYTES`` on background threads (gdsload.preload),
-the ranges a window needs first (only those until the first window's are in), so the first pass runs
+the ranges a window needs first (only those until the first batch is assembled), so the first pass runs
 while the rest loads: a copy waits only for the ranges it reads, and never spans two of them (each is
 registered on its own).
 
@@ -32,7 +32,7 @@ from .._cuda import H2D, HOST_REGISTER_PORTABLE, HOST_REGISTER_READ_ONLY, record
 from ..errors import BackendUnavailable, ReadError
 from ..copier import Copier, CopyFailed
 from ..preload import Preloader
-from .base import Pending, ReadRequest, Request, read_error
+from .base import Pending, Queued, ReadRequest, Request, read_error
 from .cuda import CudaBackend
 
 DEFAULT_COPY_BYTES = 64 << 20
@@ -195,8 +195,8 @@ class MmapBackend(CudaBackend):
                  copy_bytes: int = DEFAULT_COPY_BYTES, register_threads: int = 16, copier: str = "auto"):
         """``max_bytes`` caps the bytes locked (default half of RAM); copies of at most ``copy_bytes`` (and
         never across two locked ranges) go round robin over ``num_streams`` non-blocking streams;
-        ``register_threads`` read and lock the files in the background (the first window's ranges from
-        its submission, everything once it is in). ``copier``: "native"
+        ``register_threads`` read and lock the files in the background (a window's ranges when it is
+        submitted, everything once the first batch is assembled). ``copier``: "native"
         queues a window's copies in one call (gdsload.copier), "cupy" one CuPy call per copy, "auto" the
         native one where the library loads (``copier_reason`` says why not)."""
         if num_streams < 1 or copy_bytes < 1 or register_threads < 1:
@@ -256,7 +256,7 @@ class MmapBackend(CudaBackend):
                 probe.register(0, min(probe.size, mmap.PAGESIZE))
                 probe.close_ranges()
         self._ranges = file_ranges(sizes, self.range_bytes)
-        # Held until the first window is in (started()): the ranges it waits for load alone.
+        # Held until the first batch is assembled (started()): the ranges a window waits for load alone.
         self._loader = Preloader(self._ranges, files.fd, self._lock_range, self.register_threads, hold=True)
         self.register_s = time.perf_counter() - t0
 
@@ -270,25 +270,15 @@ class MmapBackend(CudaBackend):
         with self.device:
             self._maps[path].register(offset, nbytes)
 
-    def prime(self, requests: Sequence[Request]) -> None:
-        """Load and lock the first window's ranges now (on the loader's threads; the bulk stays held until
-        that window is submitted): locking and registering them is most of what its first batch would
-        wait for, serialized in the driver."""
-        self._copies_locked(requests, None)
-
-    def _copies_locked(self, requests: Sequence[Request], stop: threading.Event | None) -> Copies | None:
-        """The copies of ``requests`` once every range they read from is locked (None: stopped first)."""
+    def submit(self, dest: Any, requests: Sequence[Request], stop: threading.Event) -> Pending:
+        """Copies queued once every range they read from is locked (the loader loads those first)."""
         reads = [r for r in requests if isinstance(r, ReadRequest)]
         copies = plan_copies(reads, self._sizes, self.copy_bytes, self.range_bytes)
         if self._loader is None:
             raise ReadError("internal error: the mmap backend was not prepared with the dataset's files")
         ranges = dict.fromkeys(zip(copies.file.tolist(), (copies.offsets // self.range_bytes).tolist()))
-        return copies if self._loader.wait([(copies.paths[f], i) for f, i in ranges], stop) else None
-
-    def submit(self, dest: Any, requests: Sequence[Request], stop: threading.Event) -> Pending:
-        copies = self._copies_locked(requests, stop)
-        if copies is None:
-            return _Queued(None)  # stopped while its ranges loaded: nothing copied, nobody reads it
+        if not self._loader.wait([(copies.paths[f], i) for f, i in ranges], stop):
+            return Queued(None)  # stopped while its ranges loaded: nothing copied, nobody reads it
         bases = np.array([self._maps[p].ptr for p in copies.paths], np.uint64)
         dst = np.uint64(int(dest.data.ptr)) + copies.dest.astype(np.uint64)
         src = bases[copies.file] + copies.offsets.astype(np.uint64)
@@ -309,7 +299,7 @@ class MmapBackend(CudaBackend):
                         raise read_error(c.path, c.offset, c.nbytes, cause=e) from e
                 for s in self._streams[:len(copies)]:
                     self.stream.wait_event(record_event(s))
-            return _Queued(record_event(self.stream))
+            return Queued(record_event(self.stream))
 
     def streams(self) -> list[Any]:
         return [self.stream, *self._streams]
@@ -324,13 +314,3 @@ class MmapBackend(CudaBackend):
             m.close()
         self._maps.clear()
         self._sizes = {}
-
-
-class _Queued(Pending):
-    """Copies queued on the device: nothing to wait for on the host, the consumer's stream waits on the event."""
-
-    def __init__(self, event: Any):
-        self.event = event
-
-    def finish(self) -> Any:
-        return self.event
