@@ -195,15 +195,21 @@ def test_a_stopped_pipeline_waits_for_its_device_work_after_its_threads(data_pat
         assert [c[0] for c in calls] == ["ops", "backend"] * 2
 
 
-@pytest.mark.parametrize("rank", [0, 1])
-def test_the_open_reads_the_window_the_first_pass_reads_first_and_that_pass_does_not_read_it_again(
-        data_path, monkeypatch, rank):
+@pytest.fixture
+def submitted(monkeypatch):
+    """Every read the cpu backend is given, as (buffer, requests), the open's included."""
     from gdsload.backends.cpu import CpuBackend
 
-    submitted = []
+    calls = []
     real_submit = CpuBackend.submit
     monkeypatch.setattr(CpuBackend, "submit", lambda self, dest, requests, stop: (
-        submitted.append((dest, list(requests))), real_submit(self, dest, requests, stop))[1])
+        calls.append((dest, list(requests))), real_submit(self, dest, requests, stop))[1])
+    return calls
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_the_open_reads_the_window_the_first_pass_reads_first_and_that_pass_does_not_read_it_again(
+        data_path, submitted, rank):
     path, data = data_path
     with Dataset(path, batch_size=16, shuffle=True, seed=5, window_blocks=3, rank=rank, world_size=2,
                  resident_bytes=0, prefetch_next_epoch=False) as ds:
@@ -223,13 +229,7 @@ def test_the_open_reads_the_window_the_first_pass_reads_first_and_that_pass_does
         assert len(list(ds)) == len(ds) and len(submitted) == len(plan.windows)
 
 
-def test_a_first_window_read_at_open_serves_no_pass_but_one_from_the_start(data_path, monkeypatch):
-    from gdsload.backends.cpu import CpuBackend
-
-    submitted = []
-    real_submit = CpuBackend.submit
-    monkeypatch.setattr(CpuBackend, "submit", lambda self, dest, requests, stop: (
-        submitted.append(list(requests)), real_submit(self, dest, requests, stop))[1])
+def test_a_first_window_read_at_open_serves_no_pass_but_one_from_the_start(data_path, submitted):
     path, data = data_path
     for leave_early in (False, True):
         with Dataset(path, batch_size=16, shuffle=True, seed=5, window_blocks=3, resident_bytes=0,
@@ -248,16 +248,10 @@ def test_a_first_window_read_at_open_serves_no_pass_but_one_from_the_start(data_
                 np.testing.assert_array_equal(b["x"], data["x"][b["idx"]])
 
 
-def test_stopping_before_any_pass_keeps_the_window_read_at_open(data_path, monkeypatch):
-    from gdsload.backends.cpu import CpuBackend
-
-    submitted = []
-    real_submit = CpuBackend.submit
-    monkeypatch.setattr(CpuBackend, "submit", lambda self, dest, requests, stop: (
-        submitted.append(list(requests)), real_submit(self, dest, requests, stop))[1])
+def test_stopping_before_any_pass_keeps_the_window_read_at_open(data_path, submitted):
     path, data = data_path
     with Dataset(path, batch_size=16, shuffle=True, seed=5, window_blocks=3, resident_bytes=0,
-                     prefetch_next_epoch=False) as ds:
+                 prefetch_next_epoch=False) as ds:
         submitted.clear()
         ds.stop()  # no pipeline runs, none wrote the buffer
         batches = list(ds)

@@ -122,6 +122,17 @@ def passes(batches: Callable[[], Iterable[Any]], step: Stamped, n: int, per_pass
             "host_next_us": _us(nexts), "host_launch_us": _us(launches)}
 
 
+def time_alone(step: Stamped, n: int) -> float:
+    """Seconds ``n`` steps take with no data (the floor a pass's waiting is counted from); their gaps dropped."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    step.spin.synchronize()
+    alone_s = time.perf_counter() - t0
+    step.gaps_us()
+    return alone_s
+
+
 def _us(seconds: list[float]) -> dict[str, float]:
     a = np.array(seconds) * 1e6
     return {"p50": round(float(np.median(a)), 1), "p90": round(float(np.percentile(a, 90)), 1),
@@ -314,12 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(0.5e-3)
 
     for rep in range(args.repeats):
-        t0 = time.perf_counter()
-        for _ in range(nb):
-            step()
-        cupy.cuda.get_current_stream().synchronize()
-        alone_s = time.perf_counter() - t0
-        step.gaps_us()
+        alone_s = time_alone(step, nb)
         names = args.variants.split(",")
         for name in names if rep % 2 == 0 else names[::-1]:  # no variant always last (drift within a repeat)
             with patched(name):
