@@ -357,6 +357,37 @@ def test_stopping_waits_for_the_gpu_work_its_pipeline_queued(small, backend, mon
         cupy.cuda.get_current_stream().synchronize()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_batch_not_yet_written_when_taken_is_waited_for_on_the_consumers_stream(small, backend, monkeypatch):
+    """A batch taken before its gather ran is ordered on the consumer's stream by the hand-over: here every
+    gather of the first batches waits behind a 300 ms spin on the assembler's stream, so they are taken
+    unwritten; read on the consumer's stream, they must be right."""
+    import cupy
+
+    from gdsload.device import CudaOps
+    from gdsload.steps import Spin
+
+    path, data = small
+    pending, begin, hand_over = [], CudaOps.begin, CudaOps.hand_over
+
+    def held_begin(self):
+        begin(self)
+        with self.work:
+            Spin(300.0).launch()  # the assembler's gathers queue behind it
+
+    def recorded(self, ready):
+        pending.append(ready is not None and not ready.done)
+        hand_over(self, ready)
+
+    monkeypatch.setattr(CudaOps, "begin", held_begin)
+    monkeypatch.setattr(CudaOps, "hand_over", recorded)
+    with Dataset(path, batch_size=64, backend=backend, shuffle=True, seed=4, window_blocks=3) as ds:
+        seen = np.concatenate([check(b, data) for b in ds])
+        assert sorted(seen.tolist()) == list(range(len(data["idx"])))
+        cupy.cuda.get_current_stream().synchronize()
+    assert pending[0], "the first batch was written before it was taken: the test would prove nothing"
+
+
 @pytest.mark.parametrize("copier", ["native", "cupy"])
 def test_mmap_copies_through_either_copier_serve_the_same_batches(small, copier):
     """The native copier (a window's copies in one call) and the CuPy loop it replaces: every sample of two
