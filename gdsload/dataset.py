@@ -205,7 +205,7 @@ class GDSDataset:
             filled = self._backend.load(buffer.buffer, requests, threading.Event())
             if filled is not None:
                 filled.synchronize()  # there when the open returns (copies still queued would hold up the pass)
-            buffer.loaded = (requests, None)
+            buffer.loaded = requests
         return buffer
 
     def _configure(self, batch_size: int, window_blocks: int | None, shuffle: bool, seed: int, drop_last: bool,

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .assembler import Assembler, EpochIndex, ResidentField
-from .backends.base import Backend, Queued, drain
+from .backends.base import Backend, Pending, Queued, drain
 from .cursor import Cursor
 from .errors import GDSLoadError, ReadError
 from .format import DatasetLayout
@@ -211,8 +211,10 @@ class Pipeline:
                     pace()
                     checks = self.wl.checks(self.layout, blocks) if self.verifier is not None else None
                     pace()
-                    loaded, filled = buf.take_loaded(work.requests)  # read at open: nothing to read again
-                    pending = Queued(filled) if loaded else self.backend.submit(buf.buffer, work.requests, self._halt)
+                    if buf.take_loaded(work.requests):  # read at open, there already: nothing to read again
+                        pending: Pending = Queued(None)
+                    else:
+                        pending = self.backend.submit(buf.buffer, work.requests, self._halt)
                     try:
                         decode = self.decoder.start(buf, work, self._halt) if self.decoder is not None else None
                     except BaseException:

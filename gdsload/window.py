@@ -45,18 +45,15 @@ class WindowBuffer:
     released: Any = None
     _views: dict[str, Any] | None = None
     host: Any = None  # host buffer of compressed fields decoded by CPU threads (GPU backends; made on first use)
-    #: The requests loaded into it before any pipeline wrote it (the dataset's open), with the event after
-    #: which their data is there.
-    loaded: tuple[list[Request], Any] | None = None
+    #: The requests whose data it holds, read before any pipeline wrote it (the dataset's open, which
+    #: waited for them).
+    loaded: list[Request] | None = None
 
-    def take_loaded(self, requests: Sequence[Request]) -> tuple[bool, Any]:
-        """Called as ``requests`` are about to be submitted into the buffer: True and the event after which
-        they are there when the buffer already holds exactly them (then nothing need be read). Either way it
-        holds nothing known after this call."""
+    def take_loaded(self, requests: Sequence[Request]) -> bool:
+        """Called as ``requests`` are about to be submitted into the buffer: whether it already holds exactly
+        them (then nothing need be read). Either way it holds nothing known after this call."""
         loaded, self.loaded = self.loaded, None
-        if loaded is not None and loaded[0] == list(requests):
-            return True, loaded[1]
-        return False, None
+        return loaded is not None and loaded == list(requests)
 
     def views(self, layout: WindowLayout) -> dict[str, Any]:
         """Each field's (rows, *sample_shape) view of the buffer, made once."""
