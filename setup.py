@@ -5,6 +5,5 @@ lets the install go on without it: gdsload then compiles it at first use, or run
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("gdsload._stage", sources=["gdsload/_stage.c"], optional=True,
-                             depends=["gdsload/_batches.c"],
                              extra_compile_args=["-O2", "-std=c11", "-pthread"], extra_link_args=["-pthread"],
                              libraries=["dl", "pthread"])])

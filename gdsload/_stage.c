@@ -24,7 +24,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define GDS_STAGER_ABI 5
+#define GDS_STAGER_ABI 4
 #define MODE_HOST 0
 #define MODE_CUDA 1
 #define ALIGN 4096
@@ -38,7 +38,6 @@ typedef struct CUctx_st *CUcontext;
 typedef struct CUstream_st *CUstream;
 typedef struct CUevent_st *CUevent;
 typedef unsigned long long CUdeviceptr;
-typedef struct CUfunc_st *CUfunction;
 #define CU_STREAM_NON_BLOCKING 0x1
 #define CU_EVENT_BLOCKING_SYNC 0x1
 #define CU_EVENT_DISABLE_TIMING 0x2
@@ -61,9 +60,6 @@ typedef struct {
     CUresult (*EventSynchronize)(CUevent);
     CUresult (*StreamWaitEvent)(CUstream, CUevent, unsigned int);
     CUresult (*MemcpyHtoDAsync)(CUdeviceptr, const void *, size_t, CUstream);
-    CUresult (*MemcpyDtoDAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
-    CUresult (*LaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
-                             CUstream, void **, void **);
     CUresult (*MemHostRegister)(void *, size_t, unsigned int);
     CUresult (*MemHostUnregister)(void *);
     CUresult (*GetErrorName)(CUresult, const char **);
@@ -428,9 +424,6 @@ static int load_cuda(cuda_api *cu, void **libcuda, int device, CUdevice *dev, CU
     SYM(MemHostRegister, "cuMemHostRegister_v2");
     SYM(MemHostUnregister, "cuMemHostUnregister");
 #undef SYM
-    /* The batcher's alone, so optional here: it checks them itself. */
-    *(void **)(&cu->MemcpyDtoDAsync) = dlsym(*libcuda, "cuMemcpyDtoDAsync_v2");
-    *(void **)(&cu->LaunchKernel) = dlsym(*libcuda, "cuLaunchKernel");
     CUresult r;
     const char *what;
     if ((r = cu->Init(0)) != 0) { what = "cuInit"; goto fail; }
@@ -917,6 +910,3 @@ int gds_copier_copy(gds_copier *c, int n, const uint64_t *dst, const uint64_t *s
     c->cu.CtxSetCurrent(saved);
     return rc;
 }
-
-/* ---- the batcher: a pipeline's batches assembled by a thread of its own ---- */
-#include "_batches.c"

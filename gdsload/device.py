@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ._cuda import D2D, new_event, record_event
-from .gather_cuda import Gather, launch_shape, word_bytes
+from .gather_cuda import Gather, word_bytes
 
 _WORD_DTYPES = {16: np.complex128, 8: np.uint64, 4: np.uint32, 2: np.uint16, 1: np.uint8}
 
@@ -84,41 +84,6 @@ class HostOps:
         """A batch's arrays as the consumer gets them (after hand_over()); the dict itself when they need
         no conversion (the assembler made it for this batch alone)."""
         return batch
-
-    # The native batcher's needs (gdsload/native_assembly.py): raw addresses and handles, output slots.
-    native_mode = "host"
-    device_id = 0
-    work_handle = 0
-
-    def address(self, a: Any) -> int:
-        return int(a.ctypes.data)
-
-    def stream_handle(self) -> int:
-        return 0
-
-    def new_slot(self, nbytes: int) -> tuple[Any, int]:
-        """(the memory, its address) of an output slot."""
-        mem = np.empty(nbytes, dtype=np.uint8)
-        return mem, int(mem.ctypes.data)
-
-    def slot_arrays(self, mem: Any, layout: Any) -> dict[str, Any]:
-        """A full batch of every field of ``layout`` (gdsload.batch_program.SlotLayout) over ``mem``."""
-        return {f.name: np.ndarray((layout.batch_size, *f.sample_shape), f.dtype, buffer=mem, offset=f.offset)
-                for f in layout.fields}
-
-    def pointers(self, arrays: dict[str, Any]) -> list[Any]:
-        """Objects besides the arrays and their memory that views of them may hold (device pointers)."""
-        return []
-
-    def new_ready_event(self) -> tuple[Any, int]:
-        return None, 0
-
-    def event_handle(self, event: Any) -> int:
-        return 0 if event is None else int(event.ptr)
-
-    def chooser(self) -> Any:
-        """(rows, row_bytes, idx_bytes, alignment) -> (kernel handle, words, blocks) of a gather."""
-        return lambda rows, row_bytes, idx_bytes, align: (0, row_bytes, 0)
 
 
 class TorchHostOps(HostOps):
@@ -269,55 +234,6 @@ class CudaOps:
         """An array for the consumer (call fence() after allocating, before writing)."""
         with self.outputs:
             return self.cupy.empty(shape, dtype=dtype)
-
-    # The native batcher's needs (see HostOps).
-    native_mode = "cuda"
-
-    @property
-    def device_id(self) -> int:
-        return int(self.device.id)
-
-    @property
-    def work_handle(self) -> int:
-        return int(self.work.ptr)
-
-    def address(self, a: Any) -> int:
-        return int(a.data.ptr)
-
-    def stream_handle(self) -> int:
-        return int(self.stream.ptr)
-
-    def new_slot(self, nbytes: int) -> tuple[Any, int]:
-        with self.device, self.outputs:  # the pool of a stream nobody queues work on (see __init__)
-            mp = self.cupy.cuda.alloc(nbytes)
-        return mp.mem, int(mp.ptr)
-
-    def slot_arrays(self, mem: Any, layout: Any) -> dict[str, Any]:
-        mp = self.cupy.cuda.MemoryPointer
-        return {f.name: self.cupy.ndarray((layout.batch_size, *f.sample_shape), f.dtype, mp(mem, f.offset))
-                for f in layout.fields}
-
-    def pointers(self, arrays: dict[str, Any]) -> list[Any]:
-        return [a.data for a in arrays.values()]
-
-    def new_ready_event(self) -> tuple[Any, int]:
-        with self.device:
-            event = new_event()
-        return event, int(event.ptr)
-
-    def event_handle(self, event: Any) -> int:
-        return 0 if event is None else int(event.ptr)
-
-    def chooser(self) -> Any:
-        gather = self.gather
-
-        def choose(rows: int, row_bytes: int, idx_bytes: int, align: int) -> tuple[int, int, int]:
-            word = word_bytes(row_bytes, align)
-            name, blocks = launch_shape(rows, row_bytes // word, gather.sm_count)
-            with self.device:
-                kernel = gather.kernel(name, word, idx_bytes)  # a RawKernel: its Function holds the handle
-                return int(getattr(kernel, "kernel", kernel).ptr), row_bytes // word, blocks
-        return choose
 
     def export(self, batch: dict[str, Any]) -> dict[str, Any]:
         """Called from the consumer's thread after hand_over(): the batch is ready on its stream. CuPy

@@ -91,8 +91,7 @@ class Gather:
         self._module: Any = None
         self._kernels: dict[tuple[str, int, int], Any] = {}
 
-    def kernel(self, name: str, word: int, index: int) -> Any:
-        """The loaded kernel ``<name>_<word>_<index>`` (a CuPy Function; ``.ptr`` is its CUfunction)."""
+    def _kernel(self, name: str, word: int, index: int) -> Any:
         kernel = self._kernels.get((name, word, index))
         if kernel is None:
             if self._module is None:
@@ -118,6 +117,6 @@ class Gather:
         word = word_bytes(row_bytes, src.data.ptr, out.data.ptr)
         words = row_bytes // word
         name, blocks = launch_shape(rows, words, self.sm_count)
-        kernel = self.kernel(name, word, idx.dtype.itemsize)
+        kernel = self._kernel(name, word, idx.dtype.itemsize)
         kernel((blocks,), (THREADS,), (src, idx, out, np.int64(rows), np.int64(words)))
         return True

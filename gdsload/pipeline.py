@@ -11,9 +11,8 @@ window's last gather and gives the buffer back. Finished batches go to the consu
 hand-off with the event after which they are written ("ready"); the consumer's stream waits on it in
 ``next()``. Submission runs ahead of completion, so the next window's reads queue behind the current one's
 and the readers never idle at a window boundary; assembly runs ``ahead`` batches before the consumer, so
-``next()`` only takes a finished batch. Once the consumer has begun a pass, the threads go on into the
-next epoch (at most one pass ahead), so a new pass does not start by waiting. Where it can, the native
-batcher's C thread is the assembler (native_assembly.py): no Python thread of ours then runs per batch.
+``next()`` only takes a finished batch. Once the consumer has begun a pass, the
+threads go on into the next epoch (at most one pass ahead), so a new pass does not start by waiting.
 
 Stopping: ``close()`` (from any thread but the pipeline's own) sets ``stop`` and ``halt``, wakes every
 waiter and joins the threads; a reader's error sets ``halt`` only, and travels to the consumer through the
@@ -21,6 +20,7 @@ assembler with the window it was reading. The completer drains everything submit
 read still writes into a buffer once the threads are gone; then ``close()`` waits for the device work the
 pipeline queued (gathers, index uploads, copies), so none of it touches memory that changes hands.
 """
+
 from __future__ import annotations
 
 import queue
@@ -33,10 +33,9 @@ from typing import Any
 from .assembler import Assembler, EpochIndex, ResidentField
 from .backends.base import Backend, Pending, Queued, drain
 from .cursor import Cursor
-from .errors import BackendUnavailable, GDSLoadError, ReadError
+from .errors import GDSLoadError, ReadError
 from .format import DatasetLayout
 from .handoff import POLL_S, Handoff, get
-from .native_assembly import NativeAssembly, eligible, failure_error
 from .pacing import Pacer
 from .plan import EpochPlan
 from .stats import EpochStats
@@ -112,10 +111,6 @@ class Pipeline:
                          threading.Thread(target=self._assemble_loop, name="gdsload-reader-assemble", daemon=True)]
         self._closed = False
         ops.begin()  # the consumer's stream as the pass starts (the assembler orders its writes after it)
-        self.native = _native(ops, self.assembler, window_layout, self.buffers, plan.config.batch_size, ahead,
-                              layout.meta.path)
-        if self.native is not None:
-            self._threads.pop()  # the batcher's C thread assembles
         # Bytes read for the first pass before it started (resident fields): counted before the completer
         # thread adds to the same figure.
         self._pass(0).stats.bytes_read = bytes_before
@@ -144,8 +139,6 @@ class Pipeline:
             # The index arrays go up now, before any read of this pass is submitted (Assembler.index).
             p = _Pass(k, epoch, plan, start, first, EpochStats(io_mode=self.backend.io_mode),
                       self.assembler.index(plan, pace))
-            if self.native is not None:  # its program, made (and paced) as the index is
-                self.native.add_pass(k, p.epoch_index, start, pace)
             with self._passes_lock:
                 # Only passes the consumer is done with are dropped: every other thread may still ask for
                 # the others, and must get the same object (its stats are shared).
@@ -173,10 +166,6 @@ class Pipeline:
         that epoch's widest batch (else the dataset starts a new pipeline with more)."""
         return k == 0 or (self.follow and self._pass(k).plan.max_windows_per_batch() <= len(self.buffers))
 
-    def ready(self) -> int:
-        """Batches assembled and not taken yet."""
-        return self.native.batcher.published()[1] if self.native is not None else len(self._assembled)
-
     @property
     def stats(self) -> EpochStats:
         """The statistics of the pass the consumer is in, or takes next."""
@@ -185,8 +174,6 @@ class Pipeline:
     # -- reader threads ------------------------------------------------------------------------------
     def _next_free(self) -> WindowBuffer | None:
         """A free window buffer, or None once reading stops (close() also queues a None to wake this)."""
-        if self.native is not None:
-            return self.native.free_buffer(self._halt.is_set, self.buffers)
         while not self._halt.is_set():
             try:
                 return self._free.get(timeout=POLL_S)
@@ -248,11 +235,11 @@ class Pipeline:
             item = self._inflight.get()
             if item is _END:
                 if not self._halt.is_set():
-                    self._hand_on(_END)
+                    self._ready.put(_END)
                 return
             if isinstance(item, _Failure):
                 self._halt.set()
-                self._hand_on(item)
+                self._ready.put(item)
                 continue
             p, w, buf, nbytes, checks, pending, decode = item
             try:
@@ -264,25 +251,14 @@ class Pipeline:
             except BaseException as e:
                 if not self._halt.is_set():
                     self._halt.set()
-                    self._hand_on(_Failure(e, p.describe(w)))
+                    self._ready.put(_Failure(e, p.describe(w)))
                 continue
             finally:
                 if decode is not None:
                     decode.drain()  # reads into its host buffer are over, whatever happened
             if not self._halt.is_set():
                 p.stats.bytes_read += nbytes
-                self._hand_on((p.index, w, buf, filled))
-
-    def _hand_on(self, item: Any) -> None:
-        """A filled window, a reader's failure or the readers' end, to whichever assembles."""
-        if self.native is None:
-            self._ready.put(item)
-        elif item is _END:
-            self.native.end()
-        elif isinstance(item, _Failure):
-            self.native.fail(item.error, item.where)
-        else:
-            self.native.announce(*item)
+                self._ready.put((p.index, w, buf, filled))
 
     # -- assembler thread ----------------------------------------------------------------------------
     def _take_ready(self) -> tuple[int, int, WindowBuffer, Any] | None:
@@ -293,7 +269,10 @@ class Pipeline:
         if item is _END:
             raise ReadError("internal error: the reader finished before the plan did")
         if isinstance(item, _Failure):
-            raise failure_error(item.error, item.where, self.layout.meta.path)
+            e = item.error
+            if isinstance(e, GDSLoadError):  # its message starts with the file it is about
+                raise type(e)(f"{e} (reading {item.where})") from e
+            raise ReadError(f"{self.layout.meta.path}: reading {item.where} failed ({type(e).__name__}: {e})") from e
         return item
 
     def _assemble_loop(self) -> None:
@@ -336,27 +315,14 @@ class Pipeline:
             self._assembled.put(_Failure(e), self._stop)
 
     # -- consumer ------------------------------------------------------------------------------------
-    def _take_assembled(self, k: int, i: int, stats: EpochStats) -> tuple[dict[str, Any], int, int]:
-        """Batch ``i`` of pass ``k`` from the assembler thread, on the consumer's stream: (batch, samples, bytes)."""
-        try:
-            item = self._assembled.take_ready()
-        except queue.Empty:
-            item = self._wait_assembled(stats)
-        if item is None or self._closed:  # close() drops queued batches: what comes after is not due
-            raise GDSLoadError(_CLOSED)
-        if isinstance(item, _Failure):
-            raise item.error
-        got_k, got, out, samples, nbytes, ready = item
-        if got != i or got_k != k:
-            raise GDSLoadError(f"internal error: batch {got} of pass {got_k} assembled where {i} of pass {k} was due")
-        self.ops.hand_over(ready)
-        return self.ops.export(out), samples, nbytes
-
     def _wait_assembled(self, stats: EpochStats) -> Any:
         """The next assembled batch when none was ready: the wait is the consumer's stall."""
         t0 = time.perf_counter()
         item = self._assembled.get(self._stop)
-        stats.stalled(time.perf_counter() - t0)
+        waited = time.perf_counter() - t0
+        stats.stall_s += waited
+        if stats.batches == 0:
+            stats.first_batch_s += waited
         return item
 
     def batches(self) -> Iterator[dict[str, Any]]:
@@ -375,29 +341,36 @@ class Pipeline:
     def _yield_pass(self, p: _Pass) -> Iterator[dict[str, Any]]:
         # Each turn of this loop lies between two of the consumer's training steps: a batch already
         # assembled is taken without a clock or a blocking call, and the calls are looked up once.
-        k, stats, native = p.index, p.stats, self.native
-        take = native.hand_out if native is not None else self._take_assembled
-        release, clock = self._assembled.release, time.perf_counter
+        k, stats = p.index, p.stats
+        take, release = self._assembled.take_ready, self._assembled.release
+        hand_over, export, clock = self.ops.hand_over, self.ops.export, time.perf_counter
         started = clock()
         done = False
         try:
             for i in range(p.start_batch, p.plan.num_batches):
                 if self._closed:
                     raise GDSLoadError(_CLOSED)
-                batch, samples, nbytes = take(k, i, stats)
+                try:
+                    item = take()
+                except queue.Empty:
+                    item = self._wait_assembled(stats)
+                if item is None or self._closed:  # close() drops queued batches: what comes after is not due
+                    raise GDSLoadError(_CLOSED)
+                if isinstance(item, _Failure):
+                    raise item.error
+                got_k, got, out, samples, nbytes, ready = item
+                if got != i or got_k != k:
+                    raise GDSLoadError(f"internal error: batch {got} of pass {got_k} assembled where {i} of pass "
+                                       f"{k} was due")
+                hand_over(ready)
+                batch = export(out)
                 stats.batches += 1
                 stats.samples += samples
                 stats.bytes_delivered += nbytes
                 stats.wall_s = clock() - started
-                if native is None:
-                    release()  # last: the assembler wakes as the consumer's step starts
-                elif stats.batches == 1 and k == 0:
-                    self.backend.started()  # what the backend kept back no longer competes with the first batch
+                release()  # last: the assembler wakes as the consumer's step starts
                 yield batch
             done = True
-            if native is not None:  # every gather of the pass is queued: its index arrays go once they ran
-                self.ops.retire(p.epoch_index.dev)
-                native.retire(k)
             self._consumer_pass, self._taken = k + 1, False
         finally:
             stats.wall_s = clock() - started
@@ -411,8 +384,6 @@ class Pipeline:
         self._closed = True
         self._stop.set()
         self._halt.set()
-        if self.native is not None:
-            self.native.stop()  # wakes the submitter and the consumer where they wait in the batcher
         # Wake every thread now rather than at its next poll: reading ahead, they wait in all these places.
         self._free.put(None)  # type: ignore[arg-type]  # the submitter, for a window buffer
         self._ready.put(None)  # the assembler, for a window
@@ -422,8 +393,6 @@ class Pipeline:
         for t in self._threads:
             if t.is_alive() and t is not threading.current_thread():
                 t.join()
-        if self.native is not None:
-            self.native.close()
         try:
             # The GPU work this pipeline queued ends before anything it used changes hands: its gathers and
             # uploads (memory freed with this pipeline is handed out again at once), and copies still
@@ -436,14 +405,3 @@ class Pipeline:
             return
         for b in self.buffers:
             b.released = None  # nothing of this pipeline reads them any more
-
-
-def _native(ops: Any, assembler: Assembler, wl: WindowLayout, buffers: Sequence[WindowBuffer], batch_size: int,
-            ahead: int, path: str) -> NativeAssembly | None:
-    """The native batcher when it can assemble this pipeline's batches (None: the assembler thread does)."""
-    if not eligible(ops, assembler):
-        return None
-    try:
-        return NativeAssembly(ops, assembler, wl, buffers, batch_size, max(1, ahead), path, _CLOSED)
-    except BackendUnavailable:
-        return None

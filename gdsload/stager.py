@@ -47,11 +47,9 @@ from .errors import BackendUnavailable, ReadError, one_line
 from .files import read_error
 
 ENV_NATIVE = "GDSLOAD_NATIVE"
-ABI = 5  # GDS_STAGER_ABI in _stage.c: a library of another version is not used
+ABI = 4  # GDS_STAGER_ABI in _stage.c: a library of another version is not used
 _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(_HERE, "_stage.c")
-#: Every source file of the library: _stage.c includes the others.
-SOURCES = (SOURCE, os.path.join(_HERE, "_batches.c"))
 _MODES = {"host": 0, "cuda": 1}
 MSG_LEN = 512  # bytes of the buffer the library writes its error message into
 #: The longest single wait in C: a wait without a timeout returns to Python this often, so Ctrl-C in the
@@ -109,12 +107,9 @@ def installed_path() -> str | None:
 
 
 def cached_path() -> str:
-    """The runtime build's file: named by the sha256 of its sources' bytes (and the machine)."""
-    digest = hashlib.sha256()
-    for source in SOURCES:
-        with open(source, "rb") as f:
-            digest.update(f.read())
-    digest = digest.hexdigest()
+    """The runtime build's file: named by the sha256 of ``_stage.c``'s bytes (and the machine)."""
+    with open(SOURCE, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
     return os.path.join(cache_dir(), f"_stage-{platform.machine() or 'unknown'}-{digest}.so")
 
 
@@ -150,9 +145,8 @@ def _find() -> tuple[ctypes.CDLL | None, str | None, str | None]:
             return _open(path), path, None
         except OSError as e:
             notes.append(f"installed {os.path.basename(path)} unusable ({e}); ")
-    missing = [s for s in SOURCES if not os.path.isfile(s)]
-    if missing:
-        return None, None, f"{''.join(notes)}no native stager: {missing[0]} is missing"
+    if not os.path.isfile(SOURCE):
+        return None, None, f"{''.join(notes)}no native stager: {SOURCE} is missing"
     try:
         path = cached_path()
         if os.path.isfile(path):

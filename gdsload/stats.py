@@ -25,12 +25,6 @@ class EpochStats:
     stall_s: float = 0.0
     first_batch_s: float = 0.0
 
-    def stalled(self, seconds: float) -> None:
-        """The consumer blocked ``seconds`` in ``next()`` for the next batch."""
-        self.stall_s += seconds
-        if self.batches == 0:
-            self.first_batch_s += seconds
-
     @property
     def gb_per_s(self) -> float:
         """Bytes delivered per second of the pass's wall time, in GB/s."""

@@ -382,7 +382,6 @@ def test_converter_datasets_keep_their_path(tmp_path, monkeypatch):
             return real(self, *args)
         return call
 
-    monkeypatch.setenv("GDSLOAD_NATIVE", "0")  # the Python assembler's calls are counted (test_batcher: native)
     monkeypatch.setattr(HostOps, "copy_rows", counting("copy", copy))
     monkeypatch.setattr(HostOps, "take", counting("take", take))
     with GDSDataset(path, batch_size=32, backend="cpu", resident_bytes=0) as ds:
@@ -404,7 +403,6 @@ def test_straddling_fields_always_gather_by_index(tmp_path, monkeypatch):
     expected = {"id": write(g, "id", 64, dtype="int64"), "a": write(g, "a", 9, (2,), "int32", shards=27)}
     copied = []
     copy = HostOps.copy_rows
-    monkeypatch.setenv("GDSLOAD_NATIVE", "0")  # the Python assembler's calls are counted (test_batcher: native)
     monkeypatch.setattr(HostOps, "copy_rows", lambda self, src, first, out: (copied.append(src.shape), copy(
         self, src, first, out)))
     with GDSDataset(path, batch_size=32, backend="cpu", resident_bytes=0, window_blocks=3) as ds:
