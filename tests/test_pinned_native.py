@@ -123,5 +123,6 @@ def test_readers_of_ranks_sharing_a_machine_leave_its_cores_and_caches_to_the_ot
     assert native_threads(rank_cores(32, 32, 2)) == 12
     assert native_buf_bytes(1) == NATIVE_BUF_BYTES and native_buf_bytes(2) == NATIVE_SHARED_BUF_BYTES
     assert NATIVE_SHARED_BUF_BYTES < NATIVE_BUF_BYTES
-    assert default_threads(1, 32) == default_threads(1, 16) == KVIKIO_THREADS  # alone: KvikIO's as before
-    assert default_threads(2, rank_cores(32, 32, 2)) == 12
+    # KvikIO's readers leave two cores to the consumer and the pipeline, alone or beside other ranks
+    assert default_threads(32) == KVIKIO_THREADS and default_threads(16) == 14 and default_threads(3) == 2
+    assert default_threads(rank_cores(32, 32, 2)) == 14

@@ -78,7 +78,13 @@ def test_describe_is_json_ready(make_dataset):
 def fake_kvikio(monkeypatch):
     """A stand-in for kvikio.defaults that records every setting of the pool, and a fresh KvikioPool."""
     calls = []
-    defaults = types.SimpleNamespace(set=lambda d: calls.append(dict(d)))
+    now = {"num_threads": 1, "task_size": 4 << 20, "bounce_buffer_size": 16 << 20}  # KvikIO's own defaults
+
+    def set_(d):
+        calls.append(dict(d))
+        now.update(d)
+
+    defaults = types.SimpleNamespace(set=set_, get=now.__getitem__)
     kvikio = types.ModuleType("kvikio")
     kvikio.defaults = defaults
     monkeypatch.setitem(sys.modules, "kvikio", kvikio)
@@ -105,6 +111,21 @@ def test_kvikio_pool_is_set_once_and_a_conflicting_request_warns(fake_kvikio):
         pool.acquire(8, 1 << 20)
     assert calls[-1] == {"num_threads": 8, "task_size": 1 << 20, "bounce_buffer_size": 1 << 20}, \
         "once free, the next user's settings apply"
+
+
+def test_kvikio_pool_set_by_other_code_since_is_set_again(fake_kvikio):
+    """A benchmark's raw reads (or the user) may set KvikIO's pool between two datasets: the next dataset
+    must get the pool it asks for (it kept the other's, while its stats reported its own)."""
+    pool, calls = fake_kvikio
+    pool.acquire(14, 4 << 20)
+    pool.release()
+    sys.modules["kvikio"].defaults.set({"num_threads": 16, "task_size": 4 << 20})  # not through the pool
+    pool.acquire(14, 4 << 20)
+    assert calls[-1] == {"num_threads": 14, "task_size": 4 << 20, "bounce_buffer_size": 4 << 20}
+    pool.release()
+    n = len(calls)
+    pool.acquire(14, 4 << 20)
+    assert len(calls) == n, "a pool already set as asked is not restarted"
 
 
 def test_positions_are_rows_of_the_window():

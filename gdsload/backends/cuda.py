@@ -50,6 +50,14 @@ class CudaBackend(Backend):
             return record_event(self.stream)
 
 
+def _current(defaults: Any) -> tuple[Any, ...] | None:
+    """KvikIO's pool settings now (threads, task size, bounce buffer size); None where it cannot say."""
+    try:
+        return tuple(defaults.get(k) for k in ("num_threads", "task_size", "bounce_buffer_size"))
+    except (AttributeError, KeyError, ValueError):
+        return None
+
+
 class KvikioPool:
     """KvikIO's thread pool is one per process, and setting it restarts it. Backends that read through it
     ask for their settings here: the first one applies them; while it is in use, a request for other
@@ -74,9 +82,12 @@ class KvikioPool:
                 warnings.warn(f"KvikIO's thread pool is shared by the process and in use with {have[0]} threads "
                               f"and {have[1]}-byte tasks; this dataset asked for {num_threads} and {task_bytes} "
                               f"and gets the pool as it is", RuntimeWarning, stacklevel=4)
-            elif cls._settings != wanted:
+            elif not cls._users and _current(kvikio.defaults) != (num_threads, task_bytes, task_bytes):
+                # Compared with KvikIO's own settings, not the last ones set here: other code in the process
+                # (the user's, a benchmark's raw reads) may have set the pool since.
                 kvikio.defaults.set({"num_threads": num_threads, "task_size": task_bytes,
                                      "bounce_buffer_size": task_bytes})
+            if not cls._users:
                 cls._settings = wanted
             cls._users += 1
 

@@ -15,19 +15,21 @@ from typing import Any
 
 from .base import FileHandles, Pending, ReadRequest, Request, coalesce, read_error
 from .cuda import CudaBackend, KvikioPool
-from .native import native_threads
 
 DEFAULT_THREADS = 16
+#: Cores left to the consumer and the pipeline's busy threads beside KvikIO's (its submitter and completer
+#: mostly wait on KvikIO).
+PIPELINE_CORES = 2
 DEFAULT_TASK_BYTES = 4 << 20
 DEFAULT_MAX_READ_BYTES = 64 << 20
 
 
-def default_threads(ranks: int, cores: int) -> int:
-    """KvikIO's pool size by default: ``DEFAULT_THREADS`` for a process alone on its machine; where ``ranks``
-    processes of the job read on it, as many as the native reader's on this rank's ``cores`` (its share,
-    :func:`gdsload.env.rank_cores`), so that the ranks' readers and pipeline threads do not outnumber the
-    cores (docs/benchmarks.md, "Multi-GPU")."""
-    return DEFAULT_THREADS if ranks <= 1 else native_threads(cores)
+def default_threads(cores: int) -> int:
+    """KvikIO's pool size by default on ``cores`` cores (this rank's share, :func:`gdsload.env.rank_cores`):
+    ``DEFAULT_THREADS`` at most, with ``PIPELINE_CORES`` left to the consumer and the pipeline's threads, so
+    that KvikIO's readers and they do not outnumber the cores (docs/benchmarks.md, "`kvikio`'s readers and
+    the cores")."""
+    return max(2, min(DEFAULT_THREADS, cores - PIPELINE_CORES))
 
 
 class KvikioBackend(CudaBackend):
@@ -41,10 +43,10 @@ class KvikioBackend(CudaBackend):
         ``max_read_bytes``."""
         import kvikio
 
-        from ..env import gds_available, local_ranks, rank_cores
+        from ..env import gds_available, rank_cores
 
         if num_threads is None:
-            num_threads = default_threads(local_ranks(), rank_cores())
+            num_threads = default_threads(rank_cores())
         if num_threads < 1 or task_bytes < 1 or max_read_bytes < 1:
             raise ValueError(f"num_threads, task_bytes and max_read_bytes must be positive (found {num_threads}, "
                              f"{task_bytes}, {max_read_bytes})")
