@@ -68,7 +68,8 @@ def make_kind(kind: str, nbytes: int, seed: int = 0) -> np.ndarray:
 @functools.lru_cache(maxsize=1)
 def text_ids(max_words: int = 6_000_000) -> np.ndarray:
     """Word-level token ids of real text: the standard library's ``.py``, ``.txt`` and ``.rst`` files in a fixed
-    order, split into words and runs of one punctuation mark; ids are frequency ranks, words past the vocabulary share the last id."""
+    order, split into words and runs of one punctuation mark; ids are frequency ranks, words past the
+    vocabulary share the last id."""
     words: list[str] = []
     root = sysconfig.get_paths()["stdlib"]
     for dirpath, dirnames, files in os.walk(root):
@@ -231,7 +232,8 @@ def zarr_reads(path: str, field: str, gpu: bool) -> list[dict[str, Any]]:
 
                     cupy.cuda.Device().synchronize()
                 seconds = time.perf_counter() - t0
-                row.update(gbps=data.nbytes / seconds / 1e9, cpu_core_s_per_gb=(cpu_seconds() - c0) / (data.nbytes / 1e9),
+                row.update(gbps=data.nbytes / seconds / 1e9,
+                           cpu_core_s_per_gb=(cpu_seconds() - c0) / (data.nbytes / 1e9),
                            array_type=type(data).__module__.split(".")[0])
             finally:
                 if ctx is not None:
@@ -301,8 +303,10 @@ def main(argv: list[str] | None = None) -> str:
                                "ratio": stored_ratio(path, "tokens")}
         if gpu:
             row["nvcomp_decode_gbps"] = nvcomp_decode_gbps(path, "tokens")
-        row["warm_gbps"] = {b: gdsload_pass(path, b, args.batch_size, warm_s, False, resident_bytes=resident)["warm_gbps"]
-                            for b in (args.chunk_backends.split(",") if args.chunk_backends else backends)}
+        chunk_backends = args.chunk_backends.split(",") if args.chunk_backends else backends
+        row["warm_gbps"] = {
+            b: gdsload_pass(path, b, args.batch_size, warm_s, False, resident_bytes=resident)["warm_gbps"]
+            for b in chunk_backends}
         rows.emit(row)
     info = describe_machine(args.data)
     out = os.path.join(results_dir(args.out, info), "compression" + (f"-{args.tag}" if args.tag else "") + ".json")

@@ -151,7 +151,8 @@ class Recorder:
         extra = fn.extra() if hasattr(fn, "extra") else {}
         return self.emit({**where, **labels, **figures(best(runs), waits), **extra})
 
-    def steps(self, dataset: str, name: str, config: str, run: GdsRun, passes: int, **labels: Any) -> dict[str, Any] | None:
+    def steps(self, dataset: str, name: str, config: str, run: GdsRun, passes: int,
+              **labels: Any) -> dict[str, Any] | None:
         """A training-step row from ``run.passes(passes)``: the figures of the passes after the one from rest
         (their bytes over their time; waiting: their median, each in ``wait_fraction_runs``), the pass
         from rest beside them (``first_pass_wait_fraction``, ``first_batch_s``: the pipeline's start), and

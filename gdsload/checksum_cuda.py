@@ -55,7 +55,8 @@ extern "C" __global__ void crc32c_pieces(
         for (int k = 0; n; ++k, n >>= 1) {
             if (n & 1) {
                 const unsigned int* t = powers + k * 1024;
-                acc = t[acc & 0xff] ^ t[256 + ((acc >> 8) & 0xff)] ^ t[512 + ((acc >> 16) & 0xff)] ^ t[768 + (acc >> 24)];
+                acc = t[acc & 0xff] ^ t[256 + ((acc >> 8) & 0xff)]
+                    ^ t[512 + ((acc >> 16) & 0xff)] ^ t[768 + (acc >> 24)];
             }
         }
     }

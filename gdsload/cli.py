@@ -292,7 +292,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     info = sub.add_parser("info", help="GPU, CUDA, KvikIO and GDS status; with PATH, a dataset summary")
     info.add_argument("path", nargs="?")
-    demo = sub.add_parser("demo", help="write a small synthetic dataset and read two epochs of it, checking every batch")
+    demo = sub.add_parser("demo",
+                          help="write a small synthetic dataset and read two epochs of it, checking every batch")
     demo.add_argument("--samples", type=int, default=8192)
     demo.add_argument("--batch-size", type=int, default=256)
     demo.add_argument("--backend", default="auto", choices=list(BACKENDS))

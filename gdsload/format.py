@@ -81,8 +81,9 @@ class DatasetMeta:
     chunk; for a foreign store (``foreign``), a choice (:func:`gdsload.zarr_store.block_rows`) that each
     array's chunks need not match. ``checksums`` maps a field to the path (in the group) of its checksum
     array: uint32, one crc32c per block (a fixed field: of the block's bytes as decoded, padding included,
-    which for a raw chunk are its stored bytes; a variable-length field: of the bytes of values rows ``[offsets[b*K], offsets[min((b+1)*K,
-    N)])``). Empty when the dataset has none (always, for a foreign store).
+    which for a raw chunk are its stored bytes; a variable-length field: of the bytes of values rows
+    ``[offsets[b*K], offsets[min((b+1)*K, N)])``). Empty when the dataset has none (always, for a foreign
+    store).
     """
 
     path: str

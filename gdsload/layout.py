@@ -305,8 +305,8 @@ class DatasetLayout:
         """Chunks read into a buffer region, chunk ``chunks[i]`` into slot ``slots[i]`` (a slot holds one
         chunk's data; default: slot i, back to back), as runs ``(path, offset, nbytes, first slot)``: each
         run is one read of consecutive bytes of one file into consecutive slots, or one chunk never written
-        (``path`` None); raw arrays only. One numpy pass instead of a lookup per chunk: this runs on a reader thread, where a
-        long stretch of Python holds the GIL the training loop waits for."""
+        (``path`` None); raw arrays only. One numpy pass instead of a lookup per chunk: this runs on a reader
+        thread, where a long stretch of Python holds the GIL the training loop waits for."""
         bb = self.meta.array(key).block_bytes
         chunks = np.asarray(chunks, dtype=np.int64)
         if len(chunks) == 0:

@@ -11,7 +11,8 @@ Sources of the formats and rules (not re-stated here in full):
 * nvidia-fs stats: the driver's ``nvfs_stats_show`` in NVIDIA/gds-nvidia-fs ``src/nvfs-stat.c`` (one
   ``Reads : n=.. ok=.. err=.. readMiB=.. io_state_err=..`` line while the driver's ``rw_stats_enabled``
   parameter is 1; only ``Reads : err=.. io_state_err=..`` while it is 0, the default), and the sample
-  output in https://docs.nvidia.com/gpudirect-storage/troubleshooting-guide/displaying-gds-nvidia-fs-driver-statistics.html
+  output in the GDS troubleshooting guide,
+  https://docs.nvidia.com/gpudirect-storage/troubleshooting-guide/displaying-gds-nvidia-fs-driver-statistics.html
 * the file systems GDS reads directly: see :func:`fs_support`.
 """
 

@@ -111,8 +111,8 @@ out[:] = 0
 unregistered = np.zeros(64, np.uint8)
 report["addrs"] = [unregistered.ctypes.data, out.ctypes.data + 64]
 try:
-    copier.copy(np.array([out.ctypes.data, out.ctypes.data + 64]), np.array([source.ctypes.data, unregistered.ctypes.data]),
-                np.array([64, 64]), after)
+    copier.copy(np.array([out.ctypes.data, out.ctypes.data + 64]),
+                np.array([source.ctypes.data, unregistered.ctypes.data]), np.array([64, 64]), after)
     report["error"] = None
 except ReadError as e:
     report["error"], report["index"] = str(e), e.index

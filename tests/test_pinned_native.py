@@ -66,7 +66,8 @@ def test_a_window_lands_exactly_and_hands_back_the_fill_event(backend):
     assert job.finish() is FILLS
     for r in reads:
         f = paths.index(r.path)
-        np.testing.assert_array_equal(dest[r.dest_offset:r.dest_offset + r.nbytes], datas[f][r.offset:r.offset + r.nbytes])
+        np.testing.assert_array_equal(dest[r.dest_offset:r.dest_offset + r.nbytes],
+                                      datas[f][r.offset:r.offset + r.nbytes])
 
 
 def test_a_failed_read_names_its_file(backend):

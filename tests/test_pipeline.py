@@ -165,8 +165,9 @@ def test_resume_in_a_fresh_process(data_path):
         head = [next(it)["idx"].tolist() for _ in range(7)]
         state = ds.state_dict()
         del it
+    pythonpath = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
     out = subprocess.run([sys.executable, "-c", script, path, json.dumps(state)], capture_output=True, text=True,
-                         check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))})
+                         check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": pythonpath})
     assert sum(head, []) + json.loads(out.stdout) == full
 
 

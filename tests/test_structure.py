@@ -38,6 +38,20 @@ def test_no_library_module_is_over_450_lines():
     assert sizes and max(sizes.values()) <= 450, {k: v for k, v in sizes.items() if v > 450}
 
 
+def test_no_code_line_is_over_120_characters():
+    """The project's line limit for its Python: 120 characters, in the library, its benchmarks and its tests
+    (long lines had crept into docstrings and argument lists)."""
+    long = []
+    for top in ("gdsload", "benchmarks", "tests"):
+        for folder, _, files in os.walk(os.path.join(ROOT, top)):
+            for f in files:
+                if f.endswith(".py"):
+                    with open(os.path.join(folder, f), encoding="utf-8") as fh:
+                        long += [f"{os.path.relpath(os.path.join(folder, f), ROOT)}:{n}"
+                                 for n, line in enumerate(fh, 1) if len(line.rstrip("\n")) > 120]
+    assert not long, long
+
+
 def test_cursor_next_pass():
     assert Cursor().next_pass(began=False, numbered=False) == Cursor(), "the first pass is epoch 0"
     assert Cursor(3, 7).next_pass(began=True, numbered=False) == Cursor(4), "without set_epoch: the next epoch"

@@ -247,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
             got = attribute(parts, floor, args.long_us, timeline)
             for key in PARTS + ("gap",):
                 raw[f"{variant}-{rep}-{turn}-{key}"] = np.concatenate([p[key] for p in parts])
-            rows.emit({"variant": variant, "repeat": rep, "turn": turn, "backend": args.backend, "step_ms": round(ms, 3),
-                       "batches": nb, "alone_gap_us_p50": round(floor, 1),
+            rows.emit({"variant": variant, "repeat": rep, "turn": turn, "backend": args.backend,
+                       "step_ms": round(ms, 3), "batches": nb, "alone_gap_us_p50": round(floor, 1),
                        "pass_s": [round(w, 4) for w in walls[1:]],
                        "timeline_calls": len(timeline.events), **got})
             cupy.cuda.get_current_stream().synchronize()

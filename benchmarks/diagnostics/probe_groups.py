@@ -58,8 +58,8 @@ def waiting(path: str, backend: str, repeats: int, ahead: int | None) -> dict[st
         time_pass(ds, step)
         runs = [time_pass(ds, step, min_seconds=0.5) for _ in range(repeats)]
         fracs = sorted(x.wait_s / x.seconds for x in runs)
-        return {"batches_ahead": ds.batches_ahead, "step_ms": round(ms, 3), "wait_fraction_runs": [round(f, 4) for f in fracs],
-                "median": round(fracs[len(fracs) // 2], 4)}
+        return {"batches_ahead": ds.batches_ahead, "step_ms": round(ms, 3),
+                "wait_fraction_runs": [round(f, 4) for f in fracs], "median": round(fracs[len(fracs) // 2], 4)}
 
 
 def main(argv: list[str] | None = None) -> int:

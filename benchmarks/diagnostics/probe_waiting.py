@@ -261,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
             ms = r.seconds / -(-r.samples // BATCH) * 1e3 * args.factor
             step = Spin(ms, 1)
             time_pass(ds, step)
-            row: dict[str, Any] = {"backend": backend, "options": opts, "step_ms": round(ms, 3), "read_gb_per_s": round(r.gb_per_s, 2),
+            row: dict[str, Any] = {"backend": backend, "options": opts, "step_ms": round(ms, 3),
+                                   "read_gb_per_s": round(r.gb_per_s, 2),
                                    "describe": {k: ds.describe()[k] for k in ("window_blocks", "batches_ahead")}}
             for s in [float(x) for x in args.seconds.split(",")]:
                 runs = [time_pass(ds, step, min_seconds=s) for _ in range(args.repeats)]
@@ -271,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
                 traced = stretch(ds, step, float(args.seconds.split(",")[0]), tracer)
             log = tracer.log
             starts = [t for t, who, what, k in log if who == "consumer" and what == "next" and k == 0]
-            row["traced_stretch"] = {"wait_fraction": traced["wait_fraction"], "first_batch_ms": traced["first_batch_ms"],
+            row["traced_stretch"] = {"wait_fraction": traced["wait_fraction"],
+                                     "first_batch_ms": traced["first_batch_ms"],
                                      "pass_starts_ms": traced["pass_starts_ms"],
                                      "first_host_next_ms": traced["first_host_next_ms"],
                                      "events": around(log, min(t for t, *_ in log), starts[:1], 25.0, 30.0)
