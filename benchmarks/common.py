@@ -149,6 +149,12 @@ def probe_parser(description: str, size_gib: float = 4.0) -> argparse.ArgumentPa
     return ap
 
 
+def step_ms(rate: Any, factor: float) -> float:
+    """A simulated training step of ``factor`` times one batch's read time, in ms, from a timed pass
+    ``rate`` (a :class:`gdsload.measure.PassResult` of ``BATCH``-sample batches)."""
+    return rate.seconds / -(-rate.samples // BATCH) * 1e3 * factor
+
+
 def timed(iterable: Any, took: list[float]) -> Iterator[Any]:
     """The items of ``iterable``; the host seconds of each ``next()`` on it are appended to ``took``."""
     it = iter(iterable)

@@ -14,7 +14,6 @@ import pytest
 
 from gdsload import stager
 from gdsload.backends.base import FileHandles, ReadRequest, coalesce
-from gdsload.backends.kvikio import DEFAULT_THREADS as KVIKIO_THREADS
 from gdsload.backends.kvikio import default_threads
 from gdsload.backends.native import (DEFAULT_THREADS, NATIVE_BUF_BYTES, NATIVE_SHARED_BUF_BYTES, PIPELINE_THREADS,
                                      NativeJob, native_buf_bytes, native_threads)
@@ -125,5 +124,5 @@ def test_readers_of_ranks_sharing_a_machine_leave_its_cores_and_caches_to_the_ot
     assert native_buf_bytes(1) == NATIVE_BUF_BYTES and native_buf_bytes(2) == NATIVE_SHARED_BUF_BYTES
     assert NATIVE_SHARED_BUF_BYTES < NATIVE_BUF_BYTES
     # KvikIO's readers leave two cores to the consumer and the pipeline, alone or beside other ranks
-    assert default_threads(32) == KVIKIO_THREADS and default_threads(16) == 14 and default_threads(3) == 2
+    assert default_threads(32) == DEFAULT_THREADS and default_threads(16) == 14 and default_threads(3) == 2
     assert default_threads(rank_cores(32, 32, 2)) == 14

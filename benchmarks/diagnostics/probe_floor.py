@@ -62,7 +62,7 @@ from gdsload.measure import read_files, shard_paths, time_pass
 from gdsload.steps import Spin
 
 from .probe_next import PollRoomHandoff
-from ..common import (BATCH, Rows, add_step_options, make_dataset, parse_probe_args, probe_parser, timed,
+from ..common import (BATCH, Rows, add_step_options, make_dataset, parse_probe_args, probe_parser, step_ms, timed,
                       write_probe)
 
 VARIANTS = ["alone", "list", "list-xstream", "list-busy", "list-busy-py", "list-busy-native", "base",
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     ds = dataset(None)
     r = time_pass(ds, min_seconds=0.5)
     nb = len(ds)
-    ms = r.seconds / -(-r.samples // BATCH) * 1e3 * args.factor
+    ms = step_ms(r, args.factor)
     step = Stamped(Spin(ms, 1), nb + 1)
     for _ in range(3 * nb):  # warm the step's launch path
         step.spin()

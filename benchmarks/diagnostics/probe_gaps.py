@@ -48,7 +48,7 @@ from gdsload.device import CudaOps
 from gdsload.measure import read_files, shard_paths, time_pass
 from gdsload.steps import Spin
 
-from ..common import BATCH, Rows, add_step_options, make_dataset, parse_probe_args, probe_parser, write_probe
+from ..common import BATCH, Rows, add_step_options, make_dataset, parse_probe_args, probe_parser, step_ms, write_probe
 
 #: (class, method, label) timed on whichever thread calls them.
 TIMED = [(pipeline_module.Pipeline, "_pass", "pass plan + index (or lookup)"),
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     time_pass(ds)  # the first pass after opening (mmap: while the files are locked) sizes nothing
     r = time_pass(ds, min_seconds=0.5)
     nb = len(ds)
-    ms = r.seconds / -(-r.samples // BATCH) * 1e3 * args.factor
+    ms = step_ms(r, args.factor)
     spin = Spin(ms, 1)
     stepper = Stepper(spin, nb + 1)
     raw: dict[str, np.ndarray] = {}

@@ -22,7 +22,7 @@ from gdsload import GDSDataset, assembler, write_dataset
 from gdsload.measure import read_files, shard_paths, time_pass
 from gdsload.steps import Spin
 
-from ..common import BATCH, make_dataset, parse_probe_args, probe_parser, write_probe
+from ..common import BATCH, make_dataset, parse_probe_args, probe_parser, step_ms, write_probe
 
 
 def small_datasets(data_dir: str) -> dict[str, str]:
@@ -53,7 +53,7 @@ def waiting(path: str, backend: str, repeats: int, ahead: int | None) -> dict[st
     with GDSDataset(path, batch_size=BATCH, backend=backend, shuffle=True, batches_ahead=ahead) as ds:
         time_pass(ds)
         r = time_pass(ds, min_seconds=0.5)
-        ms = r.seconds / -(-r.samples // BATCH) * 1e3 * 1.5
+        ms = step_ms(r, 1.5)
         step = Spin(ms, 1)
         time_pass(ds, step)
         runs = [time_pass(ds, step, min_seconds=0.5) for _ in range(repeats)]

@@ -24,7 +24,7 @@ from gdsload import GDSDataset
 from gdsload.measure import block_locations, read_files, raw_kvikio_blocks, shard_paths, time_pass, time_passes
 from gdsload.steps import Spin
 
-from ..common import BATCH, Rows, free_device_memory, make_dataset, parse_probe_args, probe_parser, write_probe
+from ..common import BATCH, Rows, free_device_memory, make_dataset, parse_probe_args, probe_parser, step_ms, write_probe
 
 
 def raw_rate(path: str, repeats: int) -> float:
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
                 rate = max((time_pass(ds, min_seconds=0.5) for _ in range(args.repeats)),
                            key=lambda r: r.gb_per_s)
                 if ms is None:  # 1.5x a batch's read time on the legacy stream, for both rows
-                    ms = rate.seconds / -(-rate.samples // BATCH) * 1e3 * 1.5
+                    ms = step_ms(rate, 1.5)
                 passes = time_passes(ds, Spin(ms, 1), 3)
             later = [round(p.wait_fraction, 4) for p in passes[1:]]
             row = {"what": f"gdsload {backend}", "consumer_stream": where, "io_mode": rate.io_mode,

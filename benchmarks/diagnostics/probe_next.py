@@ -40,7 +40,7 @@ from gdsload.handoff import Handoff
 from gdsload.measure import read_files, shard_paths, time_pass, time_passes
 from gdsload.steps import Spin
 
-from ..common import (BATCH, Rows, add_step_options, make_dataset, parse_probe_args, probe_parser, timed,
+from ..common import (BATCH, Rows, add_step_options, make_dataset, parse_probe_args, probe_parser, step_ms, timed,
                       write_probe)
 
 
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     with GDSDataset(path, batch_size=BATCH, backend=args.backend, shuffle=True) as ds:
         time_pass(ds)
         r = time_pass(ds, min_seconds=0.5)
-        ms = r.seconds / -(-r.samples // BATCH) * 1e3 * args.factor
+        ms = step_ms(r, args.factor)
         step = Spin(ms, 1)
         time_pass(ds, step)
         for name in ["base", "ready-query", "poll-room", "both"] * args.repeats:

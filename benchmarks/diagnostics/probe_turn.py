@@ -32,7 +32,7 @@ from gdsload import GDSDataset
 from gdsload.measure import read_files, shard_paths, time_pass
 from gdsload.steps import Spin
 
-from ..common import (BATCH, Rows, add_step_options, make_dataset, parse_probe_args, probe_parser, timed,
+from ..common import (BATCH, Rows, add_step_options, make_dataset, parse_probe_args, probe_parser, step_ms, timed,
                       write_probe)
 
 
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(2):  # the pipeline's start, and mmap's background load, out of the way
             time_pass(ds)
         r = time_pass(ds, min_seconds=0.5)
-        step = Spin(r.seconds / -(-r.samples // BATCH) * 1e3 * args.factor, 1)
+        step = Spin(step_ms(r, args.factor), 1)
         for repeat in range(args.repeats):
             for variant in variants:
                 place(variant, full, core)

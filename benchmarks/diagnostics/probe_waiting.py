@@ -37,7 +37,7 @@ from gdsload.window import WindowLayout
 from gdsload.measure import read_files, shard_paths, time_pass
 from gdsload.steps import Spin
 
-from ..common import BATCH, Rows, free_device_memory, make_dataset, parse_probe_args, probe_parser, write_probe
+from ..common import BATCH, Rows, free_device_memory, make_dataset, parse_probe_args, probe_parser, step_ms, write_probe
 
 
 def _us(xs: np.ndarray) -> dict[str, float]:
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         with GDSDataset(path, batch_size=BATCH, backend=backend, **opts) as ds:
             time_pass(ds)
             r = time_pass(ds, min_seconds=0.5)
-            ms = r.seconds / -(-r.samples // BATCH) * 1e3 * args.factor
+            ms = step_ms(r, args.factor)
             step = Spin(ms, 1)
             time_pass(ds, step)
             row: dict[str, Any] = {"backend": backend, "options": opts, "step_ms": round(ms, 3),

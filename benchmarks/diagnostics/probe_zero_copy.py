@@ -35,7 +35,7 @@ from gdsload.plan import epoch_plan
 from gdsload.steps import Spin
 
 from .probe_floor import Stamped, passes, time_alone
-from ..common import BATCH, Rows, add_step_options, make_dataset, parse_probe_args, probe_parser, write_probe
+from ..common import BATCH, Rows, add_step_options, make_dataset, parse_probe_args, probe_parser, step_ms, write_probe
 
 SOURCE = r"""
 extern "C" __global__ void gather_host(const unsigned long long* __restrict__ src, uint4* __restrict__ out,
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
 
     r = time_pass(ds, min_seconds=0.5)
     nb = len(ds)
-    ms = r.seconds / -(-r.samples // BATCH) * 1e3 * args.factor
+    ms = step_ms(r, args.factor)
     spin = Stamped(Spin(ms, 1), nb + 1)
     full = Stamped(FullStep(module, ms, args.full_kernels, sm), nb + 1)  # type: ignore[arg-type]
     for s in (spin, full):

@@ -23,7 +23,7 @@ from collections import Counter, defaultdict
 from gdsload import GDSDataset
 from gdsload.measure import read_files, shard_paths, time_pass
 
-from ..common import BATCH, DATA_DIR, make_dataset
+from ..common import BATCH, DATA_DIR, make_dataset, step_ms
 
 
 def passes(data: str, size_gib: float, backend: str, count: int, step_factor: float | None = None) -> None:
@@ -40,7 +40,7 @@ def passes(data: str, size_gib: float, backend: str, count: int, step_factor: fl
             for _ in range(2):  # warm: the pipeline's start, and mmap's background load, out of the way
                 time_pass(ds)
             r = time_pass(ds, min_seconds=0.5)
-            step = Spin(r.seconds / -(-r.samples // BATCH) * 1e3 * step_factor, 1)
+            step = Spin(step_ms(r, step_factor), 1)
             print(f"step {step.ms:.3f} ms (read rate {r.gb_per_s:.2f} GB/s)", flush=True)
         waits = []
         for i in range(count):

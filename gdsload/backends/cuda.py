@@ -77,17 +77,18 @@ class KvikioPool:
 
         wanted = (num_threads, task_bytes)
         with cls._lock:
-            if cls._users and cls._settings != wanted:
-                have = cls._settings or (0, 0)
-                warnings.warn(f"KvikIO's thread pool is shared by the process and in use with {have[0]} threads "
-                              f"and {have[1]}-byte tasks; this dataset asked for {num_threads} and {task_bytes} "
-                              f"and gets the pool as it is", RuntimeWarning, stacklevel=4)
-            elif not cls._users and _current(kvikio.defaults) != (num_threads, task_bytes, task_bytes):
+            if cls._users:
+                if cls._settings != wanted:
+                    have = cls._settings or (0, 0)
+                    warnings.warn(f"KvikIO's thread pool is shared by the process and in use with {have[0]} "
+                                  f"threads and {have[1]}-byte tasks; this dataset asked for {num_threads} and "
+                                  f"{task_bytes} and gets the pool as it is", RuntimeWarning, stacklevel=4)
+            else:
                 # Compared with KvikIO's own settings, not the last ones set here: other code in the process
                 # (the user's, a benchmark's raw reads) may have set the pool since.
-                kvikio.defaults.set({"num_threads": num_threads, "task_size": task_bytes,
-                                     "bounce_buffer_size": task_bytes})
-            if not cls._users:
+                if _current(kvikio.defaults) != (num_threads, task_bytes, task_bytes):
+                    kvikio.defaults.set({"num_threads": num_threads, "task_size": task_bytes,
+                                         "bounce_buffer_size": task_bytes})
                 cls._settings = wanted
             cls._users += 1
 

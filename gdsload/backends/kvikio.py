@@ -15,8 +15,8 @@ from typing import Any
 
 from .base import FileHandles, Pending, ReadRequest, Request, coalesce, read_error
 from .cuda import CudaBackend, KvikioPool
+from .native import reader_threads
 
-DEFAULT_THREADS = 16
 #: Cores left to the consumer and the pipeline's busy threads beside KvikIO's (its submitter and completer
 #: mostly wait on KvikIO).
 PIPELINE_CORES = 2
@@ -26,10 +26,9 @@ DEFAULT_MAX_READ_BYTES = 64 << 20
 
 def default_threads(cores: int) -> int:
     """KvikIO's pool size by default on ``cores`` cores (this rank's share, :func:`gdsload.env.rank_cores`):
-    ``DEFAULT_THREADS`` at most, with ``PIPELINE_CORES`` left to the consumer and the pipeline's threads, so
-    that KvikIO's readers and they do not outnumber the cores (docs/benchmarks.md, "`kvikio`'s readers and
-    the cores")."""
-    return max(2, min(DEFAULT_THREADS, cores - PIPELINE_CORES))
+    ``PIPELINE_CORES`` left to the consumer and the pipeline's threads, so that KvikIO's readers and they do
+    not outnumber the cores (docs/benchmarks.md, "`kvikio`'s readers and the cores")."""
+    return reader_threads(cores, PIPELINE_CORES)
 
 
 class KvikioBackend(CudaBackend):

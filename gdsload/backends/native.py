@@ -24,11 +24,16 @@ NATIVE_SHARED_BUF_BYTES = 2 << 20
 NATIVE_BUFS_PER_THREAD = 2
 
 
+def reader_threads(cores: int, reserved: int) -> int:
+    """Reader threads by default on ``cores`` cores (this rank's share, :func:`gdsload.env.rank_cores`):
+    ``DEFAULT_THREADS`` at most, ``reserved`` cores left to the pipeline's own threads, two readers at least."""
+    return max(2, min(DEFAULT_THREADS, cores - reserved))
+
+
 def native_threads(cores: int) -> int:
-    """The native reader's default thread count on ``cores`` cores (this rank's share,
-    :func:`gdsload.env.rank_cores`): ``DEFAULT_THREADS`` at most, and the pipeline's own threads' cores left
-    free (two readers at least)."""
-    return max(2, min(DEFAULT_THREADS, cores - PIPELINE_THREADS))
+    """The native reader's default thread count on ``cores`` cores: the pipeline's busy threads
+    (``PIPELINE_THREADS``) keep their cores."""
+    return reader_threads(cores, PIPELINE_THREADS)
 
 
 def native_buf_bytes(ranks: int) -> int:
