@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import subprocess
@@ -116,6 +117,59 @@ def write_json(path: str, doc: Any) -> str:
         f.write("\n")
     os.replace(tmp, path)
     return path
+
+
+class GcRuns:
+    """The garbage collector's runs (any thread) while in a ``with`` block: (generation, start, end) each, on
+    ``time.perf_counter_ns``'s clock."""
+
+    def __init__(self) -> None:
+        self.runs: list[tuple[int, int, int]] = []
+        self._started: list[int] = []
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started.append(time.perf_counter_ns())
+        elif self._started:
+            self.runs.append((info["generation"], self._started.pop(), time.perf_counter_ns()))
+
+    def __enter__(self) -> GcRuns:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+
+def stamped_steps(step: Any, batches: Any, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """A step per item of the iterable ``batches`` (at most ``capacity``), each timed on the host (when
+    ``next()`` was called and returned, when the launch returned, when the sync returned; perf_counter_ns)
+    and on the GPU (the step's start and end on its nanosecond timer, written by ``step.launch(pointer)``,
+    as :class:`gdsload.steps.Spin` does): int64 arrays of shape (steps, 4) and (steps, 2), in ns."""
+    import cupy
+
+    stream = cupy.cuda.get_current_stream()
+    stamps = cupy.zeros(2 * capacity, dtype=cupy.uint64)
+    base = stamps.data.ptr
+    host = np.zeros((capacity, 4), dtype=np.int64)
+    stream.synchronize()
+    pc = time.perf_counter_ns
+    it = iter(batches)
+    done = 0
+    for i in range(capacity):
+        t0 = pc()
+        try:
+            next(it)
+        except StopIteration:
+            break
+        t1 = pc()
+        step.launch(np.uint64(base + 16 * i))
+        t2 = pc()
+        stream.synchronize()
+        host[i] = t0, t1, t2, pc()
+        done += 1
+    getattr(it, "close", lambda: None)()
+    return host[:done], stamps.get().astype(np.int64).reshape(capacity, 2)[:done]
 
 
 class Rows(list):

@@ -85,7 +85,7 @@ def _codecs(f, lengths, written: int) -> str:
 
 def describe_system() -> str:
     from .backends import resolve
-    from .env import system_info
+    from .env import CONNECTIONS_FIX, connections_note, system_info
 
     info = system_info(bandwidth=True)
     shared = (f" (readers count on {info['rank_cores']}: one of {info['local_ranks']} ranks on this machine)"
@@ -107,6 +107,9 @@ def describe_system() -> str:
             lines.append(f"pinned host->device copy: {info['pinned_h2d_gbps']} GB/s")
         else:
             lines.append(f"pinned host->device copy: failed ({info.get('pinned_h2d_error')})")
+        note = connections_note()
+        if note is not None:
+            lines.append(f"warning: {note}; fix: {CONNECTIONS_FIX}")
     name, why = resolve("auto")
     lines.append(f"backend auto -> {name} ({why})")
     return "\n".join(lines)

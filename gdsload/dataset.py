@@ -14,6 +14,7 @@ from . import _fork, resume
 from .assembler import ResidentField
 from .backends import BACKENDS, make_backend, resolve
 from .cursor import Cursor
+from .env import warn_few_connections
 from .errors import GDSLoadError
 from .format import DatasetLayout, read_metadata
 from .options import DEFAULT_RESIDENT_BYTES, check_int, distributed, pad_spec, require_torch, resident_fields
@@ -149,6 +150,8 @@ class GDSDataset:
         except BaseException:
             layout.close()
             raise
+        if on_gpu:
+            warn_few_connections()  # the steps would wait behind this dataset's copies
         try:
             self._configure(batch_size, window_blocks, shuffle, seed, drop_last, rank, world_size, pad_to, pad_value)
             self.prefetch = prefetch

@@ -18,13 +18,14 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from .doctor_probe import LIVE_READ_BYTES, HostProbes, LiveRead, PathError, Target
+from .env import CONNECTIONS_ENV, CONNECTIONS_FIX, connections_note
 from .errors import printable
 from .sysfiles import (NVFS_DIR, NVFS_RW_STATS_PARAM, NVFS_STATS, FsSupport, Iommu, Mount, NvfsStats, SystemFiles,
                        cufile_json_path, cufile_settings, find_mount, iommu_mode, kvikio_compat_env, mount_support,
                        nvfs_version, parse_cufile_json, parse_mountinfo, parse_nvfs_stats)
 
 MARKS = {True: "✔", False: "✘", None: "–"}
-_ENV = ("KVIKIO_COMPAT_MODE", "CUFILE_ENV_PATH_JSON", "CUFILE_FORCE_COMPAT_MODE")
+_ENV = ("KVIKIO_COMPAT_MODE", "CUFILE_ENV_PATH_JSON", "CUFILE_FORCE_COMPAT_MODE", CONNECTIONS_ENV)
 _COUNTERS_FIX = f"echo 1 | sudo tee {NVFS_RW_STATS_PARAM}, then run the doctor again"
 
 
@@ -233,6 +234,16 @@ def _kvikio_env_check(f: Facts) -> Check:
     return Check("KVIKIO_COMPAT_MODE", True, "unset (AUTO)" if raw is None else f"{raw} ({mode.upper()})")
 
 
+def _connections_check(f: Facts) -> Check:
+    """Not a reason GDS is unused, but what the training step pays beside any backend (gdsload.env)."""
+    note = connections_note(f.env)
+    if note is not None:
+        return Check("CUDA queues", False, note, CONNECTIONS_FIX)
+    raw = f.env.get(CONNECTIONS_ENV)
+    return Check("CUDA queues", True, f"{CONNECTIONS_ENV} unset (CUDA's default)" if raw is None else
+                 f"{CONNECTIONS_ENV}={raw}")
+
+
 def _container_check(f: Facts) -> Check:
     where = f.container or "no container detected"
     if f.wsl:
@@ -325,7 +336,7 @@ def _live_check(f: Facts) -> Check:
 def checks(f: Facts) -> list[Check]:
     """Every check, in the order shown."""
     out = [_gpu_check(f), _kvikio_check(f), _libcufile_check(f), _nvfs_check(f), _cufile_json_check(f),
-           _kvikio_env_check(f), _container_check(f), _iommu_check(f)]
+           _kvikio_env_check(f), _container_check(f), _iommu_check(f), _connections_check(f)]
     if f.target is not None:
         out += _path_checks(f) + [_live_check(f)]
     return out

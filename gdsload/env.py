@@ -11,6 +11,8 @@ from __future__ import annotations
 import functools
 import os
 import platform
+import threading
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -136,7 +138,8 @@ def system_info(device_id: int = 0, bandwidth: bool = False) -> dict[str, Any]:
     host-to-device copy rate (:func:`gdsload.measure.pinned_h2d_gbps`)."""
     info: dict[str, Any] = {"python": platform.python_version(), "cpu_cores": os.cpu_count(),
                             "local_ranks": local_ranks(), "rank_cores": rank_cores(),
-                            "numpy": _version("numpy"), "zarr": _version("zarr"), "gdsload": _version("gdsload")}
+                            "numpy": _version("numpy"), "zarr": _version("zarr"), "gdsload": _version("gdsload"),
+                            "cuda_device_max_connections": os.environ.get(CONNECTIONS_ENV)}
     info.update(gpu_info(device_id))
     if info.get("gpu"):
         info.update(kvikio_info(driver=True))
@@ -148,6 +151,41 @@ def system_info(device_id: int = 0, bandwidth: bool = False) -> dict[str, Any]:
             except Exception as e:
                 info["pinned_h2d_error"] = f"{type(e).__name__}: {e}"
     return info
+
+
+#: CUDA's count of hardware work queues per process, read when CUDA starts (docs/benchmarks.md, "Hardware work
+#: queues"). Streams beyond that many share a queue, and a queue runs its work in the order it was queued.
+CONNECTIONS_ENV = "CUDA_DEVICE_MAX_CONNECTIONS"
+#: Fewer queues than this make a training step wait behind the loader's queued copies (docs/benchmarks.md).
+MIN_CONNECTIONS = 4
+CONNECTIONS_FIX = (f"unset {CONNECTIONS_ENV} or set it to {MIN_CONNECTIONS} or more for jobs that read with "
+                   "gdsload, unless something in the job needs so few queues (Megatron-LM requires 1 for sequence "
+                   "parallelism, to order its communication kernels ahead of its compute)")
+_connections_warned = threading.Event()
+
+
+def connections_note(environ: Mapping[str, str | None] = os.environ) -> str | None:
+    """What ``CUDA_DEVICE_MAX_CONNECTIONS`` in ``environ`` costs a training step beside gdsload, or None when
+    it is unset, not a count (CUDA then keeps its default), or at least :data:`MIN_CONNECTIONS`. With few
+    queues, the loader's streams share the training step's queue, so a step queued after a window's copies
+    and gathers starts only once they are done."""
+    raw = (environ.get(CONNECTIONS_ENV) or "").strip()
+    if not raw.isdigit() or int(raw) >= MIN_CONNECTIONS:
+        return None
+    n = int(raw)
+    return (f"{CONNECTIONS_ENV}={n}: CUDA gives this process {n} hardware work queue{'s' if n > 1 else ''} "
+            "for all its streams, so the training step's kernels queue behind gdsload's copies and wait for them")
+
+
+def warn_few_connections(environ: Mapping[str, str | None] = os.environ) -> bool:
+    """Warn once per process (RuntimeWarning) when :func:`connections_note` has something to say; True if
+    this call warned. Called as a GPU dataset opens."""
+    note = connections_note(environ)
+    if note is None or _connections_warned.is_set():
+        return False
+    _connections_warned.set()
+    warnings.warn(f"{note}; {CONNECTIONS_FIX}", RuntimeWarning, stacklevel=3)
+    return True
 
 
 #: The cache folder's environment variable (the native stager's build, compiled kernels).

@@ -14,13 +14,14 @@ so rather than report a warm one.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import resource
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -295,14 +296,22 @@ def read_files(paths: Sequence[str], direct: bool = False, pinned: bool = False,
     return PassResult(bytes=total, seconds=dt, io_mode=mode, cpu_s=cpu)
 
 
-def _kvikio(threads: int) -> Any:
-    """KvikIO with its process-wide pool set as gdsload sets it (``threads`` threads, 4 MiB tasks):
-    KvikIO's own default is one thread, and backends made earlier in the process may have set another."""
+@contextlib.contextmanager
+def _kvikio(threads: int) -> Iterator[Any]:
+    """KvikIO with its process-wide pool set as the kvikio backend sets it (``threads`` threads, 4 MiB tasks
+    and bounce buffers), held through ``KvikioPool`` while the reads run: a dataset open with other settings
+    keeps its pool (restarting it would change what the dataset reads with) and the ceiling raises
+    RuntimeError rather than report threads it did not read with."""
     import kvikio
-    import kvikio.defaults
 
-    kvikio.defaults.set({"num_threads": threads, "task_size": 4 << 20})
-    return kvikio
+    from .backends.cuda import KvikioPool
+    from .backends.kvikio import DEFAULT_TASK_BYTES
+
+    KvikioPool.acquire(threads, DEFAULT_TASK_BYTES, exact=True)
+    try:
+        yield kvikio
+    finally:
+        KvikioPool.release()
 
 
 def _kvikio_mode() -> str:
@@ -316,21 +325,21 @@ def raw_kvikio_files(paths: Sequence[str], dest: Any, threads: int = THREADS) ->
     buffer ``dest`` (at least the files' total size), handles opened before the timing."""
     import cupy
 
-    kvikio = _kvikio(threads)
-    handles = [kvikio.CuFile(p, "r") for p in paths]
     sizes = [os.path.getsize(p) for p in paths]
-    try:
-        c0, t0 = cpu_seconds(), time.perf_counter()
-        futures, off = [], 0
-        for h, n in zip(handles, sizes):
-            futures.append(h.pread(dest[off:off + n], n, 0))
-            off += n
-        total = sum(f.get() for f in futures)
-        cupy.cuda.runtime.deviceSynchronize()
-        dt, cpu = time.perf_counter() - t0, cpu_seconds() - c0
-    finally:
-        for h in handles:
-            h.close()
+    with _kvikio(threads) as kvikio:
+        handles = [kvikio.CuFile(p, "r") for p in paths]
+        try:
+            c0, t0 = cpu_seconds(), time.perf_counter()
+            futures, off = [], 0
+            for h, n in zip(handles, sizes):
+                futures.append(h.pread(dest[off:off + n], n, 0))
+                off += n
+            total = sum(f.get() for f in futures)
+            cupy.cuda.runtime.deviceSynchronize()
+            dt, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+        finally:
+            for h in handles:
+                h.close()
     return PassResult(bytes=total, seconds=dt, io_mode=_kvikio_mode(), cpu_s=cpu)
 
 
@@ -342,22 +351,22 @@ def raw_kvikio_blocks(blocks: Sequence[BlockLocation], dest: Any, threads: int =
     The rate a loader of those blocks could reach through KvikIO alone."""
     import cupy
 
-    kvikio = _kvikio(threads)
-    handles = {p: kvikio.CuFile(p, "r") for p in dict.fromkeys(b.path for b in blocks)}
     starts = np.concatenate([[0], np.cumsum([b.nbytes for b in blocks])]).tolist()
     order = np.random.default_rng(seed).permutation(len(blocks)) if shuffle else np.arange(len(blocks))
-    try:
-        c0, t0 = cpu_seconds(), time.perf_counter()
-        futures = []
-        for i in order.tolist():
-            b = blocks[i]
-            futures.append(handles[b.path].pread(dest[starts[i]:starts[i] + b.nbytes], b.nbytes, b.offset))
-        total = sum(f.get() for f in futures)
-        cupy.cuda.runtime.deviceSynchronize()
-        dt, cpu = time.perf_counter() - t0, cpu_seconds() - c0
-    finally:
-        for h in handles.values():
-            h.close()
+    with _kvikio(threads) as kvikio:
+        handles = {p: kvikio.CuFile(p, "r") for p in dict.fromkeys(b.path for b in blocks)}
+        try:
+            c0, t0 = cpu_seconds(), time.perf_counter()
+            futures = []
+            for i in order.tolist():
+                b = blocks[i]
+                futures.append(handles[b.path].pread(dest[starts[i]:starts[i] + b.nbytes], b.nbytes, b.offset))
+            total = sum(f.get() for f in futures)
+            cupy.cuda.runtime.deviceSynchronize()
+            dt, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+        finally:
+            for h in handles.values():
+                h.close()
     return PassResult(bytes=total, seconds=dt, io_mode=_kvikio_mode(), cpu_s=cpu)
 
 

@@ -8,6 +8,8 @@ import sys
 
 import numpy as np
 
+from gdsload import GDSDataset
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
 
@@ -66,3 +68,35 @@ def test_system_info_names_this_ranks_share_of_the_cores():
             assert "ranks on this machine" not in res.stdout
         else:
             assert f"(readers count on {want}: one of 2 ranks on this machine)" in res.stdout
+
+
+def test_few_cuda_queues_are_warned_once(monkeypatch, make_dataset):
+    """CUDA_DEVICE_MAX_CONNECTIONS below 4 puts the loader's streams in the training step's hardware queue:
+    the note names it, the warning comes once per process, and other values (or none, or what CUDA would not
+    read as a count) say nothing; the cpu backend queues nothing on a GPU and opens without a warning.
+    (A GPU dataset's open and gdsload info: test_gpu.py.)"""
+    import warnings
+
+    from gdsload import env
+
+    for value, said in (("1", True), ("3", True), ("4", False), ("8", False), ("lots", False), (None, False)):
+        environ = {} if value is None else {env.CONNECTIONS_ENV: value}
+        note = env.connections_note(environ)
+        assert (note is not None) is said, value
+        if said:
+            assert note.startswith(f"CUDA_DEVICE_MAX_CONNECTIONS={value}: CUDA gives this process {value} hardware")
+    monkeypatch.setattr(env, "_connections_warned", type(env._connections_warned)())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert env.warn_few_connections({env.CONNECTIONS_ENV: "8"}) is False
+        assert env.warn_few_connections({env.CONNECTIONS_ENV: "1"}) is True
+        assert env.warn_few_connections({env.CONNECTIONS_ENV: "1"}) is False  # once per process
+    assert [str(w.message) for w in caught] == [f"{env.connections_note({env.CONNECTIONS_ENV: '1'})}; "
+                                                f"{env.CONNECTIONS_FIX}"]
+    assert caught[0].category is RuntimeWarning
+    monkeypatch.setattr(env, "_connections_warned", type(env._connections_warned)())
+    monkeypatch.setenv(env.CONNECTIONS_ENV, "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        GDSDataset(make_dataset({"x": np.arange(100)}), batch_size=10, backend="cpu").close()
+    assert not env._connections_warned.is_set()

@@ -258,6 +258,26 @@ def test_kvikio_compat_mode_on_comes_first(tmp_path):
     assert check(rep, "filesystem")["ok"] is True
 
 
+def test_few_cuda_queues_are_named_without_changing_the_gds_verdict(tmp_path):
+    """CUDA_DEVICE_MAX_CONNECTIONS=1 (as Megatron-LM sets it) puts the loader's copies in the training step's
+    hardware queue: the doctor says so and how to fix it, and GDS's verdict is the same as without it."""
+    after = fixture("nvidia-fs", "stats_after_read")
+    plain = report(scenario(tmp_path, "gds_host"), "/raid/imagenet.gds", after=after)
+    assert plain["verdict"] == "GDS: active"
+    for value, ok in (("1", False), ("2", False), ("4", True), ("32", True)):
+        files = scenario(tmp_path / value, "gds_host", env={"CUDA_DEVICE_MAX_CONNECTIONS": value})
+        rep = report(files, "/raid/imagenet.gds", after=after)
+        queues = check(rep, "CUDA queues")
+        assert queues["ok"] is ok, value
+        if ok:
+            assert queues["found"] == f"CUDA_DEVICE_MAX_CONNECTIONS={value}" and queues["fix"] == ""
+        else:
+            assert queues["found"].startswith(f"CUDA_DEVICE_MAX_CONNECTIONS={value}: CUDA gives this process")
+            assert queues["fix"].startswith("unset CUDA_DEVICE_MAX_CONNECTIONS or set it to 4 or more")
+            assert f"fix: {queues['fix']}" in render(rep)
+        assert (rep["verdict"], rep["reasons"]) == (plain["verdict"], plain["reasons"])
+
+
 def test_cufile_json_from_env_without_compat_mode(tmp_path):
     files = scenario(tmp_path, "gds_host", env={"CUFILE_ENV_PATH_JSON": "/opt/strict/cufile.json"})
     os.makedirs(files.path("/opt/strict"))
@@ -288,7 +308,10 @@ def test_no_path_reports_the_stack_only(tmp_path):
     rep = report(scenario(tmp_path, "gds_host"), None)
     assert rep["verdict"] == "GDS: not confirmed — no PATH to read; fix: run gdsload doctor PATH"
     assert [c["name"] for c in rep["checks"]] == ["GPU", "KvikIO", "libcufile", "nvidia-fs", "cufile.json",
-                                                  "KVIKIO_COMPAT_MODE", "container", "IOMMU", "backend auto"]
+                                                  "KVIKIO_COMPAT_MODE", "container", "IOMMU", "CUDA queues",
+                                                  "backend auto"]
+    assert check(rep, "CUDA queues") == {"name": "CUDA queues", "ok": True, "fix": "", "section": "stack",
+                                         "found": "CUDA_DEVICE_MAX_CONNECTIONS unset (CUDA's default)"}
     assert check(rep, "nvidia-fs")["found"] == "2.28 loaded, 4 device(s), read counters on"
     assert check(rep, "IOMMU")["found"] == "off: no IOMMU groups (amd_iommu=off)"
     assert rep["filesystem"] is None and rep["o_direct"] is None and rep["aligned"] is None

@@ -451,6 +451,27 @@ def test_io_mode_is_reported_honestly(small, monkeypatch):
         assert ds.backend_name == "kvikio" or ds._backend.reader == "native", ds.describe()["backend_stats"]
 
 
+def test_few_cuda_queues_warn_at_open_and_in_info(small, monkeypatch):
+    """With CUDA_DEVICE_MAX_CONNECTIONS=1 the steps queue behind the loader's copies: a GPU dataset's open
+    warns (once per process), and gdsload info shows the note with its fix beside the GPU."""
+    import subprocess
+    import sys
+
+    from gdsload import env
+
+    path, _ = small
+    monkeypatch.setattr(env, "_connections_warned", threading.Event())
+    monkeypatch.setenv(env.CONNECTIONS_ENV, "1")
+    with pytest.warns(RuntimeWarning, match="^CUDA_DEVICE_MAX_CONNECTIONS=1: CUDA gives this process 1 hardware"):
+        Dataset(path, batch_size=8, backend="mmap").close()
+    assert env._connections_warned.is_set()
+    res = subprocess.run([sys.executable, "-m", "gdsload.cli", "info"], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert res.returncode == 0, res.stderr
+    note = env.connections_note({env.CONNECTIONS_ENV: "1"})
+    assert f"warning: {note}; fix: {env.CONNECTIONS_FIX}" in res.stdout, res.stdout
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("padded", [None, "max", 6])
 def test_variable_length_field(tmp_path, backend, padded):

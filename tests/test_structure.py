@@ -142,6 +142,28 @@ def test_kvikio_pool_set_by_other_code_since_is_set_again(fake_kvikio):
     assert len(calls) == n, "a pool already set as asked is not restarted"
 
 
+def test_raw_kvikio_reads_hold_the_pool_without_restarting_a_datasets(fake_kvikio):
+    """The raw KvikIO ceiling sets the pool through KvikioPool: alone it gets the pool it asks for and gives
+    it back; beside a dataset open with other settings it refuses, leaving that dataset's pool as it is (it
+    restarted the pool under the dataset, which then read with threads it did not report), and beside one
+    with the same settings it reads."""
+    from gdsload.measure import _kvikio
+
+    pool, calls = fake_kvikio
+    with _kvikio(16):
+        assert calls[-1] == {"num_threads": 16, "task_size": 4 << 20, "bounce_buffer_size": 4 << 20}
+    assert pool._users == 0
+    pool.acquire(14, 4 << 20)  # a dataset opens
+    n = len(calls)
+    with pytest.raises(RuntimeError, match="in use with 14 threads .* 16 and 4194304 were asked for: close"):
+        with _kvikio(16):
+            pass
+    assert len(calls) == n and pool._users == 1, "the dataset's pool was not touched"
+    with _kvikio(14):
+        assert pool._users == 2
+    assert pool._users == 1
+
+
 def test_positions_are_rows_of_the_window():
     from gdsload.plan import PlanConfig, epoch_plan
 

@@ -20,7 +20,6 @@ private methods, and producer threads handing off through its private queue or `
 
 from __future__ import annotations
 
-import gc
 import queue
 import sys
 import threading
@@ -34,7 +33,8 @@ from gdsload import GDSDataset
 from gdsload.measure import read_files, shard_paths
 from gdsload.steps import Spin
 
-from ..common import BATCH, Rows, free_device_memory, make_dataset, parse_probe_args, probe_parser, write_probe
+from ..common import (BATCH, GcRuns, Rows, free_device_memory, make_dataset, parse_probe_args, probe_parser,
+                      stamped_steps, write_probe)
 
 WARMUP = 20  # steps left out of every summary
 Batches = Callable[[], Iterator[object]]
@@ -47,54 +47,10 @@ def _summary(us: np.ndarray) -> dict[str, float]:
             "p90": round(float(np.percentile(us, 90)), 1), "p99": round(float(np.percentile(us, 99)), 1)}
 
 
-class GcSpans:
-    """The garbage collector's runs (any thread) as perf_counter_ns spans, while in a ``with`` block."""
-
-    def __init__(self) -> None:
-        self.spans: list[tuple[int, int]] = []
-        self._started: list[int] = []
-
-    def _callback(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._started.append(time.perf_counter_ns())
-        elif self._started:
-            self.spans.append((self._started.pop(), time.perf_counter_ns()))
-
-    def __enter__(self) -> GcSpans:
-        gc.callbacks.append(self._callback)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        gc.callbacks.remove(self._callback)
-
-
-def turnaround(step: Spin, batches: Batches, n: int, spans: list[tuple[int, int]] | None = None) -> dict:
+def turnaround(step: Spin, batches: Batches, n: int, gc_runs: list[tuple[int, int, int]] | None = None) -> dict:
     """``n`` steps over ``batches()``, each timed on the host and on the GPU; per-batch summaries in us."""
-    import cupy
-
-    stream = cupy.cuda.get_current_stream()
-    stamps = cupy.zeros(2 * n, dtype=cupy.uint64)
-    base = stamps.data.ptr
-    host = np.zeros((n, 4), dtype=np.int64)  # next() called, next() returned, launch returned, sync returned
-    stream.synchronize()
-    pc = time.perf_counter_ns
-    it = batches()
-    done = 0
-    for i in range(n):
-        t0 = pc()
-        try:
-            next(it)
-        except StopIteration:
-            break
-        t1 = pc()
-        step.launch(np.uint64(base + 16 * i))
-        t2 = pc()
-        stream.synchronize()
-        host[i] = t0, t1, t2, pc()
-        done += 1
-    getattr(it, "close", lambda: None)()
-    dev = stamps.get().astype(np.int64).reshape(n, 2)[:done]
-    host = host[:done]
+    host, dev = stamped_steps(step, batches(), n)
+    done = len(host)
     off = int((host[:, 3] - dev[:, 1]).min())  # GPU timer -> host clock, assuming one sync returned at once
     s = slice(WARMUP, None)
     between = (host[1:, 1] - host[:-1, 3])[s] / 1e3  # host: sync returned -> next launch called
@@ -104,8 +60,8 @@ def turnaround(step: Spin, batches: Batches, n: int, spans: list[tuple[int, int]
            "sync_return_late_us": _summary((host[:, 3] - dev[:, 1] - off)[WARMUP:] / 1e3),
            "launch_to_start_us": _summary((dev[1:, 0] + off - host[1:, 1])[s] / 1e3),
            "kernel_us": _summary((dev[:, 1] - dev[:, 0])[WARMUP:] / 1e3)}
-    if spans:
-        sp = np.array(spans, dtype=np.int64)
+    if gc_runs:
+        sp = np.array([(a, b) for _, a, b in gc_runs], dtype=np.int64)
         lo, hi = host[:-1, 3][WARMUP:], host[1:, 1][WARMUP:]  # each step's host turnaround
         hit = np.array([bool(((sp[:, 0] < b) & (sp[:, 1] > a)).any()) for a, b in zip(lo, hi)])
         out["gc"] = {"spans_per_step": round(len(sp) / max(1, done), 2),
@@ -202,9 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     for step_ms in [float(s) for s in args.steps_ms.split(",")]:
         step = Spin(step_ms)
 
-        def emit(label: str, batches: Batches, spans: list[tuple[int, int]] | None = None, **extra: Any) -> None:
+        def emit(label: str, batches: Batches, gc_runs: list[tuple[int, int, int]] | None = None, **extra: Any) -> None:
             rows.emit({"probe": "overhead", "step_ms": step_ms, "what": label,
-                       "switch_interval_s": sys.getswitchinterval(), **extra, **turnaround(step, batches, n, spans)})
+                       "switch_interval_s": sys.getswitchinterval(), **extra, **turnaround(step, batches, n, gc_runs)})
 
         turnaround(step, lambda: iter(range(n)), n)  # warm-up
         if "alone" in what:
@@ -217,8 +173,8 @@ def main(argv: list[str] | None = None) -> int:
             with GDSDataset(path, batch_size=BATCH, backend=backend, **opts) as ds:
                 for _ in ds:  # one pass first: buffers allocated, the next pass read ahead
                     pass
-                with GcSpans() as gcs:
-                    emit(label, endless(ds), gcs.spans, describe={k: v for k, v in ds.describe().items()
+                with GcRuns() as gcs:
+                    emit(label, endless(ds), gcs.runs, describe={k: v for k, v in ds.describe().items()
                                                                  if k != "backend_reason"})
             free_device_memory()
     print("wrote", write_probe(args, "probe-overhead", rows), flush=True)

@@ -19,7 +19,6 @@ thread on one core, the others free); the CPU topology is written beside the row
 
 from __future__ import annotations
 
-import gc
 import os
 import statistics
 import sys
@@ -32,22 +31,8 @@ from gdsload import GDSDataset
 from gdsload.measure import read_files, shard_paths, time_pass
 from gdsload.steps import Spin
 
-from ..common import (BATCH, Rows, add_step_options, make_dataset, parse_probe_args, probe_parser, step_ms, timed,
-                      write_probe)
-
-
-class GcTimes:
-    """The garbage collector's runs while installed: (generation, seconds) each."""
-
-    def __init__(self) -> None:
-        self.runs: list[tuple[int, float]] = []
-        self._t0 = 0.0
-
-    def __call__(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._t0 = time.perf_counter()
-        else:
-            self.runs.append((info["generation"], time.perf_counter() - self._t0))
+from ..common import (BATCH, GcRuns, Rows, add_step_options, make_dataset, parse_probe_args, probe_parser, step_ms,
+                      timed, write_probe)
 
 
 def longest(a: list[float], n: int = 4) -> list[tuple[int, float]]:
@@ -85,15 +70,15 @@ def vmstat() -> dict[str, int]:
     return out
 
 
-def thread_cpu_ns() -> dict[str, int]:
+def thread_cpu_ns(field: int = 0) -> dict[str, int]:
     """CPU time (ns) of each thread of this process so far (/proc schedstat), by Python thread name where it
-    has one, else by its kernel name and id."""
+    has one, else by its kernel name and id; ``field`` 1: the time each waited on a run queue instead."""
     names = {t.native_id: t.name for t in threading.enumerate()}
     out: dict[str, int] = {}
     for tid in (int(t) for t in os.listdir("/proc/self/task")):
         try:
             with open(f"/proc/self/task/{tid}/schedstat") as f:
-                ns = int(f.read().split()[0])
+                ns = int(f.read().split()[field])
             if tid not in names:
                 with open(f"/proc/self/task/{tid}/comm") as f:
                     names[tid] = f"{f.read().strip()}-{tid}"
@@ -109,10 +94,8 @@ def turns(ds: GDSDataset | range, step: Spin, alone_s: float) -> dict[str, objec
     meanwhile (see the module notes)."""
     nexts: list[float] = []
     steps: list[float] = []
-    collected = GcTimes()
-    gc.callbacks.append(collected)
     stolen, cpu, vm = steal_s(), thread_cpu_ns(), vmstat()
-    try:
+    with GcRuns() as collected:
         start = time.perf_counter()
         for _batch in timed(ds, nexts):
             t0 = time.perf_counter()
@@ -120,8 +103,6 @@ def turns(ds: GDSDataset | range, step: Spin, alone_s: float) -> dict[str, objec
             steps.append(time.perf_counter() - t0)
         step.finish()
         wall = time.perf_counter() - start
-    finally:
-        gc.callbacks.remove(collected)
     us = lambda a, q: round(1e6 * float(np.percentile(a, q)), 1)  # noqa: E731
     stall = ds.stats.stall_s if isinstance(ds, GDSDataset) else 0.0
     vm = {k: v - vm[k] for k, v in vmstat().items() if v != vm[k]}
@@ -135,8 +116,8 @@ def turns(ds: GDSDataset | range, step: Spin, alone_s: float) -> dict[str, objec
             "longest_steps": longest(steps), "longest_nexts": longest(nexts),
             "stall_ms": round(1e3 * stall, 2), "steal_ms": round(1e3 * (steal_s() - stolen), 1),
             "thread_cpu_ms": dict(busy), "vmstat": vm,
-            "gc_runs": [(g, round(1e6 * s)) for g, s in collected.runs if g > 0 or s > 200e-6],
-            "gc_gen0_runs": sum(1 for g, _ in collected.runs if g == 0)}
+            "gc_runs": [(g, round((b - a) / 1e3)) for g, a, b in collected.runs if g > 0 or b - a > 200_000],
+            "gc_gen0_runs": sum(1 for g, _, _ in collected.runs if g == 0)}
 
 
 def siblings(cpu: int) -> set[int]:

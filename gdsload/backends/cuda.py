@@ -72,7 +72,10 @@ class KvikioPool:
     _settings: tuple[int, int] | None = None
 
     @classmethod
-    def acquire(cls, num_threads: int, task_bytes: int) -> None:
+    def acquire(cls, num_threads: int, task_bytes: int, exact: bool = False) -> None:
+        """Hold the pool with these settings (each call owes a :meth:`release`). ``exact``: a pool in use with
+        other settings raises RuntimeError instead of warning (a measurement must not report settings it did
+        not read with)."""
         import kvikio.defaults
 
         wanted = (num_threads, task_bytes)
@@ -80,9 +83,11 @@ class KvikioPool:
             if cls._users:
                 if cls._settings != wanted:
                     have = cls._settings or (0, 0)
-                    warnings.warn(f"KvikIO's thread pool is shared by the process and in use with {have[0]} "
-                                  f"threads and {have[1]}-byte tasks; this dataset asked for {num_threads} and "
-                                  f"{task_bytes} and gets the pool as it is", RuntimeWarning, stacklevel=4)
+                    said = (f"KvikIO's thread pool is shared by the process and in use with {have[0]} threads and "
+                            f"{have[1]}-byte tasks; {num_threads} and {task_bytes} were asked for")
+                    if exact:
+                        raise RuntimeError(f"{said}: close the dataset holding it first")
+                    warnings.warn(f"{said}, and this dataset gets the pool as it is", RuntimeWarning, stacklevel=4)
             else:
                 # Compared with KvikIO's own settings, not the last ones set here: other code in the process
                 # (the user's, a benchmark's raw reads) may have set the pool since.
