@@ -168,13 +168,15 @@ def connections_note(environ: Mapping[str, str | None] = os.environ) -> str | No
     """What ``CUDA_DEVICE_MAX_CONNECTIONS`` in ``environ`` costs a training step beside gdsload, or None when
     it is unset, not a count (CUDA then keeps its default), or at least :data:`MIN_CONNECTIONS`. With few
     queues, the loader's streams share the training step's queue, so a step queued after a window's copies
-    and gathers starts only once they are done."""
+    and gathers starts only once they are done (the mmap backend paces its copies then:
+    ``backends.mmap.queue_bytes_for``)."""
     raw = (environ.get(CONNECTIONS_ENV) or "").strip()
     if not raw.isdigit() or int(raw) >= MIN_CONNECTIONS:
         return None
     n = int(raw)
     return (f"{CONNECTIONS_ENV}={n}: CUDA gives this process {n} hardware work queue{'s' if n > 1 else ''} "
-            "for all its streams, so the training step's kernels queue behind gdsload's copies and wait for them")
+            "for all its streams, so the training step's kernels queue behind gdsload's copies and wait for them "
+            "(the mmap backend then queues a window's copies a piece at a time, which shortens the waits)")
 
 
 def warn_few_connections(environ: Mapping[str, str | None] = os.environ) -> bool:

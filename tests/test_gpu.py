@@ -389,26 +389,34 @@ def test_a_batch_not_yet_written_when_taken_is_waited_for_on_the_consumers_strea
 
 
 @pytest.mark.parametrize("copier", ["native", "cupy"])
-def test_mmap_copies_through_either_copier_serve_the_same_batches(small, copier):
-    """The native copier (a window's copies in one call) and the CuPy loop it replaces: every sample of two
-    shuffled epochs, every batch kept alive while later windows are copied."""
+@pytest.mark.parametrize("queue_bytes", [0, 2 << 10])
+def test_mmap_copies_through_either_copier_serve_the_same_batches(small, copier, queue_bytes):
+    """The native copier (a window's copies in one call) and the CuPy loop it replaces, each queueing a
+    window's copies at once or a piece at a time (queue_bytes: here pieces of at most 1 KiB of 4 KB
+    blocks, two ahead at most): every sample of two shuffled epochs, every batch kept alive while later windows are
+    copied; then a pass left early and a close, with no reader left."""
     import cupy
 
     path, data = small
     with Dataset(path, batch_size=50, backend="mmap", shuffle=True, seed=3, window_blocks=4,
-                 backend_options={"copier": copier}) as ds:
-        assert ds.describe()["backend_stats"]["copier"] == copier
+                 backend_options={"copier": copier, "queue_bytes": queue_bytes}) as ds:
+        stats = ds.describe()["backend_stats"]
+        assert (stats["copier"], stats["queue_bytes"]) == (copier, queue_bytes)
+        assert stats["copy_bytes"] == (1 << 10 if queue_bytes else 64 << 20)
         batches = list(ds)
         ds.set_epoch(1)
         batches += list(ds)
         cupy.cuda.get_current_stream().synchronize()
         seen = np.concatenate([check(b, data) for b in batches])
         np.testing.assert_array_equal(seen, np.concatenate([epoch_plan(ds.config, e).sample_ids() for e in (0, 1)]))
+        break_then_close(ds, lambda b: check(b, data))
 
 
-def test_a_copy_the_native_copier_cannot_queue_names_the_shard_it_reads(small, monkeypatch):
+@pytest.mark.parametrize("queue_bytes", [0, 2 << 10])
+def test_a_copy_the_native_copier_cannot_queue_names_the_shard_it_reads(small, monkeypatch, queue_bytes):
     """A failed copy reaches the consumer as a ReadError beginning with the shard file the copy reads (the
-    copier reports the copy's index; the backend knows its file), with what was being read."""
+    copier reports the copy's index; the backend knows its file), with what was being read; also when the
+    copies are queued a piece at a time (the index then counts from the piece's first copy)."""
     from gdsload.copier import Copier, CopyFailed
     from gdsload.errors import ReadError
 
@@ -417,7 +425,8 @@ def test_a_copy_the_native_copier_cannot_queue_names_the_shard_it_reads(small, m
                          f"CUDA_ERROR_ILLEGAL_ADDRESS", len(nbytes) - 1)
 
     path, _ = small
-    with Dataset(path, batch_size=50, backend="mmap", backend_options={"copier": "native"}) as ds:
+    options = {"copier": "native", "queue_bytes": queue_bytes}
+    with Dataset(path, batch_size=50, backend="mmap", backend_options=options) as ds:
         monkeypatch.setattr(Copier, "copy", fail)
         with pytest.raises(ReadError, match=rf"^{re.escape(path)}/\S+: read of \d+ bytes at offset \d+ failed \("
                                             r"native copier: .*CUDA_ERROR_ILLEGAL_ADDRESS\) \(reading "):

@@ -343,3 +343,74 @@ def test_mmap_backend_read_error_names_the_file(tmp_path, fake_cupy, monkeypatch
     with pytest.raises(ReadError, match=rf"{paths[0]}: cannot map its {1 << 20} bytes .*now 4096 bytes"):
         MmapBackend().prepare(files)
     files.close()
+
+
+def test_with_few_cuda_queues_a_windows_copies_are_queued_two_pieces_ahead(tmp_path, fake_cupy, monkeypatch):
+    """Where the process has few CUDA hardware queues the training step queues behind every copy queued
+    before it: the backend then queues a window's copies a piece at a time (each at most half of
+    ``queue_bytes``), waiting for the piece two before before queuing the next, so at most two are ahead;
+    the bytes are the same, and a stop between pieces queues no more. Elsewhere a window goes at once."""
+    from gdsload.backends import mmap as mmap_backend
+    from gdsload.backends.base import ReadRequest
+    from gdsload.files import ShardFiles
+
+    ahead: list[int] = []  # pieces queued and not waited for (events on the backend's stream), as each copy is
+
+    class Event:
+        def __init__(self, **kw):
+            self.stream, self.waited = None, False
+
+        def synchronize(self):
+            self.waited = True
+
+    events: list[Event] = []
+
+    class Stream(_Stream):
+        def record(self, e=None):
+            e.stream = self
+            events.append(e)
+            return e
+
+    real_copy = fake_cupy.memcpyAsync
+
+    def copy(*a):
+        ahead.append(sum(1 for e in events if e.stream is backend.stream and not e.waited))
+        if stop_after and len(fake_cupy.copies) == stop_after:
+            stop.set()
+        real_copy(*a)
+
+    monkeypatch.setattr(fake_cupy, "memcpyAsync", copy)
+    cuda = sys.modules["cupy"].cuda
+    monkeypatch.setattr(cuda, "Stream", Stream)
+    monkeypatch.setattr(cuda, "Event", Event)
+    monkeypatch.setattr(mmap_backend, "RANGE_BYTES", 64 << 10)
+    assert mmap_backend.queue_bytes_for({"CUDA_DEVICE_MAX_CONNECTIONS": "1"}) == mmap_backend.PACED_QUEUE_BYTES
+    assert mmap_backend.queue_bytes_for({"CUDA_DEVICE_MAX_CONNECTIONS": "8"}) == 0 == mmap_backend.queue_bytes_for({})
+    paths, _ = _files(tmp_path, [512 << 10])
+    files = ShardFiles.open(paths)
+    want = np.fromfile(paths[0], np.uint8)[8:8 + (500 << 10)]
+    for env, stop_after, pieces in ((None, 0, 1), ("1", 0, 32), ("2", 3, 4)):  # stop set in the 4th copy
+        if env is None:
+            monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+        else:
+            monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", env)
+        monkeypatch.setattr(mmap_backend, "PACED_QUEUE_BYTES", 32 << 10)  # pieces of 16 KiB here
+        backend = mmap_backend.MmapBackend(register_threads=2)
+        backend.prepare(files)
+        ahead.clear(), events.clear(), fake_cupy.copies.clear()
+        stop = threading.Event()
+        dest = _Dest(500 << 10)
+        backend.submit(dest, [ReadRequest(paths[0], 8, 500 << 10, 0)], stop).finish()
+        if env is None:
+            assert backend.queue_bytes == 0 and ahead == [0] * len(fake_cupy.copies), "a window at once"
+            assert max(n for _, n in fake_cupy.copies) == 64 << 10  # cut at range ends only
+            np.testing.assert_array_equal(dest.array, want)
+        else:
+            assert backend.queue_bytes == 32 << 10 and backend.copy_bytes == 16 << 10
+            assert max(n for _, n in fake_cupy.copies) <= 16 << 10
+            # the piece being queued and at most one before it
+            assert len(fake_cupy.copies) == pieces and ahead == [0] + [1] * (pieces - 1)
+            if not stop_after:
+                np.testing.assert_array_equal(dest.array, want)
+        backend.close()
+    files.close()

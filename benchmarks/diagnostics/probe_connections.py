@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     add_step_options(ap)
     ap.add_argument("--settings", default="default,1,2,4,32")
     ap.add_argument("--variants", default="alone,list,base")
+    ap.add_argument("--backend-options", default=None, help="passed on to probe_floor (JSON)")
+    ap.add_argument("--label", default=None, help="recorded with every row (what the options are for)")
     args = parse_probe_args(ap, argv)
     settings = args.settings.split(",")
     for s in settings:
@@ -52,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
                 cmd = [sys.executable, "-m", "benchmarks.diagnostics.probe_floor", "--variants", args.variants,
                        "--backend", args.backend, "--factor", str(args.factor), "--passes", str(args.passes),
                        "--repeats", "1", "--data", args.data, "--size-gib", str(args.size_gib), "--out", tmp,
-                       "--tag", tag]
+                       "--tag", tag] + (["--backend-options", args.backend_options] if args.backend_options else [])
                 done = subprocess.run(cmd, env=environment(s, dict(os.environ)), capture_output=True, text=True)
                 if done.returncode != 0:
                     raise RuntimeError(f"probe_floor with {VARIABLE} {s} failed ({done.returncode}):\n"
@@ -61,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
                             if f == f"probe-floor-{tag}.json")
                 with open(path) as f:
                     for row in json.load(f)["results"]:
-                        rows.emit({"connections": s, "round": r, **row})
+                        rows.emit({"connections": s, "round": r, "label": args.label,
+                                   "backend_options": args.backend_options, **row})
     print("wrote", write_probe(args, "probe-connections", rows, variable=VARIABLE, settings=settings), flush=True)
     return 0
 

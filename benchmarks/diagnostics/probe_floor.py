@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import queue
 import sys
 import threading
@@ -246,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = probe_parser(__doc__.splitlines()[0])
     add_step_options(ap)
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--backend-options", type=json.loads, default=None, help="GDSDataset(backend_options=), JSON")
     args = parse_probe_args(ap, argv)
     rows = Rows()
     path = make_dataset(args.data, args.size_gib)
@@ -255,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     def dataset(ahead: int | None) -> GDSDataset:
         key = ahead or 0
         if key not in opened:
-            opened[key] = GDSDataset(path, batch_size=BATCH, backend=args.backend, shuffle=True, batches_ahead=ahead)
+            opened[key] = GDSDataset(path, batch_size=BATCH, backend=args.backend, shuffle=True, batches_ahead=ahead,
+                                     backend_options=args.backend_options)
             time_pass(opened[key])
         return opened[key]
 

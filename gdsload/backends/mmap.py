@@ -22,6 +22,7 @@ import mmap
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,10 @@ from .cuda import CudaBackend
 
 DEFAULT_COPY_BYTES = 64 << 20
 DEFAULT_STREAMS = 2
+#: With few CUDA hardware queues (``gdsload.env.connections_note``) the training step's kernels queue behind
+#: whatever copies are queued: a window's copies are then queued a piece at a time, at most this many bytes
+#: ahead, so a step waits behind that much at most (docs/benchmarks.md, "Hardware work queues").
+PACED_QUEUE_BYTES = 16 << 20
 #: Files are locked in ranges of this many bytes (a multiple of the page size), each as soon as it is read.
 #: Small enough that a shuffled window's blocks are in a fraction of a cold file's ranges (the first pass
 #: starts once those are in, not the whole file); copies are cut at range ends, so also the largest copy.
@@ -128,12 +133,20 @@ def _cut(start: np.ndarray, end: np.ndarray, unit: int, origin: np.ndarray) -> t
     return np.maximum(start[which], at), np.minimum(end[which], at + unit), which
 
 
-def copy_error(copies: Copies, error: CopyFailed) -> ReadError:
-    """The error for a window whose copy ``error.index`` could not be queued, beginning with the file that copy
-    reads (the copier only knows addresses); ``error`` itself when no one copy failed."""
+def queue_bytes_for(environ: Any = os.environ) -> int:
+    """The mmap backend's default ``queue_bytes``: :data:`PACED_QUEUE_BYTES` where the process has few CUDA
+    hardware queues, else 0 (a window's copies queued at once)."""
+    from ..env import connections_note
+
+    return PACED_QUEUE_BYTES if connections_note(environ) else 0
+
+
+def copy_error(copies: Copies, error: CopyFailed, first: int = 0) -> ReadError:
+    """The error for a window whose copy ``first + error.index`` could not be queued, beginning with the file
+    that copy reads (the copier only knows addresses); ``error`` itself when no one copy failed."""
     if error.index is None:
         return error
-    c = copies.read(error.index)
+    c = copies.read(first + error.index)
     return ReadError(f"{c.path}: read of {c.nbytes} bytes at offset {c.offset} failed ({error})")
 
 
@@ -192,21 +205,26 @@ class MmapBackend(CudaBackend):
     window_bytes_hint = 256 << 20
 
     def __init__(self, device_id: int = 0, max_bytes: int | None = None, num_streams: int = DEFAULT_STREAMS,
-                 copy_bytes: int = DEFAULT_COPY_BYTES, register_threads: int = 16, copier: str = "auto"):
+                 copy_bytes: int = DEFAULT_COPY_BYTES, register_threads: int = 16, copier: str = "auto",
+                 queue_bytes: int | None = None):
         """``max_bytes`` caps the bytes locked (default half of RAM); copies of at most ``copy_bytes`` (and
         never across two locked ranges) go round robin over ``num_streams`` non-blocking streams;
         ``register_threads`` read and lock the files in the background (a window's ranges when it is
         submitted, everything once the first batch is assembled). ``copier``: "native"
         queues a window's copies in one call (gdsload.copier), "cupy" one CuPy call per copy, "auto" the
-        native one where the library loads (``copier_reason`` says why not)."""
-        if num_streams < 1 or copy_bytes < 1 or register_threads < 1:
-            raise ValueError(f"num_streams, copy_bytes and register_threads must be positive "
-                             f"(found {num_streams}, {copy_bytes}, {register_threads})")
+        native one where the library loads (``copier_reason`` says why not). ``queue_bytes``: when positive,
+        a window's copies (then at most half of it each) are queued a piece at a time, at most that many bytes
+        ahead; 0 queues them at once; default :func:`queue_bytes_for`."""
+        queue_bytes = queue_bytes_for() if queue_bytes is None else queue_bytes
+        if num_streams < 1 or copy_bytes < 1 or register_threads < 1 or queue_bytes < 0 or queue_bytes == 1:
+            raise ValueError(f"num_streams, copy_bytes and register_threads must be positive and queue_bytes 0 or "
+                             f"at least 2 (found {num_streams}, {copy_bytes}, {register_threads}, {queue_bytes})")
         if copier not in ("auto", "native", "cupy"):
             raise ValueError(f"copier must be 'auto', 'native' or 'cupy' (found {copier!r})")
         super().__init__(device_id)
         self.max_bytes = default_budget() if max_bytes is None else max_bytes
-        self.copy_bytes = copy_bytes
+        self.queue_bytes = queue_bytes
+        self.copy_bytes = min(copy_bytes, queue_bytes // 2) if queue_bytes else copy_bytes
         self.register_threads = register_threads
         self.range_bytes = RANGE_BYTES
         with self.device:
@@ -235,7 +253,7 @@ class MmapBackend(CudaBackend):
         loader = self._loader.stats() if self._loader is not None else {}
         return {"locked_bytes": self.pinned_bytes, "open_s": self.register_s,
                 "loaded_bytes": loader.get("bytes_loaded", 0), "load_s": loader.get("load_s"),
-                "num_streams": len(self._streams), "copy_bytes": self.copy_bytes,
+                "num_streams": len(self._streams), "copy_bytes": self.copy_bytes, "queue_bytes": self.queue_bytes,
                 "copier": "cupy" if self._copier is None else "native"}
 
     def prepare(self, files: Any) -> None:
@@ -284,22 +302,37 @@ class MmapBackend(CudaBackend):
         src = bases[copies.file] + copies.offsets.astype(np.uint64)
         self.write_fills(dest, requests)  # on self.stream: the event recorded last covers them
         with self.device:
-            if self._copier is not None:
-                try:
-                    self._copier.copy(dst, src, copies.nbytes, self.stream.ptr)
-                except CopyFailed as e:
-                    raise copy_error(copies, e) from e
+            if not self.queue_bytes:
+                self._queue(copies, dst, src, 0, len(copies))
             else:
-                rt = self.cupy.cuda.runtime
-                for i, (d, h, n) in enumerate(zip(dst.tolist(), src.tolist(), copies.nbytes.tolist())):
-                    try:
-                        rt.memcpyAsync(d, h, n, H2D, self._streams[i % len(self._streams)].ptr)
-                    except Exception as e:
-                        c = copies.read(i)
-                        raise read_error(c.path, c.offset, c.nbytes, cause=e) from e
-                for s in self._streams[:len(copies)]:
-                    self.stream.wait_event(record_event(s))
+                ahead: deque[Any] = deque()  # the events of the pieces queued and maybe not done
+                for i in range(len(copies)):
+                    if stop.is_set():
+                        break  # the pipeline stops: what was queued is covered by the event below
+                    while len(ahead) >= 2:  # two pieces of at most queue_bytes / 2 each
+                        ahead.popleft().synchronize()
+                    self._queue(copies, dst, src, i, i + 1)
+                    ahead.append(record_event(self.stream))
             return Queued(record_event(self.stream))
+
+    def _queue(self, copies: Copies, dst: np.ndarray, src: np.ndarray, lo: int, hi: int) -> None:
+        """Queue copies ``lo`` to ``hi`` over the copy streams; ``self.stream`` waits for them."""
+        if self._copier is not None:
+            try:
+                self._copier.copy(dst[lo:hi], src[lo:hi], copies.nbytes[lo:hi], self.stream.ptr)
+            except CopyFailed as e:
+                raise copy_error(copies, e, lo) from e
+            return
+        rt = self.cupy.cuda.runtime
+        for i in range(lo, hi):
+            try:
+                rt.memcpyAsync(int(dst[i]), int(src[i]), int(copies.nbytes[i]), H2D,
+                               self._streams[(i - lo) % len(self._streams)].ptr)
+            except Exception as e:
+                c = copies.read(i)
+                raise read_error(c.path, c.offset, c.nbytes, cause=e) from e
+        for s in self._streams[:hi - lo]:
+            self.stream.wait_event(record_event(s))
 
     def streams(self) -> list[Any]:
         return [self.stream, *self._streams]
