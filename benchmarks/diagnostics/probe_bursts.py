@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -157,19 +158,21 @@ def main(argv: list[str] | None = None) -> int:
                 raise RuntimeError(f"the canaries did not start (exit codes {[proc.poll() for proc in procs]})")
             time.sleep(0.05)
         passes = timed_passes(spin, ds, nb, offset, args.passes)
+        ds.close()
+        for proc in procs:
+            proc.wait()
+        units = []
+        for c in cores:
+            with open(os.path.join(tmp, f"{c}.json")) as f:
+                units.append(np.array(json.load(f)))
     except BaseException:
         for proc in procs:
             proc.kill()
         raise
     finally:
-        ds.close()
-    for proc in procs:
-        proc.wait()
+        ds.close()  # idempotent
+        shutil.rmtree(tmp, ignore_errors=True)  # the canaries' files, read or abandoned
     del held
-    units = []
-    for c in cores:
-        with open(os.path.join(tmp, f"{c}.json")) as f:
-            units.append(np.array(json.load(f)))
     rows = Rows()
     for row in passes:
         row["canary_slowdown"] = slowdowns(units, row["t0"], row["t1"])
