@@ -2,7 +2,7 @@
 a RAM tier."""
 
 from .dataset import GDSDataset
-from .errors import BackendUnavailable, ConversionError, FormatError, GDSLoadError, ReadError
+from .errors import BackendUnavailable, ChecksumError, ConversionError, FormatError, GDSLoadError, ReadError
 from .sources import ArraySource, RaggedSource, Source
 from .stats import EpochStats
 from .writer import convert, write_dataset
@@ -10,6 +10,7 @@ from .writer import convert, write_dataset
 __version__ = "0.1.0"
 
 __all__ = [
-    "GDSDataset", "EpochStats", "GDSLoadError", "FormatError", "ConversionError", "ReadError", "BackendUnavailable",
+    "GDSDataset", "EpochStats", "GDSLoadError", "FormatError", "ConversionError", "ReadError", "ChecksumError",
+    "BackendUnavailable",
     "convert", "write_dataset", "Source", "ArraySource", "RaggedSource", "__version__",
 ]

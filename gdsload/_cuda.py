@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 H2D = 1  # cudaMemcpyHostToDevice
+D2H = 2  # cudaMemcpyDeviceToHost
 D2D = 3  # cudaMemcpyDeviceToDevice
 HOST_REGISTER_PORTABLE = 0x01  # cudaHostRegisterPortable
 HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly

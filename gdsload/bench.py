@@ -18,10 +18,13 @@ Contract:
   untimed (CUDA modules, kernels, resident fields). A cold measurement is one pass, cut the same way; for
   ``mmap`` it is open (which reads and locks the whole dataset) plus the pass. GB/s count bytes delivered
   (GB = 1e9 bytes); CPU core-s/GB is this process's CPU time per GB delivered.
-- **Ceilings** (same files): the pinned host-to-device copy (GPU); the page cache into pinned memory (GPU)
-  or host memory (warm); raw KvikIO of the same blocks in shuffled order (GPU with KvikIO; warm, and cold
-  with ``--cold`` as root); the disk through O_DIRECT (``--cold``; no root needed). Each reads a first
-  piece, then the following files or blocks that the first piece's rate reads in about ``seconds``.
+- **Ceilings** (same files: the shard files of every field the measured datasets read): the pinned
+  host-to-device copy (GPU); the page cache into pinned memory (GPU) or host memory (warm); raw KvikIO of
+  the same blocks in shuffled order (GPU with KvikIO; warm, and cold with ``--cold`` as root); the disk
+  through O_DIRECT (``--cold``; no root needed). Each reads a first piece, whose rate then picks what is
+  measured: warm, the files or blocks from the first on that it reads in about ``seconds`` (the whole
+  dataset when it is that small); cold, the ones after the first piece (:func:`sized`). Except a cold
+  KvikIO read, a measurement repeats its passes over those bytes for at least :data:`MIN_TIMED_S`.
 - **Duration.** About ``seconds`` per measurement, plus opening each backend (``mmap`` locks the
   dataset) and, warm, reading the dataset once into the page cache; a progress bar (stderr, on a
   terminal) names each step.
@@ -54,6 +57,10 @@ DEFAULT_SECONDS = 2.0
 DEFAULT_BATCH = 256
 WARMUP_BATCHES = 3
 PROBE_BYTES = 64 << 20  # a ceiling's first piece: at least this much, to time a rate rather than a latency
+#: A ceiling's timed stretch lasts at least this long (passes over the same bytes back to back: warm, or through
+#: O_DIRECT, which the page cache does not serve), so a small dataset is timed at its rate, not at the cost
+#: of starting the reads.
+MIN_TIMED_S = 0.2
 Row = dict[str, Any]
 FIGURES = ("io_mode", "gbps", "samples_per_s", "cpu_s_per_gb")  # None in a row that says why it has no figures
 
@@ -96,7 +103,8 @@ def positive_float(text: str) -> float:
 
 @dataclass
 class Target:
-    """The dataset under test: its shard files, their total size, its samples."""
+    """The dataset under test: its shard files, their total size, its samples. ``files`` are the files the
+    measured datasets read (they read every field), and the ones the file ceilings read."""
 
     path: str
     files: list[str]
@@ -283,9 +291,12 @@ class Bench:
         return PassResult(bytes=nbytes, seconds=nbytes / (pinned_h2d_gbps(nbytes) * 1e9), io_mode="cuda-memcpy")
 
     def files(self, direct: bool = False, pinned: bool = False) -> PassResult:
+        """The files the dataset reads (``target.files``), read whole: all of them when the page cache's rate
+        reads them in ``seconds``, else as many, in order (:func:`sized`)."""
         paths = self.target.files
         return sized(paths, [os.path.getsize(p) for p in paths], self.seconds,
-                     lambda chosen: read_files(chosen, direct=direct, pinned=pinned), repeat=not direct)
+                     lambda chosen: read_files(chosen, direct=direct, pinned=pinned, min_seconds=MIN_TIMED_S),
+                     repeat=not direct)
 
     def raw_kvikio(self, cold: bool = False) -> PassResult:
         """One KvikIO read per block, of blocks picked at random (as a shuffled pass reads them), into a device
@@ -301,7 +312,8 @@ class Bench:
         dest = cupy.empty(int(sizes[-1]), dtype=cupy.uint8)
         if cold and not drop_page_cache():
             raise PermissionError("cannot drop the page cache (needs root)")
-        return sized(blocks, [b.nbytes for b in blocks], self.seconds, lambda chosen: raw_kvikio_blocks(chosen, dest),
+        return sized(blocks, [b.nbytes for b in blocks], self.seconds,
+                     lambda chosen: raw_kvikio_blocks(chosen, dest, min_seconds=0.0 if cold else MIN_TIMED_S),
                      repeat=not cold)
 
 
@@ -311,18 +323,31 @@ def ceiling(name: str, regime: str, shuffle: bool | None = None) -> Row:
 
 def sized(units: Sequence[Any], sizes: Sequence[int], seconds: float,
           measure: Callable[[Sequence[Any]], PassResult], repeat: bool = True) -> PassResult:
-    """``measure`` a first piece of ``units`` (at least :data:`PROBE_BYTES`, or one unit); if that took less than a
-    quarter of ``seconds`` and units remain, measure the units after it that its rate reads in ``seconds`` (none
-    of them read by the first piece, so a cold read stays cold). With ``repeat`` (warm reads), the last
-    measurement is repeated while the repeats fill less than ``seconds`` (at most 5), and the best is reported."""
+    """``measure`` the ``units`` (files or blocks of the dataset, in order, of ``sizes`` bytes) that a ceiling
+    reads in about ``seconds``.
+
+    A probe measures the first units (at least :data:`PROBE_BYTES`, or one unit). If units remain and one
+    pass over the probe's units is less than a quarter of what its rate reads in ``seconds``, that rate
+    picks the units measured: warm (``repeat``), counting from the first unit, so a dataset read whole in
+    ``seconds`` is measured whole; cold, from the first unit the probe did not read, so a cold read stays
+    cold, and the probe's figure stands where those hold fewer bytes than the probe's units. With ``repeat``
+    the last measurement is repeated while the repeats fill less than ``seconds`` (at most 5), and the best
+    is reported."""
     total = np.cumsum(sizes)
-    first = max(1, int(np.searchsorted(total, PROBE_BYTES, side="left")) + 1)
+    first = min(len(units), max(1, int(np.searchsorted(total, PROBE_BYTES, side="left")) + 1))
     chosen, runs = units[:first], [measure(units[:first])]
-    rest, rest_sizes = units[first:], np.cumsum(sizes[first:])
-    if len(rest) and runs[0].seconds < seconds / 4:
-        budget = runs[0].bytes / max(runs[0].seconds, 1e-9) * seconds
-        chosen = rest[:max(1, int(np.searchsorted(rest_sizes, budget, side="right")))]
-        runs = [measure(chosen)]
+    probe_bytes = int(total[first - 1]) if first else 0
+    budget = runs[0].bytes / max(runs[0].seconds, 1e-9) * seconds
+    if first < len(units) and probe_bytes < budget / 4:
+        if repeat:
+            chosen = units[:max(first, int(np.searchsorted(total, budget, side="right")))]
+            runs = [measure(chosen)]
+        else:
+            rest_sizes = np.cumsum(sizes[first:])
+            n = max(1, int(np.searchsorted(rest_sizes, budget, side="right")))
+            if int(rest_sizes[n - 1]) >= probe_bytes:
+                chosen = units[first:first + n]
+                runs = [measure(chosen)]
     while repeat and len(runs) < 5 and sum(r.seconds for r in runs) < seconds:
         runs.append(measure(chosen))
     return best(runs)
@@ -360,16 +385,14 @@ def render(bench: Bench, rows: list[Row]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    """``gdsload bench``: 0 when it ran, 2 with one line on stderr for a bad path."""
-    try:
-        target = Target.open(args.path)
-        if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-            raise GDSLoadError(f"{args.json}: its folder does not exist")
-        if args.batch_size < 1:
-            raise GDSLoadError(f"--batch-size must be at least 1 (found {args.batch_size})")
-    except (GDSLoadError, OSError) as e:
-        print("gdsload bench: error: " + one_line(e), file=sys.stderr)
-        return 2
+    """``gdsload bench``: 0 when it ran. A path that is not a dataset, a ``--json`` file whose folder does not
+    exist or a bad option raises (GDSLoadError, OSError, ValueError) before anything is measured; the
+    command line prints it as one line and exits 2 (:func:`gdsload.cli.fail`)."""
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1 (found {args.batch_size})")
+    target = Target.open(args.path)
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        raise GDSLoadError(f"{args.json}: its folder does not exist")
     bench = Bench(target, args.backends, args.cold, args.seconds, args.batch_size)
     rows = bench.run()
     print(render(bench, rows), flush=True)

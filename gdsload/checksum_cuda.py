@@ -93,11 +93,13 @@ class DeviceCrc:
         returns a device uint32 array comparable with :func:`gdsload.checksum.device_expected`."""
         cp = self.cupy
         p = host.pieces(lo, hi)
+        n, m = len(lo), p.table.size
         with self.device, stream:
-            args = [cp.asarray(a) for a in (p.table.reshape(-1), p.lo, p.hi, p.end)]
-            out = cp.zeros(len(lo), dtype=cp.uint32)
+            # One upload of the work list: the piece table, then lo, hi and end of every segment.
+            packed = cp.asarray(np.concatenate([p.table.reshape(-1), p.lo, p.hi, p.end]))
+            out = cp.zeros(n, dtype=cp.uint32)
             if len(p.table):
                 self.kernel((len(p.table),), (host.THREADS,),
-                            (buf, args[0], np.int32(len(p.table)), args[1], args[2], args[3], self.slices,
-                             self.stride, self.powers, out))
+                            (buf, packed[:m], np.int32(len(p.table)), packed[m:m + n], packed[m + n:m + 2 * n],
+                             packed[m + 2 * n:], self.slices, self.stride, self.powers, out))
         return out

@@ -1,4 +1,11 @@
-"""Command line: ``gdsload info [PATH]``, ``gdsload demo``, ``gdsload shard`` (same as scripts/shard.py)."""
+"""Command line: ``gdsload info [PATH]``, ``demo``, ``shard`` (same as scripts/shard.py), ``verify``, ``doctor``,
+``bench``.
+
+Errors: every command ends an expected error -- a GDSLoadError, a ValueError or TypeError of an argument
+check (an environment variable's included), an OSError on a path the user gave -- with one line
+``gdsload CMD: error: message`` on stderr and exit status 2 (:func:`fail`); argparse's own usage errors
+also exit 2. Anything else is a bug and keeps its traceback.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +24,26 @@ import numpy as np
 
 from .backends import BACKENDS
 from .errors import GDSLoadError, printable
+
+#: What a command ends with one line on stderr and exit 2 rather than a traceback: gdsload's own errors, an
+#: argument's (ValueError, TypeError) and the OS's on a path the user gave.
+EXPECTED_ERRORS = (GDSLoadError, ValueError, TypeError, OSError)
+
+
+def error_message(e: BaseException, path: str | None = None) -> str:
+    """``e`` on one line, printable: an OSError of the OS as ``FILE: reason`` (``path`` when it names no
+    file), anything else as its message."""
+    if isinstance(e, OSError) and not isinstance(e, GDSLoadError):
+        where = e.filename if e.filename is not None else path
+        reason = e.strerror or str(e) or type(e).__name__
+        return printable(f"{where}: {reason}" if where is not None else reason)
+    return printable(str(e) or type(e).__name__)
+
+
+def fail(prog: str, e: BaseException, path: str | None = None) -> int:
+    """Print ``PROG: error: message`` (one line) on stderr; the exit status of an expected error, 2."""
+    print(f"{prog}: error: {error_message(e, path)}", file=sys.stderr)
+    return 2
 
 _UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
           "kb": 1000, "mb": 1000**2, "gb": 1000**3}
@@ -120,12 +147,14 @@ def run_verify(path: str, threads: int, progress: bool) -> int:
     from .verify import verify_dataset
 
     if threads < 1:
-        raise GDSLoadError(f"--threads must be at least 1 (found {threads})")
-    checked, bad = verify_dataset(path, threads, progress=None if progress else False)
-    for b in bad:
+        raise ValueError(f"--threads must be at least 1 (found {threads})")
+    report = verify_dataset(path, threads, progress=None if progress else False)
+    for b in report.bad:
         print(f"BAD {b.message}")
-    print(f"{path}: {checked} block(s) checked, {len(bad)} bad")
-    return 1 if bad else 0
+    if report.unchecked:
+        print(f"{path}: field(s) {report.unchecked} carry no checksum: not checked")
+    print(f"{path}: {report.checked} {report.unit}(s) checked, {len(report.bad)} bad")
+    return 1 if report.bad else 0
 
 
 # -- demo ------------------------------------------------------------------------------------------
@@ -134,6 +163,12 @@ def run_demo(samples: int, backend: str, batch_size: int, workdir: str | None) -
     from .sources import ArraySource
     from .writer import write_dataset
 
+    # Checked before anything is written: a bad option costs no conversion.
+    for flag, value in (("--samples", samples), ("--batch-size", batch_size)):
+        if value < 1:
+            raise ValueError(f"{flag} must be at least 1 (found {value})")
+    if workdir is not None and not os.path.isdir(workdir):
+        raise ValueError(f"{workdir}: --workdir must be an existing directory")
     labels = np.arange(samples, dtype=np.int64)
     # Image i is filled with (i % 251): every batch can be checked against its labels.
     images = np.broadcast_to((labels % 251).astype(np.uint8)[:, None, None, None], (samples, 64, 64, 3))
@@ -270,13 +305,8 @@ def shard_main(argv: Sequence[str] | None = None, prog: str = "shard.py") -> int
         done = f"{args.output} is complete" if meta is not None else f"nothing written to {args.output}"
         print(f"{prog}: interrupted; {printable(done)}", file=sys.stderr)
         return 128 + signum
-    except GDSLoadError as e:
-        print(f"{prog}: error: {printable(e)}", file=sys.stderr)
-        return 2
-    except OSError as e:  # every converter error should be a ConversionError by now; this is the backstop
-        where = e.filename if e.filename is not None else args.output
-        print(f"{prog}: error: {printable(where)}: {printable(e.strerror or e)}", file=sys.stderr)
-        return 2
+    except EXPECTED_ERRORS as e:  # every converter error should be a ConversionError; an OSError is the backstop
+        return fail(prog, e, args.output)
     print(describe_dataset(meta.path))
     for line in notes:
         print(printable(line))
@@ -316,22 +346,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench_arguments(sub.add_parser("bench", help="each backend's GB/s and samples/s on PATH, warm (and cold), "
                                                  "shuffled and not, beside this machine's ceilings"))
     args = p.parse_args(argv)
-    if args.cmd == "bench":
-        return bench_main(args)
-    if args.cmd == "doctor":
-        from .doctor import main as doctor_main
-
-        return doctor_main(args.path, args.json)
     try:
+        if args.cmd == "bench":
+            return bench_main(args)
+        if args.cmd == "doctor":
+            from .doctor import main as doctor_main
+
+            return doctor_main(args.path, args.json)
         if args.cmd == "info":
             print(describe_dataset(args.path) if args.path else describe_system())
         elif args.cmd == "demo":
             print(run_demo(args.samples, args.backend, args.batch_size, args.workdir))
         elif args.cmd == "verify":
             return run_verify(args.path, args.threads, not args.quiet)
-    except GDSLoadError as e:
-        print(f"gdsload: error: {e}", file=sys.stderr)
-        return 2
+    except EXPECTED_ERRORS as e:
+        return fail(f"gdsload {args.cmd}", e, getattr(args, "path", None))
     return 0
 
 

@@ -17,12 +17,15 @@ from .cursor import Cursor
 from .env import warn_few_connections
 from .errors import GDSLoadError
 from .format import DatasetLayout, read_metadata
-from .options import DEFAULT_RESIDENT_BYTES, check_int, distributed, pad_spec, require_torch, resident_fields
+from .options import (DEFAULT_RESIDENT_BYTES, check_int, device_id, field_names, output_kind, pad_spec, rank_and_world,
+                      resident_fields)
 from .pipeline import Pipeline
 from .resident import read_resident
-from .plan import EpochPlan, PlanConfig, epoch_plan, window_blocks_for, window_buffers_for
+from .plan import (EpochPlan, PlanConfig, blocks_per_rank, check_yields, epoch_plan, window_blocks_for,
+                   window_buffers_for)
 from .ragged import capacity_rows
 from .stats import EpochStats
+from .verify import Verification, carries_trailers, unchecked_fields
 from .window import WindowBuffer, WindowLayout, slot_rows
 
 
@@ -37,9 +40,11 @@ class GDSDataset:
         decoded on the GPU by nvCOMP when installed, else by CPU threads; ``gzip``, ``blosc`` and numcodecs'
         codecs by CPU threads); chunks never written, and missing chunk or shard files, read as the array's
         fill value (docs/format.md).
-    batch_size : samples per batch; the last batch of an epoch may be smaller unless ``drop_last``.
-    fields : fields to read (default: all). In a Zarr group without gdsload's attribute, only these arrays
-        must be readable and of one length.
+    batch_size : samples per batch; the last batch of an epoch may be smaller unless ``drop_last`` (then one
+        that leaves a rank no batch in some epoch is a ValueError).
+    fields : fields to read (default: all): a name, or any iterable of distinct names (read once; empty is a
+        ValueError). In a Zarr group without gdsload's attribute, only these arrays must be readable and of
+        one length.
     backend : ``"auto"`` (mmap when the dataset fits in its RAM budget; else kvikio with GPUDirect Storage;
         else pinned; cpu without a GPU; ``backend_reason`` says which), ``"kvikio"``, ``"pinned"``,
         ``"mmap"`` or ``"cpu"``. ``"mmap"`` is for datasets that fit in RAM: it maps the shard files and
@@ -52,6 +57,7 @@ class GDSDataset:
     window_blocks : blocks read together into one window buffer. Default: enough for a batch and about the
         backend's preferred window size (64-256 MiB). Memory held is about ``prefetch`` windows. The open
         reads the window a pass from the dataset's start reads first (that pass does not read it again).
+        A value above the blocks a rank holds is clamped to them (``config`` and ``describe()`` say so).
     prefetch : windows read ahead of the consumer's current one(s); their reads are queued back to back, so
         the readers never wait at a window boundary. Window buffers held: ``prefetch`` + the windows one
         batch spans (usually 1-2).
@@ -76,10 +82,15 @@ class GDSDataset:
         device memory instead of being read block by block (tiny reads cost as much as large ones).
     backend_options : passed to the backend (e.g. ``num_threads``, ``task_bytes``, ``pool_bytes``).
     verify : check every block read against the crc32c the converter stored for it (on the GPU for GPU
-        backends), raising :class:`ReadError` naming the file, field, block and offset of a bad block before
-        any of its samples is served. Default (None): off, because hashing every byte read costs throughput
-        (docs/benchmarks.md gives the cost per backend). True for a dataset without checksums (written by
-        an older converter, or by plain zarr) is a ValueError.
+        backends, beside the gathers), raising :class:`ChecksumError` (a ReadError) naming the file, field,
+        block and offset of a bad block before any of its samples is served. Default (None): on wherever
+        the dataset has block checksums (docs/benchmarks.md gives the cost per backend). Whatever ``verify``
+        says, a store's own checksums are always checked: a shard index's crc32c at open, and the
+        ``crc32c`` codec of a Zarr store's chunks (raw or compressed) before a sample of the chunk is served.
+        True where a field carries no checksum of any kind is a ValueError naming it.
+
+    Integer arguments may be numpy integers; one out of range, or a malformed RANK, WORLD_SIZE or
+    LOCAL_RANK, is a ValueError naming it.
 
     Epochs: without ``set_epoch``, every new pass is the next epoch (as a shuffling DataLoader); with it,
     a pass reads the epoch set. ``state_dict()`` / ``load_state_dict()`` save and restore the position.
@@ -99,19 +110,15 @@ class GDSDataset:
                  pad_to: int | str | dict[str, int | str] | None = None, pad_value: Any = 0,
                  backend_options: dict[str, Any] | None = None, verify: bool | None = None):
         started = time.perf_counter()
-        check_int("batch_size", batch_size, 1)
-        check_int("prefetch", prefetch, 1)
-        check_int("resident_bytes", resident_bytes, 0)
-        for name, value in (("window_blocks", window_blocks), ("batches_ahead", batches_ahead), ("rank", rank),
-                            ("world_size", world_size), ("device", device)):
-            if value is not None:
-                check_int(name, value, 1 if name in ("window_blocks", "batches_ahead", "world_size") else 0)
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise TypeError(f"seed must be an int (found {type(seed).__name__})")
+        # Integers become Python ints here, RANK / WORLD_SIZE / LOCAL_RANK are read here: no numpy scalar goes on.
+        batch_size, prefetch = check_int("batch_size", batch_size, 1), check_int("prefetch", prefetch, 1)
+        resident_bytes, seed = check_int("resident_bytes", resident_bytes, 0), check_int("seed", seed, 0)
+        window_blocks = check_int("window_blocks", window_blocks, 1, none_ok=True)
+        batches_ahead = check_int("batches_ahead", batches_ahead, 1, none_ok=True)
+        device, (rank, world_size) = device_id(device), rank_and_world(rank, world_size)
         if verify not in (None, True, False):
             raise TypeError(f"verify must be True, False or None (found {verify!r})")
-        if isinstance(fields, str):
-            fields = (fields,)
+        fields = field_names(fields)  # read once: an iterator would be used up by the metadata's checks
         if backend_options is not None and not isinstance(backend_options, dict):
             raise TypeError(f"backend_options must be a dict (found {type(backend_options).__name__})")
         if backend not in BACKENDS:
@@ -130,21 +137,19 @@ class GDSDataset:
             paths = list(layout.files)
             self.backend_name, self.backend_reason = resolve(backend, sum(layout.files.get(p).size for p in paths),
                                                              paths[0] if paths else None)
-            self.output = _output(output, self.backend_name)
-            if verify and not layout.has_checksums:
-                raise ValueError(f"verify=True: {self.meta.path} has no block checksums for field(s) "
-                                 f"{[f for f in self.fields if f not in layout.checksums]} (convert it again "
-                                 f"with 'gdsload shard' to add them, or pass verify=False)")
+            self.output = output_kind(output, self.backend_name)
+            unchecked = unchecked_fields(layout) if verify else []
+            if unchecked:
+                kind = ("its chunks have no crc32c codec" if self.meta.foreign
+                        else "written by a converter without block checksums")
+                raise ValueError(f"verify=True: {self.meta.path}: field(s) {unchecked} carry no checksum ({kind}); "
+                                 f"convert it with 'gdsload shard' to add them, or pass verify=False")
         except BaseException:
             layout.close()
             raise
         on_gpu = self.backend_name != "cpu"
-        self.verify = bool(verify)
-        self.device = int(os.environ.get("LOCAL_RANK", 0)) if device is None else device
-        if rank is None or world_size is None:
-            env_rank, env_world = distributed()
-            rank = env_rank if rank is None else rank
-            world_size = env_world if world_size is None else world_size
+        self.verify = layout.has_checksums if verify is None else verify
+        self.device = device
         try:
             self._backend = make_backend(self.backend_name, self.device, **(backend_options or {}))
         except BaseException:
@@ -154,12 +159,14 @@ class GDSDataset:
             warn_few_connections()  # the steps would wait behind this dataset's copies
         try:
             self._configure(batch_size, window_blocks, shuffle, seed, drop_last, rank, world_size, pad_to, pad_value)
+            check_yields(self.config)
             self.prefetch = prefetch
             self.batches_ahead = self._backend.batches_ahead_hint if batches_ahead is None else batches_ahead
             self.prefetch_next_epoch = prefetch_next_epoch
-            from .verify import make_verifier
-
-            self._verifier = make_verifier(layout, on_gpu, self.device) if self.verify else None
+            blocks = self.verify and layout.has_checksums
+            once = self._backend.reads_locked_memory  # each block checked the first time it is read
+            self._verification = (Verification(layout, blocks, on_gpu, self.device, once)
+                                  if blocks or carries_trailers(layout) else None)
             self._decoder = None
             if any(meta.array(k).compressed for k in layout.keys):
                 from .decode import Decoder
@@ -171,8 +178,9 @@ class GDSDataset:
             buffers = [self._load_first_window(first_plan)]
         except BaseException:
             self._backend.close()  # a bad argument must not leave pinned memory or threads behind
-            if getattr(self, "_decoder", None) is not None:
-                self._decoder.close()
+            for part in (getattr(self, "_decoder", None), getattr(self, "_verification", None)):
+                if part is not None:
+                    part.close()
             layout.close()
             raise
         self._resident: dict[str, ResidentField] = {}  # filled on the first pass, emptied by close()
@@ -193,7 +201,8 @@ class GDSDataset:
         self._closing = threading.Event()
         self._lock = threading.RLock()
         self._finalizer = weakref.finalize(self, _shutdown, self._active, self._backend, self._buffers,
-                                           self._resident, layout, self._closing, self._decoder)
+                                           self._resident, layout, self._closing, self._decoder,
+                                           self._verification)
         _fork.track(self)
         self.open_s = time.perf_counter() - started
 
@@ -228,6 +237,7 @@ class GDSDataset:
                                  for f in self.ragged_fields))
             window_blocks = window_blocks_for(block_bytes, self._backend.window_bytes_hint, batch_size, spb,
                                               meta.num_blocks, world_size)
+        window_blocks = min(window_blocks, blocks_per_rank(meta.num_blocks, world_size))  # no window holds more
         self.config = PlanConfig(num_samples=meta.num_samples, samples_per_block=spb, batch_size=batch_size,
                                  window_blocks=window_blocks, shuffle=shuffle, seed=seed, drop_last=drop_last,
                                  rank=rank, world_size=world_size)
@@ -289,10 +299,10 @@ class GDSDataset:
     # -- epochs and resume -----------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose order the next pass follows (a resumed epoch keeps its position)."""
-        check_int("epoch", epoch, 0)
+        epoch = check_int("epoch", epoch, 0)
         self._epochs_set = True
         if not (self._cursor.fixed and self._cursor.epoch == epoch):
-            self._cursor, self._yielded = Cursor(int(epoch), fixed=True), 0
+            self._cursor, self._yielded = Cursor(epoch, fixed=True), 0
 
     def state_dict(self) -> dict[str, Any]:
         """Where iteration stands: epoch, batches yielded in it (in its current leg), the legs it was read in
@@ -361,7 +371,7 @@ class GDSDataset:
                             self.fields, resident, self._pad, ahead=self.batches_ahead,
                             plans=functools.partial(epoch_plan, self.config) if self.prefetch_next_epoch else None,
                             bytes_before=sum(r.array.nbytes for r in resident.values()) if first_load else 0,
-                            verifier=self._verifier, decoder=self._decoder)
+                            verification=self._verification, decoder=self._decoder)
         self._active.append(pipeline)
         return pipeline
 
@@ -379,7 +389,7 @@ class GDSDataset:
         if not self._resident_loaded:
             for name in self.resident_fields:
                 self._resident[name] = read_resident(self.meta.fields[name], self._backend, self._layout,
-                                                     self._decoder, self._verifier, self._host_decoded,
+                                                     self._decoder, self._verification, self._host_decoded,
                                                      self._closing)
             self._resident_loaded = True
         return self._resident
@@ -421,28 +431,16 @@ class GDSDataset:
         self.close()
 
 
-def _output(output: str | None, backend: str) -> str:
-    """The output kind, checked against the backend: numpy or torch on the cpu backend, cupy or torch on a
-    GPU one."""
-    on_gpu = backend != "cpu"
-    output = output or ("cupy" if on_gpu else "numpy")
-    allowed = ("cupy", "torch") if on_gpu else ("numpy", "torch")
-    if output not in allowed:
-        raise ValueError(f"output {output!r} does not fit backend {backend!r} (expected one of {allowed})")
-    if output == "torch":
-        require_torch()
-    return output
-
-
 def _shutdown(active: list[Pipeline], backend: Any, buffers: list[WindowBuffer],
               resident: dict[str, ResidentField], layout: DatasetLayout, closing: threading.Event,
-              decoder: Any = None) -> None:
+              decoder: Any = None, verification: Verification | None = None) -> None:
     closing.set()
     while active:
         active.pop().close()
     backend.close()
-    if decoder is not None:
-        decoder.close()
+    for part in (decoder, verification):
+        if part is not None:
+            part.close()
     buffers.clear()
     resident.clear()
     layout.close()

@@ -40,7 +40,7 @@ import numpy as np
 
 from ._zarr_json import exc_text, fail, show
 from .backends.base import TaskGroup, drain
-from .errors import ReadError
+from .errors import ChecksumError, ReadError
 
 #: CPU threads that decode chunks (numcodecs releases the GIL while it decompresses).
 DECODE_THREADS = max(1, min(8, os.cpu_count() or 1))
@@ -119,8 +119,9 @@ class Chain:
                 if len(view) < 4:
                     raise ValueError(f"{len(view)} bytes, too short for a crc32c")
                 stored = int.from_bytes(view[-4:].tobytes(), "little")
-                if crc32c.crc32c(view[:-4]) != stored:
-                    raise ValueError(f"crc32c mismatch (stored {stored:#010x})")
+                computed = crc32c.crc32c(view[:-4])
+                if computed != stored:
+                    raise CrcMismatch(f"crc32c mismatch (stored {stored:#010x}, computed {computed:#010x})")
                 buf = view[:-4]
             else:
                 try:
@@ -168,12 +169,19 @@ def device_fields(fields: Sequence[Any], on_gpu: bool, nvcomp: Any = None) -> tu
 
 
 # -- the decode step -----------------------------------------------------------------------------------
-def chunk_error(layout: Any, name: str, chunk: int, codecs: Sequence[str], why: str) -> ReadError:
-    """``FILE: chunk C of array 'A' (N bytes at offset O, codecs [...]) does not decode: WHY``."""
+class CrcMismatch(ValueError):
+    """A chunk's bytes differ from the crc32c its ``crc32c`` codec stored."""
+
+
+def chunk_error(layout: Any, name: str, chunk: int, codecs: Sequence[str], why: str,
+                checksum: bool = False) -> ReadError:
+    """``FILE: chunk C of array 'A' (N bytes at offset O, codecs [...]) does not decode: WHY``; a
+    :class:`ChecksumError` when ``checksum`` (its crc32c codec does not match)."""
     loc = layout.locate(name, chunk)
     where = f"{loc.path}: chunk {chunk}" if loc is not None else f"{layout.meta.path}: chunk {chunk}"
     at = f"{loc.nbytes} bytes at offset {loc.offset}, " if loc is not None else ""
-    return ReadError(f"{where} of array '{name}' ({at}codecs {['bytes', *codecs]}) does not decode: {why}")
+    error = ChecksumError if checksum else ReadError
+    return error(f"{where} of array '{name}' ({at}codecs {['bytes', *codecs]}) does not decode: {why}")
 
 
 class Decoder:
@@ -257,7 +265,8 @@ class Decoder:
                 try:
                     out = chain.decode(buf[s:s + n], bb)
                 except ValueError as e:
-                    raise chunk_error(self.layout, job.name, int(job.chunks[i]), chain.names, str(e)) from None
+                    raise chunk_error(self.layout, job.name, int(job.chunks[i]), chain.names, str(e),
+                                      isinstance(e, CrcMismatch)) from None
                 buf[d:d + bb] = out
         return run
 

@@ -77,7 +77,7 @@ class NvcompBatch:
                                   f"{int(job.nbytes[i])} bytes, too short for a crc32c")
             bad = np.flatnonzero(ops.crc_mismatch(buffer, src, ends))
             if len(bad):
-                raise chunk_error(layout, job.name, int(job.chunks[bad[0]]), names, "crc32c mismatch")
+                raise chunk_error(layout, job.name, int(job.chunks[bad[0]]), names, "crc32c mismatch", True)
         heads = ops.heads(buffer, src, ends)
         bad = np.flatnonzero(heads != ZSTD_MAGIC)
         if len(bad):

@@ -24,6 +24,13 @@ class ReadError(GDSLoadError, OSError):
     """A read of a block failed; the message names the file, offset and size."""
 
 
+class ChecksumError(ReadError, FormatError):
+    """Data on disk differs from the checksum stored for it (a block's, a chunk's crc32c codec, a shard
+    index's): what was read is not what was written. Both a ReadError (found while reading) and a
+    FormatError (the dataset on disk is damaged), as ``io.UnsupportedOperation`` is both an OSError and a
+    ValueError; the message names the file, the field or array, the block or chunk, and the offset."""
+
+
 class BackendUnavailable(GDSLoadError, RuntimeError):
     """The requested backend cannot run here (no GPU, missing package)."""
 

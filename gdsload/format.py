@@ -58,6 +58,12 @@ CHECKSUM_ALGORITHM = "crc32c"
 #: The group the writer puts the checksum arrays in (``_checksums/FIELD``); readers take each array's path
 #: from the attributes, not from this name.
 CHECKSUMS_GROUP = "_checksums"
+#: The keys the ``gdsload`` attribute may hold, each ``fields.NAME`` entry, and ``checksums`` (exactly what
+#: :mod:`gdsload.writer` writes): any other key is refused, since a misspelled one would otherwise be
+#: ignored (a garbled ``checksums`` would make a dataset look as if it had no checksums).
+ATTRS_KEYS = ("format", "num_samples", "samples_per_block", "fields", "checksums")
+FIELD_ENTRY_KEYS = ("kind",)
+CHECKSUMS_KEYS = ("algorithm", "arrays")
 
 
 @dataclass(frozen=True)
@@ -125,11 +131,20 @@ class DatasetMeta:
         return dataclasses.replace(self, samples_per_block=block_rows(chosen, self.num_samples))
 
 
+def _known_keys(where: str, what: str, value: dict[str, Any], allowed: tuple[str, ...]) -> None:
+    """Every key of the object ``what`` is one of ``allowed``: FormatError naming the first other one."""
+    unknown = [k for k in value if k not in allowed]
+    if unknown:
+        raise fail(where, f"{what} has unknown key {show(unknown[0])} (expected keys among {list(allowed)}, "
+                          f"found {show(list(value))})")
+
+
 def _checksums_attr(where: str, value: Any, kinds: dict[str, str]) -> dict[str, str]:
     """``attrs["gdsload"]["checksums"]``: ``{"algorithm": "crc32c", "arrays": {FIELD: PATH}}``."""
     if value is None:
         return {}
     value = as_object(where, f"{ATTRS_KEY}.checksums", value)
+    _known_keys(where, f"{ATTRS_KEY}.checksums", value, CHECKSUMS_KEYS)
     algorithm = value.get("algorithm")
     if algorithm != CHECKSUM_ALGORITHM:
         raise fail(where, f"unsupported checksum algorithm {show(algorithm)} (expected '{CHECKSUM_ALGORITHM}')")
@@ -173,6 +188,7 @@ def read_metadata(path: str | os.PathLike[str], fields: list[str] | tuple[str, .
     version = attrs.get("format")
     if not (is_int(version) and version == FORMAT_VERSION):
         raise fail(where, f"unsupported format version (expected {FORMAT_VERSION}, found {show(version)})")
+    _known_keys(where, f"attribute '{ATTRS_KEY}'", attrs, ATTRS_KEYS)
     num_samples = as_int(where, f"{ATTRS_KEY}.num_samples", attrs.get("num_samples"), 1)
     spb = as_int(where, f"{ATTRS_KEY}.samples_per_block", attrs.get("samples_per_block"), 1)
     listed = as_object(where, f"{ATTRS_KEY}.fields", attrs.get("fields"))
@@ -182,7 +198,9 @@ def read_metadata(path: str | os.PathLike[str], fields: list[str] | tuple[str, .
     for name, entry in listed.items():
         if not valid_name(name):
             raise fail(where, f"invalid field name {show(name)} (expected a name without '/', not '.' or '..')")
-        kind = as_object(where, f"{ATTRS_KEY}.fields.{name}", {} if entry is None else entry).get("kind", "fixed")
+        entry = as_object(where, f"{ATTRS_KEY}.fields.{name}", {} if entry is None else entry)
+        _known_keys(where, f"{ATTRS_KEY}.fields.{name}", entry, FIELD_ENTRY_KEYS)
+        kind = entry.get("kind", "fixed")
         if kind not in ("fixed", "ragged"):
             raise fail(where, f"field '{name}' has unknown kind {show(kind)} (expected 'fixed' or 'ragged')")
         kinds[name] = kind

@@ -14,6 +14,7 @@ and nothing stays open when opening fails.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 from typing import TYPE_CHECKING, NamedTuple
@@ -154,14 +155,18 @@ class DatasetLayout:
                     self.files.add(p, what)
             # block_offsets[key][c]: the byte offset of chunk c in its file, -1 if never written (or no file);
             # chunk_files[key][c]: that file's index in the array's paths; chunk_lengths[key][c], for a
-            # compressed array only: chunk c's stored length (0 if never written).
+            # compressed array only: chunk c's stored length (0 if never written); index_crcs[key][i], for a
+            # sharded array whose index ends with a crc32c: the one stored in file paths(key)[i].
             self.block_offsets: dict[str, np.ndarray] = {}
             self.chunk_files: dict[str, np.ndarray] = {}
             self.chunk_lengths: dict[str, np.ndarray] = {}
+            self.index_crcs: dict[str, np.ndarray] = {}
             for k in self.keys:
-                self.block_offsets[k], self.chunk_files[k], lengths = self._scan(meta.array(k), shards[k])
+                self.block_offsets[k], self.chunk_files[k], lengths, crcs = self._scan(meta.array(k), shards[k])
                 if meta.array(k).compressed:
                     self.chunk_lengths[k] = lengths
+                if crcs is not None:
+                    self.index_crcs[k] = crcs
             self.offsets: dict[str, np.ndarray] = {f: self._read_offsets(meta.ragged[f]) for f in self.fields
                                                    if f in meta.ragged}
             # checksums[field][b]: crc32c of block b's bytes (see DatasetMeta), for fields that have them.
@@ -225,20 +230,30 @@ class DatasetLayout:
                        f"tables, more than this machine's memory ({_memory_bytes()} bytes)")
         return list(present_shards(fm).items())
 
-    def _scan(self, field: FieldMeta, shards: list[tuple[int, str]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Each chunk's offset in its file (-1: never written), that file's index in ``shards``, and the
-        chunk's stored length (0: never written)."""
+    def _scan(self, field: FieldMeta, shards: list[tuple[int, str]]
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+        """Each chunk's offset in its file (-1: never written), that file's index in ``shards``, the chunk's
+        stored length (0: never written), and the crc32c stored in each file's shard index (None: the
+        array's indexes have none, or it is unsharded).
+
+        In a dataset with the ``gdsload`` attribute every shard must be laid out as the converter writes it
+        (:func:`~gdsload.shard_index.chunk_table`, ``tiled``): checked here, once per file, from the index
+        just read, so a byte inserted or removed anywhere in a shard fails the open."""
         bps, foreign = field.blocks_per_shard, self.meta.foreign
         offsets = np.full(field.num_chunks if foreign else 0, -1, dtype=np.int64)
         lengths = np.zeros(len(offsets), dtype=np.int64)
         files = np.full(len(offsets), -1, dtype=np.int32)
+        crcs = np.zeros(len(shards), dtype=np.uint32) if field.sharded and field.index_checksum else None
         parts = []
         for i, (shard, path) in enumerate(shards):
             f = self.files[path]
             n = min(bps, field.num_chunks - shard * bps)
             if field.sharded:
                 index, size = read_shard_index(f, field)
-                part = chunk_table(path, index.offsets_and_lengths[:n], size, field, allow_empty=foreign)
+                part = chunk_table(path, index.offsets_and_lengths, size, field, allow_empty=foreign, n_chunks=n,
+                                   tiled=not foreign)
+                if crcs is not None:
+                    crcs[i] = index.checksum
             elif field.compressed and f.size > 0:
                 part = (np.zeros(1, dtype=np.int64), np.full(1, f.size, dtype=np.int64))
             elif f.size != field.stored_bytes or field.compressed:
@@ -255,7 +270,7 @@ class DatasetLayout:
             offsets = np.concatenate([p[0] for p in parts])
             lengths = np.concatenate([p[1] for p in parts])
             files = np.repeat(np.arange(len(parts), dtype=np.int32), [len(p[0]) for p in parts])
-        return offsets, files, lengths
+        return offsets, files, lengths, crcs
 
     def _read_offsets(self, r: RaggedMeta) -> np.ndarray:
         where = os.path.join(self.meta.path, r.name, "offsets")
@@ -285,6 +300,28 @@ class DatasetLayout:
             raise fail(where, f"expected the checksums of field '{name}': ({n},) uint32, found {values.shape} "
                               f"{values.dtype}")
         return values.astype(np.uint32)
+
+    def digests(self) -> dict[str, tuple[str, str]]:
+        """Per field read, two sha256 hex digests of what the open read (nothing is read here): of where its
+        data lies (every chunk's offset in its file, -1 if never written, and a variable-length field's
+        offsets), and of what it holds (its block checksums, the crc32c stored in each of its shard indexes,
+        its compressed chunks' stored lengths; each part tagged and counted, so which parts a field has is
+        part of the digest). Without block checksums, the second depends on the data only through the
+        lengths of compressed chunks: an index's crc32c is a hash of its own entries."""
+        out = {}
+        for name, key in zip(self.fields, self.keys):
+            where = hashlib.sha256(np.ascontiguousarray(self.block_offsets[key], dtype="<i8").tobytes())
+            if name in self.offsets:
+                where.update(np.ascontiguousarray(self.offsets[name], dtype="<i8").tobytes())
+            what = hashlib.sha256()
+            for tag, values, dtype in (("block crc32c", self.checksums.get(name), "<u4"),
+                                       ("index crc32c", self.index_crcs.get(key), "<u4"),
+                                       ("chunk nbytes", self.chunk_lengths.get(key), "<i8")):
+                if values is not None:
+                    what.update(f"{tag} {len(values)}:".encode())
+                    what.update(np.ascontiguousarray(values, dtype=dtype).tobytes())
+            out[name] = (where.hexdigest(), what.hexdigest())
+        return out
 
     def paths(self, key: str) -> list[str]:
         """The files of an array (``chunk_files`` indexes them)."""

@@ -2,38 +2,133 @@
 
 from __future__ import annotations
 
+import operator
 import os
 import sys
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
 from .errors import BackendUnavailable
 
+#: The largest integer argument (counts, sizes, seed, epoch, rank): they meet numpy's int64 arithmetic in the
+#: plan (block ids, stream positions, batch bounds) and are saved in the state dict as int64-sized ints.
+MAX_INT = 2**63 - 1
+#: The largest device id: CUDA takes it as a C int.
+MAX_DEVICE = 2**31 - 1
 
-def check_int(name: str, value: Any, minimum: int) -> None:
-    """``value`` is an int (not a bool) of at least ``minimum``: TypeError or ValueError naming ``name``."""
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+
+def check_int(name: str, value: Any, minimum: int, maximum: int = MAX_INT, none_ok: bool = False) -> Any:
+    """``value`` -- a Python or numpy integer, never a bool -- as a Python int from ``minimum`` to ``maximum``
+    (None as it is, with ``none_ok``): TypeError (not an integer) or ValueError (out of range) naming ``name``.
+    Callers keep what it returns, so no numpy scalar (whose arithmetic wraps or refuses Python ints) goes
+    further."""
+    if value is None and none_ok:
+        return None
+    if isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be an int (found {type(value).__name__} {value!r})")
-    if value < minimum:
-        raise ValueError(f"{name} must be at least {minimum} (found {value})")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int (found {type(value).__name__} {value!r})") from None
+    if number < minimum:
+        raise ValueError(f"{name} must be at least {minimum} (found {number})")
+    if number > maximum:
+        raise ValueError(f"{name} must be at most {maximum} (found {number})")
+    return number
+
+
+def field_names(fields: Any) -> tuple[str, ...] | None:
+    """``fields`` as given (None, one name, or any iterable of names: read once, so an iterator works) as a
+    tuple of distinct names; TypeError or ValueError naming ``fields`` for anything else, an empty selection
+    included (it would read nothing)."""
+    if fields is None:
+        return None
+    if isinstance(fields, str):
+        fields = (fields,)
+    if isinstance(fields, (bytes, dict)) or not isinstance(fields, Iterable):
+        raise TypeError(f"fields must be a field name or an iterable of them (found {type(fields).__name__})")
+    names = tuple(fields)
+    bad = [n for n in names if not isinstance(n, str)]
+    if bad:
+        raise TypeError(f"fields must be names (str) (found {bad[0]!r} of type {type(bad[0]).__name__})")
+    if not names:
+        raise ValueError("fields is empty (expected at least one field name, or None for all fields)")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"fields names {twice} more than once (expected each field once)")
+    return names
+
+
+def env_int(name: str, default: int, minimum: int, maximum: int = MAX_INT) -> int:
+    """The integer in environment variable ``name`` (``default`` when unset or empty), from ``minimum`` to
+    ``maximum``: ValueError naming the variable and its value otherwise."""
+    raw = os.environ.get(name, "")
+    if not raw.strip():
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer (expected an int from {minimum} "
+                         f"to {maximum})") from None
+    if not minimum <= value <= maximum:
+        raise ValueError(f"environment variable {name}={raw!r} is out of range (expected an int from {minimum} "
+                         f"to {maximum})")
+    return value
 
 
 def pad_spec(pad_to: Any, pad_value: Any, ragged: tuple[str, ...]) -> dict[str, tuple[int | None, Any]]:
-    """pad_to as given by the user -> {field: (width or None for the batch's longest, pad value)}."""
+    """pad_to as given by the user -> {field: (width or None for the batch's longest, pad value)}. A width is
+    a non-negative int (numpy integers too, never a bool) or ``"max"``; checked even where no field is
+    variable-length."""
     if pad_to is None:
         return {}
-    per_field = pad_to if isinstance(pad_to, dict) else {f: pad_to for f in ragged}
+    if isinstance(pad_to, dict):
+        per_field = pad_to
+    else:
+        width = _pad_width("pad_to", pad_to)
+        per_field = {f: width for f in ragged}
     spec = {}
     for name, width in per_field.items():
         if name not in ragged:
             raise ValueError(f"pad_to names {name!r}, which is not a variable-length field read here {list(ragged)}")
         if width is None:
             continue
-        if width != "max" and (not isinstance(width, int) or width < 0):
-            raise ValueError(f"pad_to for {name!r} must be a non-negative int or 'max' (found {width!r})")
+        width = _pad_width(f"pad_to for {name!r}", width)
         spec[name] = (None if width == "max" else width, pad_value)
     return spec
+
+
+def _pad_width(name: str, width: Any) -> int | str:
+    if isinstance(width, str):
+        if width == "max":
+            return width
+        raise ValueError(f"{name} must be a non-negative int or 'max' (found {width!r})")
+    try:
+        return check_int(name, width, 0)
+    except TypeError:
+        raise TypeError(f"{name} must be a non-negative int or 'max' (found {width!r})") from None
+
+
+def device_id(device: Any) -> int:
+    """The CUDA device: ``device`` when given, else LOCAL_RANK, else 0 (a C int, as CUDA takes it)."""
+    return env_int("LOCAL_RANK", 0, 0, MAX_DEVICE) if device is None else check_int("device", device, 0, MAX_DEVICE)
+
+
+def output_kind(output: str | None, backend: str) -> str:
+    """The output kind, checked against the backend: numpy or torch on the cpu backend, cupy or torch on a
+    GPU one (ValueError naming the value otherwise; BackendUnavailable for torch without PyTorch)."""
+    if output not in (None, "numpy", "cupy", "torch"):
+        raise ValueError(f"unknown output {output!r} (expected 'numpy', 'cupy' or 'torch')")
+    on_gpu = backend != "cpu"
+    output = output or ("cupy" if on_gpu else "numpy")
+    allowed = ("cupy", "torch") if on_gpu else ("numpy", "torch")
+    if output not in allowed:
+        raise ValueError(f"output {output!r} does not fit backend {backend!r} (expected one of {allowed})")
+    if output == "torch":
+        require_torch()
+    return output
 
 
 def require_torch() -> None:
@@ -48,11 +143,31 @@ def require_torch() -> None:
 def distributed() -> tuple[int, int]:
     """(rank, world_size) from torch.distributed when initialised, else RANK / WORLD_SIZE, else (0, 1).
     torch is never imported for this: a process group needs torch imported already, and importing it
-    costs seconds."""
+    costs seconds. A malformed RANK or WORLD_SIZE is a ValueError naming the variable and its value."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        return int(dist.get_rank()), int(dist.get_world_size())
+    world_size = env_int("WORLD_SIZE", 1, 1)
+    return env_int("RANK", 0, 0), world_size
+
+
+def rank_and_world(rank: Any, world_size: Any) -> tuple[int, int]:
+    """GDSDataset's ``rank`` and ``world_size`` as Python ints, each from the argument when given, else from
+    :func:`distributed`; a rank not below the world size is a ValueError naming where each came from."""
+    given_rank, given_world = rank is not None, world_size is not None
+    if given_rank:
+        rank = check_int("rank", rank, 0)
+    if given_world:
+        world_size = check_int("world_size", world_size, 1)
+    if not (given_rank and given_world):
+        env_rank, env_world = distributed()
+        rank = rank if given_rank else env_rank
+        world_size = world_size if given_world else env_world
+    if rank >= world_size:
+        src = "" if given_rank and given_world else " (what is not passed comes from torch.distributed, else RANK / " \
+                                                    "WORLD_SIZE)"
+        raise ValueError(f"rank must be below world_size (found rank {rank}, world_size {world_size}){src}")
+    return rank, world_size
 
 
 #: GDSDataset's default ``resident_bytes``.

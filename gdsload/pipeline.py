@@ -4,10 +4,12 @@ Thread protocol. Every window buffer has one owner at a time. The *submitter* ta
 for the event recorded after the last gather from it (``released``), and submits the window's reads to the
 backend (a buffer that already holds the window, read at the dataset's open, needs none:
 ``WindowBuffer.take_loaded``); the *completer* finishes those reads in submission order, decodes
-compressed chunks into their slots (decode.py) and checks them when verifying, then hands the buffer on
-with the event after which its data is there (``filled``); the *assembler* makes its stream wait on
-``filled``, gathers every batch that draws from the window (assembler.py), records ``released`` after the
-window's last gather and gives the buffer back. Finished batches go to the consumer through a bounded
+compressed chunks into their slots (decode.py) and starts the window's checks (verify.py), then hands the
+buffer on with the event after which its data is there (``filled``) and the check's ``Verdict``; the
+*assembler* makes its stream wait on ``filled``, gathers every batch that draws from the window
+(assembler.py), confirms the verdict before it hands on the first batch gathered since (a device check runs
+beside the gathers), records ``released`` after the window's last gather, once the check is over, and gives
+the buffer back. Finished batches go to the consumer through a bounded
 hand-off with the event after which they are written ("ready"); the consumer's stream waits on it in
 ``next()``. Submission runs ahead of completion, so the next window's reads queue behind the current one's
 and the readers never idle at a window boundary; assembly runs ``ahead`` batches before the consumer, so
@@ -39,6 +41,7 @@ from .handoff import POLL_S, Handoff, get
 from .pacing import Pacer
 from .plan import EpochPlan
 from .stats import EpochStats
+from .verify import Verdict, Verification
 from .window import WindowBuffer, WindowLayout
 
 _END = object()
@@ -81,9 +84,12 @@ class Pipeline:
                  buffers: Sequence[WindowBuffer], first: Cursor, plan: EpochPlan, output_fields: Sequence[str],
                  resident: dict[str, ResidentField] | None = None, pad: dict[str, tuple[int | None, Any]] | None = None,
                  ahead: int = 2, plans: Callable[[int, Pacer | None], EpochPlan] | None = None, bytes_before: int = 0,
-                 verifier: Any = None, decoder: Any = None):
+                 verification: Verification | None = None, decoder: Any = None):
         self.backend, self.ops, self.layout, self.wl = backend, ops, layout, window_layout
-        self.verifier = verifier  # checks each window against its stored crc32c before it is handed on
+        # Checks each window against the checksums it carries; no batch drawn from it is handed on before.
+        self.verification = verification
+        checks = verification.checks(window_layout) if verification is not None else None
+        self._checks = checks if checks else None
         self.decoder = decoder  # decodes compressed chunks once a window's reads are done (gdsload.decode)
         # A copy of the resident fields: the dataset empties its own on close.
         self.assembler = Assembler(ops, window_layout, layout.offsets, output_fields, dict(resident or {}),
@@ -209,7 +215,7 @@ class Pipeline:
                     blocks = p.plan.windows[w]
                     work = self.wl.work(self.layout, blocks)
                     pace()
-                    checks = self.wl.checks(self.layout, blocks) if self.verifier is not None else None
+                    checks = self._checks(blocks) if self._checks is not None else None
                     pace()
                     if buf.take_loaded(work.requests):  # read at open, there already: nothing to read again
                         pending: Pending = Queued(None)
@@ -242,12 +248,13 @@ class Pipeline:
                 self._ready.put(item)
                 continue
             p, w, buf, nbytes, checks, pending, decode = item
+            verdict = None
             try:
                 filled = pending.finish()
                 if decode is not None and not self._halt.is_set():
                     filled = decode.finish(filled)  # the decoded window is there after this event
-                if checks is not None and not self._halt.is_set():
-                    filled = self.verifier.check(buf.buffer, checks, filled)
+                if checks is not None and len(checks.lo) and not self._halt.is_set():
+                    verdict = self.verification.start(buf.buffer, checks, filled)  # type: ignore[union-attr]
             except BaseException as e:
                 if not self._halt.is_set():
                     self._halt.set()
@@ -258,10 +265,10 @@ class Pipeline:
                     decode.drain()  # reads into its host buffer are over, whatever happened
             if not self._halt.is_set():
                 p.stats.bytes_read += nbytes
-                self._ready.put((p.index, w, buf, filled))
+                self._ready.put((p.index, w, buf, filled, verdict))
 
     # -- assembler thread ----------------------------------------------------------------------------
-    def _take_ready(self) -> tuple[int, int, WindowBuffer, Any] | None:
+    def _take_ready(self) -> tuple[int, int, WindowBuffer, Any, Verdict | None] | None:
         """The next filled window, or None once the pipeline stops."""
         item = get(self._ready, self._stop)
         if item is None:
@@ -279,7 +286,19 @@ class Pipeline:
         """Assemble pass after pass, ``ahead`` batches before the consumer; a reader's error (or this
         thread's own) is handed on for the consumer."""
         held: dict[tuple[int, int], WindowBuffer] = {}
+        # Checks still running (device verifier) of the windows taken: each is confirmed before the next
+        # batch is handed on and before its window buffer is released.
+        verdicts: dict[tuple[int, int], Verdict] = {}
         stopped = self._stop.is_set
+
+        def confirm(key: tuple[int, int]) -> None:
+            verdict = verdicts.pop(key, None)
+            if verdict is None:
+                return
+            try:
+                verdict.confirm()
+            except GDSLoadError as e:
+                raise type(e)(f"{e} (reading {self._pass(key[0]).describe(key[1])})") from e
         first = True
         try:
             k = 0
@@ -291,12 +310,15 @@ class Pipeline:
                         got = self._take_ready()
                         if got is None:
                             return None
-                        k_got, w_got, buf, filled = got
+                        k_got, w_got, buf, filled, verdict = got
                         self.ops.wait(filled)
                         held[(k_got, w_got)] = buf
+                        if verdict is not None and not verdict.confirmed:
+                            verdicts[(k_got, w_got)] = verdict
                     return held[(k, w)].views(self.wl)
 
                 def release(w: int, k: int = k) -> None:
+                    confirm((k, w))  # the check's reads of the buffer are over before it is reused
                     buf = held.pop((k, w))
                     buf.released = self.ops.record()
                     self._free.put(buf)
@@ -304,6 +326,8 @@ class Pipeline:
                 for i, batch, samples in self.assembler.batches(p.epoch_index, p.start_batch, window, release,
                                                                 stopped):
                     nbytes = sum(a.nbytes for a in batch.values())
+                    for key in list(verdicts):
+                        confirm(key)
                     if not self._assembled.put((k, i, batch, samples, nbytes, self.ops.record()), self._stop):
                         return
                     if first:  # what the backend kept back (mmap's bulk load) no longer competes with it
@@ -401,6 +425,8 @@ class Pipeline:
             self.backend.quiesce()
             if self.decoder is not None:
                 self.decoder.quiesce()
+            if self.verification is not None:
+                self.verification.quiesce()
         except Exception:  # interpreter or CUDA context shutting down: nothing left to order against
             return
         for b in self.buffers:

@@ -202,13 +202,44 @@ def epoch_plan(cfg: PlanConfig, epoch: int, pace: Callable[[], None] | None = No
     return EpochPlan(cfg, tuple(windows), window_of_a, positions_a)
 
 
+def blocks_per_rank(num_blocks: int, world_size: int) -> int:
+    """The most blocks a rank holds in an epoch (:func:`rank_blocks`: shares differ by at most one)."""
+    return max(1, -(-num_blocks // max(1, world_size)))
+
+
 def window_blocks_for(block_bytes: int, window_bytes: int, batch_size: int, samples_per_block: int,
                       num_blocks: int, world_size: int) -> int:
     """The default window size in blocks: about ``window_bytes`` (the backend's preference) of blocks of
-    ``block_bytes`` (all fields read per window), at least a batch's worth, at most a rank's share."""
+    ``block_bytes`` (all fields read per window), at least a batch's worth, at most a rank's share
+    (:func:`blocks_per_rank`, to which GDSDataset clamps a requested size too: a window never holds more
+    blocks than its rank has, :func:`epoch_plan`, so a larger value would only size larger buffers)."""
     by_size = max(1, window_bytes // max(1, block_bytes))
-    per_rank = -(-num_blocks // max(1, world_size))
-    return max(1, min(max(-(-batch_size // samples_per_block), by_size), per_rank))
+    return max(1, min(max(-(-batch_size // samples_per_block), by_size), blocks_per_rank(num_blocks, world_size)))
+
+
+def fewest_rank_samples(num_samples: int, samples_per_block: int, world_size: int) -> int:
+    """The fewest samples any rank holds in any epoch, shuffled or not: a smallest share
+    (``num_blocks // world_size`` blocks) holding the dataset's partial last block, as the last rank's does
+    unshuffled and any smallest share may when shuffled. With ``drop_last`` a rank yields
+    ``(fewest // batch_size)`` batches in such an epoch."""
+    num_blocks = -(-num_samples // samples_per_block)
+    short = num_blocks * samples_per_block - num_samples  # samples the last block lacks
+    return (num_blocks // max(1, world_size)) * samples_per_block - short
+
+
+def check_yields(cfg: PlanConfig) -> None:
+    """Refuse a config under which a rank would yield no batch in some epoch (only ``drop_last`` can drop
+    every sample): ValueError naming the arguments, since an empty pass would end a training loop silently."""
+    fewest = fewest_rank_samples(cfg.num_samples, cfg.samples_per_block, cfg.world_size)
+    if not cfg.drop_last or fewest >= cfg.batch_size:
+        return
+    if cfg.world_size == 1:
+        raise ValueError(f"batch_size={cfg.batch_size} with drop_last=True yields no batch: the dataset holds "
+                         f"{cfg.num_samples} samples (expected batch_size at most {cfg.num_samples}, or "
+                         f"drop_last=False)")
+    raise ValueError(f"batch_size={cfg.batch_size} with drop_last=True and world_size={cfg.world_size} yields no "
+                     f"batch in some epoch: a rank holds as few as {fewest} of the dataset's {cfg.num_samples} "
+                     f"samples (expected batch_size at most {fewest}, drop_last=False, or a smaller world_size)")
 
 
 def window_buffers_for(prefetch: int, plan: EpochPlan) -> int:

@@ -10,11 +10,12 @@ import numpy as np
 from .assembler import ResidentField
 from .errors import GDSLoadError, ReadError
 from .format import FieldMeta
+from .verify import Verification
 from .window import WindowBuffer, WindowLayout
 
 
-def read_resident(f: FieldMeta, backend: Any, layout: Any, decoder: Any, verifier: Any, host_decoded: Any,
-                  closing: threading.Event) -> ResidentField:
+def read_resident(f: FieldMeta, backend: Any, layout: Any, decoder: Any, verification: Verification | None,
+                  host_decoded: Any, closing: threading.Event) -> ResidentField:
     """Field ``f`` whole: every chunk back to back, a block per chunk, so row i holds sample i whatever the
     plan's block is; decoded and checked as windows are. A ReadError names the field; a close while it
     loads is a GDSLoadError."""
@@ -30,10 +31,11 @@ def read_resident(f: FieldMeta, backend: Any, layout: Any, decoder: Any, verifie
             event = decoder.start(wb, work, closing).finish(event)
         if closing.is_set():  # before anything is decoded from a read cut short
             raise GDSLoadError(f"{layout.meta.path}: the dataset was closed while loading field '{f.name}'")
-        if verifier is not None:
-            event = verifier.check(buf, single.checks(layout, blocks), event)
+        checks = verification.checks(single)(blocks) if verification is not None else None
+        if checks is not None and len(checks.lo):
+            event = verification.check(buf, checks, event)  # type: ignore[union-attr]
     except ReadError as e:
-        raise ReadError(f"{e} (reading resident field '{f.name}')") from e
+        raise type(e)(f"{e} (reading resident field '{f.name}')") from e
     if event is not None:
         event.synchronize()
     return ResidentField(f, single.view(buf, f.name))

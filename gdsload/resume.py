@@ -27,8 +27,8 @@ See docs/multi-gpu.md for the state format, what may change mid-epoch, and a wor
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import numbers
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -42,10 +42,13 @@ from .plan import EpochPlan, PlanConfig, block_sizes, epoch_plan
 if TYPE_CHECKING:
     from .format import DatasetLayout, DatasetMeta
 
-STATE_FORMAT = 1  # bumped whenever the state's keys or the plan functions change meaning
+STATE_FORMAT = 2  # bumped whenever the state's keys or the plan functions change meaning
+CONTENT_FREE_FORMAT = 1  # before content_sha256: the same plans; resumed, warning that the content is unchecked
 MAX_HOPS = 64  # legs one epoch may be read in: a checkpoint stays small whatever a job does
 STATE_KEYS = ("state_format", "epoch", "batches_yielded", "hops", "num_samples", "samples_per_block", "batch_size",
-              "window_blocks", "shuffle", "seed", "drop_last", "rank", "world_size", "fields", "index_sha256")
+              "window_blocks", "shuffle", "seed", "drop_last", "rank", "world_size", "fields", "index_sha256",
+              "content_sha256")
+CONTENT_FREE_KEYS = STATE_KEYS[:-1]  # the keys of a state of CONTENT_FREE_FORMAT
 HOP_KEYS = ("world_size", "batch_size", "window_blocks", "batches")
 FIXED_KEYS = ("num_samples", "samples_per_block", "shuffle", "seed", "drop_last")  # never change mid-epoch
 
@@ -66,11 +69,13 @@ class Hop:
 
 @dataclass(frozen=True)
 class Fingerprint:
-    """What identifies a dataset's samples: every field's kind, dtype and sample shape, and a sha256 per
-    field read of its shard indexes (and, for a variable-length field, its offsets)."""
+    """What identifies a dataset's samples: every field's kind, dtype and sample shape; per field read, a
+    sha256 of its layout (``index_sha256``: its chunks' offsets and, for a variable-length field, its
+    offsets) and one of its content (``content_sha256``, see :func:`fingerprint`)."""
 
     fields: dict[str, str]
     index_sha256: dict[str, str]
+    content_sha256: dict[str, str]
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,7 @@ class SavedState:
     world_size: int
     fields: dict[str, str]
     index_sha256: dict[str, str]
+    content_sha256: dict[str, str] | None  # None: a state of CONTENT_FREE_FORMAT
 
     @property
     def leg(self) -> tuple[int, int, int]:
@@ -99,18 +105,15 @@ class SavedState:
 
 # -- the dataset's fingerprint -------------------------------------------------------------------------
 def fingerprint(meta: DatasetMeta, layout: DatasetLayout) -> Fingerprint:
-    """The fingerprint of an open dataset. Fields cover the whole dataset, whatever was selected; the index
-    hashes cover the fields read (their shard indexes are what was parsed at open)."""
+    """The fingerprint of an open dataset, from what its open read (:meth:`DatasetLayout.digests`, no read of
+    its own). Fields cover the whole dataset, whatever was selected; the hashes cover the fields read. Limit:
+    without block checksums (a foreign store) only shapes and the chunk table are hashed, so two such stores of
+    equal shapes and raw chunks (or compressed chunks of equal lengths) fingerprint alike (docs/multi-gpu.md)."""
     fields = {name: f"{f.dtype.name} {tuple(f.sample_shape)}" for name, f in meta.fields.items()}
     fields.update({name: f"ragged {r.values.dtype.name} {tuple(r.values.sample_shape)}"
                    for name, r in meta.ragged.items()})
-    hashes = {}
-    for name, key in zip(layout.fields, layout.keys):
-        h = hashlib.sha256(np.ascontiguousarray(layout.block_offsets[key], dtype="<i8").tobytes())
-        if name in layout.offsets:
-            h.update(np.ascontiguousarray(layout.offsets[name], dtype="<i8").tobytes())
-        hashes[name] = h.hexdigest()
-    return Fingerprint(fields, hashes)
+    digests = layout.digests()
+    return Fingerprint(fields, {f: d[0] for f, d in digests.items()}, {f: d[1] for f, d in digests.items()})
 
 
 # -- the state dict ------------------------------------------------------------------------------------
@@ -125,6 +128,7 @@ def make_state(config: PlanConfig, fp: Fingerprint, epoch: int, batches_yielded:
         state[key] = getattr(config, key)
     state["fields"] = dict(fp.fields)
     state["index_sha256"] = dict(fp.index_sha256)
+    state["content_sha256"] = dict(fp.content_sha256)
     return state
 
 
@@ -171,10 +175,11 @@ def parse_state(state: Any, num_blocks: int | None = None) -> SavedState:
     bounds the world sizes. Whether it fits a dataset is :func:`check_matches`'s part."""
     if not isinstance(state, Mapping):
         raise TypeError(f"a resume state must be a dict from GDSDataset.state_dict(), found {type(state).__name__}")
-    _keys(state, STATE_KEYS, "state")
-    if state["state_format"] != STATE_FORMAT or isinstance(state["state_format"], bool):
-        raise StateError(f"state key 'state_format': expected {STATE_FORMAT}, found {state['state_format']!r} "
-                         "(saved by another gdsload version, whose plans may differ)")
+    content_free = state.get("state_format") == CONTENT_FREE_FORMAT and not isinstance(state["state_format"], bool)
+    _keys(state, CONTENT_FREE_KEYS if content_free else STATE_KEYS, "state")
+    if state["state_format"] != STATE_FORMAT and not content_free:
+        raise StateError(f"state key 'state_format': expected {STATE_FORMAT} (or {CONTENT_FREE_FORMAT}), found "
+                         f"{state['state_format']!r} (saved by another gdsload version, whose plans may differ)")
     max_world = num_blocks if num_blocks is not None else None
     world_why = "the dataset's blocks" if max_world is not None else ""
     world_size = _int(state["world_size"], "world_size", 1, max_world, world_why)
@@ -193,10 +198,12 @@ def parse_state(state: Any, num_blocks: int | None = None) -> SavedState:
                         _int(h["window_blocks"], f"{where}.window_blocks", 1),
                         _int(h["batches"], f"{where}.batches", 1, None, "batches taken in that leg")))
     fields = _str_dict(state["fields"], "fields")
-    index_sha256 = _str_dict(state["index_sha256"], "index_sha256", hex_digest=True)
-    if not index_sha256.keys() <= fields.keys():
-        raise StateError(f"state key 'index_sha256': expected digests of fields in 'fields' {sorted(fields)}, found "
-                         f"{sorted(index_sha256)}")
+    hashes = {}
+    for key in ("index_sha256",) if content_free else ("index_sha256", "content_sha256"):
+        hashes[key] = _str_dict(state[key], key, hex_digest=True)
+        if not hashes[key].keys() <= fields.keys():
+            raise StateError(f"state key '{key}': expected digests of fields in 'fields' {sorted(fields)}, found "
+                             f"{sorted(hashes[key])}")
     return SavedState(
         epoch=_int(state["epoch"], "epoch", 0),
         batches_yielded=_int(state["batches_yielded"], "batches_yielded", 0, None, "batches yielded in the epoch"),
@@ -211,7 +218,8 @@ def parse_state(state: Any, num_blocks: int | None = None) -> SavedState:
         rank=_int(state["rank"], "rank", 0, world_size - 1, "below the state's world_size"),
         world_size=world_size,
         fields=fields,
-        index_sha256=index_sha256,
+        index_sha256=hashes["index_sha256"],
+        content_sha256=hashes.get("content_sha256"),
     )
 
 
@@ -224,11 +232,14 @@ def check_matches(saved: SavedState, config: PlanConfig, fp: Fingerprint) -> Non
         a, b = saved.fields.get(name), fp.fields.get(name)
         if a != b:
             diffs.append(f"fields[{name!r}]: saved {a or 'absent'}, now {b or 'absent'}")
-    for name in sorted(saved.index_sha256.keys() & fp.index_sha256.keys()):
-        a, b = saved.index_sha256[name], fp.index_sha256[name]
-        if a != b:
-            diffs.append(f"index_sha256[{name!r}]: saved {a[:12]}..., now {b[:12]}... (its shard indexes differ: "
-                         "another dataset, or rewritten since)")
+    for key, why in (("index_sha256", "its shard indexes differ: another dataset, or rewritten since"),
+                     ("content_sha256", "its block checksums or chunk sizes differ: another dataset of the same "
+                                        "shapes and layout, or rewritten since")):
+        saved_hashes, hashes = getattr(saved, key) or {}, getattr(fp, key)
+        for name in sorted(saved_hashes.keys() & hashes.keys()):
+            a, b = saved_hashes[name], hashes[name]
+            if a != b:
+                diffs.append(f"{key}[{name!r}]: saved {a[:12]}..., now {b[:12]}... ({why})")
     if diffs:
         raise StateError(f"state does not match this dataset's configuration ({'; '.join(diffs)}): the dataset, "
                          "seed, shuffle and drop_last fix an epoch's samples and order, so they cannot change "
@@ -246,6 +257,10 @@ def resume(state: Any, config: PlanConfig, fp: Fingerprint) -> Cursor:
     """
     saved = parse_state(state, config.num_blocks)
     check_matches(saved, config, fp)
+    if saved.content_sha256 is None:
+        warnings.warn(f"resume state of state_format {CONTENT_FREE_FORMAT} (saved before gdsload fingerprinted a "
+                      "dataset's content): its dataset's shapes and shard layout match, its content cannot be "
+                      "checked; resuming. States saved from now on carry 'content_sha256'", UserWarning, stacklevel=3)
     legs = _legs(config, saved.epoch, saved.hops, saved.leg)
     batches = legs[0].plan.num_batches
     if saved.batches_yielded > batches:
@@ -282,9 +297,9 @@ def merge_states(states: Sequence[Any]) -> dict[str, Any]:
     first = min(range(len(parsed)), key=lambda i: parsed[i].rank)
     ref = states[first]
     for s, p in zip(states, parsed):
-        differ = [k for k in STATE_KEYS if k != "rank" and s[k] != ref[k]]
+        differ = [k for k in dict.fromkeys([*ref, *s]) if k != "rank" and s.get(k) != ref.get(k)]
         if differ:
-            detail = ", ".join(f"{k}: {ref[k]!r} against {s[k]!r}" for k in differ)
+            detail = ", ".join(f"{k}: {ref.get(k, 'absent')!r} against {s.get(k, 'absent')!r}" for k in differ)
             hint = (" (the ranks stopped at different batches; checkpoint every rank after the same step)"
                     if "batches_yielded" in differ else "")
             raise StateError(f"rank {p.rank}'s state differs from rank 0's ({detail}){hint}")

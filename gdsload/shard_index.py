@@ -5,7 +5,9 @@ An index is ``n_chunks x (offset, nbytes)``, uint64 little endian, followed by t
 start of the shard file. A chunk never written
 has both values all ones (:data:`MAX_UINT_64`). This module encodes an index (the writer), parses and
 checksums one (:func:`parse_shard_index`), reads it through an open shard file (:func:`read_shard_index`)
-and checks its entries against that file (:func:`chunk_table`).
+and checks its entries against that file (:func:`chunk_table`): for a dataset gdsload's converter wrote,
+also that the chunks tile the file exactly as it lays them out, so that a byte inserted, deleted or
+appended anywhere fails the open even without block checksums.
 
 Error contract: a malformed index is a FormatError whose one-line message starts with the shard's path and
 ``': '``; an I/O failure reading it is a ReadError (:func:`gdsload.files.read_error`).
@@ -19,7 +21,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import crc32c
 import numpy as np
 
-from .errors import FormatError
+from .errors import ChecksumError, FormatError
 from .files import ShardFile, pread_exact
 
 if TYPE_CHECKING:
@@ -34,9 +36,11 @@ CRC_BYTES = 4
 
 
 class ShardIndex(NamedTuple):
-    """Offsets and lengths of the chunks of one shard; a chunk never written is all ones."""
+    """Offsets and lengths of the chunks of one shard; a chunk never written is all ones. ``checksum``: the
+    crc32c stored after the entries (None for an index without one), kept for the resume fingerprint."""
 
     offsets_and_lengths: np.ndarray  # (n_chunks, 2) uint64
+    checksum: int | None = None
 
     def get_chunk_slice(self, chunk: int) -> tuple[int, int] | None:
         offset, nbytes = (int(v) for v in self.offsets_and_lengths[chunk])
@@ -56,11 +60,11 @@ def parse_shard_index(buf: bytes, n_chunks: int, path: str, checksum: bool = Tru
     body, (stored,) = buf[:-CRC_BYTES], struct.unpack("<I", buf[-CRC_BYTES:])
     actual = crc32c.crc32c(body)
     if actual != stored:
-        raise FormatError(
+        raise ChecksumError(
             f"{path}: shard index checksum mismatch (expected crc32c {stored:#010x}, found {actual:#010x})"
         )
     table = np.frombuffer(body, dtype="<u8").reshape(n_chunks, 2).astype(np.uint64)
-    return ShardIndex(table)
+    return ShardIndex(table, int(stored))
 
 
 def encode_shard_index(table: np.ndarray) -> bytes:
@@ -79,17 +83,28 @@ def read_shard_index(shard: ShardFile, field: FieldMeta) -> tuple[ShardIndex, in
     return parse_shard_index(buf, field.blocks_per_shard, path, field.index_checksum), size
 
 
-def chunk_table(path: str, table: np.ndarray, size: int, field: FieldMeta,
-                allow_empty: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """Check the index entries of one shard's chunks (``table``: (n, 2) uint64, the chunks of the array in
-    this shard) against a file of ``size`` bytes, and return each chunk's offset (-1: never written) and
-    stored length (0: never written).
+def chunk_table(path: str, table: np.ndarray, size: int, field: FieldMeta, allow_empty: bool = False,
+                n_chunks: int | None = None, tiled: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Check the index entries of one shard (``table``: (n, 2) uint64, of which the first ``n_chunks``,
+    default all, are chunks of the array: the last shard's index is full-length) against a file of ``size``
+    bytes, and return each of those chunks' offset (-1: never written) and stored length (0: never written).
 
     A written chunk of a raw array must be exactly one raw chunk as stored (``field.stored_bytes``); a
     compressed array's chunks may have any length from 1 byte. Every written chunk must lie inside the file
     and outside the index, and overlap no other; unless ``allow_empty`` (a foreign store), a shard must hold
     at least one written chunk (zarr deletes a shard with none instead of writing it).
+
+    ``tiled`` (a dataset with the ``gdsload`` attribute, arrays read strictly): the shard must also be laid
+    out as the converter (and zarr's sharding codec) writes it, so that bytes inserted or removed anywhere
+    are caught from the index alone, without reading or verifying data. The written chunks, in chunk order,
+    tile the data region (the file without its index): the first starts it, each next one starts where
+    the previous one ends, no gap, and the last ends it, so the file is exactly its chunks plus its index.
+    A chunk never written (zarr writes none equal to the fill value; the converter writes every one) is
+    skipped; the entries past the array's last chunk must all be never written. Without ``tiled`` (a
+    foreign store) chunks may lie in any order, with gaps, and those entries are ignored.
     """
+    count = len(table) if n_chunks is None else n_chunks
+    table, unused = table[:count], table[count:]
     ib = field.index_bytes
     starts, lengths = table[:, 0], table[:, 1]
     missing = (starts == MAX_UINT_64) & (lengths == MAX_UINT_64)
@@ -131,8 +146,42 @@ def chunk_table(path: str, table: np.ndarray, size: int, field: FieldMeta,
         a, b = int(written[order[k]]), int(written[order[k + 1]])
         raise FormatError(f"{path}: chunks {a} and {b} overlap (chunk {b} starts at byte {int(sorted_starts[k + 1])}, "
                           f"before chunk {a} ends at byte {int(sorted_ends[k])})")
+    if tiled:
+        _check_tiling(path, written, s, n, (lo, hi), size)
+        _check_unused(path, unused, count)
     offsets = np.full(len(table), -1, dtype=np.int64)
     offsets[written] = s
     out_lengths = np.zeros(len(table), dtype=np.int64)
     out_lengths[written] = n
     return offsets, out_lengths
+
+
+def _check_unused(path: str, entries: np.ndarray, first: int) -> None:
+    """Index entries past the array's last chunk (``first`` is the first one's number) must be never written."""
+    used = np.flatnonzero((entries[:, 0] != np.uint64(MAX_UINT_64)) | (entries[:, 1] != np.uint64(MAX_UINT_64)))
+    if len(used):
+        k = int(used[0])
+        raise FormatError(f"{path}: index entry {first + k} lies past the array's last chunk (expected never "
+                          f"written, found offset {int(entries[k, 0])}, nbytes {int(entries[k, 1])})")
+
+
+def _check_tiling(path: str, written: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
+                  region: tuple[int, int], size: int) -> None:
+    """The written chunks (numbers ``written``, ascending, at ``starts`` with ``lengths``, each already seen
+    inside the data region ``region`` and overlapping no other) tile that region in chunk order."""
+    lo, hi = region
+    ends = starts + lengths
+    if int(starts[0]) != lo:
+        raise FormatError(f"{path}: chunk {int(written[0])}, the first written, does not start the data region "
+                          f"(expected byte {lo}, found byte {int(starts[0])})")
+    gaps = np.flatnonzero(starts[1:] != ends[:-1])
+    if len(gaps):
+        k = int(gaps[0])
+        raise FormatError(f"{path}: chunk {int(written[k + 1])} does not start where chunk {int(written[k])} ends "
+                          f"(expected byte {int(ends[k])}, found byte {int(starts[k + 1])})")
+    end = int(ends[-1])
+    if end != hi:  # the others' checks leave end < hi: bytes in no chunk, before the index or after it
+        expected = size - (hi - end)
+        raise FormatError(f"{path}: file is {size} bytes, more than its chunks and index (expected {expected} "
+                          f"bytes: chunk {int(written[-1])}, the last written, ends at byte {end}, the index "
+                          f"{'follows it' if lo == 0 else 'precedes the chunks'})")

@@ -77,15 +77,28 @@ class Source(Protocol):
     def close(self) -> None: ...
 
 
+#: The .npy format versions numpy reads (``numpy.lib.format``): 1.0 has a 2-byte header length, 2.0 and 3.0 a
+#: 4-byte one; 3.0 differs from 2.0 only in a UTF-8 header, which matters for structured field names alone
+#: (refused by the converter anyway), so its header is read as 2.0's.
+NPY_VERSIONS = ((1, 0), (2, 0), (3, 0))
+
+
 def read_npy_header(f: BinaryIO, origin: str) -> tuple[tuple[int, ...], np.dtype, bool]:
-    """Shape, dtype and Fortran order of a .npy stream, left positioned at the start of the data."""
+    """Shape, dtype and Fortran order of a .npy stream, left positioned at the start of the data. The header
+    is checked as ``numpy.load`` checks it, by numpy's own readers (magic string, format version, the
+    dictionary's keys, shape, ``fortran_order``, ``descr``); a bad one is a ConversionError naming ``origin``."""
     try:
         version = np.lib.format.read_magic(f)
+        if version not in NPY_VERSIONS:
+            raise ConversionError(f"{origin}: not a valid .npy array (unsupported format version "
+                                  f"{version[0]}.{version[1]}; expected 1.0, 2.0 or 3.0)")
         if version == (1, 0):
             shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
         else:
             shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
         shape, dtype = tuple(int(s) for s in shape), np.dtype(dtype)
+    except ConversionError:
+        raise
     except INPUT_ERRORS as e:
         raise input_error(origin, "not a valid .npy array", e) from e
     checked_shape(shape, dtype, origin)

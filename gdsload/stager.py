@@ -116,10 +116,14 @@ def cached_path() -> str:
 def _build(target: str) -> None:
     """Compile ``_stage.c`` to ``target``: to a temporary name in the same folder, then renamed into place,
     so a concurrent process never loads a half-written file. RuntimeError with the compiler's last line."""
+    raw = os.environ.get("CC", "")
+    try:
+        cc = shlex.split(raw) or ["cc"]
+    except ValueError as e:  # an unclosed quote
+        raise RuntimeError(f"environment variable CC={raw!r} is not a command line ({e})") from None
     os.makedirs(os.path.dirname(target), exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".stage-", suffix=".so")
     os.close(fd)
-    cc = shlex.split(os.environ.get("CC") or "cc")
     cmd = [*cc, "-O2", "-std=c11", "-shared", "-fPIC", "-pthread", "-o", tmp, SOURCE, "-ldl"]
     try:
         try:

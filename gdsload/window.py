@@ -34,7 +34,7 @@ from .backends.base import FillRequest, ReadRequest, Request
 from .format import DatasetLayout, FieldMeta, RaggedMeta
 from .plan import EpochPlan
 from .ragged import block_value_rows
-from .verify import Checks, concat
+from .checksum import Checks, concat
 
 
 @dataclass
@@ -190,6 +190,15 @@ class WindowLayout:
         within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(first, counts)
         slots = np.repeat(np.arange(len(blocks), dtype=np.int64) * (self.slot_rows[f.name] // c), counts) + within
         return np.repeat(lo, counts) + within, slots
+
+    def chunk_starts(self, layout: DatasetLayout, name: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The written chunks of raw field ``name`` that carry ``blocks`` into this layout, and the byte offset
+        in the window buffer where each lands (a chunk read for two blocks appears twice)."""
+        f = self.fields[name]
+        chunks, slots = self._chunk_slots(f, np.asarray(blocks, dtype=np.int64))
+        slots = np.arange(len(chunks), dtype=np.int64) if slots is None else slots
+        written = layout.block_offsets[name][chunks] >= 0
+        return chunks[written], self.starts[name] + slots[written] * f.block_bytes
 
     def work(self, layout: DatasetLayout, blocks: np.ndarray) -> Work:
         """What carries ``blocks`` into this layout: for raw fields one read per run of consecutive bytes of a

@@ -159,6 +159,71 @@ def test_sized_measures_a_probe_then_what_its_rate_reads_in_the_time_given():
     assert all(c == [0, 1, 2] for c in calls) and 2 <= len(calls) <= 5, "a small set is repeated, the best kept"
 
 
+def test_sized_warm_reads_every_unit_after_a_large_first_one():
+    """The issue's shape: a first file of at least PROBE_BYTES, then an 82 KB labels file. The ceiling was
+    measured on the labels file alone (the units after the probe); warm, it is measured on both."""
+    sizes = [bench.PROBE_BYTES, 82_000]
+    calls = []
+
+    def measure(units):
+        calls.append(list(units))
+        n = sum(sizes[u] for u in units)
+        return PassResult(bytes=n, seconds=n / 10e9, io_mode="x")  # 10 GB/s
+
+    r = bench.sized([0, 1], sizes, 0.5, measure)
+    assert calls[0] == [0] and all(c == [0, 1] for c in calls[1:]) and len(calls) > 1, calls
+    assert r.bytes == sum(sizes)
+
+
+def test_sized_cold_keeps_the_probe_when_fewer_bytes_follow_it():
+    sizes = [bench.PROBE_BYTES, 82_000]
+    calls = []
+
+    def measure(units):
+        calls.append(list(units))
+        n = sum(sizes[u] for u in units)
+        return PassResult(bytes=n, seconds=n / 10e9, io_mode="x")
+
+    r = bench.sized([0, 1], sizes, 0.5, measure, repeat=False)
+    assert calls == [[0]] and r.bytes == bench.PROBE_BYTES, "82 KB read cold is a latency, not a rate"
+
+
+def test_file_ceiling_reads_the_files_the_dataset_reads_for_long_enough(tiny, monkeypatch):
+    """The page-cache ceiling reads every shard file of the fields the dataset reads, back to back for at
+    least MIN_TIMED_S (a tiny dataset read once is timed at the cost of starting the reads)."""
+    from gdsload.format import DatasetLayout
+
+    monkeypatch.setattr(bench, "PROBE_BYTES", 1)  # the probe is the first file alone, as for a large image file
+    read = []
+    real = bench.read_files
+
+    def spy(paths, **kw):
+        read.append(list(paths))
+        return real(paths, **kw)
+
+    b = bench.Bench(bench.Target.open(tiny), ["cpu"], cold=False, seconds=0.3, batch_size=64)
+    with b.open("cpu", False) as ds:  # the files of the dataset the bench measures, through its public face
+        with DatasetLayout(ds.meta, ds.fields) as layout:
+            files = layout.shard_paths()
+    b.warm_cache()
+    monkeypatch.setattr(bench, "read_files", spy)
+    r = b.files()
+    assert len(files) >= 2 and sorted(read[0]) != sorted(files), "the probe is a part"
+    assert sorted(read[-1]) == sorted(files), read
+    assert r.seconds >= bench.MIN_TIMED_S and r.bytes >= 2 * sum(os.path.getsize(f) for f in files)
+
+
+def test_read_files_fills_min_seconds_with_passes(tiny):
+    from gdsload.measure import read_files, shard_paths
+
+    paths = shard_paths(tiny)
+    size = sum(os.path.getsize(p) for p in paths)
+    once = read_files(paths, threads=2)
+    assert once.bytes == size
+    r = read_files(paths, threads=2, min_seconds=0.1)
+    assert r.seconds >= 0.1 and r.bytes % size == 0 and r.bytes > size
+
+
 def test_the_plan_on_a_gpu_machine(tiny, monkeypatch):
     """What a GPU machine with KvikIO would measure, planned without running it: ceilings first, auto's pick
     measured once and marked, each backend warm then cold, in order and shuffled."""

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from gdsload import GDSDataset
 
@@ -42,7 +43,8 @@ def test_shard_script_bad_input_exit_code(tmp_path):
 
 def test_info_on_bad_dataset(tmp_path):
     res = run("-m", "gdsload.cli", "info", str(tmp_path))
-    assert res.returncode == 2 and "gdsload: error:" in res.stderr and "not a Zarr v3 group" in res.stderr
+    assert res.returncode == 2 and res.stderr.startswith(f"gdsload info: error: {tmp_path}/zarr.json: missing")
+    assert "not a Zarr v3 group" in res.stderr and res.stderr.count("\n") == 1
 
 
 def test_system_info_and_demo(tmp_path):
@@ -100,3 +102,68 @@ def test_few_cuda_queues_are_warned_once(monkeypatch, make_dataset):
         warnings.simplefilter("error")
         GDSDataset(make_dataset({"x": np.arange(100)}), batch_size=10, backend="cpu").close()
     assert not env._connections_warned.is_set()
+
+
+def test_the_issues_three_commands_print_one_line_and_exit_2(tmp_path):
+    """Each printed a Python traceback and exited 1."""
+    for args, env, message in (
+            (["demo", "--workdir", str(tmp_path / "nonexistent")], ENV,
+             f"gdsload demo: error: {tmp_path}/nonexistent: --workdir must be an existing directory"),
+            (["demo", "--batch-size", "0"], ENV, "gdsload demo: error: --batch-size must be at least 1 (found 0)"),
+            (["info"], {**ENV, "GDSLOAD_BACKEND": "bogus"},
+             "gdsload info: error: environment variable GDSLOAD_BACKEND='bogus' is not a backend")):
+        res = run("-m", "gdsload", *args, env=env)
+        assert res.returncode == 2 and res.stdout == "", (args, res.stderr)
+        assert res.stderr.startswith(message) and res.stderr.count("\n") == 1, (args, res.stderr)
+
+
+@pytest.fixture
+def small(make_dataset) -> str:
+    return make_dataset({"x": np.arange(40, dtype=np.int64)}, samples_per_block=8)
+
+
+@pytest.mark.parametrize("args, env, message", [
+    (["info", "{tmp}/missing.gds"], {}, "gdsload info: error: {tmp}/missing.gds: no such dataset directory"),
+    (["info"], {"GDSLOAD_BACKEND": "floppy"}, "gdsload info: error: environment variable GDSLOAD_BACKEND='floppy'"),
+    (["verify", "{tmp}/missing.gds"], {}, "gdsload verify: error: {tmp}/missing.gds: no such dataset directory"),
+    (["verify", "{small}", "--threads", "0"], {}, "gdsload verify: error: --threads must be at least 1 (found 0)"),
+    (["demo", "--samples", "0"], {}, "gdsload demo: error: --samples must be at least 1 (found 0)"),
+    (["demo", "--batch-size", "-4"], {}, "gdsload demo: error: --batch-size must be at least 1 (found -4)"),
+    (["demo", "--workdir", "{small}/zarr.json"], {}, "gdsload demo: error: {small}/zarr.json: --workdir must be"),
+    (["demo", "--samples", "300"], {"RANK": "abc"}, "gdsload demo: error: environment variable RANK='abc' is not"),
+    (["demo", "--samples", "300", "--backend", "cpu"], {"WORLD_SIZE": "0"},
+     "gdsload demo: error: environment variable WORLD_SIZE='0' is out of range"),
+    (["doctor", "{tmp}/missing.gds"], {}, "gdsload doctor: error: {tmp}/missing.gds: does not exist"),
+    (["doctor"], {"GDSLOAD_BACKEND": "floppy"}, "gdsload doctor: error: environment variable GDSLOAD_BACKEND="),
+    (["bench", "{tmp}/missing.gds"], {}, "gdsload bench: error: {tmp}/missing.gds: no such dataset directory"),
+    (["bench", "{small}", "--batch-size", "0"], {}, "gdsload bench: error: --batch-size must be at least 1"),
+    (["bench", "{small}", "--json", "{tmp}/no/b.json"], {}, "gdsload bench: error: {tmp}/no/b.json: its folder"),
+    (["shard", "{tmp}/missing.npy", "-o", "{tmp}/o.gds"], {},
+     "gdsload shard: error: {tmp}/missing.npy: input does not exist"),
+])
+def test_every_command_ends_an_expected_error_with_one_line_and_exit_2(tmp_path, small, monkeypatch, capsys, args,
+                                                                       env, message):
+    """One mechanism for every command (cli.fail): gdsload's errors, argument and environment errors, and
+    the OS's on a user's path are one line ``gdsload CMD: error: ...`` on stderr, exit status 2."""
+    from gdsload import cli
+
+    for name in ("GDSLOAD_BACKEND", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    fill = {"tmp": str(tmp_path), "small": small}
+    code = cli.main([a.format(**fill) for a in args])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(message.format(**fill)) and err.count("\n") == 1, err
+
+
+def test_an_os_error_on_a_users_path_is_one_line(monkeypatch, capsys, tmp_path):
+    """An OSError that escapes a command (here: the dataset cannot be listed) reads ``FILE: reason``."""
+    from gdsload import cli
+
+    def refuse(path):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(cli, "describe_dataset", refuse)
+    assert cli.main(["info", str(tmp_path / "d.gds")]) == 2
+    assert capsys.readouterr().err == f"gdsload info: error: {tmp_path}/d.gds: Permission denied\n"

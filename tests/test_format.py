@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -346,11 +347,21 @@ def test_chunks_overlapping_the_index_or_each_other_are_refused(make_dataset, tm
             r"chunks 0 and 2 overlap \(chunk 2 starts at byte 128, before chunk 0 ends at byte 192\)")
     refused(lambda t: t.__setitem__((2, 1), 65), r"chunk 2 is 65 bytes \(expected 64: raw, uncompressed\)")
     refused(lambda t: t.fill(MAX_UINT_64), r"shard index marks all 4 chunks as never written")
-    # Two chunks may share nothing but may lie in any order, with gaps.
-    with open(shard, "wb") as f:
-        f.write(original)
-    rewrite_index(shard, fm, lambda t: t.__setitem__(slice(None), [[192, 64], [0, 64], [MAX_UINT_64] * 2, [64, 64]]))
-    assert DatasetLayout(meta).block_offsets["x"].tolist() == [192, 0, -1, 64]
+    # In a dataset with the gdsload attribute the chunks tile the file in order (test_tiling.py); in a foreign
+    # store two chunks may share nothing but may lie in any order, with gaps.
+    scattered = [[192, 64], [0, 64], [MAX_UINT_64] * 2, [64, 64]]
+    refused(lambda t: t.__setitem__(slice(None), scattered),
+            r"chunk 0, the first written, does not start the data region \(expected byte 0, found byte 192\)")
+    group_json = os.path.join(path, "zarr.json")
+    with open(group_json) as f:
+        doc = json.load(f)
+    del doc["attributes"]["gdsload"]
+    with open(group_json, "w") as f:
+        json.dump(doc, f)
+    foreign = read_metadata(path, fields=["x"])
+    assert foreign.foreign
+    with DatasetLayout(foreign) as layout:
+        assert layout.block_offsets["x"].tolist() == [192, 0, -1, 64]
 
     # index_location "start": chunks must begin after the index.
     z = str(tmp_path / "start.gds")

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from _helpers import labelled, threads_left_after_use, wait_no_readers
-from gdsload import GDSDataset, GDSLoadError, ReadError
+from gdsload import ChecksumError, GDSDataset, GDSLoadError, ReadError
 from gdsload.format import DatasetLayout, read_metadata
 from gdsload.sources import ArraySource
 from gdsload.writer import write_dataset
@@ -80,6 +80,38 @@ def test_verify_on_the_device(small, backend):
         for _ in ds:
             pass
     assert str(e.value).startswith(f"{shard}: block 40 of field 'x'") and "crc32c" in str(e.value)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_verify_is_on_by_default_and_no_batch_of_a_bad_window_is_handed_on(small, backend):
+    """The device check runs beside the gathers; still, every batch served before the error is exact."""
+    import cupy
+
+    path, data = small
+    shard = flip_byte(path, "x", 77)
+    served = 0
+    with Dataset(path, 64, backend=backend, shuffle=True, window_blocks=2) as ds, \
+            pytest.raises(ChecksumError) as e:
+        assert ds.verify
+        for b in ds:
+            np.testing.assert_array_equal(cupy.asnumpy(b["x"]), data["x"][cupy.asnumpy(b["idx"])])
+            served += 1
+    assert str(e.value).startswith(f"{shard}: block 77 of field 'x'") and served < 1999 // 64
+
+
+@pytest.mark.parametrize("codecs", ["raw+crc32c", "zstd+crc32c"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_foreign_stores_chunk_crc32c_is_checked_on_the_device(tmp_path, backend, codecs):
+    from test_foreign_checksums import CHUNK, build, damage, served_until_error
+
+    path = str(tmp_path / "s.zarr")
+    x = build(path, codecs, True)
+    for resident_bytes in (0, 1 << 20):  # windowed, and read whole at the first pass
+        assert served_until_error(path, x, backend, resident_bytes=resident_bytes) is None
+    shard = damage(path, "flip")
+    for resident_bytes in (0, 1 << 20):
+        e = served_until_error(path, x, backend, verify=False, resident_bytes=resident_bytes)
+        assert isinstance(e, ChecksumError) and str(e).startswith(f"{shard}: chunk {CHUNK}"), e
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

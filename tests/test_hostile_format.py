@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from gdsload import GDSLoadError, ReadError
-from gdsload.errors import FormatError
+from gdsload.errors import ChecksumError, FormatError
 from gdsload.format import MAX_UINT_64, DatasetLayout, read_metadata
 from gdsload.sources import ArraySource, RaggedSource
 from gdsload.writer import write_dataset
@@ -244,6 +244,17 @@ CASES: dict[str, tuple[Callable[[str], None], str, str, type]] = {
     "checksum path a number": (gds(lambda a: a["checksums"]["arrays"].update(x=5)), G,
                                "must be a relative path inside the dataset (found 5)", FormatError),
     "checksums a list": (gds(lambda a: a.update(checksums=[])), G, "gdsload.checksums must be an object", FormatError),
+    # a key the format does not know is refused, never ignored: a misspelled 'checksums' read as "no checksums"
+    "checksums misspelled": (gds(lambda a: a.update(checksum=a.pop("checksums"))), G,
+                             "attribute 'gdsload' has unknown key 'checksum' (expected keys among ['format', "
+                             "'num_samples', 'samples_per_block', 'fields', 'checksums']", FormatError),
+    "unknown top-level key": (gds(lambda a: a.update(shuffle_hint=1)), G,
+                              "attribute 'gdsload' has unknown key 'shuffle_hint'", FormatError),
+    "field entry unknown key": (gds(lambda a: a["fields"]["x"].update(knd="ragged")), G,
+                                "gdsload.fields.x has unknown key 'knd' (expected keys among ['kind']", FormatError),
+    "checksums unknown key": (gds(lambda a: a["checksums"].update(array={"x": "_checksums/x"})), G,
+                              "gdsload.checksums has unknown key 'array' (expected keys among ['algorithm', "
+                              "'arrays']", FormatError),
     # an array's zarr.json
     "array not json": (write_text(X, "{"), X, "not valid JSON", FormatError),
     "array shape missing": (edit_json(X, lambda d: d.pop("shape")), X, "shape must be a list", FormatError),
@@ -327,7 +338,7 @@ CASES: dict[str, tuple[Callable[[str], None], str, str, type]] = {
     "shard smaller than index": (truncate("x/c/0/0", 10), "x/c/0/0",
                                  "shard file is 10 bytes, smaller than its index (36 bytes)", FormatError),
     "shard empty": (truncate("idx/c/1", 0), "idx/c/1", "shard file is 0 bytes", FormatError),
-    "shard index crc": (flip_crc("x/c/1/0"), "x/c/1/0", "shard index checksum mismatch", FormatError),
+    "shard index crc": (flip_crc("x/c/1/0"), "x/c/1/0", "shard index checksum mismatch", ChecksumError),
     "shard chunk past end": (index_edit("idx/c/0", set_entry(0, 0, 40)), "idx/c/0",
                              "chunk 0 ends at byte 72, past the end of the file (52 bytes)", FormatError),
     "shard chunk over index": (index_edit("x/c/0/0", set_entry(1, 0, 13)), "x/c/0/0",
@@ -361,7 +372,7 @@ def _write_offsets(path: str, values: list[int]) -> None:
     zarr.open_array(os.path.join(path, "tok", "offsets"), mode="r+")[:] = np.array(values, dtype=np.int64)
 
 
-BUILTIN = {FormatError: ValueError, ReadError: OSError}
+BUILTIN = {FormatError: ValueError, ReadError: OSError, ChecksumError: ValueError}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -582,8 +593,10 @@ def _open_and_close(path: str) -> None:
 
 def test_mutation_fuzz(pristine, tmp_path):
     outcomes = fuzz(pristine, str(tmp_path), seed=20240611, count=300)
-    assert outcomes["opened"] + outcomes.get("FormatError", 0) + outcomes.get("ReadError", 0) == 300
-    assert outcomes.get("FormatError", 0) > 150  # most mutations break something, and are caught as such
+    caught = {name: outcomes.get(name, 0) for name in ("FormatError", "ReadError", "ChecksumError")}
+    assert outcomes["opened"] + sum(caught.values()) == 300
+    # most mutations break something, and are caught as such (a ChecksumError is also a FormatError)
+    assert caught["FormatError"] + caught["ChecksumError"] > 150
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from _helpers import labelled, open_fds, threads_left_after_use, wait_no_readers
-from gdsload import BackendUnavailable, GDSDataset, GDSLoadError, ReadError
+from gdsload import BackendUnavailable, ChecksumError, GDSDataset, GDSLoadError, ReadError
 from gdsload.cli import main as cli_main
 from gdsload.format import DatasetLayout, read_metadata
 
@@ -43,10 +43,12 @@ def gdsload_threads() -> list[threading.Thread]:
 
 
 # -- integrity ---------------------------------------------------------------------------------------
-def test_verify_is_off_by_default_and_passes_on_a_sound_dataset(data_path):
+def test_verify_is_on_by_default_and_passes_on_a_sound_dataset(data_path):
     path, data = data_path
-    with Dataset(path, batch_size=32) as ds:
+    with Dataset(path, batch_size=32, verify=False) as ds:
         assert not ds.verify
+    with Dataset(path, batch_size=32) as ds:
+        assert ds.verify
     with Verified(path, batch_size=32) as ds:
         assert ds.verify
         got = np.concatenate([b["idx"] for b in ds])
@@ -54,16 +56,17 @@ def test_verify_is_off_by_default_and_passes_on_a_sound_dataset(data_path):
 
 
 @pytest.mark.parametrize("field,block", [("x", 3), ("idx", 2)])  # windowed and resident
-def test_a_flipped_bit_is_a_read_error_naming_file_field_block(data_path, field, block):
+@pytest.mark.parametrize("verify", [True, None])  # asked for, and by default
+def test_a_flipped_bit_is_a_read_error_naming_file_field_block(data_path, field, block, verify):
     path, data = data_path
     shard, offset = flip_byte(path, field, block)
-    with Verified(path, batch_size=32, shuffle=True) as ds, pytest.raises(ReadError) as e:
+    with Dataset(path, batch_size=32, shuffle=True, verify=verify) as ds, pytest.raises(ChecksumError) as e:
         for _ in ds:
             pass
     msg = str(e.value)
     assert msg.startswith(f"{shard}: block {block} of field '{field}'"), msg
     assert f"at offset {offset}" in msg and "crc32c" in msg and "\n" not in msg
-    assert isinstance(e.value, OSError)
+    assert isinstance(e.value, ReadError) and isinstance(e.value, OSError)
 
 
 def test_without_verify_the_same_damage_is_served_silently(data_path):
@@ -85,7 +88,7 @@ def test_verify_true_without_checksums_is_refused(data_path):
     attrs.pop("checksums")
     g.attrs["gdsload"] = attrs
     shutil.rmtree(os.path.join(path, "_checksums"))
-    with pytest.raises(ValueError, match="verify=True: .* has no block checksums"):
+    with pytest.raises(ValueError, match=r"verify=True: .*: field\(s\) \['x', 'idx'\] carry no checksum \(written by"):
         Dataset(path, batch_size=8, verify=True)
     with Dataset(path, batch_size=8) as ds:
         assert not ds.verify and len(list(ds)) == len(ds)

@@ -27,7 +27,7 @@ from gdsload.resume import (MAX_HOPS, Fingerprint, Hop, StateError, leg_plans, m
 
 Dataset = functools.partial(GDSDataset, backend="cpu", resident_bytes=32 << 10)  # "idx" resident, "x" windowed
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FP = Fingerprint({"x": "float32 ()"}, {"x": "0" * 64})
+FP = Fingerprint({"x": "float32 ()"}, {"x": "0" * 64}, {"x": "1" * 64})
 
 
 # -- pure: plans of the legs of an epoch ---------------------------------------------------------------
@@ -478,9 +478,9 @@ def test_state_is_small_and_plain(saved):
     _, state = saved
     assert list(state) == ["state_format", "epoch", "batches_yielded", "hops", "num_samples", "samples_per_block",
                            "batch_size", "window_blocks", "shuffle", "seed", "drop_last", "rank", "world_size",
-                           "fields", "index_sha256"]
+                           "fields", "index_sha256", "content_sha256"]
     assert state["fields"] == {"x": "float32 (3, 5)", "idx": "int64 ()"}
-    assert len(json.dumps(state)) < 600
+    assert len(json.dumps(state)) < 800  # two sha256 per field read, the rest a few ints
 
 
 @pytest.mark.parametrize("bad, error, match", [
@@ -511,7 +511,8 @@ def mutate(state, key, value):
     ("epoch", -1, r"'epoch'"),
     ("hops", KeyError, r"lacks \['hops'\]"),
     ("extra", 1, r"unknown keys \['extra'\]"),
-    ("state_format", 2, r"'state_format': expected 1, found 2"),
+    ("state_format", 3, r"'state_format': expected 2 \(or 1\), found 3"),
+    ("state_format", 1, r"state has unknown keys \['content_sha256'\]"),
     ("shuffle", 1, r"'shuffle': expected True or False"),
     ("rank", 1, r"'rank': expected an int from 0 to 0"),
     ("world_size", 0, r"'world_size': expected an int from 1 to 125"),
@@ -527,6 +528,11 @@ def mutate(state, key, value):
     ("fields", {"x": "float64 (3, 5)", "idx": "int64 ()"}, r"fields\['x'\]: saved float64 \(3, 5\), now float32"),
     ("index_sha256", {"x": "nothex"}, r"'index_sha256': expected a sha256 hex digest for 'x'"),
     ("index_sha256", {"x": "f" * 64}, r"index_sha256\['x'\]: saved ffffffffffff\.\.\., now"),
+    ("content_sha256", {"x": "f" * 64}, r"content_sha256\['x'\]: saved ffffffffffff\.\.\., now .* \(its block "
+                                        r"checksums or chunk sizes differ"),
+    ("content_sha256", {"y": "f" * 64}, r"'content_sha256': expected digests of fields in 'fields' \['idx', 'x'\], "
+                                        r"found \['y'\]"),
+    ("content_sha256", None, r"'content_sha256': expected a dict of field name -> sha256 hex digest"),
     ("num_samples", 1000, r"num_samples: saved 1000, now 997"),
     ("seed", 2, r"seed: saved 2, now 1.*cannot change mid-epoch"),
     ("drop_last", True, r"drop_last: saved True, now False"),
@@ -571,7 +577,7 @@ def test_fuzzed_states_raise_only_value_errors(saved):
                 pass
     # valid after all: another epoch (resumed at its batch 5), a leg read in one huge window (its batch 5
     # exists), no field's hash to compare
-    assert accepted == [("epoch", 2**70), ("window_blocks", 2**70), ("index_sha256", {})]
+    assert accepted == [("epoch", 2**70), ("window_blocks", 2**70), ("index_sha256", {}), ("content_sha256", {})]
 
 
 def test_other_field_selection_and_rank_resume(saved):
@@ -596,3 +602,99 @@ def test_merge_states(saved):
         merge_states(state)
     with pytest.raises(StateError):
         merge_states([{**two[0], "seed": -1}, two[1]])
+
+
+# -- the fingerprint covers the data, not only the layout -------------------------------------------------
+def test_another_dataset_of_the_same_layout_is_refused(make_dataset):
+    """Same shapes, dtypes, blocks and shards, one sample value changed: the block checksums differ, so a
+    state of one is refused by the other, naming the key; the same dataset reopened accepts it."""
+    data = labelled(997)
+    path = make_dataset(data, samples_per_block=8, shard_bytes=8 * 60 * 10)
+    other_data = {k: v.copy() for k, v in data.items()}
+    other_data["x"][500, 1, 2] += 0.5
+    other = make_dataset(other_data, samples_per_block=8, shard_bytes=8 * 60 * 10)
+    with Dataset(path, batch_size=32, window_blocks=3, shuffle=True, seed=1) as ds:
+        take(ds, 5, data, epoch=1)
+        state = ds.state_dict()
+        assert state["state_format"] == 2 and set(state["content_sha256"]) == {"x", "idx"}
+    refused(other, state, r"content_sha256\['x'\]: saved [0-9a-f]{12}\.\.\., now [0-9a-f]{12}\.\.\. \(its block "
+                          r"checksums or chunk sizes differ: another dataset of the same shapes and layout")
+    with Dataset(other, batch_size=32, window_blocks=3, shuffle=True, seed=1) as ds:
+        other_state = ds.state_dict()
+    assert other_state["index_sha256"] == state["index_sha256"], "the layouts agree: only the content tells them apart"
+    assert other_state["content_sha256"]["idx"] == state["content_sha256"]["idx"]
+    with Dataset(path, batch_size=32, window_blocks=3, shuffle=True, seed=1) as ds:
+        ds.load_state_dict(state)  # the same dataset, reopened
+        rest = take(ds, None, data)
+    assert len(rest) == (997 // 32 + 1 - 5) * 32 - (32 - 997 % 32)
+    with Dataset(other, batch_size=32, window_blocks=3, shuffle=True, seed=1, fields=["idx"]) as ds:
+        ds.load_state_dict(state)  # only the fields both read are compared: idx is the same in both
+
+
+def write_zstd_store(path: str, x: np.ndarray) -> None:
+    """A foreign store as zarr-python writes it: one array, zstd inner chunks of 4 rows, shards of 8, a
+    shard index with its crc32c."""
+    import zarr
+
+    g = zarr.open_group(path, mode="w", zarr_format=3)
+    a = g.create_array("x", shape=x.shape, dtype=x.dtype, chunks=(4, *x.shape[1:]), shards=(8, *x.shape[1:]),
+                       compressors=[zarr.codecs.ZstdCodec()], fill_value=0)
+    a[:] = x
+
+
+def test_foreign_store_with_a_chunk_of_another_length_is_refused(tmp_path):
+    """A zarr-python store, sharded and compressed, without block checksums: the last chunk of a shard made
+    incompressible keeps every chunk's offset (so the layout hash agrees) but changes that chunk's stored
+    length and its shard index's crc32c, and the state is refused."""
+    from gdsload.format import DatasetLayout, read_metadata
+
+    x = np.arange(32 * 6, dtype=np.int32).reshape(32, 6) % 7
+    changed = x.copy()
+    changed[4:8] = np.random.default_rng(0).integers(0, 2**31, (4, 6), dtype=np.int32)  # chunk 1, shard 0's last
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    write_zstd_store(a, x)
+    write_zstd_store(b, changed)
+    layouts = [DatasetLayout(read_metadata(p)) for p in (a, b)]
+    try:
+        assert np.array_equal(layouts[0].block_offsets["x"], layouts[1].block_offsets["x"])
+        assert layouts[0].chunk_lengths["x"][1] != layouts[1].chunk_lengths["x"][1]
+        for layout in layouts:  # one crc32c per shard file, the one stored at the end of its index
+            stored = [int.from_bytes(open(p, "rb").read()[-4:], "little") for p in layout.paths("x")]
+            assert layout.index_crcs["x"].dtype == np.uint32 and layout.index_crcs["x"].tolist() == stored
+        assert layouts[0].index_crcs["x"][0] != layouts[1].index_crcs["x"][0]
+    finally:
+        for layout in layouts:
+            layout.close()
+    with GDSDataset(a, batch_size=4, backend="cpu") as ds:
+        next(iter(ds))
+        state = ds.state_dict()
+    with GDSDataset(b, batch_size=4, backend="cpu") as ds:
+        assert ds.state_dict()["index_sha256"] == state["index_sha256"]
+        with pytest.raises(ValueError, match=r"content_sha256\['x'\]: saved .* \(its block checksums or chunk sizes "
+                                             r"differ"):
+            ds.load_state_dict(state)
+    with GDSDataset(a, batch_size=4, backend="cpu") as ds:
+        ds.load_state_dict(state)
+
+
+def test_a_state_saved_before_content_fingerprints_resumes_with_a_warning(saved, data_path):
+    """A state of format 1 (no content_sha256) is what the previous release saved: its shapes and layout are
+    checked as they were, and it resumes exactly, with a warning that the content could not be checked."""
+    path, state = saved
+    _, data = data_path
+    old = {k: v for k, v in state.items() if k != "content_sha256"}
+    old["state_format"] = 1
+    with Dataset(path, batch_size=32, window_blocks=3, shuffle=True, seed=1) as ds:
+        ds.load_state_dict(state)
+        want = take(ds, None, data)
+    with Dataset(path, batch_size=32, window_blocks=3, shuffle=True, seed=1) as ds:
+        with pytest.warns(UserWarning, match="state_format 1 .* its content cannot be checked"):
+            ds.load_state_dict(old)
+        np.testing.assert_array_equal(take(ds, None, data), want)
+        assert ds.state_dict()["state_format"] == 2  # saved again, it carries the content
+    refused(path, {**old, "seed": 2}, r"seed: saved 2, now 1")  # every other check still applies
+    two = [{**old, "world_size": 2, "rank": r} for r in (1, 0)]
+    assert merge_states(two) == {**old, "world_size": 2, "rank": 0}
+    with pytest.raises(StateError, match=r"rank 1's state differs from rank 0's \(state_format: 1 against 2, "
+                                         r"content_sha256: 'absent' against"):
+        merge_states([two[1], {**state, "world_size": 2, "rank": 1}])

@@ -225,6 +225,79 @@ def test_truncated_npy_is_reported(tmp_path, capsys):
     assert not (tmp_path / "o.gds").exists()
 
 
+def _npy(path, array: np.ndarray, version: tuple[int, int]) -> None:
+    """``array`` saved as a .npy file of format ``version``; a version numpy does not write gets a 2.0 file
+    whose magic string says ``version``."""
+    with open(path, "wb") as f:
+        np.lib.format.write_array(f, array, version=version if version in ((1, 0), (2, 0), (3, 0)) else (2, 0))
+    if version not in ((1, 0), (2, 0), (3, 0)):
+        with open(path, "r+b") as f:
+            f.seek(6)  # after b"\x93NUMPY": major, minor
+            f.write(bytes(version))
+
+
+@pytest.mark.parametrize("version", [(1, 0), (2, 0), (3, 0)])
+def test_npy_of_every_version_numpy_writes_is_read(tmp_path, version):
+    data = np.arange(24, dtype=np.int32).reshape(12, 2)
+    _npy(tmp_path / "x.npy", data, version)
+    convert([str(tmp_path / "x.npy")], tmp_path / "o.gds", samples_per_block=4, progress=False)
+    assert np.array_equal(read_all(str(tmp_path / "o.gds"))["x"], data)
+
+
+def _npy_header(path, header: bytes, version: tuple[int, int] = (1, 0), data: bytes = b"\0" * 64) -> None:
+    """A .npy file with ``header`` (the dictionary's text) as it is, padded as numpy pads it."""
+    size = 2 if version == (1, 0) else 4
+    body = header + b" " * (-(10 + size - 4 + len(header) + 1) % 64) + b"\n"
+    with open(path, "wb") as f:
+        f.write(b"\x93NUMPY" + bytes(version) + len(body).to_bytes(size, "little") + body + data)
+
+
+@pytest.mark.parametrize("write, message", [
+    (lambda p: _npy(p, np.zeros((4, 2), np.float32), (9, 9)),
+     "unsupported format version 9.9; expected 1.0, 2.0 or 3.0"),
+    (lambda p: _npy(p, np.zeros((4, 2), np.float32), (1, 1)), "unsupported format version 1.1"),
+    (lambda p: _npy(p, np.zeros((4, 2), np.float32), (4, 0)), "unsupported format version 4.0"),
+    (lambda p: _npy_header(p, b"{'descr': '<f4', 'fortran_order': False, 'shape': (4, 2), 'extra': 1}"),
+     "Header does not contain the correct keys"),
+    (lambda p: _npy_header(p, b"{'descr': '<f4', 'fortran_order': 0, 'shape': (4, 2)}"),
+     "fortran_order is not a valid bool"),
+    (lambda p: _npy_header(p, b"{'descr': '<f4', 'fortran_order': False, 'shape': (4, 2.0)}"), "shape is not valid"),
+    (lambda p: _npy_header(p, b"{'descr': 'float99', 'fortran_order': False, 'shape': (4,)}"),
+     "descr is not a valid dtype descriptor"),
+    (lambda p: _npy_header(p, b"{'descr': '<f4', 'fortran_order': False, 'shape': (4,)}", version=(7, 0)),
+     "unsupported format version 7.0"),
+])
+def test_npy_header_is_checked_as_numpy_checks_it(tmp_path, capsys, write, message):
+    """A header numpy would refuse (a format version it does not know included) is a ConversionError naming
+    the file, before anything is written; as one member of a .npz, too."""
+    write(tmp_path / "x.npy")
+    with pytest.raises(ValueError):
+        np.load(tmp_path / "x.npy")  # numpy's own verdict
+    code, err = run_shard([tmp_path / "x.npy", "-o", tmp_path / "o.gds"], capsys)
+    assert code == 2 and err.startswith(f"shard.py: error: {tmp_path}/x.npy: not a valid .npy array")
+    assert message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "o.gds").exists()
+    with zipfile.ZipFile(tmp_path / "a.npz", "w") as z:
+        z.write(tmp_path / "x.npy", "x.npy")
+    with pytest.raises(ConversionError, match=re.escape(f"{tmp_path}/a.npz:x: not a valid .npy array")):
+        convert([str(tmp_path / "a.npz")], tmp_path / "o.gds", progress=False)
+
+
+def test_writer_attribute_keys_are_the_ones_the_reader_accepts(make_dataset):
+    """The reader refuses any key of the gdsload attribute it does not know: the writer's must be those."""
+    from gdsload.format import ATTRS_KEYS, CHECKSUMS_KEYS, FIELD_ENTRY_KEYS
+    from gdsload.sources import RaggedSource
+
+    path = make_dataset({"x": np.zeros((10, 3), np.float32)}, samples_per_block=4,
+                        ragged={"t": RaggedSource("t", ArraySource("t", np.arange(6)), np.array([0, 1, 3, 3, 4, 4, 5, 6,
+                                                                                               6, 6, 6]))})
+    attrs = json.load(open(os.path.join(path, "zarr.json")))["attributes"]["gdsload"]
+    assert list(attrs) == list(ATTRS_KEYS)
+    assert all(list(entry) == list(FIELD_ENTRY_KEYS) for entry in attrs["fields"].values())
+    assert set(attrs["fields"]) == {"x", "t"} and list(attrs["checksums"]) == list(CHECKSUMS_KEYS)
+    assert read_metadata(path).checksums == {"x": "_checksums/x", "t": "_checksums/t"}
+
+
 # -- memory ----------------------------------------------------------------------------------------
 _PEAK = """
 import resource, sys

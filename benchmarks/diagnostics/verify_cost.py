@@ -1,22 +1,30 @@
-"""What ``verify`` (crc32c of every block read, on the GPU) costs each backend, in one run on the same data.
+"""What ``verify`` (crc32c of every block read, on the GPU beside the gathers) costs each backend, warm and
+cold, in one run on the same data.
 
-    python -m benchmarks.diagnostics.verify_cost [--size-gib 8] [--backends mmap,pinned,kvikio]
+    python -m benchmarks.diagnostics.verify_cost [--size-gib 8] [--cold-gib 2] [--backends mmap,pinned,kvikio]
 
-Warm, shuffled passes with verify off and on, interleaved round by round, per backend (each dataset stopped
-after its pass, so neither reads ahead while the other is measured); beside them the device kernel's own
-rate on one window buffer and the pinned H2D ceiling. Cost = 1 - best(on) / best(off). Writes
-``results/<machine>/verify-cost[-TAG].json``. GPU only.
+Warm: shuffled stretches of back-to-back passes for at least ``--min-seconds`` from rest (the suite's warm
+method), verify off and on interleaved round by round, per backend (each dataset stopped after its turn, so
+neither reads ahead while the other is measured). Cold: one pass from a dropped page cache per setting and
+round, on a smaller dataset of its own (``--cold-gib``; mmap: open + pass, since it reads the files while
+it locks them at open). First pass: a fresh dataset's open and first pass, warm, where ``mmap`` checks each
+block (it checks a block once, the first time it is read: later reads copy the same locked bytes). Beside
+them the device kernel's own rate on one window buffer and the pinned H2D ceiling; the io mode on every row.
+Cost = 1 - best(on) / best(off). Writes ``results/<machine>/verify-cost[-TAG].json`` and a markdown table
+beside it. GPU only.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import time
 
 import numpy as np
 
 from gdsload import GDSDataset
-from gdsload.measure import pinned_h2d_gbps, time_pass
+from gdsload.measure import cold_pass, drop_page_cache, pinned_h2d_gbps, time_pass
 
 from ..common import BATCH, Rows, make_dataset, parse_probe_args, probe_parser, write_probe
 
@@ -41,10 +49,84 @@ def kernel_gbps(nbytes: int = 256 << 20, block_bytes: int = 4 << 20, repeats: in
     return nbytes / best / 1e9
 
 
+def warm(path: str, backend: str, rounds: int, min_seconds: float,
+         options: dict) -> tuple[str, dict[bool, list[float]]]:
+    datasets = {v: GDSDataset(path, BATCH, backend=backend, shuffle=True, verify=v, **options) for v in (False, True)}
+    passes: dict[bool, list[float]] = {False: [], True: []}
+    try:
+        for ds in datasets.values():
+            time_pass(ds)  # page cache, kernels compiled, buffers allocated
+            ds.stop()
+        for _ in range(rounds):
+            for v, ds in datasets.items():
+                passes[v].append(time_pass(ds, min_seconds=min_seconds).gb_per_s)
+                ds.stop()  # no reading ahead while the other one is measured
+        return datasets[True].io_mode, passes
+    finally:
+        for ds in datasets.values():
+            ds.close()
+
+
+def first(path: str, backend: str, rounds: int) -> dict[bool, list[float]]:
+    """A fresh dataset's first pass, from its open, warm page cache: where the mmap backend checks each block
+    (it checks a block once, the first time it is read)."""
+    passes: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(rounds):
+        for v in (False, True):
+            t0 = time.perf_counter()
+            with GDSDataset(path, BATCH, backend=backend, shuffle=True, verify=v) as ds:
+                opened = time.perf_counter() - t0
+                r = time_pass(ds)
+            passes[v].append(r.bytes / (r.seconds + opened) / 1e9)
+    return passes
+
+
+def cold(path: str, backend: str, rounds: int) -> dict[bool, list[float]]:
+    passes: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(rounds):
+        for v in (False, True):
+            if backend == "mmap":  # its open reads the files: open + pass from a dropped cache
+                drop_page_cache()
+                t0 = time.perf_counter()
+                with GDSDataset(path, BATCH, backend=backend, shuffle=True, verify=v) as ds:
+                    opened = time.perf_counter() - t0
+                    r = time_pass(ds)
+                passes[v].append(r.bytes / (r.seconds + opened) / 1e9)
+            else:
+                with GDSDataset(path, BATCH, backend=backend, shuffle=True, verify=v) as ds:
+                    passes[v].append(cold_pass(ds).gb_per_s)
+    return passes
+
+
+def row(backend: str, io_mode: str, regime: str, passes: dict[bool, list[float]]) -> dict:
+    top = {v: max(x) for v, x in passes.items()}
+    return {"what": f"gdsload {backend}", "io_mode": io_mode, "regime": regime, "shuffle": True,
+            "gb_per_s_verify_off": [round(x, 2) for x in passes[False]],
+            "gb_per_s_verify_on": [round(x, 2) for x in passes[True]],
+            "best_off": round(top[False], 2), "best_on": round(top[True], 2),
+            "cost_pct": round(100 * (1 - top[True] / top[False]), 1)}
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| backend | io mode | regime | GB/s verify off | GB/s verify on | cost |", "|---|---|---|---:|---:|---:|"]
+    for r in rows:
+        if "cost_pct" in r:
+            lines.append(f"| {r['what']} | {r['io_mode']} | {r['regime']} | {r['best_off']} | {r['best_on']} | "
+                         f"{r['cost_pct']} % |")
+        elif "gb_per_s" in r:
+            lines.append(f"| {r['what']} | | | {r['gb_per_s']} | | |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = probe_parser(__doc__.splitlines()[0], size_gib=8.0)
+    ap.add_argument("--cold-gib", type=float, default=2.0)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--cold-rounds", type=int, default=2)
+    ap.add_argument("--first-rounds", type=int, default=2)
+    ap.add_argument("--min-seconds", type=float, default=0.5)
     ap.add_argument("--backends", default="mmap,pinned,kvikio")
+    ap.add_argument("--options", type=json.loads, default={}, help="GDSDataset options as JSON (warm rows)")
     args = parse_probe_args(ap, argv)
     path = make_dataset(args.data, args.size_gib)
     rows = Rows()
@@ -53,27 +135,23 @@ def main(argv: list[str] | None = None) -> int:
         rows.emit({"what": "crc32c kernel alone, 256 MiB of 4 MiB blocks", "gb_per_s": round(kernel_gbps(), 2)})
     except (ImportError, AttributeError, TypeError) as e:  # the kernel's module is library-internal
         rows.emit({"what": "crc32c kernel alone", "error": f"{type(e).__name__}: {e}"})
-    for backend in args.backends.split(","):
-        datasets = {v: GDSDataset(path, BATCH, backend=backend, shuffle=True, verify=v) for v in (False, True)}
-        passes: dict[bool, list[float]] = {False: [], True: []}
-        for ds in datasets.values():
-            time_pass(ds)  # warm up: page cache, kernels compiled, buffers allocated
-        for r in range(args.rounds):
-            for v, ds in datasets.items():
-                ds.set_epoch(r + 1)
-                passes[v].append(time_pass(ds).gb_per_s)
-                ds.stop()  # no reading ahead while the other one is measured
-        io_mode = datasets[False].describe()["io_mode"]
-        for ds in datasets.values():
-            ds.close()
-        top = {v: max(x) for v, x in passes.items()}
-        rows.emit({"what": f"gdsload {backend}", "io_mode": io_mode, "regime": "warm", "shuffle": True,
-                   "gb_per_s_verify_off": [round(x, 2) for x in passes[False]],
-                   "gb_per_s_verify_on": [round(x, 2) for x in passes[True]],
-                   "best_off": round(top[False], 2), "best_on": round(top[True], 2),
-                   "cost_pct": round(100 * (1 - top[True] / top[False]), 1)})
-    print("wrote", write_probe(args, "verify-cost", rows, rounds=args.rounds, method=__doc__.split("\n\n")[2]),
-          flush=True)
+    backends = args.backends.split(",")
+    for backend in backends:
+        io_mode, passes = warm(path, backend, args.rounds, args.min_seconds, args.options)
+        rows.emit({**row(backend, io_mode, "warm", passes), "options": args.options})
+        if args.first_rounds:
+            rows.emit(row(backend, io_mode, "warm, first pass from open", first(path, backend, args.first_rounds)))
+    if args.cold_rounds and drop_page_cache():
+        cold_path = make_dataset(args.data, args.cold_gib)
+        for backend in backends:
+            with GDSDataset(cold_path, BATCH, backend=backend) as ds:
+                io_mode = ds.io_mode
+            rows.emit(row(backend, io_mode, "cold", cold(cold_path, backend, args.cold_rounds)))
+    out = write_probe(args, "verify-cost", rows, rounds=args.rounds, method=__doc__.split("\n\n")[2])
+    with open(os.path.splitext(out)[0] + ".md", "w") as f:
+        f.write(markdown(rows))
+    print("wrote", out, flush=True)
+    print(markdown(rows), flush=True)
     return 0
 
 

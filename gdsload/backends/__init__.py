@@ -23,13 +23,16 @@ ENV_BACKEND = "GDSLOAD_BACKEND"
 
 def resolve(name: str, dataset_bytes: int | None = None, dataset_path: str | None = None) -> tuple[str, str]:
     """The concrete backend for ``name`` and why it was chosen. ``"auto"`` gives way to the environment
-    variable ``GDSLOAD_BACKEND`` when it is set; ``dataset_bytes`` (the shard files a dataset reads) lets
+    variable ``GDSLOAD_BACKEND`` when it is set and not empty (a value that names no backend is a ValueError
+    naming the variable); ``dataset_bytes`` (the shard files a dataset reads) lets
     ``auto`` pick the RAM tier, ``dataset_path`` (a file of the dataset) tells whether its file system allows
     GDS."""
-    if name == "auto" and os.environ.get(ENV_BACKEND, "auto") != "auto":
-        forced = os.environ[ENV_BACKEND]
+    raw = os.environ.get(ENV_BACKEND, "")
+    forced = raw.strip() or "auto"  # set but empty reads as unset
+    if name == "auto" and forced != "auto":
         if forced not in BACKENDS:
-            raise ValueError(f"{ENV_BACKEND}={forced!r} is not a backend (expected one of {BACKENDS})")
+            raise ValueError(f"environment variable {ENV_BACKEND}={raw!r} is not a backend (expected one of "
+                             f"{BACKENDS})")
         return forced, f"{ENV_BACKEND}={forced}"
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r} (expected one of {BACKENDS})")

@@ -214,6 +214,9 @@ class Backend(ABC):
     window_bytes_hint: int = 64 << 20
     #: Batches gathered ahead of the consumer unless the dataset is told otherwise.
     batches_ahead_hint: int = 2
+    #: Every read copies from memory this backend locked for the dataset's life, which nothing writes: a
+    #: block's bytes there, checked once, are the bytes of every later read of it (gdsload.verify).
+    reads_locked_memory: bool = False
 
     @abstractmethod
     def allocate(self, nbytes: int) -> Any:

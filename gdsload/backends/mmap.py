@@ -202,6 +202,7 @@ class _Mapping:
 class MmapBackend(CudaBackend):
     name = "mmap"
     io_mode = "mmap"
+    reads_locked_memory = True
     window_bytes_hint = 256 << 20
 
     def __init__(self, device_id: int = 0, max_bytes: int | None = None, num_streams: int = DEFAULT_STREAMS,

@@ -1,0 +1,84 @@
+"""gdsload.verify on the host: a window's checks, verdicts confirmed later than they start, and checks kept
+once passed where a backend reads from memory it locked (the mmap backend's rule, run here on host buffers)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from _helpers import labelled
+from gdsload import ChecksumError
+from gdsload.backends.cpu import CpuBackend
+from gdsload.format import DatasetLayout, read_metadata
+from gdsload.verify import Verification
+from gdsload.window import WindowLayout
+
+
+@pytest.fixture
+def opened(make_dataset):
+    path = make_dataset(labelled(200), samples_per_block=8)
+    layout = DatasetLayout(read_metadata(path))
+    meta = layout.meta
+    wl = WindowLayout([meta.fields["x"], meta.fields["idx"]], 4, samples_per_block=meta.samples_per_block)
+    backend = CpuBackend()
+    backend.prepare(layout.files)
+    yield layout, wl, backend
+    backend.close()
+    layout.close()
+
+
+def window(wl: WindowLayout, layout: DatasetLayout, backend: CpuBackend, blocks: np.ndarray) -> np.ndarray:
+    buf = backend.allocate(wl.nbytes)
+    backend.load(buf, wl.work(layout, blocks).requests, threading.Event())
+    return buf
+
+
+@pytest.mark.parametrize("once", [False, True])
+def test_checks_pass_and_are_kept_only_where_reads_copy_locked_memory(opened, once):
+    layout, wl, backend = opened
+    v = Verification(layout, blocks=True, on_device=False, device_id=0, once=once)
+    try:
+        blocks = np.array([3, 0, 7, 5])
+        checks = v.checks(wl)(blocks)
+        assert len(checks.lo) == 2 * len(blocks)  # a segment per block and field
+        v.start(window(wl, layout, backend, blocks), checks, None).confirm()
+        again = v.checks(wl)(np.array([5, 1, 0, 2]))
+        # Kept: blocks 5 and 0 passed, only 1 and 2 are left (both fields); else all four again.
+        assert sorted(set(again.blocks.tolist())) == ([1, 2] if once else [0, 1, 2, 5])
+        assert len(again.lo) == (4 if once else 8)
+    finally:
+        v.close()
+
+
+def test_a_failed_check_is_not_kept_and_raises_at_confirm(opened):
+    """The verdict is raised when confirmed, not when the check starts, and a block that failed is checked
+    again the next time."""
+    layout, wl, backend = opened
+    v = Verification(layout, blocks=True, on_device=False, device_id=0, once=True)
+    try:
+        blocks = np.array([2, 6])
+        buf = window(wl, layout, backend, blocks)
+        checks = v.checks(wl)(blocks)
+        buf[int(checks.lo[1]) + 3] ^= 1  # the second segment: block 6 of field 'x'
+        verdict = v.start(buf, checks, None)
+        with pytest.raises(ChecksumError, match=r": block 6 of field 'x' .* fails its crc32c check"):
+            verdict.confirm()
+        verdict.confirm()  # confirmed once: nothing more
+        assert sorted(set(v.checks(wl)(blocks).blocks.tolist())) == [2, 6]  # nothing kept from a failed verdict
+    finally:
+        v.close()
+
+
+def test_host_checks_run_on_a_thread_that_close_stops(opened):
+    layout, wl, backend = opened
+    before = {t for t in threading.enumerate() if t.name.startswith("gdsload-verify")}
+    v = Verification(layout, blocks=True, on_device=False, device_id=0)
+    blocks = np.arange(4)
+    v.start(window(wl, layout, backend, blocks), v.checks(wl)(blocks), None).confirm()
+    assert {t for t in threading.enumerate() if t.name.startswith("gdsload-verify")} - before
+    v.quiesce()
+    v.close()
+    v.close()  # idempotent
+    assert {t for t in threading.enumerate() if t.name.startswith("gdsload-verify") and t.is_alive()} <= before
