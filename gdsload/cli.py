@@ -144,7 +144,7 @@ def describe_system() -> str:
 
 # -- verify ----------------------------------------------------------------------------------------
 def run_verify(path: str, threads: int, progress: bool) -> int:
-    from .verify import verify_dataset
+    from .audit import verify_dataset
 
     if threads < 1:
         raise ValueError(f"--threads must be at least 1 (found {threads})")

@@ -12,20 +12,21 @@ stream of its own after the window's "filled" event and copies back only the CRC
 assembler gathers the window meanwhile (both only read it) and confirms the verdict (:class:`Verdict`)
 before it hands on any batch drawn from the window, and before the window buffer is released for reuse.
 A mismatch is a :class:`ChecksumError` (a ReadError) naming the file, field, block or chunk, and offset.
+Whole datasets are checked by :mod:`gdsload.audit` (``gdsload verify``).
 """
 
 from __future__ import annotations
 
-import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .checksum import Checks, concat, device_expected, host_crcs
-from .errors import ChecksumError, FormatError, ReadError
+from .errors import ChecksumError
 from .files import pread_exact
 from .format import DatasetLayout
 from .shard_index import CRC_BYTES
@@ -96,15 +97,16 @@ class WindowChecks:
         those already passed where checks are kept (``passed``)."""
         blocks = np.asarray(blocks, dtype=np.int64)
         parts = [self.wl.checks(self.layout, blocks)] if self.blocks else []
+        if self.passed is not None and parts:
+            parts[0] = self.passed.left(parts[0])
         for name in self.trailed:
             chunks, lo = self.wl.chunk_starts(self.layout, name, blocks)
-            if self.passed is not None:
+            if self.passed is not None:  # before their trailers are read
                 keep = ~self.passed.done(name)[chunks]
                 chunks, lo = chunks[keep], lo[keep]
             bb = self.wl.fields[name].block_bytes
             parts.append(Checks(lo, lo + bb, read_trailers(self.layout, name, chunks), (name,) * len(chunks), chunks))
-        checks = concat(parts)
-        return checks if self.passed is None else self.passed.left(checks)
+        return concat(parts)
 
 
 class Passed:
@@ -123,15 +125,18 @@ class Passed:
     def left(self, checks: Checks) -> Checks:
         """``checks`` less the segments already passed."""
         keys = np.array(checks.keys, dtype=object)
-        keep = np.array([not self._done[k][b] for k, b in zip(checks.keys, checks.blocks.tolist())], dtype=bool)
+        keep = np.ones(len(keys), dtype=bool)
+        for k in set(checks.keys):
+            sel = keys == k
+            keep[sel] = ~self._done[k][checks.blocks[sel]]
         if keep.all():
             return checks
         return Checks(checks.lo[keep], checks.hi[keep], checks.expected[keep], tuple(keys[keep]), checks.blocks[keep])
 
     def mark(self, checks: Checks) -> None:
+        keys = np.array(checks.keys, dtype=object)
         for k in set(checks.keys):
-            sel = np.array([key == k for key in checks.keys], dtype=bool)
-            self._done[k][checks.blocks[sel]] = True
+            self._done[k][checks.blocks[keys == k]] = True
 
 
 class Verdict:
@@ -203,6 +208,9 @@ class DeviceVerifier:
         with self.crc.device:
             self.stream = cupy.cuda.Stream(non_blocking=True)
         self._lock = threading.Lock()  # the completer and a resident load may check at once
+        # (event, buffers) of checks queued: their output and pinned result live until the stream has passed
+        # the event, also when their verdict is dropped unconfirmed (a pipeline closed).
+        self._queued: deque[tuple[Any, tuple[Any, ...]]] = deque()
 
     def start(self, buf: Any, checks: Checks, filled: Any) -> Verdict:
         """Queue the checks of ``buf`` after ``filled``: a kernel, then a copy of its CRCs to pinned memory,
@@ -219,23 +227,25 @@ class DeviceVerifier:
         expected[full] = device_expected(checks.expected[full], checks.lo[full], checks.hi[full])
         host = cupyx.empty_pinned(int(full.sum()), dtype=np.uint32)
         with self._lock, self.crc.device:
+            while self._queued and self._queued[0][0].done:
+                self._queued.popleft()
             if filled is not None:
                 self.stream.wait_event(filled)
             out = self.crc.launch(buf, checks.lo[full], checks.hi[full], self.stream)
             self.cupy.cuda.runtime.memcpyAsync(host.ctypes.data, out.data.ptr, host.nbytes, D2H, self.stream.ptr)
             event = record_event(self.stream)
-
-        held = [out]  # the kernel's output, until the copy from it is over
+            self._queued.append((event, (out, host)))
 
         def collect() -> np.ndarray:
             event.synchronize()
             got[full] = host
-            held.clear()
             return got
         return Verdict(self.layout, checks._replace(expected=expected), collect)
 
     def quiesce(self) -> None:
-        self.stream.synchronize()
+        with self._lock:
+            self.stream.synchronize()
+            self._queued.clear()
 
     def close(self) -> None:
         self.quiesce()
@@ -287,159 +297,3 @@ class Verification:
     def close(self) -> None:
         """Stop the verifier's thread (host); the dataset closes. Idempotent."""
         self.verifier.close()
-
-
-# -- whole datasets ----------------------------------------------------------------------------------
-class BadBlock(NamedTuple):
-    where: str  # describe_block(...), or the shard file whose index fails its check
-    message: str
-
-
-class Report(NamedTuple):
-    """What :func:`verify_dataset` found: ``checked`` units (``unit``: "block" for a gdsload dataset's block
-    checksums, "chunk" for a Zarr store's crc32c codec), the bad ones, and the fields that carry no
-    checksum and so were not checked."""
-
-    checked: int
-    bad: list[BadBlock]
-    unchecked: list[str]
-    unit: str
-
-
-def verify_dataset(path: str, num_threads: int = 8, progress: bool | None = None) -> Report:
-    """Re-read a whole dataset and check everything it carries: a gdsload dataset's block checksums, a Zarr
-    store's crc32c codec on every written chunk (raw: its 4 stored bytes; compressed: as it decodes), and
-    every shard index's crc32c. A data file the layout cannot open (an index that fails its check, a chunk
-    file of the wrong size) is reported as bad, and nothing behind it read.
-
-    Reads go through the files the layout opened, on ``num_threads`` threads; a block or chunk that cannot
-    be read or decoded is listed as bad with the error. Metadata gdsload cannot read is a FormatError.
-    """
-    from tqdm import tqdm
-
-    from .format import read_metadata
-
-    meta = read_metadata(path)
-    unit = "chunk" if meta.foreign else "block"
-    try:
-        layout = DatasetLayout(meta)
-    except (FormatError, ReadError) as e:  # the data files (an index, a chunk file's size): damaged
-        return Report(0, [BadBlock(str(e).split(": ", 1)[0], str(e))], [], unit)
-    with layout:
-        unchecked = unchecked_fields(layout)
-        keys = [k for f, k in zip(layout.fields, layout.keys) if f not in unchecked]
-        if meta.foreign:
-            jobs = [(k, int(c)) for k in keys for c in np.flatnonzero(layout.block_offsets[k] >= 0)]
-            check, size = _chunk_check(layout), lambda job: int(layout.locate(*job).nbytes)  # type: ignore[union-attr]
-        else:
-            jobs = [(k, b) for k in keys for b in range(meta.num_blocks)]
-            check, size = _block_check(layout), lambda job: _block_span(layout, *job)[2]
-        bad = []
-        with ThreadPoolExecutor(num_threads, thread_name_prefix="gdsload-verify") as pool, \
-                tqdm(total=sum(size(j) for j in jobs), unit="B", unit_scale=True, desc=os.path.basename(meta.path),
-                     disable=None if progress is None else not progress) as bar:
-            for job, result in zip(jobs, pool.map(check, jobs)):
-                bar.update(size(job))
-                if result is not None:
-                    bad.append(result)
-        return Report(len(jobs), bad, unchecked, unit)
-
-
-def _block_check(layout: DatasetLayout) -> Any:
-    """(key, block) -> None, or the BadBlock of a block that fails its block checksum or cannot be read."""
-    chains = _chains(layout)
-
-    def check(job: tuple[str, int]) -> BadBlock | None:
-        key, b = job
-        field = key.rsplit("/", 1)[0] if key.endswith("/values") else key
-        try:
-            data = _read_block(layout, key, b, chains.get(key))
-        except ReadError as e:
-            return BadBlock(describe_block(layout, key, b), str(e))
-        got = host_crcs(data, np.array([0]), np.array([len(data)]))
-        want = np.array([layout.checksums[field][b]], np.uint32)
-        err = mismatch(layout, Checks(np.array([0]), np.array([len(data)]), want, (key,), np.array([b])), got)
-        return None if err is None else BadBlock(describe_block(layout, key, b), str(err))
-    return check
-
-
-def _chunk_check(layout: DatasetLayout) -> Any:
-    """(key, chunk) -> None, or the BadBlock of a written chunk that fails its crc32c codec (or does not
-    decode, or cannot be read)."""
-    chains = _chains(layout)
-
-    def check(job: tuple[str, int]) -> BadBlock | None:
-        key, c = job
-        loc = layout.locate(key, c)
-        assert loc is not None
-        fm = layout.meta.array(key)
-        try:
-            if key in chains:  # compressed: its chain checks the crc32c as it decodes
-                _read_block(layout, key, c, chains[key])
-                return None
-            stored = pread_exact(layout.files[loc.path], loc.offset, fm.stored_bytes)
-        except ReadError as e:
-            return BadBlock(describe_block(layout, key, c), str(e))
-        data = np.frombuffer(stored, np.uint8)
-        bb = fm.block_bytes
-        want = np.frombuffer(stored[bb:], "<u4").astype(np.uint32)
-        err = mismatch(layout, Checks(np.array([0]), np.array([bb]), want, (key,), np.array([c])),
-                       host_crcs(data, np.array([0]), np.array([bb])))
-        return None if err is None else BadBlock(describe_block(layout, key, c), str(err))
-    return check
-
-
-def _block_span(layout: DatasetLayout, key: str, block: int) -> tuple[int, int, int]:
-    """Rows [first, end) of array ``key`` that block ``block`` stores or owns, and their bytes."""
-    meta = layout.meta
-    fm = meta.array(key)
-    if key in meta.fields:
-        return block * fm.samples_per_block, (block + 1) * fm.samples_per_block, fm.block_bytes
-    offsets = layout.offsets[key.rsplit("/", 1)[0]]
-    k = meta.samples_per_block
-    first, end = int(offsets[block * k]), int(offsets[min((block + 1) * k, meta.num_samples)])
-    return first, end, (end - first) * fm.sample_bytes
-
-
-def _chains(layout: DatasetLayout) -> dict[str, Any]:
-    """The codec chain of every compressed array, made once (building one sets up its codecs)."""
-    from .decode import Chain
-
-    metas = {key: layout.meta.array(key) for key in layout.keys}
-    return {key: Chain(fm.codecs) for key, fm in metas.items() if key in layout.meta.fields and fm.compressed}
-
-
-def _read_block(layout: DatasetLayout, key: str, block: int, chain: Any = None) -> np.ndarray:
-    """A block's bytes as the pipeline would put them in a window buffer (fill value where never written);
-    ``chain`` decodes the block of a compressed array."""
-    from .backends.base import FillRequest, fill_pattern, pread_full
-
-    meta = layout.meta
-    fm = meta.array(key)
-    first, end, nbytes = _block_span(layout, key, block)
-    out = np.empty(nbytes, np.uint8)
-    if chain is not None:  # a compressed block: its chunk read and decoded
-        from .decode import CrcMismatch, chunk_error
-
-        loc = layout.locate(key, block)
-        if loc is None:
-            fill_pattern(out, FillRequest(0, nbytes, fm.fill_bytes()))
-            return out
-        stored = np.empty(loc.nbytes, np.uint8)
-        pread_full(layout.files.fd(loc.path), memoryview(stored), loc.offset, loc.path)
-        try:
-            return chain.decode(stored, nbytes)
-        except ValueError as e:
-            names = [n for n, _ in fm.codecs]
-            raise chunk_error(layout, key, block, names, str(e), isinstance(e, CrcMismatch)) from None
-    if key in meta.fields:
-        pieces = [(layout.locate(key, block), 0, nbytes)]
-    else:
-        pieces = [(p.location, (p.row_start - first) * fm.sample_bytes, (p.row_stop - p.row_start) * fm.sample_bytes)
-                  for p in layout.locate_rows(key, first, end)]
-    for loc, at, n in pieces:
-        if loc is None:
-            fill_pattern(out, FillRequest(at, n, fm.fill_bytes()))
-        else:
-            pread_full(layout.files.fd(loc.path), memoryview(out)[at:at + n], loc.offset, loc.path)
-    return out

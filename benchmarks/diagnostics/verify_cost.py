@@ -4,12 +4,13 @@ cold, in one run on the same data.
     python -m benchmarks.diagnostics.verify_cost [--size-gib 8] [--cold-gib 2] [--backends mmap,pinned,kvikio]
 
 Warm: shuffled stretches of back-to-back passes for at least ``--min-seconds`` from rest (the suite's warm
-method), verify off and on interleaved round by round, per backend (each dataset stopped after its turn, so
-neither reads ahead while the other is measured). Cold: one pass from a dropped page cache per setting and
-round, on a smaller dataset of its own (``--cold-gib``; mmap: open + pass, since it reads the files while
-it locks them at open). First pass: a fresh dataset's open and first pass, warm, where ``mmap`` checks each
-block (it checks a block once, the first time it is read: later reads copy the same locked bytes). Beside
-them the device kernel's own rate on one window buffer and the pinned H2D ceiling; the io mode on every row.
+method), verify off and on interleaved round by round, in alternating order, per backend (each dataset
+stopped after its turn, so neither reads ahead while the other is measured). Cold: one pass from a dropped
+page cache per setting and round, on a smaller dataset of its own (``--cold-gib``; mmap: open + pass, since
+it reads the files while it locks them at open). First pass: a fresh dataset's open and first pass, warm,
+where ``mmap`` checks each block (it checks a block once, the first time it is read: later reads copy the
+same locked bytes). Beside them the device kernel's own rate on one window buffer and the pinned H2D
+ceiling; the io mode on every row.
 Cost = 1 - best(on) / best(off). Writes ``results/<machine>/verify-cost[-TAG].json`` and a markdown table
 beside it. GPU only.
 """
@@ -49,6 +50,11 @@ def kernel_gbps(nbytes: int = 256 << 20, block_bytes: int = 4 << 20, repeats: in
     return nbytes / best / 1e9
 
 
+def order(r: int) -> tuple[bool, bool]:
+    """Verify off then on in even rounds, on then off in odd ones: neither is always measured second."""
+    return (False, True) if r % 2 == 0 else (True, False)
+
+
 def warm(path: str, backend: str, rounds: int, min_seconds: float,
          options: dict) -> tuple[str, dict[bool, list[float]]]:
     datasets = {v: GDSDataset(path, BATCH, backend=backend, shuffle=True, verify=v, **options) for v in (False, True)}
@@ -57,10 +63,10 @@ def warm(path: str, backend: str, rounds: int, min_seconds: float,
         for ds in datasets.values():
             time_pass(ds)  # page cache, kernels compiled, buffers allocated
             ds.stop()
-        for _ in range(rounds):
-            for v, ds in datasets.items():
-                passes[v].append(time_pass(ds, min_seconds=min_seconds).gb_per_s)
-                ds.stop()  # no reading ahead while the other one is measured
+        for r in range(rounds):
+            for v in order(r):
+                passes[v].append(time_pass(datasets[v], min_seconds=min_seconds).gb_per_s)
+                datasets[v].stop()  # no reading ahead while the other one is measured
         return datasets[True].io_mode, passes
     finally:
         for ds in datasets.values():
@@ -71,8 +77,8 @@ def first(path: str, backend: str, rounds: int) -> dict[bool, list[float]]:
     """A fresh dataset's first pass, from its open, warm page cache: where the mmap backend checks each block
     (it checks a block once, the first time it is read)."""
     passes: dict[bool, list[float]] = {False: [], True: []}
-    for _ in range(rounds):
-        for v in (False, True):
+    for r in range(rounds):
+        for v in order(r):
             t0 = time.perf_counter()
             with GDSDataset(path, BATCH, backend=backend, shuffle=True, verify=v) as ds:
                 opened = time.perf_counter() - t0
@@ -83,8 +89,8 @@ def first(path: str, backend: str, rounds: int) -> dict[bool, list[float]]:
 
 def cold(path: str, backend: str, rounds: int) -> dict[bool, list[float]]:
     passes: dict[bool, list[float]] = {False: [], True: []}
-    for _ in range(rounds):
-        for v in (False, True):
+    for r in range(rounds):
+        for v in order(r):
             if backend == "mmap":  # its open reads the files: open + pass from a dropped cache
                 drop_page_cache()
                 t0 = time.perf_counter()
