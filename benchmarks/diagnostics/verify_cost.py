@@ -10,7 +10,8 @@ page cache per setting and round, on a smaller dataset of its own (``--cold-gib`
 it reads the files while it locks them at open). First pass: a fresh dataset's open and first pass, warm,
 where ``mmap`` checks each block (it checks a block once, the first time it is read: later reads copy the
 same locked bytes). Beside them the device kernel's own rate on one window buffer and the pinned H2D
-ceiling; the io mode on every row.
+ceiling; the io mode on every row. Codec: the same samples in two Zarr stores written by zarr-python, with
+and without zarr's ``crc32c`` codec (always checked), warm, alternating (``--codec-gib``).
 Cost = 1 - best(on) / best(off). Writes ``results/<machine>/verify-cost[-TAG].json`` and a markdown table
 beside it. GPU only.
 """
@@ -104,6 +105,52 @@ def cold(path: str, backend: str, rounds: int) -> dict[bool, list[float]]:
     return passes
 
 
+def zarr_store(data_dir: str, size_gib: float, crc: bool) -> str:
+    """A Zarr store as zarr-python writes one (no gdsload attribute): uint8 samples of 150,528 bytes in 4 MiB
+    chunks of 28, shards of 64 chunks, raw, with zarr's ``crc32c`` codec after each chunk or without."""
+    import zarr
+    from zarr.codecs import Crc32cCodec
+
+    path = os.path.join(data_dir, f"zarr-{size_gib:g}GiB-{'crc32c' if crc else 'raw'}")
+    if os.path.exists(path):
+        return path
+    n, row = int(size_gib * 2**30 // 150528), 150528
+    a = zarr.create_array(path, shape=(n, row), dtype="uint8", chunks=(28, row), shards=(28 * 64, row),
+                          compressors=[Crc32cCodec()] if crc else None)
+    rng = np.random.default_rng(0)
+    for lo in range(0, n, 28 * 64):
+        hi = min(n, lo + 28 * 64)
+        a[lo:hi] = rng.integers(0, 256, (hi - lo, row), dtype=np.uint8)
+    os.sync()
+    return path
+
+
+def codec(data_dir: str, size_gib: float, backend: str, rounds: int, min_seconds: float) -> dict:
+    """What the always-on check of zarr's crc32c codec costs: the same samples read from a store with the
+    codec and one without, warm, shuffled, alternating."""
+    stores = {crc: zarr_store(data_dir, size_gib, crc) for crc in (False, True)}
+    datasets = {crc: GDSDataset(p, BATCH, backend=backend, shuffle=True) for crc, p in stores.items()}
+    passes: dict[bool, list[float]] = {False: [], True: []}
+    try:
+        for ds in datasets.values():
+            time_pass(ds)
+            ds.stop()
+        for r in range(rounds):
+            for crc in order(r):
+                passes[crc].append(time_pass(datasets[crc], min_seconds=min_seconds).gb_per_s)
+                datasets[crc].stop()
+        io_mode = datasets[True].io_mode
+    finally:
+        for ds in datasets.values():
+            ds.close()
+    top = {v: max(x) for v, x in passes.items()}
+    return {"what": f"gdsload {backend}, Zarr store", "io_mode": io_mode, "regime": "warm, crc32c codec",
+            "gb_per_s_without_codec": [round(x, 2) for x in passes[False]],
+            "gb_per_s_with_codec": [round(x, 2) for x in passes[True]],
+            "best_off": round(top[False], 2), "best_on": round(top[True], 2),
+            "cost_pct": round(100 * (1 - top[True] / top[False]), 1)}
+
+
 def row(backend: str, io_mode: str, regime: str, passes: dict[bool, list[float]]) -> dict:
     top = {v: max(x) for v, x in passes.items()}
     return {"what": f"gdsload {backend}", "io_mode": io_mode, "regime": regime, "shuffle": True,
@@ -130,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cold-rounds", type=int, default=2)
     ap.add_argument("--first-rounds", type=int, default=2)
+    ap.add_argument("--codec-gib", type=float, default=2.0, help="Zarr stores for the crc32c codec rows (0: none)")
     ap.add_argument("--min-seconds", type=float, default=0.5)
     ap.add_argument("--backends", default="mmap,pinned,kvikio")
     ap.add_argument("--options", type=json.loads, default={}, help="GDSDataset options as JSON (warm rows)")
@@ -147,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.emit({**row(backend, io_mode, "warm", passes), "options": args.options})
         if args.first_rounds:
             rows.emit(row(backend, io_mode, "warm, first pass from open", first(path, backend, args.first_rounds)))
+    if args.codec_gib:
+        for backend in backends:
+            rows.emit(codec(args.data, args.codec_gib, backend, args.rounds, args.min_seconds))
     if args.cold_rounds and drop_page_cache():
         cold_path = make_dataset(args.data, args.cold_gib)
         for backend in backends:
