@@ -1,6 +1,7 @@
 """How well the windowed shuffle mixes, for several window sizes W, against a full sample permutation.
 
     python -m benchmarks.shuffle_quality
+    python benchmarks/shuffle_quality.py --samples 20000 --classes 100 --out /tmp/shuffle   # as a file too
 
 Pure computation on the read plan (no I/O, any machine). The dataset is modelled as stored sorted by
 class (the worst case, e.g. ImageFolder order), N samples, K per block. Metrics, per epoch:
@@ -21,9 +22,14 @@ import sys
 
 import numpy as np
 
+from gdsload.cli import HelpFormatter
 from gdsload.plan import PlanConfig, epoch_plan
 
-from .common import RESULTS_DIR, save_figure, write_json
+if not __package__:  # run as a file: its package (benchmarks) from the checkout it lies in
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    __package__ = "benchmarks"
+
+from .common import RESULTS_DIR, save_figure, write_json  # noqa: E402
 
 
 def metrics(order: np.ndarray, k: int, batch: int, classes: int, n: int) -> dict[str, float]:
@@ -53,13 +59,13 @@ def metrics(order: np.ndarray, k: int, batch: int, classes: int, n: int) -> dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--samples", type=int, default=200_000)
-    ap.add_argument("--samples-per-block", type=int, default=64)
-    ap.add_argument("--batch-size", type=int, default=256)
-    ap.add_argument("--classes", type=int, default=1000)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
+    ap.add_argument("--samples", type=int, default=200_000, help="samples of the modelled dataset")
+    ap.add_argument("--samples-per-block", type=int, default=64, help="samples per block (K)")
+    ap.add_argument("--batch-size", type=int, default=256, help="samples per batch")
+    ap.add_argument("--classes", type=int, default=1000, help="classes, stored sorted (equal runs)")
     ap.add_argument("--windows", default="1,4,16,64,256,1024", help="window sizes in blocks (comma list)")
-    ap.add_argument("--out", default=RESULTS_DIR)
+    ap.add_argument("--out", default=RESULTS_DIR, help="folder for shuffle-quality.json, .md and .png")
     args = ap.parse_args(argv)
     n, k, bs = args.samples, args.samples_per_block, args.batch_size
     blocks = -(-n // k)

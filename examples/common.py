@@ -2,7 +2,8 @@
 loaders (examples/feeds.py): their common options, what the dataset holds, opening it with gdsload, and the line
 that reports images/s.
 
-Nothing here imports torch at module level, so ``--help`` works on a machine without it.
+Nothing here imports torch at module level, so ``--help`` works on a machine without it. Without a GPU (or with
+``--backend cpu``) both scripts train on the CPU, fed by gdsload's cpu backend.
 """
 
 from __future__ import annotations
@@ -11,21 +12,30 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
+from gdsload.cli import HelpFormatter
+
+BACKENDS = ("auto", "kvikio", "pinned", "mmap", "cpu")
+
+
+class Help(argparse.RawDescriptionHelpFormatter, HelpFormatter):
+    """The description as written, each option's default after its help."""
+
 
 def parser(description: str) -> argparse.ArgumentParser:
     """The options both scripts take."""
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=description, formatter_class=Help)
     p.add_argument("--data", required=True, help="a dataset written by 'gdsload shard' (or examples/make_data.py)")
     p.add_argument("--images", default="images", help="the image field: uint8, N x H x W x 3 or N x 3 x H x W")
     p.add_argument("--labels", default="labels", help="the label field: integers, N")
     p.add_argument("--loader", choices=("gdsload", "dataloader"), default="gdsload",
                    help="gdsload, or a torch DataLoader reading each sample from the same shard files")
     p.add_argument("--workers", type=int, default=8, help="DataLoader worker processes (--loader dataloader)")
-    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=2, help="epochs to train")
     p.add_argument("--steps", type=int, default=0, help="at most this many steps per epoch (0: whole epochs)")
-    p.add_argument("--batch-size", type=int, default=256, help="per GPU")
-    p.add_argument("--lr", type=float, default=0.1)
-    p.add_argument("--backend", default="auto", help="gdsload backend (auto, kvikio, pinned, mmap)")
+    p.add_argument("--batch-size", type=int, default=256, help="samples per batch, per GPU (or process)")
+    p.add_argument("--lr", type=float, default=0.1, help="learning rate (SGD, Nesterov momentum 0.9)")
+    p.add_argument("--backend", default="auto", choices=BACKENDS,
+                   help="gdsload backend; cpu (also what auto picks without a GPU): the model trains on the CPU")
     p.add_argument("--seed", type=int, default=0, help="shuffling seed")
     return p
 
@@ -56,18 +66,30 @@ def inspect(path: str, images: str, labels: str) -> Fields:
     return Fields(images, labels, img.shape[3] == 3, int(lab[:].max()) + 1, int(img.shape[0]))
 
 
-def open_gdsload(args: argparse.Namespace, fields: Fields, device: int) -> Any:
-    """The training set as a GDSDataset of torch tensors on ``device``, shuffled, full batches only. Its rank
-    and world size come from torch.distributed when initialised, else from RANK / WORLD_SIZE (torchrun)."""
+def pick_device(args: argparse.Namespace, torch: Any, local_rank: int) -> Any:
+    """Where the model trains: GPU ``local_rank`` when torch sees one and ``--backend`` is not cpu, else the
+    CPU."""
+    if args.backend != "cpu" and torch.cuda.is_available():
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def open_gdsload(args: argparse.Namespace, fields: Fields, device: int | None) -> Any:
+    """The training set as a GDSDataset of torch tensors on GPU ``device`` (None: the CPU, read by the cpu
+    backend), shuffled, full batches only. Its rank and world size come from torch.distributed when
+    initialised, else from RANK / WORLD_SIZE (torchrun)."""
     from gdsload import GDSDataset
 
+    backend = "cpu" if device is None and args.backend == "auto" else args.backend
     return GDSDataset(args.data, batch_size=args.batch_size, fields=[fields.images, fields.labels],
-                      backend=args.backend, shuffle=True, seed=args.seed, drop_last=True, output="torch",
+                      backend=backend, shuffle=True, seed=args.seed, drop_last=True, output="torch",
                       device=device)
 
 
-def rate_line(epoch: int, steps: int, images: int, seconds: float, gpus: int, extra: str = "") -> str:
-    """``epoch 1: 78 steps, 19,968 images in 1.52 s: 13,137 images/s on 1 GPU(s)`` + ``extra``."""
+def rate_line(epoch: int, steps: int, images: int, seconds: float, ranks: int, extra: str = "",
+              on_gpu: bool = True) -> str:
+    """``epoch 1: 78 steps, 19,968 images in 1.52 s: 13,137 images/s on 1 GPU(s)`` + ``extra`` (``CPU
+    process(es)`` for training on the CPU)."""
     rate = images / seconds if seconds > 0 else 0.0
     return (f"epoch {epoch}: {steps} steps, {images:,} images in {seconds:.2f} s: {rate:,.0f} images/s on "
-            f"{gpus} GPU(s)" + (f", {extra}" if extra else ""))
+            f"{ranks} {'GPU(s)' if on_gpu else 'CPU process(es)'}" + (f", {extra}" if extra else ""))

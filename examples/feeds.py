@@ -59,26 +59,29 @@ class ShardSamples:
         return sample
 
 
-def shard_dataloader(args: argparse.Namespace, fields: common.Fields, rank: int, world: int) -> Any:
-    """A torch DataLoader of dict batches (host tensors, pinned) over :class:`ShardSamples`: this rank's share
-    through a ``DistributedSampler`` that shuffles by ``set_epoch`` (the caller's, or Lightning's, at each
-    epoch), full batches only, ``--workers`` persistent worker processes."""
+def shard_dataloader(args: argparse.Namespace, fields: common.Fields, rank: int, world: int, pin: bool) -> Any:
+    """A torch DataLoader of dict batches (host tensors, pinned with ``pin``) over :class:`ShardSamples`: this
+    rank's share through a ``DistributedSampler`` that shuffles by ``set_epoch`` (the caller's, or Lightning's,
+    at each epoch), full batches only, ``--workers`` persistent worker processes."""
     from torch.utils.data import DataLoader, DistributedSampler
 
     data = ShardSamples(args.data, (fields.images, fields.labels))
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=args.seed, drop_last=True)
-    return DataLoader(data, batch_size=args.batch_size, sampler=sampler, num_workers=args.workers, pin_memory=True,
+    return DataLoader(data, batch_size=args.batch_size, sampler=sampler, num_workers=args.workers, pin_memory=pin,
                       drop_last=True, persistent_workers=args.workers > 0)
 
 
-def open_loader(args: argparse.Namespace, fields: common.Fields, rank: int, world: int, device: int) -> tuple[Any, str]:
+def open_loader(args: argparse.Namespace, fields: common.Fields, rank: int, world: int,
+                device: int | None) -> tuple[Any, str]:
     """The loader ``--loader`` names, and a line describing it: a GDSDataset of torch tensors on GPU ``device``
-    (:func:`common.open_gdsload`) or :func:`shard_dataloader`."""
+    (None: on the CPU; :func:`common.open_gdsload`) or :func:`shard_dataloader` (pinned for a GPU)."""
     if args.loader == "gdsload":
         ds = common.open_gdsload(args, fields, device)
         return ds, f"gdsload, backend {ds.backend_name} ({ds.backend_reason}), io mode {ds.io_mode}"
-    return (shard_dataloader(args, fields, rank, world),
-            f"torch DataLoader, {args.workers} workers, pin_memory, one pread per field and sample")
+    pin = device is not None
+    return (shard_dataloader(args, fields, rank, world, pin),
+            f"torch DataLoader, {args.workers} workers{', pin_memory' if pin else ''}, one pread per field and "
+            f"sample")
 
 
 def idle_fraction(gaps_ms: Sequence[float], total_ms: float) -> float:

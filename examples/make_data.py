@@ -48,15 +48,21 @@ def images_maker(size: int, nchw: bool, seed: int):
     return make
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    from gdsload.cli import HelpFormatter
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("output", help="dataset directory to write (e.g. /tmp/synth.gds)")
-    p.add_argument("--samples", type=int, default=20_000)
+    p.add_argument("--samples", type=int, default=20_000, help="images (and labels) to write")
     p.add_argument("--size", type=int, default=64, help="image height and width")
     p.add_argument("--nchw", action="store_true", help="store images N x 3 x H x W")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the class colours and the noise")
     p.add_argument("--overwrite", action="store_true", help="replace an existing gdsload dataset")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     from gdsload import ArraySource, write_dataset
 
     n, s = args.samples, args.size

@@ -5,6 +5,7 @@ torch DataLoader over the same shard files, and report images/s and how long the
     python examples/train.py --data /tmp/synth.gds --loader gdsload
     python examples/train.py --data /tmp/synth.gds --loader dataloader --workers 8
     torchrun --nproc_per_node 2 examples/train.py --data /tmp/synth.gds          # DDP, one process per GPU
+    python examples/train.py --data /tmp/synth.gds --backend cpu --steps 5       # on the CPU (also without a GPU)
 
     # exact resume: stop after 30 steps (as if interrupted), then go on from the last checkpoint
     python examples/train.py --data /tmp/synth.gds --checkpoint ck.pt --checkpoint-every 20 --stop-after 30
@@ -12,8 +13,9 @@ torch DataLoader over the same shard files, and report images/s and how long the
 
 Training: bf16 autocast, the model and its inputs in channels-last memory format, SGD with Nesterov momentum,
 DDP under torchrun (WORLD_SIZE > 1: NCCL process group, one GPU per LOCAL_RANK; each GDSDataset reads its
-rank's share). Full batches only. gdsload shuffles every epoch (``set_epoch``); the DataLoader shuffles with a
-DistributedSampler.
+rank's share). Without a GPU, or with ``--backend cpu``, the same loop runs on the CPU in float32 (gloo for
+DDP), fed by gdsload's cpu backend; the GPU's waiting is then not measured. Full batches only. gdsload
+shuffles every epoch (``set_epoch``); the DataLoader shuffles with a DistributedSampler.
 
 Checkpoints (``--checkpoint PATH``, rank 0 writes, every ``--checkpoint-every`` steps and at the end of each
 epoch) hold the model, the optimizer, the epoch, the steps taken in it and the gdsload position
@@ -64,10 +66,11 @@ def build_parser() -> Any:
 
 
 class GdsFeed:
-    """Batches from a GDSDataset: already on the GPU and ready on the current stream when ``next()`` returns."""
+    """Batches from a GDSDataset: already on the GPU and ready on the current stream when ``next()`` returns
+    (moved to ``device`` only where gdsload read them on the host: the cpu backend beside a GPU torch)."""
 
-    def __init__(self, ds: Any, fields: common.Fields):
-        self.ds, self.fields = ds, fields
+    def __init__(self, ds: Any, fields: common.Fields, device: Any):
+        self.ds, self.fields, self.device = ds, fields, device
 
     def __len__(self) -> int:
         return len(self.ds)
@@ -75,7 +78,8 @@ class GdsFeed:
     def epoch(self, epoch: int) -> Any:
         self.ds.set_epoch(epoch)  # a resumed epoch keeps its position
         for batch in self.ds:
-            yield batch[self.fields.images], batch[self.fields.labels]
+            yield (batch[self.fields.images].to(self.device, non_blocking=True),
+                   batch[self.fields.labels].to(self.device, non_blocking=True))
 
     def state(self) -> dict[str, Any] | None:
         return self.ds.state_dict()
@@ -114,24 +118,27 @@ class TorchFeed:
 
 
 class WaitMeter:
-    """The GPU's waits for data in one epoch, as the module docstring defines them, and the host's time
-    blocked in ``next()``."""
+    """The GPU's waits for data in one epoch, as the module docstring defines them (not on the CPU), and the
+    host's time blocked in ``next()``."""
 
-    def __init__(self, torch: Any):
-        self.gaps, self.host_s = feeds.GpuGaps(torch), 0.0
+    def __init__(self, torch: Any, on_gpu: bool):
+        self.gaps, self.host_s = feeds.GpuGaps(torch) if on_gpu else None, 0.0
 
     def take(self, it: Any) -> Any:
         """``next(it)`` inside a gap; StopIteration passes through (leaving the gap open: not counted)."""
-        self.gaps.open_gap()
+        if self.gaps is not None:
+            self.gaps.open_gap()
         t0 = time.perf_counter()
         batch = next(it)
         self.host_s += time.perf_counter() - t0
-        self.gaps.close_gap()
+        if self.gaps is not None:
+            self.gaps.close_gap()
         return batch
 
-    def finish(self) -> float:
-        """The waiting fraction of the epoch (synchronizes)."""
-        return self.gaps.fraction()
+    def finish(self) -> str:
+        """What the epoch waited for data (synchronizes): the GPU's share and the host's."""
+        gpu = "" if self.gaps is None else f"GPU waited for data {self.gaps.fraction():.1%} of the time, "
+        return f"{gpu}host blocked in next() {{:.1%}}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,20 +151,23 @@ def main(argv: list[str] | None = None) -> int:
 
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     local = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local)
-    device = torch.device("cuda", local)
+    device = common.pick_device(args, torch, local)
+    on_gpu = device.type == "cuda"
+    if on_gpu:
+        torch.cuda.set_device(local)
     if world > 1:
-        dist.init_process_group(backend="nccl")
+        dist.init_process_group(backend="nccl" if on_gpu else "gloo")
     torch.backends.cudnn.benchmark = True
     fields = common.inspect(args.data, args.images, args.labels)
     model = make_model(fields.num_classes, device)
-    net = DistributedDataParallel(model, device_ids=[local]) if world > 1 else model
+    net = DistributedDataParallel(model, device_ids=[local] if on_gpu else None) if world > 1 else model
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True, weight_decay=5e-5)
-    loader, about = feeds.open_loader(args, fields, rank, world, local)
-    feed = GdsFeed(loader, fields) if args.loader == "gdsload" else TorchFeed(loader, fields, device)
+    loader, about = feeds.open_loader(args, fields, rank, world, local if on_gpu else None)
+    feed = GdsFeed(loader, fields, device) if args.loader == "gdsload" else TorchFeed(loader, fields, device)
     say = print if rank == 0 else (lambda *a, **k: None)
+    where = f"{world} GPU(s)" if on_gpu else f"{world} CPU process(es)"
     say(f"loader: {about}; {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, batch "
-        f"{args.batch_size} per GPU, {world} GPU(s), {len(feed)} steps per epoch", flush=True)
+        f"{args.batch_size} per rank, {where}, {len(feed)} steps per epoch", flush=True)
     start_epoch, done_in_epoch = 0, 0
     if args.resume:
         ck = torch.load(args.resume, map_location=device, weights_only=True)
@@ -182,16 +192,17 @@ def main(argv: list[str] | None = None) -> int:
     for epoch in range(start_epoch, args.epochs):
         first = done_in_epoch if epoch == start_epoch else 0
         limit = args.steps - first if args.steps else None
-        meter, it, steps, loss = WaitMeter(torch), feed.epoch(epoch), 0, None
+        meter, it, steps, loss = WaitMeter(torch, on_gpu), feed.epoch(epoch), 0, None
         digest = torch.zeros((), dtype=torch.int64, device=device)
-        torch.cuda.synchronize()
+        if on_gpu:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         while limit is None or steps < limit:
             try:
                 images, labels = meter.take(it)
             except StopIteration:
                 break
-            with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
+            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=on_gpu):
                 loss = forward_loss(net, images, labels, fields.nhwc)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -211,9 +222,9 @@ def main(argv: list[str] | None = None) -> int:
         if epoch > start_epoch:
             later_images, later_s = later_images + images, later_s + seconds
         say(common.rate_line(epoch, steps, images, seconds, world,
-                             f"GPU waited for data {waited:.1%} of the time, host blocked in next() "
-                             f"{meter.host_s / seconds:.1%}, loss {'-' if loss is None else f'{loss.item():.3f}'}, "
-                             f"labels digest {int(digest)}"),
+                             f"{waited.format(meter.host_s / seconds)}, loss "
+                             f"{'-' if loss is None else f'{loss.item():.3f}'}, labels digest {int(digest)}",
+                             on_gpu),
             flush=True)
         if args.stop_after and taken >= args.stop_after:
             say(f"stopped after {taken} steps", flush=True)

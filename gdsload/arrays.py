@@ -167,6 +167,17 @@ def zarr_fill_value(where: str, shape: tuple[int, ...], dtype: np.dtype) -> Any:
     return fill
 
 
+def unreadable_data_type(doc: dict[str, Any]) -> str | None:
+    """An array document's data type, as messages show it, when it is one gdsload does not read (strings,
+    bytes, objects, dates, structured types: named by a string or an object with a ``name``), else None. A
+    malformed ``data_type`` is not one of these: :func:`read_array` refuses it."""
+    data_type = doc.get("data_type")
+    name = data_type.get("name") if isinstance(data_type, dict) else data_type
+    if isinstance(name, str) and not (isinstance(data_type, str) and data_type in DTYPES):
+        return show(name)
+    return None
+
+
 def read_array(directory: str, key: str, missing: str, strict: bool, num_rows: int | None = None,
                chunk_rows: int | None = None) -> FieldMeta:
     """Check the array in ``directory`` (named ``key`` in the group) and reduce it to a FieldMeta.
@@ -182,7 +193,8 @@ def read_array(directory: str, key: str, missing: str, strict: bool, num_rows: i
     ndim = len(shape)
     dtype = DTYPES.get(doc["data_type"]) if isinstance(doc.get("data_type"), str) else None
     if dtype is None:
-        raise fail(where, f"unsupported data type {show(doc.get('data_type'))} (expected one of {list(DTYPES)})")
+        raise fail(where, f"unsupported data type {show(doc.get('data_type'))} of field '{key}' (expected one of "
+                          f"{list(DTYPES)}: gdsload reads numbers and bools); leave the field out of fields=")
     grid = chunk_shape(where, doc, ndim)
     encoding, sep = key_encoding(where, doc, allow_v2=not strict)
     if doc.get("storage_transformers") not in (None, []):

@@ -68,11 +68,42 @@ def _human(n: float) -> str:
 
 # -- info ------------------------------------------------------------------------------------------
 def describe_dataset(path: str) -> str:
-    from .format import DatasetLayout, read_metadata
+    """A dataset's summary; for a file (.npy, .npz), what it holds and the command that converts it."""
+    import warnings
 
-    meta = read_metadata(path)
+    from .format import DatasetLayout, read_metadata
+    from .zarr_store import find_arrays, skip_listing, skipped_arrays
+
+    if os.path.exists(path) and not os.path.isdir(path):
+        return describe_input(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # arrays skipped: listed below instead
+        meta = read_metadata(path)
+    skipped = skipped_arrays(find_arrays(path)) if meta.foreign else {}
     with DatasetLayout(meta) as layout:  # it holds every shard file open: closed once described
-        return _describe(meta, layout)
+        text = _describe(meta, layout)
+    if skipped:
+        text += (f"\nskipped: {skip_listing(skipped)}: data types gdsload does not read (read the others, or "
+                 f"choose with fields=)")
+    return text
+
+
+def describe_input(path: str) -> str:
+    """What a converter input file holds (its arrays' shapes and data types) and the command converting it;
+    ConversionError for a file that is no input gdsload converts."""
+    from .sources import open_input
+
+    sources = open_input(path)
+    try:
+        lines = [f"{path}: not a dataset but a file of {len(sources)} array(s), which 'gdsload shard' converts:"]
+        lines += [f"  {name}: shape {s.shape}, dtype {s.dtype.str} ({s.dtype.name})" for name, s in sources.items()]
+    finally:
+        for s in sources.values():
+            s.close()
+    stem = os.path.splitext(os.path.basename(path))[0] or "data"
+    lines.append(f"convert it: gdsload shard {path} -o {stem}.gds   (fields named after the file or its keys; "
+                 f"'gdsload shard --help' lists the options)")
+    return "\n".join(lines)
 
 
 def _describe(meta, layout) -> str:
@@ -198,6 +229,8 @@ def run_demo(samples: int, backend: str, batch_size: int, workdir: str | None) -
                              f"{samples / wall:,.0f} samples/s, {nbytes / wall / 1e9:.2f} GB/s, consumer stalled "
                              f"{ds.stats.stall_s:.3f} s" + (" (includes start-up)" if epoch == 0 else ""))
             lines.append("every batch checked against its labels")
+            lines.append(f"these figures are not a benchmark: epochs of {_human(nbytes)} are too short to time (they "
+                         f"vary many times over between runs); time your own dataset with 'gdsload bench PATH'")
             return "\n".join(lines)
 
 
@@ -214,7 +247,8 @@ def _synchronize(batches: list[dict]) -> None:
 # -- shard -----------------------------------------------------------------------------------------
 def shard_parser(prog: str = "shard.py") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Convert .npy / .npz / directories of them / zarr arrays "
-                                "into a gdsload dataset (a Zarr v3 group of sharded arrays).")
+                                "into a gdsload dataset (a Zarr v3 group of sharded arrays).",
+                                formatter_class=HelpFormatter)
     p.add_argument("inputs", nargs="*", help="input paths; one field per array, named after the file or key")
     p.add_argument("-o", "--output", required=True, help="dataset directory to write (e.g. mydata.gds)")
     p.add_argument("--field", action="append", default=[], metavar="NAME=PATH",
@@ -226,7 +260,8 @@ def shard_parser(prog: str = "shard.py") -> argparse.ArgumentParser:
     size = p.add_mutually_exclusive_group()
     size.add_argument("--block-bytes", type=parse_bytes, default=None,
                       help="target block size (default 4MiB); whole samples, 4 KiB aligned where possible")
-    size.add_argument("--samples-per-block", type=int, default=None, help="samples per block, exactly")
+    size.add_argument("--samples-per-block", type=int, default=None,
+                      help="samples per block, exactly (default: from --block-bytes)")
     p.add_argument("--compress", default=None, metavar="zstd[:LEVEL]",
                    help="store every fixed field's blocks as zstd inner chunks (level 3 by default), which zarr "
                         "reads and gdsload decodes on the GPU with nvCOMP (gdsload[nvcomp]) or on CPU threads; "
@@ -235,7 +270,8 @@ def shard_parser(prog: str = "shard.py") -> argparse.ArgumentParser:
                    help="with --compress: target inner chunk (= block) size (default 512KiB, provisional: smaller "
                         "chunks keep a GPU decoder busy)")
     p.add_argument("--shard-bytes", type=parse_bytes, default=None, help="target shard file size (default 1GiB)")
-    p.add_argument("--slice-bytes", type=parse_bytes, default=None, help="input read size (bounds memory; 64MiB)")
+    p.add_argument("--slice-bytes", type=parse_bytes, default=None,
+                   help="input read size (bounds memory; default 64MiB)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing gdsload dataset (never a file or another directory)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -317,37 +353,68 @@ def shard_main(argv: Sequence[str] | None = None, prog: str = "shard.py") -> int
 
 
 # -- entry point -----------------------------------------------------------------------------------
+class HelpFormatter(argparse.HelpFormatter):
+    """Help texts that end with the option's default, where it has one (not None, False or empty) that the
+    text does not already give."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (action.option_strings and default not in (None, False, [], argparse.SUPPRESS)
+                and "default" not in text and f"({default})" not in text):
+            text += " (default: %(default)s)"
+        return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``gdsload``'s parser, every command's included (``shard`` parses its own: :func:`shard_parser`)."""
+    from . import __version__
+
+    p = argparse.ArgumentParser(prog="gdsload", description="Sharded datasets from NVMe into GPU memory.",
+                                formatter_class=HelpFormatter)
+    p.add_argument("--version", action="version", version=f"gdsload {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def command(name: str, text: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".",
+                              formatter_class=HelpFormatter)
+
+    info = command("info", "GPU, CUDA, KvikIO and GDS status; with PATH, a dataset summary")
+    info.add_argument("path", nargs="?", help="a dataset or Zarr v3 store to summarise (a .npy or .npz file: what it "
+                                              "holds and how to convert it); none: this machine's status")
+    demo = command("demo", "write a small synthetic dataset and read two epochs of it, checking every batch (a "
+                           "check of the install, not a benchmark)")
+    demo.add_argument("--samples", type=int, default=8192, help="samples of 64x64x3 uint8 images and labels")
+    demo.add_argument("--batch-size", type=int, default=256, help="samples per batch")
+    demo.add_argument("--backend", default="auto", choices=list(BACKENDS), help="the backend to read with")
+    demo.add_argument("--workdir", default=None, help="where the temporary dataset goes (default: system temp)")
+    command("shard", "convert arrays into a dataset (see 'gdsload shard --help')")
+    verify = command("verify", "re-read a whole dataset and check every block against its crc32c; exit 1 if any "
+                               "block is bad")
+    verify.add_argument("path", help="a dataset or Zarr v3 store")
+    verify.add_argument("--threads", type=int, default=8, help="reader threads")
+    verify.add_argument("--quiet", action="store_true", help="no progress bar")
+    doctor = command("doctor", "is GPUDirect Storage used for PATH, and if not, why: each check, what it found and "
+                               "the fix")
+    doctor.add_argument("path", nargs="?", help="a dataset directory or any file")
+    doctor.add_argument("--json", action="store_true", help="print one JSON object")
+    from .bench import add_arguments as bench_arguments
+
+    bench_arguments(command("bench", "each backend's GB/s and samples/s on PATH, warm (and cold), shuffled and "
+                                     "not, beside this machine's ceilings"))
+    return p
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["shard"]:
         return shard_main(argv[1:], prog="gdsload shard")
-    p = argparse.ArgumentParser(prog="gdsload", description="Sharded datasets from NVMe into GPU memory.")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    info = sub.add_parser("info", help="GPU, CUDA, KvikIO and GDS status; with PATH, a dataset summary")
-    info.add_argument("path", nargs="?")
-    demo = sub.add_parser("demo",
-                          help="write a small synthetic dataset and read two epochs of it, checking every batch")
-    demo.add_argument("--samples", type=int, default=8192)
-    demo.add_argument("--batch-size", type=int, default=256)
-    demo.add_argument("--backend", default="auto", choices=list(BACKENDS))
-    demo.add_argument("--workdir", default=None, help="where the temporary dataset goes (default: system temp)")
-    sub.add_parser("shard", help="convert arrays into a dataset (see 'gdsload shard --help')")
-    verify = sub.add_parser("verify", help="re-read a whole dataset and check every block against its crc32c; "
-                                           "exit 1 if any block is bad")
-    verify.add_argument("path")
-    verify.add_argument("--threads", type=int, default=8)
-    verify.add_argument("--quiet", action="store_true", help="no progress bar")
-    doctor = sub.add_parser("doctor", help="is GPUDirect Storage used for PATH, and if not, why: each check, "
-                                           "what it found and the fix")
-    doctor.add_argument("path", nargs="?", help="a dataset directory or any file")
-    doctor.add_argument("--json", action="store_true", help="print one JSON object")
-    from .bench import add_arguments as bench_arguments, main as bench_main
-
-    bench_arguments(sub.add_parser("bench", help="each backend's GB/s and samples/s on PATH, warm (and cold), "
-                                                 "shuffled and not, beside this machine's ceilings"))
+    p = build_parser()
     args = p.parse_args(argv)
     try:
         if args.cmd == "bench":
+            from .bench import main as bench_main
+
             return bench_main(args)
         if args.cmd == "doctor":
             from .doctor import main as doctor_main

@@ -11,14 +11,15 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from . import _fork, resume
+from .integrations import LoaderProtocols, refuse_worker
 from .assembler import ResidentField
 from .backends import BACKENDS, make_backend, resolve
 from .cursor import Cursor
 from .env import warn_few_connections
 from .errors import GDSLoadError
 from .format import DatasetLayout, read_metadata
-from .options import (DEFAULT_RESIDENT_BYTES, check_int, device_id, field_names, output_kind, pad_spec, rank_and_world,
-                      resident_fields)
+from .options import (DEFAULT_RESIDENT_BYTES, check_int, check_output, device_id, field_names, output_kind, pad_spec,
+                      rank_and_world, resident_fields)
 from .pipeline import Pipeline
 from .resident import read_resident
 from .plan import (EpochPlan, PlanConfig, blocks_per_rank, check_yields, epoch_plan, window_blocks_for,
@@ -29,7 +30,7 @@ from .verify import Verification, carries_trailers, unchecked_fields
 from .window import WindowBuffer, WindowLayout, slot_rows
 
 
-class GDSDataset:
+class GDSDataset(LoaderProtocols):
     """Batches of a gdsload dataset, read ahead into device (or host) window buffers.
 
     Parameters
@@ -68,7 +69,8 @@ class GDSDataset:
         start by waiting for its first windows. The threads then outlive a pass run to its end, holding no
         more than within a pass; ``stop()`` or ``close()`` ends them, and a pass that asks for another epoch
         or a resumed position starts afresh.
-    output : ``"numpy"`` / ``"torch"`` for the cpu backend, ``"cupy"`` (default) / ``"torch"`` on GPU.
+    output : ``"numpy"`` / ``"torch"`` for the cpu backend, ``"cupy"`` (default) / ``"torch"`` on GPU; or
+        ``"jax"``: jax arrays on the jax device of the batch's memory (zero-copy through DLPack where jax can).
     rank, world_size : this process's share of each epoch (default: torch.distributed, else RANK /
         WORLD_SIZE). With ``drop_last=False`` shorter ranks repeat a few samples so all ranks yield the
         same batches; with ``drop_last=True`` the remainder is dropped instead.
@@ -94,6 +96,7 @@ class GDSDataset:
 
     Epochs: without ``set_epoch``, every new pass is the next epoch (as a shuffling DataLoader); with it,
     a pass reads the epoch set. ``state_dict()`` / ``load_state_dict()`` save and restore the position.
+    With torch installed this is a torch IterableDataset (:mod:`gdsload.integrations`).
 
     Notes
     -----
@@ -123,8 +126,7 @@ class GDSDataset:
             raise TypeError(f"backend_options must be a dict (found {type(backend_options).__name__})")
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r} (expected one of {BACKENDS})")
-        if output not in (None, "numpy", "cupy", "torch"):
-            raise ValueError(f"unknown output {output!r} (expected 'numpy', 'cupy' or 'torch')")
+        check_output(output)
         meta = read_metadata(path, fields)
         names = tuple(fields) if fields is not None else tuple(meta.names)
         self.resident_fields = resident_fields(meta, names, resident_bytes)
@@ -335,6 +337,7 @@ class GDSDataset:
         """A pass over the next epoch (see the class notes). The pass begins at the first ``next()``:
         an iterator that is made and never used (as frameworks do to probe an iterable) reads nothing and
         counts as no pass."""
+        refuse_worker(self)  # first: a forked worker is also refused by _fork, with less to say
         _fork.check(self)
         if not self._finalizer.alive:
             raise GDSLoadError(f"{self.meta.path}: the dataset was closed (open a new GDSDataset)")
@@ -376,11 +379,10 @@ class GDSDataset:
         return pipeline
 
     def _ops(self) -> Any:
-        if self.backend_name == "cpu":
-            from .device import HostOps, TorchHostOps
+        from .device import CudaOps, host_ops
 
-            return TorchHostOps() if self.output == "torch" else HostOps()
-        from .device import CudaOps
+        if self.backend_name == "cpu":
+            return host_ops(self.output)
 
         return CudaOps(self.device, self.output)
 

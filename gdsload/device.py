@@ -95,6 +95,34 @@ class TorchHostOps(HostOps):
         return {name: torch.from_numpy(a) for name, a in batch.items()}
 
 
+class JaxHostOps(HostOps):
+    """numpy work, handed out as jax arrays on jax's CPU device, zero-copy through DLPack: each output array
+    is allocated 64-byte aligned, which jax's CPU client needs to take it without copying. jax's own rules
+    apply: without ``jax_enable_x64``, 64-bit fields arrive as 32-bit (copied)."""
+
+    #: Alignment of output arrays, in bytes.
+    ALIGN = 64
+
+    def __init__(self) -> None:
+        import jax
+
+        self.from_dlpack = jax.dlpack.from_dlpack
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        raw = np.empty(nbytes + self.ALIGN, dtype=np.uint8)
+        start = -raw.ctypes.data % self.ALIGN
+        return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+    def export(self, batch: dict[str, Any]) -> dict[str, Any]:
+        return {name: self.from_dlpack(a) for name, a in batch.items()}
+
+
+def host_ops(output: str) -> HostOps:
+    """The host ops of an ``output`` kind of the cpu backend: numpy, torch or jax."""
+    return {"torch": TorchHostOps, "jax": JaxHostOps}.get(output, HostOps)()
+
+
 class CudaOps:
     """Gathers on the assembler's own non-blocking stream, handed to the consumer's current stream (CuPy's,
     or torch's for torch outputs) through a "ready" event, so the user needs no synchronization of their own.
@@ -112,11 +140,16 @@ class CudaOps:
         self.xp = cupy
         self.device = cupy.cuda.Device(device_id)
         self.output = output
-        self.torch = None
+        self.torch = self.from_dlpack = None
         if output == "torch":
             import torch
 
             self.torch = torch
+            self.from_dlpack = torch.from_dlpack
+        elif output == "jax":
+            import jax
+
+            self.from_dlpack = jax.dlpack.from_dlpack  # onto the jax device of the array's own GPU
         self.stream: Any = None  # the consumer's current stream, as of its latest batch
         with self.device:
             self.work = cupy.cuda.Stream(non_blocking=True)  # the assembler's
@@ -237,9 +270,11 @@ class CudaOps:
 
     def export(self, batch: dict[str, Any]) -> dict[str, Any]:
         """Called from the consumer's thread after hand_over(): the batch is ready on its stream. CuPy
-        arrays go out as they are (the dict was made for this batch alone)."""
-        if self.torch is None:
+        arrays go out as they are (the dict was made for this batch alone). torch and jax arrays share their
+        memory (DLPack); each framework names its stream to CuPy's ``__dlpack__``, which makes it wait for
+        the batch, ready on the consumer's stream made current here."""
+        if self.from_dlpack is None:
             return batch
-        # CuPy's current stream made torch's, so DLPack adds no synchronization of its own.
+        # For torch, CuPy's current stream is torch's, so DLPack adds no synchronization of its own.
         with self.device, self.stream:
-            return {name: self.torch.from_dlpack(a) for name, a in batch.items()}
+            return {name: self.from_dlpack(a) for name, a in batch.items()}

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import BackendUnavailable
+from .errors import BackendUnavailable, one_line
 
 #: The largest integer argument (counts, sizes, seed, epoch, rank): they meet numpy's int64 arithmetic in the
 #: plan (block ids, stream positions, batch bounds) and are saved in the state dict as int64-sized ints.
@@ -116,18 +116,30 @@ def device_id(device: Any) -> int:
     return env_int("LOCAL_RANK", 0, 0, MAX_DEVICE) if device is None else check_int("device", device, 0, MAX_DEVICE)
 
 
+#: GDSDataset's ``output`` values (None: the backend's own arrays, numpy or cupy).
+OUTPUTS = (None, "numpy", "cupy", "torch", "jax")
+
+
+def check_output(output: Any) -> None:
+    """Refuse an ``output`` that is none of :data:`OUTPUTS`, naming it (checked before anything is read)."""
+    if output not in OUTPUTS:
+        raise ValueError(f"unknown output {output!r} (expected one of {list(OUTPUTS[1:])}, or None)")
+
+
 def output_kind(output: str | None, backend: str) -> str:
-    """The output kind, checked against the backend: numpy or torch on the cpu backend, cupy or torch on a
-    GPU one (ValueError naming the value otherwise; BackendUnavailable for torch without PyTorch)."""
-    if output not in (None, "numpy", "cupy", "torch"):
-        raise ValueError(f"unknown output {output!r} (expected 'numpy', 'cupy' or 'torch')")
+    """The output kind, checked against the backend: numpy, torch or jax on the cpu backend, cupy, torch or
+    jax on a GPU one (ValueError naming the value otherwise; BackendUnavailable for torch without PyTorch,
+    jax without JAX, or a GPU backend with a JAX that has no GPU)."""
+    check_output(output)
     on_gpu = backend != "cpu"
     output = output or ("cupy" if on_gpu else "numpy")
-    allowed = ("cupy", "torch") if on_gpu else ("numpy", "torch")
+    allowed = ("cupy", "torch", "jax") if on_gpu else ("numpy", "torch", "jax")
     if output not in allowed:
         raise ValueError(f"output {output!r} does not fit backend {backend!r} (expected one of {allowed})")
     if output == "torch":
         require_torch()
+    if output == "jax":
+        require_jax(on_gpu)
     return output
 
 
@@ -138,6 +150,23 @@ def require_torch() -> None:
     except ImportError as e:
         raise BackendUnavailable(f"output='torch' needs PyTorch, which is not installed ({e}); install it with "
                                  f"pip install 'gdsload[torch]', or use the default output") from e
+
+
+def require_jax(on_gpu: bool) -> None:
+    """Refuse ``output='jax'`` without JAX, or on a GPU backend with a JAX that sees no GPU (a CPU-only
+    install: it could not take the device's arrays), naming what to install."""
+    try:
+        import jax
+    except ImportError as e:
+        raise BackendUnavailable(f"output='jax' needs JAX, which is not installed ({e}); install it with "
+                                 f"pip install 'gdsload[jax]' (CPU) or 'jax[cuda12]' / 'jax[cuda13]' (GPU)") from e
+    if on_gpu:
+        try:
+            jax.devices("gpu")
+        except RuntimeError as e:
+            raise BackendUnavailable(f"output='jax' on a GPU backend needs JAX with GPU support, which this JAX "
+                                     f"lacks ({one_line(e)}); install 'jax[cuda12]' or 'jax[cuda13]', or use "
+                                     f"backend='cpu'") from e
 
 
 def distributed() -> tuple[int, int]:

@@ -3,7 +3,9 @@
 A group without the ``gdsload`` attribute is read as a dataset whose fields are its arrays, found by walking
 its subgroups (a nested array is the field ``a/b``); a path that is an array node is a dataset of one
 field, named after the array's directory. The selected arrays must share their length along axis 0 (the
-samples) and be readable (:func:`gdsload.arrays.read_array`); others may be anything. Each array keeps its
+samples) and be readable (:func:`gdsload.arrays.read_array`); others may be anything. When no fields are
+selected, arrays of a data type gdsload does not read (strings, objects, dates) are skipped with a warning
+naming them (:func:`skipped_arrays`); asked for by name, they are refused, naming the field. Each array keeps its
 own rows per chunk; :func:`block_rows` chooses the plan's block K for them, and a block of K samples is
 carried, for each array, by the whole chunks that cover it (:mod:`gdsload.window`).
 
@@ -20,10 +22,11 @@ from __future__ import annotations
 import math
 import os
 import re
+import warnings
 from collections.abc import Sequence
 
 from ._zarr_json import fail, is_int, read_json, show, valid_name
-from .arrays import FieldMeta, read_array
+from .arrays import FieldMeta, read_array, unreadable_data_type
 from .errors import FormatError
 
 #: What a refusal of a path that is no Zarr v3 store suggests.
@@ -51,6 +54,13 @@ def read_store(path: str, is_array: bool, fields: Sequence[str] | None) -> tuple
         raise FormatError(f"{path}: no field {unknown} (fields: {list(arrays)})")
     if not names:
         raise FormatError(f"{path}: no field selected (fields: {list(arrays)})")
+    skipped = skipped_arrays(arrays) if fields is None and not is_array else {}
+    if skipped:
+        names = [n for n in names if n not in skipped]
+        if not names:  # nothing else to read: the first one's refusal says why
+            read_array(arrays[next(iter(skipped))], next(iter(skipped)), "found while listing the group", False)
+        warnings.warn(f"{path}: skipped array(s) {skip_listing(skipped)}: data types gdsload does not read; "
+                      f"reading {names}; pass fields= to choose the arrays", UserWarning, stacklevel=4)
     metas = {n: read_array(arrays[n], n, "found while listing the group", False) for n in names}
     lengths = {n: m.num_rows for n, m in metas.items()}
     if len(set(lengths.values())) > 1:
@@ -89,6 +99,22 @@ def find_arrays(path: str) -> dict[str, str]:
             else:
                 todo.append((f"{prefix}{name}/", sub, depth + 1))
     return dict(sorted(found.items()))
+
+
+def skipped_arrays(arrays: dict[str, str]) -> dict[str, str]:
+    """Those of ``arrays`` (key to directory) whose data type gdsload does not read, key to data type (as
+    messages show it): what a group read without ``fields`` passes over."""
+    out = {}
+    for key, directory in arrays.items():
+        shown = unreadable_data_type(read_json(os.path.join(directory, "zarr.json")))
+        if shown is not None:
+            out[key] = shown
+    return out
+
+
+def skip_listing(skipped: dict[str, str]) -> str:
+    """``'text' (data type 'string'), ...``."""
+    return ", ".join(f"'{key}' (data type {shown})" for key, shown in skipped.items())
 
 
 def block_rows(arrays: Sequence[FieldMeta], num_samples: int) -> int:

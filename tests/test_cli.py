@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -167,3 +168,110 @@ def test_an_os_error_on_a_users_path_is_one_line(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(cli, "describe_dataset", refuse)
     assert cli.main(["info", str(tmp_path / "d.gds")]) == 2
     assert capsys.readouterr().err == f"gdsload info: error: {tmp_path}/d.gds: Permission denied\n"
+
+
+# -- issue 47: where users reach for it --------------------------------------------------------------------------
+def help_entries(text: str) -> dict[str, str]:
+    """The help of each argument in an argparse help text (flags' last spelling, or a positional's name)."""
+    entries: dict[str, str] = {}
+    current = None
+    for line in text.splitlines():
+        m = re.match(r"^  (\S.*?)(?:\s{2,}(\S.*))?$", line)
+        if m and not line.startswith("   "):
+            current = m.group(1).split(", ")[-1].split()[0]
+            entries[current] = m.group(2) or ""
+        elif current is not None and line.startswith("    ") and line.strip():
+            entries[current] = (entries[current] + " " + line.strip()).strip()
+        else:
+            current = None
+    entries.pop("--help", None)
+    return entries
+
+
+def check_help(text: str, defaults: dict[str, object]) -> None:
+    """Every argument has help text, and every option with a default (not None, False or empty) names it."""
+    entries = help_entries(text)
+    assert entries, text
+    for name, said in entries.items():
+        assert said, f"{name} has no help text:\n{text}"
+        default = defaults.get(name.lstrip("-").replace("-", "_"))
+        if name.startswith("-") and default not in (None, False, []):
+            assert "default" in said or f"({default})" in said, (name, default, said)
+
+
+def help_text(capsys, argv: list[str]) -> str:
+    from gdsload import cli
+
+    with pytest.raises(SystemExit) as done:
+        cli.main(argv)
+    assert done.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_every_option_of_every_command_has_help_and_its_default(capsys, monkeypatch):
+    """info's path, verify --threads, demo's options had no help; no help showed a default."""
+    from gdsload import cli
+
+    monkeypatch.setenv("COLUMNS", "200")
+    for cmd, args in (("info", []), ("demo", []), ("verify", ["d.gds"]), ("doctor", []), ("bench", ["d.gds"])):
+        defaults = vars(cli.build_parser().parse_args([cmd, *args]))
+        check_help(help_text(capsys, [cmd, "--help"]), defaults)
+    shard = vars(cli.shard_parser().parse_args(["-o", "d.gds"]))
+    shard.pop("output")  # required: given above
+    check_help(help_text(capsys, ["shard", "--help"]), shard)
+    said = help_entries(help_text(capsys, ["demo", "--help"]))
+    assert said["--samples"].endswith("(default: 8192)") and said["--backend"].endswith("(default: auto)")
+    assert said["--batch-size"].endswith("(default: 256)")
+    assert help_entries(help_text(capsys, ["verify", "--help"]))["--threads"] == "reader threads (default: 8)"
+
+
+def test_version(capsys):
+    from gdsload import __version__
+
+    res = run("-m", "gdsload", "--version")
+    assert res.returncode == 0 and res.stdout == f"gdsload {__version__}\n", res
+
+
+def test_info_on_a_file_says_what_it_holds_and_the_command_that_converts_it(tmp_path):
+    """It said "no such dataset directory" for a file that exists; the command it shows converts the file."""
+    np.save(tmp_path / "a.npy", np.arange(30, dtype=np.float32).reshape(10, 3))
+    np.savez(tmp_path / "b.npz", x=np.zeros(5), y=np.ones((5, 2), np.uint8))
+    res = run("-m", "gdsload", "info", str(tmp_path / "a.npy"))
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0] == f"{tmp_path}/a.npy: not a dataset but a file of 1 array(s), which 'gdsload shard' converts:"
+    assert lines[1] == "  a: shape (10, 3), dtype <f4 (float32)"
+    assert lines[2].startswith(f"convert it: gdsload shard {tmp_path}/a.npy -o a.gds   ")
+    res = run("-m", "gdsload", "info", str(tmp_path / "b.npz"))
+    assert res.returncode == 0 and "  x: shape (5,), dtype <f8 (float64)\n  y: shape (5, 2), dtype |u1" in res.stdout
+    convert = lines[2].split("convert it: ")[1].split("   ")[0].split()  # gdsload shard PATH -o a.gds, run there
+    done = subprocess.run([sys.executable, "-m", "gdsload", *convert[1:], "--quiet"], capture_output=True, text=True,
+                          cwd=tmp_path, env=ENV, timeout=300)
+    assert done.returncode == 0, done.stderr
+    with GDSDataset(str(tmp_path / "a.gds"), batch_size=10, backend="cpu") as ds:
+        np.testing.assert_array_equal(next(iter(ds))["a"], np.arange(30, dtype=np.float32).reshape(10, 3))
+    (tmp_path / "notes.txt").write_text("hello")
+    res = run("-m", "gdsload", "info", str(tmp_path / "notes.txt"))
+    assert res.returncode == 2 and res.stderr == (f"gdsload info: error: {tmp_path}/notes.txt: unsupported input "
+                                                  f"(expected .npy, .npz, a directory of them, or a zarr store)\n")
+
+
+def test_info_lists_the_arrays_a_store_read_without_fields_skips(tmp_path):
+    import zarr
+
+    path = str(tmp_path / "s.zarr")
+    g = zarr.create_group(path)
+    g.create_array("x", shape=(40, 2), dtype="int32", chunks=(10, 2))[:] = np.arange(80).reshape(40, 2)
+    g.create_array("text", shape=(40,), dtype=str, chunks=(10,))[:] = np.array([f"s{i}" for i in range(40)])
+    res = run("-m", "gdsload", "info", path)
+    assert res.returncode == 0 and res.stderr == "", res.stderr
+    assert "  x: dtype <i4 (int32)" in res.stdout and "fields: 1" in res.stdout
+    assert res.stdout.splitlines()[-1] == ("skipped: 'text' (data type 'string'): data types gdsload does not read "
+                                           "(read the others, or choose with fields=)")
+
+
+def test_demo_says_its_figures_are_not_a_benchmark(tmp_path):
+    res = run("-m", "gdsload", "demo", "--samples", "600", "--backend", "cpu", "--workdir", str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines()[-1].startswith("these figures are not a benchmark: epochs of ")
+    assert "time your own dataset with 'gdsload bench PATH'" in res.stdout

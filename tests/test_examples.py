@@ -21,7 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
 SCRIPTS = ("make_data.py", "train.py", "lightning_train.py", "model.py", "common.py", "feeds.py")
-RATE = re.compile(r"^epoch (\d+): (\d+) steps, [\d,]+ images in [\d.]+ s: [\d,]+ images/s on \d+ GPU\(s\)(.*)$", re.M)
+RATE = re.compile(r"^epoch (\d+): (\d+) steps, [\d,]+ images in [\d.]+ s: [\d,]+ images/s on \d+ "
+                  r"(GPU\(s\)|CPU process\(es\))(.*)$", re.M)
 
 
 def example(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
@@ -150,10 +151,10 @@ def test_gpu_gaps_count_open_to_close_over_first_event_to_the_end(examples_path)
     assert empty.fraction() == 0.0
 
 
-# -- on a GPU, with torch --------------------------------------------------------------------------------
+# -- on the CPU (as CI runs them) and on a GPU, with torch ---------------------------------------------------
 def needs_torch() -> None:
     if importlib.util.find_spec("torch") is None:
-        pytest.skip("needs torch")
+        pytest.skip("needs torch (the test extra installs the CPU build)")
 
 
 @pytest.fixture(scope="module")
@@ -163,33 +164,44 @@ def synth(tmp_path_factory) -> str:
     return path
 
 
+#: Where the examples train: ``--backend cpu`` (the CPU, on any machine: it failed without a GPU, on torch's
+#: "Found no NVIDIA driver"), or as on a GPU machine by default.
+WHERE = ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)]
+
+
+def on(where: str) -> tuple[str, ...]:
+    return ("--backend", "cpu") if where == "cpu" else ()
+
+
 def epochs(out: str) -> dict[int, tuple[int, str]]:
     """epoch -> (steps, the rest of its line) from the printed images/s lines."""
-    return {int(m.group(1)): (int(m.group(2)), m.group(3)) for m in RATE.finditer(out)}
+    return {int(m.group(1)): (int(m.group(2)), m.group(4)) for m in RATE.finditer(out)}
 
 
 def digest(rest: str) -> int:
     return int(re.search(r"labels digest (-?\d+)", rest).group(1))
 
 
-@pytest.mark.gpu
+@pytest.mark.parametrize("where", WHERE)
 @pytest.mark.parametrize("loader", ["gdsload", "dataloader"])
-def test_train_runs_a_few_steps_with_each_loader(synth, loader):
+def test_train_runs_a_few_steps_with_each_loader(synth, loader, where):
     needs_torch()
     out = ok(example("train.py", "--data", synth, "--loader", loader, "--steps", "5", "--epochs", "2",
-                     "--batch-size", "64", "--workers", "2"))
+                     "--batch-size", "64", "--workers", "2", *on(where)))
     assert out.startswith(f"loader: {'gdsload' if loader == 'gdsload' else 'torch DataLoader'}")
     seen = epochs(out)
     assert sorted(seen) == [0, 1] and all(steps == 5 for steps, _ in seen.values()), out
-    assert all("GPU waited for data" in rest for _, rest in seen.values())
+    assert all(("GPU waited for data" in rest) == (where == "gpu") for _, rest in seen.values()), out
+    assert all("host blocked in next()" in rest for _, rest in seen.values()), out
+    assert all(m.group(3) == ("GPU(s)" if where == "gpu" else "CPU process(es)") for m in RATE.finditer(out))
     assert "epochs after the first:" in out and "images/s" in out
 
 
-@pytest.mark.gpu
-def test_train_resumes_exactly_from_a_checkpoint(synth, tmp_path):
+@pytest.mark.parametrize("where", WHERE)
+def test_train_resumes_exactly_from_a_checkpoint(synth, tmp_path, where):
     """An epoch interrupted after 3 steps and resumed trains on exactly the batches of an uninterrupted one."""
     needs_torch()
-    common_args = ("--data", synth, "--steps", "6", "--epochs", "1", "--batch-size", "64")
+    common_args = ("--data", synth, "--steps", "6", "--epochs", "1", "--batch-size", "64", *on(where))
     whole = epochs(ok(example("train.py", *common_args)))
     ck = str(tmp_path / "ck.pt")
     first = ok(example("train.py", *common_args, "--checkpoint", ck, "--checkpoint-every", "3", "--stop-after", "3"))
@@ -203,26 +215,45 @@ def test_train_resumes_exactly_from_a_checkpoint(synth, tmp_path):
     end = str(tmp_path / "end.pt")
     ok(example("train.py", *common_args, "--checkpoint", end))
     resumed = ok(example("train.py", "--data", synth, "--steps", "6", "--epochs", "2", "--batch-size", "64",
-                         "--resume", end))
+                         "--resume", end, *on(where)))
     assert sorted(epochs(resumed)) == [1], resumed
 
 
-@pytest.mark.gpu
+@pytest.mark.parametrize("where", WHERE)
 @pytest.mark.parametrize("loader", ["gdsload", "dataloader"])
-def test_lightning_trains_with_each_loader(synth, loader):
-    """Both loaders under Trainer.fit: every epoch line has the GPU's idle share; gdsload's epochs are
-    Lightning's (the iterator Lightning makes to probe the dataset starts no pass); the fit is timed."""
+def test_lightning_trains_with_each_loader(synth, loader, where):
+    """Both loaders under Trainer.fit: every epoch line has the GPU's idle share (on a GPU); gdsload's epochs
+    are Lightning's (the iterator Lightning makes to probe the dataset starts no pass); the fit is timed."""
     needs_torch()
     if importlib.util.find_spec("lightning") is None and importlib.util.find_spec("pytorch_lightning") is None:
-        pytest.skip("needs lightning or pytorch_lightning")
+        pytest.skip("needs lightning or pytorch_lightning (the test extra installs lightning)")
     out = ok(example("lightning_train.py", "--data", synth, "--loader", loader, "--steps", "5", "--epochs", "2",
-                     "--batch-size", "64", "--workers", "2"))
+                     "--batch-size", "64", "--workers", "2", *on(where)))
     assert out.startswith(f"loader: {'gdsload' if loader == 'gdsload' else 'torch DataLoader'}"), out
     assert re.search(r"^open: [\d.]+ s", out, re.M), out
     seen = epochs(out)
     assert sorted(seen) == [0, 1] and all(steps == 5 for steps, _ in seen.values()), out
     for epoch, (_, rest) in seen.items():
         idle = re.search(r"GPU idle between steps ([\d.]+)% of the time", rest)
-        assert idle and 0.0 <= float(idle.group(1)) <= 100.0, rest
+        assert (idle is not None) == (where == "gpu"), rest
+        assert idle is None or 0.0 <= float(idle.group(1)) <= 100.0, rest
         assert (f"gdsload epoch {epoch}" in rest) == (loader == "gdsload"), rest
     assert re.search(r"^fit: 2 epochs in [\d.]+ s \(wall, Trainer\.fit call\)$", out, re.M), out
+
+
+def test_every_option_of_the_examples_has_help_and_its_default(examples_path, monkeypatch):
+    """make_data's --samples / --seed, train's --epochs / --lr and others had no help; --backend offered no cpu."""
+    import common
+    import make_data
+    import train
+    from test_cli import check_help
+
+    monkeypatch.setenv("COLUMNS", "200")
+    for script, parser, args in (("make_data.py", make_data.build_parser(), ["d.gds"]),
+                                 ("train.py", train.build_parser(), ["--data", "d.gds"]),
+                                 ("lightning_train.py", common.parser("-"), ["--data", "d.gds"])):
+        defaults = vars(parser.parse_args(args))
+        defaults.pop("data", None)  # required: given above
+        check_help(ok(example(script, "--help", timeout=60)), defaults)
+    text = ok(example("train.py", "--help", timeout=60))
+    assert "--backend {auto,kvikio,pinned,mmap,cpu}" in text and "(default: auto)" in text

@@ -305,6 +305,37 @@ def test_unreadable_arrays_are_named(tmp_path, make, fragment):
         GDSDataset(path, batch_size=4, backend="cpu")
 
 
+def test_arrays_of_data_types_gdsload_does_not_read_are_skipped_with_a_warning_or_refused_by_name(tmp_path):
+    """A group holding one string array did not open at all, and the message did not suggest fields=."""
+    path = str(tmp_path / "mixed.zarr")
+    g = zarr.create_group(path)
+    x = np.arange(N * 2, dtype=np.int32).reshape(N, 2)
+    g.create_array("x", shape=x.shape, dtype="int32", chunks=(50, 2))[:] = x
+    g.create_array("text", shape=(N,), dtype=str, chunks=(50,))[:] = np.array([f"s{i}" for i in range(N)])
+    g.create_array("when", shape=(N,), dtype="datetime64[s]", chunks=(50,))
+    with pytest.warns(UserWarning, match=re.escape(
+            f"{path}: skipped array(s) 'text' (data type 'string'), 'when' (data type 'numpy.datetime64'): data "
+            "types gdsload does not read; reading ['x']; pass fields= to choose the arrays")) as caught:
+        ds = GDSDataset(path, batch_size=100, backend="cpu")
+    assert len(caught) == 1 and caught[0].filename == __file__  # pointing at the user's line
+    with ds:
+        assert ds.fields == ("x",)
+        np.testing.assert_array_equal(np.concatenate([b["x"] for b in ds]), x)
+    with pytest.raises(FormatError, match=rf"^{re.escape(path)}/text/zarr.json: unsupported data type 'string' of "
+                                          r"field 'text' \(expected one of \['bool', .*\]: gdsload reads numbers and "
+                                          r"bools\); leave the field out of fields=$"):
+        GDSDataset(path, batch_size=100, fields=["x", "text"], backend="cpu")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # fields chosen: nothing skipped, nothing said
+        GDSDataset(path, batch_size=100, fields=["x"], backend="cpu").close()
+    only = str(tmp_path / "only.zarr")  # nothing gdsload reads: the first one's refusal
+    zarr.create_group(only).create_array("text", shape=(N,), dtype=str, chunks=(50,))
+    with pytest.raises(FormatError, match=rf"^{re.escape(only)}/text/zarr.json: unsupported data type 'string'"):
+        GDSDataset(only, batch_size=100, backend="cpu")
+
+
 def test_storage_transformers_are_refused(tmp_path):
     path = str(tmp_path / "st.zarr")
     zarr.create_group(path).create_array("a", shape=(N,), dtype="int32", chunks=(10,), compressors=None)

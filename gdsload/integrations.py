@@ -1,0 +1,131 @@
+"""What torch's DataLoader, PyTorch Lightning and torchdata's StatefulDataLoader expect of a dataset, without
+importing torch: :class:`LoaderProtocols`, the base of :class:`gdsload.GDSDataset`.
+
+torch decides between a map-style and an iterable dataset with ``isinstance(ds, IterableDataset)``. Importing
+torch costs seconds, so gdsload never imports it; instead :class:`LoaderProtocols` is registered as a virtual
+subclass of ``torch.utils.data.IterableDataset`` (an ``abc.ABCMeta`` class) as soon as that class exists: at
+``import gdsload`` when torch was imported first, else by :class:`RegisterOnImport`, a finder at the front of
+``sys.meta_path`` that does nothing but, when ``torch.utils.data.dataset`` is imported, run that module and
+then register. It answers for no other module and leaves ``sys.meta_path`` once it has registered.
+
+Then, for any dataset built on :class:`LoaderProtocols`:
+
+- ``DataLoader(ds, batch_size=None)`` iterates it in the main process and hands its batches on (torch's
+  default conversion turns numpy arrays into tensors sharing their memory, and leaves tensors and CuPy
+  arrays as they are); ``len()`` is the dataset's.
+- In a DataLoader worker process (``num_workers > 0``) iterating is refused with a :class:`GDSLoadError`
+  saying why and what to do (:func:`refuse_worker`), and pickling (how ``spawn`` workers receive it) with a
+  TypeError saying the same.
+- Lightning's ``Trainer.fit(model, train_dataloaders=ds)`` saves ``ds.state_dict()`` in its checkpoints and
+  restores it through ``load_state_dict`` (any iterable with both is "stateful" to it), and gives each
+  epoch's number to ``ds.sampler.set_epoch`` (as it does for a DistributedSampler): a fit's epoch N reads
+  gdsload's epoch N, a fit resumed from any checkpoint included.
+- torchdata's ``StatefulDataLoader(ds, batch_size=None)`` saves and restores the same state.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import sys
+from typing import Any
+
+from .errors import GDSLoadError
+
+#: The module that defines ``torch.utils.data.IterableDataset``.
+TORCH_DATASET_MODULE = "torch.utils.data.dataset"
+
+#: Why a dataset is not read in DataLoader worker processes, and what to do instead.
+NO_WORKERS = ("a GDSDataset is read in the process that opened it, by its own reader threads (and, on a GPU, "
+              "that process's CUDA context), so DataLoader worker processes (num_workers > 0) add nothing but "
+              "copies; use DataLoader(ds, batch_size=None) with num_workers=0 (the default), or iterate the "
+              "dataset itself")
+
+
+class EpochSetter:
+    """What Lightning takes for a sampler: ``set_epoch(n)`` is the dataset's ``set_epoch(n)``."""
+
+    def __init__(self, dataset: Any):
+        self.dataset = dataset
+
+    def set_epoch(self, epoch: int) -> None:
+        self.dataset.set_epoch(epoch)
+
+
+class LoaderProtocols:
+    """The base of gdsload's datasets: a ``torch.utils.data.IterableDataset`` once torch is imported (module
+    docstring), with what Lightning needs beyond ``state_dict`` / ``load_state_dict`` and a refusal to be
+    pickled. Subclasses define ``set_epoch``, ``state_dict``, ``load_state_dict``, ``__iter__``, ``__len__``."""
+
+    @property
+    def sampler(self) -> EpochSetter:
+        """For Lightning, which calls ``loader.sampler.set_epoch(epoch)`` at the start of each epoch of a fit:
+        an object whose ``set_epoch`` is this dataset's (a new one each time: nothing refers back to it)."""
+        return EpochSetter(self)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(f"{type(self).__name__} cannot be pickled or copied: it holds open files, reader threads "
+                        f"and buffers of this process; {NO_WORKERS}; in another process, open a new "
+                        f"{type(self).__name__} there")
+
+
+def refuse_worker(dataset: Any) -> None:
+    """Raise GDSLoadError when called in a torch DataLoader worker process (never imports torch)."""
+    data = sys.modules.get("torch.utils.data")
+    info = getattr(data, "get_worker_info", None)
+    if info is not None and info() is not None:
+        raise GDSLoadError(f"{dataset.meta.path}: iterated in DataLoader worker process {info().id} "
+                           f"(num_workers > 0): {NO_WORKERS}")
+
+
+def register(iterable_dataset: type) -> None:
+    """Make :class:`LoaderProtocols` (so every gdsload dataset) a virtual subclass of ``iterable_dataset``."""
+    iterable_dataset.register(LoaderProtocols)  # type: ignore[attr-defined]
+
+
+class RegisterOnImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for :data:`TORCH_DATASET_MODULE` it asks the finders after it for the module's
+    spec and wraps that spec's loader so the module, once executed, registers :class:`LoaderProtocols`."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != TORCH_DATASET_MODULE:
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        run = getattr(loader, "exec_module", None)
+        if run is None:
+            return spec
+
+        def exec_module(module: Any) -> None:
+            try:
+                run(module)
+            finally:
+                vars(loader).pop("exec_module", None)
+            register(module.IterableDataset)
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+
+        try:
+            loader.exec_module = exec_module  # this module's loader only: every module has a loader of its own
+        except AttributeError:  # a loader that takes no attributes: left as it is
+            pass
+        return spec
+
+
+def install() -> None:
+    """Register now if torch's IterableDataset exists, else when it is imported (module docstring)."""
+    loaded = sys.modules.get(TORCH_DATASET_MODULE)
+    if loaded is not None and hasattr(loaded, "IterableDataset"):
+        register(loaded.IterableDataset)
+    elif not any(isinstance(f, RegisterOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, RegisterOnImport())
+
+
+install()

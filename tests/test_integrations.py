@@ -1,0 +1,296 @@
+"""gdsload under torch, Lightning, torchdata and JAX (gdsload.integrations, output="jax"): on the CPU where the
+packages are installed (the test extra installs them), the GPU variants under ``-m gpu``."""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from _helpers import labelled
+from gdsload import BackendUnavailable, GDSDataset, GDSLoadError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+N = 200
+
+
+@pytest.fixture
+def data(make_dataset) -> tuple[str, dict[str, np.ndarray]]:
+    arrays = labelled(N, shape=(4,))
+    return make_dataset(arrays, samples_per_block=10), arrays
+
+
+def opened(path: str, **kw) -> GDSDataset:
+    kw = {"batch_size": 16, "backend": "cpu", "shuffle": True, "seed": 3, "resident_bytes": 0, **kw}
+    return GDSDataset(path, **kw)
+
+
+def ids(batches) -> list[list[int]]:
+    return [[int(i) for i in np.asarray(b["idx"])] for b in batches]
+
+
+def python(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=ENV,
+                          timeout=300)
+
+
+# -- torch: an IterableDataset, without importing torch ---------------------------------------------------------
+def test_importing_gdsload_imports_no_torch_and_the_dataset_is_an_iterable_dataset_whenever_torch_comes(data):
+    """torch imported before gdsload, after it, or after the dataset was opened: isinstance holds every way,
+    and the finder that waited for torch is gone from sys.meta_path once it has registered."""
+    pytest.importorskip("torch", reason="needs torch (the test extra installs the CPU build)")
+    path, _ = data
+    check = (f"ds = GDSDataset({path!r}, batch_size=8, backend='cpu')\n"
+             "from torch.utils.data import IterableDataset\n"
+             "assert isinstance(ds, IterableDataset) and issubclass(GDSDataset, IterableDataset)\n"
+             "from gdsload.integrations import RegisterOnImport\n"
+             "assert not any(isinstance(f, RegisterOnImport) for f in sys.meta_path), sys.meta_path\n")
+    for code in ("import sys\nimport gdsload\nassert 'torch' not in sys.modules\nfrom gdsload import GDSDataset\n"
+                 + check,
+                 "import sys, torch\nfrom gdsload import GDSDataset\n" + check,
+                 f"import sys\nfrom gdsload import GDSDataset\nimport numpy\n{check.splitlines()[0]}\n"
+                 "assert 'torch' not in sys.modules\nimport torch\n" + "\n".join(check.splitlines()[1:])):
+        done = python(code)
+        assert done.returncode == 0, code + done.stderr[-3000:]
+
+
+def test_a_dataloader_with_batch_size_none_hands_the_batches_on(data):
+    """It failed with "'GDSDataset' object is not subscriptable" (taken for a map-style dataset)."""
+    pytest.importorskip("torch", reason="needs torch (the test extra installs the CPU build)")
+    import torch
+    from torch.utils.data import DataLoader
+
+    path, arrays = data
+    with opened(path) as direct:
+        want = ids(direct)
+    for output in ("torch", "numpy"):
+        with opened(path, output=output) as ds:
+            loader = DataLoader(ds, batch_size=None)
+            assert len(loader) == len(ds) == len(want)
+            got = list(loader)
+        assert ids(got) == want, output
+        for b in got:  # tensors (numpy arrays: converted by torch, sharing their memory), exact samples
+            assert isinstance(b["x"], torch.Tensor) and isinstance(b["idx"], torch.Tensor)
+            np.testing.assert_array_equal(b["x"].numpy(), arrays["x"][b["idx"].numpy()])
+    with opened(path, output="torch") as ds:  # what the loader does to each batch leaves its tensors as they are
+        batch = next(iter(ds))
+        handed_on = DataLoader(ds, batch_size=None).collate_fn(batch)
+    assert handed_on.keys() == batch.keys() and all(handed_on[k] is batch[k] for k in batch)
+
+
+def test_workers_are_refused_saying_why_and_what_to_do(data):
+    """A forked worker (Linux's default) fails its first batch with the reason; a spawned one is refused while
+    the loader pickles the dataset, in the parent; copies are refused the same way."""
+    pytest.importorskip("torch", reason="needs torch (the test extra installs the CPU build)")
+    from torch.utils.data import DataLoader
+
+    path, _ = data
+    code = ("from torch.utils.data import DataLoader\nfrom gdsload import GDSDataset, GDSLoadError\n"
+            f"ds = GDSDataset({path!r}, batch_size=8, backend='cpu')\n"
+            "try:\n    next(iter(DataLoader(ds, batch_size=None, num_workers=1)))\n"
+            "except GDSLoadError as e:\n    print(str(e).splitlines()[-1])\n")
+    done = python(code)
+    assert done.returncode == 0, done.stderr[-3000:]
+    last = done.stdout.strip()
+    assert last.startswith(f"gdsload.errors.GDSLoadError: {path}: iterated in DataLoader worker process 0 "
+                           "(num_workers > 0)"), last
+    assert "num_workers=0 (the default)" in last, last
+    with opened(path) as ds:
+        with pytest.raises(TypeError, match=r"cannot be pickled or copied: .* num_workers=0 \(the default\)"):
+            next(iter(DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context="spawn")))
+        for refuse in (pickle.dumps, copy.copy, copy.deepcopy):
+            with pytest.raises(TypeError, match="GDSDataset cannot be pickled or copied"):
+                refuse(ds)
+        assert sum(1 for _ in ds) == len(ds)  # still usable here
+
+
+def test_a_worker_check_outside_torch_workers_is_silent(data, monkeypatch):
+    from gdsload import integrations
+
+    path, _ = data
+    with opened(path) as ds:
+        integrations.refuse_worker(ds)  # torch not imported, or no worker: nothing to say
+        fake = type(sys)("torch.utils.data")
+        fake.get_worker_info = lambda: type("Info", (), {"id": 3})()
+        monkeypatch.setitem(sys.modules, "torch.utils.data", fake)
+        with pytest.raises(GDSLoadError, match=r"worker process 3 \(num_workers > 0\)"):
+            iter(ds)
+        fake.get_worker_info = lambda: None
+        assert sum(1 for _ in ds) == len(ds)
+
+
+# -- Lightning ------------------------------------------------------------------------------------------------
+class Stop(Exception):
+    """Ends a fit as an interruption would."""
+
+
+def lightning_fit(path: str, ckpt_dir: str, seen: list, stop_after: int | None = None,
+                  ckpt_path: str | None = None, accelerator: str = "cpu", output: str = "torch",
+                  backend: str = "cpu") -> None:
+    """Trainer.fit(model, train_dataloaders=ds) for 2 epochs, a checkpoint after every step and at each epoch's
+    end; ``seen`` gets (Lightning's epoch, sample ids) per step; ``stop_after`` steps raise Stop."""
+    import torch
+
+    pl = pytest.importorskip("lightning.pytorch", reason="needs lightning (the test extra installs it)")
+
+    class Model(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            if stop_after is not None and len(seen) == stop_after:
+                raise Stop
+            seen.append((self.current_epoch, [int(i) for i in batch["idx"].cpu()]))
+            return self.lin(batch["x"]).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    steps = pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=-1)
+    epochs = pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir + "-epochs", every_n_epochs=1, save_top_k=-1,
+                                          save_on_train_epoch_end=True)
+    trainer = pl.Trainer(accelerator=accelerator, devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[steps, epochs])
+    with opened(path, output=output, backend=backend) as ds:
+        trainer.fit(Model(), train_dataloaders=ds, ckpt_path=ckpt_path)
+
+
+def step_of(name: str) -> int:
+    return int(name.split("step=")[1].split(".")[0].split("-")[0])
+
+
+def check_lightning_resumes_exactly(path: str, tmp_path, **kw) -> None:
+    whole: list = []
+    lightning_fit(path, str(tmp_path / "whole"), whole, **kw)
+    per_epoch = len(whole) // 2
+    assert [e for e, _ in whole] == [0] * per_epoch + [1] * per_epoch
+    assert whole[:per_epoch] != whole[per_epoch:]  # a new order each epoch
+    part: list = []
+    with pytest.raises(Stop):
+        lightning_fit(path, str(tmp_path / "part"), part, stop_after=per_epoch + 4, **kw)
+    last = max(os.listdir(tmp_path / "part"), key=step_of)
+    assert step_of(last) == per_epoch + 4
+    # Stopped mid-epoch; a step checkpoint at an epoch's last batch; a checkpoint of an epoch's end.
+    for ckpt in (tmp_path / "part" / last, tmp_path / "whole" / f"epoch=0-step={per_epoch}.ckpt",
+                 tmp_path / "whole-epochs" / f"epoch=0-step={per_epoch}.ckpt"):
+        rest: list = []
+        lightning_fit(path, str(tmp_path / "rest"), rest, ckpt_path=str(ckpt), **kw)
+        assert rest == whole[step_of(ckpt.name):], ckpt
+
+
+def test_lightning_resumes_a_fit_with_exactly_the_remaining_batches(data, tmp_path):
+    """Lightning saves and restores the dataset's state in its checkpoints; from a checkpoint at an epoch's
+    end (and one at its last batch) the next epoch's pass read gdsload's finished epoch again, or nothing:
+    Lightning now gives the epoch to ds.sampler.set_epoch."""
+    pytest.importorskip("torch", reason="needs torch (the test extra installs the CPU build)")
+    check_lightning_resumes_exactly(data[0], tmp_path)
+
+
+# -- torchdata ------------------------------------------------------------------------------------------------
+def check_stateful_dataloader_round_trips(path: str, **kw) -> None:
+    import json
+
+    sdl = pytest.importorskip("torchdata.stateful_dataloader", reason="needs torchdata (the test extra installs it)")
+    with opened(path, **kw) as ds:
+        whole = ids(sdl.StatefulDataLoader(ds, batch_size=None))
+    with opened(path, **kw) as ds:
+        loader = sdl.StatefulDataLoader(ds, batch_size=None)
+        it = iter(loader)
+        head = ids(next(it) for _ in range(5))
+        state = json.loads(json.dumps(loader.state_dict()))
+    assert head == whole[:5]
+    with opened(path, **kw) as ds:
+        loader = sdl.StatefulDataLoader(ds, batch_size=None)
+        loader.load_state_dict(state)
+        assert ids(loader) == whole[5:]
+        assert len(ids(loader)) == len(whole)  # then the next epoch, whole
+
+
+def test_torchdata_stateful_dataloader_round_trips_the_state(data):
+    """It failed: taken for a map-style dataset ('not subscriptable')."""
+    pytest.importorskip("torch", reason="needs torch (the test extra installs the CPU build)")
+    check_stateful_dataloader_round_trips(data[0])
+
+
+# -- JAX ------------------------------------------------------------------------------------------------------
+def test_output_jax_gives_jax_arrays_without_copying(data):
+    jax = pytest.importorskip("jax", reason="needs jax (the test extra installs the CPU build)")
+    from gdsload.device import JaxHostOps
+
+    path, arrays = data
+    with opened(path, output="jax") as ds:
+        assert ds.output == "jax"
+        batches = list(ds)
+    assert len(batches) == len(ds)
+    for b in batches:
+        assert isinstance(b["x"], jax.Array) and b["x"].devices() == {jax.devices("cpu")[0]}
+        assert b["x"].dtype == np.float32 and b["x"].shape[1:] == (4,)
+        np.testing.assert_array_equal(np.asarray(b["x"]), arrays["x"][np.asarray(b["idx"])])
+    ops = JaxHostOps()
+    for dtype, shape in ((np.float32, (7, 3)), (np.uint8, (5, 1, 3)), (np.float16, (0, 2))):
+        host = ops.empty(shape, np.dtype(dtype))
+        host[...] = 1
+        out = ops.export({"a": host})["a"]
+        assert out.shape == shape and out.dtype == dtype
+        if host.size:
+            assert out.unsafe_buffer_pointer() == host.ctypes.data  # zero-copy: the same memory
+
+
+def test_output_jax_is_refused_where_jax_cannot_take_the_arrays(data, monkeypatch):
+    from gdsload.options import output_kind, require_jax
+
+    path, _ = data
+    with pytest.raises(ValueError, match=r"unknown output 'tensorflow' \(expected one of \['numpy', 'cupy', "
+                                         r"'torch', 'jax'\], or None\)"):
+        opened(path, output="tensorflow")
+    if pytest.importorskip("jax").devices()[0].platform == "cpu":  # a CPU jax cannot take a GPU's arrays
+        with pytest.raises(BackendUnavailable, match="output='jax' on a GPU backend needs JAX with GPU support"):
+            require_jax(on_gpu=True)
+    monkeypatch.setitem(sys.modules, "jax", None)  # as if not installed
+    with pytest.raises(BackendUnavailable, match=r"output='jax' needs JAX, which is not installed .*'gdsload\[jax\]'"):
+        output_kind("jax", "cpu")
+    with pytest.raises(BackendUnavailable, match="needs JAX"):
+        opened(path, output="jax")
+
+
+# -- on the GPU -----------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_gpu_dataloader_lightning_and_torchdata(data, tmp_path):
+    """On the device: DataLoader(ds, batch_size=None) hands on CUDA tensors of exact samples; Lightning and
+    torchdata resume exactly (each skipped, saying so, where the package is missing)."""
+    torch = pytest.importorskip("torch", reason="needs torch with CUDA")
+    from torch.utils.data import DataLoader
+
+    path, arrays = data
+    with opened(path, backend="pinned", output="torch") as ds:
+        got = list(DataLoader(ds, batch_size=None))
+    assert len(got) == -(-N // 16)
+    for b in got:
+        assert b["x"].is_cuda
+        np.testing.assert_array_equal(b["x"].cpu().numpy(), arrays["x"][b["idx"].cpu().numpy()])
+    check_stateful_dataloader_round_trips(path, backend="pinned", output="torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    check_lightning_resumes_exactly(path, tmp_path, accelerator="gpu", backend="pinned")
+
+
+@pytest.mark.gpu
+def test_gpu_output_jax_is_on_the_datasets_gpu(data):
+    jax = pytest.importorskip("jax", reason="needs jax with CUDA (jax[cuda12] or jax[cuda13])")
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError as e:
+        pytest.skip(f"this jax has no GPU backend ({e})")
+    path, arrays = data
+    with opened(path, backend="pinned", output="jax", device=0) as ds:
+        batches = list(ds)
+    for b in batches:
+        assert b["x"].devices() == {gpus[0]}
+        np.testing.assert_array_equal(np.asarray(b["x"]), arrays["x"][np.asarray(b["idx"])])
