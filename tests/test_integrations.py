@@ -31,8 +31,13 @@ def opened(path: str, **kw) -> GDSDataset:
     return GDSDataset(path, **kw)
 
 
+def host(a) -> np.ndarray:
+    """A batch's array on the host: a CUDA tensor or a CuPy array copied back, a host array as it is."""
+    return a.cpu().numpy() if hasattr(a, "cpu") else a.get() if hasattr(a, "get") else np.asarray(a)
+
+
 def ids(batches) -> list[list[int]]:
-    return [[int(i) for i in np.asarray(b["idx"])] for b in batches]
+    return [[int(i) for i in host(b["idx"])] for b in batches]
 
 
 def python(code: str) -> subprocess.CompletedProcess[str]:
