@@ -32,9 +32,6 @@ NOT_RUN = {
     "python3 -m pip install .": "installs the package (CI's set-up installs it with the test extra)",
     'python3 -m pip install ".[test]"': "CI's own set-up (.ci/run runs exactly this line)",
     "python3 -m pytest -q": "the test suite itself (.ci/run)",
-    'python3 -m pip install ".[gpu]"': "installs CUDA 13 packages",
-    'python3 -m pip install ".[gpu-cu12]"': "installs CUDA 12 packages",
-    'python3 -m pip install ".[torch]"': "installs torch (the test extra has it)",
     "python -m benchmarks.shuffle_quality": "rewrites the committed benchmarks/results/shuffle-quality.*; "
                                             "docs/shuffling.md's command, with --out, runs",
     "python -m benchmarks.check_ranks --elastic 3,2,4 --cut 5 --backend cpu --data /tmp/ranks --out results/":
