@@ -49,8 +49,8 @@ NVCOMP_CHAINS = (("zstd",), ("zstd", "crc32c"))
 #: ``GDSLOAD_NVCOMP=0`` turns the device path off: zstd is then decoded by CPU threads, as without nvCOMP.
 NVCOMP_ENV = "GDSLOAD_NVCOMP"
 #: What the warning about CPU decoding of zstd suggests.
-NVCOMP_HINT = ("install gdsload[nvcomp] (nvidia-nvcomp-cu13, under NVIDIA's licence; also in gdsload[gpu]) to "
-               "decode them on the GPU")
+NVCOMP_HINT = ("install gdsload[nvcomp] (nvidia-nvcomp-cu13, under NVIDIA's licence; also in gdsload[gpu]; for "
+               "CUDA 12, gdsload[nvcomp-cu12]) to decode them on the GPU")
 _warned = threading.Event()
 
 

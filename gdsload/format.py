@@ -168,7 +168,8 @@ def read_metadata(path: str | os.PathLike[str], fields: list[str] | tuple[str, .
     """
     path = os.fspath(path)
     if not os.path.isdir(path):
-        raise FormatError(f"{path}: no such dataset directory ({NOT_A_STORE})")
+        what = "a file, not a dataset directory" if os.path.exists(path) else "no such dataset directory"
+        raise FormatError(f"{path}: {what} ({NOT_A_STORE})")
     where = os.path.join(path, "zarr.json")
     if not os.path.lexists(where):
         raise fail(where, f"missing (not a Zarr v3 group or array; {NOT_A_STORE})")

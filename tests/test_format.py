@@ -498,3 +498,12 @@ def test_a_raw_whole_array_in_a_chunk_longer_than_itself_reads_as_zarr_reads_it(
     a[:] = np.arange(5, dtype=np.uint32) + 7
     assert os.path.getsize(os.path.join(where, "c", "0")) == 8 * 4
     np.testing.assert_array_equal(_read_whole(where, 5, "cannot read"), np.arange(5, dtype=np.uint32) + 7)
+
+
+def test_a_file_given_as_a_dataset_is_named_as_a_file(tmp_path):
+    """GDSDataset('a.npy') said 'no such dataset directory' for a file that exists."""
+    np.save(tmp_path / "a.npy", np.arange(4))
+    with pytest.raises(FormatError, match=r"a\.npy: a file, not a dataset directory \(.*gdsload shard"):
+        read_metadata(str(tmp_path / "a.npy"))
+    with pytest.raises(FormatError, match="no such dataset directory"):
+        read_metadata(str(tmp_path / "missing.gds"))

@@ -355,7 +355,7 @@ def test_what_is_no_zarr_v3_store_points_at_the_converter(tmp_path):
     np.save(npy / "x.npy", np.zeros(3))
     with pytest.raises(FormatError, match=r"zarr.json: missing \(not a Zarr v3 group or array; .*'gdsload shard'"):
         read_metadata(npy)
-    with pytest.raises(FormatError, match=r"x.npy: no such dataset directory \(.*'gdsload shard'"):
+    with pytest.raises(FormatError, match=r"x.npy: a file, not a dataset directory \(.*'gdsload shard'"):
         read_metadata(npy / "x.npy")
     v2 = str(tmp_path / "v2.zarr")
     zarr.open_group(v2, mode="w", zarr_format=2).create_array("a", shape=(4,), dtype="int8", chunks=(2,))
