@@ -115,6 +115,22 @@ def rewrite_index(path: str, field, edit) -> None:
         f.write(encode_shard_index(table))
 
 
+def index_edit_refused(meta, field, shard: str, original: bytes) -> Callable[[Callable, str], None]:
+    """``refused(edit, message)``: ``shard`` restored to ``original``, its index changed by ``edit`` (with a
+    valid crc32c), opening the layout of ``meta`` fails with a FormatError starting ``SHARD: message``."""
+    import pytest
+
+    from gdsload import FormatError
+
+    def refused(edit: Callable, message: str) -> None:
+        with open(shard, "wb") as f:
+            f.write(original)
+        rewrite_index(shard, field, edit)
+        with pytest.raises(FormatError, match=f"^{shard}: {message}"):
+            DatasetLayout(meta)
+    return refused
+
+
 def add_checksums(path: str, fields=None) -> dict[str, np.ndarray]:
     """Add checksum arrays as the converter is to write them (attrs["gdsload"]["checksums"], one uint32
     array per field at _checksums/FIELD), computed here from the shard files; returns them."""

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import zarr
 
-from _helpers import add_checksums, in_thread, open_fds, rewrite_index, zarr_dataset_with_missing_block
+from _helpers import (add_checksums, in_thread, index_edit_refused, open_fds, rewrite_index,
+                      zarr_dataset_with_missing_block)
 from gdsload import FormatError, GDSDataset
 from gdsload.format import read_metadata
 from gdsload.format import MAX_UINT_64, DatasetLayout, encode_shard_index, parse_shard_index
@@ -331,12 +332,7 @@ def test_chunks_overlapping_the_index_or_each_other_are_refused(make_dataset, tm
     assert (fm.block_bytes, fm.blocks_per_shard, size) == (64, 4, 4 * 64 + 4 * 16 + 4)
     original = open(shard, "rb").read()
 
-    def refused(edit, message):
-        with open(shard, "wb") as f:
-            f.write(original)
-        rewrite_index(shard, fm, edit)
-        with pytest.raises(FormatError, match=f"^{shard}: {message}"):
-            DatasetLayout(meta)
+    refused = index_edit_refused(meta, fm, shard, original)
 
     refused(lambda t: t.__setitem__((3, 0), 256 - 63),
             r"chunk 3 \(bytes 193..257\) overlaps the shard index \(bytes 256..324\)")

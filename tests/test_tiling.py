@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import zarr
 
-from _helpers import rewrite_index
+from _helpers import index_edit_refused, rewrite_index
 from gdsload import FormatError, GDSDataset
 from gdsload.format import MAX_UINT_64, DatasetLayout, read_metadata
 from gdsload.shard_index import chunk_table
@@ -136,12 +136,7 @@ def test_chunks_out_of_order_or_with_gaps_are_refused(tmp_path):
     original = open(shard, "rb").read()
     bb = fm.stored_bytes  # 12
 
-    def refused(edit, message):
-        with open(shard, "wb") as f:
-            f.write(original)
-        rewrite_index(shard, fm, edit)
-        with pytest.raises(FormatError, match=f"^{shard}: {message}"):
-            DatasetLayout(meta)
+    refused = index_edit_refused(meta, fm, shard, original)
 
     refused(lambda t: t.__setitem__(slice(None), [[bb, bb], [0, bb]]),
             rf"chunk 0, the first written, does not start the data region \(expected byte 0, found byte {bb}\)")
