@@ -2,6 +2,7 @@
 a RAM tier."""
 
 from .dataset import GDSDataset
+from .mixture import Mixture
 from .errors import BackendUnavailable, ChecksumError, ConversionError, FormatError, GDSLoadError, ReadError
 from .sources import ArraySource, RaggedSource, Source
 from .stats import EpochStats
@@ -11,6 +12,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "GDSDataset", "EpochStats", "GDSLoadError", "FormatError", "ConversionError", "ReadError", "ChecksumError",
-    "BackendUnavailable",
+    "BackendUnavailable", "Mixture",
     "convert", "write_dataset", "Source", "ArraySource", "RaggedSource", "__version__",
 ]

@@ -90,6 +90,7 @@ class GDSDataset(LoaderProtocols):
         says, a store's own checksums are always checked: a shard index's crc32c at open, and the
         ``crc32c`` codec of a Zarr store's chunks (raw or compressed) before a sample of the chunk is served.
         True where a field carries no checksum of any kind is a ValueError naming it.
+    exact_shares : each rank reads its share of every epoch's samples, none repeated or dropped (as a Mixture does).
 
     Integer arguments may be numpy integers; one out of range, or a malformed RANK, WORLD_SIZE or
     LOCAL_RANK, is a ValueError naming it.
@@ -111,7 +112,7 @@ class GDSDataset(LoaderProtocols):
                  drop_last: bool = False, output: str | None = None, rank: int | None = None,
                  world_size: int | None = None, device: int | None = None, resident_bytes: int = DEFAULT_RESIDENT_BYTES,
                  pad_to: int | str | dict[str, int | str] | None = None, pad_value: Any = 0,
-                 backend_options: dict[str, Any] | None = None, verify: bool | None = None):
+                 backend_options: dict[str, Any] | None = None, verify: bool | None = None, exact_shares: bool = False):
         started = time.perf_counter()
         # Integers become Python ints here, RANK / WORLD_SIZE / LOCAL_RANK are read here: no numpy scalar goes on.
         batch_size, prefetch = check_int("batch_size", batch_size, 1), check_int("prefetch", prefetch, 1)
@@ -160,7 +161,8 @@ class GDSDataset(LoaderProtocols):
         if on_gpu:
             warn_few_connections()  # the steps would wait behind this dataset's copies
         try:
-            self._configure(batch_size, window_blocks, shuffle, seed, drop_last, rank, world_size, pad_to, pad_value)
+            self._configure(batch_size, window_blocks, shuffle, seed, drop_last, rank, world_size, pad_to, pad_value,
+                            exact_shares)
             check_yields(self.config)
             self.prefetch = prefetch
             self.batches_ahead = self._backend.batches_ahead_hint if batches_ahead is None else batches_ahead
@@ -223,7 +225,7 @@ class GDSDataset(LoaderProtocols):
         return buffer
 
     def _configure(self, batch_size: int, window_blocks: int | None, shuffle: bool, seed: int, drop_last: bool,
-                   rank: int, world_size: int, pad_to: Any, pad_value: Any) -> None:
+                   rank: int, world_size: int, pad_to: Any, pad_value: Any, exact_shares: bool) -> None:
         """Which fields are windowed or variable-length (the resident ones are chosen before the block is);
         the plan's config; the window layout."""
         meta, layout = self.meta, self._layout
@@ -242,7 +244,7 @@ class GDSDataset(LoaderProtocols):
         window_blocks = min(window_blocks, blocks_per_rank(meta.num_blocks, world_size))  # no window holds more
         self.config = PlanConfig(num_samples=meta.num_samples, samples_per_block=spb, batch_size=batch_size,
                                  window_blocks=window_blocks, shuffle=shuffle, seed=seed, drop_last=drop_last,
-                                 rank=rank, world_size=world_size)
+                                 rank=rank, world_size=world_size, exact_shares=exact_shares)
         capacity = {f: (meta.ragged[f], capacity_rows(layout.offsets[f], spb, window_blocks))
                     for f in self.ragged_fields}
         from .decode import device_fields

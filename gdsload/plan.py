@@ -5,10 +5,18 @@ blocks read together; samples are permuted inside each window and cut into batch
 trades mixing for memory: only W blocks need be resident, at the cost of samples from one window landing
 near each other in the epoch. Everything is a function of the config and the epoch, so resuming means
 recomputing the plan and skipping batches; no index arrays are ever stored.
+
+Ranks split an epoch in one of two ways. By default each rank takes a share of whole blocks and every rank
+yields as many batches (the shorter ranks repeat a few samples, or with ``drop_last`` the longer drop a
+few), so collectives in a training step never wait. With ``exact_shares`` each rank takes a share of the
+epoch's samples (sizes differing by at most one; a block on a boundary is read by both ranks, each taking
+its own samples) and nothing is repeated or dropped: every sample once per epoch, at the cost of ranks
+yielding different numbers of samples (what a mixture of datasets wants, gdsload/mixture.py).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
@@ -28,6 +36,7 @@ class PlanConfig:
     drop_last: bool = False
     rank: int = 0
     world_size: int = 1
+    exact_shares: bool = False  # each rank its share of the samples: no padding, no drop (:func:`share_bounds`)
 
     def __post_init__(self) -> None:
         for name in ("num_samples", "samples_per_block", "batch_size", "window_blocks", "world_size"):
@@ -40,6 +49,10 @@ class PlanConfig:
                 f"world_size {self.world_size} exceeds the dataset's {self.num_blocks} blocks "
                 "(every rank needs at least one block; write smaller blocks)"
             )
+        if not isinstance(self.exact_shares, bool):
+            raise TypeError(f"exact_shares must be True or False (found {self.exact_shares!r})")
+        if self.exact_shares and self.drop_last:
+            raise ValueError("exact_shares and drop_last exclude each other (exact shares drop no sample)")
 
     @property
     def num_blocks(self) -> int:
@@ -161,8 +174,10 @@ def epoch_plan(cfg: PlanConfig, epoch: int, pace: Callable[[], None] | None = No
     With ``drop_last`` every rank yields the same number of full batches and the remainder is dropped.
     Without it, ranks holding fewer samples are padded up to the largest rank's count by repeating samples
     of their own last window (already resident, so padding costs no extra reads); a rank's last batch may
-    be partial, and all ranks' batches have the same sizes.
+    be partial, and all ranks' batches have the same sizes. With ``exact_shares``: :func:`_exact_share_plan`.
     """
+    if cfg.exact_shares:
+        return _exact_share_plan(cfg, epoch, pace)
     k = cfg.samples_per_block
     order = block_order(cfg.num_blocks, cfg.shuffle, cfg.seed, epoch)
     mine = rank_blocks(order, cfg.rank, cfg.world_size)
@@ -200,6 +215,47 @@ def epoch_plan(cfg: PlanConfig, epoch: int, pace: Callable[[], None] | None = No
         window_of_a = np.concatenate([window_of_a, np.full(len(extra), len(windows) - 1, dtype=np.int64)])
         positions_a = np.concatenate([positions_a, extra])
     return EpochPlan(cfg, tuple(windows), window_of_a, positions_a)
+
+
+def share_bounds(num_samples: int, world_size: int, epoch: int) -> list[int]:
+    """Where each rank's share of ``epoch`` begins in the epoch's sample order (the blocks in their epoch order,
+    each block's samples in order) under ``exact_shares``, and where the last one ends: ``world_size + 1``
+    offsets. Rank r holds ``((epoch + 1) * N + r) // W - (epoch * N + r) // W`` samples, ``N // W`` or one
+    more, the extra ones passing from rank to rank with the epoch: over any run of E epochs a rank holds as
+    many samples as there are multiples of W among E * N consecutive integers, ``E * N // W`` or one more. So
+    ranks that took the same number of samples are never more than one sample apart in their epochs."""
+    sizes = [((epoch + 1) * num_samples + r) // world_size - (epoch * num_samples + r) // world_size
+             for r in range(world_size)]
+    return [0, *itertools.accumulate(sizes)]
+
+
+def _exact_share_plan(cfg: PlanConfig, epoch: int, pace: Callable[[], None] | None) -> EpochPlan:
+    """The plan of ``epoch`` for ``cfg.rank`` under ``exact_shares``: its share of the samples
+    (:func:`share_bounds`), no padding, no drop. The blocks holding the share, in epoch order, are grouped into
+    windows of ``window_blocks``; a window's positions are shuffled as in :func:`epoch_plan`. The first and
+    last block may be partial (the neighbouring rank reads the rest of it)."""
+    k = cfg.samples_per_block
+    order = block_order(cfg.num_blocks, cfg.shuffle, cfg.seed, epoch)
+    sizes = block_sizes(order, cfg.num_samples, k)
+    ends = np.cumsum(sizes)
+    bounds = share_bounds(cfg.num_samples, cfg.world_size, epoch)
+    stream = np.arange(bounds[cfg.rank], bounds[cfg.rank + 1], dtype=np.int64)  # never empty: W <= blocks <= N
+    block_at = np.searchsorted(ends, stream, side="right")
+    first = int(block_at[0])
+    mine = order[first:int(block_at[-1]) + 1]
+    w = min(cfg.window_blocks, len(mine))
+    at = block_at - first  # each sample's block, counted in this rank's blocks
+    window_of = at // w
+    positions = (at % w) * k + stream - (ends[block_at] - sizes[block_at])
+    windows = tuple(mine[i:i + w] for i in range(0, len(mine), w))
+    rng = default_rng([cfg.seed, epoch, 1 + cfg.rank]) if cfg.shuffle else None
+    starts = np.searchsorted(window_of, np.arange(len(windows) + 1))
+    for i in range(len(windows)):
+        if rng is not None:
+            positions[starts[i]:starts[i + 1]] = rng.permutation(positions[starts[i]:starts[i + 1]])
+        if pace is not None:
+            pace()
+    return EpochPlan(cfg, windows, window_of, positions)
 
 
 def blocks_per_rank(num_blocks: int, world_size: int) -> int:

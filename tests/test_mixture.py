@@ -1,0 +1,359 @@
+"""Mixture on the cpu backend: proportions, every sample once per epoch of its source across ranks, resume at
+any step, a weight change at any step, a world-size change mid-run, the state's checks, fields, threads.
+
+Ranks are simulated in one process: one Mixture per rank, stepped in lockstep as synchronous training does."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from fractions import Fraction
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from _helpers import labelled, ragged_source, sequences, wait_no_readers
+from gdsload.mixture import Mixture, merge_states
+from gdsload.mixture_plan import Stretch
+from gdsload.plan import share_bounds
+from gdsload.resume import StateError
+from gdsload.sources import ArraySource
+from gdsload.writer import write_dataset
+
+SIZES = {"web": (53, 4), "code": (31, 3), "books": (17, 2)}  # samples, samples per block
+OFFSET = {"web": 0, "code": 1000, "books": 2000}  # sample i of a source has idx OFFSET + i
+WEIGHTS = {"web": 0.6, "code": 0.25, "books": 0.15}
+HYPOTHESIS = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def write(path: str, name: str, n: int, k: int, dtype: str = "float32") -> str:
+    data = labelled(n, dtype=dtype)
+    data["idx"] += OFFSET[name]
+    data["x"] += np.asarray(OFFSET[name] * 1000, dtype=dtype)
+    write_dataset(path, {f: ArraySource(f"<{f}>", a) for f, a in data.items()}, samples_per_block=k,
+                  progress=False)
+    return path
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory) -> dict[str, str]:
+    d = tmp_path_factory.mktemp("mix")
+    return {name: write(str(d / f"{name}.gds"), name, n, k) for name, (n, k) in SIZES.items()}
+
+
+def open_ranks(paths, world, state=None, weights=WEIGHTS, **kw) -> list[Mixture]:
+    kw = {"batch_size": 8, "seed": 1, "shuffle": True, "backend": "cpu", "resident_bytes": 0, **kw}
+    mixes = [Mixture(paths, weights, rank=r, world_size=world, **kw) for r in range(world)]
+    for m in mixes:
+        if state is not None:
+            m.load_state_dict(state)
+    return mixes
+
+
+def step(mixes, steps, change=None) -> tuple[list[list[tuple[list[int], list[int]]]], dict]:
+    """``steps`` batches from every rank (``change``: (step, weights) applied before that step): each batch
+    as (idx, source index) lists, content checked; then the ranks' states, merged."""
+    its = [iter(m) for m in mixes]
+    out = [[] for _ in mixes]
+    for _ in range(steps):
+        for r, (m, it) in enumerate(zip(mixes, its)):
+            if change is not None and m.step == change[0]:
+                m.set_weights(change[1])
+            b = next(it)
+            assert np.array_equal(b["x"][:, 0, 0], b["idx"] * 1000.0), "every sample's own data"
+            assert b["source"].dtype == np.int64 and len(b["source"]) == len(b["idx"])
+            out[r].append((b["idx"].tolist(), b["source"].tolist()))
+    for it in its:
+        it.close()
+    state = merge_states([json.loads(json.dumps(m.state_dict())) for m in mixes])
+    for m in mixes:
+        m.close()
+    return out, state
+
+
+def run(paths, world, steps, state=None, change=None, **kw):
+    return step(open_ranks(paths, world, state, **kw), steps, change)
+
+
+def streams(out) -> list[dict[int, list[int]]]:
+    """Per rank, per source index: the idx it gave, in order."""
+    per = []
+    for rank in out:
+        got: dict[int, list[int]] = {}
+        for idx, src in rank:
+            for i, s in zip(idx, src):
+                got.setdefault(s, []).append(i)
+        per.append(got)
+    return per
+
+
+def check_counts(out, weights, unit=8, start=0):
+    """Every rank's batches hold the same counts per source, within one of the weights since ``start``."""
+    names = list(SIZES)
+    w = np.array([Fraction(repr(float(weights[n]))) for n in names], dtype=object)
+    w = w / w.sum()
+    for rank in out:
+        assert [Counter(s) for _, s in rank] == [Counter(s) for _, s in out[0]], "ranks draw the same counts"
+    counts = np.array([[Counter(s)[i] for i in range(3)] for _, s in out[0][start:]], dtype=object).cumsum(axis=0)
+    h = np.arange(1, len(counts) + 1, dtype=object)[:, None] * unit
+    assert (abs(counts - w[None, :] * h) < 1).all()
+
+
+def check_epochs(out, world, first_epoch=0):
+    """Each source's samples, over all ranks, exactly once per epoch: rank r's stream is its exact shares."""
+    for s, name in enumerate(SIZES):
+        n = SIZES[name][0]
+        per_rank = [st.get(s, []) for st in streams(out)]
+        epoch, at = first_epoch, [0] * world
+        while True:
+            sizes = np.diff(share_bounds(n, world, epoch))
+            if any(a + int(z) > len(p) for a, z, p in zip(at, sizes, per_rank)):
+                break
+            got = sorted(i for r in range(world) for i in per_rank[r][at[r]:at[r] + int(sizes[r])])
+            assert got == list(range(OFFSET[name], OFFSET[name] + n)), f"{name}: epoch {epoch} exactly once"
+            at = [a + int(z) for a, z in zip(at, sizes)]
+            epoch += 1
+        assert epoch >= first_epoch + 2, "the test reads a few epochs of every source"
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_batches_follow_the_weights_and_every_sample_comes_once_per_epoch_of_its_source(paths, world):
+    out, state = run(paths, world, 40)
+    check_counts(out, WEIGHTS)
+    check_epochs(out, world)
+    assert state["step"] == 40 and all(p["hops"] == [] for p in state["positions"].values())
+
+
+@HYPOTHESIS
+@given(cut=st.integers(0, 30), world=st.integers(1, 2), change=st.none() | st.integers(0, 30),
+       whole=st.booleans())
+def test_a_resume_at_any_step_yields_the_uninterrupted_run(paths, cut, world, change, whole):
+    later = None if change is None else (change, {"web": 1, "code": 2, "books": 3})
+    full, end = run(paths, world, 36, change=later, whole_batches=whole)
+    first, state = run(paths, world, cut, change=later, whole_batches=whole)
+    rest, resumed_end = run(paths, world, 36 - cut, state=state, change=later, whole_batches=whole)
+    assert [a + b for a, b in zip(first, rest)] == full, "batch for batch"
+    assert resumed_end == end
+
+
+@HYPOTHESIS
+@given(change=st.integers(0, 30), weights=st.lists(st.integers(0, 9), min_size=3, max_size=3).filter(any))
+def test_a_weight_change_at_any_step_skips_and_repeats_nothing(paths, change, weights):
+    new = dict(zip(SIZES, weights))
+    plain, _ = run(paths, 2, 40)
+    changed, state = run(paths, 2, 40, change=(change, new))
+    for a, b in zip(streams(plain), streams(changed)):
+        for s in range(3):  # each source's samples come in the same order, only at another rate
+            n = min(len(a.get(s, [])), len(b.get(s, [])))
+            assert a.get(s, [])[:n] == b.get(s, [])[:n]
+    check_counts(changed, new, start=change)
+    assert state["schedule"]["start"] == change or Fraction(weights[0], sum(weights)) == Fraction(3, 5)
+
+
+@HYPOTHESIS
+@given(worlds=st.lists(st.integers(1, 3), min_size=2, max_size=3), first=st.integers(1, 12), second=st.integers(1, 4))
+def test_a_resume_on_another_number_of_ranks_skips_nothing(paths, worlds, first, second):
+    """Legs on other numbers of ranks (the second cut often inside the rest of an epoch dealt out by the
+    first resume): every sample of every source at least once per epoch, and no more repeats than the
+    dealing out allows (GDSDataset's padding, plus the ranks that were one sample ahead)."""
+    outs, state = [], None
+    for world, cut in zip(worlds[:-1], (first, second)):
+        out, state = run(paths, world, cut, state=state)
+        outs.append(out)
+    out, end = run(paths, worlds[-1], 40, state=state)
+    outs.append(out)
+    after = worlds[-1]
+    for s, name in enumerate(SIZES):
+        n = SIZES[name][0]
+        got = Counter(i for out in outs for st_ in streams(out) for i in st_.get(s, []))
+        assert end["positions"][name]["hops"] == [], "the test runs past the dealt-out rest"
+        stretch = Stretch(**{**end["positions"][name], "hops": ()})
+        epoch, _ = stretch.common_position(n)  # every epoch before it is read on every rank
+        later = sum(stretch.samples - ((epoch * n + r) // after - (stretch.epoch * n + r) // after)
+                    for r in range(after))
+        assert min(got[OFFSET[name] + i] for i in range(n)) >= epoch, f"{name}: no sample skipped"
+        repeats = sum(got.values()) - epoch * n - later
+        allowed = sum(a + b - 2 for a, b in zip(worlds, worlds[1:]) if a != b)
+        assert 0 <= repeats <= allowed, f"{name}: {repeats} repeated"
+
+
+def test_a_state_of_other_sources_or_other_data_is_refused_naming_them(paths, tmp_path):
+    _, state = run(paths, 1, 3)
+    other = {**paths, "code": write(str(tmp_path / "other.gds"), "code", 31, 3)}
+    changed = labelled(31)
+    changed["idx"] += OFFSET["code"]
+    changed["x"][5] += 1  # one sample differs: same shapes, same layout, other content
+    write_dataset(str(tmp_path / "changed.gds"), {f: ArraySource(f, a) for f, a in changed.items()},
+                  samples_per_block=3, progress=False)
+    cases = [({"web": paths["web"], "code": paths["code"]}, "'sources'"),
+             ({**paths, "code": str(tmp_path / "changed.gds")}, r"datasets\['code'\]\.content_sha256")]
+    for sources, match in cases:
+        (m,) = open_ranks(sources, 1, weights=None)
+        with pytest.raises(StateError, match=match):
+            m.load_state_dict(state)
+        m.close()
+    (m,) = open_ranks(other, 1)
+    m.load_state_dict(state)  # the same data written again: its fingerprint is the same
+    m.close()
+    (m,) = open_ranks(paths, 1, seed=2)
+    with pytest.raises(StateError, match="'seed'"):
+        m.load_state_dict(state)
+    m.close()
+    (m,) = open_ranks(paths, 1)
+    far = {**state["positions"], "web": {**state["positions"]["web"], "world_size": 999}}
+    for key, value, match in (("step", -1, "'step'"), ("positions", {}, "'positions'"), ("rank", 5, "'rank'"),
+                              ("schedule", {**state["schedule"], "start": 99}, "schedule.start"),
+                              ("positions", far, r"source 'web'.*'positions\['web'\]'.*world_size")):
+        with pytest.raises(StateError, match=match):
+            m.load_state_dict({**state, key: value})
+    with pytest.raises(TypeError):
+        m.load_state_dict([state])
+    m.close()
+    (m,) = open_ranks(paths, 1, batch_size=12)  # counts in other units: a new segment from the saved step
+    m.load_state_dict(state)
+    assert m.state_dict()["schedule"] == {**state["schedule"], "start": 3, "counts": dict.fromkeys(SIZES, 0)}
+    assert len(next(iter(m))["idx"]) == 12
+    m.close()
+
+
+def test_sources_must_read_the_same_fields_unless_whole_batches(paths, tmp_path):
+    ints = write(str(tmp_path / "ints.gds"), "books", 17, 2, dtype="int32")
+    with pytest.raises(ValueError, match="source 'books': field 'x' is int32 .* in source 'web' float32"):
+        Mixture({**paths, "books": ints}, batch_size=8, backend="cpu")
+    with pytest.raises(ValueError, match="source 'books': field 'x' is absent"):
+        Mixture({**paths, "books": {"path": paths["books"], "fields": ["idx"]}}, batch_size=8, backend="cpu")
+    renamed = {**paths, "books": {"path": paths["books"], "fields": {"x": "y", "idx": "idx"}}}
+    with pytest.raises(ValueError, match="field 'x' is absent"):
+        Mixture(renamed, batch_size=8, backend="cpu")
+    with pytest.raises(ValueError, match="'source' would hide"):
+        Mixture({**paths, "books": {"path": paths["books"], "fields": {"x": "source"}}}, batch_size=8,
+                backend="cpu")
+    with Mixture({**paths, "books": ints}, WEIGHTS, batch_size=8, backend="cpu", whole_batches=True,
+                 seed=3) as mix:
+        got = [(set(b["source"].tolist()), b["x"].dtype, len(b["idx"])) for _, b in zip(range(40), mix)]
+    assert all(len(s) == 1 and n == 8 for s, _, n in got), "each batch one whole batch of one source"
+    assert {d for s, d, _ in got if s == {2}} == {np.dtype("int32")}
+    counts = np.cumsum([[s == {i} for i in range(3)] for s, _, _ in got], axis=0)
+    target = np.array([0.6, 0.25, 0.15]) * np.arange(1, 41)[:, None]
+    assert (abs(counts - target) < 1 + 1e-9).all(), "whole batches follow the weights within one"
+
+
+def test_a_renamed_field_mixes_with_its_namesakes(paths, tmp_path):
+    data = labelled(17)
+    data = {"features": data["x"] + np.float32(OFFSET["books"] * 1000), "id": data["idx"] + OFFSET["books"]}
+    path = str(tmp_path / "renamed.gds")
+    write_dataset(path, {f: ArraySource(f, a) for f, a in data.items()}, samples_per_block=2, progress=False)
+    sources = {**paths, "books": {"path": path, "fields": {"features": "x", "id": "idx"}}}
+    out, _ = run(sources, 1, 40)
+    check_epochs(out, 1)
+
+
+def test_variable_length_fields_mix_by_sample(tmp_path):
+    seqs = {name: sequences(n, seed=i) for i, (name, n) in enumerate([("a", 23), ("b", 11)])}
+    paths = {}
+    for name, s in seqs.items():
+        paths[name] = str(tmp_path / f"{name}.gds")
+        write_dataset(paths[name], {"idx": ArraySource("idx", np.arange(len(s)))},
+                      ragged={"tokens": ragged_source(s)}, samples_per_block=4, progress=False)
+    with Mixture(paths, {"a": 2, "b": 1}, batch_size=6, backend="cpu", shuffle=True, resident_bytes=0) as mix:
+        for _, batch in zip(range(30), mix):
+            off = batch["tokens/offsets"]
+            assert off[0] == 0 and off[-1] == len(batch["tokens"]) and len(off) == 7
+            for j, (i, s) in enumerate(zip(batch["idx"], batch["source"])):
+                expected = seqs[mix.sources[s]][i]
+                assert np.array_equal(batch["tokens"][off[j]:off[j + 1]], expected)
+    with pytest.raises(ValueError, match="pad_to='max'"):
+        Mixture(paths, batch_size=6, backend="cpu", pad_to="max")
+    with Mixture(paths, batch_size=6, backend="cpu", pad_to=8) as mix:
+        batch = next(iter(mix))
+        assert batch["tokens"].shape == (6, 8) and batch["tokens/lengths"].shape == (6,)
+
+
+def test_leaving_a_pass_stops_every_reader_and_the_next_pass_goes_on(paths):
+    (whole,) = open_ranks(paths, 1)
+    expected = [b["idx"].tolist() for _, b in zip(range(30), whole)]
+    whole.close()
+    (mix,) = open_ranks(paths, 1, num_batches=10)
+    assert len(mix) == 10
+    got = []
+    for i, b in enumerate(mix):
+        got.append(b["idx"].tolist())
+        if i == 3:
+            break
+    assert wait_no_readers() == [], "leaving a pass early stops its sources' readers"
+    got += [b["idx"].tolist() for b in mix]  # the rest of that pass
+    assert len(got) == 10
+    got += [b["idx"].tolist() for b in mix]
+    assert got == expected[:20] and mix.step == 20
+    stats = mix.stats
+    assert stats.batches == 20 and stats.samples == 160 and stats.wall_s > 0
+    assert sum(s.samples for s in stats.sources.values()) == 160 and stats.sources["web"].bytes > 0
+    assert set(stats.as_dict()["sources"]) == set(SIZES)
+    mix.close()
+    assert wait_no_readers() == []
+    with pytest.raises(Exception, match="closed"):
+        iter(mix)
+    (endless,) = open_ranks(paths, 1)
+    with pytest.raises(TypeError, match="endless"):
+        len(endless)
+    endless.close()
+
+
+def test_weights_from_a_function_of_the_step_resume_exactly(paths):
+    def schedule(step):
+        return WEIGHTS if step < 12 else {"web": 1, "code": 1, "books": 2}
+
+    full, _ = run(paths, 2, 30, weights=schedule)
+    check_counts(full, {"web": 1, "code": 1, "books": 2}, start=12)
+    first, state = run(paths, 2, 17, weights=schedule)
+    assert state["schedule"]["start"] == 12
+    rest, _ = run(paths, 2, 13, state=state, weights=schedule)
+    assert [a + b for a, b in zip(first, rest)] == full
+
+
+def test_bad_arguments_are_refused_naming_them(paths):
+    for kwargs, error, match in [({"batch_size": 0}, ValueError, "batch_size"),
+                                 ({"batch_size": 8, "drop_last": True}, ValueError, "drop_last"),
+                                 ({"batch_size": 8, "whole_batches": 1}, TypeError, "whole_batches"),
+                                 ({"batch_size": 8, "no_such": 1}, TypeError, "source 'web'")]:
+        with pytest.raises(error, match=match):
+            Mixture(paths, backend="cpu", **kwargs)
+    with pytest.raises(TypeError, match="sources"):
+        Mixture([paths["web"]], batch_size=8)
+    with pytest.raises(ValueError, match="source 'web'.*world_size"):
+        Mixture(paths, batch_size=8, backend="cpu", rank=0, world_size=20)
+    with pytest.raises(ValueError, match="missing"):
+        Mixture(paths, {"web": 1}, batch_size=8, backend="cpu")
+    assert wait_no_readers() == []
+
+
+def test_torch_output(paths):
+    torch = pytest.importorskip("torch")
+    with Mixture(paths, WEIGHTS, batch_size=8, backend="cpu", output="torch", resident_bytes=0) as mix:
+        batch = next(iter(mix))
+    assert isinstance(batch["x"], torch.Tensor) and batch["source"].dtype == torch.int64
+    assert torch.equal(batch["x"][:, 0, 0], batch["idx"].to(torch.float32) * 1000)
+
+
+@pytest.mark.gpu
+def test_a_mixture_of_the_three_gpu_backends_serves_every_sample_exactly(paths):
+    """RAM tier, pinned and kvikio sources in one mixture: every sample's bytes as written, the counts as the
+    weights say, everything on the device."""
+    import cupy
+
+    sources = {"web": {"path": paths["web"], "backend": "mmap"}, "code": {"path": paths["code"], "backend": "pinned"},
+               "books": {"path": paths["books"], "backend": "kvikio"}}
+    seen: Counter = Counter()
+    with Mixture(sources, WEIGHTS, batch_size=20, seed=1, shuffle=True, resident_bytes=0, num_batches=12) as mix:
+        assert [ds.backend_name for ds in mix.datasets.values()] == ["mmap", "pinned", "kvikio"]
+        for batch in mix:
+            assert all(isinstance(a, cupy.ndarray) for a in batch.values())
+            idx, x, src = (cupy.asnumpy(batch[k]) for k in ("idx", "x", "source"))
+            np.testing.assert_array_equal(x, (idx.reshape(-1, 1, 1) * 1000 + np.arange(15).reshape(3, 5)))
+            for j, s in enumerate(src.tolist()):
+                name = mix.sources[s]
+                assert OFFSET[name] <= idx[j] < OFFSET[name] + SIZES[name][0]
+                seen[name] += 1
+    assert seen == {"web": 144, "code": 60, "books": 36}  # 0.6 / 0.25 / 0.15 of 12 batches of 20
