@@ -15,13 +15,10 @@ read in windows of at most ``window_blocks`` blocks: the rests of old windows, p
 window split only when it holds more blocks than a new window may, and every window taking its samples in
 their old order. A window may pick only some samples of a block (``EpochPlan.positions`` names each one).
 
-Padding and dropping per leg: without ``drop_last`` a leg repeats at most ``world_size - 1`` samples (ranks
-differ by one sample at most, and the shorter ones repeat samples of their own last window; a rank left
-with none repeats the remainder's last sample); with ``drop_last`` it drops fewer than
-``world_size * batch_size`` of the remainder's last samples, so every batch is full. Later epochs are
-planned afresh with the current settings.
-
-See docs/multi-gpu.md for the state format, what may change mid-epoch, and a worked example.
+Padding and dropping per leg: without ``drop_last`` a leg repeats at most ``world_size - 1`` samples (the
+shorter ranks repeat samples of their own last window; a rank left with none, the remainder's last sample);
+with ``drop_last`` it drops fewer than ``world_size * batch_size`` of the remainder's last samples. Later
+epochs are planned afresh. docs/multi-gpu.md gives the state format and a worked example.
 """
 
 from __future__ import annotations
@@ -47,10 +44,10 @@ CONTENT_FREE_FORMAT = 1  # before content_sha256: the same plans; resumed, warni
 MAX_HOPS = 64  # legs one epoch may be read in: a checkpoint stays small whatever a job does
 STATE_KEYS = ("state_format", "epoch", "batches_yielded", "hops", "num_samples", "samples_per_block", "batch_size",
               "window_blocks", "shuffle", "seed", "drop_last", "rank", "world_size", "fields", "index_sha256",
-              "content_sha256")
-CONTENT_FREE_KEYS = STATE_KEYS[:-1]  # the keys of a state of CONTENT_FREE_FORMAT
+              "content_sha256", "exact_shares")
+CONTENT_FREE_KEYS = STATE_KEYS[:-2]  # the keys of a state of CONTENT_FREE_FORMAT (exact_shares: False)
 HOP_KEYS = ("world_size", "batch_size", "window_blocks", "batches")
-FIXED_KEYS = ("num_samples", "samples_per_block", "shuffle", "seed", "drop_last")  # never change mid-epoch
+FIXED_KEYS = ("num_samples", "samples_per_block", "shuffle", "seed", "drop_last", "exact_shares")  # fixed per epoch
 
 
 class StateError(GDSLoadError, ValueError):
@@ -97,6 +94,7 @@ class SavedState:
     fields: dict[str, str]
     index_sha256: dict[str, str]
     content_sha256: dict[str, str] | None  # None: a state of CONTENT_FREE_FORMAT
+    exact_shares: bool = False
 
     @property
     def leg(self) -> tuple[int, int, int]:
@@ -129,6 +127,7 @@ def make_state(config: PlanConfig, fp: Fingerprint, epoch: int, batches_yielded:
     state["fields"] = dict(fp.fields)
     state["index_sha256"] = dict(fp.index_sha256)
     state["content_sha256"] = dict(fp.content_sha256)
+    state["exact_shares"] = config.exact_shares
     return state
 
 
@@ -215,6 +214,7 @@ def parse_state(state: Any, num_blocks: int | None = None) -> SavedState:
         shuffle=_bool(state["shuffle"], "shuffle"),
         seed=_int(state["seed"], "seed", 0),
         drop_last=_bool(state["drop_last"], "drop_last"),
+        exact_shares=False if content_free else _bool(state["exact_shares"], "exact_shares"),
         rank=_int(state["rank"], "rank", 0, world_size - 1, "below the state's world_size"),
         world_size=world_size,
         fields=fields,
@@ -262,7 +262,7 @@ def resume(state: Any, config: PlanConfig, fp: Fingerprint) -> Cursor:
                       "dataset's content): its dataset's shapes and shard layout match, its content cannot be "
                       "checked; resuming. States saved from now on carry 'content_sha256'", UserWarning, stacklevel=3)
     legs = _legs(config, saved.epoch, saved.hops, saved.leg)
-    batches = legs[0].plan.num_batches
+    batches = max(leg.plan.num_batches for leg in legs)  # ranks' exact shares may differ by a batch
     if saved.batches_yielded > batches:
         raise StateError(f"state key 'batches_yielded': expected an int from 0 to {batches}, the batches of epoch "
                          f"{saved.epoch}'s current leg (world_size, batch_size, window_blocks = {saved.leg}), found "

@@ -478,7 +478,7 @@ def test_state_is_small_and_plain(saved):
     _, state = saved
     assert list(state) == ["state_format", "epoch", "batches_yielded", "hops", "num_samples", "samples_per_block",
                            "batch_size", "window_blocks", "shuffle", "seed", "drop_last", "rank", "world_size",
-                           "fields", "index_sha256", "content_sha256"]
+                           "fields", "index_sha256", "content_sha256", "exact_shares"]
     assert state["fields"] == {"x": "float32 (3, 5)", "idx": "int64 ()"}
     assert len(json.dumps(state)) < 800  # two sha256 per field read, the rest a few ints
 
@@ -512,7 +512,7 @@ def mutate(state, key, value):
     ("hops", KeyError, r"lacks \['hops'\]"),
     ("extra", 1, r"unknown keys \['extra'\]"),
     ("state_format", 3, r"'state_format': expected 2 \(or 1\), found 3"),
-    ("state_format", 1, r"state has unknown keys \['content_sha256'\]"),
+    ("state_format", 1, r"state has unknown keys \['content_sha256', 'exact_shares'\]"),
     ("shuffle", 1, r"'shuffle': expected True or False"),
     ("rank", 1, r"'rank': expected an int from 0 to 0"),
     ("world_size", 0, r"'world_size': expected an int from 1 to 125"),
@@ -682,7 +682,7 @@ def test_a_state_saved_before_content_fingerprints_resumes_with_a_warning(saved,
     checked as they were, and it resumes exactly, with a warning that the content could not be checked."""
     path, state = saved
     _, data = data_path
-    old = {k: v for k, v in state.items() if k != "content_sha256"}
+    old = {k: v for k, v in state.items() if k not in ("content_sha256", "exact_shares")}
     old["state_format"] = 1
     with Dataset(path, batch_size=32, window_blocks=3, shuffle=True, seed=1) as ds:
         ds.load_state_dict(state)
@@ -698,3 +698,21 @@ def test_a_state_saved_before_content_fingerprints_resumes_with_a_warning(saved,
     with pytest.raises(StateError, match=r"rank 1's state differs from rank 0's \(state_format: 1 against 2, "
                                          r"content_sha256: 'absent' against"):
         merge_states([two[1], {**state, "world_size": 2, "rank": 1}])
+
+
+def test_exact_shares_is_part_of_the_state_and_every_rank_resumes_its_last_batch(make_dataset):
+    """With exact shares ranks may hold a batch more than rank 0: a state at that last batch resumes (it was
+    refused as past rank 0's batches), and a state of one kind of shares is refused by the other, naming it."""
+    path = make_dataset(labelled(41), samples_per_block=2)
+    opened = functools.partial(Dataset, path, batch_size=4, world_size=2, exact_shares=True)
+    counts = {}
+    for rank in (0, 1):
+        with opened(rank=rank) as ds:
+            counts[rank] = len(list(ds))
+            state = ds.state_dict()  # at the end of the epoch: every batch of this rank yielded
+        with opened(rank=rank) as ds:
+            ds.load_state_dict(state)
+            assert state["exact_shares"] and list(ds) == []
+    assert counts[0] != counts[1]  # 41 samples in shares of 20 and 21: 5 and 6 batches of 4
+    with Dataset(path, batch_size=4, world_size=2, rank=0) as ds, pytest.raises(StateError, match="exact_shares"):
+        ds.load_state_dict(state)
