@@ -147,6 +147,17 @@ def test_sweep_cpu(tmp_path: str) -> None:
     assert [r["ceiling"] for r in doc["results"] if "ceiling" in r] == ["page cache -> host memory"] * 2
 
 
+def test_mixture_benchmark_cpu(tmp_path: str) -> None:
+    out = str(tmp_path / "results")
+    bench("benchmarks.mixture", "--data", str(tmp_path / "data"), "--out", out, "--size-gib", "0.02",
+          "--backends", "cpu", "--rounds", "2", "--min-seconds", "0", "--batch-size", "16")
+    (path,) = glob.glob(os.path.join(out, "*", "mixture.json"))
+    with open(path) as f:
+        (row,) = json.load(f)["results"]
+    assert row["io_mode"] == "cpu" and len(row["gb_per_s_single"]) == len(row["gb_per_s_mixture"]) == 2
+    assert row["best_mixture"] > 0 and os.path.exists(path[:-5] + ".md")
+
+
 def test_shuffle_quality(tmp_path: str) -> None:
     bench("benchmarks.shuffle_quality", "--samples", "4000", "--samples-per-block", "16", "--batch-size", "64",
           "--classes", "10", "--windows", "1,16", "--out", str(tmp_path))

@@ -1,0 +1,99 @@
+"""A mixture of three datasets against one dataset of the same total bytes, warm, in one run.
+
+    python -m benchmarks.mixture [--size-gib 4] [--backends mmap,pinned,kvikio] [--rounds 3]
+
+The three sources hold 1/2, 1/3 and 1/6 of ``--size-gib`` of the suite's images and are mixed in those
+proportions (every source with the same backend); the single dataset holds ``--size-gib``. Each is timed as
+a stretch of back-to-back batches for at least ``--min-seconds`` from rest (the suite's warm method; the
+mixture's stretch is whole passes of ``num_batches`` = the single dataset's batches per epoch), the two in
+alternating order round by round, the device synchronised at the end of each stretch. GB/s counts the bytes
+of the batches delivered. Writes ``results/<machine>/mixture[-TAG].json`` and a markdown table beside it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+from gdsload import GDSDataset, Mixture
+from gdsload.measure import device_sync, time_pass
+
+from .common import BATCH, Rows, make_dataset, parse_probe_args, probe_parser, write_probe
+
+SHARES = {"half": 3, "third": 2, "sixth": 1}  # sixths of the total
+
+
+def time_mixture(mix: Mixture, sync: Any, min_seconds: float) -> float:
+    """GB/s of whole passes over ``mix`` for at least ``min_seconds``, from rest."""
+    mix.stop()
+    nbytes, t0 = 0, time.perf_counter()
+    while True:
+        for batch in mix:
+            nbytes += sum(a.nbytes for a in batch.values())
+        sync()
+        took = time.perf_counter() - t0
+        if took >= min_seconds:
+            return nbytes / took / 1e9
+
+
+def measure(backend: str, single_path: str, sources: dict[str, str], rounds: int, min_seconds: float,
+            batch_size: int) -> dict[str, Any]:
+    options = {"backend": backend, "shuffle": True, "seed": 0}
+    single = GDSDataset(single_path, batch_size, **options)
+    mix = Mixture(sources, {name: SHARES[name] for name in sources}, batch_size=batch_size,
+                  num_batches=len(single), **options)
+    try:
+        sync = device_sync(single)
+        time_pass(single)  # warm-up: page cache, kernels, buffers
+        single.stop()
+        time_mixture(mix, sync, 0.0)
+        rates: dict[str, list[float]] = {"single": [], "mixture": []}
+        for r in range(rounds):
+            for what in ("single", "mixture") if r % 2 == 0 else ("mixture", "single"):
+                if what == "single":
+                    rates[what].append(time_pass(single, min_seconds=min_seconds).gb_per_s)
+                    single.stop()
+                else:
+                    rates[what].append(time_mixture(mix, sync, min_seconds))
+        best = {k: max(v) for k, v in rates.items()}
+        return {"what": f"gdsload {backend}", "io_mode": single.io_mode, "regime": "warm", "shuffle": True,
+                "gb_per_s_single": [round(x, 2) for x in rates["single"]],
+                "gb_per_s_mixture": [round(x, 2) for x in rates["mixture"]],
+                "best_single": round(best["single"], 2), "best_mixture": round(best["mixture"], 2),
+                "mixture_of_single_pct": round(100 * best["mixture"] / best["single"], 1)}
+    finally:
+        mix.close()
+        single.close()
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    lines = ["| backend | io mode | GB/s one dataset | GB/s mixture of 3 | mixture / one |", "|---|---|---:|---:|---:|"]
+    lines += [f"| {r['what']} | {r['io_mode']} | {r['best_single']} | {r['best_mixture']} | "
+              f"{r['mixture_of_single_pct']} % |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = probe_parser(__doc__.splitlines()[0], size_gib=4.0)
+    ap.add_argument("--backends", default="mmap,pinned,kvikio")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--min-seconds", type=float, default=0.5)
+    ap.add_argument("--batch-size", type=int, default=BATCH)
+    args = parse_probe_args(ap, argv)
+    single = make_dataset(args.data, args.size_gib)
+    sources = {name: make_dataset(args.data, args.size_gib * n / 6) for name, n in SHARES.items()}
+    rows = Rows()
+    for backend in args.backends.split(","):
+        rows.emit(measure(backend, single, sources, args.rounds, args.min_seconds, args.batch_size))
+    out = write_probe(args, "mixture", rows, rounds=args.rounds, method=__doc__.split("\n\n")[2])
+    with open(os.path.splitext(out)[0] + ".md", "w") as f:
+        f.write(markdown(rows))
+    print("wrote", out, flush=True)
+    print(markdown(rows), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
