@@ -20,6 +20,7 @@ from typing import Any, TextIO
 from .doctor_probe import LIVE_READ_BYTES, HostProbes, LiveRead, PathError, Target
 from .env import CONNECTIONS_ENV, CONNECTIONS_FIX, connections_note
 from .errors import printable
+from .numa import numa_report
 from .sysfiles import (NVFS_DIR, NVFS_RW_STATS_PARAM, NVFS_STATS, FsSupport, Iommu, Mount, NvfsStats, SystemFiles,
                        cufile_json_path, cufile_settings, find_mount, iommu_mode, kvikio_compat_env, mount_support,
                        nvfs_version, parse_cufile_json, parse_mountinfo, parse_nvfs_stats)
@@ -61,6 +62,7 @@ class Facts:
     container: str | None
     iommu: Iommu
     backend: tuple[str, str]
+    numa: tuple[bool | None, str, str] = (None, "not observed", "")
     target: Target | None = None
     mount: Mount | None = None
     mount_error: str | None = None
@@ -122,7 +124,7 @@ def gather(path: str | None, files: SystemFiles, probes: Any) -> Facts:
         wsl="microsoft" in (files.read("/proc/sys/kernel/osrelease") or "").lower(),
         container=_container(files, mounts),
         iommu=iommu_mode(files.read("/proc/cmdline"), types, bool(groups)), backend=_auto(probes, target),
-        target=target, mount_error=mount_error)
+        numa=numa_report(files, gpu.get("pci_bus_id")), target=target, mount_error=mount_error)
     if target is None:
         return facts
     facts.mount = find_mount(mounts, target.real)
@@ -244,6 +246,12 @@ def _connections_check(f: Facts) -> Check:
                  f"{CONNECTIONS_ENV}={raw}")
 
 
+def _numa_check(f: Facts) -> Check:
+    """Not a reason GDS is unused (rank 0): where the rank's pinned buffers and reader threads belong."""
+    ok, found, fix = f.numa
+    return Check("NUMA", ok, found, fix)
+
+
 def _container_check(f: Facts) -> Check:
     where = f.container or "no container detected"
     if f.wsl:
@@ -336,7 +344,8 @@ def _live_check(f: Facts) -> Check:
 def checks(f: Facts) -> list[Check]:
     """Every check, in the order shown."""
     out = [_gpu_check(f), _kvikio_check(f), _libcufile_check(f), _nvfs_check(f), _cufile_json_check(f),
-           _kvikio_env_check(f), _container_check(f), _iommu_check(f), _connections_check(f)]
+           _kvikio_env_check(f), _container_check(f), _iommu_check(f), _connections_check(f),
+           _numa_check(f)]
     if f.target is not None:
         out += _path_checks(f) + [_live_check(f)]
     return out

@@ -231,9 +231,19 @@ class HostProbes:
     """The real machine, for :func:`gdsload.doctor.gather` (tests pass a stand-in with these methods)."""
 
     def gpu(self) -> dict[str, Any]:
+        """:func:`gdsload.env.gpu_info`, plus ``pci_bus_id`` of CUDA device 0 when CuPy can tell (the NUMA
+        line finds the GPU's node by it)."""
         from .env import gpu_info
 
-        return gpu_info()
+        info = gpu_info()
+        if info.get("gpu"):
+            try:
+                import cupy
+
+                info["pci_bus_id"] = cupy.cuda.runtime.deviceGetPCIBusId(0)
+            except Exception:  # an old CuPy: the NUMA line falls back to CUDA_VISIBLE_DEVICES
+                pass
+        return info
 
     def kvikio(self, gpu: bool) -> dict[str, Any]:
         """KvikIO as :func:`gdsload.env.kvikio_info` sees it; without a GPU only whether it is installed."""

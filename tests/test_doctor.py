@@ -309,7 +309,8 @@ def test_no_path_reports_the_stack_only(tmp_path):
     assert rep["verdict"] == "GDS: not confirmed — no PATH to read; fix: run gdsload doctor PATH"
     assert [c["name"] for c in rep["checks"]] == ["GPU", "KvikIO", "libcufile", "nvidia-fs", "cufile.json",
                                                   "KVIKIO_COMPAT_MODE", "container", "IOMMU", "CUDA queues",
-                                                  "backend auto"]
+                                                  "NUMA", "backend auto"]
+    assert check(rep, "NUMA")["ok"] is None  # gds_host has no /proc/driver/nvidia: the GPU's node is unknown
     assert check(rep, "CUDA queues") == {"name": "CUDA queues", "ok": True, "fix": "", "section": "stack",
                                          "found": "CUDA_DEVICE_MAX_CONNECTIONS unset (CUDA's default)"}
     assert check(rep, "nvidia-fs")["found"] == "2.28 loaded, 4 device(s), read counters on"
@@ -329,6 +330,56 @@ def test_render_one_screen(tmp_path):
     fixes = [i for i, line in enumerate(lines) if line.lstrip().startswith("fix: ")]
     assert len(fixes) == sum(1 for c in rep["checks"] if c["ok"] is not True and c["fix"]) > 0
     assert all(lines[i - 1][2] in "✘–" for i in fixes)
+
+
+def numa_host(tmp_path, cpus: str, env: dict | None = None) -> SystemFiles:
+    """The 2-socket fixture with this process allowed to run on ``cpus`` (its /proc/self/status)."""
+    files = scenario(tmp_path, "numa_2socket", env)
+    with open(files.path("/proc/self/status"), "w") as f:
+        f.write(f"Name:\tpython3\nCpus_allowed_list:\t{cpus}\n")
+    return files
+
+
+def test_numa_mismatch_is_a_warning_not_a_reason(tmp_path):
+    on_node = report(numa_host(tmp_path / "a", "56-111,168-223", {"CUDA_VISIBLE_DEVICES": "5"}), None)
+    off_node = report(numa_host(tmp_path / "b", "0-63", {"CUDA_VISIBLE_DEVICES": "5"}), None)
+    assert check(on_node, "NUMA")["ok"] is True and "may run on only its node's CPUs" in check(on_node, "NUMA")["found"]
+    assert check(off_node, "NUMA") == {
+        "name": "NUMA", "ok": False, "section": "stack",
+        "found": "GPU 5 (0000:ab:00.0) is on NUMA node 1 (CPUs 56-111,168-223); this process may run on CPUs 0-63: "
+                 "8 of the node's, 56 on node 0; GPUs by node: node 0: 0-3, node 1: 4-7",
+        "fix": "run this rank on its GPU's node: numactl --cpunodebind=1 --membind=1 ... (or taskset -c "
+               "56-111,168-223 ...)"}
+    assert off_node["verdict"] == on_node["verdict"] and off_node["reasons"] == on_node["reasons"]
+    assert off_node["gds_available"] == on_node["gds_available"]
+    assert not any(r.startswith("NUMA") for r in off_node["reasons"])
+    lines = render(off_node).splitlines()
+    i = next(i for i, line in enumerate(lines) if line.startswith("  ✘ NUMA "))
+    assert lines[i + 1].strip().startswith("fix: run this rank on its GPU's node: numactl --cpunodebind=1")
+
+
+def test_numa_line_for_gpus_on_either_node(tmp_path):
+    other = report(numa_host(tmp_path / "a", "0-55"), None)  # GPU 0 is on node 0: no mismatch
+    assert check(other, "NUMA")["ok"] is True
+    wrong = report(numa_host(tmp_path / "b", "0-55", {"CUDA_VISIBLE_DEVICES": "7"}), None)
+    assert check(wrong, "NUMA")["found"].endswith("this process may run on CPUs 0-55 (node 0 only); GPUs by node: "
+                                                  "node 0: 0-3, node 1: 4-7")
+
+    class ProbedBus(Machine):  # CuPy told the doctor its device's bus id: it wins over CUDA_VISIBLE_DEVICES
+        def gpu(self) -> dict:
+            return dict(super().gpu(), pci_bus_id="00000000:2A:00.0")
+
+    files = numa_host(tmp_path / "c", "56-111", {"CUDA_VISIBLE_DEVICES": "7"})
+    rep = diagnose(gather(None, files, ProbedBus(files.root)))
+    assert check(rep, "NUMA")["found"].startswith("GPU 1 (0000:2a:00.0) is on NUMA node 0")
+    assert check(rep, "NUMA")["ok"] is False
+
+
+def test_numa_line_on_a_one_node_host(tmp_path):
+    rep = report(scenario(tmp_path, "numa_1node"), None)
+    assert check(rep, "NUMA") == {"name": "NUMA", "ok": None, "found": "one NUMA node: nothing to place", "fix": "",
+                                  "section": "stack"}
+    assert "  – NUMA                one NUMA node: nothing to place" in render(rep).splitlines()
 
 
 # -- this machine ----------------------------------------------------------------------------------
