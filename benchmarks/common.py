@@ -245,6 +245,17 @@ def write_probe(args: argparse.Namespace, name: str, rows: list[dict[str, Any]],
     return write_json(path, {"benchmark": name, "date": today(), "machine": info, **extra, "results": rows})
 
 
+def write_probe_table(args: argparse.Namespace, name: str, rows: list[dict[str, Any]], table: str,
+                      **extra: Any) -> str:
+    """:func:`write_probe`, with ``table`` (the rows as markdown) beside the JSON and printed."""
+    out = write_probe(args, name, rows, **extra)
+    with open(os.path.splitext(out)[0] + ".md", "w") as f:
+        f.write(table)
+    print("wrote", out, flush=True)
+    print(table, flush=True)
+    return out
+
+
 def save_figure(fig: Any, png: str, dpi: int = 100) -> None:
     """Lay ``fig`` out, write it to ``png`` and free it (pyplot keeps every open figure otherwise)."""
     import matplotlib.pyplot as plt

@@ -12,7 +12,6 @@ of the batches delivered. Writes ``results/<machine>/mixture[-TAG].json`` and a 
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import Any
@@ -20,7 +19,7 @@ from typing import Any
 from gdsload import GDSDataset, Mixture
 from gdsload.measure import device_sync, time_pass
 
-from .common import BATCH, Rows, make_dataset, parse_probe_args, probe_parser, write_probe
+from .common import BATCH, Rows, make_dataset, parse_probe_args, probe_parser, write_probe_table
 
 SHARES = {"half": 3, "third": 2, "sixth": 1}  # sixths of the total
 
@@ -87,11 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = Rows()
     for backend in args.backends.split(","):
         rows.emit(measure(backend, single, sources, args.rounds, args.min_seconds, args.batch_size))
-    out = write_probe(args, "mixture", rows, rounds=args.rounds, method=__doc__.split("\n\n")[2])
-    with open(os.path.splitext(out)[0] + ".md", "w") as f:
-        f.write(markdown(rows))
-    print("wrote", out, flush=True)
-    print(markdown(rows), flush=True)
+    write_probe_table(args, "mixture", rows, markdown(rows), rounds=args.rounds, method=__doc__.split("\n\n")[2])
     return 0
 
 

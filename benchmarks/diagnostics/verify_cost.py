@@ -28,7 +28,7 @@ import numpy as np
 from gdsload import GDSDataset
 from gdsload.measure import cold_pass, drop_page_cache, pinned_h2d_gbps, time_pass
 
-from ..common import BATCH, Rows, make_dataset, parse_probe_args, probe_parser, write_probe
+from ..common import BATCH, Rows, make_dataset, parse_probe_args, probe_parser, write_probe_table
 
 
 def kernel_gbps(nbytes: int = 256 << 20, block_bytes: int = 4 << 20, repeats: int = 5) -> float:
@@ -204,11 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             with GDSDataset(cold_path, BATCH, backend=backend) as ds:
                 io_mode = ds.io_mode
             rows.emit(row(backend, io_mode, "cold", cold(cold_path, backend, args.cold_rounds)))
-    out = write_probe(args, "verify-cost", rows, rounds=args.rounds, method=__doc__.split("\n\n")[2])
-    with open(os.path.splitext(out)[0] + ".md", "w") as f:
-        f.write(markdown(rows))
-    print("wrote", out, flush=True)
-    print(markdown(rows), flush=True)
+    write_probe_table(args, "verify-cost", rows, markdown(rows), rounds=args.rounds, method=__doc__.split("\n\n")[2])
     return 0
 
 
