@@ -11,10 +11,10 @@ chunks (or a shard's inner chunks) cover axes 1..n entirely and are serialized b
   raw or ``zstd``-compressed, a ``bytes`` + ``crc32c`` shard index, the default chunk key encoding.
 - foreign (an array of any Zarr v3 store): also unsharded arrays (a file per chunk), the ``v2`` chunk
   key encoding, an index without checksum, any rows per chunk, any bytes-to-bytes codecs zarr's registry
-  knows and gdsload can decode, and on raw chunks a ``crc32c`` codec after ``bytes`` (its 4 bytes are
-  skipped, not verified; after a compressor it is verified). ``transpose`` and other array-to-array
-  codecs, unknown codecs, chunks that split a sample, big-endian data and storage transformers are
-  refused by name.
+  knows and gdsload can decode, and a ``crc32c`` codec after ``bytes`` or after a compressor
+  (``chunk_checksum`` for raw chunks; checked before a sample of the chunk is served, :mod:`gdsload.verify`).
+  ``transpose`` and other array-to-array codecs, unknown codecs, chunks that split a sample, big-endian data
+  and storage transformers are refused by name.
 
 Error contract: a FormatError (a ValueError) ``PATH/zarr.json: what is wrong``; values are checked as
 Python ints before anything is allocated; no exception of json, numpy or zarr escapes.
@@ -69,7 +69,7 @@ class FieldMeta:
     sharded: bool = True
     key_encoding: str = "default"  # or "v2"
     index_checksum: bool = True  # the shard index ends with its crc32c
-    chunk_checksum: bool = False  # each raw stored chunk ends with a crc32c (skipped, not verified)
+    chunk_checksum: bool = False  # each raw stored chunk ends with a crc32c (checked: gdsload.verify)
     #: The bytes-to-bytes codecs after ``bytes``, in stored order, as (name, configuration): empty for raw
     #: chunks. A compressed chunk's stored length varies (the chunk table keeps each one's).
     codecs: tuple[tuple[str, Any], ...] = ()

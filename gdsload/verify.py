@@ -7,8 +7,8 @@ a raw chunk's 4 stored bytes are read beside it (:func:`read_trailers`) and its 
 index's crc32c is checked as the index is read (:mod:`gdsload.shard_index`).
 
 A window's checks (:class:`WindowChecks`) are segments of its buffer, each with the CRC stored for it. The
-host verifier computes them with ``crc32c`` on the calling thread. The device verifier queues a kernel on a
-stream of its own after the window's "filled" event and copies back only the CRCs, then returns at once: the
+host verifier computes them with ``crc32c`` on a thread of its own; the device verifier queues a kernel on
+a stream of its own after the window's "filled" event and copies back only the CRCs. Either returns at once: the
 assembler gathers the window meanwhile (both only read it) and confirms the verdict (:class:`Verdict`)
 before it hands on any batch drawn from the window, and before the window buffer is released for reuse.
 A mismatch is a :class:`ChecksumError` (a ReadError) naming the file, field, block or chunk, and offset.
@@ -87,7 +87,7 @@ class WindowChecks:
     def __init__(self, layout: DatasetLayout, window_layout: WindowLayout, blocks: bool,
                  passed: Passed | None = None):
         self.layout, self.wl, self.blocks, self.passed = layout, window_layout, blocks, passed
-        self.trailed = [name for name, f in window_layout.fields.items() if f.chunk_checksum and not f.compressed]
+        self.trailed = [name for name, f in window_layout.fields.items() if f.chunk_checksum]
 
     def __bool__(self) -> bool:
         return self.blocks or bool(self.trailed)
@@ -261,7 +261,7 @@ def unchecked_fields(layout: DatasetLayout) -> list[str]:
 
 def carries_trailers(layout: DatasetLayout) -> bool:
     """Whether any array read stores a crc32c after each raw chunk (which is then always checked)."""
-    return any(layout.meta.array(k).chunk_checksum and not layout.meta.array(k).compressed for k in layout.keys)
+    return any(layout.meta.array(k).chunk_checksum for k in layout.keys)
 
 
 class Verification:
