@@ -33,12 +33,12 @@ from collections import Counter
 import numpy as np
 
 from gdsload import GDSDataset
-from gdsload.plan import epoch_plan
-from gdsload.resume import merge_states
-from gdsload.sources import ArraySource
+from gdsload.pipeline.plan import epoch_plan
+from gdsload.pipeline.resume import merge_states
+from gdsload.conversion.source_types import ArraySource
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where ``-m benchmarks...`` resolves
-from gdsload.writer import write_dataset  # noqa: E402
+from gdsload.conversion.writer import write_dataset
 
 SAMPLE = (64, 1024)  # 64 KiB of uint8 per sample
 

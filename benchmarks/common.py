@@ -11,12 +11,14 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any, Callable
 
 import numpy as np
 
-from gdsload.env import system_info
+from gdsload.system.env import system_info
+# The library's measuring tools (gdsload bench's), imported here once for the diagnostics.
+from gdsload.tools.measure import best, cold_pass, drop_page_cache, pinned_h2d_gbps, read_files, shard_paths, time_pass
+from gdsload.tools.steps import Spin
 
 #: Samples of the synthetic image dataset: 224x224x3 uint8 (JPEG-decoded ImageNet size) and an int64 label.
 IMAGE_SHAPE = (224, 224, 3)
@@ -87,7 +89,7 @@ def today() -> str:
 
 
 def describe_machine(data_dir: str | None = None) -> dict[str, Any]:
-    """:func:`gdsload.env.system_info` plus the file system holding ``data_dir`` (``df -h``)."""
+    """:func:`gdsload.system.env.system_info` plus the file system holding ``data_dir`` (``df -h``)."""
     info = system_info()
     if data_dir is not None:
         df = subprocess.run(["df", "-h", data_dir], capture_output=True, text=True).stdout.strip().splitlines()
@@ -119,6 +121,16 @@ def write_json(path: str, doc: Any) -> str:
     return path
 
 
+def load_result(path: str, refusal: Callable[[Any], str | None]) -> dict[str, Any]:
+    """The result JSON at ``path``; a ValueError naming ``path`` when ``refusal(doc)`` says why it is not one."""
+    with open(path) as f:
+        doc = json.load(f)
+    why = refusal(doc)
+    if why:
+        raise ValueError(f"{path}: {why}")
+    return doc
+
+
 class GcRuns:
     """The garbage collector's runs (any thread) while in a ``with`` block: (generation, start, end) each, on
     ``time.perf_counter_ns``'s clock."""
@@ -145,7 +157,7 @@ def stamped_steps(step: Any, batches: Any, capacity: int) -> tuple[np.ndarray, n
     """A step per item of the iterable ``batches`` (at most ``capacity``), each timed on the host (when
     ``next()`` was called and returned, when the launch returned, when the sync returned; perf_counter_ns)
     and on the GPU (the step's start and end on its nanosecond timer, written by ``step.launch(pointer)``,
-    as :class:`gdsload.steps.Spin` does): int64 arrays of shape (steps, 4) and (steps, 2), in ns."""
+    as :class:`gdsload.tools.steps.Spin` does): int64 arrays of shape (steps, 4) and (steps, 2), in ns."""
     import cupy
 
     stream = cupy.cuda.get_current_stream()
@@ -205,21 +217,8 @@ def probe_parser(description: str, size_gib: float = 4.0) -> argparse.ArgumentPa
 
 def step_ms(rate: Any, factor: float) -> float:
     """A simulated training step of ``factor`` times one batch's read time, in ms, from a timed pass
-    ``rate`` (a :class:`gdsload.measure.PassResult` of ``BATCH``-sample batches)."""
+    ``rate`` (a :class:`gdsload.tools.measure.PassResult` of ``BATCH``-sample batches)."""
     return rate.seconds / -(-rate.samples // BATCH) * 1e3 * factor
-
-
-def timed(iterable: Any, took: list[float]) -> Iterator[Any]:
-    """The items of ``iterable``; the host seconds of each ``next()`` on it are appended to ``took``."""
-    it = iter(iterable)
-    while True:
-        t0 = time.perf_counter()
-        try:
-            item = next(it)
-        except StopIteration:
-            return
-        took.append(time.perf_counter() - t0)
-        yield item
 
 
 def add_step_options(ap: argparse.ArgumentParser) -> None:

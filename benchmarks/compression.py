@@ -34,10 +34,11 @@ from typing import Any
 import numpy as np
 
 from gdsload import GDSDataset, write_dataset
-from gdsload.decode import NVCOMP_ENV
-from gdsload.measure import cold_pass, cpu_seconds, drop_page_cache, pinned_h2d_gbps, read_files, shard_paths, time_pass
-from gdsload.writer import DEFAULT_CHUNK_BYTES
-from gdsload.sources import ArraySource
+from gdsload.codecs.chunks import NVCOMP_ENV
+from gdsload.tools.measure import (cold_pass, cpu_seconds, drop_page_cache, pinned_h2d_gbps, read_files, shard_paths,
+                                   time_pass)
+from gdsload.conversion.writer import DEFAULT_CHUNK_BYTES
+from gdsload.conversion.source_types import ArraySource
 
 from .common import DATA_DIR, RESULTS_DIR, Rows, describe_machine, free_device_memory, results_dir, today, write_json
 
@@ -102,7 +103,8 @@ def write_pair(data_dir: str, kind: str, data: np.ndarray, level: int, chunk_byt
 
 def stored_ratio(path: str, field: str) -> float:
     """Stored bytes / decoded bytes of a field (1.0 raw)."""
-    from gdsload.format import DatasetLayout, read_metadata
+    from gdsload.format.layout import DatasetLayout
+    from gdsload.format.meta import read_metadata
 
     with DatasetLayout(read_metadata(path), (field,)) as layout:
         lengths = layout.chunk_lengths.get(field)
@@ -175,8 +177,9 @@ def ceilings(paths: dict[str, str], kind: str) -> list[dict[str, Any]]:
 def nvcomp_decode_gbps(path: str, field: str, window_bytes: int = 256 << 20, repeats: int = 3) -> float | None:
     """nvCOMP's batched decode alone: one window's worth of ``field``'s chunks, already in device memory,
     decoded by one call; decoded GB/s (best of ``repeats``). None without nvCOMP or CuPy."""
-    from gdsload.decode import load_nvcomp
-    from gdsload.format import DatasetLayout, read_metadata
+    from gdsload.codecs.chunks import load_nvcomp
+    from gdsload.format.layout import DatasetLayout
+    from gdsload.format.meta import read_metadata
 
     nvcomp = load_nvcomp()
     if nvcomp is None:

@@ -13,7 +13,7 @@ import math
 import sys
 from typing import Any
 
-from .common import save_figure, write_report
+from .common import load_result, save_figure, write_report
 
 #: The acceptance targets: cold tokens zstd/raw per backend, and warm zstd gdsload / zarr-python per kind.
 COLD_TARGET = 2.0
@@ -333,11 +333,8 @@ def plot(doc: dict[str, Any], png: str) -> None:
 
 def load(path: str) -> dict[str, Any]:
     """A compression JSON, refused unless its ``benchmark`` is ``compression``."""
-    with open(path) as f:
-        doc = json.load(f)
-    if not isinstance(doc, dict) or doc.get("benchmark") != "compression":
-        raise ValueError(f"{path}: not a compression benchmark result")
-    return doc
+    return load_result(path, lambda doc: None if isinstance(doc, dict) and doc.get("benchmark") == "compression"
+                       else "not a compression benchmark result")
 
 
 def render(path: str) -> list[str]:

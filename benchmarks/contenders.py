@@ -2,7 +2,7 @@
 zarr-python, naive ``np.fromfile`` per shard file, and NVIDIA DALI's file reader when DALI is installed.
 
 Each ``*_run`` function sets a contender up and returns a callable timing one pass as a
-:class:`gdsload.measure.PassResult`. With ``gpu`` the bytes end in device memory (as gdsload's GPU backends
+:class:`gdsload.tools.measure.PassResult`. With ``gpu`` the bytes end in device memory (as gdsload's GPU backends
 put them), else in host memory (beside the cpu backend). A contender that cannot run here raises from
 the callable (ImportError when its package is missing), and the suite records why.
 """
@@ -17,9 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from gdsload.format import DatasetLayout, read_metadata
-from gdsload.measure import PassResult, cpu_seconds
-from gdsload.steps import Step
+from gdsload.format.layout import DatasetLayout
+from gdsload.format.meta import read_metadata
+from gdsload.tools.measure import PassResult, cpu_seconds
+from gdsload.tools.steps import Step
 
 Run = Callable[[], PassResult]
 

@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from gdsload import GDSDataset, Mixture
-from gdsload.measure import device_sync, time_pass
+from gdsload.tools.measure import device_sync, time_pass
 
 from .common import BATCH, Rows, make_dataset, parse_probe_args, probe_parser, write_probe_table
 

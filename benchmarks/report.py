@@ -7,7 +7,6 @@ measures anything.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import Any
@@ -219,11 +218,10 @@ def plot(doc: dict[str, Any], png: str) -> None:
 
 def load(path: str) -> dict[str, Any]:
     """A suite JSON, refused unless it has this module's shape (``schema``)."""
-    with open(path) as f:
-        doc = json.load(f)
-    if doc.get("schema") != SCHEMA:
-        raise ValueError(f"{path}: not a suite result of schema {SCHEMA} (found {doc.get('schema')!r})")
-    return doc
+    from .common import load_result
+
+    return load_result(path, lambda doc: None if doc.get("schema") == SCHEMA
+                       else f"not a suite result of schema {SCHEMA} (found {doc.get('schema')!r})")
 
 
 def render(path: str, summary: bool = True) -> list[str]:

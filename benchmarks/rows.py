@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from gdsload import GDSDataset
-from gdsload.measure import PassResult, best, device_sync, drop_page_cache, time_pass, time_passes
-from gdsload.steps import Step
+from gdsload.tools.measure import PassResult, best, device_sync, drop_page_cache, time_pass, time_passes
+from gdsload.tools.steps import Step
 
 from .common import Rows
 
@@ -41,7 +41,7 @@ def lazy(build: Callable[[], Run]) -> Run:
 
 @dataclass(frozen=True)
 class Timing:
-    """How a warm measurement is timed (:func:`gdsload.measure.time_pass`): back-to-back passes filling
+    """How a warm measurement is timed (:func:`gdsload.tools.measure.time_pass`): back-to-back passes filling
     ``min_seconds``, from rest (``from_rest=False``: the earlier method, kept for comparisons)."""
 
     min_seconds: float = 0.0
@@ -49,7 +49,7 @@ class Timing:
 
 
 class GdsRun:
-    """A GDSDataset kept open across passes; each call times one pass (:func:`gdsload.measure.time_pass`),
+    """A GDSDataset kept open across passes; each call times one pass (:func:`gdsload.tools.measure.time_pass`),
     with a simulated training step per batch when ``step`` is given."""
 
     def __init__(self, path: str, backend: str, batch_size: int, shuffle: bool = False, threads: int | None = None,

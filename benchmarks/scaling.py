@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 
 from gdsload import GDSDataset
-from gdsload.env import kvikio_info
-from gdsload.measure import PassResult, block_locations, raw_kvikio_blocks, time_pass
+from gdsload.system.env import kvikio_info
+from gdsload.tools.measure import PassResult, block_locations, raw_kvikio_blocks, time_pass
 
 from .common import BATCH, DATA_DIR, RESULTS_DIR, describe_machine, make_dataset, results_dir, write_json
 

@@ -22,8 +22,8 @@ import sys
 
 import numpy as np
 
-from gdsload.cli import HelpFormatter
-from gdsload.plan import PlanConfig, epoch_plan
+from gdsload.tools.cli import HelpFormatter
+from gdsload.pipeline.plan import PlanConfig, epoch_plan
 
 if not __package__:  # run as a file: its package (benchmarks) from the checkout it lies in
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -24,10 +24,10 @@ import time
 from typing import Any
 
 from gdsload import GDSDataset
-from gdsload.env import gpu_available
-from gdsload.measure import PassResult, block_locations, drop_page_cache, pinned_h2d_gbps, raw_kvikio_blocks, \
-    raw_kvikio_files, read_files, shard_paths
-from gdsload.steps import make_step
+from gdsload.system.env import gpu_available
+from gdsload.tools.measure import (PassResult, block_locations, drop_page_cache, pinned_h2d_gbps, raw_kvikio_blocks,
+                                   raw_kvikio_files, read_files, shard_paths)
+from gdsload.tools.steps import make_step
 
 from . import report
 from .common import BATCH, DATA_DIR, RESULTS_DIR, SAMPLE_BYTES, describe_machine, free_device_memory, \
@@ -261,6 +261,17 @@ def contenders(args: argparse.Namespace, rec: Recorder, path: str, tag: str, pat
     free_device_memory()
 
 
+def warmed(args: argparse.Namespace, rec: Recorder, tag: str, name: str, config: str, path: str,
+           backend: str) -> GdsRun | None:
+    """A :class:`GdsRun` of ``path`` on ``backend`` with the run's options, its first pass taken; None where it
+    could not be opened (``rec`` recorded why)."""
+    run = rec.attempt(tag, name, config, lambda: GdsRun(path, backend, args.batch_size, timing=args.timing,
+                                                         **args.options))
+    if run is not None:
+        run()
+    return run
+
+
 def shm(args: argparse.Namespace, rec: Recorder, path: str, tag: str) -> None:
     """The /dev/shm regime: storage faster than this machine's disk (tmpfs)."""
     copy = os.path.join(args.shm, os.path.basename(path))
@@ -268,11 +279,9 @@ def shm(args: argparse.Namespace, rec: Recorder, path: str, tag: str) -> None:
     shutil.copytree(path, copy)
     try:
         for backend in args.backends:
-            run = rec.attempt(tag, f"gdsload {backend}", "shm",
-                              lambda: GdsRun(copy, backend, args.batch_size, timing=args.timing, **args.options))
+            run = warmed(args, rec, tag, f"gdsload {backend}", "shm", copy, backend)
             if run is None:
                 continue
-            run()
             rec.record(tag, "shm", f"gdsload {backend}", "shuffle=False", run, repeats=args.repeats, kind="gdsload",
                        backend=backend, shuffle=False, threads=None, default=True)
             run.close()
@@ -293,11 +302,9 @@ def stall(args: argparse.Namespace, rec: Recorder, path: str, tag: str, paths: l
     ahead = {} if args.batches_ahead is None else {"batches_ahead": args.batches_ahead}
     options = {**args.options, **ahead}
     for backend in args.backends:
-        probe = rec.attempt(tag, f"gdsload {backend} + training step", "-",
-                            lambda: GdsRun(path, backend, args.batch_size, timing=args.timing, **args.options))
+        probe = warmed(args, rec, tag, f"gdsload {backend} + training step", "-", path, backend)
         if probe is None:
             continue
-        probe()
         r = probe()
         probe.close()
         batch_read_ms = r.seconds / -(-r.samples // args.batch_size) * 1e3

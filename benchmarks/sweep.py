@@ -22,8 +22,8 @@ import sys
 from typing import Any
 
 from gdsload import GDSDataset
-from gdsload.format import read_metadata
-from gdsload.measure import best, raw_kvikio_files, read_files, shard_paths, time_pass
+from gdsload.format.meta import read_metadata
+from gdsload.tools.measure import best, raw_kvikio_files, read_files, shard_paths, time_pass
 
 from .common import BATCH, DATA_DIR, RESULTS_DIR, Rows, describe_machine, free_device_memory, make_dataset, \
     results_dir, today, write_json

@@ -12,7 +12,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
-from gdsload.cli import HelpFormatter
+from gdsload.tools.cli import HelpFormatter
 
 BACKENDS = ("auto", "kvikio", "pinned", "mmap", "cpu")
 

@@ -23,7 +23,7 @@ class ShardSamples:
     def __init__(self, path: str, names: tuple[str, ...]):
         import zarr
 
-        from gdsload.measure import block_locations
+        from gdsload.tools.measure import block_locations
 
         self.fields = []
         for name in names:

@@ -49,7 +49,7 @@ def images_maker(size: int, nchw: bool, seed: int):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from gdsload.cli import HelpFormatter
+    from gdsload.tools.cli import HelpFormatter
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("output", help="dataset directory to write (e.g. /tmp/synth.gds)")

@@ -25,7 +25,7 @@ parts of an interrupted epoch add up to the uninterrupted one's). With ``--loade
 epoch are restored but the data of a partly trained epoch starts over (a DataLoader has no position to save).
 
 The DataLoader's Dataset reads sample i with one ``pread`` per field from the shard files gdsload wrote (where
-each block lies: ``gdsload.measure.block_locations``; the rows inside a block are consecutive), in
+each block lies: ``gdsload.tools.measure.block_locations``; the rows inside a block are consecutive), in
 ``--workers`` processes, with ``pin_memory`` and a non-blocking copy to the GPU: a fair per-sample reader of
 the same bytes. (zarr-python's ``array[i]`` would read the whole block holding sample i.)
 

@@ -2,11 +2,11 @@
 a RAM tier."""
 
 from .dataset import GDSDataset
-from .mixture import Mixture
+from .mixture.mixture import Mixture
 from .errors import BackendUnavailable, ChecksumError, ConversionError, FormatError, GDSLoadError, ReadError
-from .sources import ArraySource, RaggedSource, Source
-from .stats import EpochStats
-from .writer import convert, write_dataset
+from .conversion.source_types import ArraySource, RaggedSource, Source
+from .pipeline.stats import EpochStats
+from .conversion.writer import convert, write_dataset
 
 __version__ = "0.1.0"
 

@@ -16,6 +16,7 @@ import os
 import weakref
 from typing import Any
 
+from .backends import info
 from .errors import GDSLoadError
 
 _open: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -44,7 +45,7 @@ def _after_fork_in_child() -> None:
         ds._finalizer.detach()
         _kept.append(ds.__dict__.copy())
     _open.clear()
-    if any(ds.backend_name != "cpu" for ds in inherited):
+    if any(info(ds.backend_name).on_device for ds in inherited):
         gc.freeze()
 
 

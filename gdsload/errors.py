@@ -44,3 +44,17 @@ def printable(text: object) -> str:
     """A message for a terminal on one line: control characters (a newline in a file name) and undecodable
     bytes escaped."""
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+
+
+def warn(message: str, category: type[Warning]) -> None:
+    """``warnings.warn`` attributed to the first caller outside gdsload (the user's line), however deep in
+    the package the warning is raised."""
+    import os
+    import sys
+    import warnings
+
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    level, frame = 2, sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        level, frame = level + 1, frame.f_back
+    warnings.warn(message, category, stacklevel=level)

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from .backends import BACKENDS, info
 from .errors import BackendUnavailable, one_line
 
 #: The largest integer argument (counts, sizes, seed, epoch, rank): they meet numpy's int64 arithmetic in the
@@ -120,6 +121,18 @@ def device_id(device: Any) -> int:
 OUTPUTS = (None, "numpy", "cupy", "torch", "jax")
 
 
+def check_choices(backend: Any, output: Any, verify: Any, backend_options: Any) -> None:
+    """Refuse a ``backend``, ``output``, ``verify`` or ``backend_options`` of the wrong kind, naming it
+    (checked before anything is read)."""
+    if verify not in (None, True, False):
+        raise TypeError(f"verify must be True, False or None (found {verify!r})")
+    if backend_options is not None and not isinstance(backend_options, dict):
+        raise TypeError(f"backend_options must be a dict (found {type(backend_options).__name__})")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r} (expected one of {BACKENDS})")
+    check_output(output)
+
+
 def check_output(output: Any) -> None:
     """Refuse an ``output`` that is none of :data:`OUTPUTS`, naming it (checked before anything is read)."""
     if output not in OUTPUTS:
@@ -131,7 +144,7 @@ def output_kind(output: str | None, backend: str) -> str:
     jax on a GPU one (ValueError naming the value otherwise; BackendUnavailable for torch without PyTorch,
     jax without JAX, or a GPU backend with a JAX that has no GPU)."""
     check_output(output)
-    on_gpu = backend != "cpu"
+    on_gpu = info(backend).on_device
     output = output or ("cupy" if on_gpu else "numpy")
     allowed = ("cupy", "torch", "jax") if on_gpu else ("numpy", "torch", "jax")
     if output not in allowed:

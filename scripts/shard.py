@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A thin wrapper around ``gdsload shard`` (``gdsload.cli.shard_main``), the documented converter.
+"""A thin wrapper around ``gdsload shard`` (``gdsload.tools.cli.shard_main``), the documented converter.
 
 It takes the same arguments and behaves the same; only its messages start with ``shard.py`` instead of
 ``gdsload shard``. Convert .npy / .npz / directories of them / zarr arrays into a gdsload dataset:
@@ -21,7 +21,7 @@ to the same output.
 
 import sys
 
-from gdsload.cli import shard_main
+from gdsload.tools.cli import shard_main
 
 if __name__ == "__main__":
     sys.exit(shard_main())

@@ -10,8 +10,10 @@ from collections.abc import Callable
 import numpy as np
 import zarr
 
-from gdsload.format import DatasetLayout, encode_shard_index, parse_shard_index, read_metadata
-from gdsload.sources import ArraySource, RaggedSource
+from gdsload.format.layout import DatasetLayout
+from gdsload.format.shard_index import encode_shard_index, parse_shard_index
+from gdsload.format.meta import read_metadata
+from gdsload.conversion.source_types import ArraySource, RaggedSource
 
 
 def labelled(n: int, shape: tuple[int, ...] = (3, 5), dtype: str = "float32") -> dict[str, np.ndarray]:

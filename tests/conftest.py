@@ -9,9 +9,9 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from gdsload.env import gpu_available
-from gdsload.sources import ArraySource
-from gdsload.writer import write_dataset
+from gdsload.system.env import gpu_available
+from gdsload.conversion.source_types import ArraySource
+from gdsload.conversion.writer import write_dataset
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

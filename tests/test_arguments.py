@@ -13,7 +13,7 @@ import pytest
 from gdsload import GDSDataset
 from gdsload.backends import resolve
 from gdsload.options import MAX_INT
-from gdsload.plan import PlanConfig, epoch_plan, fewest_rank_samples
+from gdsload.pipeline.plan import PlanConfig, epoch_plan, fewest_rank_samples
 
 N, K = 630, 10  # 63 blocks, as in the issue
 
@@ -57,7 +57,7 @@ def test_numpy_integer_arguments_are_python_ints(path, dtype):
 
 
 def test_numpy_integer_pad_to(make_dataset):
-    from gdsload.sources import ArraySource, RaggedSource
+    from gdsload.conversion.source_types import ArraySource, RaggedSource
 
     offsets = np.array([0, 2, 3, 6, 6, 7], dtype=np.int64)
     path = make_dataset({"id": np.arange(5)}, samples_per_block=2,
@@ -256,7 +256,7 @@ def test_gdsload_backend_names_the_variable(path, monkeypatch):
 def test_a_malformed_cc_is_named_with_its_value(tmp_path, monkeypatch, cc, message):
     """The native stager's runtime build reads CC: a value shlex cannot split was a ValueError naming nothing,
     which escaped the build's fallback; it is now the build's RuntimeError (the fallback's reason) naming CC."""
-    from gdsload import stager
+    from gdsload.backends import stager
 
     monkeypatch.setenv("CC", cc)
     monkeypatch.setattr(stager, "SOURCE", str(tmp_path / "broken.c"))

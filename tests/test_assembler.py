@@ -9,9 +9,9 @@ import pytest
 
 from _helpers import labelled
 from gdsload import GDSDataset
-from gdsload import assembler
-from gdsload.assembler import batch_groups, merge_segments
-from gdsload.plan import PlanConfig, epoch_plan
+from gdsload.pipeline import assembler
+from gdsload.pipeline.assembler import batch_groups, merge_segments
+from gdsload.pipeline.plan import PlanConfig, epoch_plan
 
 Dataset = functools.partial(GDSDataset, resident_bytes=32 << 10)
 
@@ -106,7 +106,7 @@ def test_a_pass_index_arrays_go_up_before_its_first_read(data_path, monkeypatch)
     import threading
 
     from gdsload.backends.cpu import CpuBackend
-    from gdsload.device import HostOps
+    from gdsload.cuda.ops import HostOps
 
     path, data = data_path
     log: list[str] = []

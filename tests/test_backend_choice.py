@@ -46,7 +46,7 @@ def test_gds_only_where_the_file_system_allows_it():
     import os
 
     from gdsload.backends.kvikio import io_mode_for
-    from gdsload.sysfiles import SystemFiles, path_support
+    from gdsload.system.sysfiles import SystemFiles, path_support
 
     root = SystemFiles(os.path.join(os.path.dirname(__file__), "fixtures", "doctor", "gds_host"))
     shm, raid, scratch = (path_support(p, root) for p in ("/dev/shm/d.gds/x/c/0", "/raid/d.gds/x/c/0",
@@ -57,7 +57,7 @@ def test_gds_only_where_the_file_system_allows_it():
     assert name == "pinned" and "not for this dataset's files (tmpfs" in why
     assert io_mode_for(True, [raid]) == "gds" and io_mode_for(True, [raid, shm]) == "kvikio-compat"
     assert io_mode_for(True, [None]) == "gds" and io_mode_for(False, [raid]) == "kvikio-compat"
-    from gdsload.sysfiles import paths_support
+    from gdsload.system.sysfiles import paths_support
 
     reads = []
     counting = SystemFiles(root.root)
@@ -68,11 +68,11 @@ def test_gds_only_where_the_file_system_allows_it():
 
 
 def _fake_kvikio(monkeypatch, compat_preferred: bool, driver_gds: bool) -> list[str]:
-    """KvikIO's modules as gdsload.env reads them; returns the list of driver properties asked for."""
+    """KvikIO's modules as gdsload.system.env reads them; returns the list of driver properties asked for."""
     import sys
     import types
 
-    from gdsload import env
+    from gdsload.system import env
 
     asked: list[str] = []
     kvikio = types.ModuleType("kvikio")
@@ -91,7 +91,7 @@ def _fake_kvikio(monkeypatch, compat_preferred: bool, driver_gds: bool) -> list[
 
 @pytest.fixture
 def fresh_kvikio_info():
-    from gdsload import env
+    from gdsload.system import env
 
     env._kvikio_info.cache_clear()
     yield
@@ -102,7 +102,7 @@ def fresh_kvikio_info():
 def test_with_compat_mode_preferred_the_io_mode_needs_no_driver_start(monkeypatch, fresh_kvikio_info, driver_gds):
     """The defect: every kvikio dataset's open started cuFile's driver to ask about GDS, even where KvikIO
     prefers compat mode and would never use GDS."""
-    from gdsload import env
+    from gdsload.system import env
 
     asked = _fake_kvikio(monkeypatch, compat_preferred=True, driver_gds=driver_gds)
     info = env.kvikio_info()
@@ -114,7 +114,7 @@ def test_with_compat_mode_preferred_the_io_mode_needs_no_driver_start(monkeypatc
 
 
 def test_without_compat_mode_preferred_the_driver_decides(monkeypatch, fresh_kvikio_info):
-    from gdsload import env
+    from gdsload.system import env
 
     asked = _fake_kvikio(monkeypatch, compat_preferred=False, driver_gds=True)
     assert env.kvikio_info()["io_mode"] == "gds" and env.gds_available() and asked == ["is_gds_available"]

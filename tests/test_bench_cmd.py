@@ -12,10 +12,10 @@ import time
 import numpy as np
 import pytest
 
-from gdsload import bench, cli
-from gdsload.env import gpu_available
+from gdsload.tools import bench, cli
+from gdsload.system.env import gpu_available
 from gdsload.errors import BackendUnavailable
-from gdsload.measure import PassResult
+from gdsload.tools.measure import PassResult
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
@@ -191,7 +191,7 @@ def test_sized_cold_keeps_the_probe_when_fewer_bytes_follow_it():
 def test_file_ceiling_reads_the_files_the_dataset_reads_for_long_enough(tiny, monkeypatch):
     """The page-cache ceiling reads every shard file of the fields the dataset reads, back to back for at
     least MIN_TIMED_S (a tiny dataset read once is timed at the cost of starting the reads)."""
-    from gdsload.format import DatasetLayout
+    from gdsload.format.layout import DatasetLayout
 
     monkeypatch.setattr(bench, "PROBE_BYTES", 1)  # the probe is the first file alone, as for a large image file
     read = []
@@ -214,7 +214,7 @@ def test_file_ceiling_reads_the_files_the_dataset_reads_for_long_enough(tiny, mo
 
 
 def test_read_files_fills_min_seconds_with_passes(tiny):
-    from gdsload.measure import read_files, shard_paths
+    from gdsload.tools.measure import read_files, shard_paths
 
     paths = shard_paths(tiny)
     size = sum(os.path.getsize(p) for p in paths)
@@ -229,6 +229,8 @@ def test_the_plan_on_a_gpu_machine(tiny, monkeypatch):
     measured once and marked, each backend warm then cold, in order and shuffled."""
     monkeypatch.setattr(bench, "gpu_available", lambda: True)
     monkeypatch.setattr(bench, "kvikio_installed", lambda: True)
+    monkeypatch.setattr("gdsload.backends.registry.gpu_available", lambda: True)
+    monkeypatch.setattr("gdsload.backends.registry.kvikio_installed", lambda: True)
     monkeypatch.setattr(bench, "resolve", lambda name, nbytes=None, path=None: ("mmap", "the dataset fits"))
     monkeypatch.setattr(bench, "memory_available", lambda: 1 << 40)
     monkeypatch.setattr(bench.os, "geteuid", lambda: 0)

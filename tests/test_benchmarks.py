@@ -1,5 +1,5 @@
 """The benchmarks never rot: the suite, the report, the sweep and the shuffle-quality benchmark run on a tiny
-dataset with the cpu backend (no GPU, torch or matplotlib needed), and gdsload.measure's primitives are
+dataset with the cpu backend (no GPU, torch or matplotlib needed), and gdsload.tools.measure's primitives are
 checked against what they measure."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pytest
 
 from gdsload import GDSDataset, write_dataset
 from gdsload.backends.cpu import DEFAULT_THREADS as CPU_THREADS
-from gdsload.measure import PassResult, block_locations, read_files, shard_paths, time_pass, time_passes
-from gdsload.steps import HostStep
+from gdsload.tools.measure import PassResult, block_locations, read_files, shard_paths, time_pass, time_passes
+from gdsload.tools.steps import HostStep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUMMARY_KEYS = {"auto_backend", "io_mode", "warm_shuffled_gbps", "raw_kvikio_shuffled_gbps",
@@ -169,7 +169,7 @@ def test_shuffle_quality(tmp_path: str) -> None:
     assert os.path.exists(os.path.join(tmp_path, "shuffle-quality.md"))
 
 
-# -- gdsload.measure ---------------------------------------------------------------------------------------
+# -- gdsload.tools.measure ---------------------------------------------------------------------------------------
 class Source:
     """An array source for write_dataset (the test's own, as the benchmarks' synthetic one)."""
 
@@ -317,7 +317,7 @@ def test_read_files_closes_what_it_opened_when_an_open_fails(tmp_path) -> None:
     """The files were all opened before the try that closes them: a refused open leaked the ones before it."""
     import os
 
-    from gdsload.measure import read_files
+    from gdsload.tools.measure import read_files
 
     good = tmp_path / "a.bin"
     good.write_bytes(b"x" * 8192)

@@ -6,7 +6,7 @@ import crc32c
 import numpy as np
 import pytest
 
-from gdsload import checksum as C
+from gdsload.codecs import checksum as C
 
 
 def raw(data: bytes) -> np.uint32:

@@ -28,7 +28,7 @@ def test_shard_script_and_info(tmp_path):
               "--block-bytes", "12KiB", "--quiet")
     assert res.returncode == 0, res.stderr
     assert "samples: 300" in res.stdout
-    res = run("-m", "gdsload.cli", "info", str(out))
+    res = run("-m", "gdsload.tools.cli", "info", str(out))
     assert res.returncode == 0, res.stderr
     assert "image: dtype |u1 (uint8), sample shape (8, 8, 3), block 12.0 KiB" in res.stdout
     assert "label: dtype <i8 (int64), sample shape ()" in res.stdout and "shards: 2" in res.stdout
@@ -43,16 +43,16 @@ def test_shard_script_bad_input_exit_code(tmp_path):
 
 
 def test_info_on_bad_dataset(tmp_path):
-    res = run("-m", "gdsload.cli", "info", str(tmp_path))
+    res = run("-m", "gdsload.tools.cli", "info", str(tmp_path))
     assert res.returncode == 2 and res.stderr.startswith(f"gdsload info: error: {tmp_path}/zarr.json: missing")
     assert "not a Zarr v3 group" in res.stderr and res.stderr.count("\n") == 1
 
 
 def test_system_info_and_demo(tmp_path):
-    res = run("-m", "gdsload.cli", "info")
+    res = run("-m", "gdsload.tools.cli", "info")
     assert res.returncode == 0, res.stderr
     assert "GPU:" in res.stdout and "backend auto ->" in res.stdout
-    res = run("-m", "gdsload.cli", "demo", "--samples", "3000", "--workdir", str(tmp_path))
+    res = run("-m", "gdsload.tools.cli", "demo", "--samples", "3000", "--workdir", str(tmp_path))
     assert res.returncode == 0, res.stderr
     assert "epoch 1: 3000 samples" in res.stdout and "every batch checked against its labels" in res.stdout
     assert os.listdir(tmp_path) == []
@@ -61,11 +61,11 @@ def test_system_info_and_demo(tmp_path):
 def test_system_info_names_this_ranks_share_of_the_cores():
     """Under torchrun with two ranks per machine, the readers' default counts on this rank's share of the
     cores: gdsload info says so, and says nothing of ranks for a process alone."""
-    from gdsload.env import LOCAL_RANKS_ENV, rank_cores
+    from gdsload.system.env import LOCAL_RANKS_ENV, rank_cores
 
     alone = {k: v for k, v in ENV.items() if k not in LOCAL_RANKS_ENV}
     for env, want in ((alone, None), ({**alone, "LOCAL_WORLD_SIZE": "2"}, rank_cores(ranks=2))):
-        res = run("-m", "gdsload.cli", "info", env=env)
+        res = run("-m", "gdsload.tools.cli", "info", env=env)
         assert res.returncode == 0, res.stderr
         if want is None:
             assert "ranks on this machine" not in res.stdout
@@ -80,7 +80,7 @@ def test_few_cuda_queues_are_warned_once(monkeypatch, make_dataset):
     (A GPU dataset's open and gdsload info: test_gpu.py.)"""
     import warnings
 
-    from gdsload import env
+    from gdsload.system import env
 
     for value, said in (("1", True), ("3", True), ("4", False), ("8", False), ("lots", False), (None, False)):
         environ = {} if value is None else {env.CONNECTIONS_ENV: value}
@@ -146,7 +146,7 @@ def test_every_command_ends_an_expected_error_with_one_line_and_exit_2(tmp_path,
                                                                        env, message):
     """One mechanism for every command (cli.fail): gdsload's errors, argument and environment errors, and
     the OS's on a user's path are one line ``gdsload CMD: error: ...`` on stderr, exit status 2."""
-    from gdsload import cli
+    from gdsload.tools import cli
 
     for name in ("GDSLOAD_BACKEND", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
@@ -160,7 +160,7 @@ def test_every_command_ends_an_expected_error_with_one_line_and_exit_2(tmp_path,
 
 def test_an_os_error_on_a_users_path_is_one_line(monkeypatch, capsys, tmp_path):
     """An OSError that escapes a command (here: the dataset cannot be listed) reads ``FILE: reason``."""
-    from gdsload import cli
+    from gdsload.tools import cli
 
     def refuse(path):
         raise PermissionError(13, "Permission denied", path)
@@ -200,7 +200,7 @@ def check_help(text: str, defaults: dict[str, object]) -> None:
 
 
 def help_text(capsys, argv: list[str]) -> str:
-    from gdsload import cli
+    from gdsload.tools import cli
 
     with pytest.raises(SystemExit) as done:
         cli.main(argv)
@@ -210,7 +210,7 @@ def help_text(capsys, argv: list[str]) -> str:
 
 def test_every_option_of_every_command_has_help_and_its_default(capsys, monkeypatch):
     """info's path, verify --threads, demo's options had no help; no help showed a default."""
-    from gdsload import cli
+    from gdsload.tools import cli
 
     monkeypatch.setenv("COLUMNS", "200")
     for cmd, args in (("info", []), ("demo", []), ("verify", ["d.gds"]), ("doctor", []), ("bench", ["d.gds"])):

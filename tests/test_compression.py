@@ -24,12 +24,13 @@ from zarr.codecs import Crc32cCodec, GzipCodec, ZstdCodec
 
 from gdsload import FormatError, GDSDataset, GDSLoadError, ReadError, write_dataset
 from gdsload.backends.cpu import CpuBackend
-from gdsload.decode import Decoder
-from gdsload.checksum import pieces, reference_device_crcs
-from gdsload.decode_nvcomp import ZSTD_MAGIC, NvcompBatch, crc_mismatch, heads, trailing_index
-from gdsload.format import DatasetLayout, read_metadata
-from gdsload.sources import ArraySource, RaggedSource
-from gdsload.window import WindowBuffer, WindowLayout
+from gdsload.codecs.decode import Decoder
+from gdsload.codecs.checksum import pieces, reference_device_crcs
+from gdsload.codecs.nvcomp import ZSTD_MAGIC, NvcompBatch, crc_mismatch, heads, trailing_index
+from gdsload.format.layout import DatasetLayout
+from gdsload.format.meta import read_metadata
+from gdsload.conversion.source_types import ArraySource, RaggedSource
+from gdsload.pipeline.window import WindowBuffer, WindowMap
 
 N = 300
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -225,7 +226,7 @@ def _device_windows(path: str, device: list[str], host: list[str], fake: FakeNvc
     meta = read_metadata(path)
     layout = DatasetLayout(meta)
     fields = [meta.fields[f] for f in meta.fields]
-    wl = WindowLayout(fields, window_blocks, samples_per_block=meta.samples_per_block,
+    wl = WindowMap(fields, window_blocks, samples_per_block=meta.samples_per_block,
                       chunk_lengths=layout.chunk_lengths, host_fields=host)
     backend = CpuBackend()
     backend.prepare(layout.files)
@@ -239,7 +240,11 @@ def _device_windows(path: str, device: list[str], host: list[str], fake: FakeNvc
             blocks = order[w:w + window_blocks]
             work = wl.work(layout, blocks)
             event = backend.load(wb.buffer, work.requests, stop)
-            assert decoder.start(wb, work, stop).finish(event) == "event"
+            if work.host_nbytes and wb.host is None:
+                wb.host = decoder.host_buffer(work.host_nbytes)
+            if work.host_requests:
+                backend.load(wb.host, work.host_requests, stop)
+            assert decoder.decode(wb, work, event, stop) == "event"
             views = wb.views(wl)
             k = meta.samples_per_block
             for name in meta.fields:
@@ -380,7 +385,7 @@ def test_the_codec_goes_before_its_stream(tmp_path, closed):
 def test_zstd_decodes_on_cpu_threads_without_nvcomp(monkeypatch):
     """Without nvCOMP, zstd fields on a GPU backend are decoded by CPU threads, after one warning naming the
     extra to install."""
-    from gdsload import decode
+    from gdsload.codecs import chunks as decode
 
     meta = type("M", (), {"name": "z", "compressed": True, "codecs": (("zstd", {}),)})()
     monkeypatch.setattr(decode, "load_nvcomp", lambda: None)
@@ -500,18 +505,18 @@ def test_a_stop_skips_the_chunks_not_yet_decoded(tmp_path):
     chunks not yet started are skipped, as reads are, instead of all being decoded before close returns."""
     import threading
 
-    from gdsload.window import WindowBuffer
+    from gdsload.pipeline.window import WindowBuffer
 
     path = store(tmp_path, z=(10, 40, ZstdCodec(level=1)))
     with GDSDataset(path, batch_size=16, backend="cpu", resident_bytes=0) as ds:
-        dec, wl, layout = ds._decoder, ds._window_layout, ds._layout
+        dec, wl, layout = ds._reader.decoder, ds._reader.window_map, ds._reader.layout
         calls = []
         chain = dec.chains["z"]
         real = chain.decode
         chain.decode = lambda data, n: (calls.append(1), real(data, n))[1]
         work = wl.work(layout, np.arange(wl.window_blocks))
-        wb = WindowBuffer(ds._backend.allocate(wl.nbytes))
-        ds._backend.load(wb.buffer, work.requests, threading.Event())
+        wb = WindowBuffer(ds._reader.backend.allocate(wl.nbytes))
+        ds._reader.backend.load(wb.buffer, work.requests, threading.Event())
         stop = threading.Event()
         stop.set()
         dec.decode(wb, work, None, stop)
@@ -525,7 +530,7 @@ def test_a_failing_decode_setup_waits_for_the_windows_reads(tmp_path, monkeypatc
     waited for before the error goes on (they were left running, writing into a buffer about to change
     hands), and the error reaches the consumer."""
     from gdsload.backends.cpu import CpuBackend
-    from gdsload.decode import Decoder
+    from gdsload.pipeline.reader import Reader
 
     finished = []
     submit = CpuBackend.submit
@@ -537,7 +542,7 @@ def test_a_failing_decode_setup_waits_for_the_windows_reads(tmp_path, monkeypatc
         return pending
 
     monkeypatch.setattr(CpuBackend, "submit", spy)
-    monkeypatch.setattr(Decoder, "start", lambda *a: (_ for _ in ()).throw(MemoryError("no host buffer")))
+    monkeypatch.setattr(Reader, "_submit_host", lambda *a: (_ for _ in ()).throw(MemoryError("no host buffer")))
     path = store(tmp_path, z=(10, 40, ZstdCodec(level=1)))
     with GDSDataset(path, batch_size=16, backend="cpu", resident_bytes=0) as ds:
         with pytest.raises(Exception, match="no host buffer"):
@@ -550,15 +555,12 @@ def test_a_resident_field_loaded_as_the_dataset_closes_is_not_decoded(tmp_path):
     error about the chunks the cut-short read left unread."""
     import threading
 
-    from gdsload.resident import read_resident
-
     path = store(tmp_path, z=(10, 40, ZstdCodec(level=1)))
     with GDSDataset(path, batch_size=16, backend="cpu") as ds:
         closing = threading.Event()
         closing.set()
         with pytest.raises(GDSLoadError, match="closed while loading field 'z'"):
-            read_resident(ds.meta.fields["z"], ds._backend, ds._layout, ds._decoder, None, ds._host_decoded,
-                          closing)
+            ds._reader.read_resident("z", closing)
 
 
 def test_benchmark_tokens_are_ids_of_real_text():

@@ -24,11 +24,12 @@ import pytest
 import zarr
 
 from gdsload import ConversionError, GDSDataset
-from gdsload import publish, writer
-from gdsload.format import read_metadata
-from gdsload.cli import shard_main
-from gdsload.sources import ArraySource, RaggedSource, natural_key, open_input, open_ragged
-from gdsload.writer import convert, write_dataset
+from gdsload.conversion import publish, writer
+from gdsload.format.meta import read_metadata
+from gdsload.tools.cli import shard_main
+from gdsload.conversion.source_types import ArraySource, RaggedSource
+from gdsload.conversion.sources import natural_key, open_input, open_ragged
+from gdsload.conversion.writer import convert, write_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1",
@@ -346,7 +347,7 @@ def test_overwrite_does_not_block_on_a_fifo_in_place_of_zarr_json(tmp_path):
     """Deciding whether the output is a dataset read OUT/zarr.json with a plain open(): a FIFO there blocked
     the converter forever. It is refused, in time, and left where it is."""
     from _helpers import in_thread
-    from gdsload.publish import check_output
+    from gdsload.conversion.publish import check_output
 
     out = tmp_path / "out.gds"
     out.mkdir()
@@ -507,7 +508,7 @@ def test_exchange_fallback_parks_the_old_dataset_where_stale_cleanup_never_looks
 # GATE.started-<pid> and waits for GATE.go, so a test can line up two converters or a signal.
 _SLOW = """
 import os, sys, time
-import gdsload.sources as s
+import gdsload.conversion.sources as s
 read, gate, delay = s.StreamSource.read, os.environ.get("GATE"), float(os.environ.get("DELAY", "0"))
 def slow(self, a, b):
     global gate
@@ -520,7 +521,7 @@ def slow(self, a, b):
     time.sleep(delay)
     return read(self, a, b)
 s.StreamSource.read = slow
-from gdsload.cli import shard_main
+from gdsload.tools.cli import shard_main
 sys.exit(shard_main(sys.argv[1:], prog="gdsload shard"))
 """
 

@@ -13,8 +13,8 @@ import sys
 import numpy as np
 import pytest
 
-from gdsload import stager
-from gdsload.copier import Copier
+from gdsload.backends import stager
+from gdsload.backends.copier import Copier
 from gdsload.errors import BackendUnavailable, ReadError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,7 +79,7 @@ def test_the_mmap_backend_refuses_an_unknown_copier_before_touching_cuda():
 CUDA_SCRIPT = r"""
 import ctypes, json, sys
 import numpy as np
-from gdsload.copier import Copier
+from gdsload.backends.copier import Copier
 from gdsload.errors import ReadError
 fake = ctypes.CDLL("libcuda.so.1")
 fake.fake_stream.restype = ctypes.c_void_p
@@ -146,7 +146,7 @@ def test_a_copy_that_fails_is_reported_with_the_file_it_reads():
     and size, so the error begins with the shard's path as every read error does."""
     from gdsload.backends.base import ReadRequest
     from gdsload.backends.mmap import copy_error, plan_copies
-    from gdsload.copier import CopyFailed
+    from gdsload.backends.copier import CopyFailed
 
     copies = plan_copies([ReadRequest("/d/a.shard", 0, 64, 0), ReadRequest("/d/b.shard", 4096, 128, 64)],
                          {"/d/a.shard": 64, "/d/b.shard": 8192}, 1 << 20)

@@ -15,13 +15,15 @@ import tempfile
 import numpy as np
 import pytest
 
-from gdsload.doctor import diagnose, gather, main, render
-from gdsload.doctor_probe import LiveRead, Target, cufile_version, o_direct_read
-from gdsload.format import DatasetLayout, read_metadata
-from gdsload.sources import ArraySource
-from gdsload.sysfiles import (SystemFiles, cufile_settings, find_mount, fs_support, iommu_mode, kvikio_compat_env,
-                              parse_cufile_json, parse_mountinfo, parse_nvfs_stats, strip_json_comments)
-from gdsload.writer import write_dataset
+from gdsload.tools.doctor import diagnose, gather, main, render
+from gdsload.tools.doctor_probe import LiveRead, Target, cufile_version, o_direct_read
+from gdsload.format.layout import DatasetLayout
+from gdsload.format.meta import read_metadata
+from gdsload.conversion.source_types import ArraySource
+from gdsload.system.sysfiles import (SystemFiles, cufile_settings, find_mount, fs_support, iommu_mode,
+                                     kvikio_compat_env, parse_cufile_json, parse_mountinfo, parse_nvfs_stats,
+                                     strip_json_comments)
+from gdsload.conversion.writer import write_dataset
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "doctor")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -17,8 +17,9 @@ import zarr
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
 from gdsload import ChecksumError, GDSDataset, GDSLoadError
-from gdsload.cli import main as cli_main
-from gdsload.format import DatasetLayout, read_metadata
+from gdsload.tools.cli import main as cli_main
+from gdsload.format.layout import DatasetLayout
+from gdsload.format.meta import read_metadata
 
 N, ROWS, TAIL = 96, 8, (16,)
 CODECS = {"raw+crc32c": [Crc32cCodec()], "zstd+crc32c": [ZstdCodec(level=1), Crc32cCodec()]}

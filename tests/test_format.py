@@ -12,8 +12,9 @@ import zarr
 from _helpers import (add_checksums, in_thread, index_edit_refused, open_fds, rewrite_index,
                       zarr_dataset_with_missing_block)
 from gdsload import FormatError, GDSDataset
-from gdsload.format import read_metadata
-from gdsload.format import MAX_UINT_64, DatasetLayout, encode_shard_index, parse_shard_index
+from gdsload.format.meta import read_metadata
+from gdsload.format.shard_index import MAX_UINT_64, encode_shard_index, parse_shard_index
+from gdsload.format.layout import DatasetLayout
 
 
 def test_index_round_trip_and_missing_chunk():
@@ -125,7 +126,7 @@ def test_errors_are_also_the_builtins_they_resemble(tmp_path):
 # -- files.py: shard files opened safely and held ----------------------------------------------------------
 
 def test_open_shard_holds_a_regular_file(tmp_path):
-    from gdsload.files import open_shard
+    from gdsload.format.files import open_shard
 
     p = tmp_path / "s"
     p.write_bytes(b"abcdef")
@@ -143,7 +144,7 @@ def test_open_shard_holds_a_regular_file(tmp_path):
 
 
 def test_open_shard_refuses_what_is_not_a_regular_file(tmp_path):
-    from gdsload.files import open_shard
+    from gdsload.format.files import open_shard
 
     fifo, loop, sub = str(tmp_path / "fifo"), str(tmp_path / "loop"), str(tmp_path / "dir")
     os.mkfifo(fifo)
@@ -163,7 +164,7 @@ def test_open_shard_refuses_what_is_not_a_regular_file(tmp_path):
 def test_fifo_swapped_in_after_the_stat_does_not_block(tmp_path, monkeypatch):
     """The pre-open stat says "regular file" (a swap between stat and open): the open itself must still
     return at once (O_NONBLOCK) and the fstat refuse the FIFO."""
-    from gdsload.files import open_shard
+    from gdsload.format.files import open_shard
 
     fifo = str(tmp_path / "fifo")
     regular = tmp_path / "regular"
@@ -178,7 +179,7 @@ def test_fifo_swapped_in_after_the_stat_does_not_block(tmp_path, monkeypatch):
 def test_open_errors_map_to_format_errors(tmp_path, monkeypatch):
     import errno
 
-    from gdsload.files import open_shard
+    from gdsload.format.files import open_shard
 
     p = tmp_path / "s"
     p.write_bytes(b"x")
@@ -203,7 +204,7 @@ def test_open_errors_map_to_format_errors(tmp_path, monkeypatch):
 
 def test_shard_files_hold_and_close(tmp_path):
     from gdsload import ReadError
-    from gdsload.files import ShardFiles
+    from gdsload.format.files import ShardFiles
 
     paths = []
     for i in range(3):
@@ -232,7 +233,7 @@ def test_shard_files_hold_and_close(tmp_path):
 
 
 def test_shard_files_opened_so_far_are_closed_when_one_fails(tmp_path):
-    from gdsload.files import ShardFiles
+    from gdsload.format.files import ShardFiles
 
     good = []
     for i in range(3):
@@ -376,7 +377,7 @@ def test_chunks_overlapping_the_index_or_each_other_are_refused(make_dataset, tm
 
 
 def ragged_arrays(n: int = 11):
-    from gdsload.sources import ArraySource, RaggedSource
+    from gdsload.conversion.source_types import ArraySource, RaggedSource
 
     lengths = np.arange(n) % 4
     values = np.arange(int(lengths.sum()), dtype=np.int32)
@@ -423,8 +424,8 @@ def test_checksums_are_parsed_and_read_whole(make_dataset):
 @pytest.mark.parametrize("dtype, fill", [("uint8", 0), ("int64", -5), ("uint64", 2**64 - 1), ("float32", 1.5),
                                          ("float16", 2), ("float64", -0.0), ("bool", True)])
 def test_a_plain_fill_value_is_read_as_zarr_reads_it(tmp_path, dtype, fill):
-    from gdsload.arrays import array_fill_value, zarr_fill_value
-    from gdsload._zarr_json import read_json
+    from gdsload.format.arrays import array_fill_value, zarr_fill_value
+    from gdsload.format.zarr_json import read_json
 
     zarr.create_array(str(tmp_path / "a"), shape=(3, 2), chunks=(1, 2), dtype=dtype, fill_value=fill)
     where = str(tmp_path / "a" / "zarr.json")
@@ -442,8 +443,8 @@ def test_a_plain_fill_value_is_read_as_zarr_reads_it(tmp_path, dtype, fill):
     lambda d: d.update(fill_value=1e39),  # out of float32's range
 ])
 def test_any_other_fill_value_or_document_goes_to_zarr(tmp_path, monkeypatch, change):
-    from gdsload import arrays
-    from gdsload._zarr_json import read_json
+    from gdsload.format import arrays
+    from gdsload.format.zarr_json import read_json
 
     zarr.create_array(str(tmp_path / "a"), shape=(3, 2), chunks=(1, 2), dtype="float32", fill_value=0)
     where = str(tmp_path / "a" / "zarr.json")
@@ -466,7 +467,7 @@ def test_opening_a_converted_dataset_imports_no_zarr(make_dataset):
     code = ("import sys, gdsload, numpy as np\n"
             f"ds = gdsload.GDSDataset({path!r}, batch_size=8, backend='cpu', verify=True)\n"
             "n = sum(len(b['y']) for b in ds)\n"
-            "print(n, 'zarr' in sys.modules, *(int(ds._layout.checksums[f].sum()) for f in ('x', 'y')))\n")
+            "print(n, 'zarr' in sys.modules, *(int(ds._reader.layout.checksums[f].sum()) for f in ('x', 'y')))\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
                          env={**os.environ, "PYTHONPATH": root}).stdout.split()
@@ -487,7 +488,7 @@ def test_a_raw_checksum_chunk_of_the_wrong_size_is_named(make_dataset):
 def test_a_raw_whole_array_in_a_chunk_longer_than_itself_reads_as_zarr_reads_it(tmp_path):
     """zarr stores a chunk whole, past the array's end: a 1-D array of 5 values in a raw chunk of 8 holds 8
     values in its file, and reads as its first 5."""
-    from gdsload.layout import _read_whole
+    from gdsload.format.layout import _read_whole
 
     where = str(tmp_path / "a")
     a = zarr.create_array(where, shape=(5,), chunks=(8,), dtype="uint32", fill_value=0, compressors=None)

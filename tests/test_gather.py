@@ -1,4 +1,4 @@
-"""Device row gathers (gdsload.gather_cuda): the launch arithmetic on the CPU; on the GPU, every row
+"""Device row gathers (gdsload.cuda.gather): the launch arithmetic on the CPU; on the GPU, every row
 gathered exactly, and a gather that leaves room for a kernel of another stream to start at once."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gdsload.gather_cuda import BLOCKS_PER_SM, THREADS, WIDE_ROW_WORDS, launch_shape, word_bytes
+from gdsload.cuda.gather import BLOCKS_PER_SM, THREADS, WIDE_ROW_WORDS, launch_shape, word_bytes
 
 
 @pytest.mark.parametrize("row_bytes, pointers, expected", [
@@ -37,7 +37,7 @@ def test_the_grid_is_bounded_per_multiprocessor_and_never_larger_than_the_work()
 def test_every_row_is_gathered_exactly(row_shape, dtype, index_dtype):
     import cupy
 
-    from gdsload.device import CudaOps
+    from gdsload.cuda.ops import CudaOps
 
     rng = np.random.default_rng(0)
     src_host = rng.integers(0, 250, size=(300, *row_shape)).astype(dtype)
@@ -62,8 +62,8 @@ def test_a_kernel_of_another_stream_starts_while_a_large_gather_runs():
     next kernel (on its own stream) started only once they were all dispatched, near the gather's end."""
     import cupy
 
-    from gdsload.device import CudaOps
-    from gdsload.steps import Spin
+    from gdsload.cuda.ops import CudaOps
+    from gdsload.tools.steps import Spin
 
     ops = CudaOps(0, "cupy")
     src = cupy.zeros((1024, 3, 224, 224), dtype=cupy.uint8)  # 154 MB of rows

@@ -16,10 +16,10 @@ import pytest
 from _helpers import break_then_close, labelled, wait_no_readers, zarr_dataset_with_missing_block
 from gdsload import GDSDataset, ReadError
 from gdsload.backends.native import native_threads
-from gdsload.env import rank_cores
-from gdsload.plan import epoch_plan
-from gdsload.sources import ArraySource
-from gdsload.writer import write_dataset
+from gdsload.system.env import rank_cores
+from gdsload.pipeline.plan import epoch_plan
+from gdsload.conversion.source_types import ArraySource
+from gdsload.conversion.writer import write_dataset
 
 # Small enough that "idx" is resident and "x" is read window by window: every test covers both paths.
 Dataset = functools.partial(GDSDataset, resident_bytes=32 << 10)
@@ -167,9 +167,9 @@ def test_pinned_pool_is_bounded_and_freed(small, slots):
     opts = {"pool_bytes": pool_bytes, "slot_bytes": 8192, "num_threads": 8,  # blocks (8064 B) span slots
             "reader": "kvikio"}
     ds = Dataset(path, batch_size=64, backend="pinned", backend_options=opts, window_blocks=8)
-    pool = ds._backend.pool
+    pool = ds._reader.backend.pool
     assert pool.total_bytes == pool_bytes
-    assert ds._backend._driver.reading_slots == max(1, slots - 1)
+    assert ds.describe()["backend_stats"]["reading_slots"] == max(1, slots - 1)
     for b in ds:
         check(b, data)
     ds.stop()  # the next epoch's reads ahead hold slots too
@@ -186,13 +186,13 @@ def test_pinned_readers(small, reader):
     opts = {"reader": reader, "slot_bytes": 8192, "pool_bytes": 4 * 8192}  # many slot loads per window
     before = len(os.listdir("/proc/self/task"))
     with Dataset(path, batch_size=64, backend="pinned", shuffle=True, window_blocks=5, backend_options=opts) as ds:
-        assert ds._backend.reader == reader
+        assert ds._reader.backend.reader == reader
         seen = np.concatenate([check(b, data) for b in ds])
         np.testing.assert_array_equal(seen, epoch_plan(ds.config, 0).sample_ids())
         if reader == "native":
-            assert ds._backend.pool is None and ds.describe()["backend_stats"]["pool_bytes"] > 0
+            assert ds._reader.backend.pool is None and ds.describe()["backend_stats"]["pool_bytes"] > 0
         else:
-            assert ds._backend.pool.peak_bytes_in_use <= 4 * 8192
+            assert ds._reader.backend.pool.peak_bytes_in_use <= 4 * 8192
     assert not [t.name for t in threading.enumerate() if t.name.startswith("gdsload-pinned")]
     if reader == "native":
         assert len(os.listdir("/proc/self/task")) <= before  # the stager's pthreads joined
@@ -201,7 +201,7 @@ def test_pinned_readers(small, reader):
 def test_pinned_auto_reader_is_native_where_it_builds(small):
     path, data = small
     with Dataset(path, batch_size=64, backend="pinned") as ds:
-        assert ds._backend.reader == "native", ds.describe()["backend_stats"]
+        assert ds._reader.backend.reader == "native", ds.describe()["backend_stats"]
         assert ds.describe()["backend_stats"]["num_threads"] == native_threads(rank_cores())
         for b in ds:
             check(b, data)
@@ -222,7 +222,7 @@ def test_pinned_with_o_direct(tmp_path):
             i = to_host(b["idx"])
             np.testing.assert_array_equal(to_host(b["x"]), x[i])
             seen.append(i)
-        assert ds._backend._direct_files._fds, "aligned blocks went through the O_DIRECT descriptors"
+        assert ds._reader.backend._staging._direct_files._fds, "aligned blocks went through the O_DIRECT descriptors"
     assert sorted(np.concatenate(seen).tolist()) == list(range(n))
 
 
@@ -257,11 +257,12 @@ def test_mmap_locks_at_open_within_budget(small, tmp_path):
 
     path, data = small
     with Dataset(path, batch_size=64, backend="mmap", shuffle=True) as ds:
-        shards = ds._layout.shard_paths()
+        shards = ds._reader.layout.shard_paths()
         assert ds.io_mode == "mmap"
-        assert ds._backend.pinned_bytes == sum(os.path.getsize(p) for p in shards) and ds._backend.register_s > 0
+        backend = ds._reader.backend
+        assert backend.pinned_bytes == sum(os.path.getsize(p) for p in shards) and backend.register_s > 0
         first = [check(b, data) for b in ds]
-        backend = ds._backend
+        backend = ds._reader.backend
     assert backend.pinned_bytes == 0, "close() unlocks every file"
     assert sorted(np.concatenate(first).tolist()) == list(range(len(data["idx"])))
     with pytest.raises(BackendUnavailable, match=r"would lock .* over its budget"):
@@ -299,7 +300,7 @@ def test_the_open_reads_the_first_window_and_the_first_pass_does_not_read_it_aga
     with Dataset(path, batch_size=64, backend=backend, shuffle=True, window_blocks=3, resident_bytes=0,
                  prefetch_next_epoch=False) as ds:
         plan = ds._plan(0)
-        first = ds._window_layout.first_requests(ds._layout, plan)
+        first = ds._reader.window_map.first_requests(ds._reader.layout, plan)
         assert submitted == [first] and ds._buffers[0].loaded is not None
         cupy.cuda.Device().synchronize()
         buffer = ds._buffers[0].buffer
@@ -309,8 +310,8 @@ def test_the_open_reads_the_first_window_and_the_first_pass_does_not_read_it_aga
                     f.seek(r.offset)
                     assert cupy.asnumpy(buffer[r.dest_offset:r.dest_offset + r.nbytes]).tobytes() == f.read(r.nbytes)
         if backend == "mmap":
-            loaded = ds._backend.stats()["loaded_bytes"]
-            assert 0 < loaded < ds._backend.pinned_bytes, "the first window's ranges only, before any pass"
+            loaded = ds._reader.backend.stats()["loaded_bytes"]
+            assert 0 < loaded < ds._reader.backend.pinned_bytes, "the first window's ranges only, before any pass"
         submitted.clear()
         assert sorted(np.concatenate([check(b, data) for b in ds]).tolist()) == list(range(len(data["idx"])))
         assert len(submitted) == len(plan.windows) - 1
@@ -326,8 +327,8 @@ def test_stopping_waits_for_the_gpu_work_its_pipeline_queued(small, backend, mon
 
     import cupy
 
-    from gdsload import assembler
-    from gdsload.steps import Spin
+    from gdsload.pipeline import assembler
+    from gdsload.tools.steps import Spin
 
     path, data = small
     # One gather per batch: the batches assembled after the step is launched are gathered then (in groups,
@@ -364,8 +365,8 @@ def test_a_batch_not_yet_written_when_taken_is_waited_for_on_the_consumers_strea
     unwritten; read on the consumer's stream, they must be right."""
     import cupy
 
-    from gdsload.device import CudaOps
-    from gdsload.steps import Spin
+    from gdsload.cuda.ops import CudaOps
+    from gdsload.tools.steps import Spin
 
     path, data = small
     pending, begin, hand_over = [], CudaOps.begin, CudaOps.hand_over
@@ -417,7 +418,7 @@ def test_a_copy_the_native_copier_cannot_queue_names_the_shard_it_reads(small, m
     """A failed copy reaches the consumer as a ReadError beginning with the shard file the copy reads (the
     copier reports the copy's index; the backend knows its file), with what was being read; also when the
     copies are queued a piece at a time (the index then counts from the piece's first copy)."""
-    from gdsload.copier import Copier, CopyFailed
+    from gdsload.backends.copier import Copier, CopyFailed
     from gdsload.errors import ReadError
 
     def fail(self, dst, src, nbytes, after):
@@ -443,7 +444,7 @@ def test_missing_chunks_read_as_fill_value(tmp_path, backend):
 
 
 def test_io_mode_is_reported_honestly(small, monkeypatch):
-    from gdsload.env import gds_available
+    from gdsload.system.env import gds_available
 
     path, _ = small
     with Dataset(path, batch_size=8, backend="kvikio") as ds:
@@ -453,11 +454,11 @@ def test_io_mode_is_reported_honestly(small, monkeypatch):
     with Dataset(path, batch_size=8) as ds:
         assert ds.backend_name == "mmap" and "fits" in ds.backend_reason, "a small dataset: the RAM tier"
         assert ds.io_mode == "mmap"
-    monkeypatch.setattr("gdsload.backends.RAM_TIER_SHARE", 0.0)  # nothing fits: what auto picks from storage
+    monkeypatch.setattr("gdsload.backends.registry.RAM_TIER_SHARE", 0.0)  # nothing fits: what auto picks from storage
     with Dataset(path, batch_size=8) as ds:
         assert ds.backend_name == ("kvikio" if gds_available() else "pinned") and ds.backend_reason
         # KvikIO is installed there, and a C compiler: pinned's reader is the native stager
-        assert ds.backend_name == "kvikio" or ds._backend.reader == "native", ds.describe()["backend_stats"]
+        assert ds.backend_name == "kvikio" or ds._reader.backend.reader == "native", ds.describe()["backend_stats"]
 
 
 def test_few_cuda_queues_warn_at_open_and_in_info(small, monkeypatch):
@@ -466,7 +467,7 @@ def test_few_cuda_queues_warn_at_open_and_in_info(small, monkeypatch):
     import subprocess
     import sys
 
-    from gdsload import env
+    from gdsload.system import env
 
     path, _ = small
     monkeypatch.setattr(env, "_connections_warned", threading.Event())
@@ -474,8 +475,8 @@ def test_few_cuda_queues_warn_at_open_and_in_info(small, monkeypatch):
     with pytest.warns(RuntimeWarning, match="^CUDA_DEVICE_MAX_CONNECTIONS=1: CUDA gives this process 1 hardware"):
         Dataset(path, batch_size=8, backend="mmap").close()
     assert env._connections_warned.is_set()
-    res = subprocess.run([sys.executable, "-m", "gdsload.cli", "info"], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    res = subprocess.run([sys.executable, "-m", "gdsload", "info"], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert res.returncode == 0, res.stderr
     note = env.connections_note({env.CONNECTIONS_ENV: "1"})
     assert f"warning: {note}; fix: {env.CONNECTIONS_FIX}" in res.stdout, res.stdout

@@ -18,9 +18,10 @@ import pytest
 
 from _helpers import labelled, threads_left_after_use, wait_no_readers
 from gdsload import ChecksumError, GDSDataset, GDSLoadError, ReadError
-from gdsload.format import DatasetLayout, read_metadata
-from gdsload.sources import ArraySource
-from gdsload.writer import write_dataset
+from gdsload.format.layout import DatasetLayout
+from gdsload.format.meta import read_metadata
+from gdsload.conversion.source_types import ArraySource
+from gdsload.conversion.writer import write_dataset
 
 Dataset = functools.partial(GDSDataset, resident_bytes=32 << 10)
 pytestmark = pytest.mark.gpu
@@ -40,8 +41,8 @@ def small(tmp_path):
 def test_device_kernel_matches_crc32c_on_odd_segments():
     import cupy
 
-    from gdsload import checksum as C
-    from gdsload.checksum_cuda import DeviceCrc
+    from gdsload.codecs import checksum as C
+    from gdsload.codecs.checksum_cuda import DeviceCrc
 
     rng = np.random.default_rng(0)
     host = rng.integers(0, 256, 9 << 20, dtype=np.uint8)
@@ -137,7 +138,7 @@ def test_fill_values_are_written_before_the_gather(tmp_path, backend):
     with Dataset(path, 8, backend=backend, window_blocks=2, verify=False) as ds:
         for epoch in range(3):  # later epochs: the window buffers hold other blocks' data
             ds.set_epoch(epoch)
-            stream = getattr(ds._backend, "stream", None)
+            stream = getattr(ds._reader.backend, "stream", None)
             if stream is not None:
                 with stream:
                     spin((1,), (1,), (np.int64(50_000_000),))  # 50 ms

@@ -24,9 +24,11 @@ import pytest
 
 from gdsload import GDSLoadError, ReadError
 from gdsload.errors import ChecksumError, FormatError
-from gdsload.format import MAX_UINT_64, DatasetLayout, read_metadata
-from gdsload.sources import ArraySource, RaggedSource
-from gdsload.writer import write_dataset
+from gdsload.format.shard_index import MAX_UINT_64
+from gdsload.format.layout import DatasetLayout
+from gdsload.format.meta import read_metadata
+from gdsload.conversion.source_types import ArraySource, RaggedSource
+from gdsload.conversion.writer import write_dataset
 from _helpers import add_checksums, in_thread, open_fds, rewrite_index
 
 SHARDS = ("x/c/0/0", "x/c/1/0", "idx/c/0", "idx/c/1", "idx/c/2", "tok/values/c/0")

@@ -227,7 +227,7 @@ def test_torchdata_stateful_dataloader_round_trips_the_state(data):
 # -- JAX ------------------------------------------------------------------------------------------------------
 def test_output_jax_gives_jax_arrays_without_copying(data):
     jax = pytest.importorskip("jax", reason="needs jax (the test extra installs the CPU build)")
-    from gdsload.device import JaxHostOps
+    from gdsload.cuda.ops import JaxHostOps
 
     path, arrays = data
     with opened(path, output="jax") as ds:

@@ -1,4 +1,4 @@
-"""Compiled kernels kept on disk (gdsload.kernel_cache): on the CPU with a stand-in for CuPy that records
+"""Compiled kernels kept on disk (gdsload.cuda.kernels): on the CPU with a stand-in for CuPy that records
 what it was asked to compile and load; on the GPU, a fresh process that loads the gathers without NVRTC."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from gdsload import kernel_cache
-from gdsload.kernel_cache import cache_dir, cache_key, load_module
+from gdsload.cuda import kernels as kernel_cache
+from gdsload.cuda.kernels import cache_dir, cache_key, load_module
 
 
 class FakeCupy:
@@ -115,7 +115,7 @@ def test_a_fresh_process_gathers_from_the_kept_binary_without_nvrtc(tmp_path):
     code = textwrap.dedent("""
         import json, cupy, numpy as np
         from cupy.cuda import compiler
-        from gdsload.device import CudaOps
+        from gdsload.cuda.ops import CudaOps
         ops = CudaOps(0, "cupy")
         src = cupy.asarray(np.arange(300 * 12, dtype=np.uint8).reshape(300, 12))  # no CuPy kernel compiled
         idx = cupy.asarray(np.arange(299, -1, -3, dtype=np.int64))

@@ -13,8 +13,9 @@ import pytest
 
 from _helpers import labelled, open_fds, threads_left_after_use, wait_no_readers
 from gdsload import BackendUnavailable, ChecksumError, GDSDataset, GDSLoadError, ReadError
-from gdsload.cli import main as cli_main
-from gdsload.format import DatasetLayout, read_metadata
+from gdsload.tools.cli import main as cli_main
+from gdsload.format.layout import DatasetLayout
+from gdsload.format.meta import read_metadata
 
 Dataset = functools.partial(GDSDataset, backend="cpu", resident_bytes=32 << 10)
 Verified = functools.partial(Dataset, verify=True)
@@ -124,8 +125,8 @@ def test_a_shard_truncated_after_open_is_a_read_error(data_path):
     path, _ = data_path
     with Dataset(path, batch_size=32, window_blocks=1) as ds:
         # The last block's shard: not the first window's, which the open has read already.
-        shard = ds._layout.locate("x", ds.meta.num_blocks - 1).path
-        assert shard != ds._layout.locate("x", 0).path
+        shard = ds._reader.layout.locate("x", ds.meta.num_blocks - 1).path
+        assert shard != ds._reader.layout.locate("x", 0).path
         with open(shard, "r+b") as f:
             f.truncate(100)
         with pytest.raises(ReadError, match=f"^{shard}: "):
@@ -176,7 +177,7 @@ def test_a_stopped_pipeline_waits_for_its_device_work_after_its_threads(data_pat
     the threads are joined; on the GPU that is what keeps freed memory from being handed out while queued
     work still uses it (tests/test_gpu.py checks the streams)."""
     from gdsload.backends.cpu import CpuBackend
-    from gdsload.device import HostOps
+    from gdsload.cuda.ops import HostOps
 
     calls = []
 
@@ -217,12 +218,12 @@ def test_the_open_reads_the_window_the_first_pass_reads_first_and_that_pass_does
     with Dataset(path, batch_size=16, shuffle=True, seed=5, window_blocks=3, rank=rank, world_size=2,
                  resident_bytes=0, prefetch_next_epoch=False) as ds:
         plan = ds._plan(0)
-        first = ds._window_layout.first_requests(ds._layout, plan)
+        first = ds._reader.window_map.first_requests(ds._reader.layout, plan)
         assert len(submitted) == 1 and submitted[0][1] == first, "the first window, at open"
         assert submitted[0][0] is ds._buffers[0].buffer
         submitted.clear()
         batches = list(ds)
-        assert [r for _, r in submitted] == [ds._window_layout.work(ds._layout, w).requests
+        assert [r for _, r in submitted] == [ds._reader.window_map.work(ds._reader.layout, w).requests
                                              for w in plan.windows[1:]], "every window but the first"
         for b in batches:
             np.testing.assert_array_equal(b["x"], data["x"][b["idx"]])
@@ -404,7 +405,7 @@ def test_pinned_host_memory_is_unregistered_when_dropped_unclosed(monkeypatch):
     import sys
     import types
 
-    from gdsload._cuda import PinnedHost
+    from gdsload.cuda.runtime import PinnedHost
 
     runtime = _FakeRuntime()
     cuda = types.SimpleNamespace(runtime=runtime, Device=lambda i: contextlib.nullcontext())

@@ -15,12 +15,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from _helpers import labelled, ragged_source, sequences, wait_no_readers
-from gdsload.mixture import Mixture, merge_states
-from gdsload.mixture_plan import Stretch
-from gdsload.plan import share_bounds
-from gdsload.resume import StateError
-from gdsload.sources import ArraySource
-from gdsload.writer import write_dataset
+from gdsload.mixture.mixture import Mixture, merge_states
+from gdsload.mixture.schedule import Stretch
+from gdsload.pipeline.plan import share_bounds
+from gdsload.pipeline.resume import StateError
+from gdsload.conversion.source_types import ArraySource
+from gdsload.conversion.writer import write_dataset
 
 SIZES = {"web": (53, 4), "code": (31, 3), "books": (17, 2)}  # samples, samples per block
 OFFSET = {"web": 0, "code": 1000, "books": 2000}  # sample i of a source has idx OFFSET + i

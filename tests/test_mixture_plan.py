@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gdsload.mixture_plan import (Schedule, Stretch, exact_weights, next_counts, parse_schedule, parse_stretch,
-                                  schedule_state)
-from gdsload.plan import PlanConfig, epoch_plan, share_bounds
-from gdsload.resume import StateError
+from gdsload.mixture.schedule import (Schedule, Stretch, exact_weights, next_counts, parse_schedule, parse_stretch,
+                                      schedule_state)
+from gdsload.pipeline.plan import PlanConfig, epoch_plan, share_bounds
+from gdsload.pipeline.resume import StateError
 
 NAMES = tuple("abcdef")
 weight_lists = st.lists(st.integers(0, 40), min_size=1, max_size=6).filter(any)

@@ -1,4 +1,4 @@
-"""The mmap backend's background load (gdsload.preload, backends/mmap.py) on the CPU: ranges read once and
+"""The mmap backend's background load (gdsload.backends.preload, backends/mmap.py) on the CPU: ranges read once and
 locked in order, the ranges a window needs first; a copy waits for its ranges and never spans two; errors
 reach whoever waits, naming the file; close() stops the threads and unlocks everything. CUDA is a stand-in
 that copies host memory and refuses a copy from memory not registered in one piece."""
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from gdsload.errors import BackendUnavailable, ReadError
-from gdsload.preload import Preloader
+from gdsload.backends.preload import Preloader
 
 MiB = 1 << 20
 
@@ -243,7 +243,7 @@ class _Dest:
 def test_mmap_backend_copies_wait_for_their_ranges_and_never_span_two(tmp_path, fake_cupy, monkeypatch):
     from gdsload.backends import mmap as mmap_backend
     from gdsload.backends.base import ReadRequest
-    from gdsload.files import ShardFiles
+    from gdsload.format.files import ShardFiles
 
     monkeypatch.setattr(mmap_backend, "RANGE_BYTES", 64 << 10)
     paths, _ = _files(tmp_path, [300 << 10, 100 << 10])
@@ -281,7 +281,7 @@ def test_mmap_backend_locks_only_a_windows_ranges_until_the_pipeline_started(tmp
     """The first window's ranges load alone (nothing else queued before them); started() loads the rest."""
     from gdsload.backends import mmap as mmap_backend
     from gdsload.backends.base import ReadRequest
-    from gdsload.files import ShardFiles
+    from gdsload.format.files import ShardFiles
 
     monkeypatch.setattr(mmap_backend, "RANGE_BYTES", 64 << 10)
     paths, _ = _files(tmp_path, [512 << 10])
@@ -304,7 +304,7 @@ def test_mmap_backend_locks_only_a_windows_ranges_until_the_pipeline_started(tmp
 
 def test_mmap_backend_checks_budget_and_locking_at_open(tmp_path, fake_cupy):
     from gdsload.backends.mmap import MmapBackend
-    from gdsload.files import ShardFiles
+    from gdsload.format.files import ShardFiles
 
     paths, _ = _files(tmp_path, [8192])
     files = ShardFiles.open(paths)
@@ -327,7 +327,7 @@ def test_mmap_backend_read_error_names_the_file(tmp_path, fake_cupy, monkeypatch
     and where; cut short before the backend maps it, the open fails, naming it."""
     from gdsload.backends.base import ReadRequest
     from gdsload.backends.mmap import MmapBackend
-    from gdsload.files import ShardFiles
+    from gdsload.format.files import ShardFiles
 
     paths, _ = _files(tmp_path, [1 << 20])
     files = ShardFiles.open(paths)
@@ -352,7 +352,7 @@ def test_with_few_cuda_queues_a_windows_copies_are_queued_two_pieces_ahead(tmp_p
     the bytes are the same, and a stop between pieces queues no more. Elsewhere a window goes at once."""
     from gdsload.backends import mmap as mmap_backend
     from gdsload.backends.base import ReadRequest
-    from gdsload.files import ShardFiles
+    from gdsload.format.files import ShardFiles
 
     ahead: list[int] = []  # pieces queued and not waited for (events on the backend's stream), as each copy is
 

@@ -1,4 +1,4 @@
-"""gdsload.numa: a GPU's NUMA node, its CPUs and this process's CPUs, from recorded system-file trees
+"""gdsload.system.numa: a GPU's NUMA node, its CPUs and this process's CPUs, from recorded system-file trees
 (tests/fixtures/doctor/numa_2socket: 8 GPUs, 0-3 on node 0 and 4-7 on node 1; numa_1node: one node)."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import shutil
 
 import pytest
 
-from gdsload.numa import (allowed_cpus, format_cpulist, gpu_bus_ids, gpu_numa, gpus_by_node, normalize_bus_id,
-                          numa_report, parse_cpulist, visible_gpu)
-from gdsload.sysfiles import SystemFiles
+from gdsload.system.numa import (allowed_cpus, format_cpulist, gpu_bus_ids, gpu_numa, gpus_by_node, normalize_bus_id,
+                                 numa_report, parse_cpulist, visible_gpu)
+from gdsload.system.sysfiles import SystemFiles
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "doctor")
 NODE0 = parse_cpulist("0-55,112-167")

@@ -9,9 +9,9 @@ import time
 import numpy as np
 import pytest
 
-from gdsload import pipeline as pipeline_module
-from gdsload.pacing import Pacer
-from gdsload.plan import PlanConfig, epoch_plan
+from gdsload.pipeline import pipeline as pipeline_module
+from gdsload.pipeline.pacing import Pacer
+from gdsload.pipeline.plan import PlanConfig, epoch_plan
 
 from _helpers import labelled
 

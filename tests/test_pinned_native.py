@@ -1,10 +1,13 @@
-"""The pinned backend's native reader on the CPU: a window's reads through the stager's host mode, as the
-backend hands them over (coalesced, named by path), with its stop and its errors."""
+"""The pinned backend's readers on the CPU: the native one through the stager's host mode, as the backend hands
+it a window's reads (coalesced, named by path), with its stop, its errors and its stats; the Python-thread and
+KvikIO ones through the backend, on stand-ins for CuPy and KvikIO."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -12,14 +15,15 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from gdsload import stager
+from gdsload.backends import stager
 from gdsload.backends.base import FileHandles, ReadRequest, coalesce
 from gdsload.backends.kvikio import default_threads
-from gdsload.backends.native import (DEFAULT_THREADS, NATIVE_BUF_BYTES, NATIVE_SHARED_BUF_BYTES, PIPELINE_THREADS,
-                                     NativeJob, native_buf_bytes, native_threads)
-from gdsload.env import local_ranks, rank_cores, usable_cores
+from gdsload.backends.native import (DEFAULT_THREADS, NATIVE_BUF_BYTES, NATIVE_BUFS_PER_THREAD, NATIVE_SHARED_BUF_BYTES,
+                                     PIPELINE_THREADS, NativeReader, native_buf_bytes, native_threads)
+from gdsload.backends.staging import STATS_KEYS
+from gdsload.system.env import local_ranks, rank_cores, usable_cores
 from gdsload.errors import ReadError
-from gdsload.files import ShardFiles
+from gdsload.format.files import ShardFiles
 
 if stager.load() is None:
     pytest.skip(f"the native stager cannot be built here: {stager.unavailable_reason()}", allow_module_level=True)
@@ -41,8 +45,9 @@ def backend(tmp_path):
     handles = FileHandles()
     handles.bind(files)
     st = stager.Stager("host", num_threads=3, buf_bytes=64 << 10)
-    yield SimpleNamespace(_stager=st, _files=handles, device=contextlib.nullcontext(), stream=None), paths, datas
-    st.close()
+    reader = NativeReader(st, handles, contextlib.nullcontext(), None)
+    yield reader, paths, datas
+    reader.close()
     files.close()
 
 
@@ -61,7 +66,7 @@ def test_a_window_lands_exactly_and_hands_back_the_fill_event(backend):
     reads.append(ReadRequest(paths[0], 6000, 3000, at + 5000))
     merged = coalesce(reads, 1 << 62)
     assert len(merged) == len(reads) - 1
-    job = NativeJob(b, dest.ctypes.data, merged, threading.Event(), FILLS)
+    job = b.submit(dest.ctypes.data, merged, threading.Event(), FILLS)
     assert job.finish() is FILLS
     for r in reads:
         f = paths.index(r.path)
@@ -73,7 +78,7 @@ def test_a_failed_read_names_its_file(backend):
     b, paths, _ = backend
     dest = np.zeros(1 << 20, np.uint8)
     reads = [ReadRequest(paths[1], 0, 4096, 0), ReadRequest(paths[2], (1 << 20) - 100, 300, 8192)]
-    job = NativeJob(b, dest.ctypes.data, reads, threading.Event(), FILLS)
+    job = b.submit(dest.ctypes.data, reads, threading.Event(), FILLS)
     with pytest.raises(ReadError, match=rf"{paths[2]}.*offset {(1 << 20) - 100}"):
         job.finish()
 
@@ -84,13 +89,22 @@ def test_stop_cancels_and_nothing_is_written_after_finish(backend):
     dest = np.zeros((n, 4096), np.uint8)
     reads = [ReadRequest(paths[i % 3], (i % 256) << 12, 4096, i << 12) for i in range(n)]
     stop = threading.Event()
-    job = NativeJob(b, dest.ctypes.data, reads, stop, FILLS)
+    job = b.submit(dest.ctypes.data, reads, stop, FILLS)
     stop.set()
     job.finish()  # no error: the window is abandoned, the pipeline is stopping
     assert (~dest.any(axis=1)).sum() > n // 2  # most pieces were dropped, not read
     dest[:] = 0
     time.sleep(0.2)
     assert not dest.any()  # no read still wrote into the buffer after finish() returned
+
+
+def test_the_native_readers_stats_have_the_common_keys(backend):
+    b, _, _ = backend
+    stats = b.stats()
+    assert tuple(stats) == STATS_KEYS
+    assert stats["reader"] == "native" and stats["num_threads"] == b.num_threads == 3
+    assert stats["slots"] == 3 * NATIVE_BUFS_PER_THREAD and stats["slot_bytes"] == 64 << 10
+    assert stats["pool_bytes"] == b.pinned_bytes == 0  # host mode pins nothing
 
 
 def test_the_native_reader_leaves_the_pipeline_threads_their_cores():
@@ -126,3 +140,87 @@ def test_readers_of_ranks_sharing_a_machine_leave_its_cores_and_caches_to_the_ot
     # KvikIO's readers leave two cores to the consumer and the pipeline, alone or beside other ranks
     assert default_threads(32) == DEFAULT_THREADS and default_threads(16) == 14 and default_threads(3) == 2
     assert default_threads(rank_cores(32, 32, 2)) == 14
+
+
+class _Stream:
+    def __init__(self, non_blocking: bool = False):
+        self.ptr = 0
+
+    def record(self, event=None):
+        return event
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _Event:
+    def __init__(self, **kw):
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record(self, stream=None):
+        return self
+
+
+class _CuFile:
+    """KvikIO's file on the CPU: ``pread`` into host memory, a future of the bytes read."""
+
+    def __init__(self, path: str, mode: str):
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def pread(self, view, nbytes: int, offset: int):
+        return SimpleNamespace(get=lambda n=os.preadv(self.fd, [view[:nbytes]], offset): n)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """CuPy and KvikIO stand-ins: "device" memory is host memory, a copy is a memmove, events are no-ops."""
+    runtime = SimpleNamespace(memcpyAsync=lambda dst, src, n, kind, stream: ctypes.memmove(dst, src, n),
+                              setDevice=lambda i: None, hostRegister=lambda *a: None, hostUnregister=lambda *a: None)
+    cuda = SimpleNamespace(runtime=runtime, Device=lambda i=0: contextlib.nullcontext(), Stream=_Stream, Event=_Event)
+    monkeypatch.setitem(sys.modules, "cupy", SimpleNamespace(cuda=cuda, uint8=np.uint8))
+    defaults = SimpleNamespace(get=lambda key: None, set=lambda settings: None)
+    monkeypatch.setitem(sys.modules, "kvikio", SimpleNamespace(CuFile=_CuFile, defaults=defaults))
+    monkeypatch.setitem(sys.modules, "kvikio.defaults", defaults)
+
+
+@pytest.mark.parametrize("reader,direct", [("threads", False), ("threads", True), ("kvikio", False)])
+def test_the_slot_readers_land_a_window_exactly_and_report_the_common_stats(backend, fake_gpu, reader, direct):
+    """The pinned backend's Python-thread and KvikIO readers, through the backend, on the CPU stand-ins."""
+    from gdsload.backends.pinned import PinnedBackend
+
+    _, paths, datas = backend
+    files = ShardFiles.open(paths)
+    b = PinnedBackend(reader=reader, direct=direct, slot_bytes=64 << 10, pool_bytes=4 * (64 << 10), num_threads=3)
+    try:
+        b.prepare(files)
+        rng = np.random.default_rng(2)
+        reads, at = [], 0
+        for _ in range(30):
+            f, n = int(rng.integers(3)), int(rng.integers(1, 200_000))
+            reads.append(ReadRequest(paths[f], int(rng.integers(0, (1 << 20) - n)), n, at))
+            at += n
+        reads.append(ReadRequest(paths[0], 4096, 8192, at))  # aligned: through O_DIRECT with direct
+        dest = np.zeros(at + 8192, np.uint8)
+        window = SimpleNamespace(data=SimpleNamespace(ptr=dest.ctypes.data))
+        assert isinstance(b.submit(window, reads, threading.Event()).finish(), _Event)  # after the copies
+        for r in reads:
+            np.testing.assert_array_equal(dest[r.dest_offset:r.dest_offset + r.nbytes],
+                                          datas[paths.index(r.path)][r.offset:r.offset + r.nbytes])
+        stats = b.stats()
+        assert tuple(stats) == (*STATS_KEYS, "native") and stats["reader"] == b.reader == reader
+        assert stats["pool_bytes"] == b.pinned_bytes == 4 * (64 << 10) and stats["slots"] == 4
+        assert stats["reading_slots"] == (3 if reader == "kvikio" else 4) and 1 <= stats["peak_slots_in_use"] <= 4
+        with pytest.raises(ReadError, match=rf"{paths[2]}.*offset {(1 << 20) - 100}"):
+            b.submit(window, [ReadRequest(paths[2], (1 << 20) - 100, 300, 0)], threading.Event()).finish()
+    finally:
+        b.close()
+        files.close()

@@ -17,7 +17,7 @@ import pytest
 
 from _helpers import break_then_close, labelled, reader_threads, wait_no_readers
 from gdsload import GDSDataset, GDSLoadError, ReadError
-from gdsload.plan import epoch_plan
+from gdsload.pipeline.plan import epoch_plan
 
 # Small enough that "idx" is resident and "x" is read window by window: every test covers both paths.
 Dataset = functools.partial(GDSDataset, resident_bytes=32 << 10)
@@ -291,7 +291,7 @@ def test_error_read_ahead_surfaces_in_the_pass_that_needs_it(data_path):
     path, _ = data_path
     with Dataset(path, batch_size=8, backend="cpu", window_blocks=2, prefetch=1) as ds:
         assert len(list(ds)) == len(ds)
-        shards = [p for p in ds._layout.shard_paths() if "/x/" in p]  # in shard order
+        shards = [p for p in ds._reader.layout.shard_paths() if "/x/" in p]  # in shard order
         last_shard = shards[-1]
         with open(last_shard, "r+b") as f:  # the last window: not read ahead yet (2 buffers of 2 blocks)
             f.truncate(100)
@@ -423,13 +423,13 @@ def test_bad_arguments(data_path):
 def test_batches_ahead_defaults_to_the_backends(data_path):
     path, _ = data_path
     with Dataset(path, batch_size=8, backend="cpu") as ds:
-        assert ds.batches_ahead == ds._backend.batches_ahead_hint == 2
+        assert ds.batches_ahead == ds._reader.backend.batches_ahead_hint == 2
     with Dataset(path, batch_size=8, backend="cpu", batches_ahead=5) as ds:
         assert ds.batches_ahead == 5
 
 
 def test_gpu_backend_without_gpu_is_a_clear_error(data_path):
-    from gdsload.env import gpu_available
+    from gdsload.system.env import gpu_available
 
     if gpu_available():
         pytest.skip("this machine has a GPU")
@@ -450,7 +450,7 @@ def test_backend_is_prepared_with_every_shard_it_may_read(data_path, monkeypatch
     seen, prepare = [], CpuBackend.prepare
     monkeypatch.setattr(CpuBackend, "prepare", lambda self, files: (seen.append(list(files)), prepare(self, files)))
     with Dataset(path, batch_size=8, backend="cpu", fields=["x"]) as ds:
-        want = ds._layout.shard_paths()
+        want = ds._reader.layout.shard_paths()
     assert seen == [want] and want and all(os.path.isfile(p) and "/x/" in p for p in want)
 
     with pytest.raises(ValueError, match="batch_size must be at least 1"):
@@ -492,7 +492,7 @@ def test_taking_a_batch_wakes_the_assembler_only_on_every_second_release():
     """The consumer's take leaves the assembler waiting until the consumer gives room back, two places at a
     time (one wake-up per two batches), so the assembler's next work starts after the consumer's own calls;
     it holds one batch more than ``ahead`` so that as many are ready after a take as before."""
-    from gdsload.handoff import Handoff
+    from gdsload.backends.handoff import Handoff
 
     stop = threading.Event()
     handoff = Handoff(1)
@@ -521,7 +521,7 @@ def test_a_stopped_producer_gives_up_at_once_even_where_room_was_given_back():
     """The defect: closing a pipeline whose assembler waited for room cleared the hand-off (room given back),
     the assembler gathered batches nobody would take until the room ran out again, then waited a whole poll
     (``POLL_S``) before it saw the stop; close() joined it 50 ms later (H100, probe_timeline)."""
-    from gdsload.handoff import POLL_S, Handoff
+    from gdsload.backends.handoff import POLL_S, Handoff
 
     stop = threading.Event()
     handoff = Handoff(1)
@@ -540,7 +540,7 @@ def test_the_backend_is_told_once_that_the_first_batch_was_assembled(data_path, 
     """Backend.started() (what the mmap backend's background load waits for) comes once per pipeline, right
     after its first batch was assembled (so that load does not compete with that batch), after the resident
     fields and the first window were read."""
-    from gdsload import pipeline as pipeline_module
+    from gdsload.pipeline import pipeline as pipeline_module
     from gdsload.backends.cpu import CpuBackend
 
     path, data = data_path

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from gdsload.plan import PlanConfig, epoch_plan
+from gdsload.pipeline.plan import PlanConfig, epoch_plan
 
 
 def batches_of(plan) -> list[np.ndarray]:

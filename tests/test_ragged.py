@@ -10,11 +10,11 @@ import pytest
 import zarr
 
 from gdsload import ConversionError, GDSDataset
-from gdsload.format import read_metadata
-from gdsload.plan import PlanConfig, epoch_plan
-from gdsload.ragged import capacity_rows, epoch_value_index, gather, pad
-from gdsload.sources import ArraySource
-from gdsload.writer import convert, write_dataset
+from gdsload.format.meta import read_metadata
+from gdsload.pipeline.plan import PlanConfig, epoch_plan
+from gdsload.pipeline.ragged import capacity_rows, epoch_value_index, gather, pad
+from gdsload.conversion.source_types import ArraySource
+from gdsload.conversion.writer import convert, write_dataset
 
 from _helpers import ragged_source, sequences
 

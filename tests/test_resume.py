@@ -20,10 +20,9 @@ from hypothesis import strategies as st
 
 from _helpers import labelled
 from gdsload import GDSDataset
-from gdsload.plan import PlanConfig, epoch_plan
-from gdsload.cursor import Cursor
-from gdsload.resume import (MAX_HOPS, Fingerprint, Hop, StateError, leg_plans, make_state, merge_states,
-                            resume)
+from gdsload.pipeline.plan import PlanConfig, epoch_plan
+from gdsload.pipeline.cursor import Cursor
+from gdsload.pipeline.resume import MAX_HOPS, Fingerprint, Hop, StateError, leg_plans, make_state, merge_states, resume
 
 Dataset = functools.partial(GDSDataset, backend="cpu", resident_bytes=32 << 10)  # "idx" resident, "x" windowed
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -345,7 +344,7 @@ def test_state_after_a_pass_and_set_epoch(data_path):
 
 
 def test_ragged_fields_resume_on_other_ranks(make_dataset):
-    from gdsload.sources import ArraySource, RaggedSource
+    from gdsload.conversion.source_types import ArraySource, RaggedSource
 
     lengths = np.random.default_rng(0).integers(0, 9, 301)
     seqs = [(i * 100 + np.arange(m)).astype(np.int32) for i, m in enumerate(lengths)]
@@ -376,7 +375,7 @@ WORKER = """
 import json, sys
 import numpy as np
 from gdsload import GDSDataset
-from gdsload.plan import epoch_plan
+from gdsload.pipeline.plan import epoch_plan
 path, source, batch_size, take, state_in, out = sys.argv[1:7]
 x = np.load(source, mmap_mode="r")
 ds = GDSDataset(path, batch_size=int(batch_size), backend="cpu", shuffle=True, seed=5, resident_bytes=4096)
@@ -646,7 +645,8 @@ def test_foreign_store_with_a_chunk_of_another_length_is_refused(tmp_path):
     """A zarr-python store, sharded and compressed, without block checksums: the last chunk of a shard made
     incompressible keeps every chunk's offset (so the layout hash agrees) but changes that chunk's stored
     length and its shard index's crc32c, and the state is refused."""
-    from gdsload.format import DatasetLayout, read_metadata
+    from gdsload.format.layout import DatasetLayout
+    from gdsload.format.meta import read_metadata
 
     x = np.arange(32 * 6, dtype=np.int32).reshape(32, 6) % 7
     changed = x.copy()

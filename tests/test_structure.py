@@ -13,7 +13,7 @@ import pytest
 
 import gdsload
 from gdsload import GDSDataset
-from gdsload.cursor import Cursor
+from gdsload.pipeline.cursor import Cursor
 
 from _helpers import labelled
 
@@ -147,7 +147,7 @@ def test_raw_kvikio_reads_hold_the_pool_without_restarting_a_datasets(fake_kviki
     it back; beside a dataset open with other settings it refuses, leaving that dataset's pool as it is (it
     restarted the pool under the dataset, which then read with threads it did not report), and beside one
     with the same settings it reads."""
-    from gdsload.measure import _kvikio
+    from gdsload.tools.measure import _kvikio
 
     pool, calls = fake_kvikio
     with _kvikio(16):
@@ -165,7 +165,7 @@ def test_raw_kvikio_reads_hold_the_pool_without_restarting_a_datasets(fake_kviki
 
 
 def test_positions_are_rows_of_the_window():
-    from gdsload.plan import PlanConfig, epoch_plan
+    from gdsload.pipeline.plan import PlanConfig, epoch_plan
 
     plan = epoch_plan(PlanConfig(num_samples=95, samples_per_block=10, batch_size=7, window_blocks=3,
                                  shuffle=True, seed=1), 0)

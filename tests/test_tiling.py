@@ -18,10 +18,12 @@ import zarr
 
 from _helpers import index_edit_refused, rewrite_index
 from gdsload import FormatError, GDSDataset
-from gdsload.format import MAX_UINT_64, DatasetLayout, read_metadata
-from gdsload.shard_index import chunk_table
-from gdsload.sources import ArraySource, RaggedSource
-from gdsload.writer import write_dataset
+from gdsload.format.shard_index import MAX_UINT_64
+from gdsload.format.layout import DatasetLayout
+from gdsload.format.meta import read_metadata
+from gdsload.format.shard_index import chunk_table
+from gdsload.conversion.source_types import ArraySource, RaggedSource
+from gdsload.conversion.writer import write_dataset
 
 
 def write(path: str, compress: str | None) -> str:
@@ -165,7 +167,7 @@ def test_chunk_table_tiling_rules():
     between written ones (zarr's, for a chunk equal to the fill value), the index at the start."""
     import dataclasses
 
-    from gdsload.arrays import FieldMeta
+    from gdsload.format.arrays import FieldMeta
 
     fm = FieldMeta(name="x", dtype=np.dtype("uint8"), sample_shape=(4,), fill_value=0, samples_per_block=2,
                    blocks_per_shard=3, index_location="end", key_separator="/", num_rows=6)
@@ -224,7 +226,7 @@ def test_zarr_written_gdsload_dataset_tiles(tmp_path):
 
 def test_the_check_reads_nothing_more(pristine, monkeypatch):
     """The tiling check works on the index read at open: one read per shard file, as before."""
-    import gdsload.files as files
+    import gdsload.format.files as files
 
     calls: list[str] = []
     real = files.os.pread

@@ -1,4 +1,4 @@
-"""gdsload.verify on the host: a window's checks, verdicts confirmed later than they start, and checks kept
+"""gdsload.codecs.verify on the host: a window's checks, verdicts confirmed later than they start, and checks kept
 once passed where a backend reads from memory it locked (the mmap backend's rule, run here on host buffers)."""
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ import pytest
 from _helpers import labelled
 from gdsload import ChecksumError
 from gdsload.backends.cpu import CpuBackend
-from gdsload.format import DatasetLayout, read_metadata
-from gdsload.verify import Verification
-from gdsload.window import WindowLayout
+from gdsload.format.layout import DatasetLayout
+from gdsload.format.meta import read_metadata
+from gdsload.codecs.verify import Verification
+from gdsload.pipeline.window import WindowMap
 
 
 @pytest.fixture
@@ -21,7 +22,7 @@ def opened(make_dataset):
     path = make_dataset(labelled(200), samples_per_block=8)
     layout = DatasetLayout(read_metadata(path))
     meta = layout.meta
-    wl = WindowLayout([meta.fields["x"], meta.fields["idx"]], 4, samples_per_block=meta.samples_per_block)
+    wl = WindowMap([meta.fields["x"], meta.fields["idx"]], 4, samples_per_block=meta.samples_per_block)
     backend = CpuBackend()
     backend.prepare(layout.files)
     yield layout, wl, backend
@@ -29,7 +30,7 @@ def opened(make_dataset):
     layout.close()
 
 
-def window(wl: WindowLayout, layout: DatasetLayout, backend: CpuBackend, blocks: np.ndarray) -> np.ndarray:
+def window(wl: WindowMap, layout: DatasetLayout, backend: CpuBackend, blocks: np.ndarray) -> np.ndarray:
     buf = backend.allocate(wl.nbytes)
     backend.load(buf, wl.work(layout, blocks).requests, threading.Event())
     return buf

@@ -14,10 +14,10 @@ import pytest
 import zarr
 
 from gdsload import ConversionError, GDSDataset
-from gdsload.format import read_metadata
-from gdsload.cli import shard_main
-from gdsload.sources import ArraySource
-from gdsload.writer import choose_samples_per_block, convert, write_dataset
+from gdsload.format.meta import read_metadata
+from gdsload.tools.cli import shard_main
+from gdsload.conversion.source_types import ArraySource
+from gdsload.conversion.writer import choose_samples_per_block, convert, write_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -285,8 +285,8 @@ def test_npy_header_is_checked_as_numpy_checks_it(tmp_path, capsys, write, messa
 
 def test_writer_attribute_keys_are_the_ones_the_reader_accepts(make_dataset):
     """The reader refuses any key of the gdsload attribute it does not know: the writer's must be those."""
-    from gdsload.format import ATTRS_KEYS, CHECKSUMS_KEYS, FIELD_ENTRY_KEYS
-    from gdsload.sources import RaggedSource
+    from gdsload.format.meta import ATTRS_KEYS, CHECKSUMS_KEYS, FIELD_ENTRY_KEYS
+    from gdsload.conversion.source_types import RaggedSource
 
     path = make_dataset({"x": np.zeros((10, 3), np.float32)}, samples_per_block=4,
                         ragged={"t": RaggedSource("t", ArraySource("t", np.arange(6)), np.array([0, 1, 3, 3, 4, 4, 5, 6,
@@ -301,7 +301,7 @@ def test_writer_attribute_keys_are_the_ones_the_reader_accepts(make_dataset):
 # -- memory ----------------------------------------------------------------------------------------
 _PEAK = """
 import resource, sys
-from gdsload.writer import convert
+from gdsload.conversion.writer import convert
 convert([sys.argv[1]], sys.argv[2], block_bytes=1 << 20, shard_bytes=64 << 20, slice_bytes=8 << 20, progress=False)
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
 """

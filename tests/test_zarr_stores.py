@@ -30,11 +30,12 @@ try:
 except ImportError:  # zarr versions that leave them to numcodecs
     from numcodecs.zarr3 import Delta, Zlib
 from gdsload import FormatError, GDSDataset
-from gdsload.device import HostOps
-from gdsload.format import MAX_UINT_64, read_metadata
-from gdsload.plan import epoch_plan
-from gdsload.sources import ArraySource
-from gdsload.writer import write_dataset
+from gdsload.cuda.ops import HostOps
+from gdsload.format.shard_index import MAX_UINT_64
+from gdsload.format.meta import read_metadata
+from gdsload.pipeline.plan import epoch_plan
+from gdsload.conversion.source_types import ArraySource
+from gdsload.conversion.writer import write_dataset
 
 N = 613  # not a multiple of any chunk size below: every array has a partial last chunk
 BACKENDS = ["cpu", *(pytest.param(b, marks=pytest.mark.gpu) for b in ("pinned", "kvikio", "mmap"))]
@@ -419,7 +420,7 @@ def test_converter_datasets_keep_their_path(tmp_path, monkeypatch):
         assert not ds.meta.foreign
         assert ds.config.samples_per_block == 16 == ds.meta.fields["x"].samples_per_block
         assert ds.describe()["gather"] == {"x": "positions", "idx": "positions"}
-        assert ds._window_layout.rows["x"] == 16 * ds.config.window_blocks
+        assert ds._reader.window_map.rows["x"] == 16 * ds.config.window_blocks
         read_epochs(ds, "cpu", data, epochs=(0,), label="idx")
     assert calls["copy"] > 0 and calls["take"] == 0
     os.remove(os.path.join(path, "x", "c", "0", "0"))
@@ -438,7 +439,7 @@ def test_straddling_fields_always_gather_by_index(tmp_path, monkeypatch):
         self, src, first, out)))
     with GDSDataset(path, batch_size=32, backend="cpu", resident_bytes=0, window_blocks=3) as ds:
         assert ds.config.samples_per_block == 64 and ds.describe()["gather"] == {"a": "rows", "id": "positions"}
-        assert ds._window_layout.rows["a"] == 72 * 3  # a block of 64 rows touches at most 8 chunks of 9
+        assert ds._reader.window_map.rows["a"] == 72 * 3  # a block of 64 rows touches at most 8 chunks of 9
         read_epochs(ds, "cpu", expected, epochs=(0,))
     assert copied and all(shape[1:] == () for shape in copied)  # only "id" was copied
 

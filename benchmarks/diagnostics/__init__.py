@@ -1,14 +1,13 @@
-"""Diagnostics behind the defaults, run one at a time on the GPU machine:
+"""Diagnostics for questions that come back, run one at a time on the GPU machine:
 
-    python -m benchmarks.diagnostics.probe_step       # per-batch timeline of the consumer beside a step
-    python -m benchmarks.diagnostics.probe_overhead   # each step timed on GPU and host, piece by piece
-    python -m benchmarks.diagnostics.probe_mmap       # the mmap backend: open, copy streams, consumer stream
-    python -m benchmarks.diagnostics.verify_cost      # what verify=True costs each backend
-    python -m benchmarks.diagnostics.profile passes   # passes to sample with py-spy; 'summary' reads its output
-    python -m benchmarks.diagnostics.probe_startup    # open and first batch per backend, warm, with cProfile
-    python -m benchmarks.diagnostics.probe_nvcomp     # nvCOMP's Codec beside CuPy: threads, streams, views
-    python -m benchmarks.diagnostics.probe_pinned_alloc  # cudaHostAlloc against registered pages: setup, H2D
+    python -m benchmarks.diagnostics.probe_step          # where a training step's extra time goes, per batch
+    python -m benchmarks.diagnostics.probe_bursts        # passes that wait more: the loader's or the machine's
+    python -m benchmarks.diagnostics.probe_startup       # open and first batch per backend (--fresh: new processes)
+    python -m benchmarks.diagnostics.verify_cost         # what verify and zarr's crc32c codec cost each backend
+    python -m benchmarks.diagnostics.probe_copy_engines  # does a device copy wait behind host-to-device copies
+    python -m benchmarks.diagnostics.probe_nvcomp        # which threads, streams and views nvCOMP's Codec needs
 
-They use only gdsload's public surface (``GDSDataset``, ``describe()``, ``stats``, ``backend_options``) and
-:mod:`gdsload.measure`; none reads private attributes or patches the library.
+They use gdsload's public API only (``from gdsload import ...``, ``describe()``, ``stats``, constructor
+options) and the measuring tools that ``benchmarks.common`` imports; none reads a private name of the library
+or patches it. What the removed probes found is in docs/benchmarks.md; their code is in git history.
 """

@@ -13,7 +13,7 @@ cgroup's CPU throttling (cpu.stat), and **canaries**: one process per core in ``
 timing fixed units of pure Python work back to back (no GIL, GPU or memory shared with this process); a
 pass's canary slowdown is its units' mean length over the canary's median. Steps the host returns to late
 while every canary slows down at once are the machine's, not the loader's. ``--hold`` keeps one pass of
-batches on the device throughout, as ``probe_floor`` does. GPU only. Writes
+batches on the device throughout. GPU only. Writes
 ``results/<machine>/probe-bursts[-TAG].json``.
 """
 
@@ -26,18 +26,16 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
 import numpy as np
 
 from gdsload import GDSDataset
-from gdsload.measure import read_files, shard_paths, time_pass
-from gdsload.steps import Spin
 
-from ..common import (BATCH, GcRuns, Rows, add_step_options, make_dataset, parse_probe_args, probe_parser,
-                      stamped_steps, step_ms, write_probe)
-from .probe_turn import thread_cpu_ns
+from ..common import (BATCH, GcRuns, Rows, Spin, add_step_options, make_dataset, parse_probe_args, probe_parser,
+                      read_files, shard_paths, stamped_steps, step_ms, time_pass, write_probe)
 
 LONG_GAP_US = 1000.0
 CANARY_UNIT = 20000  # additions per unit: about a millisecond of Python
@@ -55,6 +53,24 @@ def canary(seconds: float, out: str) -> None:
         units.append((t0, time.perf_counter() - t0))
     with open(out, "w") as f:
         json.dump(units, f)
+
+
+def thread_cpu_ns(field: int = 0) -> dict[str, int]:
+    """CPU time (ns) of each thread of this process so far (/proc schedstat), by Python thread name where it
+    has one, else by its kernel name and id; ``field`` 1: the time each waited on a run queue instead."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, int] = {}
+    for tid in (int(t) for t in os.listdir("/proc/self/task")):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                ns = int(f.read().split()[field])
+            if tid not in names:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    names[tid] = f"{f.read().strip()}-{tid}"
+        except (OSError, ValueError):
+            continue
+        out[names[tid]] = out.get(names[tid], 0) + ns
+    return out
 
 
 def cgroup_cpu() -> dict[str, int]:

@@ -9,9 +9,8 @@ first ``next()`` (``first batch``, synchronised), then the rest of the pass. Wit
 repeat runs under cProfile and the functions that took the most time (cumulative) are printed. With
 ``--fresh`` each measurement is a new process, as a training script starts: ``import gdsload``, CUDA's start
 (first, as a script that built its model would, or left to the open), the open and the first batch; there
-``--profile`` profiles the last repeat's open and first batch, every thread's calls together (CUDA first),
-and each row counts the NVRTC runs of CuPy's kernel cache key in the process (``nvrtc_key_runs``). Prints a
-table and writes ``--json FILE`` when given. GPU only.
+``--profile`` profiles the last repeat's open and first batch, every thread's calls together (CUDA first).
+Prints a table and writes ``--json FILE`` when given. GPU only.
 """
 
 from __future__ import annotations
@@ -30,7 +29,8 @@ from typing import Any
 import numpy as np
 
 from gdsload import GDSDataset, write_dataset
-from gdsload.measure import device_sync, read_files, shard_paths
+
+from ..common import read_files, shard_paths
 
 
 def make(path: str, samples: int) -> str:
@@ -45,6 +45,8 @@ def make(path: str, samples: int) -> str:
 
 
 def one(path: str, backend: str, batch_size: int, profile: bool) -> dict:
+    import cupy
+
     prof = cProfile.Profile() if profile else None
     if prof:
         prof.enable()
@@ -53,7 +55,7 @@ def one(path: str, backend: str, batch_size: int, profile: bool) -> dict:
     t1 = time.perf_counter()
     it = iter(ds)
     next(it)
-    sync = device_sync(ds)
+    sync = cupy.cuda.get_current_stream().synchronize
     sync()
     t2 = time.perf_counter()
     if prof:
@@ -80,7 +82,6 @@ FRESH = """
 import json, sys, time
 t0 = time.perf_counter()
 import gdsload
-from gdsload.measure import device_sync
 t1 = time.perf_counter()
 if {cuda_first}:
     import cupy
@@ -94,13 +95,12 @@ ds = gdsload.GDSDataset({path!r}, batch_size={batch_size}, backend={backend!r}, 
 t3 = time.perf_counter()
 it = iter(ds)  # kept: a dropped iterator closes its pass, inside the timing
 next(it)
-device_sync(ds)()
+import cupy  # imported by the open already
+cupy.cuda.get_current_stream().synchronize()
 t4 = time.perf_counter()
 row = {{"backend": ds.backend_name, "io_mode": ds.io_mode, "cuda_first": {cuda_first},
        "import_s": round(t1 - t0, 4), "cuda_start_s": round(t2 - t1, 4), "open_s": round(t3 - t2, 4),
        "first_batch_s": round(t4 - t3, 4)}}
-from cupy.cuda import compiler
-row["nvrtc_key_runs"] = len(compiler._empty_file_preprocess_cache)
 ds.close()
 if {profile}:
     row["profile"] = profiles.report()

@@ -20,11 +20,9 @@ from typing import Any
 import numpy as np
 
 from gdsload import GDSDataset
-from gdsload.format import read_metadata
-from gdsload.measure import best, drop_page_cache, read_files, shard_paths, time_pass
-from gdsload.steps import Spin
 
-from ..common import BATCH, Rows, make_dataset, parse_probe_args, probe_parser, write_probe
+from ..common import (BATCH, Rows, Spin, best, drop_page_cache, make_dataset, parse_probe_args, probe_parser,
+                      read_files, shard_paths, time_pass, write_probe)
 
 CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "resident": ("all fields resident (no I/O)", "kvikio", {"resident_bytes": 1 << 40}),
@@ -47,7 +45,7 @@ def window_openings(num_samples: int, samples_per_block: int, window_blocks: int
     return {i for i in range(1, batches) if last[i] // per_window != last[i - 1] // per_window}
 
 
-def timeline(ds: GDSDataset, step: Spin, num_samples: int, samples_per_block: int) -> dict[str, Any]:
+def timeline(ds: GDSDataset, step: Spin) -> dict[str, Any]:
     import cupy
 
     stream = cupy.cuda.get_current_stream()
@@ -91,7 +89,8 @@ def timeline(ds: GDSDataset, step: Spin, num_samples: int, samples_per_block: in
     alone = step.alone(n)
     waits = np.asarray(dev_next) * 1e6
     worst = np.argsort(waits)[::-1][:6]
-    opens = window_openings(num_samples, samples_per_block, ds.describe()["window_blocks"], n)
+    about = ds.describe()
+    opens = window_openings(ds.num_samples, about["samples_per_block"], about["window_blocks"], n)
     return {"batches": n, "wall_s": round(wall, 4), "steps_alone_s": round(alone, 4),
             "excess_us_per_batch": round((wall - alone) / n * 1e6, 1),
             "first_batch_device_us": round(float(waits[0]), 1),
@@ -112,7 +111,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_probe_args(ap, argv)
     path = make_dataset(args.data, args.size_gib)
     paths = shard_paths(path)
-    meta = read_metadata(path)
     rows = Rows()
     if not args.no_cold and drop_page_cache():
         for direct in (False, True):
@@ -135,10 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     for label, backend, opts in [CASES[w] for w in args.what.split(",")]:
         with GDSDataset(path, batch_size=BATCH, backend=backend, **opts) as ds:
             top = best([time_pass(ds) for _ in range(4)])  # the first pass warms up
-            timeline(ds, step, meta.num_samples, meta.samples_per_block)  # warm-up pass
+            timeline(ds, step)  # warm-up pass
             rows.emit({"probe": "timeline", "what": label, "step_ms": args.step_ms,
                        "switch_interval_s": sys.getswitchinterval(), "pass_gb_per_s_without_step": round(
-                           top.gb_per_s, 2), **timeline(ds, step, meta.num_samples, meta.samples_per_block)})
+                           top.gb_per_s, 2), **timeline(ds, step)})
     print("wrote", write_probe(args, "probe-step", rows), flush=True)
     return 0
 

@@ -9,9 +9,9 @@ stopped after its turn, so neither reads ahead while the other is measured). Col
 page cache per setting and round, on a smaller dataset of its own (``--cold-gib``; mmap: open + pass, since
 it reads the files while it locks them at open). First pass: a fresh dataset's open and first pass, warm,
 where ``mmap`` checks each block (it checks a block once, the first time it is read: later reads copy the
-same locked bytes). Beside them the device kernel's own rate on one window buffer and the pinned H2D
-ceiling; the io mode on every row. Codec: the same samples in two Zarr stores written by zarr-python, with
-and without zarr's ``crc32c`` codec (always checked), warm, alternating (``--codec-gib``).
+same locked bytes). Beside them the pinned H2D ceiling; the io mode on every row. Codec: the same samples in
+two Zarr stores written by zarr-python, with and without zarr's ``crc32c`` codec (always checked), warm,
+alternating (``--codec-gib``).
 Cost = 1 - best(on) / best(off). Writes ``results/<machine>/verify-cost[-TAG].json`` and a markdown table
 beside it. GPU only.
 """
@@ -26,29 +26,9 @@ import time
 import numpy as np
 
 from gdsload import GDSDataset
-from gdsload.measure import cold_pass, drop_page_cache, pinned_h2d_gbps, time_pass
 
-from ..common import BATCH, Rows, make_dataset, parse_probe_args, probe_parser, write_probe_table
-
-
-def kernel_gbps(nbytes: int = 256 << 20, block_bytes: int = 4 << 20, repeats: int = 5) -> float:
-    """The library's crc32c kernel alone: a window buffer of 4 MiB blocks, best of ``repeats``."""
-    import cupy
-
-    from gdsload.checksum_cuda import DeviceCrc
-
-    crc = DeviceCrc(0)
-    buf = cupy.random.randint(0, 256, nbytes, dtype=cupy.uint8)
-    lo = np.arange(0, nbytes, block_bytes, dtype=np.int64)
-    stream = cupy.cuda.Stream(non_blocking=True)
-    best = float("inf")
-    for _ in range(repeats):
-        stream.synchronize()
-        t0 = time.perf_counter()
-        crc.launch(buf, lo, lo + block_bytes, stream)
-        stream.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
+from ..common import (BATCH, Rows, cold_pass, drop_page_cache, make_dataset, parse_probe_args, pinned_h2d_gbps,
+                      probe_parser, time_pass, write_probe_table)
 
 
 def order(r: int) -> tuple[bool, bool]:
@@ -185,10 +165,6 @@ def main(argv: list[str] | None = None) -> int:
     path = make_dataset(args.data, args.size_gib)
     rows = Rows()
     rows.emit({"what": "ceiling: pinned H2D copy", "gb_per_s": round(pinned_h2d_gbps(), 2)})
-    try:
-        rows.emit({"what": "crc32c kernel alone, 256 MiB of 4 MiB blocks", "gb_per_s": round(kernel_gbps(), 2)})
-    except (ImportError, AttributeError, TypeError) as e:  # the kernel's module is library-internal
-        rows.emit({"what": "crc32c kernel alone", "error": f"{type(e).__name__}: {e}"})
     backends = args.backends.split(",")
     for backend in backends:
         io_mode, passes = warm(path, backend, args.rounds, args.min_seconds, args.options)

@@ -6,11 +6,11 @@ import os
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
+from .._tasks import Pending
 from ..errors import ReadError
-from ..files import read_error
+from ..format.files import read_error
 
 
 class ReadRequest(NamedTuple):
@@ -138,72 +138,6 @@ class FileHandles:
             self._fds.clear()
 
 
-class Pending(ABC):
-    """Reads submitted for one window."""
-
-    @abstractmethod
-    def finish(self) -> Any:
-        """Block until the host's part of every read is done (raising the first error once all have
-        stopped), and return the event after which the data is in the buffer on the device, or None when
-        it is there already."""
-
-
-class Queued(Pending):
-    """Work whose host part is over (copies queued on the device, or reads done before): ``finish`` returns
-    the event after which the data is there (None: it is there already)."""
-
-    def __init__(self, event: Any):
-        self.event = event
-
-    def finish(self) -> Any:
-        return self.event
-
-
-def drain(pending: Pending) -> None:
-    """Wait for reads whose window is abandoned, whatever they end in (an error is already on its way):
-    none may still write into a buffer that changes hands."""
-    try:
-        pending.finish()
-    except BaseException:
-        pass
-
-
-class TaskGroup(Pending):
-    """Tasks run on a shared thread pool. Queued tasks are skipped once ``stop`` is set or one of them
-    failed, so a close or an error does not wait for the whole window."""
-
-    def __init__(self, pool: ThreadPoolExecutor, tasks: Sequence[Callable[[], Any]], stop: threading.Event,
-                 done: Callable[[list[Any]], Any] | None = None):
-        self._failed = threading.Event()
-        self._stop = stop
-        self._done = done
-        self._futures: list[Future[Any]] = [pool.submit(self._guarded, t) for t in tasks]
-
-    def _guarded(self, task: Callable[[], Any]) -> Any:
-        if self._stop.is_set() or self._failed.is_set():
-            return None
-        try:
-            return task()
-        except BaseException:
-            self._failed.set()
-            raise
-
-    def finish(self) -> Any:
-        """Wait for every task; ``done`` gets the results of those that succeeded (its value is returned)."""
-        error: BaseException | None = None
-        results = []
-        for f in self._futures:
-            e = f.exception()
-            if e is None:
-                results.append(f.result())
-            elif error is None:
-                error = e
-        result = self._done(results) if self._done is not None else None
-        if error is not None:
-            raise error
-        return result
-
-
 class Backend(ABC):
     """Moves blocks from files into a window buffer: host memory (cpu) or device memory (GPU backends)."""
 
@@ -215,7 +149,7 @@ class Backend(ABC):
     #: Batches gathered ahead of the consumer unless the dataset is told otherwise.
     batches_ahead_hint: int = 2
     #: Every read copies from memory this backend locked for the dataset's life, which nothing writes: a
-    #: block's bytes there, checked once, are the bytes of every later read of it (gdsload.verify).
+    #: block's bytes there, checked once, are the bytes of every later read of it (gdsload.codecs.verify).
     reads_locked_memory: bool = False
 
     @abstractmethod
@@ -232,7 +166,7 @@ class Backend(ABC):
 
     def prepare(self, files: Any) -> None:
         """Called once, when a dataset opens, with every file it may read, already open
-        (:class:`gdsload.files.ShardFiles`): reads go to those files, whatever is at their paths later.
+        (:class:`gdsload.format.files.ShardFiles`): reads go to those files, whatever is at their paths later.
         A backend that maps them does it here, so a dataset it cannot serve fails at open, not mid-epoch."""
         for handles in self.handles():
             handles.bind(files)

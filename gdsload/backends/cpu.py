@@ -13,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from .base import (Backend, FileHandles, FillRequest, Pending, ReadRequest, Request, TaskGroup, coalesce,
-                   fill_pattern, pread_full, split)
+from .._tasks import Pending, TaskGroup
+from .base import Backend, FileHandles, FillRequest, ReadRequest, Request, coalesce, fill_pattern, pread_full, split
 
 DEFAULT_TASK_BYTES = 4 << 20
 DEFAULT_THREADS = 8

@@ -5,12 +5,12 @@ device memory, fill values written on that stream, and KvikIO's process-wide thr
 from __future__ import annotations
 
 import threading
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from .._cuda import record_event
+from ..cuda.runtime import record_event
 from .base import Backend, FillRequest, Request, fill_pattern
+from ..errors import warn
 
 
 class CudaBackend(Backend):
@@ -87,7 +87,7 @@ class KvikioPool:
                             f"{have[1]}-byte tasks; {num_threads} and {task_bytes} were asked for")
                     if exact:
                         raise RuntimeError(f"{said}: close the dataset holding it first")
-                    warnings.warn(f"{said}, and this dataset gets the pool as it is", RuntimeWarning, stacklevel=4)
+                    warn(f"{said}, and this dataset gets the pool as it is", RuntimeWarning)
             else:
                 # Compared with KvikIO's own settings, not the last ones set here: other code in the process
                 # (the user's, a benchmark's raw reads) may have set the pool since.

@@ -13,7 +13,9 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from .base import FileHandles, Pending, ReadRequest, Request, coalesce, read_error
+from .._tasks import Pending
+from .base import FileHandles, ReadRequest, Request, coalesce
+from ..format.files import read_error
 from .cuda import CudaBackend, KvikioPool
 from .native import reader_threads
 
@@ -25,7 +27,7 @@ DEFAULT_MAX_READ_BYTES = 64 << 20
 
 
 def default_threads(cores: int) -> int:
-    """KvikIO's pool size by default on ``cores`` cores (this rank's share, :func:`gdsload.env.rank_cores`):
+    """KvikIO's pool size by default on ``cores`` cores (this rank's share, :func:`gdsload.system.env.rank_cores`):
     ``PIPELINE_CORES`` left to the consumer and the pipeline's threads, so that KvikIO's readers and they do
     not outnumber the cores (docs/benchmarks.md, "`kvikio`'s readers and the cores")."""
     return reader_threads(cores, PIPELINE_CORES)
@@ -42,7 +44,7 @@ class KvikioBackend(CudaBackend):
         ``max_read_bytes``."""
         import kvikio
 
-        from ..env import gds_available, rank_cores
+        from ..system.env import gds_available, rank_cores
 
         if num_threads is None:
             num_threads = default_threads(rank_cores())
@@ -68,7 +70,7 @@ class KvikioBackend(CudaBackend):
         file system that cuFile reads only in its compat mode."""
         super().prepare(files)
         if self._gds:
-            from ..sysfiles import paths_support
+            from ..system.sysfiles import paths_support
 
             folders = {os.path.dirname(os.path.realpath(p)) for p in files}
             self.io_mode = io_mode_for(True, paths_support(sorted(folders)))

@@ -6,7 +6,7 @@ read-only flag), so every later "read" is a host-to-device DMA copy, with no pag
 The price is memory: the dataset's pages stay locked in RAM for the dataset's life (shared with other
 processes that map the same files), and a cold dataset is read once, all of it. The budget and the
 ability to lock are checked when the dataset opens, so a dataset too large fails there, never mid-epoch;
-the files are then read and locked in ranges of ``RANGE_BYTES`` on background threads (gdsload.preload),
+the files are then read and locked in ranges of ``RANGE_BYTES`` on background threads (gdsload.backends.preload),
 the ranges a window needs first (only those until the first batch is assembled), so the first pass runs
 while the rest loads: a copy waits only for the ranges it reads, and never spans two of them (each is
 registered on its own).
@@ -29,16 +29,18 @@ from typing import Any
 
 import numpy as np
 
-from .._cuda import H2D, HOST_REGISTER_PORTABLE, HOST_REGISTER_READ_ONLY, record_event
+from ..cuda.runtime import H2D, HOST_REGISTER_PORTABLE, HOST_REGISTER_READ_ONLY, record_event
 from ..errors import BackendUnavailable, ReadError
-from ..copier import Copier, CopyFailed
-from ..preload import Preloader
-from .base import Pending, Queued, ReadRequest, Request, read_error
+from .copier import Copier, CopyFailed
+from .preload import Preloader
+from .._tasks import Pending, Queued
+from .base import ReadRequest, Request
+from ..format.files import read_error
 from .cuda import CudaBackend
 
 DEFAULT_COPY_BYTES = 64 << 20
 DEFAULT_STREAMS = 2
-#: With few CUDA hardware queues (``gdsload.env.connections_note``) the training step's kernels queue behind
+#: With few CUDA hardware queues (``gdsload.system.env.connections_note``) the training step's kernels queue behind
 #: whatever copies are queued: a window's copies are then queued a piece at a time, at most this many bytes
 #: ahead, so a step waits behind that much at most (docs/benchmarks.md, "Hardware work queues").
 PACED_QUEUE_BYTES = 16 << 20
@@ -136,7 +138,7 @@ def _cut(start: np.ndarray, end: np.ndarray, unit: int, origin: np.ndarray) -> t
 def queue_bytes_for(environ: Any = os.environ) -> int:
     """The mmap backend's default ``queue_bytes``: :data:`PACED_QUEUE_BYTES` where the process has few CUDA
     hardware queues, else 0 (a window's copies queued at once)."""
-    from ..env import connections_note
+    from ..system.env import connections_note
 
     return PACED_QUEUE_BYTES if connections_note(environ) else 0
 
@@ -212,7 +214,7 @@ class MmapBackend(CudaBackend):
         never across two locked ranges) go round robin over ``num_streams`` non-blocking streams;
         ``register_threads`` read and lock the files in the background (a window's ranges when it is
         submitted, everything once the first batch is assembled). ``copier``: "native"
-        queues a window's copies in one call (gdsload.copier), "cupy" one CuPy call per copy, "auto" the
+        queues a window's copies in one call (gdsload.backends.copier), "cupy" one CuPy call per copy, "auto" the
         native one where the library loads (``copier_reason`` says why not). ``queue_bytes``: when positive,
         a window's copies (then at most half of it each) are queued a piece at a time, at most that many bytes
         ahead; 0 queues them at once; default :func:`queue_bytes_for`."""

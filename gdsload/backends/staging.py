@@ -1,26 +1,97 @@
-"""The pinned backend's staging pool: a fixed set of pinned host buffers ("staging slots"), allocated
-once, reused, never grown.
+"""The pinned backend's staging: the interface of its readers (:class:`StagingReader`), and the staging pool, a
+fixed set of pinned host buffers ("staging slots") allocated once, reused, never grown, that two of them read
+into.
 
 A staging slot has one owner at a time: a reader acquires it, reads into it, queues its host-to-device
-copies and records the slot's event after them; the next owner waits on that event before writing. Pinned
-bytes held are exactly ``num_slots * slot_bytes`` from construction to ``close()``.
+copies and records the slot's event after them (:meth:`StagingPool.copy_out`); the next owner waits on that
+event before writing. Pinned bytes held are exactly ``num_slots * slot_bytes`` from construction to ``close()``.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from .._cuda import PinnedHost, new_event
-from .._units import ALIGN
+from ..cuda.runtime import H2D, PinnedHost, new_event
+from .._tasks import Pending
+from .._units import ALIGN, align_up
+from .base import FileHandles, ReadRequest
 
 _POLL_S = 0.05
 
+#: The keys of every reader's :meth:`StagingReader.stats`: ``reader`` (its name), ``num_threads`` (reading
+#: threads), ``slot_bytes`` and ``slots`` (its staging buffers: size and count), ``pool_bytes`` (staging bytes
+#: held), ``reading_slots`` (buffers that may be read into at once), ``peak_slots_in_use``, ``copy_share``
+#: (one slot in this many kept for copies in flight; None where the reader keeps none back) and
+#: ``spin_events`` (a wait for a buffer's last copy spins rather than sleeps).
+STATS_KEYS = ("reader", "num_threads", "slot_bytes", "slots", "pool_bytes", "reading_slots", "peak_slots_in_use",
+              "copy_share", "spin_events")
+
+#: A slot load: the pieces read into one staging slot, each with its offset in the slot.
+SlotGroup = list[tuple[int, ReadRequest]]
+
+
+class StagingReader(ABC):
+    """One way of reading a window's pieces into pinned host memory and copying them to the device on streams
+    of its own. Made with everything it uses; shares nothing private with the backend."""
+
+    #: "native", "kvikio" or "threads".
+    name: str
+    num_threads: int
+
+    @abstractmethod
+    def submit(self, dest_ptr: int, reads: Sequence[ReadRequest], stop: threading.Event, fills: Any) -> Pending:
+        """Start reading ``reads`` (coalesced, any size) into device memory at ``dest_ptr`` and return at once.
+        ``fills``: the event after the window's fill writes on the backend's stream, or None. ``finish()``
+        raises the first ReadError, or returns an event (on the backend's device) after the window's copies
+        and its fills. Once ``stop`` is set, reads not yet started are skipped."""
+
+    @abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """Settings and counters, JSON-ready, under :data:`STATS_KEYS` exactly."""
+
+    @property
+    @abstractmethod
+    def pinned_bytes(self) -> int:
+        """Staging bytes it holds from construction to :meth:`close`."""
+
+    def handles(self) -> list[FileHandles]:
+        """File handles of its own, to be bound to the dataset's files (by the backend's prepare)."""
+        return []
+
+    def streams(self) -> list[Any]:
+        """Streams its copies go on that the backend's quiesce waits for."""
+        return []
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop its threads once their reads are over; copies they queued may still run (the backend's quiesce
+        and the pool's close wait for them). Handles it was handed stay open."""
+
+
+def pack(pieces: Sequence[ReadRequest], slot_bytes: int) -> list[SlotGroup]:
+    """Group pieces (each at most ``slot_bytes``) into slot loads: (offset in slot, piece), offsets 4 KiB
+    aligned. Small blocks share a slot, so a slot, an event and a task serve many of them."""
+    groups: list[SlotGroup] = []
+    used = slot_bytes
+    for p in pieces:
+        start = align_up(used)
+        if start + p.nbytes > slot_bytes:
+            groups.append([])
+            start = 0
+        groups[-1].append((start, p))
+        used = start + p.nbytes
+    return groups
+
 
 class StagingPool:
+    """The staging slots, their events, and the one host-to-device copy loop out of them."""
+
     def __init__(self, slot_bytes: int, num_slots: int, device_id: int = 0, spin_events: bool = True):
         """``spin_events``: a thread waiting for a slot's last copy spins in the driver (returns sooner)
         rather than sleeping (costs a core while it waits)."""
@@ -29,7 +100,8 @@ class StagingPool:
         if slot_bytes < ALIGN or slot_bytes % ALIGN or num_slots < 1:
             raise ValueError(f"slot_bytes must be a positive multiple of {ALIGN} and num_slots >= 1 "
                              f"(found {slot_bytes}, {num_slots})")
-        self.slot_bytes, self.num_slots = slot_bytes, num_slots
+        self.slot_bytes, self.num_slots, self.spin_events = slot_bytes, num_slots, spin_events
+        self._runtime = cupy.cuda.runtime
         self.total_bytes = slot_bytes * num_slots
         # Not from CuPy's pinned pool: that one caches freed memory, and close() must really free it.
         self._mem: PinnedHost | None = PinnedHost(self.total_bytes, device_id)
@@ -79,6 +151,14 @@ class StagingPool:
 
     def ptr(self, i: int) -> int:
         return self._ptr + i * self.slot_bytes
+
+    def copy_out(self, i: int, group: SlotGroup, dest_ptr: int, stream: Any) -> None:
+        """Queue on ``stream`` the copies of slot ``i``'s pieces to device memory at ``dest_ptr`` (each at its
+        ``dest_offset``), and record ``events[i]`` after them (release the slot with ``recorded=True``)."""
+        base = self.ptr(i)
+        for at, p in group:
+            self._runtime.memcpyAsync(dest_ptr + p.dest_offset, base + at, p.nbytes, H2D, stream.ptr)
+        self.events[i].record(stream)
 
     def close(self) -> None:
         """Wait for copies still reading the slots, then free the pinned memory."""

@@ -1,0 +1,131 @@
+"""The decode step: a window's compressed chunks, already read, turned into its decoded slots.
+
+A compressed field's window region has two parts (:class:`gdsload.pipeline.window.WindowMap`): its decoded slots,
+laid out exactly as a raw field's (so the row mapping and the assembler do not change), and a region for the
+window's compressed chunks, back to back. Reads carry the compressed chunks into that region like any other
+bytes; then, in the completer thread, after the window's reads have finished and before the verifier, this
+module's decode step writes each chunk, decoded, into its slot, and returns the event after which the decoded
+window is there (GPU backends) or None (cpu: it is there when the call returns). Where each field's bytes go:
+
+- ``zstd`` on a GPU backend with nvCOMP installed (``gdsload[nvcomp]``, in ``gdsload[gpu]`` too; off with
+  ``GDSLOAD_NVCOMP=0``): the compressed region lies in the device
+  window buffer (kvikio reads it straight there, pinned stages and copies it, mmap copies it from its
+  locked pages); one batched nvCOMP call per field and window decodes every chunk on the device
+  (:mod:`gdsload.codecs.nvcomp`).
+- any other codec on a GPU backend (and ``zstd`` without nvCOMP, after a one-time warning): the compressed
+  region lies in a pinned *host* buffer of the window, read by threaded POSIX reads; CPU threads decode each
+  chunk into a host mirror of the field's slots, and one host-to-device copy per field moves them. Reading
+  them into device memory would only make the CPU copy them back before it could decode them.
+- the cpu backend: the compressed region lies in the (host) window buffer, and CPU threads decode straight
+  into the slots.
+
+CPU decoding goes through the codec classes zarr uses (numcodecs); nothing is reimplemented. A ``crc32c`` codec after
+a compressor is verified. Errors: a chunk that does not decode (or decodes to the wrong size, or fails its crc32c)
+raises :class:`ReadError` naming the file, offset, array, chunk and codec; a codec that cannot be read raises
+:class:`FormatError` (from :func:`gdsload.format.chunk_codecs.check_codec`) naming the codec and the array.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from .._tasks import TaskGroup
+from .chunks import DECODE_THREADS, Chain, CrcMismatch, chunk_error, load_nvcomp
+
+
+# -- the decode step -----------------------------------------------------------------------------------
+class Decoder:
+    """Decodes the compressed fields of an open dataset's windows (see the module's docstring).
+
+    ``device``: the fields nvCOMP decodes on the device (:func:`gdsload.codecs.chunks.device_fields`); ``on_gpu``: the
+    window buffers are device memory. Holds a pool of :data:`DECODE_THREADS` threads and, on a GPU backend, a stream;
+    :meth:`close` stops them. It reads nothing: the reader (gdsload.pipeline.reader) hands it windows whose reads are
+    done. The pinned host buffers it gives windows belong to their window buffers and go with them.
+    """
+
+    def __init__(self, layout: Any, on_gpu: bool, device_id: int = 0, device: Sequence[str] = (),
+                 threads: int = DECODE_THREADS, nvcomp: Any = None, ops: Any = None):
+        """``nvcomp`` and ``ops`` replace ``nvidia.nvcomp`` and the CUDA side
+        (:class:`gdsload.codecs.nvcomp.CupyOps`), for tests of the device path without a GPU."""
+        self.layout, self.on_gpu, self.device_id = layout, on_gpu, device_id
+        metas = {k: layout.meta.array(k) for k in layout.keys}
+        self.chains = {k: Chain(m.codecs) for k, m in metas.items() if m.compressed and k not in device}
+        self.metas = metas
+        self.threads = threads
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="gdsload-decode")
+        self._lock = threading.Lock()  # the completer and a resident load may decode at once
+        self.gpu: Any = None
+        self.batch: Any = None
+        if on_gpu:
+            from .nvcomp import CupyOps, NvcompBatch
+
+            self.gpu = ops if ops is not None else CupyOps(device_id)
+            if device:
+                self.batch = NvcompBatch(nvcomp or load_nvcomp(), self.gpu, device_id)
+
+    def host_buffer(self, nbytes: int) -> Any:
+        """A host buffer for a window's compressed chunks that CPU threads decode: pinned on a GPU backend
+        (its decoded slots are copied to the device from it)."""
+        return self.gpu.pinned(nbytes) if self.gpu is not None else np.empty(nbytes, np.uint8)
+
+    def decode(self, wb: Any, work: Any, filled: Any, stop: threading.Event) -> Any:
+        """Decode every compressed chunk of ``work`` into its slot (the window's reads are done, or queued
+        before ``filled``); return the event after which the slots hold them (None on cpu). Once ``stop`` is
+        set, chunks not yet started are skipped."""
+        host_jobs = [j for j in work.jobs if j.name in self.chains]
+        self._decode_host(wb, host_jobs, stop)
+        if self.gpu is None:
+            return filled
+        gpu = self.gpu
+        with self._lock, gpu.ordered(filled):  # the device's work on the decoder's stream, after ``filled``
+            for job in host_jobs:
+                if job.copy is not None:
+                    h, d, n = job.copy
+                    gpu.to_device(wb.buffer, d, wb.host, h, n)
+            outs = [self.batch.decode(wb.buffer, j, self.layout) for j in work.jobs if j.name not in self.chains]
+            return gpu.done(outs)
+
+    def _decode_host(self, wb: Any, jobs: list[Any], stop: threading.Event) -> None:
+        tasks: list[Callable[[], None]] = []
+        for job in jobs:
+            buf = wb.host if job.host else wb.buffer  # compressed bytes and decoded slots alike
+            chain, bb = self.chains[job.name], self.metas[job.name].block_bytes
+            for lo, hi in _groups(len(job.chunks), self.threads * 4):
+                tasks.append(self._task(job, chain, bb, buf, lo, hi))
+        TaskGroup(self.pool, tasks, stop).finish()  # the first error, once every task has stopped
+
+    def _task(self, job: Any, chain: Chain, bb: int, buf: Any, lo: int, hi: int) -> Callable[[], None]:
+        def run() -> None:
+            for i in range(lo, hi):
+                s, n, d = int(job.src[i]), int(job.nbytes[i]), int(job.dest[i])
+                try:
+                    out = chain.decode(buf[s:s + n], bb)
+                except ValueError as e:
+                    raise chunk_error(self.layout, job.name, int(job.chunks[i]), chain.names, str(e),
+                                      isinstance(e, CrcMismatch)) from None
+                buf[d:d + bb] = out
+        return run
+
+    def quiesce(self) -> None:
+        """Wait until no device work of this decoder still writes into a window buffer (a pipeline stops)."""
+        if self.gpu is not None:
+            self.gpu.quiesce()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.gpu is not None:
+            self.gpu.close()  # the stream drained, nvCOMP's outputs freed
+        if self.batch is not None:
+            self.batch.close()  # the codec destroyed before its stream
+
+
+def _groups(n: int, parts: int) -> list[tuple[int, int]]:
+    """``range(n)`` cut into at most ``parts`` consecutive pieces (a task per piece)."""
+    parts = max(1, min(n, parts))
+    bounds = [n * i // parts for i in range(parts + 1)]
+    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]

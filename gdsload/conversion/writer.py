@@ -1,0 +1,418 @@
+"""Writing datasets: metadata through zarr, shard files streamed block by block.
+
+zarr writes the group and array metadata (so plain zarr opens the result); the shard files themselves are
+written here, sequentially, because zarr rewrites a whole shard on every partial write: streaming blocks
+keeps memory at one slice and each byte is written once. The layout is exactly the sharding codec's
+(blocks back to back, index and crc32c at the end); the tests read every dataset back through zarr.
+
+A crc32c of every block is computed from the bytes as they stream past and stored beside the data, in plain
+zarr arrays ``_checksums/FIELD`` (uint32, one value per block), listed in the ``checksums`` entry of the
+group attributes. A fixed field's value covers its inner chunk exactly as stored (the final block's zero
+padding included); a variable-length field's covers the values rows of the block's samples.
+
+Sources are checked before anything is written (:mod:`gdsload.conversion.checks`); everything is written into
+a temporary directory and published atomically (:mod:`gdsload.conversion.publish`), so a failure or a signal leaves
+nothing at the output and an existing dataset there untouched.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+import crc32c
+import numpy as np
+
+from .._units import ALIGN
+from .checks import NAME_MAX_BYTES, RESERVED_NAMES, check_dtype, check_sources
+from ..errors import ConversionError, one_line
+from ..format.meta import ATTRS_KEY, CHECKSUM_ALGORITHM, CHECKSUMS_GROUP, FORMAT_VERSION, DatasetMeta, read_metadata
+from ..format.shard_index import MAX_UINT_64
+from .publish import (RENAME_EXCHANGE, RENAME_NOREPLACE, ForeignTemp, Interrupted, check_output, input_paths, make_temp,
+                      on_signal, protected, publish_output, remove_empty, remove_stale_temps, rename_exchange,
+                      rename_noreplace, reset_signals)
+from ..format.shard_index import encode_shard_index
+from .source_types import RaggedSource, Source, as_source
+from .sources import open_field, open_input, open_ragged
+
+__all__ = [
+    # defined here
+    "write_dataset", "convert", "choose_samples_per_block", "parse_compress", "DEFAULT_BLOCK_BYTES",
+    "DEFAULT_SHARD_BYTES", "DEFAULT_SLICE_BYTES", "DEFAULT_CHUNK_BYTES",
+    # re-exported from the module named after each line
+    "Interrupted", "on_signal", "reset_signals", "check_output", "remove_stale_temps", "rename_noreplace",
+    "rename_exchange", "RENAME_NOREPLACE", "RENAME_EXCHANGE",  # gdsload.conversion.publish
+    "RESERVED_NAMES", "NAME_MAX_BYTES",  # gdsload.conversion.checks
+    "CHECKSUMS_GROUP", "CHECKSUM_ALGORITHM",  # gdsload.format.meta
+]
+
+DEFAULT_BLOCK_BYTES = 4 << 20
+DEFAULT_SHARD_BYTES = 1 << 30
+DEFAULT_SLICE_BYTES = 64 << 20
+#: Inner chunk (= block) of compressed datasets. Smaller than raw blocks: chunks decode in parallel (CPU
+#: threads, or nvCOMP's batch), so a few large chunks leave the decoders underused.
+DEFAULT_CHUNK_BYTES = 512 << 10
+
+
+# -- the output being written ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Target:
+    """The output being written: ``out`` once published, ``tmp`` until then."""
+
+    out: str
+    tmp: str
+
+    def error(self, e: OSError, path: str | None = None) -> ConversionError:
+        """An OS error of writing the output, as a one-line message naming the output."""
+        where = os.fspath(path or e.filename or "")
+        if where == self.tmp or where.startswith(self.tmp + os.sep):
+            where = os.path.relpath(where, self.tmp) if where != self.tmp else ""
+        what = e.strerror or one_line(e) or type(e).__name__
+        return ConversionError(f"{self.out}: cannot write{' ' + where if where else ''} ({what})")
+
+
+# -- checksums -------------------------------------------------------------------------------------
+class _BlockCrc:
+    """crc32c of consecutive byte ranges of a stream fed in order: block ``b`` is bytes
+    ``[b * block_bytes, (b + 1) * block_bytes)``, or ``[bounds[b], bounds[b + 1])`` where blocks differ in
+    size. Bytes past the last block are ignored."""
+
+    def __init__(self, num_blocks: int, block_bytes: int = 0, bounds: np.ndarray | None = None):
+        self.block_bytes, self.bounds = block_bytes, bounds
+        self.crcs = np.zeros(num_blocks, dtype=np.uint32)
+        self.pos = 0
+
+    def _start(self, b: int) -> int:
+        return b * self.block_bytes if self.bounds is None else int(self.bounds[b])
+
+    def update(self, buf: memoryview) -> None:
+        start, end = self.pos, self.pos + len(buf)
+        if self.bounds is None:
+            b = start // self.block_bytes
+        else:  # the last block starting at or before ``start`` (empty blocks share their start)
+            b = int(np.searchsorted(self.bounds, start, side="right")) - 1
+        while b < len(self.crcs) and self._start(b) < end:
+            lo, hi = max(start, self._start(b)), min(end, self._start(b + 1))
+            if hi > lo:
+                self.crcs[b] = crc32c.crc32c(buf[lo - start:hi - start], int(self.crcs[b]))
+            b += 1
+        self.pos = end
+
+
+# -- block size ------------------------------------------------------------------------------------
+def choose_samples_per_block(sample_bytes: Sequence[int], block_bytes: int, num_samples: int) -> int:
+    """Samples per block: as many of the largest sample as fit in ``block_bytes``, rounded down so the
+    largest field's block is a multiple of :data:`~gdsload._units.ALIGN` (4 KiB) when that leaves at least
+    one sample, and never more than the dataset holds."""
+    largest = max(sample_bytes)
+    k = max(1, block_bytes // largest)
+    step = ALIGN // math.gcd(largest, ALIGN)
+    if k >= step:
+        k -= k % step
+    return max(1, min(k, num_samples))
+
+
+# -- writing ---------------------------------------------------------------------------------------
+def _write_all(f, buf: memoryview, target: _Target, path: str) -> None:
+    try:
+        while len(buf):
+            n = f.write(buf)
+            buf = buf[n:]
+    except OSError as e:
+        raise target.error(e, path) from e
+
+
+def _write_shard(path: str, src: Source, dtype: np.dtype, first_sample: int, stop_sample: int, block_bytes: int,
+                 blocks_per_shard: int, slice_samples: int, progress: Callable[[int], None], crc: _BlockCrc,
+                 target: _Target, encoder: _Encoder | None = None) -> None:
+    """Write one shard file: whole blocks back to back (the last padded with zeros), each raw or, with an
+    ``encoder``, compressed; then the index. Every byte of the blocks, as read (decoded), also goes through
+    ``crc``. Source errors pass through as they are; errors of the output become ConversionError naming it."""
+    lengths: list[int] = []
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        f = open(path, "wb", buffering=0)  # unbuffered: no flush at close that could fail after the fact
+    except OSError as e:
+        raise target.error(e, path) from e
+    with f:
+        pos = first_sample
+        while pos < stop_sample:
+            end = min(pos + slice_samples, stop_sample)
+            data = np.ascontiguousarray(src.read(pos, end), dtype=dtype).reshape(-1).view(np.uint8)
+            progress(len(data))
+            if end == stop_sample and len(data) % block_bytes:  # the fill value is zero: pad the final block
+                data = np.concatenate([data, np.zeros(-len(data) % block_bytes, np.uint8)])
+            buf = memoryview(data)
+            crc.update(buf)
+            pieces = [buf] if encoder is None else encoder.encode(buf, block_bytes)
+            for piece in pieces:
+                _write_all(f, piece, target, path)
+            lengths += [block_bytes] * (len(buf) // block_bytes) if encoder is None else [len(p) for p in pieces]
+            pos = end
+        table = np.full((blocks_per_shard, 2), MAX_UINT_64, dtype=np.uint64)
+        table[:len(lengths), 1] = lengths
+        table[:len(lengths), 0] = np.cumsum(lengths, dtype=np.uint64) - table[:len(lengths), 1]
+        _write_all(f, memoryview(encode_shard_index(table)), target, path)
+
+
+class _Encoder:
+    """zstd at ``level`` on a few threads: a slice of whole blocks in, each block compressed out. The bytes
+    are those of zarr's ``ZstdCodec(level=...)`` (the numcodecs codec it encodes with), so zarr reads them."""
+
+    def __init__(self, level: int):
+        import numcodecs
+
+        self.codec = numcodecs.Zstd(level=level)
+        self.pool = ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="gdsload-compress")
+
+    def encode(self, buf: memoryview, block_bytes: int) -> list[memoryview]:
+        blocks = [buf[o:o + block_bytes] for o in range(0, len(buf), block_bytes)]
+        return [memoryview(bytes(b)) for b in self.pool.map(self.codec.encode, blocks)]
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def parse_compress(text: str | None) -> int | None:
+    """``"zstd"`` or ``"zstd:LEVEL"`` -> the zstd level (3 by default); None -> None. ValueError otherwise."""
+    if text is None:
+        return None
+    name, _, level = text.partition(":")
+    if name != "zstd" or (level and not level.lstrip("-").isdigit()):
+        raise ValueError(f"--compress takes zstd or zstd:LEVEL (found {text!r})")
+    value = int(level) if level else 3
+    if not -131072 <= value <= 22:
+        raise ValueError(f"zstd level must be at most 22 (found {value})")
+    return value
+
+
+def _close_all(sources: Mapping[str, Source]) -> None:
+    for src in sources.values():
+        src.close()
+
+
+def write_dataset(
+    out: str | os.PathLike[str],
+    sources: Mapping[str, Source],
+    *,
+    ragged: Mapping[str, RaggedSource] | None = None,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    samples_per_block: int | None = None,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    slice_bytes: int = DEFAULT_SLICE_BYTES,
+    overwrite: bool = False,
+    progress: bool | None = None,
+    compress: str | None = None,
+    chunk_bytes: int | None = None,
+) -> DatasetMeta:
+    """Write ``sources`` (field name -> array source) as a gdsload dataset at ``out``, atomically.
+
+    Everything goes to a temporary sibling directory that is renamed to ``out`` only once complete, so a
+    failure or interruption leaves nothing at ``out`` (and an existing dataset there untouched).
+    ``overwrite`` replaces an existing gdsload dataset, and nothing else. ``samples_per_block`` larger than
+    the dataset is capped at its number of samples. ``compress`` (``"zstd"`` or ``"zstd:LEVEL"``) stores
+    every fixed field's blocks as zstd inner chunks (variable-length values stay raw); a block is then an
+    inner chunk of about ``chunk_bytes`` (:data:`DEFAULT_CHUNK_BYTES`) instead of ``block_bytes``. Block
+    checksums cover the decoded blocks. Failures of the inputs and of the output raise
+    ConversionError naming the file; an error raised by a caller's own source passes through as it is.
+    """
+    import zarr
+    from tqdm import tqdm
+
+    out = os.path.abspath(os.fspath(out))
+    ragged = dict(ragged or {})
+    try:
+        sources = {n: as_source(out, str(n), s) for n, s in sources.items()}
+    except ConversionError:
+        _close_all({n: s for n, s in sources.items() if callable(getattr(s, "close", None))})
+        raise
+    arrays: dict[str, Source] = dict(sources)  # every sharded array, by its path in the group
+    arrays.update({f"{n}/values": r.values for n, r in ragged.items()})
+    closed = False
+    try:
+        if not sources and not ragged:
+            raise ConversionError(f"{out}: no input arrays (empty input)")
+        check_output(out, overwrite, input_paths(s.origin for s in [*sources.values(), *ragged.values()]))
+        try:
+            level = parse_compress(compress)
+        except ValueError as e:
+            raise ConversionError(f"{out}: {e}") from None
+        if chunk_bytes is not None and level is None:
+            raise ConversionError(f"{out}: chunk_bytes (--chunk-bytes) sets the inner chunks of compressed fields: "
+                                  f"it needs compress (--compress zstd)")
+        if level is not None:
+            block_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+        num_samples = check_sources(sources, ragged)
+        dtypes = {n: check_dtype(s) for n, s in arrays.items()}
+        row_bytes = {n: dtypes[n].itemsize * math.prod(s.shape[1:]) for n, s in arrays.items()}
+        # a variable-length field counts with its mean sample size when choosing samples per block
+        sample_bytes = [row_bytes[n] for n in sources] + [
+            max(1, row_bytes[f"{n}/values"] * int(r.offsets[-1]) // num_samples) for n, r in ragged.items()]
+        if samples_per_block is None:
+            spb = choose_samples_per_block(sample_bytes, block_bytes, num_samples)
+        elif samples_per_block < 1:
+            raise ConversionError(f"{out}: samples_per_block must be at least 1 (found {samples_per_block})")
+        else:
+            spb = min(samples_per_block, num_samples)  # more would only write padding
+        num_blocks = -(-num_samples // spb)
+        first_samples = np.minimum(np.arange(num_blocks + 1, dtype=np.int64) * spb, num_samples)
+
+        remove_stale_temps(out)
+        total = sum(row_bytes[n] * s.shape[0] for n, s in arrays.items())
+        tmp, made = None, []
+        try:
+            with protected():
+                tmp, made = make_temp(out)
+                target = _Target(out, tmp)
+                try:
+                    fields_attr = {n: {"kind": "fixed"} for n in sources}
+                    fields_attr.update({n: {"kind": "ragged"} for n in ragged})
+                    checksums_attr = {"algorithm": CHECKSUM_ALGORITHM,
+                                      "arrays": {n: f"{CHECKSUMS_GROUP}/{n}" for n in fields_attr}}
+                    group = zarr.open_group(tmp, mode="w", zarr_format=3)
+                    group.attrs[ATTRS_KEY] = {"format": FORMAT_VERSION, "num_samples": num_samples,
+                                              "samples_per_block": spb, "fields": fields_attr,
+                                              "checksums": checksums_attr}
+                    for name, r in ragged.items():
+                        sub = group.create_group(name)
+                        off = sub.create_array("offsets", shape=r.offsets.shape, dtype=np.int64, compressors=None)
+                        off[:] = r.offsets
+                except OSError as e:
+                    raise target.error(e) from e
+            checksums: dict[str, np.ndarray] = {}
+            with tqdm(total=total, unit="B", unit_scale=True, desc=os.path.basename(out),
+                      disable=None if progress is None else not progress) as bar:
+                for key, src in arrays.items():
+                    rows = src.shape[0]
+                    if key in sources:  # a block is an inner chunk, exactly as stored (padding included)
+                        per_chunk = spb
+                        crc = _BlockCrc(num_blocks, block_bytes=row_bytes[key] * spb)
+                    else:  # values: rows per chunk chosen like samples per block; a block is its samples' rows
+                        per_chunk = choose_samples_per_block([row_bytes[key]], block_bytes, max(1, rows))
+                        offsets = ragged[key.rsplit("/", 1)[0]].offsets
+                        crc = _BlockCrc(num_blocks, bounds=offsets[first_samples] * row_bytes[key])
+                    _write_array(group, target, key, src, dtypes[key], rows, per_chunk, row_bytes[key] * per_chunk,
+                                 shard_bytes, slice_bytes, bar.update, crc, level if key in sources else None)
+                    checksums[key.rsplit("/", 1)[0] if key not in sources else key] = crc.crcs
+            _close_all(arrays)
+            closed = True
+            with protected():
+                try:
+                    _write_checksums(group, checksums, num_blocks)
+                except OSError as e:
+                    raise target.error(e) from e
+                read_metadata(tmp)  # the result must parse before it may replace anything
+            with protected(deliver=False):
+                try:
+                    publish_output(tmp, out, overwrite)
+                except OSError as e:
+                    raise target.error(e, out) from e
+        except BaseException as e:
+            with protected():
+                if tmp is not None and not isinstance(e, ForeignTemp):
+                    shutil.rmtree(tmp, ignore_errors=True)
+                remove_empty(made)
+            raise
+    finally:
+        if not closed:
+            _close_all(arrays)
+    return read_metadata(out)
+
+
+def _write_array(group, target: _Target, key: str, src: Source, dtype: np.dtype, rows: int, per_chunk: int,
+                 chunk_bytes: int, shard_bytes: int, slice_bytes: int, progress: Callable[[int], None],
+                 crc: _BlockCrc, level: int | None = None) -> None:
+    """One sharded array: metadata through zarr, then its shard files streamed chunk by chunk (``level``: zstd
+    inner chunks of that level, ``compressors=[ZstdCodec(level=...)]`` in zarr's metadata)."""
+    from zarr.codecs import ZstdCodec
+
+    shape = src.shape[1:]
+    num_chunks = -(-rows // per_chunk)
+    cps = max(1, min(shard_bytes // chunk_bytes, num_chunks))
+    with protected():
+        try:
+            group.create_array(key, shape=(rows, *shape), dtype=dtype, chunks=(per_chunk, *shape),
+                               shards=(per_chunk * cps, *shape), fill_value=0, filters=None,
+                               compressors=None if level is None else [ZstdCodec(level=level)])
+        except OSError as e:
+            raise target.error(e) from e
+    encoder = None if level is None else _Encoder(level)
+    slice_rows = max(per_chunk, (slice_bytes // chunk_bytes) * per_chunk)
+    for shard in range(-(-num_chunks // cps)):
+        path = os.path.join(target.tmp, *key.split("/"), "c", str(shard), *(["0"] * len(shape)))
+        first = shard * cps * per_chunk
+        try:
+            _write_shard(path, src, dtype, first, min(first + cps * per_chunk, rows), chunk_bytes, cps, slice_rows,
+                         progress, crc, target, encoder)
+        except BaseException:
+            if encoder is not None:
+                encoder.close()
+            raise
+    if encoder is not None:
+        encoder.close()
+
+
+def _write_checksums(group, checksums: Mapping[str, np.ndarray], num_blocks: int) -> None:
+    """``_checksums/FIELD``: uint32 (num_blocks,), one uncompressed chunk, always written."""
+    sub = group.create_group(CHECKSUMS_GROUP)
+    for name, crcs in checksums.items():
+        arr = sub.create_array(name, shape=(num_blocks,), chunks=(num_blocks,), dtype=np.uint32, fill_value=0,
+                               compressors=None, filters=None, config={"write_empty_chunks": True})
+        arr[:] = crcs
+
+
+def convert(
+    inputs: Sequence[str],
+    out: str | os.PathLike[str],
+    named: Mapping[str, str] | None = None,
+    ragged: Mapping[str, str] | None = None,
+    *,
+    log: Callable[[str], None] | None = None,
+    **options: object,
+) -> DatasetMeta:
+    """Convert input paths (fields named after files/keys), ``named`` fields (name -> path) and
+    variable-length ``ragged`` fields (name -> directory of per-sample .npy, or .npz with values and
+    offsets) to ``out``. After a successful conversion ``log`` gets one line per directory input naming
+    its first and last file in the order used (natural order: ``2.npy`` before ``10.npy``)."""
+    out = os.fspath(out)
+    named = dict(named or {})
+    ragged = dict(ragged or {})
+    all_paths = list(inputs) + [p.rsplit(":", 1)[0] if not os.path.exists(p) else p for p in named.values()]
+    all_paths += list(ragged.values())
+    if not all_paths:
+        raise ConversionError(f"{out}: no inputs given (empty input)")
+    for p in all_paths:
+        if not os.path.exists(p):
+            raise ConversionError(f"{p}: input does not exist")
+    check_output(os.path.abspath(out), bool(options.get("overwrite", False)), all_paths)
+    sources: dict[str, Source] = {}
+    ragged_sources: dict[str, RaggedSource] = {}
+    orders: dict[str, tuple[str, ...]] = {}
+    try:
+        for p in inputs:
+            for name, src in open_input(p).items():
+                if name in sources or name in named:
+                    src.close()
+                    raise ConversionError(f"{src.origin}: field '{name}' given twice (rename with --field NAME=PATH)")
+                sources[name] = src
+                orders.setdefault(p, getattr(src, "files", ()))
+        for name, p in named.items():
+            sources[name] = open_field(p)
+            orders.setdefault(p, getattr(sources[name], "files", ()))
+        for name, p in ragged.items():
+            ragged_sources[name] = open_ragged(p)
+            orders.setdefault(p, getattr(ragged_sources[name].values, "files", ()))
+    except BaseException:
+        _close_all(sources)
+        _close_all(ragged_sources)  # type: ignore[arg-type]
+        raise
+    meta = write_dataset(out, sources, ragged=ragged_sources, **options)  # type: ignore[arg-type]
+    for p, files in orders.items():
+        if files and log is not None:
+            log(f"{p}: {len(files)} files in natural order, first {files[0]}, last {files[-1]}")
+    return meta

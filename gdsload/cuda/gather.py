@@ -1,0 +1,122 @@
+"""Row gathers on the device (``out[i] = src[idx[i]]``) that leave the GPU room for the training step.
+
+A gather as CuPy's ``take`` launches it has one thread per element and as many blocks as that takes,
+thousands for a batch of images; the GPU dispatches a later kernel's blocks (the consumer's next step, on
+another stream of the same priority) only once every block of the earlier one has been dispatched, so a
+step launched while a batch is gathered starts only near the gather's end. These kernels run a bounded
+grid (:func:`launch_shape`: a few blocks per multiprocessor, each looping over its rows) that is dispatched
+at once and leaves every multiprocessor room for other kernels' blocks: a gather runs beside the step
+instead of in front of it. Rows move as whole words of up to 16 bytes (:func:`word_bytes`).
+
+The launch arithmetic is pure and tested on the CPU; only :class:`Gather` touches the device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .runtime import DEV_ATTR_MULTIPROCESSOR_COUNT
+
+#: Threads per block, and blocks per multiprocessor at most: 512 of the 2048 threads an SM can hold.
+THREADS = 256
+BLOCKS_PER_SM = 2
+#: Rows of at least this many words get a block each (coalesced along the row); narrower rows are spread
+#: one word per thread over the whole gather.
+WIDE_ROW_WORDS = 64
+
+_CTYPES = {16: "uint4", 8: "unsigned long long", 4: "unsigned int", 2: "unsigned short", 1: "unsigned char"}
+_ITYPES = {4: "int", 8: "long long"}
+
+_TEMPLATES = r"""
+template <typename WORD, typename INDEX>
+__device__ __forceinline__ void wide(const WORD* __restrict__ src, const INDEX* __restrict__ idx,
+                                     WORD* __restrict__ out, long long rows, long long words) {
+    for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
+        const WORD* s = src + (long long)idx[r] * words;
+        WORD* o = out + r * words;
+        #pragma unroll 4
+        for (long long c = threadIdx.x; c < words; c += blockDim.x) o[c] = s[c];
+    }
+}
+template <typename WORD, typename INDEX>
+__device__ __forceinline__ void narrow(const WORD* __restrict__ src, const INDEX* __restrict__ idx,
+                                       WORD* __restrict__ out, long long rows, long long words) {
+    const long long total = rows * words;
+    for (long long t = blockIdx.x * (long long)blockDim.x + threadIdx.x; t < total;
+         t += (long long)gridDim.x * blockDim.x) {
+        const long long r = t / words;
+        out[t] = src[(long long)idx[r] * words + (t - r * words)];
+    }
+}
+"""
+_ENTRY = """extern "C" __global__ void gather_{kind}_{word}_{index}(const {w}* __restrict__ src,
+    const {i}* __restrict__ idx, {w}* __restrict__ out, long long rows, long long words) {{
+    {kind}<{w}, {i}>(src, idx, out, rows, words);
+}}
+"""
+#: Every kernel in one module (``gather_<wide|narrow>_<word bytes>_<index bytes>``): one file to load.
+SOURCE = _TEMPLATES + "".join(_ENTRY.format(kind=k, word=word, index=index, w=w, i=i)
+                              for k in ("wide", "narrow") for word, w in _CTYPES.items()
+                              for index, i in _ITYPES.items())
+
+
+def word_bytes(row_bytes: int, *pointers: int) -> int:
+    """The widest word (16, 8, 4, 2 or 1 bytes) dividing a row and every pointer."""
+    for size in (16, 8, 4, 2):
+        if row_bytes % size == 0 and all(p % size == 0 for p in pointers):
+            return size
+    return 1
+
+
+def launch_shape(rows: int, words: int, sm_count: int) -> tuple[str, int]:
+    """(kernel, blocks) for ``rows`` rows of ``words`` words: a block per row for wide rows, a thread per
+    word for narrow ones, never more than ``BLOCKS_PER_SM`` blocks per multiprocessor (nor more than
+    there is work for)."""
+    cap = max(1, BLOCKS_PER_SM * sm_count)
+    if words >= WIDE_ROW_WORDS:
+        return "gather_wide", max(1, min(rows, cap))
+    return "gather_narrow", max(1, min(-(-rows * words // THREADS), cap))
+
+
+class Gather:
+    """The kernels for one device, loaded on first use (:mod:`gdsload.cuda.kernels`)."""
+
+    def __init__(self, cupy: Any, device: Any):
+        self.cupy = cupy
+        # One attribute, not Device.attributes (which queries every one): this runs as a dataset opens.
+        self.sm_count = int(cupy.cuda.runtime.deviceGetAttribute(DEV_ATTR_MULTIPROCESSOR_COUNT, device.id))
+        self.device_id = int(device.id)
+        self._module: Any = None
+        self._kernels: dict[tuple[str, int, int], Any] = {}
+
+    def _kernel(self, name: str, word: int, index: int) -> Any:
+        kernel = self._kernels.get((name, word, index))
+        if kernel is None:
+            if self._module is None:
+                from .kernels import load_module
+
+                self._module = load_module(self.cupy, SOURCE, self.device_id, probe="gather_wide_16_8")
+            kernel = self._kernels[(name, word, index)] = self._module.get_function(f"{name}_{word}_{index}")
+        return kernel
+
+    def __call__(self, src: Any, idx: Any, out: Any) -> bool:
+        """Queue ``out[:] = src[idx]`` (rows along axis 0) on the current stream: True, or False (nothing queued)
+        when an array is not contiguous or the index is not int32/int64 (the caller gathers otherwise).
+        Indices are trusted: the plan made them within ``src``."""
+        rows = int(out.shape[0])
+        if rows == 0:
+            return True
+        if (not src.flags.c_contiguous or not out.flags.c_contiguous or not idx.flags.c_contiguous
+                or idx.dtype.itemsize not in _ITYPES or idx.dtype.kind not in "iu" or idx.shape[0] != rows):
+            return False
+        row_bytes = out.nbytes // rows
+        if src.shape[0] and src.nbytes // src.shape[0] != row_bytes:
+            return False
+        word = word_bytes(row_bytes, src.data.ptr, out.data.ptr)
+        words = row_bytes // word
+        name, blocks = launch_shape(rows, words, self.sm_count)
+        kernel = self._kernel(name, word, idx.dtype.itemsize)
+        kernel((blocks,), (THREADS,), (src, idx, out, np.int64(rows), np.int64(words)))
+        return True

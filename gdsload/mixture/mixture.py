@@ -1,0 +1,390 @@
+"""Mixture: several datasets in one stream of batches, at exact proportions that may change at any step.
+
+Each source is a :class:`GDSDataset` of its own (its own backend and options, this process's rank and world
+size), read in exact shares (``PlanConfig.exact_shares``): across ranks, every sample of a source once per epoch
+of that source, and a source that runs out begins its next epoch while the others go on. The schedule
+(gdsload/mixture_plan.py) says how many samples each source gives to each batch; they are cut, in order, from
+that source's batches as slices (no copy per sample), and each field is put together with one concatenation
+per batch (none where a batch is one slice). The Mixture starts no thread: its sources' datasets run their own
+readers, which stop on ``close()``, on leaving a pass early and on an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+from ..backends import info
+from ..dataset import GDSDataset
+from ..errors import GDSLoadError
+from .source import SOURCE_KEY, SourceStats, SourceStream, assemble, leg_samples
+from .schedule import (Schedule, Stretch, exact_weights, next_counts, parse_schedule, parse_stretch, schedule_state,
+                       state_int)
+from ..options import check_int, field_names, rank_and_world
+from ..pipeline.resume import StateError
+
+MIXTURE_FORMAT = 1  # bumped when the state's keys or the schedule change meaning
+STATE_KEYS = ("mixture_format", "step", "seed", "batch_size", "whole_batches", "sources", "schedule", "positions",
+              "datasets", "rank", "world_size")
+FINGERPRINT_KEYS = ("num_samples", "samples_per_block", "shuffle", "seed", "fields", "index_sha256", "content_sha256")
+MIXTURE_OPTIONS = ("rank", "world_size", "exact_shares", "drop_last")  # the mixture's, the same for every source
+
+
+@dataclass
+class MixtureStats:
+    """The mixture's passes: batches, samples and bytes yielded, wall time, and per source its share;
+    ``gb_per_s`` is bytes yielded per second of wall time, overall or per source."""
+
+    batches: int = 0
+    samples: int = 0
+    bytes: int = 0
+    wall_s: float = 0.0
+    sources: dict[str, SourceStats] = field(default_factory=dict)
+
+    def gb_per_s(self, source: str | None = None) -> float:
+        got = self.bytes if source is None else self.sources[source].bytes
+        return got / self.wall_s / 1e9 if self.wall_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"batches": self.batches, "samples": self.samples, "bytes": self.bytes, "wall_s": self.wall_s,
+                "gb_per_s": self.gb_per_s(), "sources": {n: {**dataclasses.asdict(s), "gb_per_s": self.gb_per_s(n)}
+                                                         for n, s in self.sources.items()}}
+
+
+class Mixture:
+    """Batches drawn from several datasets at exact, changeable proportions, resumable at any step.
+
+    Parameters
+    ----------
+    sources : dict of name -> path, or name -> dict of options with ``"path"`` (and any GDSDataset option:
+        ``backend``, ``window_blocks``, ``pad_to``, ...; ``batch_size``: samples its dataset gathers at once,
+        default the mixture's). ``"fields"``: names to read, or a dict {field: name in the mixture} to rename.
+        The order sets each source's index in ``batch["source"]``.
+    weights : dict of name -> number >= 0 (any scale; a float counts as the decimal it prints as), or a
+        function of the step returning one (checked every batch; a change starts a new segment). Default: in
+        proportion to the sources' sizes.
+    batch_size : samples per batch.
+    seed : breaks ties in the schedule, and is each source's ``seed`` unless its options give one.
+    num_batches : batches per pass (then ``len(mix)``); default: endless. Passes cover steps
+        ``[k * num_batches, (k + 1) * num_batches)``; one begun mid-way (after a break or a resume) yields the
+        rest of it.
+    whole_batches : each batch is one whole batch of one source (sources may then have different fields),
+        and the schedule counts batches instead of samples.
+    rank, world_size : this process's share (default: torch.distributed, else RANK / WORLD_SIZE).
+    **options : GDSDataset options for every source (a source's own options win).
+
+    Each batch is ``{field: array}`` as the sources' datasets give it (same backend kind, device and output
+    for all sources unless ``whole_batches``), samples grouped by source in source order, plus
+    ``batch["source"]`` (int64, one per sample, same kind and device). Sources mixed by sample must read
+    the same fields (names, dtypes, sample shapes; variable-length fields with the same padding, not
+    ``"max"``), else a ValueError names the source and the field.
+
+    Notes
+    -----
+    Guarantees (docs/mixtures.md): since the start or the last weight change, each source's count stays within
+    one of ``weight * samples`` after every batch (within two over any run of batches); every sample of a
+    source once per epoch of that source across ranks; a weight change skips and repeats nothing; a state
+    resumes batch for batch, on another number of ranks as a GDSDataset does, per source. A batch costs one
+    concatenation per field (a variable-length field's offsets and ``source`` are put together on the host
+    and copied over once each).
+    """
+
+    def __init__(self, sources: Mapping[str, Any], weights: Any = None, *, batch_size: int, seed: int = 0,
+                 num_batches: int | None = None, whole_batches: bool = False, rank: int | None = None,
+                 world_size: int | None = None, **options: Any):
+        self.batch_size = check_int("batch_size", batch_size, 1)
+        self.seed = check_int("seed", seed, 0)
+        self.num_batches = check_int("num_batches", num_batches, 1, none_ok=True)
+        if not isinstance(whole_batches, bool):
+            raise TypeError(f"whole_batches must be True or False (found {whole_batches!r})")
+        self.whole_batches = bool(whole_batches)
+        self.rank, self.world_size = rank_and_world(rank, world_size)
+        self._closed = False
+        specs = _source_specs(sources, options)
+        self.sources = tuple(specs)
+        self._sources: list[SourceStream] = []
+        self._weights_fn: Callable[[int], Any] | None = None
+        try:
+            for name, (path, fields, rename, kwargs) in specs.items():
+                kwargs = {"batch_size": self.batch_size, "seed": self.seed, **kwargs}
+                try:
+                    ds = GDSDataset(path, fields=fields, rank=self.rank, world_size=self.world_size,
+                                    exact_shares=True, **kwargs)
+                except (TypeError, ValueError, GDSLoadError) as e:
+                    raise _named(e, f"source {name!r}: {e}") from e
+                self._sources.append(SourceStream(name, ds, rename))
+            self._check_fields(specs)
+            self._weights_fn, exact = self._weights_at(weights, 0)
+            self._schedule = Schedule.begin(0, exact)
+        except BaseException:
+            self.close()
+            raise
+        self.datasets = {s.name: s.ds for s in self._sources}
+        self._step = 0
+        self._stats = MixtureStats(sources={s.name: s.stats for s in self._sources})
+
+    def _check_fields(self, specs: dict[str, tuple[Any, Any, dict[str, str], dict]]) -> None:
+        """Sources mixed by sample give the same fields (after renaming), padded alike, on the same device."""
+        if self.whole_batches:
+            return
+        first = None
+        for s in self._sources:
+            kwargs, described = specs[s.name][3], s.ds.state_dict()["fields"]
+            pad_to, fields = kwargs.get("pad_to"), {}
+            for f in s.ds.fields:
+                what = described[f]
+                width = pad_to.get(f) if isinstance(pad_to, Mapping) else pad_to
+                if what.startswith("ragged") and width == "max":
+                    raise ValueError(f"source {s.name!r}: pad_to='max' pads field {f!r} to each batch's longest "
+                                     "sample, which differs from source to source (expected an int, or None)")
+                if what.startswith("ragged") and width is not None:
+                    what += f" padded to {width} with {kwargs.get('pad_value', 0)!r}"
+                fields[s.rename.get(f, f)] = what
+            on = f"device {s.ds.device}" if info(s.ds.backend_name).on_device else "the host"
+            where = f"{s.ds.output} arrays on {on}"
+            if first is None:
+                first = (s.name, fields, where)
+                continue
+            name, fields0, where0 = first
+            for f in sorted(fields0.keys() | fields.keys()):
+                if fields0.get(f) != fields.get(f):
+                    raise ValueError(f"source {s.name!r}: field {f!r} is {fields.get(f, 'absent')}, in source "
+                                     f"{name!r} {fields0.get(f, 'absent')} (sources mixed by sample read the same "
+                                     "fields; rename with fields={...}, or pass whole_batches=True)")
+            if where != where0:
+                raise ValueError(f"source {s.name!r} gives {where}, source {name!r} {where0} (sources mixed by "
+                                 "sample need the same output and device; or pass whole_batches=True)")
+
+    # -- weights ---------------------------------------------------------------------------------------
+    def _weights_at(self, weights: Any, step: int) -> tuple[Callable[[int], Any] | None, tuple[Fraction, ...]]:
+        """(the schedule function or None, the exact weights for ``step``) from weights as the user gives them."""
+        fn = weights if callable(weights) and not isinstance(weights, Mapping) else None
+        if fn is not None:
+            weights = fn(step)
+        elif weights is None:
+            weights = {s.name: s.ds.num_samples for s in self._sources}
+        return fn, exact_weights(weights, self.sources)
+
+    def set_weights(self, weights: Any) -> None:
+        """New weights from the next batch on: a dict as in the constructor (a new segment starts unless the
+        proportions are the same), or a function of the step (replacing any function set before)."""
+        self._weights_fn, exact = self._weights_at(weights, self._step)
+        self._schedule = self._schedule.reweighted(exact, self._step)
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """The current weights, normalised to sum 1."""
+        return {n: float(w) for n, w in zip(self.sources, self._schedule.normalised())}
+
+    @property
+    def step(self) -> int:
+        """Batches yielded since the start (the index of the next batch)."""
+        return self._step
+
+    # -- iteration -------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        if self.num_batches is None:
+            raise TypeError("this Mixture is endless (pass num_batches=... for passes of a fixed length)")
+        return self.num_batches
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        if self._closed:
+            raise GDSLoadError(f"mixture of {list(self.sources)}: it was closed (open a new Mixture)")
+        return self._pass()
+
+    def _pass(self) -> Iterator[dict[str, Any]]:
+        n = self.num_batches
+        stop = None if n is None else (self._step // n + 1) * n
+        last = time.perf_counter()
+        try:
+            while stop is None or self._step < stop:
+                batch = self._next()
+                now = time.perf_counter()
+                self._stats.wall_s, last = self._stats.wall_s + now - last, now
+                yield batch
+        except BaseException:  # left early, or failed: every source's readers stop
+            if not self._closed:
+                self.stop()
+            raise
+        finally:
+            self._stats.wall_s += time.perf_counter() - last
+
+    def _next(self) -> dict[str, Any]:
+        if self._weights_fn is not None:
+            self._schedule = self._schedule.reweighted(self._weights_at(self._weights_fn, self._step)[1], self._step)
+        unit = 1 if self.whole_batches else self.batch_size
+        counts, schedule = next_counts(self._schedule, unit, self.seed)
+        if self.whole_batches:
+            counts = tuple(c * s.ds.config.batch_size for c, s in zip(counts, self._sources))
+        batch = assemble([(s, s.take(c)) for s, c in zip(self._sources, counts)])
+        self._stats.bytes = sum(s.stats.bytes for s in self._sources)
+        self._schedule, self._step = schedule, self._step + 1
+        self._stats.batches += 1
+        self._stats.samples += sum(counts)
+        return batch
+
+    @property
+    def stats(self) -> MixtureStats:
+        """Counters since the mixture opened (per source: see :class:`SourceStats`)."""
+        return self._stats
+
+    def stop(self) -> None:
+        """End every source's current pass (their reader threads stop); the next pass goes on from here."""
+        for s in self._sources:
+            s.park()
+
+    def close(self) -> None:
+        """Close every source's dataset (threads, buffers, files). Idempotent."""
+        self._closed = True
+        for s in getattr(self, "_sources", []):
+            s.drop()
+            s.ds.close()
+
+    def __enter__(self) -> Mixture:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"Mixture({list(self.sources)}, batch_size={self.batch_size}, weights={self.weights}, "
+                f"step={self._step}, rank={self.rank}/{self.world_size})")
+
+    # -- checkpoints -----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Where the mixture stands: the step, the weights' segment, every source's position (the same on
+        every rank) and fingerprint. Plain and small; every rank's is the same but for ``rank``."""
+        return {"mixture_format": MIXTURE_FORMAT, "step": self._step, "seed": self.seed,
+                "batch_size": self.batch_size, "whole_batches": self.whole_batches, "sources": list(self.sources),
+                "schedule": schedule_state(self._schedule, self.sources),
+                "positions": {s.name: s.stretch.as_dict() for s in self._sources},
+                "datasets": {s.name: _fingerprint(s.ds) for s in self._sources},
+                "rank": self.rank, "world_size": self.world_size}
+
+    def load_state_dict(self, state: Any) -> None:
+        """Continue from ``state`` (saved by any rank, on any number of ranks): the next batch is the one the
+        saved run would have yielded next. Checked whole before anything changes: TypeError for a non-dict,
+        StateError (a ValueError) naming the key for a malformed state, another source list, another seed, or
+        a source whose data differs."""
+        if not isinstance(state, Mapping):
+            raise TypeError(f"a mixture state must be a dict from Mixture.state_dict(), found {type(state).__name__}")
+        if sorted(state) != sorted(STATE_KEYS) or state["mixture_format"] != MIXTURE_FORMAT:
+            raise StateError(f"state keys: expected {list(STATE_KEYS)} with mixture_format {MIXTURE_FORMAT} (a state "
+                             f"from Mixture.state_dict() of this gdsload version), found {sorted(state)}")
+        if not isinstance(state["sources"], (list, tuple)) or list(state["sources"]) != list(self.sources):
+            raise StateError(f"state key 'sources': saved {state['sources']!r}, now {list(self.sources)} (a mixture "
+                             "resumes with the same sources, in the same order)")
+        if state["seed"] != self.seed:
+            raise StateError(f"state key 'seed': saved {state['seed']!r}, now {self.seed}")
+        step = state_int(state["step"], "step", 0)
+        state_int(state["rank"], "rank", 0, state_int(state["world_size"], "world_size", 1) - 1)
+        if not isinstance(state["whole_batches"], bool):
+            raise StateError(f"state key 'whole_batches': expected True or False, found {state['whole_batches']!r}")
+        unit = 1 if state["whole_batches"] else state_int(state["batch_size"], "batch_size", 1)
+        schedule = parse_schedule(state["schedule"], self.sources, step, unit)
+        if (state["batch_size"], state["whole_batches"]) != (self.batch_size, self.whole_batches):
+            schedule = Schedule.begin(step, schedule.weights)  # counts in other units: a new segment
+        for key in ("positions", "datasets"):
+            if not isinstance(state[key], Mapping) or sorted(state[key]) != sorted(self.sources):
+                raise StateError(f"state key '{key}': expected a dict keyed by the sources {list(self.sources)}, "
+                                 f"found {state[key]!r}"[:300])
+        plans = [self._resume_plan(s, state) for s in self._sources]
+        for s, (gds_state, skip, stretch) in zip(self._sources, plans):
+            s.drop()
+            s.ds.load_state_dict(gds_state)
+            if stretch is None:  # another world size or window: a new stretch from what the dataset made of it
+                hops = tuple(s.ds.state_dict()["hops"])
+                stretch = Stretch(gds_state["epoch"], hops, s.ds.config.world_size, s.ds.config.window_blocks, 0)
+            s.stretch, s.skip = stretch, skip
+            s.leg_samples = leg_samples(s.ds, stretch) if stretch.hops else 0
+        self._schedule, self._step = schedule, step
+
+    def _resume_plan(self, s: SourceStream, state: Mapping[str, Any]) -> tuple[dict[str, Any], int, Stretch | None]:
+        """For source ``s``: the GDSDataset state to load, the samples of its first batch already taken, and
+        its stretch (None: another world size or window, so the dataset deals out the rest of the epoch)."""
+        where = f"datasets[{s.name!r}]"
+        saved, now = state["datasets"].get(s.name), _fingerprint(s.ds)
+        if not isinstance(saved, Mapping) or sorted(saved) != sorted(FINGERPRINT_KEYS):
+            raise StateError(f"state key '{where}': expected a dict with keys {list(FINGERPRINT_KEYS)}, found "
+                             f"{saved!r}"[:300])
+        for key in FINGERPRINT_KEYS:
+            a, b = saved[key], now[key]
+            if key.endswith("sha256") and isinstance(a, Mapping):
+                a, b = ({f: d[f] for f in sorted(a.keys() & b.keys())} for d in (a, b))
+            if a != b:
+                raise StateError(f"state key '{where}.{key}': saved {a!r}, now {b!r} (source {s.name!r} is another "
+                                 f"dataset, or its data or order changed since)"[:600])
+        stretch = parse_stretch(state["positions"].get(s.name), f"positions[{s.name!r}]")
+        try:
+            return s.locate(stretch)
+        except StateError as e:
+            raise StateError(f"source {s.name!r}'s position (state key 'positions[{s.name!r}]'): {e}") from None
+
+
+def merge_states(states: list[Any]) -> dict[str, Any]:
+    """One state from every rank's: checks there is one per rank and that they agree on all but ``rank``."""
+    if isinstance(states, Mapping) or not isinstance(states, (list, tuple)) or not states:
+        raise TypeError("merge_states takes a non-empty list of mixture states, one per rank")
+    world = states[0].get("world_size") if isinstance(states[0], Mapping) else None
+    ranks = sorted(s.get("rank") for s in states if isinstance(s, Mapping))
+    if ranks != list(range(world or 0)) or len(ranks) != len(states):
+        raise StateError(f"state key 'rank': expected one state per rank 0..{world - 1 if world else '?'}, found "
+                         f"ranks {ranks}")
+    ref = next(s for s in states if s["rank"] == 0)
+    for s in states:
+        differ = [k for k in dict.fromkeys([*ref, *s]) if k != "rank" and s.get(k) != ref.get(k)]
+        if differ:
+            raise StateError(f"rank {s['rank']}'s mixture state differs from rank 0's in {differ} (checkpoint "
+                             "every rank after the same step)")
+    return dict(ref)
+
+
+# -- helpers ---------------------------------------------------------------------------------------------
+def _source_specs(sources: Any, options: dict[str, Any]) -> dict[str, tuple[Any, Any, dict[str, str], dict]]:
+    """name -> (path, fields for GDSDataset, {field: name in the mixture}, the dataset's other options)."""
+    if not isinstance(sources, Mapping) or not sources:
+        raise TypeError(f"sources must be a non-empty dict of name -> path or dict of options (found "
+                        f"{type(sources).__name__})")
+    specs = {}
+    for name, spec in sources.items():
+        if not isinstance(name, str):
+            raise TypeError(f"source names must be str (found {name!r})")
+        spec = dict(spec) if isinstance(spec, Mapping) else {"path": spec}
+        if not isinstance(spec.get("path"), (str, os.PathLike)):
+            raise TypeError(f"source {name!r}: expected a path or a dict with a 'path' (found {spec.get('path')!r})")
+        kwargs = {**options, **spec}
+        path, fields = kwargs.pop("path"), kwargs.pop("fields", None)
+        fixed = [k for k in MIXTURE_OPTIONS if k in kwargs and not (k == "drop_last" and kwargs[k] is False)]
+        if fixed:
+            raise ValueError(f"source {name!r}: {fixed} are the mixture's (rank and world_size: pass them to "
+                             "Mixture; every source is read in exact shares, no sample dropped)")
+        rename = {}
+        if isinstance(fields, Mapping):
+            rename = dict(fields)
+            if not all(isinstance(v, str) for v in rename.values()) or len(set(rename.values())) < len(rename):
+                raise ValueError(f"source {name!r}: fields {rename!r} must map fields to distinct names (str)")
+            fields = list(rename)
+        fields = field_names(fields)
+        if SOURCE_KEY in (rename.get(f, f) for f in fields or ()):
+            raise ValueError(f"source {name!r}: field {SOURCE_KEY!r} would hide the mixture's source index (rename "
+                             f"it: fields={{'{SOURCE_KEY}': 'other name'}})")
+        specs[name] = (path, fields, rename, kwargs)
+    return specs
+
+
+def _named(error: BaseException, message: str) -> BaseException:
+    """``error`` again, its message prefixed (the same type, so ``except`` clauses keep working)."""
+    try:
+        return type(error)(message)
+    except Exception:  # noqa: BLE001 - an error type with another constructor: keep the original
+        return error
+
+
+def _fingerprint(ds: GDSDataset) -> dict[str, Any]:
+    state = ds.state_dict()
+    return {k: state[k] for k in FINGERPRINT_KEYS}

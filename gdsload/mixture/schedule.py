@@ -1,0 +1,232 @@
+"""A mixture's schedule and its sources' positions: pure logic (Python ints and exact fractions), no I/O.
+
+**The schedule** says, batch by batch, how many samples (or, with whole batches, how many batches) each source
+gives. Weights are exact fractions (a float counts as the decimal it prints as: ``0.6`` is 3/5) normalised
+to sum 1; a *segment* runs from the mixture's start or from a weight change, and counts restart with it.
+After batch ``t`` of a segment (``h = t * unit`` samples), source ``i`` has given ``c_i`` with
+``|c_i - w_i h| < 1``, for every ``t``: over any run of batches of one segment the error is below 2, and a
+batch holds ``w_i * unit`` of source ``i`` up to less than 2.
+
+How: the ``j``-th sample of source ``i`` must come by batch ``ceil(j / (w_i unit))`` (else ``c_i`` falls
+below ``w_i h - 1``) and not before batch ``floor((j - 1) / (w_i unit)) + 1`` (else it rises above
+``w_i h + 1``). Each batch takes, of the samples already allowed, the ``unit`` with the earliest deadlines
+(ties by a seeded order of the sources); that is at most one sample per source beyond those due. Earliest
+deadline first is optimal for unit jobs on ``unit`` identical slots per step, and a schedule meeting every
+deadline exists (a Pfair schedule of the weights, sample by sample, grouped into batches), so this one never
+misses one. Largest remainder on the cumulative target would also keep ``|c_i - w_i h| < 1`` at each batch
+taken alone, but not from one batch to the next: its counts can fall (the Alabama paradox).
+
+**Positions.** A source read by a mixture splits every epoch into ranks' shares of samples
+(``PlanConfig.exact_shares``), so ranks, which all take the same counts, may be up to one sample apart in their
+epochs. A source's position is therefore the same on every rank: a :class:`Stretch` (the samples each rank took
+since a start all ranks shared), from which each rank works out its own epoch and position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from decimal import Decimal
+from fractions import Fraction
+from functools import lru_cache
+from math import lcm
+from typing import Any
+
+from numpy.random import default_rng
+
+from ..pipeline.resume import StateError
+
+
+def exact_weights(weights: Any, names: Sequence[str]) -> tuple[Fraction, ...]:
+    """``weights`` (a mapping of every name in ``names`` to a finite number >= 0, not all 0) as exact fractions
+    in ``names``' order; a float as the decimal it prints as. TypeError / ValueError naming the entry."""
+    if not isinstance(weights, Mapping):
+        raise TypeError(f"weights must be a dict of source name -> weight (found {type(weights).__name__})")
+    missing, unknown = [n for n in names if n not in weights], [n for n in weights if n not in names]
+    if missing or unknown:
+        raise ValueError(f"weights must name every source once (expected {list(names)}; missing {missing}, "
+                         f"unknown {unknown})")
+    out = []
+    for name in names:
+        value = weights[name]
+        if isinstance(value, (numbers.Rational, Decimal)) and not isinstance(value, bool):
+            weight = Fraction(value)
+        elif isinstance(value, numbers.Real) and not isinstance(value, bool) and abs(float(value)) < float("inf"):
+            weight = Fraction(repr(float(value)))
+        else:
+            raise TypeError(f"weights[{name!r}] must be a finite number (found {value!r})")
+        if weight < 0:
+            raise ValueError(f"weights[{name!r}] must be at least 0 (found {value!r})")
+        out.append(weight)
+    if not any(out):
+        raise ValueError(f"weights are all 0 (expected at least one source with a positive weight: {dict(weights)})")
+    return tuple(out)
+
+
+@lru_cache(maxsize=64)
+def _scaled(weights: tuple[Fraction, ...]) -> tuple[tuple[int, ...], int]:
+    """Integer weights with the same ratios, and their sum."""
+    common = lcm(*(w.denominator for w in weights))
+    ints = tuple(int(w * common) for w in weights)
+    return ints, sum(ints)
+
+
+@lru_cache(maxsize=64)
+def tie_order(seed: int, start: int, n: int) -> tuple[int, ...]:
+    """Each source's priority among sources whose next samples are due at the same batch (lower first): a
+    permutation seeded by the mixture's seed and the step its segment began at."""
+    return tuple(int(p) for p in default_rng([seed, start]).permutation(n))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A segment: the step it began at, its weights (exact, any positive scale) and the units (samples, or
+    batches with whole batches) each source gave since it began."""
+
+    start: int
+    weights: tuple[Fraction, ...]
+    counts: tuple[int, ...]
+
+    @classmethod
+    def begin(cls, start: int, weights: tuple[Fraction, ...]) -> Schedule:
+        return cls(start, weights, (0,) * len(weights))
+
+    def normalised(self) -> tuple[Fraction, ...]:
+        total = sum(self.weights)
+        return tuple(w / total for w in self.weights)
+
+    def reweighted(self, weights: tuple[Fraction, ...], step: int) -> Schedule:
+        """A new segment from ``step`` under ``weights``, or this one where they are the same proportions."""
+        if tuple(w / sum(weights) for w in weights) == self.normalised():
+            return self
+        return Schedule.begin(step, weights)
+
+
+def next_counts(schedule: Schedule, unit: int, seed: int) -> tuple[tuple[int, ...], Schedule]:
+    """The next batch's ``unit`` units, split among the sources (module docstring), and the segment after it.
+    Raises StateError if the counts cannot go on within one of the targets (only a state edited by hand can
+    hold such counts)."""
+    ints, total = _scaled(schedule.weights)
+    counts = schedule.counts
+    h = sum(counts) + unit
+    order = tie_order(seed, schedule.start, len(counts))
+    after, optional = [], []
+    for i, (a, c) in enumerate(zip(ints, counts)):
+        due = max(c, a * h // total)  # every sample whose deadline is this batch, or earlier
+        after.append(due)
+        if due < -(-a * h // total):  # one more is allowed: its deadline decides
+            optional.append((-(-(due + 1) * total // (a * unit)), order[i], i))
+    room = h - sum(after)
+    if not 0 <= room <= len(optional):
+        raise StateError(f"state key 'schedule.counts': {dict(enumerate(counts))} cannot go on within one sample of "
+                         f"the weights (expected counts from Mixture.state_dict())")
+    for _, _, i in sorted(optional)[:room]:
+        after[i] += 1
+    return tuple(a - c for a, c in zip(after, counts)), dataclasses.replace(schedule, counts=tuple(after))
+
+
+def schedule_state(schedule: Schedule, names: Sequence[str]) -> dict[str, Any]:
+    return {"start": schedule.start, "weights": {n: str(w) for n, w in zip(names, schedule.weights)},
+            "counts": dict(zip(names, schedule.counts))}
+
+
+def parse_schedule(value: Any, names: Sequence[str], step: int, unit: int) -> Schedule:
+    """A schedule state, checked: its keys, weights, a start at or before ``step``, and counts that add up to
+    ``unit`` per batch since the start, each within one of its weight's share. StateError naming the key."""
+    if not isinstance(value, Mapping) or set(value) != {"start", "weights", "counts"}:
+        raise StateError(f"state key 'schedule': expected a dict with keys ['start', 'weights', 'counts'], found "
+                         f"{value!r}"[:300])
+    start = state_int(value["start"], "schedule.start", 0, step)
+    for key in ("weights", "counts"):
+        if not isinstance(value[key], Mapping) or list(value[key]) != list(names):
+            raise StateError(f"state key 'schedule.{key}': expected a dict keyed by the sources {list(names)}, "
+                             f"found {value[key]!r}"[:300])
+    try:
+        weights = exact_weights({n: Fraction(value["weights"][n]) for n in names}, names)
+    except (TypeError, ValueError) as e:
+        raise StateError(f"state key 'schedule.weights': expected fractions such as '3/5' (found "
+                         f"{value['weights']!r}: {e})") from None
+    counts = tuple(state_int(value["counts"][n], f"schedule.counts[{n!r}]", 0) for n in names)
+    h = (step - start) * unit
+    ints, total = _scaled(weights)
+    off = [n for n, a, c in zip(names, ints, counts) if abs(c * total - a * h) >= total]
+    if sum(counts) != h or off:
+        raise StateError(f"state key 'schedule.counts': {dict(zip(names, counts))} is not {h} units split by the "
+                         f"weights within one each (step {step}, segment start {start})")
+    return Schedule(start, weights, counts)
+
+
+def state_int(value: Any, key: str, lo: int, hi: int | None = None) -> int:
+    """An int entry of a state, from ``lo`` to ``hi``: StateError naming the key otherwise (never a bool)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo or (hi is not None
+                                                                                           and value > hi):
+        allowed = f"an int from {lo} to {hi}" if hi is not None else f"an int >= {lo}"
+        raise StateError(f"state key '{key}': expected {allowed}, found {value!r}")
+    return int(value)
+
+
+# -- where a source stands ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Stretch:
+    """A source's position, the same on every rank: ``samples`` taken per rank since the stretch began at
+    the start of ``epoch`` (every rank at once) under ``world_size`` and ``window_blocks``.
+
+    Without ``hops`` the stretch reads whole epochs in exact shares (``PlanConfig.exact_shares``), and each
+    rank's own epoch and position follow from ``samples`` (:meth:`rank_position`). With ``hops`` (the
+    GDSDataset hop dicts of the legs ``epoch`` was read in before, see gdsload/resume.py) it first reads the
+    rest of ``epoch``, dealt out after an elastic resume: equally long on every rank, so all finish it
+    together and go on into a stretch without hops at ``epoch + 1``."""
+
+    epoch: int
+    hops: tuple[dict[str, int], ...]
+    world_size: int
+    window_blocks: int
+    samples: int
+
+    def rank_position(self, rank: int, num_samples: int) -> tuple[int, int]:
+        """(epoch, samples of it taken) of ``rank`` in a stretch without hops; a share used up counts as the
+        start of the next epoch. Rank r's shares are :func:`gdsload.pipeline.plan.share_bounds`', so it began epoch e
+        ``((e N + r) // W) - ((epoch N + r) // W)`` samples into the stretch."""
+        n, w = num_samples, self.world_size
+        base = (self.epoch * n + rank) // w
+        epoch = ((self.samples + base + 1) * w - rank - 1) // n
+        return epoch, self.samples - ((epoch * n + rank) // w - base)
+
+    def common_position(self, num_samples: int) -> tuple[int, int]:
+        """(epoch, samples of it taken) that every rank has reached in a stretch without hops: the earliest
+        epoch any rank is in, and the fewest samples of it any rank took. Ranks are at most one sample apart,
+        so a rank took at most one sample more than this of that epoch, or none of the next."""
+        first = min(self.rank_position(r, num_samples)[0] for r in range(self.world_size))
+        base = [(self.epoch * num_samples + r) // self.world_size for r in range(self.world_size)]
+        return first, min(self.samples - ((first * num_samples + r) // self.world_size - base[r])
+                          for r in range(self.world_size))
+
+    def taken(self, n: int) -> Stretch:
+        return dataclasses.replace(self, samples=self.samples + n)
+
+    def next_epoch(self) -> Stretch:
+        """The stretch after this one's rest of an epoch (with hops) is read."""
+        return Stretch(self.epoch + 1, (), self.world_size, self.window_blocks, 0)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "hops": [dict(h) for h in self.hops], "world_size": self.world_size,
+                "window_blocks": self.window_blocks, "samples": self.samples}
+
+
+STRETCH_KEYS = ("epoch", "hops", "world_size", "window_blocks", "samples")
+
+
+def parse_stretch(value: Any, key: str) -> Stretch:
+    """A stretch as :meth:`Stretch.as_dict` gives it, its ints checked (the hops are checked where they are
+    loaded, by gdsload.pipeline.resume): StateError naming the key."""
+    if not isinstance(value, Mapping) or sorted(value) != sorted(STRETCH_KEYS):
+        raise StateError(f"state key '{key}': expected a dict with keys {list(STRETCH_KEYS)}, found {value!r}"[:300])
+    hops = value["hops"]
+    if not isinstance(hops, (list, tuple)) or not all(isinstance(h, Mapping) for h in hops):
+        raise StateError(f"state key '{key}.hops': expected a list of dicts, found {hops!r}"[:300])
+    return Stretch(state_int(value["epoch"], f"{key}.epoch", 0), tuple(dict(h) for h in hops),
+                   state_int(value["world_size"], f"{key}.world_size", 1),
+                   state_int(value["window_blocks"], f"{key}.window_blocks", 1),
+                   state_int(value["samples"], f"{key}.samples", 0))

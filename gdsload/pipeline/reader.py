@@ -1,0 +1,297 @@
+"""The reader: everything an open dataset reads with, and the one place where "these blocks into this buffer"
+becomes backend calls.
+
+A :class:`Reader` owns the dataset's metadata and block layout (format/), the window map (window.py), the
+backend (backends/), the decoder and the verifier (codecs/). The pipeline's windows, the first window read at
+open and the resident fields all go through :meth:`Reader.submit` / :meth:`Reader.load`, so each is read,
+decoded and checked the same way. Opening is two steps: :meth:`Reader.open` reads the metadata and makes the
+backend (cheap; a bad argument found next costs nothing more), then :meth:`Reader.start` maps windows of the
+size the plan chose and prepares the backend (mmap may read the whole dataset there).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .._tasks import Pending, Queued, drain
+from ..backends import info, make_backend, resolve
+from ..backends.cpu import CpuBackend
+from ..codecs.verify import Verdict, Verification, carries_trailers, unchecked_fields
+from ..errors import GDSLoadError, ReadError
+from ..format.layout import DatasetLayout
+from ..format.meta import DatasetMeta, read_metadata
+from ..system.env import warn_few_connections
+from .assembler import ResidentField
+from .plan import EpochPlan, blocks_per_rank, window_blocks_for
+from .ragged import capacity_rows
+from .window import WindowBuffer, WindowMap, Work, slot_rows
+
+#: Fields whose whole array is at most this many bytes are read once and kept (``resident_bytes``).
+DEFAULT_RESIDENT_BYTES = 64 << 20
+
+
+def resident_fields(meta: Any, names: Sequence[str], resident_bytes: int) -> tuple[str, ...]:
+    """The fixed fields among ``names`` read whole, once, at open (resident): those whose chunks total at most
+    ``resident_bytes``. The one rule for GDSDataset and the doctor."""
+    return tuple(n for n in names if n in meta.fields
+                 and meta.fields[n].block_bytes * meta.fields[n].num_chunks <= resident_bytes)
+
+
+class Filled(NamedTuple):
+    """A window read, decoded and its check started: its data is there after ``event`` (None: already),
+    and ``verdict`` (None: nothing to check) must be confirmed before a batch drawn from it is handed on."""
+
+    event: Any
+    verdict: Verdict | None
+
+
+class InFlight:
+    """One window's reads in flight: :meth:`finish` waits for them, decodes and starts the check;
+    :meth:`drain` waits for them after an error elsewhere. Either, once, leaves no read writing the buffer."""
+
+    def __init__(self, reader: Reader, buf: WindowBuffer, work: Work, pending: Pending, host: Pending | None,
+                 checks: Any):
+        self.reader, self.buf, self.work, self.checks = reader, buf, work, checks
+        self._pending: Pending | None = pending
+        self._host = host
+
+    @property
+    def read_bytes(self) -> int:
+        return self.work.read_bytes
+
+    def finish(self, stop: threading.Event) -> Filled:
+        r, verdict = self.reader, None
+        try:
+            pending, self._pending = self._pending, None
+            event = pending.finish() if pending is not None else None
+            if r.decoder is not None and not stop.is_set():
+                host, self._host = self._host, None
+                if host is not None:
+                    host.finish()
+                event = r.decoder.decode(self.buf, self.work, event, stop)
+            if self.checks is not None and len(self.checks.lo) and not stop.is_set():
+                verdict = r.verification.start(self.buf.buffer, self.checks, event)  # type: ignore[union-attr]
+        finally:
+            self.drain()
+        return Filled(event, verdict)
+
+    def drain(self) -> None:
+        for name in ("_pending", "_host"):
+            pending = getattr(self, name)
+            setattr(self, name, None)
+            if pending is not None:
+                drain(pending)
+
+
+class Reader:
+    """What an open dataset reads with (see the module's docstring). Not thread-safe by itself: the
+    pipeline's submitter and completer use it in order, and resident loads before any pipeline runs."""
+
+    def __init__(self, meta: DatasetMeta, layout: DatasetLayout, resident: tuple[str, ...], backend_name: str,
+                 backend_reason: str, device: int, verify: bool | None):
+        self.meta, self.layout, self.resident_fields = meta, layout, resident
+        self.backend_name, self.backend_reason, self.device = backend_name, backend_reason, device
+        self.fields = layout.fields
+        self.verify = layout.has_checksums if verify is None else verify
+        self.ragged_fields = tuple(f for f in self.fields if f in meta.ragged)
+        self.windowed_fields = tuple(f for f in self.fields if f in meta.fields and f not in resident)
+        self.backend: Any = None
+        self.on_device = False
+        self.window_map: WindowMap | None = None
+        self.verification: Verification | None = None
+        self.decoder: Any = None
+        self.device_decoded: list[str] = []
+        self.host_decoded: list[str] = []
+        self._checks: Any = None
+        self._host_reader: CpuBackend | None = None
+        self._resident: dict[str, ResidentField] | None = None  # read on first use, kept until close()
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], fields: Sequence[str] | None, backend: str, device: int,
+             resident_bytes: int, verify: bool | None, backend_options: dict[str, Any] | None,
+             on_resolved: Callable[[str], None] = lambda name: None) -> Reader:
+        """Read the metadata, choose and make the backend (``on_resolved`` checks arguments that depend on
+        which, before it is made). Nothing is left open on an error."""
+        meta = read_metadata(path, fields)
+        names = tuple(fields) if fields is not None else tuple(meta.names)
+        resident = resident_fields(meta, names, resident_bytes)
+        # A foreign store's block: chosen for the arrays read block by block (the others are read whole).
+        meta = meta.with_block([f for f in names if f in meta.fields and f not in resident])
+        layout = DatasetLayout(meta, tuple(fields) if fields is not None else None)
+        try:
+            paths = list(layout.files)
+            # auto may pick the RAM tier: it needs the size of what this dataset reads.
+            name, reason = resolve(backend, sum(layout.files.get(p).size for p in paths), paths[0] if paths else None)
+            on_resolved(name)
+            unchecked = unchecked_fields(layout) if verify else []
+            if unchecked:
+                kind = ("its chunks have no crc32c codec" if meta.foreign
+                        else "written by a converter without block checksums")
+                raise ValueError(f"verify=True: {meta.path}: field(s) {unchecked} carry no checksum ({kind}); "
+                                 f"convert it with 'gdsload shard' to add them, or pass verify=False")
+            reader = cls(meta, layout, resident, name, reason, device, verify)
+            reader.on_device = info(name).on_device
+            reader.backend = make_backend(name, device, **(backend_options or {}))
+        except BaseException:
+            layout.close()
+            raise
+        if reader.on_device:
+            warn_few_connections()  # the steps would wait behind this dataset's copies
+        return reader
+
+    # -- windows -----------------------------------------------------------------------------------------
+    def window_blocks(self, batch_size: int, world_size: int) -> int:
+        """The default blocks per window: enough for a batch and about the backend's preferred window size."""
+        meta, spb = self.meta, self.meta.samples_per_block
+        # A fixed field counts with its slot per block; a variable-length field with its mean bytes per block.
+        block_bytes = (sum(slot_rows(spb, meta.fields[f].samples_per_block) * meta.fields[f].sample_bytes
+                           for f in self.windowed_fields)
+                       + sum(meta.ragged[f].values.sample_bytes * int(self.layout.offsets[f][-1]) // meta.num_blocks
+                             for f in self.ragged_fields))
+        return window_blocks_for(block_bytes, self.backend.window_bytes_hint, batch_size, spb, meta.num_blocks,
+                                 world_size)
+
+    def max_window_blocks(self, world_size: int) -> int:
+        return blocks_per_rank(self.meta.num_blocks, world_size)
+
+    def start(self, window_blocks: int) -> None:
+        """Map windows of ``window_blocks`` blocks, make the verifier and decoder, and prepare the backend
+        (last: mmap may read the whole dataset there)."""
+        from ..codecs.chunks import device_fields
+
+        meta, layout = self.meta, self.layout
+        fixed = [meta.fields[f] for f in self.fields if f in meta.fields]
+        # Compressed fields: decoded on the device by nvCOMP, or by CPU threads from a host buffer (GPU backends).
+        self.device_decoded, self.host_decoded = device_fields(fixed, self.on_device)
+        capacity = {f: (meta.ragged[f], capacity_rows(layout.offsets[f], meta.samples_per_block, window_blocks))
+                    for f in self.ragged_fields}
+        self.window_map = WindowMap([meta.fields[f] for f in self.windowed_fields], window_blocks, capacity,
+                                    samples_per_block=meta.samples_per_block, chunk_lengths=layout.chunk_lengths,
+                                    host_fields=self.host_decoded)
+        blocks = self.verify and layout.has_checksums
+        once = self.backend.reads_locked_memory  # each block checked the first time it is read
+        if blocks or carries_trailers(layout):
+            self.verification = Verification(layout, blocks, self.on_device, self.device, once)
+            checks = self.verification.checks(self.window_map)
+            self._checks = checks if checks else None
+        if any(meta.array(k).compressed for k in layout.keys):
+            from ..codecs.decode import Decoder
+
+            self.decoder = Decoder(layout, self.on_device, self.device, self.device_decoded)
+        self.backend.prepare(layout.files)
+
+    def allocate(self) -> WindowBuffer:
+        return WindowBuffer(self.backend.allocate(self.window_map.nbytes))  # type: ignore[union-attr]
+
+    def submit(self, buf: WindowBuffer, blocks: np.ndarray, stop: threading.Event) -> InFlight:
+        """Start reading ``blocks`` into ``buf`` (nothing, where it holds them since the open)."""
+        wm = self.window_map
+        work = wm.work(self.layout, blocks)  # type: ignore[union-attr]
+        checks = self._checks(blocks) if self._checks is not None else None
+        pending = Queued(None) if buf.take_loaded(work.requests) else self.backend.submit(buf.buffer, work.requests,
+                                                                                            stop)
+        try:
+            host = self._submit_host(buf, work, stop)
+        except BaseException:
+            drain(pending)  # its reads write into the buffer: over before the error goes on
+            raise
+        return InFlight(self, buf, work, pending, host, checks)
+
+    def _submit_host(self, wb: WindowBuffer, work: Work, stop: threading.Event) -> Pending | None:
+        """The reads of compressed chunks decoded by CPU threads, into the window's host buffer (made on first
+        use) by threaded POSIX reads over the dataset's open files."""
+        if work.host_nbytes and (wb.host is None or len(wb.host) < work.host_nbytes):
+            wb.host = self.decoder.host_buffer(work.host_nbytes)
+        if not work.host_requests:
+            return None
+        if self._host_reader is None:
+            self._host_reader = CpuBackend()
+            self._host_reader.prepare(self.layout.files)
+        return self._host_reader.submit(wb.host, work.host_requests, stop)
+
+    def load_first(self, plan: EpochPlan) -> WindowBuffer:
+        """The first window buffer, holding the window a pass from the dataset's start reads first (which that
+        pass then does not read again): the backend's own start and that window's reads happen in the open,
+        and a file they cannot read fails the open, naming it."""
+        buf = self.allocate()
+        requests = self.window_map.first_requests(self.layout, plan)  # type: ignore[union-attr]
+        if requests:
+            filled = self.backend.load(buf.buffer, requests, threading.Event())
+            if filled is not None:
+                filled.synchronize()  # there when the open returns (copies still queued would hold up the pass)
+            buf.loaded = requests
+        return buf
+
+    def resident(self, closing: threading.Event) -> tuple[dict[str, ResidentField], int]:
+        """The resident fields, read whole on the first call (a close meanwhile stops it), then kept; and the
+        bytes this call read (0 after the first)."""
+        if self._resident is not None:
+            return self._resident, 0
+        self._resident = {name: self.read_resident(name, closing) for name in self.resident_fields}
+        return self._resident, sum(r.array.nbytes for r in self._resident.values())
+
+    def read_resident(self, name: str, closing: threading.Event) -> ResidentField:
+        """Field ``name`` whole: every chunk back to back, a block per chunk, so row i holds sample i whatever
+        the plan's block is; decoded and checked as windows are. A ReadError names the field; a close while it
+        loads is a GDSLoadError."""
+        f = self.meta.fields[name]
+        single = WindowMap([f], f.num_chunks, samples_per_block=f.samples_per_block,
+                           chunk_lengths=self.layout.chunk_lengths, host_fields=self.host_decoded)
+        wb = WindowBuffer(self.backend.allocate(single.nbytes))  # held until the end: its host buffer feeds copies
+        blocks = np.arange(f.num_chunks)
+        try:
+            work = single.work(self.layout, blocks)
+            pending = Queued(self.backend.load(wb.buffer, work.requests, closing))
+            host = self._submit_host(wb, work, closing) if f.compressed else None
+            checks = self.verification.checks(single)(blocks) if self.verification is not None else None
+            filled = InFlight(self, wb, work, pending, host, checks).finish(closing)
+            if closing.is_set():  # before anything is decoded from a read cut short
+                raise GDSLoadError(f"{self.meta.path}: the dataset was closed while loading field '{name}'")
+            if filled.verdict is not None:
+                filled.verdict.confirm()
+        except ReadError as e:
+            raise type(e)(f"{e} (reading resident field '{name}')") from e
+        if filled.event is not None:
+            filled.event.synchronize()
+        return ResidentField(f, single.view(wb.buffer, name))
+
+    # -- the rest ----------------------------------------------------------------------------------------
+    @property
+    def io_mode(self) -> str:
+        return self.backend.io_mode
+
+    def started(self) -> None:
+        """The first batch is out: what the backend kept back (mmap's bulk load) may run now."""
+        self.backend.started()
+
+    def quiesce(self) -> None:
+        """Wait until no read, decode or check this reader queued still touches a window buffer."""
+        self.backend.quiesce()
+        for part in (self.decoder, self.verification):
+            if part is not None:
+                part.quiesce()
+
+    def describe(self) -> dict[str, Any]:
+        """How each field is gathered and decoded, the window's size and the backend's own counters."""
+        wm = self.window_map
+        gather = {f: "resident" if f in self.resident_fields else "variable-length" if f in wm.ragged
+                  else "positions" if wm.direct(f) else "rows" for f in self.fields}  # type: ignore[union-attr]
+        decode = {f: "device (nvCOMP)" if f in self.device_decoded else "cpu threads" for f in self.fields
+                  if f in self.meta.fields and self.meta.fields[f].compressed}
+        return {"backend": self.backend_name, "backend_reason": self.backend_reason, "io_mode": self.io_mode,
+                "foreign_store": self.meta.foreign, "gather": gather, "decode": decode,
+                "window_bytes": wm.nbytes, "resident_fields": list(self.resident_fields),  # type: ignore[union-attr]
+                "backend_stats": self.backend.stats()}
+
+    def close(self) -> None:
+        """Free the backend, decoder, verifier and file handles. Idempotent; parts never made are skipped."""
+        for part in (self.backend, self._host_reader, self.decoder, self.verification):
+            if part is not None:
+                part.close()
+        self._resident = {}
+        self.layout.close()

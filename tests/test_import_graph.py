@@ -1,0 +1,101 @@
+"""The package's folders are its layers, and imports point one way: down the table below, never up, and never
+in a circle. Every import counts: at module level, inside functions (lazy GPU imports) and under
+TYPE_CHECKING, since each is a dependency of the code that holds it."""
+
+from __future__ import annotations
+
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gdsload")
+
+#: Each layer may import its own and lower ones. A folder is one layer; top-level modules are named.
+LAYERS: dict[str, int] = {
+    "errors": 0, "_units": 0, "_tasks": 0,
+    "system": 1,
+    "format": 2, "cuda": 2,
+    "codecs": 3, "backends": 3,
+    "pipeline": 4, "conversion": 4,
+    "options": 5, "integrations": 5, "_fork": 5, "dataset": 5,
+    "mixture": 6,
+    "tools": 7, "__init__": 7, "__main__": 7,
+}
+
+
+def _modules() -> dict[str, str]:
+    """Dotted name (below ``gdsload``) -> file, for every module of the package."""
+    found = {}
+    for folder, _, files in os.walk(ROOT):
+        for f in files:
+            if f.endswith(".py"):
+                parts = os.path.relpath(os.path.join(folder, f), ROOT)[:-3].split(os.sep)
+                found[".".join(parts)] = os.path.join(folder, f)
+    return found
+
+
+def _imports(name: str, path: str, modules: dict[str, str]) -> set[str]:
+    """The package's modules that ``name`` imports, anywhere in it (``from . import x`` names module x)."""
+    package = name.split(".")[:-1]
+    out = set()
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - node.level + 1] + (node.module.split(".") if node.module else [])
+            elif node.module and (node.module == "gdsload" or node.module.startswith("gdsload.")):
+                base = node.module.split(".")[1:]
+            else:
+                continue
+            for alias in node.names:
+                sub = ".".join(base + [alias.name])
+                module = ".".join(base)
+                out.add(sub if sub in modules else module if module in modules else ".".join(base + ["__init__"]))
+        elif isinstance(node, ast.Import):
+            out |= {a.name[len("gdsload."):] for a in node.names if a.name.startswith("gdsload.")}
+    return {m for m in out if m in modules and m != name}
+
+
+def _layer(name: str) -> int:
+    top = name.split(".")[0]
+    assert top in LAYERS, f"gdsload/{name.replace('.', '/')}.py: not in any layer of tests/test_import_graph.py"
+    return LAYERS[top]
+
+
+GRAPH = {name: _imports(name, path, _modules()) for name, path in _modules().items()}
+
+
+@pytest.mark.parametrize("name", sorted(GRAPH))
+def test_a_module_imports_nothing_above_its_layer(name):
+    up = {m for m in GRAPH[name] if _layer(m) > _layer(name)}
+    assert not up, f"gdsload.{name} (layer {_layer(name)}) imports {sorted(up)} from above"
+
+
+def test_the_import_graph_has_no_cycle():
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(GRAPH[node]):
+            if state.get(nxt) == 1:
+                cycle = path[path.index(nxt):] + [nxt]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt)
+        path.pop()
+        state[node] = 2
+
+    for node in sorted(GRAPH):
+        if node not in state:
+            visit(node)
+
+
+def test_the_check_sees_imports_of_every_kind(tmp_path):
+    """The parser finds relative, absolute, lazy and type-only imports, so the two tests above are not empty."""
+    assert {"errors", "pipeline.reader"} <= GRAPH["dataset"]
+    assert any(GRAPH[m] for m in GRAPH if m.startswith("backends."))
+    assert sum(len(v) for v in GRAPH.values()) > 150
