@@ -5,6 +5,7 @@ from .dataset import GDSDataset
 from .mixture.mixture import Mixture
 from .errors import BackendUnavailable, ChecksumError, ConversionError, FormatError, GDSLoadError, ReadError
 from .conversion.source_types import ArraySource, RaggedSource, Source
+from .pipeline.resume import merge_states
 from .pipeline.stats import EpochStats
 from .conversion.writer import convert, write_dataset
 
@@ -12,6 +13,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "GDSDataset", "EpochStats", "GDSLoadError", "FormatError", "ConversionError", "ReadError", "ChecksumError",
-    "BackendUnavailable", "Mixture",
+    "BackendUnavailable", "Mixture", "merge_states",
     "convert", "write_dataset", "Source", "ArraySource", "RaggedSource", "__version__",
 ]

@@ -3,6 +3,7 @@ tasks on a shared pool that stop early on a stop or a first error."""
 
 from __future__ import annotations
 
+import queue
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -74,3 +75,43 @@ class TaskGroup(Pending):
         if error is not None:
             raise error
         return result
+
+
+class Reaper:
+    """Runs the clean-ups of objects the garbage collector found unreachable on a thread of its own.
+
+    The collector runs a finalizer wherever it happens to run, even inside a new thread's start-up, which
+    holds CPython's lock of thread bookkeeping; a clean-up that joins threads there waits for that lock and
+    hangs the process. So a finalizer hands its clean-up here and returns. :meth:`start` is called where
+    threads may start (a dataset's open); while the interpreter exits (the main thread has ended), or
+    before any start, a clean-up runs at once instead."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():  # a forked child starts its own
+                self._thread = threading.Thread(target=self._run, name="gdsload-reaper", daemon=True)
+                self._thread.start()
+
+    def __call__(self, cleanup: Callable[..., Any], *args: Any) -> None:
+        thread = self._thread
+        if thread is None or not thread.is_alive() or not threading.main_thread().is_alive():
+            cleanup(*args)
+        else:
+            self._queue.put((cleanup, args))
+
+    def _run(self) -> None:
+        while True:
+            cleanup, args = self._queue.get()
+            try:
+                cleanup(*args)
+            except BaseException:  # nobody to tell: the object is gone; the next one's clean-up still runs
+                pass
+
+
+#: The process's one reaper.
+REAPER = Reaper()

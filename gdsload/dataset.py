@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from . import _fork
+from ._tasks import REAPER
 from .errors import GDSLoadError
 from .integrations import LoaderProtocols, refuse_worker
 from .cuda.ops import CudaOps, host_ops
@@ -20,7 +21,7 @@ from .pipeline import resume
 from .pipeline.cursor import Cursor
 from .pipeline.position import Position
 from .pipeline.pipeline import Pipeline
-from .pipeline.plan import EpochPlan, PlanConfig, check_yields, epoch_plan, window_buffers_for
+from .pipeline.plan import PlanConfig, check_yields, epoch_plan, window_buffers_for
 from .pipeline.reader import DEFAULT_RESIDENT_BYTES, Reader
 from .pipeline.stats import EpochStats
 from .pipeline.window import WindowBuffer
@@ -99,15 +100,16 @@ class GDSDataset(LoaderProtocols):
         except BaseException:
             reader.close()  # a bad argument must not leave pinned memory or threads behind
             raise
-        self._position = Position(self.config, first_plan, functools.partial(resume.fingerprint, self.meta,
-                                                                              reader.layout))
+        self._position = Position(self.config, first_plan, lambda: resume.fingerprint(reader.meta, reader.layout))
         self.stats: EpochStats | None = None
         self._active: list[Pipeline] = []  # at most one; a list so the finalizer can see it without self
         # close() may come from any thread: it sets _closing at once (a resident load or a backend call in
         # progress stops early), then takes _lock, which starting a pass holds, so no pass starts after it.
         self._closing = threading.Event()
         self._lock = threading.RLock()
-        self._finalizer = weakref.finalize(self, _shutdown, self._active, reader, self._buffers, self._closing)
+        self._parts = (self._active, reader, self._buffers, self._closing)  # what close() frees; never self
+        REAPER.start()  # if the collector finds this dataset unclosed, its clean-up runs there (_tasks.Reaper)
+        self._finalizer = weakref.finalize(self, REAPER, _shutdown, *self._parts)
         _fork.track(self)
         self.open_s = time.perf_counter() - started
 
@@ -164,9 +166,6 @@ class GDSDataset(LoaderProtocols):
         another dataset, seed, shuffle or drop_last; nothing changes then."""
         self._position.load(state)
 
-    def _plan(self, epoch: int) -> EpochPlan:
-        return self._position.plan(epoch)
-
     # -- iteration -------------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
         """A pass over the next epoch (see the class notes). The pass begins at the first ``next()``:
@@ -194,7 +193,7 @@ class GDSDataset(LoaderProtocols):
     def _start(self, start: Cursor) -> Pipeline:
         """A new pipeline from ``start`` (any running one is stopped first)."""
         self._close_active()
-        plan = self._plan(start.epoch)
+        plan = self._position.plan(start.epoch)
         while len(self._buffers) < window_buffers_for(self.prefetch, plan):
             self._buffers.append(self._reader.allocate())
         resident, read_before = self._reader.resident(self._closing)  # read whole on the first pass, then kept
@@ -233,7 +232,8 @@ class GDSDataset(LoaderProtocols):
         in progress (or starting) in another thread ends with a GDSLoadError saying the dataset was closed."""
         self._closing.set()
         with self._lock:
-            self._finalizer()
+            if self._finalizer.detach() is not None:  # None once closed (or collected)
+                _shutdown(*self._parts)
 
     def __enter__(self) -> GDSDataset:
         return self

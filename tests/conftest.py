@@ -14,6 +14,15 @@ from gdsload.conversion.source_types import ArraySource
 from gdsload.conversion.writer import write_dataset
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _reaper_running() -> None:
+    """The process's one reaper thread (gdsload._tasks.REAPER) runs from the first dataset's open on: started
+    here, it is in every test's "threads before" snapshot, as in a process that has opened a dataset."""
+    from gdsload._tasks import REAPER
+
+    REAPER.start()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if gpu_available():
         return

@@ -178,7 +178,7 @@ class FakeNvcomp:
 
 
 class HostOps:
-    """The CUDA side (decode_nvcomp.CupyOps) on host arrays: copies are numpy assignments."""
+    """The CUDA side (decode_nvcomp.DecodeDevice) on host arrays: copies are numpy assignments."""
 
     stream_ptr = 0
 
@@ -214,7 +214,7 @@ class HostOps:
         pass
 
     def crc_mismatch(self, buffer, lo, hi):
-        """As CupyOps computes it: the device kernel's algorithm (its numpy reference) on the segments."""
+        """As DecodeDevice computes it: the device kernel's algorithm (its numpy reference) on the segments."""
         got = reference_device_crcs(buffer, pieces(lo, hi))
         return crc_mismatch(got, buffer[trailing_index(hi)], lo, hi)
 
@@ -249,7 +249,7 @@ def _device_windows(path: str, device: list[str], host: list[str], fake: FakeNvc
             k = meta.samples_per_block
             for name in meta.fields:
                 for i, b in enumerate(blocks.tolist()):
-                    rows_ = wl.slot_rows[name]
+                    rows_ = wl.cell_rows[name]
                     first = i * rows_ + (b * k) % meta.fields[name].samples_per_block
                     got[name][b * k:(b + 1) * k] = views[name][first:first + k]
     finally:

@@ -267,7 +267,8 @@ def test_mmap_locks_at_open_within_budget(small, tmp_path):
     assert sorted(np.concatenate(first).tolist()) == list(range(len(data["idx"])))
     with pytest.raises(BackendUnavailable, match=r"would lock .* over its budget"):
         Dataset(path, batch_size=64, backend="mmap", backend_options={"max_bytes": 4096})
-    assert wait_no_readers() == [] and not [t for t in threading.enumerate() if "gdsload" in t.name]
+    assert wait_no_readers() == []
+    assert not [t for t in threading.enumerate() if "gdsload" in t.name and t.name != "gdsload-reaper"]
 
     # Replacing the dataset while it is open (shard.py --overwrite renames a new folder into place and
     # deletes the old one) leaves the locked files intact: the open dataset reads what it locked.
@@ -299,7 +300,7 @@ def test_the_open_reads_the_first_window_and_the_first_pass_does_not_read_it_aga
         submitted.append(list(requests)), real(self, dest, requests, stop))[1])
     with Dataset(path, batch_size=64, backend=backend, shuffle=True, window_blocks=3, resident_bytes=0,
                  prefetch_next_epoch=False) as ds:
-        plan = ds._plan(0)
+        plan = ds._position.plan(0)
         first = ds._reader.window_map.first_requests(ds._reader.layout, plan)
         assert submitted == [first] and ds._buffers[0].loaded is not None
         cupy.cuda.Device().synchronize()
@@ -349,7 +350,7 @@ def test_stopping_waits_for_the_gpu_work_its_pipeline_queued(small, backend, mon
         assert not pipeline.ops.work.done, "no gather queued behind the step: the test would prove nothing"
         ds.stop()
         assert pipeline.ops.work.done and pipeline.ops.uploads.done, "stop() returned with gathers still queued"
-        assert all(s.done for s in pipeline.backend.streams()), "stop() returned with copies still queued"
+        assert all(s.done for s in pipeline.reader.backend.streams()), "stop() returned with copies still queued"
         del it
         for _ in range(2):  # and the next pipelines serve the right samples
             seen = np.concatenate([check(b, data) for b in ds])

@@ -40,7 +40,7 @@ def flip_byte(path: str, field: str, block: int, at: int = 5) -> tuple[str, int]
 
 
 def gdsload_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("gdsload")]
+    return [t for t in threading.enumerate() if t.name.startswith("gdsload") and t.name != "gdsload-reaper"]
 
 
 # -- integrity ---------------------------------------------------------------------------------------
@@ -217,7 +217,7 @@ def test_the_open_reads_the_window_the_first_pass_reads_first_and_that_pass_does
     path, data = data_path
     with Dataset(path, batch_size=16, shuffle=True, seed=5, window_blocks=3, rank=rank, world_size=2,
                  resident_bytes=0, prefetch_next_epoch=False) as ds:
-        plan = ds._plan(0)
+        plan = ds._position.plan(0)
         first = ds._reader.window_map.first_requests(ds._reader.layout, plan)
         assert len(submitted) == 1 and submitted[0][1] == first, "the first window, at open"
         assert submitted[0][0] is ds._buffers[0].buffer
@@ -247,7 +247,7 @@ def test_a_first_window_read_at_open_serves_no_pass_but_one_from_the_start(data_
             submitted.clear()
             ds.set_epoch(0)  # the first buffer holds another window now
             batches = list(ds)
-            assert len(submitted) == len(ds._plan(0).windows), "every window read by the pass"
+            assert len(submitted) == len(ds._position.plan(0).windows), "every window read by the pass"
             for b in batches:
                 np.testing.assert_array_equal(b["x"], data["x"][b["idx"]])
 
@@ -259,7 +259,7 @@ def test_stopping_before_any_pass_keeps_the_window_read_at_open(data_path, submi
         submitted.clear()
         ds.stop()  # no pipeline runs, none wrote the buffer
         batches = list(ds)
-        assert len(submitted) == len(ds._plan(0).windows) - 1
+        assert len(submitted) == len(ds._position.plan(0).windows) - 1
         for b in batches:
             np.testing.assert_array_equal(b["x"], data["x"][b["idx"]])
 
@@ -420,3 +420,29 @@ def test_pinned_host_memory_is_unregistered_when_dropped_unclosed(monkeypatch):
     del dropped
     assert runtime.registered == {}
     kept.close()  # closing twice does nothing
+
+
+@pytest.mark.skipif(not hasattr(threading, "_shutdown_locks_lock"), reason="CPython's thread bookkeeping lock")
+def test_a_dataset_collected_while_a_thread_starts_does_not_hang(data_path):
+    """An unclosed dataset in a reference cycle is collected by the garbage collector wherever it runs, even
+    inside a new thread's start-up, which holds CPython's lock of thread bookkeeping; joining threads there
+    (the cpu backend's pool) needs that lock and hung the process. What the collector runs must not join."""
+    path, _ = data_path
+    ds = GDSDataset(path, batch_size=8, backend="cpu", window_blocks=2)
+    assert len(list(ds)) == len(ds)  # the backend's pool threads exist
+    finalize, done = ds._finalizer, threading.Event()
+
+    def as_the_collector_would() -> None:
+        with threading._shutdown_locks_lock:
+            finalize()
+        done.set()
+
+    threading.Thread(target=as_the_collector_would, daemon=True).start()
+    assert done.wait(10), "the collector's clean-up joined threads under the thread bookkeeping lock"
+    deadline = time.monotonic() + 10
+    while any(t.name.startswith("gdsload-cpu") for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)  # cleaned up on another thread
+    assert not any(t.name.startswith("gdsload-cpu") for t in threading.enumerate()), "the pool was not shut down"
+    assert not finalize.alive
+    with pytest.raises(GDSLoadError, match="closed"):
+        next(iter(ds))

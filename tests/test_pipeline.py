@@ -349,8 +349,11 @@ def test_threads_stop_on_break_close_and_gc(data_path):
     it = iter(ds)
     next(it)
     del ds, it
-    gc.collect()
+    gc.collect()  # the clean-up runs on the reaper thread (gdsload._tasks.Reaper), soon after
     assert wait_no_readers() == []
+    deadline = time.monotonic() + 5
+    while threading.active_count() != before and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert threading.active_count() == before
 
 

@@ -1,10 +1,10 @@
-"""The decode step: a window's compressed chunks, already read, turned into its decoded slots.
+"""The decode step: a window's compressed chunks, already read, turned into its decoded cells.
 
-A compressed field's window region has two parts (:class:`gdsload.pipeline.window.WindowMap`): its decoded slots,
+A compressed field's window region has two parts (:class:`gdsload.pipeline.window.WindowMap`): its decoded cells,
 laid out exactly as a raw field's (so the row mapping and the assembler do not change), and a region for the
 window's compressed chunks, back to back. Reads carry the compressed chunks into that region like any other
 bytes; then, in the completer thread, after the window's reads have finished and before the verifier, this
-module's decode step writes each chunk, decoded, into its slot, and returns the event after which the decoded
+module's decode step writes each chunk, decoded, into its cell, and returns the event after which the decoded
 window is there (GPU backends) or None (cpu: it is there when the call returns). Where each field's bytes go:
 
 - ``zstd`` on a GPU backend with nvCOMP installed (``gdsload[nvcomp]``, in ``gdsload[gpu]`` too; off with
@@ -14,10 +14,10 @@ window is there (GPU backends) or None (cpu: it is there when the call returns).
   (:mod:`gdsload.codecs.nvcomp`).
 - any other codec on a GPU backend (and ``zstd`` without nvCOMP, after a one-time warning): the compressed
   region lies in a pinned *host* buffer of the window, read by threaded POSIX reads; CPU threads decode each
-  chunk into a host mirror of the field's slots, and one host-to-device copy per field moves them. Reading
+  chunk into a host mirror of the field's cells, and one host-to-device copy per field moves them. Reading
   them into device memory would only make the CPU copy them back before it could decode them.
 - the cpu backend: the compressed region lies in the (host) window buffer, and CPU threads decode straight
-  into the slots.
+  into the cells.
 
 CPU decoding goes through the codec classes zarr uses (numcodecs); nothing is reimplemented. A ``crc32c`` codec after
 a compressor is verified. Errors: a chunk that does not decode (or decodes to the wrong size, or fails its crc32c)
@@ -30,15 +30,29 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from .._tasks import TaskGroup
 from .chunks import DECODE_THREADS, Chain, CrcMismatch, chunk_error, load_nvcomp
 
+if TYPE_CHECKING:
+    from .nvcomp import DecodeOps
+
 
 # -- the decode step -----------------------------------------------------------------------------------
+class WindowDecoder(Protocol):
+    """What the reader asks of a decoder: a host buffer for chunks CPU threads decode, the decode of a window
+    whose reads are done (returning the event after which its decoded cells are there), and a wait for its
+    device work. :class:`Decoder` keeps it."""
+
+    def host_buffer(self, nbytes: int) -> Any: ...
+    def decode(self, wb: Any, work: Any, filled: Any, stop: threading.Event) -> Any: ...
+    def quiesce(self) -> None: ...
+    def close(self) -> None: ...
+
+
 class Decoder:
     """Decodes the compressed fields of an open dataset's windows (see the module's docstring).
 
@@ -49,9 +63,9 @@ class Decoder:
     """
 
     def __init__(self, layout: Any, on_gpu: bool, device_id: int = 0, device: Sequence[str] = (),
-                 threads: int = DECODE_THREADS, nvcomp: Any = None, ops: Any = None):
+                 threads: int = DECODE_THREADS, nvcomp: Any = None, ops: DecodeOps | None = None):
         """``nvcomp`` and ``ops`` replace ``nvidia.nvcomp`` and the CUDA side
-        (:class:`gdsload.codecs.nvcomp.CupyOps`), for tests of the device path without a GPU."""
+        (:class:`gdsload.codecs.nvcomp.DecodeDevice`), for tests of the device path without a GPU."""
         self.layout, self.on_gpu, self.device_id = layout, on_gpu, device_id
         metas = {k: layout.meta.array(k) for k in layout.keys}
         self.chains = {k: Chain(m.codecs) for k, m in metas.items() if m.compressed and k not in device}
@@ -59,23 +73,23 @@ class Decoder:
         self.threads = threads
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="gdsload-decode")
         self._lock = threading.Lock()  # the completer and a resident load may decode at once
-        self.gpu: Any = None
+        self.gpu: DecodeOps | None = None
         self.batch: Any = None
         if on_gpu:
-            from .nvcomp import CupyOps, NvcompBatch
+            from .nvcomp import DecodeDevice, NvcompBatch
 
-            self.gpu = ops if ops is not None else CupyOps(device_id)
+            self.gpu = ops if ops is not None else DecodeDevice(device_id)
             if device:
                 self.batch = NvcompBatch(nvcomp or load_nvcomp(), self.gpu, device_id)
 
     def host_buffer(self, nbytes: int) -> Any:
         """A host buffer for a window's compressed chunks that CPU threads decode: pinned on a GPU backend
-        (its decoded slots are copied to the device from it)."""
+        (its decoded cells are copied to the device from it)."""
         return self.gpu.pinned(nbytes) if self.gpu is not None else np.empty(nbytes, np.uint8)
 
     def decode(self, wb: Any, work: Any, filled: Any, stop: threading.Event) -> Any:
-        """Decode every compressed chunk of ``work`` into its slot (the window's reads are done, or queued
-        before ``filled``); return the event after which the slots hold them (None on cpu). Once ``stop`` is
+        """Decode every compressed chunk of ``work`` into its cell (the window's reads are done, or queued
+        before ``filled``); return the event after which the cells hold them (None on cpu). Once ``stop`` is
         set, chunks not yet started are skipped."""
         host_jobs = [j for j in work.jobs if j.name in self.chains]
         self._decode_host(wb, host_jobs, stop)
@@ -93,7 +107,7 @@ class Decoder:
     def _decode_host(self, wb: Any, jobs: list[Any], stop: threading.Event) -> None:
         tasks: list[Callable[[], None]] = []
         for job in jobs:
-            buf = wb.host if job.host else wb.buffer  # compressed bytes and decoded slots alike
+            buf = wb.host if job.host else wb.buffer  # compressed bytes and decoded cells alike
             chain, bb = self.chains[job.name], self.metas[job.name].block_bytes
             for lo, hi in _groups(len(job.chunks), self.threads * 4):
                 tasks.append(self._task(job, chain, bb, buf, lo, hi))

@@ -4,11 +4,11 @@ nvCOMP (``nvidia-nvcomp-cu13`` >= 6, NVIDIA-proprietary, the optional ``gdsload[
 when a dataset with device-decoded fields opens. Its Python API as used here::
 
     codec = nvcomp.Codec(algorithm="Zstd", bitstream_kind=nvcomp.BitstreamKind.RAW, device_id=D, cuda_stream=S)
-    codec.decode(nvcomp.as_arrays([chunk, ...]), out=nvcomp.as_arrays([slot, ...]))  # chunk i into slot i
+    codec.decode(nvcomp.as_arrays([chunk, ...]), out=nvcomp.as_arrays([cell, ...]))  # chunk i into cell i
 
 One call decodes every chunk of one field in one window (a call per chunk is far slower: few large chunks
 leave the GPU underused), from views of the window buffer's compressed region straight into views of the
-chunks' slots: nothing is allocated, copied or freed per window (nvCOMP's own outputs would be, and freeing
+chunks' cells: nothing is allocated, copied or freed per window (nvCOMP's own outputs would be, and freeing
 device memory synchronises the whole device). nvCOMP does not check the zstd magic number, so each chunk's
 first four bytes are checked here first: a chunk that is not a zstd frame (a store whose metadata names the
 wrong codec, a damaged file) is an error, never decoded into a wrong sample. A chunk nvCOMP refuses is named
@@ -20,8 +20,8 @@ Teardown order matters: the codec is made on the decoder's stream and uses it wh
 codec while the stream still exists; left to reference counting, the stream went first and the process
 crashed in nvCOMP.
 
-:class:`NvcompBatch` does the batching and the mapping of chunks to slots through an ``ops`` object
-(:class:`CupyOps` here; tests pass host stand-ins and a fake codec, so this logic runs without a GPU).
+:class:`NvcompBatch` does the batching and the mapping of chunks to cells through an ``ops`` object
+(:class:`DecodeDevice` here; tests pass host stand-ins and a fake codec, so this logic runs without a GPU).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ContextManager, Protocol
 
 import numpy as np
 
@@ -41,10 +41,29 @@ from ..format.arrays import CRC_BYTES
 ZSTD_MAGIC = 0xFD2FB528
 
 
-class NvcompBatch:
-    """A field's chunks of one window, decoded by one nvCOMP call and copied into their slots."""
+class DecodeOps(Protocol):
+    """The device side of the decode step: its stream, pinned host buffers, host-to-device copies ordered
+    after a window's reads, and the buffer views nvCOMP decodes into. :class:`DecodeDevice` keeps it on a
+    GPU; the tests keep it with numpy."""
 
-    def __init__(self, nvcomp: Any, ops: Any, device_id: int = 0):
+    stream_ptr: int
+
+    def pinned(self, nbytes: int) -> np.ndarray: ...
+    def ordered(self, filled: Any) -> ContextManager[None]: ...
+    def to_device(self, buffer: Any, dest: int, host: np.ndarray, src: int, nbytes: int) -> None: ...
+    def done(self, outs: list[Any]) -> Any: ...
+    def view(self, buffer: Any, lo: int, hi: int) -> Any: ...
+    def nbytes(self, arr: Any) -> int: ...
+    def heads(self, buffer: Any, lo: np.ndarray, hi: np.ndarray) -> np.ndarray: ...
+    def crc_mismatch(self, buffer: Any, lo: np.ndarray, hi: np.ndarray) -> np.ndarray: ...
+    def quiesce(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class NvcompBatch:
+    """A field's chunks of one window, decoded by one nvCOMP call and copied into their cells."""
+
+    def __init__(self, nvcomp: Any, ops: DecodeOps, device_id: int = 0):
         if nvcomp is None:
             raise ImportError("nvidia.nvcomp is not installed")
         self.nvcomp, self.ops = nvcomp, ops
@@ -86,9 +105,9 @@ class NvcompBatch:
                               f"not a zstd frame (it starts with {int(heads[i]):#010x}, not the magic number "
                               f"{ZSTD_MAGIC:#010x}{'; shorter than one' if ends[i] - src[i] < 4 else ''})")
         views = [ops.view(buffer, s, e) for s, e in zip(src.tolist(), ends.tolist())]
-        slots = [ops.view(buffer, d, d + bb) for d in np.asarray(job.dest, dtype=np.int64).tolist()]
+        cells = [ops.view(buffer, d, d + bb) for d in np.asarray(job.dest, dtype=np.int64).tolist()]
         try:
-            outs = self.codec.decode(self.nvcomp.as_arrays(views), out=self.nvcomp.as_arrays(slots))
+            outs = self.codec.decode(self.nvcomp.as_arrays(views), out=self.nvcomp.as_arrays(cells))
         except Exception as e:
             raise self._culprit(views, job, layout, names, e) from None
         for i in range(len(views)):
@@ -135,9 +154,9 @@ def crc_mismatch(got: np.ndarray, trailing: np.ndarray, lo: np.ndarray, hi: np.n
     return got != device_expected(stored, lo, hi)
 
 
-class CupyOps:
+class DecodeDevice:
     """The decode step's CUDA side: a non-blocking stream of its own, pinned host buffers for host-decoded
-    fields, copies of their decoded slots to the device, and the buffer operations :class:`NvcompBatch`
+    fields, copies of their decoded cells to the device, and the buffer operations :class:`NvcompBatch`
     needs."""
 
     def __init__(self, device_id: int):

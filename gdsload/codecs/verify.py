@@ -172,6 +172,16 @@ class Verdict:
             self.passed.mark(checks)
 
 
+class Verifier(Protocol):
+    """Checks a window buffer against its checks after ``filled``, returning at once with a :class:`Verdict`
+    to confirm later. :class:`HostVerifier` (a thread of its own) and :class:`DeviceVerifier` (a kernel on
+    a stream of its own) keep it."""
+
+    def start(self, buf: Any, checks: Checks, filled: Any) -> Verdict: ...
+    def quiesce(self) -> None: ...
+    def close(self) -> None: ...
+
+
 class HostVerifier:
     """crc32c of host buffers on a thread of its own (``crc32c`` releases the GIL), so the assembler gathers
     from the window meanwhile. The thread starts on first use; :meth:`close` stops it."""
@@ -280,7 +290,7 @@ class Verification:
     def __init__(self, layout: DatasetLayout, blocks: bool, on_device: bool, device_id: int, once: bool = False):
         """``once``: the backend reads from memory it locked for the dataset's life (:class:`Passed`)."""
         self.layout, self.blocks = layout, blocks
-        self.verifier: HostVerifier | DeviceVerifier = (DeviceVerifier(layout, device_id) if on_device
+        self.verifier: Verifier = (DeviceVerifier(layout, device_id) if on_device
                                                         else HostVerifier(layout))
         self.passed = Passed(layout) if once else None
 

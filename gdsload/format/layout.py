@@ -339,29 +339,29 @@ class DatasetLayout:
                              self.meta.array(key).block_bytes if lengths is None else int(lengths[chunk]))
 
     def block_runs(self, key: str, chunks: np.ndarray,
-                   slots: np.ndarray | None = None) -> list[tuple[str | None, int, int, int]]:
-        """Chunks read into a buffer region, chunk ``chunks[i]`` into slot ``slots[i]`` (a slot holds one
-        chunk's data; default: slot i, back to back), as runs ``(path, offset, nbytes, first slot)``: each
-        run is one read of consecutive bytes of one file into consecutive slots, or one chunk never written
+                   cells: np.ndarray | None = None) -> list[tuple[str | None, int, int, int]]:
+        """Chunks read into a buffer region, chunk ``chunks[i]`` into cell ``cells[i]`` (a cell holds one
+        chunk's data; default: cell i, back to back), as runs ``(path, offset, nbytes, first cell)``: each
+        run is one read of consecutive bytes of one file into consecutive cells, or one chunk never written
         (``path`` None); raw arrays only. One numpy pass instead of a lookup per chunk: this runs on a reader
         thread, where a long stretch of Python holds the GIL the training loop waits for."""
         bb = self.meta.array(key).block_bytes
         chunks = np.asarray(chunks, dtype=np.int64)
         if len(chunks) == 0:
             return []
-        slots = np.arange(len(chunks)) if slots is None else slots
+        cells = np.arange(len(chunks)) if cells is None else cells
         offsets = self.block_offsets[key][chunks]
         files = self.chunk_files[key][chunks]
         missing = offsets < 0
         start = np.ones(len(chunks), dtype=bool)
-        start[1:] = ((files[1:] != files[:-1]) | (offsets[1:] != offsets[:-1] + bb) | (slots[1:] != slots[:-1] + 1)
+        start[1:] = ((files[1:] != files[:-1]) | (offsets[1:] != offsets[:-1] + bb) | (cells[1:] != cells[:-1] + 1)
                      | missing[1:] | missing[:-1])
         firsts = np.flatnonzero(start)
         counts = np.diff(np.append(firsts, len(chunks)))
         paths = self._paths[key]
-        return [(None if off < 0 else paths[file], off, n * bb, slot)
-                for n, off, file, slot in zip(counts.tolist(), offsets[firsts].tolist(), files[firsts].tolist(),
-                                              slots[firsts].tolist())]
+        return [(None if off < 0 else paths[file], off, n * bb, cell)
+                for n, off, file, cell in zip(counts.tolist(), offsets[firsts].tolist(), files[firsts].tolist(),
+                                              cells[firsts].tolist())]
 
     def locate_rows(self, key: str, row_start: int, row_stop: int) -> list[RowPiece]:
         """Where rows [row_start, row_stop) of a raw array lie, one piece per chunk they touch."""

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from ..cuda.ops import Ops
 from ..format.arrays import FieldMeta
 from .plan import EpochPlan
 from .ragged import epoch_value_index, gather
@@ -42,7 +43,7 @@ class ResidentField:
 class Assembler:
     """Gathers the batches of a pass with ``ops`` (host or device), fixed and variable-length fields alike."""
 
-    def __init__(self, ops: Any, window_map: WindowMap, ragged_offsets: dict[str, np.ndarray],
+    def __init__(self, ops: Ops, window_map: WindowMap, ragged_offsets: dict[str, np.ndarray],
                  output_fields: Sequence[str], resident: dict[str, ResidentField],
                  pad: dict[str, tuple[int | None, Any]], group_bytes: int | None = None):
         """``ragged_offsets``: each variable-length field's offsets array; ``pad``: variable-length field ->

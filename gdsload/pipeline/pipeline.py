@@ -4,7 +4,7 @@ Thread protocol. Every window buffer has one owner at a time. The *submitter* ta
 for the event recorded after the last gather from it (``released``), and submits the window's reads to the
 backend (a buffer that already holds the window, read at the dataset's open, needs none:
 ``WindowBuffer.take_loaded``); the *completer* finishes those reads in submission order, decodes
-compressed chunks into their slots and starts the window's checks (all through the reader), then hands the
+compressed chunks into their cells and starts the window's checks (all through the reader), then hands the
 buffer on with the event after which its data is there (``filled``) and the check's ``Verdict``; the
 *assembler* makes its stream wait on ``filled``, gathers every batch that draws from the window
 (assembler.py), confirms the verdict before it hands on the first batch gathered since (a device check runs
@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 
 from ..backends.handoff import POLL_S, Handoff, get
 from ..codecs.verify import Verdict
+from ..cuda.ops import Ops
 from ..errors import GDSLoadError, ReadError
 from .assembler import Assembler, EpochIndex, ResidentField
 from .cursor import Cursor
@@ -109,7 +110,7 @@ class Pipeline:
     :meth:`close`; without it, there is one pass.
     """
 
-    def __init__(self, reader: Reader, ops: Any, buffers: Sequence[WindowBuffer], first: Cursor, plan: EpochPlan,
+    def __init__(self, reader: Reader, ops: Ops, buffers: Sequence[WindowBuffer], first: Cursor, plan: EpochPlan,
                  output_fields: Sequence[str], resident: dict[str, ResidentField] | None = None,
                  pad: dict[str, tuple[int | None, Any]] | None = None, ahead: int = 2,
                  plans: Callable[[int, Pacer | None], EpochPlan] | None = None, bytes_before: int = 0):
@@ -235,8 +236,7 @@ class Pipeline:
                         return
                     self.ops.synchronize(buf.released)  # the last gather from it is done
                     pace.start()
-                    inflight = self.reader.submit(buf, p.plan.windows[w], self._halt)
-                    pace()
+                    inflight = self.reader.submit(buf, p.plan.windows[w], self._halt, pace)
                     self._inflight.put(_Submitted(p, w, buf, inflight))
                 k, p = k + 1, None
         except BaseException as e:

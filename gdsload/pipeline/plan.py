@@ -159,12 +159,12 @@ def _target_samples(cfg: PlanConfig, order: np.ndarray) -> int:
     return max(counts)
 
 
-def _block_positions(sizes: np.ndarray, samples_per_block: int, slots: np.ndarray) -> np.ndarray:
-    """Positions of the valid samples of blocks, in block order: block j in slot ``slots[j]`` of its window
-    holds positions slots[j]*K .. slots[j]*K+sizes[j]-1."""
+def _block_positions(sizes: np.ndarray, samples_per_block: int, cells: np.ndarray) -> np.ndarray:
+    """Positions of the valid samples of blocks, in block order: block j in cell ``cells[j]`` of its window
+    holds positions cells[j]*K .. cells[j]*K+sizes[j]-1."""
     owner = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
     starts = np.cumsum(sizes) - sizes
-    return slots[owner] * samples_per_block + (np.arange(len(owner), dtype=np.int64) - starts[owner])
+    return cells[owner] * samples_per_block + (np.arange(len(owner), dtype=np.int64) - starts[owner])
 
 
 def epoch_plan(cfg: PlanConfig, epoch: int, pace: Callable[[], None] | None = None) -> EpochPlan:

@@ -21,6 +21,7 @@ import numpy as np
 from .._tasks import Pending, Queued, drain
 from ..backends import info, make_backend, resolve
 from ..backends.cpu import CpuBackend
+from ..codecs.decode import WindowDecoder
 from ..codecs.verify import Verdict, Verification, carries_trailers, unchecked_fields
 from ..errors import GDSLoadError, ReadError
 from ..format.layout import DatasetLayout
@@ -29,7 +30,7 @@ from ..system.env import warn_few_connections
 from .assembler import ResidentField
 from .plan import EpochPlan, blocks_per_rank, window_blocks_for
 from .ragged import capacity_rows
-from .window import WindowBuffer, WindowMap, Work, slot_rows
+from .window import WindowBuffer, WindowMap, Work, cell_rows
 
 #: Fields whose whole array is at most this many bytes are read once and kept (``resident_bytes``).
 DEFAULT_RESIDENT_BYTES = 64 << 20
@@ -104,7 +105,7 @@ class Reader:
         self.on_device = False
         self.window_map: WindowMap | None = None
         self.verification: Verification | None = None
-        self.decoder: Any = None
+        self.decoder: WindowDecoder | None = None
         self.device_decoded: list[str] = []
         self.host_decoded: list[str] = []
         self._checks: Any = None
@@ -148,8 +149,8 @@ class Reader:
     def window_blocks(self, batch_size: int, world_size: int) -> int:
         """The default blocks per window: enough for a batch and about the backend's preferred window size."""
         meta, spb = self.meta, self.meta.samples_per_block
-        # A fixed field counts with its slot per block; a variable-length field with its mean bytes per block.
-        block_bytes = (sum(slot_rows(spb, meta.fields[f].samples_per_block) * meta.fields[f].sample_bytes
+        # A fixed field counts with its cell per block; a variable-length field with its mean bytes per block.
+        block_bytes = (sum(cell_rows(spb, meta.fields[f].samples_per_block) * meta.fields[f].sample_bytes
                            for f in self.windowed_fields)
                        + sum(meta.ragged[f].values.sample_bytes * int(self.layout.offsets[f][-1]) // meta.num_blocks
                              for f in self.ragged_fields))
@@ -188,11 +189,15 @@ class Reader:
     def allocate(self) -> WindowBuffer:
         return WindowBuffer(self.backend.allocate(self.window_map.nbytes))  # type: ignore[union-attr]
 
-    def submit(self, buf: WindowBuffer, blocks: np.ndarray, stop: threading.Event) -> InFlight:
-        """Start reading ``blocks`` into ``buf`` (nothing, where it holds them since the open)."""
+    def submit(self, buf: WindowBuffer, blocks: np.ndarray, stop: threading.Event,
+               pace: Callable[[], None] = lambda: None) -> InFlight:
+        """Start reading ``blocks`` into ``buf`` (nothing, where it holds them since the open). ``pace`` is
+        called between the longer pieces of Python work (gdsload.pipeline.pacing)."""
         wm = self.window_map
         work = wm.work(self.layout, blocks)  # type: ignore[union-attr]
+        pace()
         checks = self._checks(blocks) if self._checks is not None else None
+        pace()
         pending = Queued(None) if buf.take_loaded(work.requests) else self.backend.submit(buf.buffer, work.requests,
                                                                                             stop)
         try:

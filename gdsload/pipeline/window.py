@@ -1,21 +1,21 @@
 """Window buffers: where each field's data lies in one, and what carries a window's blocks into it.
 
 A window is the set of blocks read together (``window_blocks`` of them, see the plan), a block being K
-samples (``samples_per_block``). A window buffer holds, per fixed-size field, one *slot* per block of the
+samples (``samples_per_block``). A window buffer holds, per fixed-size field, one *cell* per block of the
 window, back to back: the whole chunks of that field that cover the block's samples. A field whose chunks
-of c rows divide K has slots of exactly K rows, and sample j of the window's i-th block sits at row
+of c rows divide K has cells of exactly K rows, and sample j of the window's i-th block sits at row
 ``i * K + j``, its plan position (the plan's positions gather it, one copy per run of consecutive ones).
-Otherwise (a foreign store, K = the largest chunk) a slot holds :func:`slot_rows` rows, the most chunks a
-block can touch, and sample j of block b sits at row ``i * slot + (b * K) % c + j`` (:meth:`WindowMap.
+Otherwise (a foreign store, K = the largest chunk) a cell holds :func:`cell_rows` rows, the most chunks a
+block can touch, and sample j of block b sits at row ``i * cell + (b * K) % c + j`` (:meth:`WindowMap.
 stream_rows`); a chunk straddling two blocks is read for each. Per variable-length field, the values of the
 window's blocks lie back to back, in a region sized for the largest ``window_blocks`` blocks of the dataset.
 Each field's region starts on the 4 KiB alignment.
 
-A compressed field (:mod:`gdsload.codecs.decode`) has, beside its slots, a region for the window's compressed chunks,
+A compressed field (:mod:`gdsload.codecs.decode`) has, beside its cells, a region for the window's compressed chunks,
 back to back in window order, sized for the largest total compressed size of any ``window_blocks`` blocks'
 covering chunks (:func:`compressed_capacity`, from the chunk table, like the value rows of a variable-length
 field). It lies in the window buffer, or, for a field decoded by CPU threads on a GPU backend (``host_fields``),
-in the window's host buffer beside a host mirror of the field's slots. :meth:`WindowMap.work` says what
+in the window's host buffer beside a host mirror of the field's cells. :meth:`WindowMap.work` says what
 carries a window in: the backend's requests, the reads into the host buffer, and the decode jobs. Pure
 layout: no I/O, no device code.
 """
@@ -67,8 +67,8 @@ class WindowBuffer:
 class DecodeJob(NamedTuple):
     """The compressed chunks of one field in one window: chunk ``chunks[i]`` lies at ``src[i]`` of its buffer,
     ``nbytes[i]`` long, and decodes into ``dest[i]``. ``host``: both offsets are in the window's host buffer
-    (then ``copy`` = (host offset, window buffer offset, bytes) of the decoded slots to move to the device);
-    else in the window buffer. Slots of chunks never written are fill requests among the window's reads."""
+    (then ``copy`` = (host offset, window buffer offset, bytes) of the decoded cells to move to the device);
+    else in the window buffer. Cells of chunks never written are fill requests among the window's reads."""
 
     name: str
     chunks: np.ndarray
@@ -108,8 +108,8 @@ def compressed_capacity(lengths: np.ndarray, samples_per_block: int, chunk_rows:
     return max(1, int(totals[:window_blocks].sum()))
 
 
-def slot_rows(samples_per_block: int, chunk_rows: int) -> int:
-    """Rows of a block's slot for a field in chunks of ``chunk_rows``: the most whole chunks that rows
+def cell_rows(samples_per_block: int, chunk_rows: int) -> int:
+    """Rows of a block's cell for a field in chunks of ``chunk_rows``: the most whole chunks that rows
     ``[b*K, (b+1)*K)`` touch over every block b (K when ``chunk_rows`` divides K)."""
     k, c = samples_per_block, chunk_rows
     return ((c - math.gcd(k, c) + k - 1) // c + 1) * c
@@ -129,8 +129,8 @@ class WindowMap:
         self.ragged = {name: r for name, (r, _) in (ragged or {}).items()}
         self.window_blocks = window_blocks
         self.samples_per_block = samples_per_block or max((f.samples_per_block for f in fields), default=1)
-        self.slot_rows = {f.name: slot_rows(self.samples_per_block, f.samples_per_block) for f in fields}
-        self.rows: dict[str, int] = {name: rows * window_blocks for name, rows in self.slot_rows.items()}
+        self.cell_rows = {f.name: cell_rows(self.samples_per_block, f.samples_per_block) for f in fields}
+        self.rows: dict[str, int] = {name: rows * window_blocks for name, rows in self.cell_rows.items()}
         self.rows.update({name: rows for name, (_, rows) in (ragged or {}).items()})
         self.starts: dict[str, int] = {}
         pos = 0
@@ -139,7 +139,7 @@ class WindowMap:
             pos += align_up(self.row_meta(name).sample_bytes * self.rows[name])
         self.host_fields = tuple(host_fields)
         # Compressed regions: zstarts[name] in the window buffer, or in the host buffer for host fields, which
-        # also hold a mirror of their slots at mirror[name].
+        # also hold a mirror of their cells at mirror[name].
         self.zbytes: dict[str, int] = {}
         self.zstarts: dict[str, int] = {}
         self.mirror: dict[str, int] = {}
@@ -169,7 +169,7 @@ class WindowMap:
 
     def stream_rows(self, plan: EpochPlan, name: str) -> np.ndarray | None:
         """Each stream entry's row in its window's region of field ``name``: None when it is its plan
-        position (:meth:`direct`), else ``i * slot + (b * K) % c + j`` for sample j of block b, the
+        position (:meth:`direct`), else ``i * cell + (b * K) % c + j`` for sample j of block b, the
         window's i-th block."""
         if self.direct(name):
             return None
@@ -177,11 +177,11 @@ class WindowMap:
         if k != self.samples_per_block:
             raise ValueError(f"plan of {k} samples per block for a window map of {self.samples_per_block}")
         pos = plan.positions
-        return (pos // k) * self.slot_rows[name] + (plan.stream_blocks() * k) % c + pos % k
+        return (pos // k) * self.cell_rows[name] + (plan.stream_blocks() * k) % c + pos % k
 
-    def _chunk_slots(self, f: FieldMeta, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-        """The chunks of field ``f`` that carry ``blocks`` (in window order), and the chunk slot of its region
-        each goes to (None: chunk i to slot i, when the blocks are the chunks)."""
+    def _chunk_cells(self, f: FieldMeta, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """The chunks of field ``f`` that carry ``blocks`` (in window order), and the chunk cell of its region
+        each goes to (None: chunk i to cell i, when the blocks are the chunks)."""
         k, c = self.samples_per_block, f.samples_per_block
         if k == c:
             return blocks, None
@@ -190,21 +190,21 @@ class WindowMap:
         counts = hi - lo + 1
         first = np.cumsum(counts) - counts
         within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(first, counts)
-        slots = np.repeat(np.arange(len(blocks), dtype=np.int64) * (self.slot_rows[f.name] // c), counts) + within
-        return np.repeat(lo, counts) + within, slots
+        cells = np.repeat(np.arange(len(blocks), dtype=np.int64) * (self.cell_rows[f.name] // c), counts) + within
+        return np.repeat(lo, counts) + within, cells
 
     def chunk_starts(self, layout: DatasetLayout, name: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The written chunks of raw field ``name`` that carry ``blocks`` into this layout, and the byte offset
         in the window buffer where each lands (a chunk read for two blocks appears twice)."""
         f = self.fields[name]
-        chunks, slots = self._chunk_slots(f, np.asarray(blocks, dtype=np.int64))
-        slots = np.arange(len(chunks), dtype=np.int64) if slots is None else slots
+        chunks, cells = self._chunk_cells(f, np.asarray(blocks, dtype=np.int64))
+        cells = np.arange(len(chunks), dtype=np.int64) if cells is None else cells
         written = layout.block_offsets[name][chunks] >= 0
-        return chunks[written], self.starts[name] + slots[written] * f.block_bytes
+        return chunks[written], self.starts[name] + cells[written] * f.block_bytes
 
     def work(self, layout: DatasetLayout, blocks: np.ndarray) -> Work:
         """What carries ``blocks`` into this layout: for raw fields one read per run of consecutive bytes of a
-        file into consecutive slots; for compressed ones a read per chunk into the compressed region and a
+        file into consecutive cells; for compressed ones a read per chunk into the compressed region and a
         decode job; one fill per chunk never written."""
         reqs: list[Request] = []
         blocks = np.asarray(blocks, dtype=np.int64)
@@ -214,7 +214,7 @@ class WindowMap:
                 self._compressed(layout, f, blocks, work)
                 continue
             base = self.starts[name]
-            for path, offset, nbytes, first in layout.block_runs(name, *self._chunk_slots(f, blocks)):
+            for path, offset, nbytes, first in layout.block_runs(name, *self._chunk_cells(f, blocks)):
                 dest = base + first * f.block_bytes
                 if path is None:
                     reqs.append(FillRequest(dest, nbytes, f.fill_bytes()))
@@ -244,8 +244,8 @@ class WindowMap:
     def _compressed(self, layout: DatasetLayout, f: FieldMeta, blocks: np.ndarray, work: Work) -> None:
         """A compressed field's reads (chunk by chunk, back to back into its compressed region), fills and
         decode job (see :class:`DecodeJob`)."""
-        chunks, slots = self._chunk_slots(f, blocks)
-        slots = np.arange(len(chunks), dtype=np.int64) if slots is None else slots
+        chunks, cells = self._chunk_cells(f, blocks)
+        cells = np.arange(len(chunks), dtype=np.int64) if cells is None else cells
         offsets, lengths = layout.block_offsets[f.name][chunks], layout.chunk_lengths[f.name][chunks]
         files = layout.chunk_files[f.name][chunks]
         present = offsets >= 0
@@ -253,7 +253,7 @@ class WindowMap:
         sizes = np.where(present, lengths, 0)
         src = self.zstarts[f.name] + np.cumsum(sizes) - sizes
         base = self.mirror[f.name] if host else self.starts[f.name]
-        dest = base + slots * f.block_bytes
+        dest = base + cells * f.block_bytes
         reads = work.host_requests if host else work.requests
         paths = layout.paths(f.name)
         for file, off, n, s in zip(files[present].tolist(), offsets[present].tolist(), lengths[present].tolist(),
@@ -261,7 +261,7 @@ class WindowMap:
             reads.append(ReadRequest(paths[file], off, n, s))
         fill = f.fill_bytes()
         reads.extend(FillRequest(d, f.block_bytes, fill) for d in dest[~present].tolist())
-        used = (int(slots.max()) + 1) * f.block_bytes if len(slots) else 0
+        used = (int(cells.max()) + 1) * f.block_bytes if len(cells) else 0
         work.jobs.append(DecodeJob(f.name, chunks[present], src[present], lengths[present], dest[present], host,
                                    (self.mirror[f.name], self.starts[f.name], used) if host else None))
 
