@@ -8,7 +8,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Self
 
 
 class Pending(ABC):
@@ -115,3 +115,17 @@ class Reaper:
 
 #: The process's one reaper.
 REAPER = Reaper()
+
+
+class Closing:
+    """``with obj: ...`` closes it on the way out, error or not: for whatever holds threads, buffers or files
+    and frees them in an idempotent ``close()``."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

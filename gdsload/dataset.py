@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from . import _fork
-from ._tasks import REAPER
+from ._tasks import REAPER, Closing
 from .errors import GDSLoadError
 from .integrations import LoaderProtocols, refuse_worker
 from .cuda.ops import CudaOps, host_ops
@@ -27,7 +27,7 @@ from .pipeline.stats import EpochStats
 from .pipeline.window import WindowBuffer
 
 
-class GDSDataset(LoaderProtocols):
+class GDSDataset(LoaderProtocols, Closing):
     """Batches of a gdsload dataset, read ahead into device (or host) window buffers.
 
     Parameters (every one in full: docs/api.md)
@@ -234,12 +234,6 @@ class GDSDataset(LoaderProtocols):
         with self._lock:
             if self._finalizer.detach() is not None:  # None once closed (or collected)
                 _shutdown(*self._parts)
-
-    def __enter__(self) -> GDSDataset:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _shutdown(active: list[Pipeline], reader: Reader, buffers: list[WindowBuffer], closing: threading.Event) -> None:

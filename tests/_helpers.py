@@ -182,3 +182,12 @@ def sequences(n: int, seed: int = 0, elem: tuple[int, ...] = ()) -> list[np.ndar
 def ragged_source(seqs: list[np.ndarray]) -> RaggedSource:
     offsets = np.concatenate([[0], np.cumsum([len(s) for s in seqs])]).astype(np.int64)
     return RaggedSource("<tokens>", ArraySource("<tokens>", np.concatenate(seqs)), offsets)
+
+
+def flip_byte(path: str, at: int, mask: int = 0xFF) -> None:
+    """Flip the bits of ``mask`` in byte ``at`` of ``path``, in place (a damaged disk, as a test makes one)."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ mask]))

@@ -32,6 +32,8 @@ from gdsload.format.meta import read_metadata
 from gdsload.conversion.source_types import ArraySource, RaggedSource
 from gdsload.pipeline.window import WindowBuffer, WindowMap
 
+from _helpers import flip_byte
+
 N = 300
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BACKENDS = ["cpu", *(pytest.param(b, marks=pytest.mark.gpu) for b in ("pinned", "kvikio", "mmap"))]
@@ -61,12 +63,6 @@ def read_all(path: str, backend: str = "cpu", **options) -> dict[str, np.ndarray
 
 
 # -- errors ------------------------------------------------------------------------------------------------
-def _flip(path: str, at: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(at)
-        byte = f.read(1)
-        f.seek(at)
-        f.write(bytes([byte[0] ^ 0xFF]))
 
 
 def test_a_corrupt_chunk_names_file_array_chunk_and_codec(tmp_path):
@@ -76,7 +72,7 @@ def test_a_corrupt_chunk_names_file_array_chunk_and_codec(tmp_path):
     cases = {"z": 6, "g": 3, "c": 9}  # chunk 6 of z: its zstd magic number; chunk 3 of g; a byte inside chunk 9 of c
     for name, chunk in cases.items():
         loc = layout.locate(name, chunk)
-        _flip(loc.path, loc.offset + (loc.nbytes // 2 if name != "z" else 0))
+        flip_byte(loc.path, loc.offset + (loc.nbytes // 2 if name != "z" else 0))
     layout.close()
     for name, chunk in cases.items():
         loc_path = read_metadata(path).fields[name].shard_path(chunk // (4 if name != "g" else 1))
@@ -288,12 +284,12 @@ def test_device_path_names_a_corrupt_chunk(tmp_path):
     layout = DatasetLayout(read_metadata(path))
     loc = layout.locate("z", 5)
     layout.close()
-    _flip(loc.path, loc.offset)  # its magic number: nvCOMP would not notice, the check before it does
+    flip_byte(loc.path, loc.offset)  # its magic number: nvCOMP would not notice, the check before it does
     with pytest.raises(ReadError, match=rf"^{re.escape(loc.path)}: chunk 5 of array 'z' \(.*codecs \['bytes', "
                                         rf"'zstd'\]\) does not decode: not a zstd frame \(it starts with "
                                         rf"0xfd2fb5d7, not the magic number 0xfd2fb528\)"):
         _device_windows(path, ["z"], [], FakeNvcomp(), HostOps())
-    _flip(loc.path, loc.offset)
+    flip_byte(loc.path, loc.offset)
     fake = FakeNvcomp()
     real = fake.Codec.decode
 
@@ -325,7 +321,7 @@ def test_device_path_checks_crc32c_after_zstd(tmp_path):
     layout = DatasetLayout(read_metadata(path))
     loc = layout.locate("c", 7)
     layout.close()
-    _flip(loc.path, loc.offset + loc.nbytes // 2)
+    flip_byte(loc.path, loc.offset + loc.nbytes // 2)
     with pytest.raises(ReadError, match=rf"^{re.escape(loc.path)}: chunk 7 of array 'c' .*crc32c mismatch"):
         _device_windows(path, ["c"], [], FakeNvcomp(), HostOps())
 
@@ -448,7 +444,7 @@ def test_converter_compress_round_trip(tmp_path):
     assert ok.returncode == 0 and ok.stdout.strip().endswith("0 bad"), ok.stdout + ok.stderr
     with DatasetLayout(read_metadata(out)) as layout:
         loc = layout.locate("tokens", 3)
-    _flip(loc.path, loc.offset)
+    flip_byte(loc.path, loc.offset)
     bad = cli("verify", out, "--quiet")
     assert bad.returncode == 1 and f"BAD {loc.path}: chunk 3 of array 'tokens'" in bad.stdout, bad.stdout
 
@@ -602,10 +598,10 @@ def test_nvcomp_decodes_on_the_device(tmp_path, backend, monkeypatch):
             np.testing.assert_array_equal(np.sort(seen[:, 0]), rows()[:, 0])
     with DatasetLayout(read_metadata(path)) as layout:
         loc_z, loc_c = layout.locate("z", 6), layout.locate("c", 9)
-    _flip(loc_z.path, loc_z.offset)
+    flip_byte(loc_z.path, loc_z.offset)
     with pytest.raises(ReadError, match=r"chunk 6 of array 'z' .*does not decode: not a zstd frame"):
         read_all(path, backend, resident_bytes=0)
-    _flip(loc_z.path, loc_z.offset)
-    _flip(loc_c.path, loc_c.offset + loc_c.nbytes // 2)
+    flip_byte(loc_z.path, loc_z.offset)
+    flip_byte(loc_c.path, loc_c.offset + loc_c.nbytes // 2)
     with pytest.raises(ReadError, match=r"chunk 9 of array 'c' .*crc32c mismatch"):
         read_all(path, backend, resident_bytes=0)

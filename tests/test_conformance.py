@@ -23,6 +23,8 @@ import pytest
 from gdsload import ArraySource, ChecksumError, GDSDataset, GDSLoadError, RaggedSource, ReadError, write_dataset
 from gdsload.errors import FormatError
 
+from _helpers import flip_byte
+
 N = 196  # 4 * 7 * 7: batch sizes 14 and 49 divide it, 8 and 30 do not; 24.5 blocks of 8 (a short last block)
 SPB = 8
 # "idx" (1.5 KiB) and "m" (1 KiB) are read whole (resident); "x" and "y" window by window; "tokens" is ragged.
@@ -79,12 +81,6 @@ def shard_files(path: str, key: str) -> list[str]:
     return sorted(found, key=lambda p: tuple(int(part) for part in os.path.relpath(p, root).split(os.sep)))
 
 
-def flip_byte(file: str, at: int) -> None:
-    with open(file, "r+b") as f:
-        f.seek(at)
-        b = f.read(1)
-        f.seek(at)
-        f.write(bytes([b[0] ^ 0x40]))
 
 
 def new_threads(before: set[threading.Thread], timeout_s: float = 3.0) -> set[threading.Thread]:
@@ -398,7 +394,7 @@ class BackendConformance:
         """One byte flipped in a block (windowed, variable-length, resident): a ChecksumError (a ReadError)
         naming the file and the field, before any sample of that block is served."""
         victim = shard_files(fresh.path, key)[-1]
-        flip_byte(victim, at)
+        flip_byte(victim, at, 0x40)
         got = []
         with pytest.raises(ChecksumError) as info:
             with self.open(fresh.path, 8, shuffle=True, window_blocks=1) as ds:

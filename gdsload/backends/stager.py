@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from .._tasks import Closing
 from ..system.env import cache_dir
 from ..errors import BackendUnavailable, ReadError, one_line
 from ..format.files import read_error
@@ -215,7 +216,7 @@ if hasattr(os, "register_at_fork"):
 atexit.register(_close_live)
 
 
-class Stager:
+class Stager(Closing):
     """Native worker threads reading pieces of files into destination memory (see the module docstring).
 
     ``mode`` "host": destinations are host addresses (tests, and the same code path otherwise); "cuda":
@@ -391,12 +392,6 @@ class Stager:
                     self._idle.wait()
             self._finalizer()  # gds_stager_destroy: no thread is inside the library any more
             self._jobs.clear()
-
-    def __enter__(self) -> Stager:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = ", closed" if self._closed else ""

@@ -26,6 +26,7 @@ import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from .._tasks import Closing
 from ..errors import FormatError, ReadError
 
 #: O_NONBLOCK: open a FIFO without waiting for a writer (cleared again once the file is known to be regular).
@@ -195,7 +196,7 @@ def _close_all(files: dict[str, ShardFile]) -> None:
     files.clear()
 
 
-class ShardFiles:
+class ShardFiles(Closing):
     """Shard files opened once, by path, and held until :meth:`close` (idempotent; also at garbage
     collection). Reading by ``fd(path)`` reads the inode that was opened, not whatever the path names now.
 
@@ -266,12 +267,6 @@ class ShardFiles:
         with self._lock:
             self._closed = True
             self._finalizer()
-
-    def __enter__(self) -> ShardFiles:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"ShardFiles({len(self)} files{', closed' if self._closed else ''})"

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from .._tasks import Closing
 from .zarr_json import MAX_DIMENSIONS, check_whole_array, exc_text, fail
 from .arrays import read_array
 from ..errors import FormatError
@@ -120,7 +121,7 @@ def _memory_bytes() -> int:
         return 1 << 62
 
 
-class DatasetLayout:
+class DatasetLayout(Closing):
     """Chunk locations of every selected array, the offsets of variable-length fields and the block
     checksums, all read once at open, and the shard (or chunk) files themselves, held open.
 
@@ -189,12 +190,6 @@ class DatasetLayout:
     def close(self) -> None:
         """Close the shard files (stop every reader first). Idempotent."""
         self.files.close()
-
-    def __enter__(self) -> DatasetLayout:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _shard_paths(self, key: str) -> list[tuple[int, str]]:
         """The shard files of an array, once its chunk directory is seen to hold at least as many entries

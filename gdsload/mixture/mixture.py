@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
+from .._tasks import Closing
 from ..backends import info
 from ..dataset import GDSDataset
 from ..errors import GDSLoadError
@@ -56,7 +57,7 @@ class MixtureStats:
                                                          for n, s in self.sources.items()}}
 
 
-class Mixture:
+class Mixture(Closing):
     """Batches drawn from several datasets at exact, changeable proportions, resumable at any step.
 
     Parameters
@@ -244,12 +245,6 @@ class Mixture:
         for s in getattr(self, "_sources", []):
             s.drop()
             s.ds.close()
-
-    def __enter__(self) -> Mixture:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (f"Mixture({list(self.sources)}, batch_size={self.batch_size}, weights={self.weights}, "
