@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gib", type=float, default=8.0)
     ap.add_argument("--rounds", type=int, default=2, help="A-B then B-A pairs per row")
     ap.add_argument("--no-cold", action="store_true")
+    ap.add_argument("--no-steps", action="store_true", help="no rows of waiting beside a step")
     ap.add_argument("--data", default="/root/gdsload-bench")
     ap.add_argument("--out", required=False, default=".")
     args = ap.parse_args(argv)
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--trees A B is required")
     os.makedirs(args.data, exist_ok=True)
     path = make_data(args.trees[1], args.data, args.gib)
-    modes = ["warm", *(["cold"] if not args.no_cold else []), *STEPS]
+    modes = ["warm", *(["cold"] if not args.no_cold else []), *([] if args.no_steps else STEPS)]
     rows = []
     for backend in args.backends.split(","):
         for mode in modes:

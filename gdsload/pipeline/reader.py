@@ -37,8 +37,8 @@ DEFAULT_RESIDENT_BYTES = 64 << 20
 
 
 def resident_fields(meta: Any, names: Sequence[str], resident_bytes: int) -> tuple[str, ...]:
-    """The fixed fields among ``names`` read whole, once, at open (resident): those whose chunks total at most
-    ``resident_bytes``. The one rule for GDSDataset and the doctor."""
+    """The fixed fields among ``names`` read whole, once, on the first pass (resident): those whose chunks
+    total at most ``resident_bytes``. The one rule for GDSDataset and the doctor."""
     return tuple(n for n in names if n in meta.fields
                  and meta.fields[n].block_bytes * meta.fields[n].num_chunks <= resident_bytes)
 
