@@ -210,14 +210,3 @@ def rank_and_world(rank: Any, world_size: Any) -> tuple[int, int]:
                                                     "WORLD_SIZE)"
         raise ValueError(f"rank must be below world_size (found rank {rank}, world_size {world_size}){src}")
     return rank, world_size
-
-
-#: GDSDataset's default ``resident_bytes``.
-DEFAULT_RESIDENT_BYTES = 64 << 20
-
-
-def resident_fields(meta: Any, names: Any, resident_bytes: int) -> tuple[str, ...]:
-    """The fixed fields among ``names`` read whole, once, at open (resident): those whose chunks total at most
-    ``resident_bytes``. The one rule for GDSDataset and the doctor."""
-    return tuple(n for n in names if n in meta.fields
-                 and meta.fields[n].block_bytes * meta.fields[n].num_chunks <= resident_bytes)

@@ -457,7 +457,7 @@ def test_unaligned_dataset_and_plain_file(make_dataset, tmp_path, monkeypatch):
     small = doctor_json(path)  # a field this small is read whole at open: its blocks are never read singly
     assert small["aligned"] is False and check(small, "alignment")["ok"] is None
     assert "read whole at open (at most resident_bytes=67108864)" in check(small, "alignment")["found"]
-    monkeypatch.setattr("gdsload.options.DEFAULT_RESIDENT_BYTES", 0)
+    monkeypatch.setattr("gdsload.pipeline.reader.DEFAULT_RESIDENT_BYTES", 0)
     rep = doctor_json(path)
     align = check(rep, "alignment")
     assert rep["aligned"] is False and align["ok"] is False and "array 'x': 30 of 30 blocks unaligned" in align["found"]
@@ -514,7 +514,7 @@ def test_alignment_calls_small_what_gdsdataset_holds_whole(tmp_path, monkeypatch
     g = zarr.create_group(path)
     g.create_array("a", shape=(700, 1000), dtype="uint8", chunks=(7, 1000), compressors=None)[:] = 1
     g.create_array("b", shape=(700, 1024), dtype="uint8", chunks=(64, 1024), compressors=None)[:] = 2
-    monkeypatch.setattr("gdsload.options.DEFAULT_RESIDENT_BYTES", 100_000)  # 'a' holds 700,000 bytes
+    monkeypatch.setattr("gdsload.pipeline.reader.DEFAULT_RESIDENT_BYTES", 100_000)  # 'a' holds 700,000 bytes
     out = io.StringIO()
     assert main(path, as_json=True, out=out) == 0
     found = check(json.loads(out.getvalue()), "alignment")

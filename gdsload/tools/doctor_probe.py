@@ -70,7 +70,7 @@ def dataset_alignment(layout: Any) -> tuple[bool, bool | None, str]:
     their blocks are not read one by one); where the first unaligned block lies."""
     import numpy as np
 
-    from ..options import DEFAULT_RESIDENT_BYTES, resident_fields
+    from ..pipeline.reader import DEFAULT_RESIDENT_BYTES, resident_fields
 
     resident, blocks, bad_keys = DEFAULT_RESIDENT_BYTES, 0, []
     small_fields = resident_fields(layout.meta, layout.keys, resident)
