@@ -92,13 +92,17 @@ def new_threads(before: set[threading.Thread], timeout_s: float = 3.0) -> set[th
 
 
 class BackendConformance:
-    """The tests every backend passes. A subclass sets ``backend``."""
+    """The tests every backend (and every reader of the pinned backend) passes. A subclass sets ``backend``
+    and, for one reader, ``backend_options``."""
 
     backend: str = ""
+    backend_options: dict[str, Any] | None = None
 
     # -- helpers ---------------------------------------------------------------------------------------
     def open(self, path: str, batch_size: int, **options: Any) -> GDSDataset:
         options.setdefault("resident_bytes", RESIDENT_BYTES)
+        if self.backend_options is not None:
+            options.setdefault("backend_options", dict(self.backend_options))
         return GDSDataset(path, batch_size, backend=self.backend, **options)
 
     @staticmethod
@@ -427,6 +431,21 @@ class TestMmap(BackendConformance):
 @pytest.mark.gpu
 class TestPinned(BackendConformance):
     backend = "pinned"
+
+
+@pytest.mark.gpu
+class TestPinnedNative(BackendConformance):
+    backend, backend_options = "pinned", {"reader": "native"}
+
+
+@pytest.mark.gpu
+class TestPinnedKvikioReader(BackendConformance):
+    backend, backend_options = "pinned", {"reader": "kvikio"}
+
+
+@pytest.mark.gpu
+class TestPinnedThreads(BackendConformance):
+    backend, backend_options = "pinned", {"reader": "threads"}
 
 
 @pytest.mark.gpu
