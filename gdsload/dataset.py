@@ -33,7 +33,8 @@ class GDSDataset(LoaderProtocols, Closing):
     Parameters (every one in full: docs/api.md)
     ----------
     path : a dataset written by ``gdsload shard``, or any Zarr v3 group of arrays of one length along axis 0
-        (or one such array), raw or compressed chunks holding whole samples (docs/format.md).
+        (or one such array), raw or compressed chunks holding whole samples (docs/format.md); or an ``s3://``
+        or ``https://`` URL of one, mirrored into ``cache_dir`` once per node (docs/remote.md).
     batch_size : samples per batch; the last of an epoch may be smaller unless ``drop_last``.
     fields : a name or names to read (default: all).
     backend : ``"auto"`` (``backend_reason`` says what it chose and why), ``"kvikio"``, ``"pinned"``,
@@ -50,6 +51,7 @@ class GDSDataset(LoaderProtocols, Closing):
     backend_options : passed to the backend (e.g. ``num_threads``, ``pool_bytes``, ``max_bytes``).
     verify : check every block against the converter's crc32c before a sample of it is served (default: on
         where the dataset has block checksums). A store's own checksums are always checked.
+    cache_dir : where a remote dataset is mirrored (default: ``datasets`` in gdsload's cache folder).
 
     Epochs: without ``set_epoch``, every new pass is the next epoch; with it, a pass reads the epoch set.
     ``state_dict()`` / ``load_state_dict()`` save and restore the position, also under another world size.
@@ -63,7 +65,8 @@ class GDSDataset(LoaderProtocols, Closing):
                  drop_last: bool = False, output: str | None = None, rank: int | None = None,
                  world_size: int | None = None, device: int | None = None, resident_bytes: int = DEFAULT_RESIDENT_BYTES,
                  pad_to: int | str | dict[str, int | str] | None = None, pad_value: Any = 0,
-                 backend_options: dict[str, Any] | None = None, verify: bool | None = None, exact_shares: bool = False):
+                 backend_options: dict[str, Any] | None = None, verify: bool | None = None, exact_shares: bool = False,
+                 cache_dir: str | os.PathLike[str] | None = None):
         started = time.perf_counter()
         # Integers become Python ints here, RANK / WORLD_SIZE / LOCAL_RANK are read here: no numpy scalar goes on.
         batch_size, prefetch = check_int("batch_size", batch_size, 1), check_int("prefetch", prefetch, 1)
@@ -78,7 +81,7 @@ class GDSDataset(LoaderProtocols, Closing):
             self.output = output_kind(output, name)  # before the backend is made: a bad output costs nothing
 
         self._reader = reader = Reader.open(path, fields, backend, device, resident_bytes, verify, backend_options,
-                                            chosen)
+                                            chosen, cache_dir)
         for name in ("meta", "fields", "resident_fields", "ragged_fields", "windowed_fields", "backend_name",
                      "backend_reason", "device", "verify"):
             setattr(self, name, getattr(reader, name))

@@ -39,6 +39,8 @@ NOT_RUN = {
 }
 #: Python blocks not run (keyed by their first line), and why.
 PYTHON_NOT_RUN = {
+    'ds = GDSDataset("s3://bucket/datasets/train.gds", batch_size=256, cache_dir="/nvme/gdsload-cache")':
+        "needs a bucket: tests/test_remote_dataset.py reads the same way from a local S3 server (moto)",
     "state = ds.state_dict()       # a small dict of ints, bools and strings: json.dump or torch.save it":
         "a fragment: ds is a GDSDataset opened as above",
     "import json, os": "GPU-only: NCCL under torchrun; train_step, global_batch, epochs and save_atomically stand "

@@ -14,7 +14,7 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 #: Each layer may import its own and lower ones. A folder is one layer; top-level modules are named.
 LAYERS: dict[str, int] = {
     "errors": 0, "_units": 0, "_tasks": 0,
-    "system": 1,
+    "system": 1, "remote": 1,
     "format": 2, "cuda": 2,
     "codecs": 3, "backends": 3,
     "pipeline": 4, "conversion": 4,

@@ -26,6 +26,8 @@ from ..codecs.verify import Verdict, Verification, carries_trailers, unchecked_f
 from ..errors import GDSLoadError, ReadError
 from ..format.layout import DatasetLayout
 from ..format.meta import DatasetMeta, read_metadata
+from ..remote.objects import is_remote
+from ..system.env import cache_dir as env_cache_dir
 from ..system.env import warn_few_connections
 from .assembler import ResidentField
 from .plan import EpochPlan, blocks_per_rank, window_blocks_for
@@ -115,9 +117,14 @@ class Reader:
     @classmethod
     def open(cls, path: str | os.PathLike[str], fields: Sequence[str] | None, backend: str, device: int,
              resident_bytes: int, verify: bool | None, backend_options: dict[str, Any] | None,
-             on_resolved: Callable[[str], None] = lambda name: None) -> Reader:
+             on_resolved: Callable[[str], None] = lambda name: None, cache_dir: str | None = None) -> Reader:
         """Read the metadata, choose and make the backend (``on_resolved`` checks arguments that depend on
-        which, before it is made). Nothing is left open on an error."""
+        which, before it is made). A remote dataset is read from its mirror in ``cache_dir`` (default: the
+        ``datasets`` folder of gdsload's cache). Nothing is left open on an error."""
+        if is_remote(path):
+            from ..format.mirror import mirror
+
+            path = mirror(str(path), os.fspath(cache_dir) if cache_dir else os.path.join(env_cache_dir(), "datasets"))
         meta = read_metadata(path, fields)
         names = tuple(fields) if fields is not None else tuple(meta.names)
         resident = resident_fields(meta, names, resident_bytes)

@@ -1,0 +1,31 @@
+"""Objects beyond the node: ``s3://`` and ``http(s)://`` URLs read by ranged GETs, each pinned to the size and
+ETag it had when first seen, retried with backoff where a retry can help, and refused with the URL and the
+HTTP status where it cannot. Imports nothing of gdsload above errors: the format and the backends build on it."""
+
+from __future__ import annotations
+
+import threading
+
+from .objects import SCHEMES, ObjectClient
+
+_clients: dict[tuple[str, str], ObjectClient] = {}
+_lock = threading.Lock()
+
+
+def client_for(url: str) -> ObjectClient:
+    """The process's client for ``url``'s scheme (and, for HTTP, host): made on first use."""
+    scheme = url.split("://", 1)[0].lower()
+    if scheme not in SCHEMES:
+        raise ValueError(f"{url}: not a remote URL (expected one of {[s + '://' for s in SCHEMES]})")
+    key = (scheme, "" if scheme == "s3" else url.split("://", 1)[1].split("/", 1)[0])
+    with _lock:
+        if key not in _clients:
+            if scheme == "s3":
+                from .s3 import S3Client
+
+                _clients[key] = S3Client()
+            else:
+                from .http import HttpClient
+
+                _clients[key] = HttpClient()
+        return _clients[key]

@@ -1,0 +1,58 @@
+"""What every remote client keeps: the :class:`ObjectClient` contract, the pinned :class:`ObjectInfo`, and the
+errors of objects that are missing or changed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ..errors import ReadError
+
+#: URL schemes read remotely.
+SCHEMES = ("s3", "http", "https")
+
+
+def is_remote(path: Any) -> bool:
+    """Whether ``path`` is a URL of a scheme in :data:`SCHEMES` (a local path, or a PathLike, is not)."""
+    return isinstance(path, str) and path.split("://", 1)[0].lower() in SCHEMES and "://" in path
+
+
+def join(url: str, *parts: str) -> str:
+    """``url`` with ``parts`` appended as path segments (``join("s3://b/d.gds", "x", "c/0")``)."""
+    return "/".join([url.rstrip("/"), *(p.strip("/") for p in parts if p)])
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """An object as first seen: every later read of it must find the same ``size`` and ``etag`` (None where
+    the server sends none: then only the size is checked)."""
+
+    url: str
+    size: int
+    etag: str | None
+
+
+class ObjectChanged(ReadError):
+    """An object changed (ETag or size) or vanished since it was first seen: never mixed into an epoch."""
+
+
+class ObjectClient(Protocol):
+    """Ranged reads of one scheme's objects. Thread-safe. Errors are :class:`ReadError` naming the URL and,
+    where there was one, the HTTP status; a missing object is also a ``FileNotFoundError``."""
+
+    def head(self, url: str) -> ObjectInfo:
+        """Size and ETag of ``url`` now."""
+
+    def read(self, info: ObjectInfo, offset: int, nbytes: int) -> bytes:
+        """Bytes ``offset .. offset + nbytes`` of the object ``info`` pins (:class:`ObjectChanged` if it is
+        no longer that object; a range past its end is a ReadError)."""
+
+    def get(self, url: str) -> bytes:
+        """The whole object (small ones: metadata)."""
+
+    def list(self, url: str) -> list[str]:
+        """URLs of the objects under ``url`` (a prefix), sorted; a scheme without listing raises ReadError."""
+
+
+class NotFound(ReadError, FileNotFoundError):
+    """No object at the URL (HTTP 404)."""
