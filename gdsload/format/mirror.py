@@ -29,6 +29,8 @@ from .meta import ATTRS_KEY
 MARKER = ".gdsload-mirror.json"
 #: Objects fetched at once.
 FETCH_THREADS = 16
+#: Bytes of one ranged read of an object: what a fetch holds in memory per thread.
+PIECE_BYTES = 16 << 20
 
 
 def mirror_path(url: str, cache_dir: str) -> str:
@@ -53,6 +55,10 @@ def mirror(url: str, cache_dir: str) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             keys = _fetch_all(client, url, tmp)
+            now = client.head(join(url, "zarr.json")).etag
+            if now != etag:  # rewritten meanwhile: the objects may be of two versions
+                raise ReadError(f"{join(url, 'zarr.json')}: changed while the dataset was fetched (ETag {etag}, "
+                                f"now {now}); open it again once it is written")
             with open(os.path.join(tmp, MARKER), "w") as f:
                 json.dump({"url": url, "etag": etag, "objects": sorted(keys)}, f)
             if os.path.exists(root):
@@ -131,15 +137,16 @@ def _fetch(client: ObjectClient, url: str, tmp: str, keys: list[str], required: 
         if key == MARKER or any(part in ("", ".", "..") for part in key.split("/")):
             raise FormatError(f"{join(url, key)}: an object key that leaves the dataset's folder")
         try:
-            data = client.get(join(url, key))
+            info = client.head(join(url, key))
         except NotFound:
             if required:
                 raise
             return None
         path = os.path.join(tmp, *key.split("/"))
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(data)
+        with open(path, "wb") as f:  # in pieces, each pinned to the object first seen (ObjectChanged otherwise)
+            for offset in range(0, info.size, PIECE_BYTES):
+                f.write(client.read(info, offset, min(PIECE_BYTES, info.size - offset)))
         return key
 
     with ThreadPoolExecutor(min(FETCH_THREADS, max(1, len(keys))), thread_name_prefix="gdsload-fetch") as pool:
