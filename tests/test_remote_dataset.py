@@ -8,6 +8,7 @@ import hashlib
 import http.server
 import multiprocessing
 import os
+import re
 import shutil
 import threading
 from collections.abc import Iterator
@@ -18,6 +19,8 @@ import pytest
 from gdsload import GDSDataset, ReadError
 from gdsload.errors import FormatError
 from gdsload.format.mirror import MARKER, mirror, mirror_path
+
+from remote_servers import MotoS3, moto_server
 
 N = 600
 
@@ -58,24 +61,13 @@ def served(tmp_path) -> Iterator[tuple[http.server.ThreadingHTTPServer, str]]:
 
 
 @pytest.fixture
-def s3(monkeypatch) -> Iterator[object]:
-    """moto's S3 server on a free port, reached the standard way (AWS_ENDPOINT_URL and the AWS_* keys), with
-    the bucket ``data``; yields a boto3 client of it."""
-    boto3 = pytest.importorskip("boto3")
-    server_mod = pytest.importorskip("moto.server")
-    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    for k, v in {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "test",
-                 "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(k, v)
+def s3(monkeypatch) -> Iterator[MotoS3]:
+    """A fresh bucket on moto's S3 server, reached the standard way (tests/remote_servers.py)."""
     import gdsload.remote as remote
 
-    monkeypatch.setattr(remote, "_clients", {})  # a client made for another server's endpoint is not reused
-    client = boto3.client("s3")
-    client.create_bucket(Bucket="data")
-    yield client
-    server.stop()
+    with moto_server(monkeypatch) as bucket:
+        monkeypatch.setattr(remote, "_clients", {})  # a client made for another server's endpoint is not reused
+        yield bucket
 
 
 @pytest.fixture
@@ -99,14 +91,13 @@ def _same_as_local(url: str, path: str, cache: str) -> None:
             np.testing.assert_array_equal(g[k], w[k])
 
 
-def _upload(client: object, path: str, prefix: str) -> list[str]:
-    keys = []
+def _upload(s3: MotoS3, path: str, prefix: str) -> str:
+    """Every file of the dataset at ``path`` put under ``prefix``; the dataset's URL."""
     for d, _, files in os.walk(path):
         for f in files:
-            full = os.path.join(d, f)
-            keys.append(f"{prefix}/{os.path.relpath(full, path)}")
-            client.upload_file(full, "data", keys[-1])  # type: ignore[attr-defined]
-    return keys
+            with open(os.path.join(d, f), "rb") as fh:
+                s3.put(f"{prefix}/{os.path.relpath(os.path.join(d, f), path)}", fh.read())
+    return s3.url(prefix)
 
 
 # -- HTTP ------------------------------------------------------------------------------------------------
@@ -165,13 +156,13 @@ def test_a_failing_server_is_a_read_error_naming_url_and_status_and_leaves_no_mi
 # -- S3 --------------------------------------------------------------------------------------------------
 def test_a_dataset_on_s3_reads_exactly_as_the_local_one(local, s3, tmp_path):
     path, _ = local
-    _upload(s3, path, "sets/d.gds")
-    _same_as_local("s3://data/sets/d.gds", path, str(tmp_path / "cache"))
+    _same_as_local(_upload(s3, path, "sets/d.gds"), path, str(tmp_path / "cache"))
 
 
 def test_a_missing_dataset_on_s3_is_not_found_naming_the_url(s3, tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"s3://data/none\.gds/zarr\.json: HTTP 404"):
-        GDSDataset("s3://data/none.gds", 8, backend="cpu", cache_dir=str(tmp_path / "cache"))
+    url = s3.url("none.gds")
+    with pytest.raises(FileNotFoundError, match=re.escape(f"{url}/zarr.json: HTTP 404")):
+        GDSDataset(url, 8, backend="cpu", cache_dir=str(tmp_path / "cache"))
 
 
 def _open_in_child(url: str, cache: str, endpoint: str, out: multiprocessing.Queue) -> None:
@@ -188,11 +179,10 @@ def test_ranks_of_a_node_share_one_mirror(local, s3, tmp_path):
     """Two processes opening the same URL at once: one fetches under the lock, the other waits and reads the
     same mirror; both read every sample, and the cache holds one mirror and nothing half-written."""
     path, _ = local
-    _upload(s3, path, "sets/d.gds")
+    url = _upload(s3, path, "sets/d.gds")
     cache, ctx = str(tmp_path / "cache"), multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_open_in_child, args=("s3://data/sets/d.gds", cache, os.environ["AWS_ENDPOINT_URL"],
-                                                       out)) for _ in range(2)]
+    procs = [ctx.Process(target=_open_in_child, args=(url, cache, s3.endpoint, out)) for _ in range(2)]
     for p in procs:
         p.start()
     got = [out.get(timeout=120) for _ in procs]
@@ -200,4 +190,4 @@ def test_ranks_of_a_node_share_one_mirror(local, s3, tmp_path):
         p.join(30)
     assert got == [N, N]
     assert sorted(n for n in os.listdir(cache) if not n.endswith(".lock")) == [
-        os.path.basename(mirror_path("s3://data/sets/d.gds", cache))]
+        os.path.basename(mirror_path(url, cache))]

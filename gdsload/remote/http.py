@@ -91,7 +91,7 @@ class HttpClient:
         if info.etag is not None:
             headers["If-Match"] = info.etag
         status, got, body = self._request("GET", info.url, headers)
-        if status in (404, 410, 412):
+        if status in (404, 410, 412, 416):  # 416: a range inside the size it was opened with no longer is
             raise ObjectChanged(f"{info.url}: HTTP {status}: the object changed or was removed since it was opened "
                                 f"(ETag {info.etag}, {info.size} bytes)")
         if status == 200:  # a server that ignores Range: the whole object

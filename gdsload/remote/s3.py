@@ -36,7 +36,7 @@ class S3Client:
         self.retries = retries
         session = botocore.session.get_session()
         self._s3 = session.create_client("s3", endpoint_url=endpoint_url or None, config=Config(
-            retries={"mode": "standard", "max_attempts": retries + 1}, max_pool_connections=64))
+            retries={"mode": "standard", "total_max_attempts": retries + 1}, max_pool_connections=64))
 
     def _fail(self, url: str, e: Exception, what: str, changed: bool = False) -> ReadError:
         """The ReadError for botocore's ``e``: NotFound for a missing object (ObjectChanged where it was there
