@@ -344,3 +344,24 @@ def test_summary_startup_is_the_warm_regime_with_cold_beside_it(suite_run: str) 
     assert (s["open_s"]["cpu"], s["first_batch_s"]["cpu"]) == (main["open_s"], main["first_batch_s"])
     assert (s["open_s_cold"]["cpu"], s["first_batch_s_cold"]["cpu"]) == (main["open_s"] + 1.0,
                                                                          main["first_batch_s"] + 2.0)
+
+
+def test_ab_compares_two_trees_each_from_its_own_process(tmp_path: str) -> None:
+    """benchmarks.ab on the cpu backend: one row per mode, each tree's runs made by a process that imported
+    gdsload from that tree, and the table and JSON written."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    other = os.path.join(str(tmp_path), "other")
+    os.makedirs(other)
+    os.symlink(os.path.join(root, "gdsload"), os.path.join(other, "gdsload"))
+    out = os.path.join(str(tmp_path), "out")
+    done = subprocess.run([sys.executable, "-m", "benchmarks.ab", "--trees", other, root, "--backends", "cpu",
+                           "--gib", "0.01", "--rounds", "1", "--no-cold", "--data", str(tmp_path), "--out", out],
+                          capture_output=True, text=True, cwd=root, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    doc = json.load(open(os.path.join(out, "ab.json")))
+    assert [r["mode"] for r in doc["rows"]] == ["warm", "step 1.5x a batch's read", "10 ms step"]
+    for row in doc["rows"]:
+        a, b = row["A"][0], row["B"][0]
+        assert a["gdsload"] == os.path.join(other, "gdsload") and b["gdsload"] == os.path.join(root, "gdsload")
+        assert a["gbps"] > 0 and b["gbps"] > 0 and a["io_mode"] == "cpu"
+    assert "| cpu | cpu | warm | GB/s |" in open(os.path.join(out, "ab.md")).read()
