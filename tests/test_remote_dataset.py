@@ -106,8 +106,9 @@ def test_a_dataset_over_http_reads_exactly_as_the_local_one(local, served, tmp_p
     server, base = served
     shutil.copytree(path, str(tmp_path / "www" / "d.gds"))
     _same_as_local(f"{base}/d.gds", path, str(tmp_path / "cache"))
-    root = mirror_path(f"{base}/d.gds", str(tmp_path / "cache"))
-    assert os.path.exists(os.path.join(root, MARKER))
+    (root,) = [n for n in os.listdir(tmp_path / "cache") if not n.endswith(".lock")]
+    assert root.startswith(os.path.basename(mirror_path(f"{base}/d.gds", str(tmp_path / "cache"))) + "@")
+    assert os.path.exists(os.path.join(tmp_path / "cache", root, MARKER))
     assert not [n for n in os.listdir(tmp_path / "cache") if ".tmp-" in n or ".old-" in n], "nothing half-written"
 
 
@@ -117,15 +118,18 @@ def test_a_second_open_reads_the_mirror_and_a_changed_root_fetches_again(local, 
     www = tmp_path / "www" / "d.gds"
     shutil.copytree(path, str(www))
     url, cache = f"{base}/d.gds", str(tmp_path / "cache")
-    mirror(url, cache)
+    first = mirror(url, cache)
     server.requests.clear()
-    mirror(url, cache)
+    assert mirror(url, cache) == first
     assert server.requests == ["/d.gds/zarr.json"], "a complete mirror costs one HEAD of the root zarr.json"
-    shard = next(os.path.join(d, f) for d, _, fs in os.walk(www / "x" / "c") for f in fs)
-    os.remove(shard)  # the server's dataset loses a shard, and its root zarr.json changes (another ETag)
-    os.utime(www / "zarr.json", ns=(1, 1))
-    with pytest.raises(FormatError, match="shard files"):
-        GDSDataset(url, 32, backend="cpu", cache_dir=cache)  # fetched again: the mirror lacks it too
+    with GDSDataset(url, 32, backend="cpu", cache_dir=cache) as old:  # open on the first version meanwhile
+        shard = next(os.path.join(d, f) for d, _, fs in os.walk(www / "x" / "c") for f in fs)
+        os.remove(shard)  # the server's dataset loses a shard, and its root zarr.json changes (another ETag)
+        os.utime(www / "zarr.json", ns=(1, 1))
+        with pytest.raises(FormatError, match="shard files"):
+            GDSDataset(url, 32, backend="cpu", cache_dir=cache)  # fetched again, beside: it lacks the shard too
+        assert len(list(old)) == len(old), "the dataset open on the first version still reads it whole"
+    assert os.path.exists(os.path.join(first, MARKER)), "a complete version is never changed"
 
 
 def test_a_foreign_group_over_http_is_refused_naming_the_url(served, tmp_path):
@@ -189,5 +193,5 @@ def test_ranks_of_a_node_share_one_mirror(local, s3, tmp_path):
     for p in procs:
         p.join(30)
     assert got == [N, N]
-    assert sorted(n for n in os.listdir(cache) if not n.endswith(".lock")) == [
-        os.path.basename(mirror_path(url, cache))]
+    (only,) = [n for n in os.listdir(cache) if not n.endswith(".lock")]
+    assert only.startswith(os.path.basename(mirror_path(url, cache)) + "@"), "one mirror, nothing half-written"

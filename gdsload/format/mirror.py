@@ -1,10 +1,12 @@
 """A remote dataset (``s3://`` or ``http(s)://``) mirrored into a node-local cache, then read as a local one.
 
-The mirror of a URL is one folder of the cache, named after the URL. It is made once per node: the ranks of
-a node take a file lock, the first fetches while the others wait, and later opens find it complete. It is
-written in a folder of its own and renamed into place whole, with a marker naming the URL and the ETag of its
-root ``zarr.json``, so an interrupted fetch leaves nothing that looks complete. A mirror whose root
-``zarr.json`` has changed on the server since is fetched again. Which objects to fetch: every object under the
+The mirror of a URL is a folder of the cache named after the URL and the ETag of its root ``zarr.json``: one
+per version of the dataset, never changed once complete, so a dataset open on an older version keeps reading
+it while a newer one is fetched beside it. It is made once per node: the ranks of a node take a file lock,
+the first fetches while the others wait, and later opens find it complete. It is written in a folder of its
+own and renamed into place whole, with a marker naming the URL and the ETag, so an interrupted fetch leaves
+nothing that looks complete. A server that sends no ETag is fetched again at every open, into the one folder
+of that URL. Which objects to fetch: every object under the
 URL where the store lists them (S3); else (HTTP) the dataset's metadata is fetched first, then the shard
 files it names (a gdsload dataset's group names its arrays; a foreign group over HTTP cannot be listed).
 What the objects hold is checked as a local dataset's is: every shard index at open, blocks as they are read.
@@ -33,10 +35,12 @@ FETCH_THREADS = 16
 PIECE_BYTES = 16 << 20
 
 
-def mirror_path(url: str, cache_dir: str) -> str:
-    """The folder of ``url``'s mirror in ``cache_dir``: its last path segment, after a digest of the URL."""
+def mirror_path(url: str, cache_dir: str, etag: str | None = None) -> str:
+    """The folder of ``url``'s mirror in ``cache_dir``: its last path segment, after a digest of the URL, and
+    ``@`` a digest of the root zarr.json's ETag where there is one."""
     name = url.rstrip("/").rsplit("/", 1)[-1] or "dataset"
-    return os.path.join(cache_dir, f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-{name}")
+    version = f"@{hashlib.sha256(etag.encode()).hexdigest()[:12]}" if etag is not None else ""
+    return os.path.join(cache_dir, f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-{name}{version}")
 
 
 def mirror(url: str, cache_dir: str) -> str:
@@ -44,11 +48,11 @@ def mirror(url: str, cache_dir: str) -> str:
     of the same root ``zarr.json`` is there. ReadError naming the URL (and the HTTP status) when an object
     cannot be fetched; nothing half-written is left where a later open would take it."""
     client = client_for(url)
-    root = mirror_path(url, cache_dir)
     os.makedirs(cache_dir, exist_ok=True)
-    with open(root + ".lock", "a") as lock:
+    with open(mirror_path(url, cache_dir) + ".lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # the node's other ranks wait here, then find the mirror complete
         etag = client.head(join(url, "zarr.json")).etag
+        root = mirror_path(url, cache_dir, etag)
         if _complete(root, url, etag):
             return root
         tmp = f"{root}.tmp-{os.getpid()}"
@@ -61,7 +65,7 @@ def mirror(url: str, cache_dir: str) -> str:
                                 f"now {now}); open it again once it is written")
             with open(os.path.join(tmp, MARKER), "w") as f:
                 json.dump({"url": url, "etag": etag, "objects": sorted(keys)}, f)
-            if os.path.exists(root):
+            if os.path.exists(root):  # only where the server sends no ETag: that URL's one folder
                 old = f"{root}.old-{os.getpid()}"
                 os.replace(root, old)
                 shutil.rmtree(old, ignore_errors=True)
