@@ -1,5 +1,5 @@
 """What torch's DataLoader, PyTorch Lightning and torchdata's StatefulDataLoader expect of a dataset, without
-importing torch: :class:`LoaderProtocols`, the base of :class:`gdsload.GDSDataset`.
+importing torch: :class:`LoaderProtocols`, the base of :class:`gdsload.GDSDataset` and :class:`gdsload.Mixture`.
 
 torch decides between a map-style and an iterable dataset with ``isinstance(ds, IterableDataset)``. Importing
 torch costs seconds, so gdsload never imports it; instead :class:`LoaderProtocols` is registered as a virtual
@@ -73,7 +73,8 @@ def refuse_worker(dataset: Any) -> None:
     data = sys.modules.get("torch.utils.data")
     info = getattr(data, "get_worker_info", None)
     if info is not None and info() is not None:
-        raise GDSLoadError(f"{dataset.meta.path}: iterated in DataLoader worker process {info().id} "
+        where = dataset.meta.path if hasattr(dataset, "meta") else repr(dataset)
+        raise GDSLoadError(f"{where}: iterated in DataLoader worker process {info().id} "
                            f"(num_workers > 0): {NO_WORKERS}")
 
 

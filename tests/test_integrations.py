@@ -198,6 +198,72 @@ def test_lightning_resumes_a_fit_with_exactly_the_remaining_batches(data, tmp_pa
     check_lightning_resumes_exactly(data[0], tmp_path)
 
 
+# -- a Mixture under torch ---------------------------------------------------------------------------------------
+def mixed(path: str, **kw):
+    from gdsload import Mixture
+
+    return Mixture({"a": path, "b": path}, {"a": 3, "b": 1}, batch_size=8, num_batches=6, backend="cpu",
+                   resident_bytes=0, shuffle=True, seed=3, **kw)
+
+
+def sourced(batches) -> list[list[tuple[int, int]]]:
+    return [list(zip(host(b["source"]).tolist(), host(b["idx"]).tolist())) for b in batches]
+
+
+def test_a_mixture_is_an_iterable_dataset_that_a_dataloader_hands_on(data):
+    pytest.importorskip("torch", reason="needs torch (the test extra installs the CPU build)")
+    from torch.utils.data import DataLoader, IterableDataset
+
+    with mixed(data[0]) as mix:
+        want = sourced(mix)
+    with mixed(data[0]) as mix:
+        assert isinstance(mix, IterableDataset)
+        loader = DataLoader(mix, batch_size=None)
+        assert len(loader) == 6
+        assert sourced(loader) == want
+        with pytest.raises(TypeError, match="cannot be pickled"):
+            pickle.dumps(mix)
+
+
+def test_a_mixtures_epochs_are_its_passes_for_lightnings_set_epoch(data):
+    """Epoch e is the pass over steps [6e, 6e + 6): the epoch it stands in is accepted, any other refused
+    saying where it stands; an endless mixture has none."""
+    with mixed(data[0]) as mix:
+        mix.sampler.set_epoch(0)
+        assert len(list(mix)) == 6 and mix.step == 6
+        mix.sampler.set_epoch(1)
+        with pytest.raises(ValueError, match=r"set_epoch\(3\): this Mixture stands at step 6, in epoch 1"):
+            mix.set_epoch(3)
+        state = mix.state_dict()
+    with mixed(data[0]) as mix:
+        mix.load_state_dict(state)
+        mix.set_epoch(1)  # a resumed mixture is in the epoch its state says
+    from gdsload import Mixture
+
+    with Mixture({"a": data[0]}, batch_size=8, backend="cpu") as endless:
+        with pytest.raises(TypeError, match="endless"):
+            endless.set_epoch(0)
+
+
+def test_a_mixture_round_trips_through_torchdatas_stateful_dataloader(data):
+    pytest.importorskip("torch", reason="needs torch (the test extra installs the CPU build)")
+    import json
+
+    sdl = pytest.importorskip("torchdata.stateful_dataloader", reason="needs torchdata (the test extra installs it)")
+    with mixed(data[0]) as mix:
+        whole = sourced(sdl.StatefulDataLoader(mix, batch_size=None))
+    with mixed(data[0]) as mix:
+        loader = sdl.StatefulDataLoader(mix, batch_size=None)
+        it = iter(loader)
+        head = sourced(next(it) for _ in range(2))
+        loader_state = json.loads(json.dumps(loader.state_dict()))
+    assert head == whole[:2]
+    with mixed(data[0]) as mix:
+        loader = sdl.StatefulDataLoader(mix, batch_size=None)
+        loader.load_state_dict(loader_state)
+        assert sourced(loader) == whole[2:]
+
+
 # -- torchdata ------------------------------------------------------------------------------------------------
 def check_stateful_dataloader_round_trips(path: str, **kw) -> None:
     import json

@@ -23,6 +23,7 @@ from .._tasks import Closing
 from ..backends import info
 from ..dataset import GDSDataset
 from ..errors import GDSLoadError
+from ..integrations import LoaderProtocols, refuse_worker
 from .source import SOURCE_KEY, SourceStats, SourceStream, assemble, leg_samples
 from .schedule import (Schedule, Stretch, exact_weights, next_counts, parse_schedule, parse_stretch, schedule_state,
                        state_int)
@@ -57,7 +58,7 @@ class MixtureStats:
                                                          for n, s in self.sources.items()}}
 
 
-class Mixture(Closing):
+class Mixture(LoaderProtocols, Closing):
     """Batches drawn from several datasets at exact, changeable proportions, resumable at any step.
 
     Parameters
@@ -193,7 +194,23 @@ class Mixture(Closing):
             raise TypeError("this Mixture is endless (pass num_batches=... for passes of a fixed length)")
         return self.num_batches
 
+    def set_epoch(self, epoch: int) -> None:
+        """What Lightning calls each epoch (``loader.sampler.set_epoch``): epoch e is the pass over steps
+        ``[e * num_batches, (e + 1) * num_batches)``. A mixture reads on from where it stands, so the epoch it
+        is in (or about to begin) is accepted and any other is a ValueError saying where it stands
+        (``load_state_dict`` moves it); an endless mixture has no epochs (TypeError)."""
+        epoch = check_int("epoch", epoch, 0)
+        if self.num_batches is None:
+            raise TypeError("this Mixture is endless: it has no epochs (pass num_batches=... for passes of a fixed "
+                            "length)")
+        here = self._step // self.num_batches
+        if epoch != here:
+            raise ValueError(f"set_epoch({epoch}): this Mixture stands at step {self._step}, in epoch {here} "
+                             f"(passes of {self.num_batches} batches); it reads on from there: load_state_dict() "
+                             f"moves it")
+
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        refuse_worker(self)
         if self._closed:
             raise GDSLoadError(f"mixture of {list(self.sources)}: it was closed (open a new Mixture)")
         return self._pass()
