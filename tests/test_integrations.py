@@ -137,7 +137,7 @@ class Stop(Exception):
 
 def lightning_fit(path: str, ckpt_dir: str, seen: list, stop_after: int | None = None,
                   ckpt_path: str | None = None, accelerator: str = "cpu", output: str = "torch",
-                  backend: str = "cpu") -> None:
+                  backend: str = "cpu", make=None) -> None:
     """Trainer.fit(model, train_dataloaders=ds) for 2 epochs, a checkpoint after every step and at each epoch's
     end; ``seen`` gets (Lightning's epoch, sample ids) per step; ``stop_after`` steps raise Stop."""
     import torch
@@ -163,7 +163,7 @@ def lightning_fit(path: str, ckpt_dir: str, seen: list, stop_after: int | None =
                                           save_on_train_epoch_end=True)
     trainer = pl.Trainer(accelerator=accelerator, devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[steps, epochs])
-    with opened(path, output=output, backend=backend) as ds:
+    with (make() if make is not None else opened(path, output=output, backend=backend)) as ds:
         trainer.fit(Model(), train_dataloaders=ds, ckpt_path=ckpt_path)
 
 
@@ -243,6 +243,31 @@ def test_a_mixtures_epochs_are_its_passes_for_lightnings_set_epoch(data):
     with Mixture({"a": data[0]}, batch_size=8, backend="cpu") as endless:
         with pytest.raises(TypeError, match="endless"):
             endless.set_epoch(0)
+
+
+def test_lightning_resumes_a_mixtures_fit_from_its_step_checkpoints(data, tmp_path):
+    """Lightning's step checkpoints hold the mixture's state: a fit resumed from one (mid-epoch, or at an
+    epoch's last batch) reads exactly the rest. A checkpoint of an epoch's end restores no loader state, and a
+    mixture cannot be moved to an epoch by set_epoch: that resume is refused, never read from elsewhere."""
+    pytest.importorskip("torch", reason="needs torch (the test extra installs the CPU build)")
+
+    def make():
+        return mixed(data[0], output="torch")
+
+    whole: list = []
+    lightning_fit(data[0], str(tmp_path / "whole"), whole, make=make)
+    assert [e for e, _ in whole] == [0] * 6 + [1] * 6
+    part: list = []
+    with pytest.raises(Stop):
+        lightning_fit(data[0], str(tmp_path / "part"), part, stop_after=9, make=make)
+    for ckpt in (tmp_path / "part" / max(os.listdir(tmp_path / "part"), key=step_of),
+                 tmp_path / "whole" / "epoch=0-step=6.ckpt"):
+        rest: list = []
+        lightning_fit(data[0], str(tmp_path / "rest"), rest, ckpt_path=str(ckpt), make=make)
+        assert rest == whole[step_of(ckpt.name):], ckpt
+    with pytest.raises(ValueError, match=r"set_epoch\(1\): this Mixture stands at step 0"):
+        lightning_fit(data[0], str(tmp_path / "rest"), [], ckpt_path=str(tmp_path / "whole-epochs" /
+                                                                         "epoch=0-step=6.ckpt"), make=make)
 
 
 def test_a_mixture_round_trips_through_torchdatas_stateful_dataloader(data):
