@@ -86,13 +86,8 @@ def _complete(root: str, url: str, etag: str | None) -> bool:
 
 def _fetch_all(client: ObjectClient, url: str, tmp: str) -> list[str]:
     """Fetch the dataset's objects into ``tmp``; their keys (relative to ``url``)."""
-    try:
+    if client.lists:  # S3: every object under the URL; a failure to list is an error, not another route
         listed = client.list(url)
-    except NotFound:
-        raise
-    except ReadError:
-        listed = None  # no listing here (HTTP): the metadata names the objects
-    if listed is not None:
         base = url.rstrip("/") + "/"
         keys = [u[len(base):] for u in listed if u.startswith(base)]
         if "zarr.json" not in keys:

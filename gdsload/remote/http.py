@@ -21,6 +21,8 @@ RETRY_STATUSES = frozenset({500, 502, 503, 504, 429})
 class HttpClient:
     """An :class:`gdsload.remote.objects.ObjectClient` for ``http://`` and ``https://`` URLs."""
 
+    lists = False
+
     def __init__(self, retries: int = 5, backoff_s: float = 0.1, timeout_s: float = 30.0):
         self.retries, self.backoff_s, self.timeout_s = retries, backoff_s, timeout_s
         self._local = threading.local()  # per thread: (scheme, netloc) -> connection

@@ -40,6 +40,9 @@ class ObjectClient(Protocol):
     """Ranged reads of one scheme's objects. Thread-safe. Errors are :class:`ReadError` naming the URL and,
     where there was one, the HTTP status; a missing object is also a ``FileNotFoundError``."""
 
+    #: Whether :meth:`list` can name the objects under a prefix (S3 can; HTTP has no listing).
+    lists: bool
+
     def head(self, url: str) -> ObjectInfo:
         """Size and ETag of ``url`` now."""
 
@@ -51,7 +54,7 @@ class ObjectClient(Protocol):
         """The whole object (small ones: metadata)."""
 
     def list(self, url: str) -> list[str]:
-        """URLs of the objects under ``url`` (a prefix), sorted; a scheme without listing raises ReadError."""
+        """URLs of the objects under ``url`` (a prefix), sorted; where ``lists`` is False, a ReadError."""
 
 
 class NotFound(ReadError, FileNotFoundError):

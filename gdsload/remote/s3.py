@@ -27,6 +27,8 @@ class S3Client:
     """An :class:`gdsload.remote.objects.ObjectClient` for ``s3://`` URLs (thread-safe, as botocore's clients
     are). ``endpoint_url`` overrides the standard configuration's."""
 
+    lists = True
+
     def __init__(self, retries: int = 5, endpoint_url: str | None = None):
         try:
             import botocore.session
