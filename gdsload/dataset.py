@@ -34,7 +34,7 @@ class GDSDataset(LoaderProtocols, Closing):
     ----------
     path : a dataset written by ``gdsload shard``, or any Zarr v3 group of arrays of one length along axis 0
         (or one such array), raw or compressed chunks holding whole samples (docs/format.md); or an ``s3://``
-        or ``https://`` URL of one, mirrored into ``cache_dir`` once per node (docs/remote.md).
+        or ``https://`` URL of one, its shards fetched into ``cache_dir`` as they are read (docs/remote.md).
     batch_size : samples per batch; the last of an epoch may be smaller unless ``drop_last``.
     fields : a name or names to read (default: all).
     backend : ``"auto"`` (``backend_reason`` says what it chose and why), ``"kvikio"``, ``"pinned"``,
@@ -51,7 +51,7 @@ class GDSDataset(LoaderProtocols, Closing):
     backend_options : passed to the backend (e.g. ``num_threads``, ``pool_bytes``, ``max_bytes``).
     verify : check every block against the converter's crc32c before a sample of it is served (default: on
         where the dataset has block checksums). A store's own checksums are always checked.
-    cache_dir : where a remote dataset is mirrored (default: ``datasets`` in gdsload's cache folder).
+    cache_dir, cache_bytes : a remote dataset's node cache (default: gdsload's cache folder) and its LRU bound.
 
     Epochs: without ``set_epoch``, every new pass is the next epoch; with it, a pass reads the epoch set.
     ``state_dict()`` / ``load_state_dict()`` save and restore the position, also under another world size.
@@ -66,7 +66,7 @@ class GDSDataset(LoaderProtocols, Closing):
                  world_size: int | None = None, device: int | None = None, resident_bytes: int = DEFAULT_RESIDENT_BYTES,
                  pad_to: int | str | dict[str, int | str] | None = None, pad_value: Any = 0,
                  backend_options: dict[str, Any] | None = None, verify: bool | None = None, exact_shares: bool = False,
-                 cache_dir: str | os.PathLike[str] | None = None):
+                 cache_dir: str | os.PathLike[str] | None = None, cache_bytes: int | None = None):
         started = time.perf_counter()
         # Integers become Python ints here, RANK / WORLD_SIZE / LOCAL_RANK are read here: no numpy scalar goes on.
         batch_size, prefetch = check_int("batch_size", batch_size, 1), check_int("prefetch", prefetch, 1)
@@ -81,7 +81,7 @@ class GDSDataset(LoaderProtocols, Closing):
             self.output = output_kind(output, name)  # before the backend is made: a bad output costs nothing
 
         self._reader = reader = Reader.open(path, fields, backend, device, resident_bytes, verify, backend_options,
-                                            chosen, cache_dir)
+                                            chosen, cache_dir, cache_bytes)
         for name in ("meta", "fields", "resident_fields", "ragged_fields", "windowed_fields", "backend_name",
                      "backend_reason", "device", "verify"):
             setattr(self, name, getattr(reader, name))
@@ -119,7 +119,7 @@ class GDSDataset(LoaderProtocols, Closing):
     # -- properties ------------------------------------------------------------------------------------
     @property
     def io_mode(self) -> str:
-        """How bytes move: "gds", "kvikio-compat", "pinned", "pinned-odirect", "mmap" or "cpu"."""
+        """How bytes move: "gds", "kvikio-compat", "pinned", "pinned-odirect", "mmap", "remote-kvikio" or "cpu"."""
         return self._reader.io_mode
 
     @property

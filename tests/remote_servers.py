@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["RangeServer", "Seen", "etag_of", "MotoS3", "moto_endpoint", "moto_server"]
+__all__ = ["RangeServer", "Seen", "client_for_server", "etag_of", "MotoS3", "moto_endpoint", "moto_server"]
 
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
 
@@ -317,8 +317,10 @@ def moto_server(monkeypatch: Any = None, bucket: str | None = None, endpoint: st
     (through ``monkeypatch`` where given, else in ``os.environ`` and restored after; the ``_UNSET`` variables
     removed), and a fresh bucket (``bucket`` or a random name) created with boto3. Runs on the server at
     ``endpoint`` (one from :func:`moto_endpoint`, kept running) or, without one, on its own server started here
-    and stopped after. Yields :class:`MotoS3`."""
+    and stopped after. gdsload's clients are made anew for it, and again after. Yields :class:`MotoS3`."""
     import boto3
+
+    from gdsload.remote import forget_clients
 
     with contextlib.nullcontext(endpoint) if endpoint else moto_endpoint() as ep:
         env = {"AWS_ENDPOINT_URL": ep, **FAKE_AWS}
@@ -338,11 +340,28 @@ def moto_server(monkeypatch: Any = None, bucket: str | None = None, endpoint: st
             client = boto3.client("s3", endpoint_url=ep, region_name="us-east-1", aws_access_key_id="testing",
                                   aws_secret_access_key="testing")
             client.create_bucket(Bucket=name)
+            forget_clients()  # a client made before read another endpoint: the next use makes one for this
             yield MotoS3(ep, name, client)
         finally:
+            forget_clients()
             if monkeypatch is None:
                 for k, v in saved.items():
                     if v is None:
                         os.environ.pop(k, None)
                     else:
                         os.environ[k] = v
+
+
+@contextlib.contextmanager
+def client_for_server(server: RangeServer, **options: Any) -> Iterator[Any]:
+    """A :class:`gdsload.remote.http.HttpClient` with ``options`` (few retries, short backoff and timeout: what
+    fault tests need) as the process's client for ``server``; the default again after."""
+    from gdsload.remote import use_client
+    from gdsload.remote.http import HttpClient
+
+    client = HttpClient(**options)
+    previous = use_client(server.base, client)
+    try:
+        yield client
+    finally:
+        use_client(server.base, previous)

@@ -352,7 +352,7 @@ def test_client_for_http_is_one_client_a_host(srv, monkeypatch):
     import gdsload.remote as remote
     from gdsload.remote.http import HttpClient
 
-    monkeypatch.setattr(remote, "_clients", {})
+    remote.forget_clients()
     a = client_for(srv.url("/a"))
     assert isinstance(a, HttpClient)
     assert client_for(srv.url("/b/c")) is a
@@ -360,6 +360,13 @@ def test_client_for_http_is_one_client_a_host(srv, monkeypatch):
         assert client_for(other.url("/a")) is not a
     with pytest.raises(ValueError):
         client_for("/data/d.gds")
+    mine = HttpClient(retries=0)
+    assert remote.use_client(srv.url("/x"), mine) is a and client_for(srv.url("/y")) is mine
+    assert remote.use_client(srv.url("/x"), None) is mine
+    made = client_for(srv.url("/y"))
+    assert made is not mine and made is not a, "None goes back to a default client, made on next use"
+    remote.forget_clients()
+    assert client_for(srv.url("/y")) is not made
 
 
 # -- S3 (moto's server) ------------------------------------------------------------------------------------
@@ -374,10 +381,7 @@ def _moto() -> Iterator[str]:
 @pytest.fixture
 def s3(_moto, monkeypatch) -> Iterator[MotoS3]:
     """A fresh bucket on the module's moto server, with AWS_ENDPOINT_URL, fake keys and region in the env."""
-    import gdsload.remote as remote
-
     with moto_server(monkeypatch, endpoint=_moto) as m:
-        monkeypatch.setattr(remote, "_clients", {})  # no client made for another test's endpoint
         yield m
 
 

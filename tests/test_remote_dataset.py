@@ -1,5 +1,6 @@
-"""GDSDataset over ``http://`` and ``s3://`` URLs: the dataset mirrored into a node-local cache once, then read
-as a local one. Real servers only, started here: tests/remote_servers.py's HTTP server and moto's S3 server."""
+"""GDSDataset over ``http://`` and ``s3://`` URLs: the dataset's skeleton (metadata, shard indexes) fetched into
+a node-local cache once, its shards as they are read (tests/test_remote_cache.py tests the shard cache itself).
+Real servers only, started here: tests/remote_servers.py's HTTP server and moto's S3 server."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from gdsload import GDSDataset, ReadError
 from gdsload.errors import FormatError
 from gdsload.format.mirror import MARKER, mirror, mirror_path
 
-from remote_servers import MotoS3, RangeServer, moto_server
+from remote_servers import MotoS3, RangeServer, client_for_server, moto_server
 
 N = 600
 
@@ -30,10 +31,7 @@ def srv() -> Iterator[RangeServer]:
 @pytest.fixture
 def s3(monkeypatch) -> Iterator[MotoS3]:
     """A fresh bucket on moto's S3 server, reached the standard way (tests/remote_servers.py)."""
-    import gdsload.remote as remote
-
     with moto_server(monkeypatch) as bucket:
-        monkeypatch.setattr(remote, "_clients", {})  # a client made for another server's endpoint is not reused
         yield bucket
 
 
@@ -73,7 +71,7 @@ def test_a_dataset_over_http_reads_exactly_as_the_local_one(local, srv, tmp_path
     path, _ = local
     url = _upload(srv, path, "d.gds")
     _same_as_local(url, path, str(tmp_path / "cache"))
-    (root,) = [n for n in os.listdir(tmp_path / "cache") if not n.endswith(".lock")]
+    (root,) = [n for n in os.listdir(tmp_path / "cache") if not n.endswith((".lock", ".shards"))]
     assert root.startswith(os.path.basename(mirror_path(url, str(tmp_path / "cache"))) + "@")
     assert os.path.exists(os.path.join(tmp_path / "cache", root, MARKER))
     assert not [n for n in os.listdir(tmp_path / "cache") if ".tmp-" in n or ".old-" in n], "nothing half-written"
@@ -88,6 +86,7 @@ def test_a_second_open_reads_the_mirror_and_a_changed_root_fetches_again(local, 
     assert [(r.method, r.path) for r in srv.requests] == [("HEAD", "/d.gds/zarr.json")], \
         "a complete mirror costs one HEAD of the root zarr.json"
     with GDSDataset(url, 32, backend="cpu", cache_dir=cache) as old:  # open on the first version meanwhile
+        assert len(list(old)) == len(old)  # every shard now in the cache (no bound): the server's are no longer read
         shard = next(os.path.relpath(os.path.join(d, f), path) for d, _, fs in os.walk(os.path.join(path, "x", "c"))
                      for f in fs)
         srv.delete(f"d.gds/{shard}")  # the server's dataset loses a shard, and its root zarr.json changes
@@ -108,18 +107,13 @@ def test_a_foreign_group_over_http_is_refused_naming_the_url(srv, tmp_path):
         GDSDataset(url, 4, backend="cpu", cache_dir=str(tmp_path / "cache"))
 
 
-def test_a_failing_server_is_a_read_error_naming_url_and_status_and_leaves_no_mirror(local, srv, tmp_path,
-                                                                                      monkeypatch):
-    import gdsload.remote as remote
-    from gdsload.remote.http import HttpClient
-
+def test_a_failing_server_is_a_read_error_naming_url_and_status_and_leaves_no_mirror(local, srv, tmp_path):
     path, _ = local
     url = _upload(srv, path, "d.gds")
-    monkeypatch.setattr(remote, "_clients", {("http", srv.base.split("://")[1]): HttpClient(retries=2,
-                                                                                              backoff_s=0.01)})
     srv.reset_log()
     srv.fail_next(100, 503)
-    with pytest.raises(ReadError, match=r"/d\.gds/zarr\.json: HEAD failed after 3 tries \(HTTP 503"):
+    with client_for_server(srv, retries=2, backoff_s=0.01), \
+            pytest.raises(ReadError, match=r"/d\.gds/zarr\.json: HEAD failed after 3 tries \(HTTP 503"):
         GDSDataset(url, 32, backend="cpu", cache_dir=str(tmp_path / "cache"))
     assert srv.count == 3, "503 is retried, twice here"
     assert [n for n in os.listdir(tmp_path / "cache") if not n.endswith(".lock")] == []
@@ -143,6 +137,7 @@ def test_a_listing_that_fails_is_an_error_not_another_route(local, s3, tmp_path,
         raise ReadError(f"{prefix}: HTTP 403 AccessDenied on LIST")
 
     monkeypatch.setattr(S3Client, "list", refused)
+    monkeypatch.setattr(S3Client, "list_info", refused)  # what the open lists with (sizes and ETags too)
     with pytest.raises(ReadError, match=r"sets/d\.gds: HTTP 403 AccessDenied on LIST"):
         GDSDataset(url, 32, backend="cpu", cache_dir=str(tmp_path / "cache"))
 
@@ -177,5 +172,5 @@ def test_ranks_of_a_node_share_one_mirror(local, s3, tmp_path):
     for p in procs:
         p.join(30)
     assert got == [N, N]
-    (only,) = [n for n in os.listdir(cache) if not n.endswith(".lock")]
+    (only,) = [n for n in os.listdir(cache) if not n.endswith((".lock", ".shards"))]
     assert only.startswith(os.path.basename(mirror_path(url, cache)) + "@"), "one mirror, nothing half-written"

@@ -126,7 +126,7 @@ class StreamSource:
 
     def read(self, start: int, stop: int) -> np.ndarray:
         if start != self._pos:
-            raise ConversionError(f"{self.origin}: internal error, out-of-order read ({start} after {self._pos})")
+            self._seek(start)
         out = _empty(self.origin, (stop - start, *self.shape[1:]), self.dtype)
         view = memoryview(out.reshape(-1).view(np.uint8))
         got = 0
@@ -145,6 +145,19 @@ class StreamSource:
             raise input_error(self.origin, f"cannot read samples {start}..{stop}", e) from e
         self._pos = stop
         return out
+
+    def _seek(self, start: int) -> None:
+        """Move to sample ``start``: a conversion in parts reads each part's rows only. A zip member seeks by
+        decompressing up to there (and from its start, backwards); a stream that cannot seek is refused."""
+        try:
+            if not self._stream.seekable():
+                raise ConversionError(f"{self.origin}: internal error, out-of-order read ({start} after {self._pos})")
+            self._stream.seek((start - self._pos) * self.dtype.itemsize * math.prod(self.shape[1:]), os.SEEK_CUR)
+        except ConversionError:
+            raise
+        except INPUT_ERRORS as e:
+            raise input_error(self.origin, f"cannot seek to sample {start}", e) from e
+        self._pos = start
 
     def close(self) -> None:
         self._stream.close()

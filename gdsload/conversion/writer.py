@@ -10,6 +10,9 @@ zarr arrays ``_checksums/FIELD`` (uint32, one value per block), listed in the ``
 group attributes. A fixed field's value covers its inner chunk exactly as stored (the final block's zero
 padding included); a variable-length field's covers the values rows of the block's samples.
 
+Every number the files depend on (samples per block, rows per chunk, shard boundaries) comes from the plan
+(:mod:`gdsload.conversion.plan`), which a conversion in parts (:mod:`gdsload.conversion.parts`) shares, writing
+its shards with :func:`write_shards` and its metadata with :func:`write_metadata`: the same bytes either way.
 Sources are checked before anything is written (:mod:`gdsload.conversion.checks`); everything is written into
 a temporary directory and published atomically (:mod:`gdsload.conversion.publish`), so a failure or a signal leaves
 nothing at the output and an existing dataset there untouched.
@@ -17,7 +20,6 @@ nothing at the output and an existing dataset there untouched.
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 from collections.abc import Mapping, Sequence
@@ -28,8 +30,7 @@ from typing import Callable
 import crc32c
 import numpy as np
 
-from .._units import ALIGN
-from .checks import NAME_MAX_BYTES, RESERVED_NAMES, check_dtype, check_sources
+from .checks import NAME_MAX_BYTES, RESERVED_NAMES
 from ..errors import ConversionError, one_line
 from ..format.meta import ATTRS_KEY, CHECKSUM_ALGORITHM, CHECKSUMS_GROUP, FORMAT_VERSION, DatasetMeta, read_metadata
 from ..format.shard_index import MAX_UINT_64
@@ -37,27 +38,23 @@ from .publish import (RENAME_EXCHANGE, RENAME_NOREPLACE, ForeignTemp, Interrupte
                       on_signal, protected, publish_output, remove_empty, remove_stale_temps, rename_exchange,
                       rename_noreplace, reset_signals)
 from ..format.shard_index import encode_shard_index
+from .plan import (DEFAULT_BLOCK_BYTES, DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES, DEFAULT_SLICE_BYTES, ArrayPlan,
+                   ConversionPlan, choose_samples_per_block, parse_compress, plan_dataset)
 from .source_types import RaggedSource, Source, as_source
 from .sources import open_field, open_input, open_ragged
 
 __all__ = [
     # defined here
-    "write_dataset", "convert", "choose_samples_per_block", "parse_compress", "DEFAULT_BLOCK_BYTES",
-    "DEFAULT_SHARD_BYTES", "DEFAULT_SLICE_BYTES", "DEFAULT_CHUNK_BYTES",
+    "write_dataset", "convert", "write_metadata", "write_shards", "write_checksums", "open_inputs", "input_list",
+    "order_notes",
     # re-exported from the module named after each line
+    "choose_samples_per_block", "parse_compress", "DEFAULT_BLOCK_BYTES", "DEFAULT_SHARD_BYTES",
+    "DEFAULT_SLICE_BYTES", "DEFAULT_CHUNK_BYTES",  # gdsload.conversion.plan
     "Interrupted", "on_signal", "reset_signals", "check_output", "remove_stale_temps", "rename_noreplace",
     "rename_exchange", "RENAME_NOREPLACE", "RENAME_EXCHANGE",  # gdsload.conversion.publish
     "RESERVED_NAMES", "NAME_MAX_BYTES",  # gdsload.conversion.checks
     "CHECKSUMS_GROUP", "CHECKSUM_ALGORITHM",  # gdsload.format.meta
 ]
-
-DEFAULT_BLOCK_BYTES = 4 << 20
-DEFAULT_SHARD_BYTES = 1 << 30
-DEFAULT_SLICE_BYTES = 64 << 20
-#: Inner chunk (= block) of compressed datasets. Smaller than raw blocks: chunks decode in parallel (CPU
-#: threads, or nvCOMP's batch), so a few large chunks leave the decoders underused.
-DEFAULT_CHUNK_BYTES = 512 << 10
-
 
 # -- the output being written ---------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -102,19 +99,6 @@ class _BlockCrc:
                 self.crcs[b] = crc32c.crc32c(buf[lo - start:hi - start], int(self.crcs[b]))
             b += 1
         self.pos = end
-
-
-# -- block size ------------------------------------------------------------------------------------
-def choose_samples_per_block(sample_bytes: Sequence[int], block_bytes: int, num_samples: int) -> int:
-    """Samples per block: as many of the largest sample as fit in ``block_bytes``, rounded down so the
-    largest field's block is a multiple of :data:`~gdsload._units.ALIGN` (4 KiB) when that leaves at least
-    one sample, and never more than the dataset holds."""
-    largest = max(sample_bytes)
-    k = max(1, block_bytes // largest)
-    step = ALIGN // math.gcd(largest, ALIGN)
-    if k >= step:
-        k -= k % step
-    return max(1, min(k, num_samples))
 
 
 # -- writing ---------------------------------------------------------------------------------------
@@ -178,22 +162,50 @@ class _Encoder:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-def parse_compress(text: str | None) -> int | None:
-    """``"zstd"`` or ``"zstd:LEVEL"`` -> the zstd level (3 by default); None -> None. ValueError otherwise."""
-    if text is None:
-        return None
-    name, _, level = text.partition(":")
-    if name != "zstd" or (level and not level.lstrip("-").isdigit()):
-        raise ValueError(f"--compress takes zstd or zstd:LEVEL (found {text!r})")
-    value = int(level) if level else 3
-    if not -131072 <= value <= 22:
-        raise ValueError(f"zstd level must be at most 22 (found {value})")
-    return value
-
-
-def _close_all(sources: Mapping[str, Source]) -> None:
+def _close_all(sources: Mapping[str, object]) -> None:
     for src in sources.values():
-        src.close()
+        src.close()  # type: ignore[attr-defined]
+
+
+def write_metadata(root: str, plan: ConversionPlan, ragged: Mapping[str, RaggedSource]):
+    """Every ``zarr.json`` of the dataset planned, and the variable-length fields' offsets, through zarr at
+    ``root``; returns the zarr group (the checksums follow once the blocks are written). OSError passes."""
+    import zarr
+    from zarr.codecs import ZstdCodec
+
+    fields_attr = {n: {"kind": "fixed"} for n in plan.fixed}
+    fields_attr.update({n: {"kind": "ragged"} for n in plan.ragged})
+    checksums_attr = {"algorithm": CHECKSUM_ALGORITHM, "arrays": {n: f"{CHECKSUMS_GROUP}/{n}" for n in fields_attr}}
+    group = zarr.open_group(root, mode="w", zarr_format=3)
+    group.attrs[ATTRS_KEY] = {"format": FORMAT_VERSION, "num_samples": plan.num_samples,
+                              "samples_per_block": plan.samples_per_block, "fields": fields_attr,
+                              "checksums": checksums_attr}
+    for name in plan.ragged:
+        sub = group.create_group(name)
+        off = sub.create_array("offsets", shape=ragged[name].offsets.shape, dtype=np.int64, compressors=None)
+        off[:] = ragged[name].offsets
+    for a in plan.arrays:
+        group.create_array(a.key, shape=(a.rows, *a.shape), dtype=a.dtype, chunks=(a.per_chunk, *a.shape),
+                           shards=(a.per_chunk * a.chunks_per_shard, *a.shape), fill_value=0, filters=None,
+                           compressors=None if a.level is None else [ZstdCodec(level=a.level)])
+    return group
+
+
+def write_shards(target: _Target, a: ArrayPlan, src: Source, shards: Sequence[int], slice_bytes: int,
+                 progress: Callable[[int], None], crc_for: Callable[[int], object]) -> None:
+    """Shard files ``shards`` of array ``a`` under ``target.tmp``, each streamed from ``src`` (its bytes fed to
+    ``crc_for(shard)``, an object with ``update(memoryview)``): the same bytes whichever process writes them."""
+    encoder = None if a.level is None else _Encoder(a.level)
+    slice_rows = max(a.per_chunk, (slice_bytes // a.chunk_bytes) * a.per_chunk)
+    try:
+        for shard in shards:
+            first, stop = a.shard_rows(shard)
+            _write_shard(os.path.join(target.tmp, *a.shard_key(shard).split("/")), src, a.dtype, first, stop,
+                         a.chunk_bytes, a.chunks_per_shard, slice_rows, progress, crc_for(shard),  # type: ignore
+                         target, encoder)
+    finally:
+        if encoder is not None:
+            encoder.close()
 
 
 def write_dataset(
@@ -221,7 +233,6 @@ def write_dataset(
     checksums cover the decoded blocks. Failures of the inputs and of the output raise
     ConversionError naming the file; an error raised by a caller's own source passes through as it is.
     """
-    import zarr
     from tqdm import tqdm
 
     out = os.path.abspath(os.fspath(out))
@@ -238,72 +249,35 @@ def write_dataset(
         if not sources and not ragged:
             raise ConversionError(f"{out}: no input arrays (empty input)")
         check_output(out, overwrite, input_paths(s.origin for s in [*sources.values(), *ragged.values()]))
-        try:
-            level = parse_compress(compress)
-        except ValueError as e:
-            raise ConversionError(f"{out}: {e}") from None
-        if chunk_bytes is not None and level is None:
-            raise ConversionError(f"{out}: chunk_bytes (--chunk-bytes) sets the inner chunks of compressed fields: "
-                                  f"it needs compress (--compress zstd)")
-        if level is not None:
-            block_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
-        num_samples = check_sources(sources, ragged)
-        dtypes = {n: check_dtype(s) for n, s in arrays.items()}
-        row_bytes = {n: dtypes[n].itemsize * math.prod(s.shape[1:]) for n, s in arrays.items()}
-        # a variable-length field counts with its mean sample size when choosing samples per block
-        sample_bytes = [row_bytes[n] for n in sources] + [
-            max(1, row_bytes[f"{n}/values"] * int(r.offsets[-1]) // num_samples) for n, r in ragged.items()]
-        if samples_per_block is None:
-            spb = choose_samples_per_block(sample_bytes, block_bytes, num_samples)
-        elif samples_per_block < 1:
-            raise ConversionError(f"{out}: samples_per_block must be at least 1 (found {samples_per_block})")
-        else:
-            spb = min(samples_per_block, num_samples)  # more would only write padding
-        num_blocks = -(-num_samples // spb)
-        first_samples = np.minimum(np.arange(num_blocks + 1, dtype=np.int64) * spb, num_samples)
-
+        plan = plan_dataset(out, sources, ragged, block_bytes=block_bytes, samples_per_block=samples_per_block,
+                            shard_bytes=shard_bytes, compress=compress, chunk_bytes=chunk_bytes)
         remove_stale_temps(out)
-        total = sum(row_bytes[n] * s.shape[0] for n, s in arrays.items())
+        total = sum(a.row_bytes * a.rows for a in plan.arrays)
         tmp, made = None, []
         try:
             with protected():
                 tmp, made = make_temp(out)
                 target = _Target(out, tmp)
                 try:
-                    fields_attr = {n: {"kind": "fixed"} for n in sources}
-                    fields_attr.update({n: {"kind": "ragged"} for n in ragged})
-                    checksums_attr = {"algorithm": CHECKSUM_ALGORITHM,
-                                      "arrays": {n: f"{CHECKSUMS_GROUP}/{n}" for n in fields_attr}}
-                    group = zarr.open_group(tmp, mode="w", zarr_format=3)
-                    group.attrs[ATTRS_KEY] = {"format": FORMAT_VERSION, "num_samples": num_samples,
-                                              "samples_per_block": spb, "fields": fields_attr,
-                                              "checksums": checksums_attr}
-                    for name, r in ragged.items():
-                        sub = group.create_group(name)
-                        off = sub.create_array("offsets", shape=r.offsets.shape, dtype=np.int64, compressors=None)
-                        off[:] = r.offsets
+                    group = write_metadata(tmp, plan, ragged)
                 except OSError as e:
                     raise target.error(e) from e
             checksums: dict[str, np.ndarray] = {}
             with tqdm(total=total, unit="B", unit_scale=True, desc=os.path.basename(out),
                       disable=None if progress is None else not progress) as bar:
-                for key, src in arrays.items():
-                    rows = src.shape[0]
-                    if key in sources:  # a block is an inner chunk, exactly as stored (padding included)
-                        per_chunk = spb
-                        crc = _BlockCrc(num_blocks, block_bytes=row_bytes[key] * spb)
-                    else:  # values: rows per chunk chosen like samples per block; a block is its samples' rows
-                        per_chunk = choose_samples_per_block([row_bytes[key]], block_bytes, max(1, rows))
-                        offsets = ragged[key.rsplit("/", 1)[0]].offsets
-                        crc = _BlockCrc(num_blocks, bounds=offsets[first_samples] * row_bytes[key])
-                    _write_array(group, target, key, src, dtypes[key], rows, per_chunk, row_bytes[key] * per_chunk,
-                                 shard_bytes, slice_bytes, bar.update, crc, level if key in sources else None)
-                    checksums[key.rsplit("/", 1)[0] if key not in sources else key] = crc.crcs
+                for a in plan.arrays:
+                    if a.ragged:
+                        crc = _BlockCrc(plan.num_blocks, bounds=a.bounds)
+                    else:
+                        crc = _BlockCrc(plan.num_blocks, block_bytes=a.chunk_bytes)
+                    write_shards(target, a, arrays[a.key], range(a.num_shards), slice_bytes, bar.update,
+                                 lambda shard: crc)
+                    checksums[a.field] = crc.crcs
             _close_all(arrays)
             closed = True
             with protected():
                 try:
-                    _write_checksums(group, checksums, num_blocks)
+                    write_checksums(group, checksums, plan.num_blocks)
                 except OSError as e:
                     raise target.error(e) from e
                 read_metadata(tmp)  # the result must parse before it may replace anything
@@ -324,40 +298,7 @@ def write_dataset(
     return read_metadata(out)
 
 
-def _write_array(group, target: _Target, key: str, src: Source, dtype: np.dtype, rows: int, per_chunk: int,
-                 chunk_bytes: int, shard_bytes: int, slice_bytes: int, progress: Callable[[int], None],
-                 crc: _BlockCrc, level: int | None = None) -> None:
-    """One sharded array: metadata through zarr, then its shard files streamed chunk by chunk (``level``: zstd
-    inner chunks of that level, ``compressors=[ZstdCodec(level=...)]`` in zarr's metadata)."""
-    from zarr.codecs import ZstdCodec
-
-    shape = src.shape[1:]
-    num_chunks = -(-rows // per_chunk)
-    cps = max(1, min(shard_bytes // chunk_bytes, num_chunks))
-    with protected():
-        try:
-            group.create_array(key, shape=(rows, *shape), dtype=dtype, chunks=(per_chunk, *shape),
-                               shards=(per_chunk * cps, *shape), fill_value=0, filters=None,
-                               compressors=None if level is None else [ZstdCodec(level=level)])
-        except OSError as e:
-            raise target.error(e) from e
-    encoder = None if level is None else _Encoder(level)
-    slice_rows = max(per_chunk, (slice_bytes // chunk_bytes) * per_chunk)
-    for shard in range(-(-num_chunks // cps)):
-        path = os.path.join(target.tmp, *key.split("/"), "c", str(shard), *(["0"] * len(shape)))
-        first = shard * cps * per_chunk
-        try:
-            _write_shard(path, src, dtype, first, min(first + cps * per_chunk, rows), chunk_bytes, cps, slice_rows,
-                         progress, crc, target, encoder)
-        except BaseException:
-            if encoder is not None:
-                encoder.close()
-            raise
-    if encoder is not None:
-        encoder.close()
-
-
-def _write_checksums(group, checksums: Mapping[str, np.ndarray], num_blocks: int) -> None:
+def write_checksums(group, checksums: Mapping[str, np.ndarray], num_blocks: int) -> None:
     """``_checksums/FIELD``: uint32 (num_blocks,), one uncompressed chunk, always written."""
     sub = group.create_group(CHECKSUMS_GROUP)
     for name, crcs in checksums.items():
@@ -366,30 +307,20 @@ def _write_checksums(group, checksums: Mapping[str, np.ndarray], num_blocks: int
         arr[:] = crcs
 
 
-def convert(
-    inputs: Sequence[str],
-    out: str | os.PathLike[str],
-    named: Mapping[str, str] | None = None,
-    ragged: Mapping[str, str] | None = None,
-    *,
-    log: Callable[[str], None] | None = None,
-    **options: object,
-) -> DatasetMeta:
-    """Convert input paths (fields named after files/keys), ``named`` fields (name -> path) and
-    variable-length ``ragged`` fields (name -> directory of per-sample .npy, or .npz with values and
-    offsets) to ``out``. After a successful conversion ``log`` gets one line per directory input naming
-    its first and last file in the order used (natural order: ``2.npy`` before ``10.npy``)."""
-    out = os.fspath(out)
-    named = dict(named or {})
-    ragged = dict(ragged or {})
-    all_paths = list(inputs) + [p.rsplit(":", 1)[0] if not os.path.exists(p) else p for p in named.values()]
-    all_paths += list(ragged.values())
-    if not all_paths:
-        raise ConversionError(f"{out}: no inputs given (empty input)")
-    for p in all_paths:
+def input_list(inputs: Sequence[str], named: Mapping[str, str], ragged: Mapping[str, str]) -> list[str]:
+    """The paths a conversion reads (``FILE.npz:KEY`` as ``FILE.npz``), each checked to exist."""
+    paths = list(inputs) + [p.rsplit(":", 1)[0] if not os.path.exists(p) else p for p in named.values()]
+    paths += list(ragged.values())
+    for p in paths:
         if not os.path.exists(p):
             raise ConversionError(f"{p}: input does not exist")
-    check_output(os.path.abspath(out), bool(options.get("overwrite", False)), all_paths)
+    return paths
+
+
+def open_inputs(inputs: Sequence[str], named: Mapping[str, str], ragged: Mapping[str, str]
+                ) -> tuple[dict[str, Source], dict[str, RaggedSource], dict[str, tuple[str, ...]]]:
+    """The sources of input paths (fields named after files/keys), ``named`` and ``ragged`` fields, and per
+    directory input its files in the order used; ConversionError naming the input (nothing left open)."""
     sources: dict[str, Source] = {}
     ragged_sources: dict[str, RaggedSource] = {}
     orders: dict[str, tuple[str, ...]] = {}
@@ -409,10 +340,39 @@ def convert(
             orders.setdefault(p, getattr(ragged_sources[name].values, "files", ()))
     except BaseException:
         _close_all(sources)
-        _close_all(ragged_sources)  # type: ignore[arg-type]
+        _close_all(ragged_sources)
         raise
+    return sources, ragged_sources, orders
+
+
+def order_notes(orders: Mapping[str, tuple[str, ...]]) -> list[str]:
+    """One line per directory input naming its first and last file in the order used."""
+    return [f"{p}: {len(files)} files in natural order, first {files[0]}, last {files[-1]}"
+            for p, files in orders.items() if files]
+
+
+def convert(
+    inputs: Sequence[str],
+    out: str | os.PathLike[str],
+    named: Mapping[str, str] | None = None,
+    ragged: Mapping[str, str] | None = None,
+    *,
+    log: Callable[[str], None] | None = None,
+    **options: object,
+) -> DatasetMeta:
+    """Convert input paths (fields named after files/keys), ``named`` fields (name -> path) and
+    variable-length ``ragged`` fields (name -> directory of per-sample .npy, or .npz with values and
+    offsets) to ``out``. After a successful conversion ``log`` gets one line per directory input naming
+    its first and last file in the order used (natural order: ``2.npy`` before ``10.npy``)."""
+    out = os.fspath(out)
+    named = dict(named or {})
+    ragged = dict(ragged or {})
+    all_paths = input_list(inputs, named, ragged)
+    if not all_paths:
+        raise ConversionError(f"{out}: no inputs given (empty input)")
+    check_output(os.path.abspath(out), bool(options.get("overwrite", False)), all_paths)
+    sources, ragged_sources, orders = open_inputs(inputs, named, ragged)
     meta = write_dataset(out, sources, ragged=ragged_sources, **options)  # type: ignore[arg-type]
-    for p, files in orders.items():
-        if files and log is not None:
-            log(f"{p}: {len(files)} files in natural order, first {files[0]}, last {files[-1]}")
+    for line in order_notes(orders) if log is not None else ():
+        log(line)
     return meta

@@ -230,6 +230,7 @@ class Pipeline:
         try:
             while self._may_read(k):
                 p, w = self._pass(k), -1
+                self.reader.expect(p.plan.windows[p.first_window:])  # a remote dataset's shards: fetched ahead
                 for w in range(p.first_window, len(p.plan.windows)):
                     buf = self._next_free()
                     if buf is None:
@@ -418,6 +419,7 @@ class Pipeline:
         for t in self._threads:
             if t.is_alive() and t is not threading.current_thread():
                 t.join()
+        self.reader.stop_fetching()  # no read is in flight any more: a remote dataset's fetcher threads end
         try:
             # The GPU work this pipeline queued ends before anything it used changes hands: its gathers and
             # uploads (memory freed with this pipeline is handed out again at once), and copies still

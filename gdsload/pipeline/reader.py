@@ -14,12 +14,13 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from .._tasks import Pending, Queued, drain
-from ..backends import info, make_backend, resolve
+from ..backends import ENV_BACKEND, info, make_backend, resolve
+from ..backends.base import Backend
 from ..backends.cpu import CpuBackend
 from ..codecs.decode import WindowDecoder
 from ..codecs.verify import Verdict, Verification, carries_trailers, unchecked_fields
@@ -33,6 +34,9 @@ from .assembler import ResidentField
 from .plan import EpochPlan, blocks_per_rank, window_blocks_for
 from .ragged import capacity_rows
 from .window import WindowBuffer, WindowMap, Work, cell_rows
+
+if TYPE_CHECKING:
+    from ..format.shard_fetch import RemoteShards, Ticket
 
 #: Fields whose whole array is at most this many bytes are read once and kept (``resident_bytes``).
 DEFAULT_RESIDENT_BYTES = 64 << 20
@@ -58,10 +62,11 @@ class InFlight:
     :meth:`drain` waits for them after an error elsewhere. Either, once, leaves no read writing the buffer."""
 
     def __init__(self, reader: Reader, buf: WindowBuffer, work: Work, pending: Pending, host: Pending | None,
-                 checks: Any):
+                 checks: Any, ticket: Any = None):
         self.reader, self.buf, self.work, self.checks = reader, buf, work, checks
         self._pending: Pending | None = pending
         self._host = host
+        self._ticket = ticket  # a remote dataset's shards this window reads, pinned in the cache until drained
 
     @property
     def read_bytes(self) -> int:
@@ -84,11 +89,16 @@ class InFlight:
         return Filled(event, verdict)
 
     def drain(self) -> None:
-        for name in ("_pending", "_host"):
-            pending = getattr(self, name)
-            setattr(self, name, None)
-            if pending is not None:
-                drain(pending)
+        try:
+            for name in ("_pending", "_host"):
+                pending = getattr(self, name)
+                setattr(self, name, None)
+                if pending is not None:
+                    drain(pending)
+        finally:
+            ticket, self._ticket = self._ticket, None
+            if ticket is not None:
+                self.reader.remote.release(ticket)  # type: ignore[union-attr]
 
 
 class Reader:
@@ -111,20 +121,46 @@ class Reader:
         self.device_decoded: list[str] = []
         self.host_decoded: list[str] = []
         self._checks: Any = None
-        self._host_reader: CpuBackend | None = None
+        self._host_reader: Backend | None = None
         self._resident: dict[str, ResidentField] | None = None  # read on first use, kept until close()
+        self.remote: RemoteShards | None = None  # a remote dataset's shards in the node's cache (the cached route)
+        self._skeleton: RemoteShards | None = None  # a remote dataset's version, whichever the route
+        self.route: tuple[str, str] = ("", "")  # a remote dataset's route and why (backends/remote_direct.py)
+        self._whole: Ticket | None = None  # every shard, pinned for the dataset's life (the mmap backend)
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], fields: Sequence[str] | None, backend: str, device: int,
              resident_bytes: int, verify: bool | None, backend_options: dict[str, Any] | None,
-             on_resolved: Callable[[str], None] = lambda name: None, cache_dir: str | None = None) -> Reader:
+             on_resolved: Callable[[str], None] = lambda name: None, cache_dir: str | None = None,
+             cache_bytes: int | None = None) -> Reader:
         """Read the metadata, choose and make the backend (``on_resolved`` checks arguments that depend on
-        which, before it is made). A remote dataset is read from its mirror in ``cache_dir`` (default: the
-        ``datasets`` folder of gdsload's cache). Nothing is left open on an error."""
+        which, before it is made). A remote dataset's skeleton is fetched into ``cache_dir`` (default: the
+        ``datasets`` folder of gdsload's cache); its shards are read straight from the objects (the direct route)
+        or fetched into the cache as they are read, the node's cache holding at most ``cache_bytes`` of them
+        (None: no bound) (docs/remote.md, "Routes"). Nothing is left open on an error."""
+        remote = None
         if is_remote(path):
-            from ..format.mirror import mirror
+            from ..format.shard_fetch import RemoteShards
 
-            path = mirror(str(path), os.fspath(cache_dir) if cache_dir else os.path.join(env_cache_dir(), "datasets"))
+            remote = RemoteShards.open(str(path), os.fspath(cache_dir) if cache_dir else
+                                       os.path.join(env_cache_dir(), "datasets"), cache_bytes)
+            path = remote.root
+        cache_option = "cache_dir" if cache_dir is not None else "cache_bytes" if cache_bytes is not None else None
+        try:
+            reader = cls._open(path, fields, backend, device, resident_bytes, verify, backend_options, on_resolved,
+                               remote, cache_option)
+        except BaseException:
+            if remote is not None:
+                remote.close()
+            raise
+        if reader.on_device:
+            warn_few_connections()  # the steps would wait behind this dataset's copies
+        return reader
+
+    @classmethod
+    def _open(cls, path: str | os.PathLike[str], fields: Sequence[str] | None, backend: str, device: int,
+              resident_bytes: int, verify: bool | None, backend_options: dict[str, Any] | None,
+              on_resolved: Callable[[str], None], remote: RemoteShards | None, cache_option: str | None) -> Reader:
         meta = read_metadata(path, fields)
         names = tuple(fields) if fields is not None else tuple(meta.names)
         resident = resident_fields(meta, names, resident_bytes)
@@ -133,9 +169,23 @@ class Reader:
         layout = DatasetLayout(meta, tuple(fields) if fields is not None else None)
         try:
             paths = list(layout.files)
-            # auto may pick the RAM tier: it needs the size of what this dataset reads.
-            name, reason = resolve(backend, sum(layout.files.get(p).size for p in paths), paths[0] if paths else None)
+            # auto may pick the RAM tier: it needs the size of what this dataset reads (a remote one's fetched
+            # whole for it: not where the cache's bound is smaller).
+            size = sum(layout.files.get(p).size for p in paths)
+            bound = remote.cache.cache_bytes if remote is not None else None
+            name, reason = resolve(backend, size if bound is None or bound >= size else None,
+                                   paths[0] if paths else None)
             on_resolved(name)
+            route, direct = ("", ""), False
+            if remote is not None:  # the direct route reads with its own backend, in place of this one
+                from ..backends import remote_direct as rd
+
+                named = backend != "auto" or bool(os.environ.get(ENV_BACKEND, "").strip())
+                route = rd.route_for(remote.version.url, name, named, cache_option)
+                direct = route[0] == rd.DIRECT
+                if direct:
+                    name, reason = rd.BACKEND, f"a remote dataset's direct route, in place of {name!r} ({reason})"
+                    backend_options = rd.direct_options(backend_options, rd.object_map(remote.version.shards))
             unchecked = unchecked_fields(layout) if verify else []
             if unchecked:
                 kind = ("its chunks have no crc32c codec" if meta.foreign
@@ -143,13 +193,13 @@ class Reader:
                 raise ValueError(f"verify=True: {meta.path}: field(s) {unchecked} carry no checksum ({kind}); "
                                  f"convert it with 'gdsload shard' to add them, or pass verify=False")
             reader = cls(meta, layout, resident, name, reason, device, verify)
+            reader.route, reader._skeleton = route, remote
+            reader.remote = None if direct else remote  # the direct route fetches nothing into the cache
             reader.on_device = info(name).on_device
             reader.backend = make_backend(name, device, **(backend_options or {}))
         except BaseException:
             layout.close()
             raise
-        if reader.on_device:
-            warn_few_connections()  # the steps would wait behind this dataset's copies
         return reader
 
     # -- windows -----------------------------------------------------------------------------------------
@@ -191,6 +241,9 @@ class Reader:
             from ..codecs.decode import Decoder
 
             self.decoder = Decoder(layout, self.on_device, self.device, self.device_decoded)
+        if self.remote is not None and self.backend.reads_locked_memory:  # it locks every file: all fetched now
+            self._whole = self.remote.acquire(list(layout.files), threading.Event())
+            self.remote.stop()
         self.backend.prepare(layout.files)
 
     def allocate(self) -> WindowBuffer:
@@ -205,14 +258,47 @@ class Reader:
         pace()
         checks = self._checks(blocks) if self._checks is not None else None
         pace()
-        pending = Queued(None) if buf.take_loaded(work.requests) else self.backend.submit(buf.buffer, work.requests,
-                                                                                            stop)
+        loaded = buf.take_loaded(work.requests)
+        ticket = None
+        if self.remote is not None:  # wait until the window's shards are in the node's cache, pinned
+            if loaded:
+                self.remote.passed(_paths(work))
+            else:
+                ticket = self.remote.acquire(_paths(work), stop)
+                if ticket.stopped:
+                    return InFlight(self, buf, work, Queued(None), None, None)  # reading stops: nothing read
+        try:
+            pending = Queued(None) if loaded else self.backend.submit(buf.buffer, work.requests, stop)
+        except BaseException:
+            if ticket is not None:
+                self.remote.release(ticket)  # type: ignore[union-attr]
+            raise
         try:
             host = self._submit_host(buf, work, stop)
         except BaseException:
-            drain(pending)  # its reads write into the buffer: over before the error goes on
+            InFlight(self, buf, work, pending, None, None, ticket).drain()  # reads over before the error goes on
             raise
-        return InFlight(self, buf, work, pending, host, checks)
+        return InFlight(self, buf, work, pending, host, checks, ticket)
+
+    def expect(self, windows: Sequence[np.ndarray]) -> None:
+        """The windows :meth:`submit` is given next, in order (from the pipeline): a remote dataset's shards
+        are fetched ahead of them on the cached route (nothing is fetched on the direct route)."""
+        if self.remote is not None:
+            self.remote.expect(windows, lambda blocks: _paths(self.window_map.work(self.layout, blocks)))
+
+    def stop_fetching(self) -> None:
+        """A pipeline stopped: a remote dataset's fetcher threads end and its shards are unpinned (cached route)."""
+        if self.remote is not None:
+            self.remote.stop()
+
+    def _pinned(self, paths: Sequence[str], stop: threading.Event) -> Ticket | None:
+        """Outside the pipeline (the first window, resident fields): the shards of ``paths``, pinned."""
+        if self.remote is None:
+            return None
+        ticket = self.remote.acquire(paths, stop)
+        if ticket.stopped:
+            raise GDSLoadError(f"{self.meta.path}: the dataset was closed while it was read")
+        return ticket
 
     def _submit_host(self, wb: WindowBuffer, work: Work, stop: threading.Event) -> Pending | None:
         """The reads of compressed chunks decoded by CPU threads, into the window's host buffer (made on first
@@ -222,7 +308,8 @@ class Reader:
         if not work.host_requests:
             return None
         if self._host_reader is None:
-            self._host_reader = CpuBackend()
+            # The direct route reads remote objects: the cache's files hold no shard data.
+            self._host_reader = getattr(self.backend, "host_reader", CpuBackend)()
             self._host_reader.prepare(self.layout.files)
         return self._host_reader.submit(wb.host, work.host_requests, stop)
 
@@ -233,9 +320,15 @@ class Reader:
         buf = self.allocate()
         requests = self.window_map.first_requests(self.layout, plan)  # type: ignore[union-attr]
         if requests:
-            filled = self.backend.load(buf.buffer, requests, threading.Event())
-            if filled is not None:
-                filled.synchronize()  # there when the open returns (copies still queued would hold up the pass)
+            ticket = self._pinned([getattr(r, "path", "") for r in requests], threading.Event())
+            try:
+                filled = self.backend.load(buf.buffer, requests, threading.Event())
+                if filled is not None:
+                    filled.synchronize()  # there when the open returns (copies still queued would hold up the pass)
+            finally:
+                if ticket is not None:
+                    self.remote.release(ticket)  # type: ignore[union-attr]
+                    self.remote.stop()  # type: ignore[union-attr]  # no fetcher thread while no pass runs
             buf.loaded = requests
         return buf
 
@@ -244,7 +337,10 @@ class Reader:
         bytes this call read (0 after the first)."""
         if self._resident is not None:
             return self._resident, 0
-        self._resident = {name: self.read_resident(name, closing) for name in self.resident_fields}
+        try:
+            self._resident = {name: self.read_resident(name, closing) for name in self.resident_fields}
+        finally:
+            self.stop_fetching()
         return self._resident, sum(r.array.nbytes for r in self._resident.values())
 
     def read_resident(self, name: str, closing: threading.Event) -> ResidentField:
@@ -258,10 +354,16 @@ class Reader:
         blocks = np.arange(f.num_chunks)
         try:
             work = single.work(self.layout, blocks)
-            pending = Queued(self.backend.load(wb.buffer, work.requests, closing))
+            ticket = self._pinned(_paths(work), closing)
+            try:
+                pending = Queued(self.backend.load(wb.buffer, work.requests, closing))
+            except BaseException:
+                if ticket is not None:
+                    self.remote.release(ticket)  # type: ignore[union-attr]
+                raise
             host = self._submit_host(wb, work, closing) if f.compressed else None
             checks = self.verification.checks(single)(blocks) if self.verification is not None else None
-            filled = InFlight(self, wb, work, pending, host, checks).finish(closing)
+            filled = InFlight(self, wb, work, pending, host, checks, ticket).finish(closing)
             if closing.is_set():  # before anything is decoded from a read cut short
                 raise GDSLoadError(f"{self.meta.path}: the dataset was closed while loading field '{name}'")
             if filled.verdict is not None:
@@ -298,7 +400,18 @@ class Reader:
         return {"backend": self.backend_name, "backend_reason": self.backend_reason, "io_mode": self.io_mode,
                 "foreign_store": self.meta.foreign, "gather": gather, "decode": decode,
                 "window_bytes": wm.nbytes, "resident_fields": list(self.resident_fields),  # type: ignore[union-attr]
-                "backend_stats": self.backend.stats()}
+                "backend_stats": self.backend.stats(), **self._describe_remote()}
+
+    def _describe_remote(self) -> dict[str, Any]:
+        """A remote dataset's route (``"direct"``: read from the objects into the window buffers; ``"cached"``:
+        shards fetched into the node's cache as windows need them; ``"whole"``: every shard fetched at open, for a
+        backend that locks every file), why, and the cache's counters."""
+        if self._skeleton is None:
+            return {}
+        route, why = self.route
+        if self._whole:
+            route, why = "whole", f"the {self.backend_name} backend locks every shard file in memory; {why}"
+        return {"remote": {"route": route, "route_reason": why, **self._skeleton.describe()}}
 
     def close(self) -> None:
         """Free the backend, decoder, verifier and file handles. Idempotent; parts never made are skipped."""
@@ -307,3 +420,10 @@ class Reader:
                 part.close()
         self._resident = {}
         self.layout.close()
+        if self._skeleton is not None:
+            self._skeleton.close()  # its threads end, its pins (the whole dataset's too) are dropped
+
+
+def _paths(work: Work) -> list[str]:
+    """The files a window's reads read."""
+    return [r.path for r in (*work.requests, *work.host_requests) if hasattr(r, "path")]

@@ -12,12 +12,36 @@ _clients: dict[tuple[str, str], ObjectClient] = {}
 _lock = threading.Lock()
 
 
-def client_for(url: str) -> ObjectClient:
-    """The process's client for ``url``'s scheme (and, for HTTP, host): made on first use."""
+def _key(url: str) -> tuple[str, str]:
     scheme = url.split("://", 1)[0].lower()
     if scheme not in SCHEMES:
         raise ValueError(f"{url}: not a remote URL (expected one of {[s + '://' for s in SCHEMES]})")
-    key = (scheme, "" if scheme == "s3" else url.split("://", 1)[1].split("/", 1)[0])
+    return scheme, "" if scheme == "s3" else url.split("://", 1)[1].split("/", 1)[0]
+
+
+def use_client(url: str, client: ObjectClient | None) -> ObjectClient | None:
+    """Make ``client`` the process's client for ``url``'s scheme (and, for HTTP, host), e.g. one with other
+    retries, timeouts or credentials; None goes back to the default, made on next use. Returns the client it
+    replaces (None where none was made)."""
+    key = _key(url)
+    with _lock:
+        previous = _clients.pop(key, None)
+        if client is not None:
+            _clients[key] = client
+        return previous
+
+
+def forget_clients() -> None:
+    """Drop every client made so far: the next use makes one anew, from the environment as it is then (an S3
+    client reads ``AWS_ENDPOINT_URL`` and the credentials when it is made)."""
+    with _lock:
+        _clients.clear()
+
+
+def client_for(url: str) -> ObjectClient:
+    """The process's client for ``url``'s scheme (and, for HTTP, host): made on first use."""
+    key = _key(url)
+    scheme = key[0]
     with _lock:
         if key not in _clients:
             if scheme == "s3":

@@ -117,5 +117,21 @@ class HttpClient:
             raise self._refuse(url, status, "GET")
         return body
 
+    def read_end(self, url: str, nbytes: int) -> tuple[ObjectInfo, bytes]:
+        status, got, body = self._request("GET", url, {"Range": f"bytes=-{max(1, nbytes)}"})
+        if status == 206:
+            total = (got.get("Content-Range") or "").rpartition("/")[2]
+            if not total.isdigit():
+                raise ReadError(f"{url}: HTTP 206 without a Content-Range total (found {got.get('Content-Range')!r})")
+            return ObjectInfo(url, int(total), got.get("ETag")), body
+        if status == 416 and (got.get("Content-Range") or "").endswith("/0"):  # an empty object
+            return ObjectInfo(url, 0, got.get("ETag")), b""
+        if status == 200:  # a server that ignores Range: the whole object
+            return ObjectInfo(url, len(body), got.get("ETag")), body[max(0, len(body) - nbytes):]
+        raise self._refuse(url, status, f"GET of its last {nbytes} bytes")
+
     def list(self, url: str) -> list[str]:
+        raise ReadError(f"{url}: HTTP has no listing of objects (name the files, or use s3://)")
+
+    def list_info(self, url: str) -> list[ObjectInfo]:
         raise ReadError(f"{url}: HTTP has no listing of objects (name the files, or use s3://)")

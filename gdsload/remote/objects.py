@@ -53,6 +53,13 @@ class ObjectClient(Protocol):
     def get(self, url: str) -> bytes:
         """The whole object (small ones: metadata)."""
 
+    def read_end(self, url: str, nbytes: int) -> tuple[ObjectInfo, bytes]:
+        """The object as it is now and its last ``nbytes`` bytes (all of it when smaller), in one request: what a
+        shard's size, ETag and index (at its end, in Zarr sharding) cost together."""
+
+    def list_info(self, url: str) -> list[ObjectInfo]:
+        """The objects under ``url`` (a prefix) with their sizes and ETags, sorted by URL (as :meth:`list`)."""
+
     def list(self, url: str) -> list[str]:
         """URLs of the objects under ``url`` (a prefix), sorted; where ``lists`` is False, a ReadError."""
 

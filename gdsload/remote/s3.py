@@ -25,20 +25,25 @@ def split(url: str) -> tuple[str, str]:
 
 class S3Client:
     """An :class:`gdsload.remote.objects.ObjectClient` for ``s3://`` URLs (thread-safe, as botocore's clients
-    are). ``endpoint_url`` overrides the standard configuration's."""
+    are). ``endpoint_url`` overrides the standard configuration's; ``timeout_s``, where given, bounds the
+    connection and each wait for bytes (botocore's default otherwise). ``session`` is the botocore session
+    it was made from (where its endpoint, region and credentials came from), ``s3`` botocore's client."""
 
     lists = True
 
-    def __init__(self, retries: int = 5, endpoint_url: str | None = None):
+    def __init__(self, retries: int = 5, endpoint_url: str | None = None, timeout_s: float | None = None,
+                 max_connections: int = 64):
         try:
             import botocore.session
             from botocore.config import Config
         except ImportError as e:
             raise ReadError(f"s3:// needs botocore (pip install 'gdsload[s3]'): {e}") from None
         self.retries = retries
-        session = botocore.session.get_session()
-        self._s3 = session.create_client("s3", endpoint_url=endpoint_url or None, config=Config(
-            retries={"mode": "standard", "total_max_attempts": retries + 1}, max_pool_connections=64))
+        bounds = {} if timeout_s is None else {"connect_timeout": timeout_s, "read_timeout": timeout_s}
+        self.session = botocore.session.get_session()
+        self.s3 = self.session.create_client("s3", endpoint_url=endpoint_url or None, config=Config(
+            retries={"mode": "standard", "total_max_attempts": retries + 1}, max_pool_connections=max_connections,
+            **bounds))
 
     def _fail(self, url: str, e: Exception, what: str, changed: bool = False) -> ReadError:
         """The ReadError for botocore's ``e``: NotFound for a missing object (ObjectChanged where it was there
@@ -61,7 +66,7 @@ class S3Client:
     def head(self, url: str) -> ObjectInfo:
         bucket, key = split(url)
         try:
-            got = self._s3.head_object(Bucket=bucket, Key=key)
+            got = self.s3.head_object(Bucket=bucket, Key=key)
         except Exception as e:
             raise self._fail(url, e, "HEAD") from None
         return ObjectInfo(url, int(got["ContentLength"]), got.get("ETag"))
@@ -75,7 +80,7 @@ class S3Client:
         extra = {"IfMatch": info.etag} if info.etag is not None else {}
         what = f"GET of bytes {offset}..{offset + nbytes}"
         try:
-            got = self._s3.get_object(Bucket=bucket, Key=key, Range=f"bytes={offset}-{offset + nbytes - 1}", **extra)
+            got = self.s3.get_object(Bucket=bucket, Key=key, Range=f"bytes={offset}-{offset + nbytes - 1}", **extra)
             body = got["Body"].read()
         except Exception as e:
             raise self._fail(info.url, e, what, changed=True) from None
@@ -89,17 +94,32 @@ class S3Client:
     def get(self, url: str) -> bytes:
         bucket, key = split(url)
         try:
-            return self._s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+            return self.s3.get_object(Bucket=bucket, Key=key)["Body"].read()
         except Exception as e:
             raise self._fail(url, e, "GET") from None
 
+    def read_end(self, url: str, nbytes: int) -> tuple[ObjectInfo, bytes]:
+        bucket, key = split(url)
+        try:
+            got = self.s3.get_object(Bucket=bucket, Key=key, Range=f"bytes=-{max(1, nbytes)}")
+            body = got["Body"].read()
+        except Exception as e:
+            raise self._fail(url, e, f"GET of its last {nbytes} bytes") from None
+        total = str(got.get("ContentRange", "")).rpartition("/")[2]
+        size = int(total) if total.isdigit() else len(body)  # no ContentRange: the whole object came
+        return ObjectInfo(url, size, got.get("ETag")), body[max(0, len(body) - nbytes):]
+
     def list(self, url: str) -> list[str]:
+        return [o.url for o in self.list_info(url)]
+
+    def list_info(self, url: str) -> list[ObjectInfo]:
         bucket, key = split(url)
         prefix = key if not key or key.endswith("/") else key + "/"
         found = []
         try:
-            for page in self._s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-                found += [f"s3://{bucket}/{o['Key']}" for o in page.get("Contents", [])]
+            for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+                found += [ObjectInfo(f"s3://{bucket}/{o['Key']}", int(o["Size"]), o.get("ETag"))
+                          for o in page.get("Contents", [])]
         except Exception as e:
             raise self._fail(url, e, "LIST") from None
-        return sorted(found)
+        return sorted(found, key=lambda o: o.url)

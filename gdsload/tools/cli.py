@@ -10,15 +10,13 @@ also exit 2. Anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import re
 import signal
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -254,11 +252,19 @@ def _synchronize(batches: list[dict]) -> None:
 
 # -- shard -----------------------------------------------------------------------------------------
 def shard_parser(prog: str = "shard.py") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Convert .npy / .npz / directories of them / zarr arrays "
-                                "into a gdsload dataset (a Zarr v3 group of sharded arrays).",
-                                formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(prog=prog, formatter_class=HelpFormatter, description="Convert .npy / .npz / "
+                                "directories of them / zarr arrays into a gdsload dataset (a Zarr v3 group of sharded "
+                                "arrays). Over N processes: --part I/N for every I (same inputs and options), then "
+                                "--publish-parts once; the dataset is the same, byte for byte.")
     p.add_argument("inputs", nargs="*", help="input paths; one field per array, named after the file or key")
-    p.add_argument("-o", "--output", required=True, help="dataset directory to write (e.g. mydata.gds)")
+    p.add_argument("-o", "--output", required=True, help="dataset directory to write (e.g. mydata.gds), or "
+                   "s3://BUCKET/PREFIX/NAME.gds: converted locally, uploaded, its root zarr.json last")
+    p.add_argument("--part", metavar="I/N|auto", help="write part I of N (from 0) into the staging folder; auto: "
+                   "SLURM_ARRAY_TASK_ID/_COUNT, else RANK/WORLD_SIZE")
+    p.add_argument("--publish-parts", action="store_true", help="check all N parts (same inputs and options; inputs "
+                   "given must match) and publish them as one dataset")
+    p.add_argument("--staging", metavar="DIR", help="folder of the parts (default: OUTPUT.parts; needed for s3://) "
+                   "and of an s3:// output before upload (default: system temp)")
     p.add_argument("--field", action="append", default=[], metavar="NAME=PATH",
                    help="add a field with an explicit name (PATH may be FILE.npz:KEY)")
     p.add_argument("--ragged", action="append", default=[], metavar="NAME=PATH",
@@ -281,43 +287,16 @@ def shard_parser(prog: str = "shard.py") -> argparse.ArgumentParser:
     p.add_argument("--slice-bytes", type=parse_bytes, default=None,
                    help="input read size (bounds memory; default 64MiB)")
     p.add_argument("--overwrite", action="store_true",
-                   help="replace an existing gdsload dataset (never a file or another directory)")
+                   help="replace an existing gdsload dataset (never a file or another directory); with --part, "
+                        "a part already written")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
-
-
-
-_STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
-
-
-@contextlib.contextmanager
-def _conversion_signals() -> Iterator[None]:
-    """For the duration of a conversion: SIGINT, SIGTERM and SIGHUP stop it and clean up (unless ignored, as
-    under nohup), and SIGXFSZ is ignored so that exceeding the file-size limit fails a write with EFBIG
-    instead of killing the process. The previous handlers are restored after."""
-    from ..conversion.publish import on_signal, reset_signals
-
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signal handlers can only be set from the main thread
-        return
-    reset_signals()
-    previous = {}
-    for sig in _STOP_SIGNALS:
-        if signal.getsignal(sig) is not signal.SIG_IGN:
-            previous[sig] = signal.signal(sig, on_signal)
-    if hasattr(signal, "SIGXFSZ"):
-        previous[signal.SIGXFSZ] = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 def shard_main(argv: Sequence[str] | None = None, prog: str = "shard.py") -> int:
     """``shard.py``: 0 on success; 2 with one line ``PROG: error: PATH: what is wrong`` on any failure;
     128 + the signal number when SIGINT, SIGTERM or SIGHUP stopped it (nothing is left at the output)."""
-    from ..conversion.writer import convert
+    from ..conversion.command import conversion_signals, run_shard
     from ..conversion.publish import reset_signals
 
     args = shard_parser(prog).parse_args(argv)
@@ -338,21 +317,23 @@ def shard_main(argv: Sequence[str] | None = None, prog: str = "shard.py") -> int
                                  "compress": args.compress, "chunk_bytes": args.chunk_bytes}.items()
                if v is not None}
     notes: list[str] = []
-    meta = None
+    done = False
     try:
-        with _conversion_signals():
-            meta = convert(args.inputs, args.output, named["--field"], named["--ragged"], overwrite=args.overwrite,
-                           progress=False if args.quiet else None, log=notes.append, **options)
-            late = reset_signals()  # a signal during the final rename: the output is complete
+        with conversion_signals():
+            meta = run_shard(args.inputs, args.output, named["--field"], named["--ragged"], part=args.part,
+                             publish=args.publish_parts, staging=args.staging, overwrite=args.overwrite,
+                             progress=False if args.quiet else None, log=notes.append, **options)
+            late, done = reset_signals(), True  # a signal during the final rename: the output is complete
     except KeyboardInterrupt as e:  # SIGINT, or writer.Interrupted for SIGTERM / SIGHUP
         reset_signals()
         signum = int(getattr(e, "signum", signal.SIGINT))
-        done = f"{args.output} is complete" if meta is not None else f"nothing written to {args.output}"
-        print(f"{prog}: interrupted; {printable(done)}", file=sys.stderr)
+        what = f"{args.output} is complete" if done else f"nothing written to {args.output}"
+        print(f"{prog}: interrupted; {printable(what)}", file=sys.stderr)
         return 128 + signum
     except EXPECTED_ERRORS as e:  # every converter error should be a ConversionError; an OSError is the backstop
         return fail(prog, e, args.output)
-    print(describe_dataset(meta.path))
+    if meta is not None:
+        print(describe_dataset(meta.path))
     for line in notes:
         print(printable(line))
     if late:
@@ -405,8 +386,11 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--quiet", action="store_true", help="no progress bar")
     doctor = command("doctor", "is GPUDirect Storage used for PATH, and if not, why: each check, what it found and "
                                "the fix")
-    doctor.add_argument("path", nargs="?", help="a dataset directory or any file")
+    doctor.add_argument("path", nargs="?", help="a dataset directory or any file; or an s3:// or http(s):// "
+                                                "dataset URL: its reachability, latency and throughput")
     doctor.add_argument("--json", action="store_true", help="print one JSON object")
+    doctor.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                        help="for a URL: seconds each request may take (default 10)")
     from .bench import add_arguments as bench_arguments
 
     bench_arguments(command("bench", "each backend's GB/s and samples/s on PATH, warm (and cold), shuffled and "
@@ -428,7 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "doctor":
             from .doctor import main as doctor_main
 
-            return doctor_main(args.path, args.json)
+            return doctor_main(args.path, args.json, timeout_s=args.timeout)
         if args.cmd == "info":
             print(describe_dataset(args.path) if args.path else describe_system())
         elif args.cmd == "demo":

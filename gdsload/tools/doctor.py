@@ -21,6 +21,7 @@ from ..backends.registry import io_mode as backend_io_mode
 from .doctor_probe import LIVE_READ_BYTES, HostProbes, LiveRead, PathError, Target
 from ..system.env import CONNECTIONS_ENV, CONNECTIONS_FIX, connections_note
 from ..errors import printable
+from ..remote.objects import is_remote
 from ..system.numa import numa_report
 from ..system.sysfiles import (NVFS_DIR, NVFS_RW_STATS_PARAM, NVFS_STATS, FsSupport, Iommu, Mount, NvfsStats,
                                SystemFiles, cufile_json_path, cufile_settings, find_mount, iommu_mode,
@@ -406,10 +407,15 @@ def render(report: dict[str, Any]) -> str:
 
 
 def main(path: str | None, as_json: bool = False, files: SystemFiles | None = None, probes: Any = None,
-         out: TextIO | None = None, err: TextIO | None = None) -> int:
+         out: TextIO | None = None, err: TextIO | None = None, timeout_s: float | None = None) -> int:
     """``gdsload doctor``: print the report (text or one JSON object); 0 when the checks ran, 2 with one
-    line ``gdsload doctor: error: PATH: what is wrong`` on stderr for a bad PATH."""
+    line ``gdsload doctor: error: PATH: what is wrong`` on stderr for a bad PATH. An ``s3://`` or ``http(s)://``
+    PATH is probed over the network instead (:mod:`gdsload.tools.doctor_remote`; ``timeout_s`` per request)."""
     out, err = out or sys.stdout, err or sys.stderr
+    if path is not None and is_remote(path):
+        from .doctor_remote import main as remote_main
+
+        return remote_main(path, as_json, timeout_s, out, err)
     try:
         facts = gather(path, files or SystemFiles(), probes or HostProbes())
     except PathError as e:

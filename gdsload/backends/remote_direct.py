@@ -1,0 +1,345 @@
+"""The direct route of a remote dataset: each window's byte ranges read from the shard objects by KvikIO's
+``RemoteFile``, in parallel ranged GETs, straight into the window buffer (docs/remote.md, "Routes").
+
+The route. :func:`choose_route` (pure) decides between ``"direct"`` and ``"cached"`` (the node's shard cache,
+gdsload/format/shard_fetch.py): direct for a GPU backend when neither ``cache_dir`` nor ``cache_bytes`` is given,
+``mmap`` was not asked for by name (it locks every file in RAM: its data must be local) and KvikIO's RemoteFile
+can read the URL (:func:`direct_usable`, pure; :func:`route_for` gathers the facts). The reader then makes the
+``remote`` backend (:class:`RemoteDirectBackend`) in place of the one ``auto`` or the user chose.
+
+Reads. One RemoteFile per shard object, opened with the size pinned at open (no request is made) on first use
+and kept for the dataset's life; ``pread`` splits a read into KvikIO's tasks, run on its process-wide thread pool
+(shared with local KvikIO reads, :class:`gdsload.backends.cuda.KvikioPool`). KvikIO checks nothing of the object:
+it sends no ``If-Match``, does not look at the ETag or ``Content-Range``, and counts a short body as read. So
+after a window's reads are over, every object they read is read once more, one byte pinned to the size and ETag
+of the skeleton (``If-Match``; :meth:`gdsload.remote.objects.ObjectClient.read`): an object replaced or removed
+is ``ObjectChanged`` naming the URL, and the window is not served. A read that fails is looked at the same way,
+so a changed object is named as such. The block checksums (``verify``) check the bytes besides.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .._tasks import Pending
+from ..errors import ReadError
+from ..format.files import read_error
+from ..remote import client_for
+from ..remote.objects import ObjectChanged, ObjectInfo
+from .base import Backend, FileHandles, FillRequest, ReadRequest, Request, coalesce, fill_pattern
+from .cuda import CudaBackend, KvikioPool
+from .kvikio import DEFAULT_MAX_READ_BYTES, DEFAULT_TASK_BYTES, default_threads
+
+DIRECT, CACHED = "direct", "cached"
+#: The registry's name of the direct route's backend (chosen by the reader's route, never by ``backend=``).
+BACKEND = "remote"
+IO_MODE = "remote-kvikio"
+#: Threads that confirm, after a window's reads, that the objects read are still the ones pinned at open.
+CHECK_THREADS = 16
+#: The backend options the direct backend takes from those given for the backend it replaces.
+OPTIONS = ("num_threads", "task_bytes", "max_read_bytes", "check_threads")
+_KVIKIO_MISSING = "KvikIO is not installed (pip install 'gdsload[gpu]')"
+
+
+class Route(NamedTuple):
+    """``name``: ``"direct"`` or ``"cached"``; ``reason``: why, in words (``describe()["remote"]``)."""
+
+    name: str
+    reason: str
+
+
+def choose_route(backend: str, on_device: bool, locks_named: bool, cache_option: str | None,
+                 usable: tuple[bool, str]) -> Route:
+    """The route of a remote dataset read by ``backend`` (pure: the rule, tested without a GPU).
+    ``locks_named``: the backend locks every file in RAM and was asked for by name; ``cache_option``: the
+    cache option given (``"cache_dir"``, ``"cache_bytes"``), else None; ``usable``: :func:`direct_usable`."""
+    if not on_device:
+        return Route(CACHED, f"the {backend} backend reads into host memory: shards come through the node's cache")
+    if cache_option is not None:
+        return Route(CACHED, f"{cache_option} was given: shards are fetched into the node's cache ahead of the reads")
+    if locks_named:
+        return Route(CACHED, f"the {backend} backend was asked for by name: the shard files it locks in memory "
+                             f"are fetched into the node's cache")
+    ok, why = usable
+    if not ok:
+        return Route(CACHED, f"the direct route is not usable here ({why}): shards come through the node's cache")
+    return Route(DIRECT, "a GPU backend and no cache_dir: KvikIO's RemoteFile reads each window's byte ranges in "
+                         "parallel straight into device memory")
+
+
+def direct_usable(url: str, env: Mapping[str, str], kvikio: tuple[bool, bool]) -> tuple[bool, str]:
+    """Whether KvikIO's RemoteFile can read ``url`` into device memory, and why not (pure). ``kvikio``: (installed,
+    built with remote file support). KvikIO's S3 takes region and keys from the environment only (not from
+    ``~/.aws`` or an instance role), and its multi-poll remote backend reads into host memory only."""
+    installed, remote = kvikio
+    if not installed:
+        return False, _KVIKIO_MISSING
+    if not remote:
+        return False, "this KvikIO was built without remote file support (libcurl)"
+    io = env.get("KVIKIO_REMOTE_IO_BACKEND", "").strip().lower()
+    if io not in ("", "easy_threadpool"):
+        return False, f"KVIKIO_REMOTE_IO_BACKEND={io} reads into host memory only"
+    if url.lower().startswith("s3://"):
+        missing = [k for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY") if not env.get(k)]
+        if not (env.get("AWS_DEFAULT_REGION") or env.get("AWS_REGION")):
+            missing.append("AWS_DEFAULT_REGION")
+        if missing:
+            return False, f"KvikIO's S3 takes credentials from the environment only: {', '.join(missing)} not set"
+        if env["AWS_ACCESS_KEY_ID"].startswith("ASIA") and not env.get("AWS_SESSION_TOKEN"):
+            return False, "temporary AWS credentials (ASIA...) without AWS_SESSION_TOKEN"
+    return True, ""
+
+
+def kvikio_remote() -> tuple[bool, bool]:
+    """(KvikIO is installed, it was built with remote file support); needs no GPU."""
+    try:
+        import kvikio  # noqa: F401
+    except Exception:
+        return False, False
+    try:
+        from kvikio.remote_file import is_remote_file_available
+
+        return True, bool(is_remote_file_available())
+    except Exception:
+        return True, False
+
+
+def route_for(url: str, backend: str, named: bool, cache_option: str | None) -> Route:
+    """The route of ``url`` read by the concrete ``backend`` (``named``: asked for by name, not chosen by auto)."""
+    from .registry import info
+
+    i = info(backend)
+    usable = direct_usable(url, os.environ, kvikio_remote()) if i.on_device and cache_option is None else (False, "")
+    return choose_route(backend, i.on_device, i.locks_dataset and named, cache_option, usable)
+
+
+def object_map(shards: Mapping[str, Any]) -> dict[str, ObjectInfo]:
+    """A version's shard files (local path -> :class:`gdsload.format.mirror.Entry`) as the objects to read: local
+    path -> the object's URL, size and ETag pinned when the skeleton was made."""
+    return {path: entry.info for path, entry in shards.items()}
+
+
+def direct_options(options: Mapping[str, Any] | None, objects: Mapping[str, ObjectInfo]) -> dict[str, Any]:
+    """The direct backend's options: those of :data:`OPTIONS` given for the backend it replaces, and the objects."""
+    return {**{k: v for k, v in (options or {}).items() if k in OPTIONS}, "objects": dict(objects)}
+
+
+def open_remote_file(info: ObjectInfo) -> Any:
+    """KvikIO's RemoteFile of ``info``'s object, its size given (so opening sends no request). S3 takes region,
+    keys and endpoint from the environment as KvikIO does (``AWS_ENDPOINT_URL_S3`` first, as botocore)."""
+    import kvikio
+
+    if info.url.lower().startswith("s3://"):
+        env = os.environ
+        return kvikio.RemoteFile.open_s3_url(
+            info.url, info.size, aws_region_name=env.get("AWS_DEFAULT_REGION") or env.get("AWS_REGION") or None,
+            aws_endpoint_url=env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or None)
+    return kvikio.RemoteFile.open_http(info.url, info.size)
+
+
+class DirectReads:
+    """Requests read from the objects of ``objects`` (local shard path -> pinned object) by handles ``opener``
+    makes (one per object, kept until :meth:`close`), into any buffer ``pread`` takes (device or host); a path
+    that is no shard (an object the skeleton holds whole) is read from ``local``. Thread-safe."""
+
+    def __init__(self, objects: Mapping[str, ObjectInfo], opener: Callable[[ObjectInfo], Any],
+                 local: FileHandles | None = None, check_threads: int = CHECK_THREADS,
+                 max_read_bytes: int = DEFAULT_MAX_READ_BYTES):
+        self.objects, self._opener, self._local = dict(objects), opener, local
+        self.max_read_bytes = max_read_bytes
+        self._handles: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(check_threads, thread_name_prefix="gdsload-pin")
+        self.read_bytes = self.reads = self.checks = 0
+
+    def handle(self, info: ObjectInfo) -> Any:
+        h = self._handles.get(info.url)
+        if h is None:
+            with self._lock:
+                h = self._handles.get(info.url)
+                if h is None:
+                    try:
+                        h = self._opener(info)
+                    except Exception as e:
+                        raise ReadError(f"{info.url}: cannot open it with KvikIO ({type(e).__name__}: {e})") from e
+                    self._handles[info.url] = h
+        return h
+
+    def submit(self, dest: Any, requests: Sequence[Request], stop: threading.Event, fills: Any = None) -> Pending:
+        """Start the reads of ``requests`` into ``dest`` (fills are the caller's; ``fills`` its event) and return."""
+        pending = _Reads(self, fills)
+        for r in coalesce([r for r in requests if isinstance(r, ReadRequest)], self.max_read_bytes):
+            if stop.is_set():
+                break
+            info = self.objects.get(r.path)
+            try:
+                view = dest[r.dest_offset:r.dest_offset + r.nbytes]
+                if info is None:
+                    if self._local is None:
+                        raise ReadError(f"{r.path}: not a file of this remote dataset")
+                    future = self._local.get(r.path).pread(view, r.nbytes, r.offset)
+                else:
+                    if r.offset < 0 or r.offset + r.nbytes > info.size:
+                        raise ReadError(f"{info.url}: bytes {r.offset}..{r.offset + r.nbytes} lie past its end "
+                                        f"({info.size} bytes when the dataset was opened)")
+                    future = self.handle(info).pread(view, r.nbytes, r.offset)
+            except BaseException as e:
+                pending.error = self.failed(r, info, e)
+                break
+            pending.futures.append((r, info, future))
+        with self._lock:
+            self.reads += len(pending.futures)
+            self.read_bytes += sum(r.nbytes for r, _, _ in pending.futures)
+        return pending
+
+    def confirm(self, infos: Iterable[ObjectInfo]) -> None:
+        """Every object of ``infos`` is still the one pinned (in parallel); else the first ObjectChanged."""
+        futures = [self._pool.submit(self._check, i) for i in infos]
+        errors = [e for e in (f.exception() for f in futures) if e is not None]
+        if errors:
+            first = next((e for e in errors if isinstance(e, ObjectChanged)), errors[0])
+            raise first if isinstance(first, ReadError) else ReadError(f"{type(first).__name__}: {first}")
+
+    def _check(self, info: ObjectInfo) -> None:
+        with self._lock:
+            self.checks += 1
+        if info.size:  # one byte, pinned by If-Match and the size: 412, 404 or another size is ObjectChanged
+            client_for(info.url).read(info, info.size - 1, 1)
+
+    def failed(self, r: ReadRequest, info: ObjectInfo | None, cause: BaseException | None,
+               got: int | None = None) -> ReadError:
+        """The error of a read that failed (``cause``) or came short (``got`` bytes): ObjectChanged where its
+        object changed, else a ReadError naming the URL and KvikIO's own words."""
+        if info is None or isinstance(cause, ReadError):
+            return read_error(r.path, r.offset, r.nbytes, cause=cause, got=got)
+        try:
+            self._check(info)
+        except ObjectChanged as e:
+            return e
+        except Exception:  # noqa: BLE001 - the server's state is unknown: the read's own error says more
+            pass
+        what = f"{type(cause).__name__}: {cause}" if cause is not None else f"{got} bytes came"
+        return ReadError(f"{info.url}: read of {r.nbytes} bytes at offset {r.offset} failed ({what})")
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"objects_open": len(self._handles), "reads": self.reads, "read_bytes": self.read_bytes,
+                    "pin_checks": self.checks}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            for h in self._handles.values():
+                close = getattr(h, "close", None)
+                if close is not None:
+                    close()
+            self._handles.clear()
+
+
+class _Reads(Pending):
+    """One window's reads. ``finish`` waits for all of them (none then writes into the buffer), then confirms
+    the objects read; the first error is raised once all are over."""
+
+    def __init__(self, reads: DirectReads, fills: Any):
+        self.reads, self.fills = reads, fills
+        self.futures: list[tuple[ReadRequest, ObjectInfo | None, Any]] = []
+        self.error: BaseException | None = None
+
+    def finish(self) -> Any:
+        error, read = self.error, {}
+        futures, self.futures = self.futures, []
+        for r, info, future in futures:
+            try:
+                n = future.get()
+            except BaseException as e:
+                error = error or self.reads.failed(r, info, e)
+                continue
+            if n != r.nbytes and error is None:
+                error = self.reads.failed(r, info, None, n)
+            if info is not None:
+                read[info.url] = info
+        if error is None and read:
+            self.reads.confirm(read.values())
+        if error is not None:
+            raise error
+        return self.fills  # KvikIO's reads are complete in the buffer when their futures return
+
+
+class RemoteDirectBackend(CudaBackend):
+    """The direct route's backend: ``objects`` (local shard path -> pinned object, :func:`object_map`) read by
+    KvikIO's RemoteFile into device window buffers. ``num_threads`` and ``task_bytes`` ask for KvikIO's
+    process-wide pool (as the kvikio backend's); adjacent blocks merge into reads of up to ``max_read_bytes``;
+    ``check_threads`` confirm the objects after each window."""
+
+    name = BACKEND
+    io_mode = IO_MODE
+    window_bytes_hint = 256 << 20
+
+    def __init__(self, device_id: int = 0, *, objects: Mapping[str, ObjectInfo], num_threads: int | None = None,
+                 task_bytes: int = DEFAULT_TASK_BYTES, max_read_bytes: int = DEFAULT_MAX_READ_BYTES,
+                 check_threads: int = CHECK_THREADS):
+        import kvikio
+
+        from ..system.env import rank_cores
+
+        if num_threads is None:
+            num_threads = default_threads(rank_cores())
+        if min(num_threads, task_bytes, max_read_bytes, check_threads) < 1:
+            raise ValueError(f"num_threads, task_bytes, max_read_bytes and check_threads must be positive (found "
+                             f"{num_threads}, {task_bytes}, {max_read_bytes}, {check_threads})")
+        super().__init__(device_id)
+        self.num_threads, self.task_bytes, self.max_read_bytes = num_threads, task_bytes, max_read_bytes
+        self.check_threads = check_threads
+        self._files = FileHandles(opener=lambda path: kvikio.CuFile(path, "r"), closer=lambda f: f.close())
+        self.reads = DirectReads(objects, open_remote_file, self._files, check_threads, max_read_bytes)
+        KvikioPool.acquire(num_threads, task_bytes)
+        self._pool_held = True
+
+    def stats(self) -> dict[str, Any]:
+        return {"num_threads": self.num_threads, "task_bytes": self.task_bytes, "max_read_bytes": self.max_read_bytes,
+                "check_threads": self.check_threads, **self.reads.stats()}
+
+    def handles(self) -> list[FileHandles]:
+        return [self._files]
+
+    def submit(self, dest: Any, requests: Sequence[Request], stop: threading.Event) -> Pending:
+        fills = self.write_fills(dest, requests)
+        with self.device:
+            return self.reads.submit(dest, requests, stop, fills)
+
+    def host_reader(self) -> Backend:
+        """What reads a window's host buffer (compressed chunks decoded by CPU threads): the same objects."""
+        return HostReads(self)
+
+    def close(self) -> None:
+        self.reads.close()
+        self._files.close()
+        if self._pool_held:
+            self._pool_held = False
+            KvikioPool.release()
+
+
+class HostReads(Backend):
+    """Reads into host buffers by the direct route of ``owner`` (its handles, checks and counters)."""
+
+    name = BACKEND
+    io_mode = IO_MODE
+
+    def __init__(self, owner: RemoteDirectBackend):
+        self._owner = owner
+
+    def allocate(self, nbytes: int) -> np.ndarray:
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def submit(self, dest: Any, requests: Sequence[Request], stop: threading.Event) -> Pending:
+        for r in requests:
+            if isinstance(r, FillRequest):
+                fill_pattern(dest, r)
+        with self._owner.device:
+            return self._owner.reads.submit(dest, requests, stop)

@@ -1,0 +1,185 @@
+"""The plan of a conversion: every number the written files depend on, from the sources' metadata alone.
+
+A single conversion (:mod:`gdsload.conversion.writer`) and a conversion in parts (:mod:`gdsload.conversion.parts`)
+both follow it, so N processes that plan the same inputs with the same options agree on the sample count,
+samples per block, and every array's rows per chunk, chunks per shard and shard boundaries; each shard file
+is then a function of its rows alone, and the same bytes whichever process writes it. Planning reads no
+sample (a variable-length field's offsets excepted), so it is cheap to repeat in every process.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .._units import ALIGN
+from ..errors import ConversionError
+from .checks import check_dtype, check_sources
+from .source_types import RaggedSource, Source
+
+DEFAULT_BLOCK_BYTES = 4 << 20
+DEFAULT_SHARD_BYTES = 1 << 30
+DEFAULT_SLICE_BYTES = 64 << 20
+#: Inner chunk (= block) of compressed datasets. Smaller than raw blocks: chunks decode in parallel (CPU
+#: threads, or nvCOMP's batch), so a few large chunks leave the decoders underused.
+DEFAULT_CHUNK_BYTES = 512 << 10
+
+
+def choose_samples_per_block(sample_bytes: Sequence[int], block_bytes: int, num_samples: int) -> int:
+    """Samples per block: as many of the largest sample as fit in ``block_bytes``, rounded down so the
+    largest field's block is a multiple of :data:`~gdsload._units.ALIGN` (4 KiB) when that leaves at least
+    one sample, and never more than the dataset holds."""
+    largest = max(sample_bytes)
+    k = max(1, block_bytes // largest)
+    step = ALIGN // math.gcd(largest, ALIGN)
+    if k >= step:
+        k -= k % step
+    return max(1, min(k, num_samples))
+
+
+def parse_compress(text: str | None) -> int | None:
+    """``"zstd"`` or ``"zstd:LEVEL"`` -> the zstd level (3 by default); None -> None. ValueError otherwise."""
+    if text is None:
+        return None
+    name, _, level = text.partition(":")
+    if name != "zstd" or (level and not level.lstrip("-").isdigit()):
+        raise ValueError(f"--compress takes zstd or zstd:LEVEL (found {text!r})")
+    value = int(level) if level else 3
+    if not -131072 <= value <= 22:
+        raise ValueError(f"zstd level must be at most 22 (found {value})")
+    return value
+
+
+@dataclass(frozen=True, eq=False)
+class ArrayPlan:
+    """One sharded array: ``key`` is its path in the group (``FIELD`` or ``FIELD/values``), ``field`` the field
+    whose checksums its bytes feed. Its bytes, row after row, form a stream in which block ``b`` covers
+    ``[bounds[b], bounds[b + 1])`` (a fixed field's blocks are its inner chunks, padding included)."""
+
+    key: str
+    field: str
+    ragged: bool
+    rows: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    row_bytes: int
+    per_chunk: int
+    chunks_per_shard: int
+    level: int | None
+    bounds: np.ndarray
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.row_bytes * self.per_chunk
+
+    @property
+    def num_chunks(self) -> int:
+        return -(-self.rows // self.per_chunk)
+
+    @property
+    def num_shards(self) -> int:
+        return -(-self.num_chunks // self.chunks_per_shard)
+
+    def shard_rows(self, shard: int) -> tuple[int, int]:
+        """The rows shard file ``shard`` holds: ``first`` to ``stop``."""
+        first = shard * self.chunks_per_shard * self.per_chunk
+        return first, min(first + self.chunks_per_shard * self.per_chunk, self.rows)
+
+    def shard_key(self, shard: int) -> str:
+        """The shard file's path in the dataset, ``/``-separated."""
+        return "/".join([self.key, "c", str(shard), *(["0"] * len(self.shape))])
+
+    def describe(self) -> dict[str, Any]:
+        """What the array's files depend on, as plain JSON values (bounds: their sum and count)."""
+        return {"key": self.key, "field": self.field, "ragged": self.ragged, "rows": self.rows,
+                "shape": list(self.shape), "dtype": self.dtype.str, "per_chunk": self.per_chunk,
+                "chunks_per_shard": self.chunks_per_shard, "level": self.level,
+                "stream_bytes": int(self.bounds[-1]), "bounds_digest": _digest(self.bounds)}
+
+
+@dataclass(frozen=True, eq=False)
+class ConversionPlan:
+    """The whole dataset: fields in order (fixed, then variable-length), samples, blocks and every array."""
+
+    fixed: tuple[str, ...]
+    ragged: tuple[str, ...]
+    num_samples: int
+    samples_per_block: int
+    level: int | None
+    arrays: tuple[ArrayPlan, ...]
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.num_samples // self.samples_per_block)
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return self.fixed + self.ragged
+
+    def array(self, key: str) -> ArrayPlan:
+        return next(a for a in self.arrays if a.key == key)
+
+    def describe(self) -> dict[str, Any]:
+        """Everything the written files depend on, as plain JSON values: equal descriptions, equal files."""
+        return {"fixed": list(self.fixed), "ragged": list(self.ragged), "num_samples": self.num_samples,
+                "samples_per_block": self.samples_per_block, "level": self.level,
+                "arrays": [a.describe() for a in self.arrays]}
+
+
+def _digest(values: np.ndarray) -> str:
+    import hashlib
+
+    return hashlib.sha256(np.ascontiguousarray(values, dtype="<i8").tobytes()).hexdigest()[:32]
+
+
+def plan_dataset(out: str, sources: Mapping[str, Source], ragged: Mapping[str, RaggedSource], *,
+                 block_bytes: int = DEFAULT_BLOCK_BYTES, samples_per_block: int | None = None,
+                 shard_bytes: int = DEFAULT_SHARD_BYTES, compress: str | None = None,
+                 chunk_bytes: int | None = None) -> ConversionPlan:
+    """The plan of converting ``sources`` and ``ragged`` to ``out`` with these options, every source checked
+    first (:mod:`gdsload.conversion.checks`); ConversionError naming the input or option that is wrong."""
+    if not sources and not ragged:
+        raise ConversionError(f"{out}: no input arrays (empty input)")
+    try:
+        level = parse_compress(compress)
+    except ValueError as e:
+        raise ConversionError(f"{out}: {e}") from None
+    if chunk_bytes is not None and level is None:
+        raise ConversionError(f"{out}: chunk_bytes (--chunk-bytes) sets the inner chunks of compressed fields: "
+                              f"it needs compress (--compress zstd)")
+    if level is not None:
+        block_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    num_samples = check_sources(sources, ragged)
+    arrays: dict[str, Source] = dict(sources)
+    arrays.update({f"{n}/values": r.values for n, r in ragged.items()})
+    dtypes = {n: check_dtype(s) for n, s in arrays.items()}
+    row_bytes = {n: dtypes[n].itemsize * math.prod(s.shape[1:]) for n, s in arrays.items()}
+    # a variable-length field counts with its mean sample size when choosing samples per block
+    sample_bytes = [row_bytes[n] for n in sources] + [
+        max(1, row_bytes[f"{n}/values"] * int(r.offsets[-1]) // num_samples) for n, r in ragged.items()]
+    if samples_per_block is None:
+        spb = choose_samples_per_block(sample_bytes, block_bytes, num_samples)
+    elif samples_per_block < 1:
+        raise ConversionError(f"{out}: samples_per_block must be at least 1 (found {samples_per_block})")
+    else:
+        spb = min(samples_per_block, num_samples)  # more would only write padding
+    num_blocks = -(-num_samples // spb)
+    first_samples = np.minimum(np.arange(num_blocks + 1, dtype=np.int64) * spb, num_samples)
+    plans = []
+    for key, src in arrays.items():
+        rows, fixed = src.shape[0], key in sources
+        if fixed:  # a block is an inner chunk, exactly as stored (padding included)
+            per_chunk = spb
+            bounds = np.arange(num_blocks + 1, dtype=np.int64) * (row_bytes[key] * spb)
+        else:  # values: rows per chunk chosen like samples per block; a block is its samples' rows
+            per_chunk = choose_samples_per_block([row_bytes[key]], block_bytes, max(1, rows))
+            bounds = ragged[key.rsplit("/", 1)[0]].offsets[first_samples] * row_bytes[key]
+        num_chunks = -(-rows // per_chunk)
+        cps = max(1, min(shard_bytes // (row_bytes[key] * per_chunk), num_chunks))
+        plans.append(ArrayPlan(key, key if fixed else key.rsplit("/", 1)[0], not fixed, rows, tuple(src.shape[1:]),
+                               dtypes[key], row_bytes[key], per_chunk, cps, level if fixed else None, bounds))
+    return ConversionPlan(tuple(sources), tuple(ragged), num_samples, spb, level, tuple(plans))

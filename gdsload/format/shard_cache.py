@@ -1,0 +1,347 @@
+"""The node's shard cache: a remote dataset's shards fetched into their sparse files as ranks need them, held
+(pinned) while a window reads them, and the least recently used evicted when ``cache_bytes`` would be exceeded.
+
+On disk, beside each version's folder (:mod:`gdsload.format.mirror`) a folder of state, ``<version>.shards``:
+per shard ``<id>.lock`` (a file lock, ``flock``) and ``<id>.ok``, the *present* marker (JSON: the shard's
+path, its data's byte range, size and ETag; its mtime is the shard's last use), written (renamed into place)
+only after the shard's data is written in place and synced; ``<id>.fill`` while it is fetched (the bytes it
+will take: counted against the bound before they are written). ``open.lock`` is held shared while a dataset
+is open on the version. ``<cache_dir>/.gdsload-cache.lock`` serialises the decisions that make room.
+
+Locks, all ``flock`` (one per open file description, so two datasets of one process exclude each other as two
+processes do): a shard's lock held *shared* is a pin (a window reads it, or will soon); held *exclusive*, its
+fetch or its eviction. A reader reads a shard only while it holds a pin and the marker is there, so it never
+reads a byte not fully fetched and checked (length; the ETag pinned at open, by ``If-Match``); a rank that
+finds another fetching waits for the lock, then uses the shard: no shard is fetched twice. Eviction takes
+the lock exclusively without waiting (a pinned shard is passed over), removes the marker, then punches the
+data out of the file (``fallocate(PUNCH_HOLE)``; without it, the file is cut and re-extended around its
+index). A crash mid-fetch leaves no marker: the shard reads as absent and is fetched again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import random
+import threading
+import time
+from collections.abc import Iterator
+
+from ..errors import GDSLoadError, ReadError
+from ..remote import client_for
+from .mirror import PIECE_BYTES, STATE, Entry, Version
+
+#: The lock a process holds while it decides what to evict to make room (the whole cache folder's).
+CACHE_LOCK = ".gdsload-cache.lock"
+#: How often a wait for another's lock looks again.
+POLL_S = 0.01
+_PUNCH = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+
+
+class Stopped(Exception):
+    """A wait or fetch ended because its stop event was set (not an error: the reading stops)."""
+
+
+class CacheFull(ReadError):
+    """No room for a shard under ``cache_bytes``: every shard that could make room is pinned."""
+
+    def __init__(self, message: str, need: int, pinned: int):
+        super().__init__(message)
+        self.need, self.pinned = need, pinned
+
+
+class ShardCache:
+    """Pins of one version's shards for one open dataset (thread-safe; :meth:`pin` blocks, on a fetcher
+    thread). ``cache_bytes`` (None: no bound) bounds the bytes of shard data the whole cache folder holds."""
+
+    def __init__(self, version: Version, cache_dir: str, cache_bytes: int | None):
+        self.version, self.cache_dir, self.cache_bytes = version, cache_dir, cache_bytes
+        self.client = client_for(version.url)
+        self.state = version.root + STATE
+        os.makedirs(self.state, exist_ok=True)
+        self._open = os.open(os.path.join(self.state, "open.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fcntl.flock(self._open, fcntl.LOCK_SH)  # this version is open: a private one is not removed under it
+        self._lock = threading.Lock()
+        self.fetched_bytes = self.fetched = self.hits = self.evicted = 0
+
+    # -- pins ----------------------------------------------------------------------------------------------
+    def entry(self, path: str) -> Entry | None:
+        return self.version.shards.get(path)
+
+    def pin(self, path: str, stop: threading.Event, deadline: float) -> int:
+        """Pin the shard file ``path``, fetching it first unless present: the descriptor of the pin (pass it to
+        :meth:`unpin`). Waits for another's fetch or eviction (ReadError past ``deadline``, a monotonic time);
+        :class:`Stopped` once ``stop`` is set; the fetch's ReadError naming the URL, CacheFull without room."""
+        entry = self.version.shards[path]
+        fd = os.open(self._lock_path(entry), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            while True:
+                if stop.is_set():
+                    raise Stopped()
+                if _try(fd, fcntl.LOCK_SH):
+                    if self._present(entry):
+                        self._touch(entry)
+                        with self._lock:
+                            self.hits += 1
+                        return fd
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                if _try(fd, fcntl.LOCK_EX):  # none holds it: this one fetches (or finds it fetched meanwhile)
+                    if not self._present(entry):
+                        self._fetch(entry, stop)
+                    if _try(fd, fcntl.LOCK_SH) and self._present(entry):  # EX -> SH: no evictor comes between
+                        return fd
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                    continue
+                if time.monotonic() > deadline:
+                    raise ReadError(f"{entry.info.url}: another process has been fetching (or evicting) it too "
+                                    f"long (lock {self._lock_path(entry)})")
+                time.sleep(POLL_S * (0.5 + random.random()))  # two waiters do not keep meeting
+        except BaseException:
+            os.close(fd)  # closing the descriptor drops its lock
+            raise
+
+    @staticmethod
+    def unpin(fd: int) -> None:
+        os.close(fd)
+
+    def close(self) -> None:
+        """Drop the version's open lock; a private version (no ETag) no other dataset holds is removed."""
+        if self._open < 0:
+            return
+        if self.version.etag is None:
+            import shutil
+
+            if _try(self._open, fcntl.LOCK_EX):
+                shutil.rmtree(self.version.root, ignore_errors=True)
+                shutil.rmtree(self.state, ignore_errors=True)
+        os.close(self._open)
+        self._open = -1
+
+    def stats(self) -> dict[str, int]:
+        return {"fetched_bytes": self.fetched_bytes, "fetched_shards": self.fetched, "hits": self.hits,
+                "evicted_shards": self.evicted}
+
+    # -- markers -------------------------------------------------------------------------------------------
+    def _id(self, entry: Entry) -> str:
+        return os.path.join(self.state, hashlib.sha256(entry.key.encode()).hexdigest()[:24])
+
+    def _lock_path(self, entry: Entry) -> str:
+        return self._id(entry) + ".lock"
+
+    def _present(self, entry: Entry) -> bool:
+        try:
+            with open(self._id(entry) + ".ok") as f:
+                marker = json.load(f)
+        except (OSError, ValueError):
+            return False
+        return marker.get("size") == entry.info.size and marker.get("etag") == entry.info.etag
+
+    def _touch(self, entry: Entry) -> None:
+        try:
+            os.utime(self._id(entry) + ".ok")  # its last use, for the least-recently-used order
+        except OSError:
+            pass
+
+    # -- fetch ---------------------------------------------------------------------------------------------
+    def _fetch(self, entry: Entry, stop: threading.Event) -> None:
+        """Fetch the data of ``entry`` into its file, in place (holding its lock exclusively), then sync it and
+        write its marker. On any failure the data written is punched out again and no marker is written."""
+        base, need = self._id(entry), entry.data_bytes
+        fd = -1
+        try:
+            self._make_room(entry, need)
+            fd = os.open(entry.path, os.O_RDWR | os.O_CLOEXEC)
+            for lo, hi in _data_ranges(entry):
+                for offset in range(lo, hi, PIECE_BYTES):
+                    if stop.is_set():
+                        raise Stopped()
+                    data = self.client.read(entry.info, offset, min(PIECE_BYTES, hi - offset))  # pinned: If-Match
+                    _pwrite_all(fd, data, offset)
+                    with self._lock:
+                        self.fetched_bytes += len(data)
+            os.fdatasync(fd)
+            marker = {"key": entry.key, "path": entry.path, "size": entry.info.size, "etag": entry.info.etag,
+                      "data_bytes": need, "keep": [entry.keep_lo, entry.keep_hi]}
+            with self._room():  # the reservation becomes the marker at once for a scan (which reads no folder whole)
+                _write_marker(base + ".ok", marker)
+                _remove(base + ".fill")
+            with self._lock:
+                self.fetched += 1
+        except BaseException as e:
+            if fd >= 0:
+                try:
+                    _punch(fd, entry.keep_lo, entry.keep_hi, entry.info.size)
+                except OSError:
+                    pass  # no marker: it reads as absent whatever the file holds
+            if isinstance(e, OSError) and not isinstance(e, GDSLoadError):  # writing the cache failed
+                raise ReadError(f"{self.cache_dir}: cannot write {entry.info.url} into the shard cache "
+                                f"({errno.errorcode.get(e.errno or 0, 'OSError')}: {e.strerror or e}); free space "
+                                f"in the cache folder or lower cache_bytes") from None
+            raise
+        finally:
+            if fd >= 0:
+                os.close(fd)
+            _remove(base + ".fill")
+
+    def _make_room(self, entry: Entry, need: int) -> None:
+        """Reserve ``need`` bytes under the bound (a ``.fill`` file), evicting least recently used shards that
+        no one pins; CacheFull when the pinned ones leave too little."""
+        if self.cache_bytes is None:
+            return
+        if need > self.cache_bytes:
+            raise CacheFull(f"cache_bytes={self.cache_bytes} is smaller than one shard: {entry.info.url} holds "
+                            f"{need} bytes of data (raise cache_bytes to at least {need})", need, 0)
+        with self._room():
+            present, used = _scan(self.cache_dir)
+            for when, size, lock_path, marker in sorted(present):
+                if used + need <= self.cache_bytes:
+                    break
+                if self._evict(lock_path, marker):
+                    used -= size
+            if used + need > self.cache_bytes:
+                raise CacheFull(f"cache_bytes={self.cache_bytes} is too small: {entry.info.url} needs {need} bytes "
+                                f"and {used} bytes of shards are in use by the open datasets' windows (at least "
+                                f"{used + need} bytes needed at once)", need, used)
+            _write_marker(self._id(entry) + ".fill", {"size": need})
+
+    @contextlib.contextmanager
+    def _room(self) -> Iterator[None]:
+        """The cache folder's lock, held while room is reckoned and while a fetch's reservation becomes its
+        marker (a listing that runs beside a rename may see neither name); no-op without a bound."""
+        if self.cache_bytes is None:
+            yield
+            return
+        lock = os.open(os.path.join(self.cache_dir, CACHE_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # held for a scan or a rename: no fetch waits on it long
+            yield
+        finally:
+            os.close(lock)
+
+    def _evict(self, lock_path: str, marker: dict) -> bool:
+        """Evict one shard if no one holds its lock; whether it was."""
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            if not _try(fd, fcntl.LOCK_EX):
+                return False
+            _remove(lock_path[:-len(".lock")] + ".ok")  # first: from here on it reads as absent
+            try:
+                data = os.open(marker["path"], os.O_RDWR | os.O_CLOEXEC)
+            except (OSError, KeyError, TypeError):
+                return True  # its file is gone with its version
+            try:
+                lo, hi = marker["keep"]
+                _punch(data, lo, hi, marker["size"])
+            finally:
+                os.close(data)
+            with self._lock:
+                self.evicted += 1
+            return True
+        finally:
+            os.close(fd)
+
+
+def _scan(cache_dir: str) -> tuple[list[tuple[float, int, str, dict]], int]:
+    """Every present shard of the cache folder as (last use, data bytes, lock path, marker), and the bytes
+    held: present shards and fetches in progress (a ``.fill`` whose lock no one holds is stale: removed)."""
+    present, used = [], 0
+    for name in os.listdir(cache_dir):
+        if not name.endswith(STATE):
+            continue
+        folder = os.path.join(cache_dir, name)
+        try:
+            entries = os.listdir(folder)
+        except OSError:
+            continue
+        for f in entries:
+            stem, _, kind = f.rpartition(".")
+            path = os.path.join(folder, f)
+            if kind not in ("ok", "fill"):
+                continue
+            try:
+                with open(path) as fh:
+                    marker = json.load(fh)
+                size = int(marker.get("data_bytes", marker.get("size", 0))) if kind == "ok" else int(marker["size"])
+                when = os.stat(path).st_mtime
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            lock_path = os.path.join(folder, stem + ".lock")
+            if kind == "fill" and _stale(lock_path):
+                _remove(path)
+                continue
+            used += size
+            if kind == "ok":
+                present.append((when, size, lock_path, marker))
+    return present, used
+
+
+def _stale(lock_path: str) -> bool:
+    """Whether no one holds the lock (a fetch's reservation left by a process that died)."""
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return True
+    try:
+        return _try(fd, fcntl.LOCK_EX)
+    finally:
+        os.close(fd)
+
+
+def _try(fd: int, kind: int) -> bool:
+    try:
+        fcntl.flock(fd, kind | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _data_ranges(entry: Entry) -> list[tuple[int, int]]:
+    """The byte ranges of a shard file that are its data: all but what the skeleton kept (its index)."""
+    return [(a, b) for a, b in ((0, entry.keep_lo), (entry.keep_hi, entry.info.size)) if b > a]
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)  # a short write (a file size limit) is followed by the error
+        view, offset = view[n:], offset + n
+
+
+def _punch(fd: int, keep_lo: int, keep_hi: int, size: int) -> None:
+    """Free the data of a shard file, keeping ``keep_lo .. keep_hi`` (its index) and its size."""
+    for lo, hi in ((0, keep_lo), (keep_hi, size)):
+        if hi > lo and _libc.fallocate(fd, _PUNCH, ctypes.c_long(lo), ctypes.c_long(hi - lo)) != 0:
+            kept = os.pread(fd, keep_hi - keep_lo, keep_lo) if keep_hi > keep_lo else b""
+            os.ftruncate(fd, 0)  # no hole punching here: cut the file and make it whole again around its index
+            os.ftruncate(fd, size)
+            _pwrite_all(fd, kept, keep_lo)
+            return
+
+
+def _write_marker(path: str, doc: dict) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(doc, f)
+        os.replace(tmp, path)
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+

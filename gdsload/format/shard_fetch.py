@@ -1,0 +1,294 @@
+"""A remote dataset's shards fetched ahead of this rank's reads: the fetcher threads, and the waits of the reader.
+
+Threads. :class:`RemoteShards` runs up to :data:`FETCH_THREADS` ``gdsload-fetch`` threads. They take the
+windows the pipeline will submit, in plan order (:meth:`RemoteShards.expect`: block arrays, turned into the
+shard files they read by the reader's ``paths_of``, at most :data:`AHEAD_WINDOWS` ahead of the reads), and
+the shards of windows the reader waits for now (:meth:`RemoteShards.acquire`, first); each pins a shard in
+the node's cache (:class:`gdsload.format.shard_cache.ShardCache`: fetched unless present, ranged GETs of a few
+MiB) and hands the pin back here, where it is held while a window that reads the shard is ahead or in flight;
+:meth:`RemoteShards.release` (the window's reads are over) unpins what no window needs any more. A fetch error
+is kept for the shard and raised, naming the URL, by the ``acquire`` of a window that reads it. The threads
+stop with :meth:`RemoteShards.stop` (the pipeline stops: a break, an error, ``stop()``, ``close()``), which
+wakes them, waits for them (a fetch stops between two ranged reads) and unpins everything; they start again
+with the next ``expect`` or ``acquire``. No wait is unbounded: a stall is the client's timeout, a shard
+another process holds too long or no room under ``cache_bytes`` for :data:`WAIT_S` is a ReadError.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..errors import ReadError
+from .mirror import Version, open_version
+from .shard_cache import CacheFull, ShardCache, Stopped
+
+#: Windows fetched ahead of the one submitted.
+AHEAD_WINDOWS = 4
+#: Shards fetched at once.
+FETCH_THREADS = 4
+#: The longest a reader waits for a shard (beyond the client's own timeouts and retries): another process
+#: fetching it, or room under ``cache_bytes`` that the node's windows in flight hold.
+WAIT_S = 120.0
+#: How often a wait looks again at the stop event and the clock.
+POLL_S = 0.05
+
+
+class Ticket:
+    """The shards one window reads, pinned until :meth:`RemoteShards.release`; ``stopped``: the wait ended
+    because reading stops (nothing was pinned, nothing may be read)."""
+
+    def __init__(self, seq: int, paths: tuple[str, ...], stopped: bool = False):
+        self.seq, self.paths, self.stopped = seq, paths, stopped
+
+
+class RemoteShards:
+    """A remote dataset's version in the node's cache, and the fetching of its shards ahead of the reads."""
+
+    def __init__(self, version: Version, cache: ShardCache):
+        self.version, self.cache = version, cache
+        self._cv = threading.Condition()
+        self._queue: deque[tuple[int, Any]] = deque()  # windows expected, not yet acquired: (seq, blocks)
+        self._paths: dict[int, tuple[str, ...]] = {}  # of queued windows, computed as they come in reach
+        self._paths_of: Callable[[Any], tuple[str, ...]] | None = None
+        self._need: dict[str, set[int]] = {}  # shard -> the windows (seqs) ahead or in flight that read it
+        self._acquired: set[int] = set()
+        self._pins: dict[str, int] = {}  # shard -> descriptor of its pin
+        self._busy: set[str] = set()
+        self._errors: dict[str, BaseException] = {}
+        self._full_at = -1  # the seq no room was found for: windows past it are not fetched until a release
+        self._full_since: dict[str, float] = {}  # shard waited for now -> since when no room was found for it
+        self._seq = 0
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+
+    @classmethod
+    def open(cls, url: str, cache_dir: str, cache_bytes: int | None) -> RemoteShards:
+        if cache_bytes is not None and (isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int)
+                                        or cache_bytes < 1):
+            raise ValueError(f"cache_bytes must be a positive int or None (found {cache_bytes!r})")
+        version = open_version(url, os.fspath(cache_dir))
+        return cls(version, ShardCache(version, os.fspath(cache_dir), cache_bytes))
+
+    @property
+    def root(self) -> str:
+        return self.version.root
+
+    def describe(self) -> dict[str, Any]:
+        return {"url": self.version.url, "cache_dir": self.cache.cache_dir, "version": self.version.root,
+                "cache_bytes": self.cache.cache_bytes, "ahead_windows": AHEAD_WINDOWS, **self.cache.stats()}
+
+    # -- the reader's side ---------------------------------------------------------------------------------
+    def expect(self, windows: Sequence[Any], paths_of: Callable[[Any], tuple[str, ...]]) -> None:
+        """The windows (block arrays) submitted next, in order: fetched ahead, replacing any expected before."""
+        with self._cv:
+            for seq, _ in self._queue:
+                self._forget(seq)
+            self._queue.clear()
+            self._paths_of = paths_of
+            for blocks in windows:
+                self._seq += 1
+                self._queue.append((self._seq, blocks))
+            self._start()
+            self._cv.notify_all()
+
+    def acquire(self, paths: Sequence[str], stop: threading.Event) -> Ticket:
+        """Wait until the shards among ``paths`` are pinned (the next expected window's, or any: the first
+        window, the resident fields). A fetch's ReadError is raised here; a stop returns a stopped ticket."""
+        shards = tuple(sorted({p for p in paths if self.cache.entry(p) is not None}))
+        with self._cv:
+            if self._queue and self._window_paths(self._queue[0][0]) == shards:
+                seq = self._queue.popleft()[0]
+                self._paths.pop(seq, None)
+            else:
+                self._seq += 1
+                seq = self._seq
+            self._acquired.add(seq)
+            for p in shards:
+                self._need.setdefault(p, set()).add(seq)
+            ticket = Ticket(seq, shards)
+            self._start()
+            self._cv.notify_all()
+            deadline, pinned = time.monotonic() + WAIT_S, -1
+            while True:
+                failed = next((self._errors[p] for p in shards if p in self._errors), None)
+                if failed is not None:
+                    self._release(ticket)
+                    raise failed if isinstance(failed, ReadError) else ReadError(str(failed))
+                if stop.is_set() or self._stop.is_set():
+                    self._release(ticket)
+                    return Ticket(seq, (), stopped=True)
+                now = sum(p in self._pins for p in shards)
+                if now == len(shards):
+                    return ticket
+                if now > pinned:  # progress: the wait is bounded per shard, not for the whole window
+                    deadline, pinned = time.monotonic() + WAIT_S, now
+                if time.monotonic() > deadline:
+                    self._release(ticket)
+                    missing = [self.cache.entry(p).info.url for p in shards if p not in self._pins]  # type: ignore
+                    raise ReadError(f"{missing[0]}: not in the shard cache after {WAIT_S:g} s")
+                self._cv.wait(POLL_S)
+
+    def passed(self, paths: Sequence[str]) -> None:
+        """The next expected window is not read after all (its buffer holds it since the open)."""
+        shards = tuple(sorted({p for p in paths if self.cache.entry(p) is not None}))
+        with self._cv:
+            if self._queue and self._window_paths(self._queue[0][0]) == shards:
+                self._forget(self._queue.popleft()[0])
+
+    def release(self, ticket: Ticket) -> None:
+        """The window's reads are over: its shards are unpinned where no other window needs them."""
+        with self._cv:
+            self._release(ticket)
+
+    def stop(self, everything: bool = False) -> None:
+        """Stop the fetcher threads, wait for them, and unpin every shard but those of windows acquired and not
+        released (``everything``: those too). Call it once no read is in flight."""
+        with self._cv:
+            self._stop.set()
+            self._cv.notify_all()
+            threads, self._threads = self._threads, []
+        for t in threads:
+            if t is not threading.current_thread():
+                t.join()
+        with self._cv:
+            held = set() if everything else self._acquired
+            for p in list(self._pins):
+                if everything or not self._need.get(p, set()) & held:
+                    self.cache.unpin(self._pins.pop(p))
+            self._need = {p: users & held for p, users in self._need.items() if users & held}
+            self._acquired = set(held)
+            self._queue.clear()
+            self._paths.clear()
+            self._errors.clear()
+            self._busy.clear()
+            self._full_at = -1
+            self._full_since.clear()
+            self._stop = threading.Event()
+
+    def close(self) -> None:
+        self.stop(everything=True)
+        self._closed = True
+        self.cache.close()
+
+    # -- inside (with self._cv held) -----------------------------------------------------------------------
+    def _start(self) -> None:
+        if self._closed:
+            raise ReadError(f"{self.version.url}: the dataset was closed")
+        self._threads = [t for t in self._threads if t.is_alive()]
+        while len(self._threads) < FETCH_THREADS:
+            t = threading.Thread(target=self._run, args=(self._stop,), name="gdsload-fetch", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _window_paths(self, seq: int) -> tuple[str, ...]:
+        if seq not in self._paths:
+            blocks = next(b for s, b in self._queue if s == seq)
+            got = self._paths_of(blocks) if self._paths_of is not None else ()
+            self._paths[seq] = tuple(sorted({p for p in got if self.cache.entry(p) is not None}))
+        return self._paths[seq]
+
+    def _forget(self, seq: int) -> None:
+        """Window ``seq`` no longer reads anything: unpin the shards no other window needs."""
+        self._acquired.discard(seq)
+        for p in self._paths.pop(seq, ()):
+            self._drop_need(p, seq)
+
+    def _release(self, ticket: Ticket) -> None:
+        self._acquired.discard(ticket.seq)
+        for p in ticket.paths:
+            self._drop_need(p, ticket.seq)
+        self._full_at = -1  # room may have come: fetching ahead goes on
+        self._cv.notify_all()
+
+    def _drop_need(self, path: str, seq: int) -> None:
+        users = self._need.get(path)
+        if users is None:
+            return
+        users.discard(seq)
+        if not users:
+            del self._need[path]
+            fd = self._pins.pop(path, None)
+            if fd is not None:
+                self.cache.unpin(fd)
+            self._errors.pop(path, None)
+
+    def _next(self) -> tuple[str, int] | None:
+        """The next shard to pin and the first window that needs it: those waited for first, then the
+        windows ahead in order (not past one no room was found for)."""
+        def todo(p: str) -> bool:
+            return p not in self._pins and p not in self._busy and p not in self._errors
+
+        for p, users in self._need.items():
+            if todo(p) and users & self._acquired:
+                return p, min(users & self._acquired)
+        for seq, _ in list(itertools.islice(self._queue, AHEAD_WINDOWS)):
+            if 0 <= self._full_at < seq:
+                return None
+            for p in self._window_paths(seq):
+                self._need.setdefault(p, set()).add(seq)
+            for p in self._paths[seq]:
+                if todo(p):
+                    return p, seq
+        return None
+
+    def _run(self, stop: threading.Event) -> None:
+        while True:
+            with self._cv:
+                job = None
+                while not stop.is_set() and (job := self._next()) is None:
+                    self._cv.wait(POLL_S)
+                if stop.is_set():
+                    return
+                path, seq = job  # type: ignore[misc]
+                self._busy.add(path)
+                urgent = seq in self._acquired
+            try:
+                fd = self.cache.pin(path, stop, time.monotonic() + WAIT_S)
+            except Stopped:
+                return
+            except CacheFull as e:
+                with self._cv:
+                    self._busy.discard(path)
+                    wait = self._room(path, seq, urgent, e)
+                if wait:
+                    stop.wait(POLL_S)  # the windows in flight here or on the node's other ranks make room
+                continue
+            except BaseException as e:  # noqa: BLE001 - kept for the window that reads it
+                with self._cv:
+                    self._busy.discard(path)
+                    self._errors[path] = e
+                    self._cv.notify_all()
+                continue
+            with self._cv:
+                self._busy.discard(path)
+                self._full_since.pop(path, None)
+                if path in self._need and not stop.is_set():
+                    self._pins[path] = fd
+                else:
+                    self.cache.unpin(fd)
+                self._cv.notify_all()
+
+    def _room(self, path: str, seq: int, urgent: bool, e: CacheFull) -> bool:
+        """No room under ``cache_bytes`` for ``path`` (first needed by window ``seq``): unpin what only windows
+        after it need, and stop fetching ahead past it until a release. For a window waited for now, after
+        :data:`WAIT_S` without room, the CacheFull is its error. Whether to wait before trying again."""
+        later = [p for p, users in self._need.items() if p in self._pins and min(users) > seq
+                 and not users & self._acquired]
+        for p in later:
+            self.cache.unpin(self._pins.pop(p))
+        if not urgent:
+            self._full_at = seq if self._full_at < 0 else min(self._full_at, seq)
+            return False
+        first = self._full_since.setdefault(path, time.monotonic())
+        if e.pinned == 0 or time.monotonic() - first > WAIT_S:
+            self._errors[path] = e
+            self._cv.notify_all()
+            return False
+        return not later
