@@ -14,8 +14,10 @@ from hypothesis import strategies as st
 
 from gdsload.mixture.schedule import (Schedule, Stretch, exact_weights, next_counts, parse_schedule, parse_stretch,
                                       schedule_state)
+from gdsload.mixture.source import SourceStream
+from gdsload.pipeline.legs import Hop, leg_taken, rest_shares
 from gdsload.pipeline.plan import PlanConfig, epoch_plan, share_bounds
-from gdsload.pipeline.resume import StateError
+from gdsload.pipeline.resume import Fingerprint, StateError, make_state, resume
 
 NAMES = tuple("abcdef")
 weight_lists = st.lists(st.integers(0, 40), min_size=1, max_size=6).filter(any)
@@ -205,11 +207,19 @@ def test_each_rank_finds_its_epoch_and_position_from_the_samples_taken(n, world,
             epoch += 1
         assert stretch.rank_position(r, n) == (epoch, left)
         positions.append((epoch, left))
-    common, taken = stretch.common_position(n)
-    assert common == min(e for e, _ in positions)
+    common = min(e for e, _ in positions)
     in_common = [samples - (sum(np.diff(share_bounds(n, world, e))[r] for e in range(first, common)))
                  for r in range(world)]
-    assert min(in_common) == taken and max(in_common) - taken <= 1, "ranks are one sample apart at most"
+    assert max(in_common) - min(in_common) <= 1, "ranks are one sample apart at most"
+    epoch, hops = stretch.end_hop(n)  # the leg the ranks read, ended exactly where each of them stands
+    assert epoch == common
+    taken = [min(t, int(np.diff(share_bounds(n, world, common))[r])) for r, t in enumerate(in_common)]
+    if not any(taken):
+        assert hops == ()
+    else:
+        (hop,) = hops
+        sizes = np.diff(share_bounds(n, world, common)).tolist()
+        assert leg_taken(n, common, sizes, Hop(**hop)) == taken and hop["batch_size"] == 1
 
 
 def test_a_bad_stretch_is_refused_naming_the_key():
@@ -220,3 +230,96 @@ def test_a_bad_stretch_is_refused_naming_the_key():
             parse_stretch({**good, key: value}, "p")
     with pytest.raises(StateError, match="'p': expected a dict"):
         parse_stretch({**good, "extra": 1}, "p")
+
+
+# -- elastic resume of a source: every sample once per epoch, across any number of world-size changes ---------
+FP = Fingerprint({"x": "float32 ()"}, {"x": "0" * 64}, {"x": "1" * 64})
+
+
+class FakeDataset:
+    """What :meth:`SourceStream.locate` reads of a GDSDataset: its config and a state of it."""
+
+    def __init__(self, config: PlanConfig):
+        self.config = config
+
+    def state_dict(self) -> dict:
+        return make_state(self.config, FP, 0, 0)
+
+
+def read(config: PlanConfig, state: dict, skip: int, count: int) -> list[int]:
+    """The next ``count`` samples a GDSDataset of ``config`` yields after ``load_state_dict(state)``, the first
+    ``skip`` of its first batch left out, pass after pass (each pass the next epoch), as a mixture reads it."""
+    cursor = resume(json.loads(json.dumps(state)), config, FP)
+    plan = cursor.plan or epoch_plan(config, cursor.epoch)
+    ids, epoch = plan.sample_ids()[cursor.batch * config.batch_size + skip:].tolist(), cursor.epoch
+    while len(ids) < count:
+        epoch += 1
+        ids += epoch_plan(config, epoch).sample_ids().tolist()
+    return ids[:count]
+
+
+@st.composite
+def elastic_source(draw):
+    """A source (samples, per block, shuffle, seed) and legs (world size, window, batch size, samples taken
+    per rank); the second leg's cut is small, so the next resume often falls inside the dealt-out rest."""
+    n, k = draw(st.integers(1, 60)), draw(st.integers(1, 6))
+    world = st.integers(1, min(5, -(-n // k)))
+    legs = []
+    for i in range(draw(st.integers(2, 4))):
+        taken = draw(st.integers(0, 4) if i == 1 else st.integers(0, 3 * n))
+        legs.append((draw(world), draw(st.integers(1, 4)), draw(st.integers(1, 9)), taken))
+    return n, k, draw(st.booleans()), draw(st.integers(0, 99)), legs
+
+
+def check_one_apart(stretch: Stretch, n: int) -> None:
+    """Ranks that took the same count are at most one sample apart: where their epochs differ, those ahead
+    took none of theirs and those behind have one sample left."""
+    at = [stretch.rank_position(r, n) for r in range(stretch.world_size)]
+    low = min(e for e, _ in at)
+    if any(e != low for e, _ in at):
+        assert all(e == low + 1 and t == 0 for e, t in at if e != low)
+        assert all(stretch.taken(1).rank_position(r, n)[0] == low + 1 for r, (e, _) in enumerate(at) if e == low)
+
+
+@settings(max_examples=150, deadline=None)
+@given(elastic_source())
+def test_an_elastic_resume_of_a_source_reads_every_sample_once_per_epoch(case):
+    """A mixture's source read on legs of any world sizes and windows, resumed through SourceStream.locate at
+    any sample (often twice inside one dealt-out rest): every sample of every epoch exactly once across ranks,
+    none skipped, none repeated (each read is put in its rank's epoch by Stretch.rank_position), and the ranks
+    a sample apart at most after every sample."""
+    n, k, shuffle, seed, legs = case
+    reads: dict[int, list[int]] = {}
+    stretch = None
+    for world, window, batch, taken in legs:
+        starts = []
+        for r in range(world):
+            cfg = PlanConfig(num_samples=n, samples_per_block=k, batch_size=batch, window_blocks=window,
+                             shuffle=shuffle, seed=seed, rank=r, world_size=world, exact_shares=True)
+            source = SourceStream("s", FakeDataset(cfg), {})
+            state, skip, start = ((make_state(cfg, FP, 0, 0), 0, source.stretch) if stretch is None
+                                  else source.locate(parse_stretch(json.loads(json.dumps(stretch.as_dict())), "p")))
+            for i, sample in enumerate(read(cfg, state, skip, taken)):
+                reads.setdefault(start.taken(i).rank_position(r, n)[0], []).append(sample)
+            starts.append(start)
+        assert all(s == starts[0] for s in starts), "every rank makes the same stretch of it"
+        for i in range(taken + 1):
+            check_one_apart(starts[0].taken(i), n)
+        stretch = starts[0].taken(taken)
+    done = min(stretch.rank_position(r, n)[0] for r in range(stretch.world_size))
+    for epoch in range(max(reads, default=-1) + 1):
+        got = sorted(reads.get(epoch, []))
+        if epoch < done:
+            assert got == list(range(n)), f"epoch {epoch}: every sample once"
+        else:
+            assert len(set(got)) == len(got), f"epoch {epoch}: nothing twice"
+
+
+def test_rest_shares_continue_the_exact_shares_of_later_epochs():
+    """A dealt-out rest is cut as the exact shares of one stream ending where the epoch ends: with the later
+    epochs' shares, every rank holds as many samples as the others up to one, over any run."""
+    for n, world, epoch, rest in [(10, 3, 0, 7), (53, 4, 2, 1), (17, 5, 1, 17), (9, 2, 0, 0)]:
+        sizes = np.array([rest_shares(n, world, epoch, rest)]
+                         + [np.diff(share_bounds(n, world, e)) for e in range(epoch + 1, epoch + 6)])
+        assert sizes[0].sum() == rest and np.ptp(sizes.cumsum(axis=0), axis=1).max() <= 1
+        assert rest_shares(n, world, epoch, n) == np.diff(share_bounds(n, world, epoch)).tolist()

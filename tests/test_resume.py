@@ -22,7 +22,9 @@ from _helpers import labelled
 from gdsload import GDSDataset
 from gdsload.pipeline.plan import PlanConfig, epoch_plan
 from gdsload.pipeline.cursor import Cursor
-from gdsload.pipeline.resume import MAX_HOPS, Fingerprint, Hop, StateError, leg_plans, make_state, merge_states, resume
+from gdsload.pipeline.legs import rest_shares
+from gdsload.pipeline.resume import (HOP_KEYS, MAX_HOPS, Fingerprint, Hop, StateError, leg_plans, make_state,
+                                     merge_states, resume)
 
 Dataset = functools.partial(GDSDataset, backend="cpu", resident_bytes=32 << 10)  # "idx" resident, "x" windowed
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -716,3 +718,89 @@ def test_exact_shares_is_part_of_the_state_and_every_rank_resumes_its_last_batch
     assert counts[0] != counts[1]  # 41 samples in shares of 20 and 21: 5 and 6 batches of 4
     with Dataset(path, batch_size=4, world_size=2, rank=0) as ds, pytest.raises(StateError, match="exact_shares"):
         ds.load_state_dict(state)
+
+
+# -- exact shares: the rest dealt out without padding, nothing read twice -----------------------------------
+@st.composite
+def exact_epochs(draw):
+    n = draw(st.integers(1, 200))
+    k = draw(st.integers(1, 10))
+    world = st.integers(1, min(-(-n // k), 5))
+    legs = [(draw(world), draw(st.integers(1, 30)), draw(st.integers(1, 5)), draw(st.integers(0, 9)))
+            for _ in range(draw(st.integers(1, 3)))]
+    legs.append((draw(world), draw(st.integers(1, 30)), draw(st.integers(1, 5)), None))
+    return n, k, draw(st.integers(0, 99)), draw(st.booleans()), legs
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@given(exact_epochs())
+def test_exact_shares_read_every_sample_once_over_legs(case):
+    """GDSDataset(exact_shares=True) plans resumed on any world sizes, batch sizes and windows, cut anywhere
+    (ranks yielding the same batches, or all they hold): the epoch's samples exactly once, none padded, and
+    each dealt-out rest cut in the shares of one continuous stream (sizes a sample apart at most)."""
+    n, k, seed, shuffle, legs = case
+    state, got, epoch = None, [], 2
+    for world, b, w, take in legs:
+        plans, starts, hops = [], set(), set()
+        for r in range(world):
+            cfg = PlanConfig(num_samples=n, samples_per_block=k, batch_size=b, window_blocks=w, shuffle=shuffle,
+                             seed=seed, rank=r, world_size=world, exact_shares=True)
+            cursor = Cursor(epoch) if state is None else resume(state, cfg, FP)
+            plans.append(cursor.plan or epoch_plan(cfg, epoch))
+            starts.add(cursor.batch)
+            hops.add(cursor.hops)
+        (start,), (hop,) = starts, hops
+        lengths = [len(p.positions) for p in plans]
+        if hop and start == 0:
+            assert lengths == rest_shares(n, world, epoch, sum(lengths)), "no padding: the shares of a stream"
+        assert all(h.shift == 0 for h in hop)
+        stop = max(p.num_batches for p in plans) if take is None else start + take
+        stop = min(stop, max(p.num_batches for p in plans))
+        for p in plans:  # a rank holding fewer batches has yielded them all
+            got.extend(p.sample_ids()[start * b:stop * b].tolist())
+        state = json.loads(json.dumps(make_state(plans[0].config, FP, epoch, stop, hop)))
+        assert state["state_format"] == 3 and all(set(h) == {*HOP_KEYS, "shift"} for h in state["hops"])
+    assert sorted(got) == list(range(n)), "every sample of the epoch exactly once"
+
+
+@pytest.mark.parametrize("legs, opts", [
+    ([(3, {}, 4), (2, {}, None)], {"batch_size": 16, "shuffle": True, "seed": 3}),
+    ([(2, {}, 5), (5, {"batch_size": 8}, 3), (3, {"window_blocks": 1}, None)], {"batch_size": 16, "shuffle": True}),
+    ([(4, {"window_blocks": 4}, 3), (1, {"window_blocks": 2, "batch_size": 50}, None)], {"batch_size": 10}),
+])
+def test_exact_shares_dataset_resumes_on_other_ranks_reading_nothing_twice(data_path, legs, opts):
+    """GDSDataset(exact_shares=True) on the cpu backend, resumed on other numbers of ranks: the union of every
+    leg is the epoch, every sample exactly once (no padding), and the epoch after is a fresh run's."""
+    path, data = data_path
+    per_leg, last = run_elastic(path, data, legs, exact_shares=True, **opts)
+    got = np.concatenate([np.concatenate(x) for x in per_leg])
+    assert sorted(got.tolist()) == list(range(997)), "every sample once"
+    for cfg, ids in last:
+        np.testing.assert_array_equal(ids, epoch_plan(cfg, 2).sample_ids())
+
+
+def test_exact_shares_states_have_their_own_format(make_dataset):
+    """An exact-shares state is of format 3, its hops with a 'shift'; one of format 2 resumes where it has no
+    hops (it means what it meant) and is refused, naming the reason, inside a rest dealt out with padding."""
+    path = make_dataset(labelled(41), samples_per_block=2)
+    opened = functools.partial(Dataset, path, batch_size=4, exact_shares=True)
+    with opened(world_size=2, rank=0) as ds:
+        next(iter(ds))
+        state = ds.state_dict()
+    assert state["state_format"] == 3 and state["hops"] == []
+    with opened(world_size=3, rank=1) as ds:
+        ds.load_state_dict(state)
+        resumed = ds.state_dict()
+        with opened(world_size=3, rank=1) as again:
+            again.load_state_dict({**state, "state_format": 2})  # no hops: the same meaning
+            assert again.state_dict() == resumed
+    assert resumed["hops"] == [{"world_size": 2, "batch_size": 4, "window_blocks": state["window_blocks"],
+                                "batches": 1, "shift": 0}]
+    for bad, match in [({"state_format": 2}, r"'state_format': 2 with exact_shares and hops"),
+                       ({"state_format": 4}, r"'state_format': expected 3 \(or 2 without hops\)"),
+                       ({"hops": [{**resumed["hops"][0], "shift": 2}]}, r"'hops\[0\].shift': expected an int from 0 "
+                                                                         r"to 1"),
+                       ({"hops": [{k: v for k, v in resumed["hops"][0].items() if k != "shift"}]},
+                        r"'hops\[0\]' lacks \['shift'\]")]:
+        with opened(world_size=3, rank=1) as ds, pytest.raises(StateError, match=match):
+            ds.load_state_dict({**resumed, **bad})

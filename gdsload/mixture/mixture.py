@@ -21,19 +21,23 @@ from typing import Any
 
 from .._tasks import Closing
 from ..backends import info
+from ..backends.registry import NAMES
 from ..dataset import GDSDataset
 from ..errors import GDSLoadError
 from ..integrations import LoaderProtocols, refuse_worker
-from .source import SOURCE_KEY, SourceStats, SourceStream, assemble, leg_samples
+from .assemble import SOURCE_KEY, Joiners, assemble
+from .source import SourceStats, SourceStream
 from .schedule import (Schedule, Stretch, exact_weights, next_counts, parse_schedule, parse_stretch, schedule_state,
                        state_int)
 from ..options import check_int, field_names, rank_and_world
 from ..pipeline.resume import StateError
 
-MIXTURE_FORMAT = 1  # bumped when the state's keys or the schedule change meaning
+MIXTURE_FORMAT = 2  # bumped when the state's keys or the schedule change meaning
+PADDED_REST_FORMAT = 1  # before: a position with hops read a padded rest; one without means what it means now
 STATE_KEYS = ("mixture_format", "step", "seed", "batch_size", "whole_batches", "sources", "schedule", "positions",
               "datasets", "rank", "world_size")
 FINGERPRINT_KEYS = ("num_samples", "samples_per_block", "shuffle", "seed", "fields", "index_sha256", "content_sha256")
+MIN_THREADS = 2  # reader threads a source's own pool keeps when the mixture shares them out
 MIXTURE_OPTIONS = ("rank", "world_size", "exact_shares", "drop_last")  # the mixture's, the same for every source
 
 
@@ -107,6 +111,7 @@ class Mixture(LoaderProtocols, Closing):
         self.whole_batches = bool(whole_batches)
         self.rank, self.world_size = rank_and_world(rank, world_size)
         self._closed = False
+        self._join = Joiners()
         specs = _source_specs(sources, options)
         self.sources = tuple(specs)
         self._sources: list[SourceStream] = []
@@ -239,7 +244,7 @@ class Mixture(LoaderProtocols, Closing):
         counts, schedule = next_counts(self._schedule, unit, self.seed)
         if self.whole_batches:
             counts = tuple(c * s.ds.config.batch_size for c, s in zip(counts, self._sources))
-        batch = assemble([(s, s.take(c)) for s, c in zip(self._sources, counts)])
+        batch = assemble([(s, s.take(c)) for s, c in zip(self._sources, counts)], self._join)
         self._stats.bytes = sum(s.stats.bytes for s in self._sources)
         self._schedule, self._step = schedule, self._step + 1
         self._stats.batches += 1
@@ -253,12 +258,15 @@ class Mixture(LoaderProtocols, Closing):
 
     def stop(self) -> None:
         """End every source's current pass (their reader threads stop); the next pass goes on from here."""
+        self._join.drain()  # no copy still reads a source's batch when its pipeline goes
         for s in self._sources:
             s.park()
 
     def close(self) -> None:
         """Close every source's dataset (threads, buffers, files). Idempotent."""
         self._closed = True
+        if hasattr(self, "_join"):
+            self._join.drain()
         for s in getattr(self, "_sources", []):
             s.drop()
             s.ds.close()
@@ -285,7 +293,9 @@ class Mixture(LoaderProtocols, Closing):
         a source whose data differs."""
         if not isinstance(state, Mapping):
             raise TypeError(f"a mixture state must be a dict from Mixture.state_dict(), found {type(state).__name__}")
-        if sorted(state) != sorted(STATE_KEYS) or state["mixture_format"] != MIXTURE_FORMAT:
+        fmt = state.get("mixture_format")
+        if sorted(state) != sorted(STATE_KEYS) or isinstance(fmt, bool) or fmt not in (MIXTURE_FORMAT,
+                                                                                       PADDED_REST_FORMAT):
             raise StateError(f"state keys: expected {list(STATE_KEYS)} with mixture_format {MIXTURE_FORMAT} (a state "
                              f"from Mixture.state_dict() of this gdsload version), found {sorted(state)}")
         if not isinstance(state["sources"], (list, tuple)) or list(state["sources"]) != list(self.sources):
@@ -305,20 +315,24 @@ class Mixture(LoaderProtocols, Closing):
             if not isinstance(state[key], Mapping) or sorted(state[key]) != sorted(self.sources):
                 raise StateError(f"state key '{key}': expected a dict keyed by the sources {list(self.sources)}, "
                                  f"found {state[key]!r}"[:300])
+        if fmt == PADDED_REST_FORMAT:  # its positions without hops mean what they mean now
+            padded = [n for n, p in state["positions"].items() if isinstance(p, Mapping) and p.get("hops")]
+            if padded:
+                raise StateError(f"state key 'positions[{padded[0]!r}]': a position of "
+                                 f"mixture_format {PADDED_REST_FORMAT} inside the rest of an epoch dealt out with "
+                                 "padding (an earlier gdsload's), which this version deals out without: its samples "
+                                 "are not this version's (resume it with the version that saved it, or from a state "
+                                 f"outside such an epoch; expected mixture_format {MIXTURE_FORMAT})")
         plans = [self._resume_plan(s, state) for s in self._sources]
         for s, (gds_state, skip, stretch) in zip(self._sources, plans):
             s.drop()
             s.ds.load_state_dict(gds_state)
-            if stretch is None:  # another world size or window: a new stretch from what the dataset made of it
-                hops = tuple(s.ds.state_dict()["hops"])
-                stretch = Stretch(gds_state["epoch"], hops, s.ds.config.world_size, s.ds.config.window_blocks, 0)
             s.stretch, s.skip = stretch, skip
-            s.leg_samples = leg_samples(s.ds, stretch) if stretch.hops else 0
         self._schedule, self._step = schedule, step
 
-    def _resume_plan(self, s: SourceStream, state: Mapping[str, Any]) -> tuple[dict[str, Any], int, Stretch | None]:
+    def _resume_plan(self, s: SourceStream, state: Mapping[str, Any]) -> tuple[dict[str, Any], int, Stretch]:
         """For source ``s``: the GDSDataset state to load, the samples of its first batch already taken, and
-        its stretch (None: another world size or window, so the dataset deals out the rest of the epoch)."""
+        its stretch from there (under another world size or window, the one dealing out the rest of the epoch)."""
         where = f"datasets[{s.name!r}]"
         saved, now = state["datasets"].get(s.name), _fingerprint(s.ds)
         if not isinstance(saved, Mapping) or sorted(saved) != sorted(FINGERPRINT_KEYS):
@@ -386,7 +400,26 @@ def _source_specs(sources: Any, options: dict[str, Any]) -> dict[str, tuple[Any,
             raise ValueError(f"source {name!r}: field {SOURCE_KEY!r} would hide the mixture's source index (rename "
                              f"it: fields={{'{SOURCE_KEY}': 'other name'}})")
         specs[name] = (path, fields, rename, kwargs)
+    _share_threads(specs)
     return specs
+
+
+def _share_threads(specs: dict[str, tuple[Any, Any, dict[str, str], dict]]) -> None:
+    """Sources whose backend starts reader threads of its own (``BackendInfo.threads``, sized for a process
+    reading one dataset) split that default between them equally, unless their options set ``num_threads``:
+    several full pools on the same cores would fight over them, while the bytes to read are those of one."""
+    own = {}
+    for name, (_, _, _, kwargs) in specs.items():
+        backend, options = kwargs.get("backend", "auto"), kwargs.get("backend_options") or {}
+        if isinstance(backend, str) and backend in NAMES and isinstance(options, Mapping) \
+                and info(backend).threads is not None and "num_threads" not in options:
+            own[name] = backend
+    if len(own) < 2:
+        return
+    for name, backend in own.items():
+        kwargs = specs[name][3]
+        share = max(MIN_THREADS, info(backend).threads() // len(own))  # type: ignore[misc]
+        kwargs["backend_options"] = {**(kwargs.get("backend_options") or {}), "num_threads": share}
 
 
 def _named(error: BaseException, message: str) -> BaseException:

@@ -19,12 +19,13 @@ taken alone, but not from one batch to the next: its counts can fall (the Alabam
 **Positions.** A source read by a mixture splits every epoch into ranks' shares of samples
 (``PlanConfig.exact_shares``), so ranks, which all take the same counts, may be up to one sample apart in their
 epochs. A source's position is therefore the same on every rank: a :class:`Stretch` (the samples each rank took
-since a start all ranks shared), from which each rank works out its own epoch and position.
+since a start all ranks shared), from which each rank works out its own epoch and position, exact to the sample;
+so a resume on another number of ranks can close the old ranks' leg where each of them stood
+(:meth:`Stretch.end_hop`) and deal out exactly what none of them took.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from typing import Any
 
 from numpy.random import default_rng
 
+from ..pipeline.legs import Hop, rest_after
 from ..pipeline.resume import StateError
 
 
@@ -124,7 +126,7 @@ def next_counts(schedule: Schedule, unit: int, seed: int) -> tuple[tuple[int, ..
                          f"the weights (expected counts from Mixture.state_dict())")
     for _, _, i in sorted(optional)[:room]:
         after[i] += 1
-    return tuple(a - c for a, c in zip(after, counts)), dataclasses.replace(schedule, counts=tuple(after))
+    return tuple(a - c for a, c in zip(after, counts)), Schedule(schedule.start, schedule.weights, tuple(after))
 
 
 def schedule_state(schedule: Schedule, names: Sequence[str]) -> dict[str, Any]:
@@ -170,14 +172,16 @@ def state_int(value: Any, key: str, lo: int, hi: int | None = None) -> int:
 # -- where a source stands ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Stretch:
-    """A source's position, the same on every rank: ``samples`` taken per rank since the stretch began at
-    the start of ``epoch`` (every rank at once) under ``world_size`` and ``window_blocks``.
+    """A source's position, the same on every rank: ``samples`` taken per rank since the stretch began, in
+    ``epoch``, under ``world_size`` and ``window_blocks``, every rank reading in exact shares
+    (``PlanConfig.exact_shares``).
 
-    Without ``hops`` the stretch reads whole epochs in exact shares (``PlanConfig.exact_shares``), and each
-    rank's own epoch and position follow from ``samples`` (:meth:`rank_position`). With ``hops`` (the
-    GDSDataset hop dicts of the legs ``epoch`` was read in before, see gdsload/resume.py) it first reads the
-    rest of ``epoch``, dealt out after an elastic resume: equally long on every rank, so all finish it
-    together and go on into a stretch without hops at ``epoch + 1``."""
+    Without ``hops`` the stretch begins at the start of ``epoch`` and reads whole epochs. With ``hops`` (the
+    GDSDataset hop dicts of the legs ``epoch`` was read in before, gdsload/pipeline/legs.py) it begins with the
+    rest of ``epoch`` dealt out after an elastic resume, in shares sized as the exact shares of one continuous
+    stream (:func:`gdsload.pipeline.legs.rest_shares`): each rank reads its own part of the rest and begins
+    ``epoch + 1`` at once, no rank padded. Either way rank r's epochs follow from ``samples`` alone
+    (:meth:`rank_position`), and ranks are at most one sample apart."""
 
     epoch: int
     hops: tuple[dict[str, int], ...]
@@ -185,30 +189,50 @@ class Stretch:
     window_blocks: int
     samples: int
 
-    def rank_position(self, rank: int, num_samples: int) -> tuple[int, int]:
-        """(epoch, samples of it taken) of ``rank`` in a stretch without hops; a share used up counts as the
-        start of the next epoch. Rank r's shares are :func:`gdsload.pipeline.plan.share_bounds`', so it began epoch e
-        ``((e N + r) // W) - ((epoch N + r) // W)`` samples into the stretch."""
+    def _base(self, rank: int, num_samples: int) -> tuple[int, int]:
+        """(``rank``'s samples in ``epoch``, its count in the stream of epochs where the stretch begins): the
+        stream of epochs cut in exact shares, in which the stretch begins at sample :meth:`_start`."""
         n, w = num_samples, self.world_size
-        base = (self.epoch * n + rank) // w
+        base = (self._start(n) + rank) // w
+        return ((self.epoch + 1) * n + rank) // w - base, base
+
+    def _start(self, num_samples: int) -> int:
+        """Where the stretch begins in the virtual stream of epochs (epoch e's sample i at ``e N + i``)."""
+        n = num_samples
+        return (self.epoch + 1) * n - (rest_after(n, self.epoch, [Hop(**h) for h in self.hops]) if self.hops else n)
+
+    def rank_position(self, rank: int, num_samples: int) -> tuple[int, int]:
+        """(epoch, samples of it taken) of ``rank``, exact to the sample; a share used up counts as the start of
+        the next epoch. In ``epoch`` the samples taken are those of the stretch's first part (the dealt-out rest,
+        with hops); rank r begins a later epoch e ``(e N + r) // W - ((epoch + 1) N - rest + r) // W`` samples
+        into the stretch (:func:`gdsload.pipeline.plan.share_bounds`)."""
+        n, w = num_samples, self.world_size
+        first, base = self._base(rank, n)
+        if self.samples < first:
+            return self.epoch, self.samples
         epoch = ((self.samples + base + 1) * w - rank - 1) // n
         return epoch, self.samples - ((epoch * n + rank) // w - base)
 
-    def common_position(self, num_samples: int) -> tuple[int, int]:
-        """(epoch, samples of it taken) that every rank has reached in a stretch without hops: the earliest
-        epoch any rank is in, and the fewest samples of it any rank took. Ranks are at most one sample apart,
-        so a rank took at most one sample more than this of that epoch, or none of the next."""
-        first = min(self.rank_position(r, num_samples)[0] for r in range(self.world_size))
-        base = [(self.epoch * num_samples + r) // self.world_size for r in range(self.world_size)]
-        return first, min(self.samples - ((first * num_samples + r) // self.world_size - base[r])
-                          for r in range(self.world_size))
+    def end_hop(self, num_samples: int) -> tuple[int, tuple[dict[str, int], ...]]:
+        """The epoch every rank is in or past, and its legs when the stretch ends there: its hops, and the leg
+        read since (as a hop of batches of one sample, ``shift`` saying which ranks took one fewer), so that the
+        rest of that epoch is exactly what no rank took (nothing read twice). No leg is added where no rank took
+        a sample of that epoch."""
+        n, w = num_samples, self.world_size
+        epoch = min(self.rank_position(r, n)[0] for r in range(w))
+        if epoch == self.epoch:
+            hops, batches, shift = self.hops, self.samples, 0
+        else:  # a later epoch, its first leg: the stretch began e N - start samples of the stream before it,
+            # `ahead` rounds of a sample per rank and `shift` more, one each for `shift` ranks (legs.lags)
+            ahead, shift = divmod(epoch * n - self._start(n), w)
+            hops, batches = (), self.samples - ahead
+        if batches:
+            hops = (*hops, Hop(w, 1, self.window_blocks, batches, shift).as_dict(True))
+        return epoch, tuple(hops)
 
     def taken(self, n: int) -> Stretch:
-        return dataclasses.replace(self, samples=self.samples + n)
-
-    def next_epoch(self) -> Stretch:
-        """The stretch after this one's rest of an epoch (with hops) is read."""
-        return Stretch(self.epoch + 1, (), self.world_size, self.window_blocks, 0)
+        # Called for every slice of every batch: made directly, which costs a fraction of dataclasses.replace.
+        return Stretch(self.epoch, self.hops, self.world_size, self.window_blocks, self.samples + n)
 
     def as_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "hops": [dict(h) for h in self.hops], "world_size": self.world_size,

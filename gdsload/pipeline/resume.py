@@ -1,29 +1,19 @@
-"""Resume state: what a checkpoint holds, how it is checked, and the plan of a partly read epoch (pure numpy).
+"""Resume state: what a checkpoint holds, how it is checked, and where a resumed rank continues.
 
 An epoch is read in *legs*: a leg runs under one set of (world_size, batch_size, window_blocks); a resume
 under other values ends the leg and starts the next one, recorded as a *hop*. The state holds the epoch,
 the batches each rank yielded in the current leg, and one small hop per earlier leg of the epoch — never a
-sample list: every leg's plans are recomputed from the config, as the first leg's always were.
+sample list: every leg's plans are recomputed from the config, as the first leg's always were. How the rest
+of an epoch is dealt out to the next leg is :mod:`gdsload.pipeline.legs`; docs/multi-gpu.md gives the state
+format and a worked example.
 
-The next leg's plans are built from what the last one left: each old rank's stream positions not yet
-consumed (padding excluded), concatenated rank after rank. That is the epoch's global order — ranks split
-the block order into consecutive shares, so rank 0's stream precedes rank 1's — and the new ranks split it
-again into consecutive shares of equal size (a block on a boundary is read by both ranks, each taking its
-own samples). Every unconsumed sample thus lands in exactly one new rank's stream; ranks are padded to equal
-length (or, with ``drop_last``, the tail of the remainder is dropped) as a fresh epoch does. Each share is
-read in windows of at most ``window_blocks`` blocks: the rests of old windows, packed in order, an old
-window split only when it holds more blocks than a new window may, and every window taking its samples in
-their old order. A window may pick only some samples of a block (``EpochPlan.positions`` names each one).
-
-Padding and dropping per leg: without ``drop_last`` a leg repeats at most ``world_size - 1`` samples (the
-shorter ranks repeat samples of their own last window; a rank left with none, the remainder's last sample);
-with ``drop_last`` it drops fewer than ``world_size * batch_size`` of the remainder's last samples. Later
-epochs are planned afresh. docs/multi-gpu.md gives the state format and a worked example.
+States of datasets read in exact shares have their own format (:data:`EXACT_FORMAT`): their hops carry a
+``shift`` and their rest is dealt out without padding, so an older exact-shares state in the middle of a
+dealt-out rest (its hops padded) is refused; one without hops means what it meant and resumes.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -33,13 +23,15 @@ import numpy as np
 
 from .cursor import Cursor
 from ..errors import GDSLoadError, warn
-from .plan import EpochPlan, PlanConfig, block_sizes, epoch_plan
+from .legs import Hop, RankPlan, first_leg, most_batches, next_leg
+from .plan import EpochPlan, PlanConfig, epoch_plan
 
 if TYPE_CHECKING:
     from ..format.layout import DatasetLayout
     from ..format.meta import DatasetMeta
 
 STATE_FORMAT = 2  # bumped whenever the state's keys or the plan functions change meaning
+EXACT_FORMAT = 3  # a state under exact_shares: hops with a 'shift', the rest dealt out without padding
 CONTENT_FREE_FORMAT = 1  # before content_sha256: the same plans; resumed, warning that the content is unchecked
 MAX_HOPS = 64  # legs one epoch may be read in: a checkpoint stays small whatever a job does
 STATE_KEYS = ("state_format", "epoch", "batches_yielded", "hops", "num_samples", "samples_per_block", "batch_size",
@@ -47,21 +39,12 @@ STATE_KEYS = ("state_format", "epoch", "batches_yielded", "hops", "num_samples",
               "content_sha256", "exact_shares")
 CONTENT_FREE_KEYS = STATE_KEYS[:-2]  # the keys of a state of CONTENT_FREE_FORMAT (exact_shares: False)
 HOP_KEYS = ("world_size", "batch_size", "window_blocks", "batches")
+EXACT_HOP_KEYS = (*HOP_KEYS, "shift")  # the hops of an EXACT_FORMAT state
 FIXED_KEYS = ("num_samples", "samples_per_block", "shuffle", "seed", "drop_last", "exact_shares")  # fixed per epoch
 
 
 class StateError(GDSLoadError, ValueError):
     """A resume state that is malformed, or does not fit the dataset it is loaded into."""
-
-
-@dataclass(frozen=True)
-class Hop:
-    """An earlier leg of the epoch: the settings it ran under and the batches every rank took in it."""
-
-    world_size: int
-    batch_size: int
-    window_blocks: int
-    batches: int
 
 
 @dataclass(frozen=True)
@@ -119,8 +102,9 @@ def make_state(config: PlanConfig, fp: Fingerprint, epoch: int, batches_yielded:
                hops: Sequence[Hop] = ()) -> dict[str, Any]:
     """The state of a rank that has yielded ``batches_yielded`` batches of the current leg of ``epoch``
     (plain ints, bools, strings, lists and dicts: it survives JSON and ``torch.save``)."""
-    state: dict[str, Any] = {"state_format": STATE_FORMAT, "epoch": int(epoch), "batches_yielded": int(batches_yielded),
-                             "hops": [dataclasses.asdict(h) for h in hops]}
+    exact = config.exact_shares
+    state: dict[str, Any] = {"state_format": EXACT_FORMAT if exact else STATE_FORMAT, "epoch": int(epoch),
+                             "batches_yielded": int(batches_yielded), "hops": [h.as_dict(exact) for h in hops]}
     for key in ("num_samples", "samples_per_block", "batch_size", "window_blocks", "shuffle", "seed", "drop_last",
                 "rank", "world_size"):
         state[key] = getattr(config, key)
@@ -176,26 +160,39 @@ def parse_state(state: Any, num_blocks: int | None = None) -> SavedState:
         raise TypeError(f"a resume state must be a dict from GDSDataset.state_dict(), found {type(state).__name__}")
     content_free = state.get("state_format") == CONTENT_FREE_FORMAT and not isinstance(state["state_format"], bool)
     _keys(state, CONTENT_FREE_KEYS if content_free else STATE_KEYS, "state")
-    if state["state_format"] != STATE_FORMAT and not content_free:
+    exact = not content_free and isinstance(state["exact_shares"], (bool, np.bool_)) and bool(state["exact_shares"])
+    fmt = state["state_format"]
+    if exact and fmt == STATE_FORMAT and not isinstance(fmt, bool) and state["hops"]:
+        raise StateError(f"state key 'state_format': {STATE_FORMAT} with exact_shares and hops: saved by an earlier "
+                         "gdsload inside the rest of an epoch dealt out with padding, which this version deals out "
+                         "without, so its batches are not this version's (resume it with the version that saved it, "
+                         f"or from a state outside such an epoch; expected {EXACT_FORMAT})")
+    if exact and (fmt not in (EXACT_FORMAT, STATE_FORMAT) or isinstance(fmt, bool)):
+        raise StateError(f"state key 'state_format': expected {EXACT_FORMAT} (or {STATE_FORMAT} without hops) with "
+                         f"exact_shares, found {fmt!r} (saved by another gdsload version, whose plans may differ)")
+    if not exact and fmt != STATE_FORMAT and not content_free:
         raise StateError(f"state key 'state_format': expected {STATE_FORMAT} (or {CONTENT_FREE_FORMAT}), found "
-                         f"{state['state_format']!r} (saved by another gdsload version, whose plans may differ)")
+                         f"{fmt!r} (saved by another gdsload version, whose plans may differ)")
+    hop_keys = EXACT_HOP_KEYS if exact and fmt == EXACT_FORMAT else HOP_KEYS
     max_world = num_blocks if num_blocks is not None else None
     world_why = "the dataset's blocks" if max_world is not None else ""
     world_size = _int(state["world_size"], "world_size", 1, max_world, world_why)
     raw_hops = state["hops"]
     if not isinstance(raw_hops, (list, tuple)) or len(raw_hops) > MAX_HOPS:
-        raise StateError(f"state key 'hops': expected a list of at most {MAX_HOPS} dicts with keys {list(HOP_KEYS)}, "
+        raise StateError(f"state key 'hops': expected a list of at most {MAX_HOPS} dicts with keys {list(hop_keys)}, "
                          f"found {raw_hops!r}"[:400])
     hops = []
     for i, h in enumerate(raw_hops):
         where = f"hops[{i}]"
         if not isinstance(h, Mapping):
-            raise StateError(f"state key '{where}': expected a dict with keys {list(HOP_KEYS)}, found {h!r}")
-        _keys(h, HOP_KEYS, f"state key '{where}'")
-        hops.append(Hop(_int(h["world_size"], f"{where}.world_size", 1, max_world, world_why),
-                        _int(h["batch_size"], f"{where}.batch_size", 1),
+            raise StateError(f"state key '{where}': expected a dict with keys {list(hop_keys)}, found {h!r}")
+        _keys(h, hop_keys, f"state key '{where}'")
+        hop_world = _int(h["world_size"], f"{where}.world_size", 1, max_world, world_why)
+        shift = (_int(h["shift"], f"{where}.shift", 0, hop_world - 1, "below that leg's world_size")
+                 if "shift" in hop_keys else 0)
+        hops.append(Hop(hop_world, _int(h["batch_size"], f"{where}.batch_size", 1),
                         _int(h["window_blocks"], f"{where}.window_blocks", 1),
-                        _int(h["batches"], f"{where}.batches", 1, None, "batches taken in that leg")))
+                        _int(h["batches"], f"{where}.batches", 1, None, "batches taken in that leg"), shift))
     fields = _str_dict(state["fields"], "fields")
     hashes = {}
     for key in ("index_sha256",) if content_free else ("index_sha256", "content_sha256"):
@@ -278,9 +275,9 @@ def resume(state: Any, config: PlanConfig, fp: Fingerprint) -> Cursor:
         raise StateError(f"state key 'hops': epoch {saved.epoch} was already read in {MAX_HOPS + 1} legs, the most "
                          "a state records; finish it under the settings it was saved with "
                          f"(world_size, batch_size, window_blocks = {saved.leg})")
-    hops = (*saved.hops, Hop(*saved.leg, saved.batches_yielded))
-    rest = _remaining(legs, saved.batches_yielded * saved.batch_size, config.samples_per_block)
-    return Cursor(saved.epoch, 0, hops, _deal(rest, config)[config.rank].plan, fixed=True)
+    hop = Hop(*saved.leg, saved.batches_yielded)
+    plans = next_leg(config, saved.epoch, legs, hop, now)
+    return Cursor(saved.epoch, 0, (*saved.hops, hop), plans[config.rank].plan, fixed=True)
 
 
 def merge_states(states: Sequence[Any]) -> dict[str, Any]:
@@ -306,7 +303,7 @@ def merge_states(states: Sequence[Any]) -> dict[str, Any]:
     return {**ref, "rank": 0}
 
 
-# -- the plan of a resumed leg --------------------------------------------------------------------------
+# -- the plans of the legs ------------------------------------------------------------------------------
 def resumed_plan(config: PlanConfig, epoch: int, hops: Sequence[Hop] = ()) -> EpochPlan:
     """``config.rank``'s plan of the leg of ``epoch`` that follows ``hops`` (the ordinary plan without)."""
     if not hops:
@@ -321,130 +318,15 @@ def leg_plans(config: PlanConfig, epoch: int, hops: Sequence[Hop] = ()) -> list[
                                                                    config.window_blocks))]
 
 
-@dataclass(frozen=True)
-class _RankPlan:
-    plan: EpochPlan
-    real: int  # stream positions before the padding (every one a different sample)
-
-
-@dataclass(frozen=True)
-class _Rest:
-    """The unconsumed samples of a leg, in order: each one's id, the old window it was read in (numbered
-    across ranks, non-decreasing) and its block's position in that window."""
-
-    ids: np.ndarray
-    window: np.ndarray
-    position: np.ndarray
-
-
-def _leg_config(base: PlanConfig, world_size: int, batch_size: int, window_blocks: int, rank: int) -> PlanConfig:
-    return dataclasses.replace(base, world_size=world_size, batch_size=batch_size, window_blocks=window_blocks,
-                               rank=rank)
-
-
-def _legs(base: PlanConfig, epoch: int, hops: tuple[Hop, ...], last: tuple[int, int, int]) -> list[_RankPlan]:
-    """Every rank's plan of the leg after ``hops``, run under ``last`` = (world_size, batch_size, W)."""
+def _legs(base: PlanConfig, epoch: int, hops: tuple[Hop, ...], last: tuple[int, int, int]) -> list[RankPlan]:
+    """Every rank's plan of the leg after ``hops``, run under ``last`` = (world_size, batch_size, W). StateError
+    for a hop that took more batches than its leg holds."""
     settings = [(h.world_size, h.batch_size, h.window_blocks) for h in hops] + [last]
-    legs = []
-    for r in range(settings[0][0]):
-        plan = epoch_plan(_leg_config(base, *settings[0], r), epoch)
-        blocks = np.concatenate(plan.windows) if plan.windows else np.zeros(0, np.int64)
-        real = min(len(plan.positions), int(block_sizes(blocks, base.num_samples, base.samples_per_block).sum()))
-        legs.append(_RankPlan(plan, real))
+    legs = first_leg(base, epoch, settings[0])
     for i, hop in enumerate(hops):
-        batches = legs[0].plan.num_batches
+        batches = most_batches(base, epoch, legs, hop)
         if hop.batches > batches:
             raise StateError(f"state key 'hops[{i}].batches': expected an int from 1 to {batches}, the batches of "
                              f"that leg of epoch {epoch}, found {hop.batches}")
-        rest = _remaining(legs, hop.batches * hop.batch_size, base.samples_per_block)
-        legs = _deal(rest, _leg_config(base, *settings[i + 1], 0))
+        legs = next_leg(base, epoch, legs, hop, settings[i + 1])
     return legs
-
-
-def _remaining(legs: list[_RankPlan], consumed: int, k: int) -> _Rest:
-    """What ``legs`` leave once every rank has consumed ``consumed`` stream positions: the rest of each
-    rank's stream without its padding, rank after rank."""
-    ids, window, position, first = [], [], [], 0
-    for leg in legs:
-        lo, hi = min(consumed, leg.real), leg.real
-        plan = leg.plan
-        ids.append(plan.sample_ids()[lo:hi])
-        window.append(plan.window_of[lo:hi] + first)
-        position.append(plan.positions[lo:hi] // k)
-        first += len(plan.windows)
-    return _Rest(*(np.concatenate(a) if a else np.zeros(0, np.int64) for a in (ids, window, position)))
-
-
-def _deal(rest: _Rest, cfg: PlanConfig) -> list[_RankPlan]:
-    """Every rank's plan for ``rest`` under ``cfg`` (its rank ignored): consecutive equal shares, read in
-    windows of at most ``cfg.window_blocks`` blocks, padded (or cut, with drop_last) to equal length."""
-    k, world, total = cfg.samples_per_block, cfg.world_size, len(rest.ids)
-    ranks = np.arange(world + 1)
-    if cfg.drop_last:
-        target = total // world // cfg.batch_size * cfg.batch_size
-        bounds = ranks * target
-    else:
-        target = -(-total // world)
-        bounds = ranks * (total // world) + np.minimum(ranks, total % world)
-    out = []
-    for r in range(world):
-        lo, hi = int(bounds[r]), int(bounds[r + 1])
-        windows, window_of, positions = _windows(rest.ids[lo:hi], rest.window[lo:hi], rest.position[lo:hi], k,
-                                             cfg.window_blocks)
-        if hi - lo < target:  # pad as a fresh plan does: repeat the start of the rank's last window
-            if windows:
-                last = positions[window_of == len(windows) - 1]
-                extra = last[np.arange(target - (hi - lo)) % len(last)]
-                window_of = np.concatenate([window_of, np.full(len(extra), len(windows) - 1, dtype=np.int64)])
-                positions = np.concatenate([positions, extra])
-            else:  # fewer samples left than ranks: repeat the remainder's last one
-                s = int(rest.ids[-1])
-                windows = (np.array([s // k], dtype=np.int64),)
-                window_of, positions = np.zeros(target, np.int64), np.full(target, s % k, dtype=np.int64)
-        out.append(_RankPlan(EpochPlan(dataclasses.replace(cfg, rank=r), windows, window_of, positions), hi - lo))
-    return out
-
-
-def _windows(ids: np.ndarray, window: np.ndarray, position: np.ndarray, k: int,
-             window_blocks: int) -> tuple[tuple[np.ndarray, ...], np.ndarray, np.ndarray]:
-    """New windows reading ``ids`` (samples of old windows, in order). The blocks holding them are taken in
-    order (old window by old window, each in its order) and packed into windows of at most ``window_blocks``:
-    an old window's blocks go whole into the current new window if they fit, else start a new one, split
-    every ``window_blocks`` blocks if there are more. Each new window takes its blocks' samples in their
-    order, so the order changes only where an old window is split. Returns the windows' blocks and each
-    stream position's window and position in it."""
-    if not len(ids):
-        return (), np.zeros(0, np.int64), np.zeros(0, np.int64)
-    # The (old window, block position) pairs held, in order: a mark per pair, no sort of the samples.
-    span = int(position.max()) + 1
-    key = (window - window[0]) * span + position
-    present = np.zeros(int(key[-1] // span + 1) * span, dtype=bool)
-    present[key] = True
-    held = np.flatnonzero(present)
-    inverse = (np.cumsum(present) - 1)[key]
-    blocks = np.empty(len(held), dtype=np.int64)
-    blocks[inverse] = ids // k
-    owner = held // span
-    group_start = np.flatnonzero(np.diff(owner, prepend=-1))
-    counts = np.diff(np.append(group_start, len(held)))
-    # Packing is sequential: one step per old window, not per sample.
-    w_max = min(window_blocks, len(held))  # an int64 however large the setting
-    first_window, offset = np.empty(len(counts), np.int64), np.empty(len(counts), np.int64)
-    current, fill = -1, w_max
-    for g, c in enumerate(counts.tolist()):
-        if c <= w_max - fill:  # fits beside the old windows already in the current one
-            first_window[g], offset[g] = current, fill
-            fill += c
-        else:
-            first_window[g], offset[g] = current + 1, 0
-            n = -(-c // w_max)
-            current, fill = current + n, c - (n - 1) * w_max
-    group = np.repeat(np.arange(len(counts)), counts)
-    at = offset[group] + np.arange(len(held)) - group_start[group]
-    new_window = first_window[group] + at // w_max
-    window_of = new_window[inverse]
-    positions = (at % w_max)[inverse] * k + ids % k
-    if (np.diff(window_of) < 0).any():  # an old window was split: window by window, each in the old order
-        order = np.argsort(window_of, kind="stable")
-        window_of, positions = window_of[order], positions[order]
-    return tuple(np.split(blocks, np.flatnonzero(np.diff(new_window)) + 1)), window_of, positions

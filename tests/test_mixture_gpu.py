@@ -1,0 +1,97 @@
+"""A mixture's batches put together on the GPU (gdsload/mixture/assemble.py's DeviceJoiner) are the batches the
+cpu backend gives, byte for byte: fixed and variable-length fields, CuPy and torch outputs, the consumer on
+the default stream or on a stream of its own, every batch kept to the end (no memory handed out twice)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from _helpers import ragged_source, sequences
+from gdsload.conversion.source_types import ArraySource
+from gdsload.conversion.writer import write_dataset
+from gdsload.mixture.mixture import Mixture
+
+SIZES = {"a": 37, "b": 23, "c": 11}
+WEIGHTS = {"a": 3, "b": 2, "c": 1}
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory) -> dict[str, str]:
+    d = tmp_path_factory.mktemp("mixgpu")
+    out = {}
+    for i, (name, n) in enumerate(SIZES.items()):
+        seqs = sequences(n, seed=i)
+        out[name] = str(d / f"{name}.gds")
+        x = (np.arange(n * 12, dtype=np.float32).reshape(n, 3, 4) + 1000 * i)
+        write_dataset(out[name], {"idx": ArraySource("idx", np.arange(n) + 100 * i), "x": ArraySource("x", x)},
+                      ragged={"tokens": ragged_source(seqs)}, samples_per_block=4, progress=False)
+    return out
+
+
+def batches(paths, backends, output, batches=25, **kw):
+    sources = {n: {"path": p, "backend": b} for (n, p), b in zip(paths.items(), backends)}
+    with Mixture(sources, WEIGHTS, batch_size=9, seed=3, shuffle=True, resident_bytes=0, output=output,
+                 **kw) as mix:
+        return [b for _, b in zip(range(batches), mix)]
+
+
+def host(batch) -> dict[str, np.ndarray]:
+    return {k: (a.cpu().numpy() if hasattr(a, "cpu") else a.get() if hasattr(a, "get") else np.asarray(a))
+            for k, a in batch.items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("output", ["cupy", "torch"])
+@pytest.mark.parametrize("own_stream", [False, True])
+def test_device_joined_batches_equal_the_cpu_backends(paths, output, own_stream):
+    import cupy
+
+    if output == "torch":
+        torch = pytest.importorskip("torch")
+    expected = [host(b) for b in batches(paths, ["cpu"] * 3, "numpy")]
+    stream = cupy.cuda.Stream(non_blocking=True) if own_stream else cupy.cuda.Stream.null
+    if output == "torch":
+        ts = torch.cuda.Stream() if own_stream else torch.cuda.default_stream()
+        with torch.cuda.stream(ts):
+            got = batches(paths, ["mmap", "pinned", "kvikio"], "torch")
+            assert all(a.is_cuda for b in got for a in b.values())
+            got = [host(b) for b in got]
+    else:
+        with stream:
+            got = batches(paths, ["mmap", "pinned", "kvikio"], "cupy")
+            assert all(isinstance(a, cupy.ndarray) for b in got for a in b.values())
+            got = [host(b) for b in got]
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        assert g.keys() == e.keys()
+        for k in e:
+            np.testing.assert_array_equal(g[k], e[k], err_msg=k)
+    assert any(len(set(e["source"].tolist())) > 1 for e in expected), "batches mixed by sample were joined"
+
+
+@pytest.mark.gpu
+def test_whole_batches_and_padded_fields_on_the_device(paths):
+    expected = [host(b) for b in batches(paths, ["cpu"] * 3, "numpy", pad_to=6, whole_batches=True)]
+    got = [host(b) for b in batches(paths, ["pinned"] * 3, "cupy", pad_to=6, whole_batches=True)]
+    for g, e in zip(got, expected):
+        for k in e:
+            np.testing.assert_array_equal(g[k], e[k], err_msg=k)
+
+
+def test_sources_with_reader_pools_of_their_own_share_the_default_threads():
+    """Three pinned sources would each start a pool sized for the process alone; they split it instead (one
+    pool's worth in all), unless a source sets num_threads; backends without a pool of their own are left be."""
+    from gdsload.backends import info
+    from gdsload.mixture.mixture import MIN_THREADS, _source_specs
+
+    full = info("pinned").threads()
+    specs = _source_specs({"a": "a.gds", "b": {"path": "b.gds", "backend_options": {"pool_bytes": 1 << 26}},
+                           "c": {"path": "c.gds", "backend_options": {"num_threads": 7}}}, {"backend": "pinned"})
+    got = {n: kw["backend_options"] for n, (_, _, _, kw) in specs.items()}
+    share = max(MIN_THREADS, full // 2)
+    assert got == {"a": {"num_threads": share}, "b": {"pool_bytes": 1 << 26, "num_threads": share},
+                   "c": {"num_threads": 7}}
+    for backend in ("kvikio", "mmap", "cpu", "auto"):
+        specs = _source_specs({"a": "a.gds", "b": "b.gds"}, {"backend": backend})
+        assert all("backend_options" not in kw for (_, _, _, kw) in specs.values()), backend
