@@ -51,6 +51,7 @@ from ..backends import BACKENDS, info, resolve
 from ..backends.registry import runnable
 from ..system.env import gpu_available, kvikio_installed, memory_available, system_info
 from ..errors import GDSLoadError, one_line
+from ..remote.objects import is_remote
 from .measure import (PassResult, best, block_locations, cold_pass, cpu_seconds, drop_page_cache, pinned_h2d_gbps,
                       raw_kvikio_blocks, read_files, shard_paths, time_pass)
 
@@ -379,6 +380,10 @@ def main(args: argparse.Namespace) -> int:
     command line prints it as one line and exits 2 (:func:`gdsload.tools.cli.fail`)."""
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1 (found {args.batch_size})")
+    if is_remote(args.path):  # s3:// or http(s)://: its route beside raw RemoteFile and the CPU client
+        from .bench_remote import main as remote_main
+
+        return remote_main(args, Bounded)
     target = Target.open(args.path)
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         raise GDSLoadError(f"{args.json}: its folder does not exist")
