@@ -1,10 +1,11 @@
-"""Fixtures: tiny datasets written through the real converter, a GPU switch, and a fake CUDA driver."""
+"""Fixtures: tiny datasets written through the real converter, a GPU switch, a fake CUDA driver, and the real
+servers of tests/remote_servers.py (an HTTP server with ranges, moto's S3 server)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from gdsload.system.env import gpu_available
 from gdsload.conversion.source_types import ArraySource
 from gdsload.conversion.writer import write_dataset
+from remote_servers import MotoS3, RangeServer, moto_endpoint, moto_server
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -60,3 +62,26 @@ def fake_libcuda(tmp_path_factory: pytest.TempPathFactory) -> str:
     if done.returncode != 0:
         pytest.skip(f"cannot build the fake libcuda: {done.stderr[-300:]}")
     return str(d)
+
+
+@pytest.fixture
+def srv() -> Iterator[RangeServer]:
+    """An HTTP/1.1 server of objects with ranged GETs, ETags and injectable faults, empty to begin with."""
+    with RangeServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def moto_url() -> Iterator[str]:
+    """moto's S3 server, one for the session (skipped where boto3 or moto's server mode is missing)."""
+    pytest.importorskip("boto3")
+    pytest.importorskip("moto.server")
+    with moto_endpoint() as endpoint:
+        yield endpoint
+
+
+@pytest.fixture
+def s3(moto_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[MotoS3]:
+    """A fresh bucket on the session's moto server, with AWS_ENDPOINT_URL, fake keys and region in the env."""
+    with moto_server(monkeypatch, endpoint=moto_url) as bucket:
+        yield bucket

@@ -7,14 +7,13 @@ from __future__ import annotations
 import random
 import re
 import threading
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from gdsload.errors import ReadError
 from gdsload.remote.objects import NotFound, ObjectChanged, ObjectInfo, is_remote, join
-from remote_servers import MotoS3, RangeServer, moto_endpoint, moto_server
+from remote_servers import RangeServer
 
 # client_for is the package's (gdsload/remote/__init__.py), not objects.py's
 from gdsload.remote import client_for
@@ -58,12 +57,6 @@ def _do(client, op: str, info: ObjectInfo, offset: int, nbytes: int) -> object:
 
 
 # -- HTTP ------------------------------------------------------------------------------------------------
-@pytest.fixture
-def srv() -> Iterator[RangeServer]:
-    with RangeServer() as s:
-        yield s
-
-
 def _http(**kw: float):
     from gdsload.remote.http import HttpClient
 
@@ -370,21 +363,6 @@ def test_client_for_http_is_one_client_a_host(srv, monkeypatch):
 
 
 # -- S3 (moto's server) ------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def _moto() -> Iterator[str]:
-    pytest.importorskip("boto3")
-    pytest.importorskip("moto.server")
-    with moto_endpoint() as endpoint:
-        yield endpoint
-
-
-@pytest.fixture
-def s3(_moto, monkeypatch) -> Iterator[MotoS3]:
-    """A fresh bucket on the module's moto server, with AWS_ENDPOINT_URL, fake keys and region in the env."""
-    with moto_server(monkeypatch, endpoint=_moto) as m:
-        yield m
-
-
 def _s3(**kw: object):
     from gdsload.remote.s3 import S3Client
 

@@ -25,12 +25,6 @@ SPB = 16  # samples per block; 4 blocks per shard of x, 12 per shard of idx
 
 
 @pytest.fixture
-def srv() -> Iterator[RangeServer]:
-    with RangeServer() as server:
-        yield server
-
-
-@pytest.fixture
 def fast_client(srv) -> Iterator[object]:
     """The process's client for the server: few retries, short backoff and timeout (what the faults need)."""
     with client_for_server(srv, retries=2, backoff_s=0.01, timeout_s=0.5) as client:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import re
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -16,23 +15,9 @@ from gdsload import GDSDataset, ReadError
 from gdsload.errors import FormatError
 from gdsload.format.mirror import MARKER, mirror, mirror_path
 
-from remote_servers import MotoS3, RangeServer, client_for_server, moto_server
+from remote_servers import MotoS3, RangeServer, client_for_server
 
 N = 600
-
-
-@pytest.fixture
-def srv() -> Iterator[RangeServer]:
-    """An HTTP server of objects with ranges and ETags (tests/remote_servers.py)."""
-    with RangeServer() as server:
-        yield server
-
-
-@pytest.fixture
-def s3(monkeypatch) -> Iterator[MotoS3]:
-    """A fresh bucket on moto's S3 server, reached the standard way (tests/remote_servers.py)."""
-    with moto_server(monkeypatch) as bucket:
-        yield bucket
 
 
 @pytest.fixture

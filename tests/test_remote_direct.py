@@ -33,12 +33,6 @@ S3_ENV = {"AWS_ACCESS_KEY_ID": "AKIAX", "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAU
 
 
 @pytest.fixture
-def srv() -> Iterator[RangeServer]:
-    with RangeServer() as server:
-        yield server
-
-
-@pytest.fixture
 def fast_client(srv) -> Iterator[object]:
     """The process's client for the server (the pin checks'): few retries, short backoff and timeout."""
     with client_for_server(srv, retries=2, backoff_s=0.01, timeout_s=2.0) as client:

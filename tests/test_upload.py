@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -18,25 +17,10 @@ from gdsload import GDSDataset
 from gdsload.errors import ReadError
 from gdsload.tools.cli import shard_main
 
-from remote_servers import MotoS3, moto_endpoint, moto_server
+from remote_servers import MotoS3
 from test_conversion_parts import RAW, files, finish, gds, make_inputs, three_parts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def _moto() -> Iterator[str]:
-    pytest.importorskip("boto3")
-    pytest.importorskip("moto.server")
-    with moto_endpoint() as endpoint:
-        yield endpoint
-
-
-@pytest.fixture
-def s3(_moto, monkeypatch) -> Iterator[MotoS3]:
-    """A fresh bucket on the module's moto server, with AWS_ENDPOINT_URL, fake keys and region in the env."""
-    with moto_server(monkeypatch, endpoint=_moto) as m:
-        yield m
 
 
 @pytest.fixture(scope="module")

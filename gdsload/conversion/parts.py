@@ -34,9 +34,9 @@ from ..errors import ConversionError
 from ..format.meta import DatasetMeta, read_metadata
 from .pieces import PieceCrc, join_pieces
 from .plan import DEFAULT_SLICE_BYTES, ConversionPlan, plan_dataset
-from .publish import (ForeignTemp, check_output, make_temp, protected, publish_output, remove_empty, remove_stale_temps,
-                      rename_exchange, rename_noreplace, sync_tree)
-from .writer import _close_all, _Target, open_inputs, input_list, write_checksums, write_metadata, write_shards
+from .publish import (Target, check_output, make_temp, protected, remove_empty, remove_stale_temps, rename_exchange,
+                      rename_noreplace, staged_output, sync_tree)
+from .writer import _close_all, open_inputs, input_list, write_checksums, write_metadata, write_shards
 
 RECORD, PIECES, DATA = "part.json", "pieces.npy", "data"
 RECORD_FORMAT = 1
@@ -167,7 +167,7 @@ def write_part(inputs: Sequence[str], out: str, named: Mapping[str, str], ragged
         remove_stale_temps(final)
         with protected():
             tmp, made = make_temp(final)
-        target = _Target(final, os.path.join(tmp, DATA))
+        target = Target(final, os.path.join(tmp, DATA))
         try:
             if index == 0:
                 with protected():
@@ -372,24 +372,10 @@ def publish_parts(out: str, *, staging: str | None = None, overwrite: bool = Fal
     parts = read_parts(staging_dir(out, staging), expect)
     check_output(out, overwrite, [i[0] for i in parts.records[0]["inputs"]])
     remove_stale_temps(out)
-    tmp, made = None, []
-    try:
-        with protected():
-            tmp, made = make_temp(out)
-            try:
-                assemble(parts, tmp)
-            except OSError as e:
-                raise _Target(out, tmp).error(e) from e
-        with protected(deliver=False):
-            try:
-                publish_output(tmp, out, overwrite)
-            except OSError as e:
-                raise _Target(out, tmp).error(e, out) from e
-    except BaseException as e:
-        with protected():
-            if tmp is not None and not isinstance(e, ForeignTemp):
-                shutil.rmtree(tmp, ignore_errors=True)
-            remove_empty(made)
-        raise
+    with staged_output(out, overwrite) as target, protected():
+        try:
+            assemble(parts, target.tmp)
+        except OSError as e:
+            raise target.error(e) from e
     remove_parts(parts)
     return read_metadata(out)

@@ -27,10 +27,11 @@ import re
 import secrets
 import shutil
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Callable
 
 from ..format.zarr_json import read_json
-from ..errors import ConversionError, GDSLoadError
+from ..errors import ConversionError, GDSLoadError, one_line
 from ..format.meta import ATTRS_KEY
 
 
@@ -372,3 +373,44 @@ def publish_output(tmp: str, out: str, overwrite: bool) -> None:
                           f"and could not be put back ({e.strerror})") from e
     raise ConversionError(f"{out}: --overwrite replaces only a gdsload dataset (found {problem}, which "
                           "appeared during the conversion; left as it is)")
+
+
+@dataclass(frozen=True)
+class Target:
+    """The output being written: ``out`` once published, ``tmp`` until then."""
+
+    out: str
+    tmp: str
+
+    def error(self, e: OSError, path: str | None = None) -> ConversionError:
+        """An OS error of writing the output, as a one-line message naming the output."""
+        where = os.fspath(path or e.filename or "")
+        if where == self.tmp or where.startswith(self.tmp + os.sep):
+            where = os.path.relpath(where, self.tmp) if where != self.tmp else ""
+        what = e.strerror or one_line(e) or type(e).__name__
+        return ConversionError(f"{self.out}: cannot write{' ' + where if where else ''} ({what})")
+
+
+@contextlib.contextmanager
+def staged_output(out: str, overwrite: bool) -> Iterator[Target]:
+    """A temporary sibling of ``out`` (:func:`make_temp`, made where no signal interrupts it) to write a
+    dataset into; when the block ends, it is published at ``out`` (:func:`publish_output`, under the overwrite
+    rules). If anything fails or a signal stops it, before or while publishing, the temporary directory and
+    the directories made for it are removed and the error goes on."""
+    tmp, made = None, []
+    try:
+        with protected():
+            tmp, made = make_temp(out)
+        target = Target(out, tmp)
+        yield target
+        with protected(deliver=False):
+            try:
+                publish_output(tmp, out, overwrite)
+            except OSError as e:
+                raise target.error(e, out) from e
+    except BaseException as e:
+        with protected():
+            if tmp is not None and not isinstance(e, ForeignTemp):
+                shutil.rmtree(tmp, ignore_errors=True)
+            remove_empty(made)
+        raise

@@ -21,7 +21,6 @@ nothing at the output and an existing dataset there untouched.
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,9 +33,8 @@ from .checks import NAME_MAX_BYTES, RESERVED_NAMES
 from ..errors import ConversionError, one_line
 from ..format.meta import ATTRS_KEY, CHECKSUM_ALGORITHM, CHECKSUMS_GROUP, FORMAT_VERSION, DatasetMeta, read_metadata
 from ..format.shard_index import MAX_UINT_64
-from .publish import (RENAME_EXCHANGE, RENAME_NOREPLACE, ForeignTemp, Interrupted, check_output, input_paths, make_temp,
-                      on_signal, protected, publish_output, remove_empty, remove_stale_temps, rename_exchange,
-                      rename_noreplace, reset_signals)
+from .publish import (RENAME_EXCHANGE, RENAME_NOREPLACE, Interrupted, Target, check_output, input_paths, on_signal,
+                      protected, remove_stale_temps, rename_exchange, rename_noreplace, reset_signals, staged_output)
 from ..format.shard_index import encode_shard_index
 from .plan import (DEFAULT_BLOCK_BYTES, DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES, DEFAULT_SLICE_BYTES, ArrayPlan,
                    ConversionPlan, choose_samples_per_block, parse_compress, plan_dataset)
@@ -55,23 +53,6 @@ __all__ = [
     "RESERVED_NAMES", "NAME_MAX_BYTES",  # gdsload.conversion.checks
     "CHECKSUMS_GROUP", "CHECKSUM_ALGORITHM",  # gdsload.format.meta
 ]
-
-# -- the output being written ---------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Target:
-    """The output being written: ``out`` once published, ``tmp`` until then."""
-
-    out: str
-    tmp: str
-
-    def error(self, e: OSError, path: str | None = None) -> ConversionError:
-        """An OS error of writing the output, as a one-line message naming the output."""
-        where = os.fspath(path or e.filename or "")
-        if where == self.tmp or where.startswith(self.tmp + os.sep):
-            where = os.path.relpath(where, self.tmp) if where != self.tmp else ""
-        what = e.strerror or one_line(e) or type(e).__name__
-        return ConversionError(f"{self.out}: cannot write{' ' + where if where else ''} ({what})")
-
 
 # -- checksums -------------------------------------------------------------------------------------
 class _BlockCrc:
@@ -102,7 +83,7 @@ class _BlockCrc:
 
 
 # -- writing ---------------------------------------------------------------------------------------
-def _write_all(f, buf: memoryview, target: _Target, path: str) -> None:
+def _write_all(f, buf: memoryview, target: Target, path: str) -> None:
     try:
         while len(buf):
             n = f.write(buf)
@@ -113,7 +94,7 @@ def _write_all(f, buf: memoryview, target: _Target, path: str) -> None:
 
 def _write_shard(path: str, src: Source, dtype: np.dtype, first_sample: int, stop_sample: int, block_bytes: int,
                  blocks_per_shard: int, slice_samples: int, progress: Callable[[int], None], crc: _BlockCrc,
-                 target: _Target, encoder: _Encoder | None = None) -> None:
+                 target: Target, encoder: _Encoder | None = None) -> None:
     """Write one shard file: whole blocks back to back (the last padded with zeros), each raw or, with an
     ``encoder``, compressed; then the index. Every byte of the blocks, as read (decoded), also goes through
     ``crc``. Source errors pass through as they are; errors of the output become ConversionError naming it."""
@@ -191,7 +172,7 @@ def write_metadata(root: str, plan: ConversionPlan, ragged: Mapping[str, RaggedS
     return group
 
 
-def write_shards(target: _Target, a: ArrayPlan, src: Source, shards: Sequence[int], slice_bytes: int,
+def write_shards(target: Target, a: ArrayPlan, src: Source, shards: Sequence[int], slice_bytes: int,
                  progress: Callable[[int], None], crc_for: Callable[[int], object]) -> None:
     """Shard files ``shards`` of array ``a`` under ``target.tmp``, each streamed from ``src`` (its bytes fed to
     ``crc_for(shard)``, an object with ``update(memoryview)``): the same bytes whichever process writes them."""
@@ -253,11 +234,9 @@ def write_dataset(
                             shard_bytes=shard_bytes, compress=compress, chunk_bytes=chunk_bytes)
         remove_stale_temps(out)
         total = sum(a.row_bytes * a.rows for a in plan.arrays)
-        tmp, made = None, []
-        try:
+        with staged_output(out, overwrite) as target:
+            tmp = target.tmp
             with protected():
-                tmp, made = make_temp(out)
-                target = _Target(out, tmp)
                 try:
                     group = write_metadata(tmp, plan, ragged)
                 except OSError as e:
@@ -281,17 +260,6 @@ def write_dataset(
                 except OSError as e:
                     raise target.error(e) from e
                 read_metadata(tmp)  # the result must parse before it may replace anything
-            with protected(deliver=False):
-                try:
-                    publish_output(tmp, out, overwrite)
-                except OSError as e:
-                    raise target.error(e, out) from e
-        except BaseException as e:
-            with protected():
-                if tmp is not None and not isinstance(e, ForeignTemp):
-                    shutil.rmtree(tmp, ignore_errors=True)
-                remove_empty(made)
-            raise
     finally:
         if not closed:
             _close_all(arrays)

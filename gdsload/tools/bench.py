@@ -52,8 +52,8 @@ from ..backends.registry import runnable
 from ..system.env import gpu_available, kvikio_installed, memory_available, system_info
 from ..errors import GDSLoadError, one_line
 from ..remote.objects import is_remote
-from .measure import (PassResult, best, block_locations, cold_pass, cpu_seconds, drop_page_cache, pinned_h2d_gbps,
-                      raw_kvikio_blocks, read_files, shard_paths, time_pass)
+from .measure import (PassResult, best, block_locations, cold_pass, cpu_seconds, drop_page_cache, figures,
+                      pinned_h2d_gbps, raw_kvikio_blocks, read_files, shard_paths, time_pass)
 
 DEFAULT_SECONDS = 2.0
 DEFAULT_BATCH = 256
@@ -341,15 +341,6 @@ def sized(units: Sequence[Any], sizes: Sequence[int], seconds: float,
     while repeat and len(runs) < 5 and sum(r.seconds for r in runs) < seconds:
         runs.append(measure(chosen))
     return best(runs)
-
-
-def figures(r: PassResult) -> Row:
-    """A measurement's figures as the row holds them."""
-    per_gb = r.cpu_core_s_per_gb if r.cpu_s else None
-    return {"io_mode": r.io_mode, "gbps": round(r.gb_per_s, 3),
-            "samples_per_s": round(r.samples_per_s) if r.samples_per_s else None,
-            "cpu_s_per_gb": None if per_gb is None else round(per_gb, 4), "seconds": round(r.seconds, 3),
-            "bytes": r.bytes}
 
 
 def render(bench: Bench, rows: list[Row]) -> str:

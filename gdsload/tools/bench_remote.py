@@ -40,7 +40,7 @@ import numpy as np
 
 from ..errors import GDSLoadError, ReadError, one_line
 from ..remote.objects import ObjectInfo
-from .measure import PassResult, best, block_locations, cpu_seconds, time_pass
+from .measure import PassResult, best, block_locations, cpu_seconds, figures, time_pass
 
 #: Threads of the CPU client rows (gdsload's own default reader threads).
 CPU_THREADS = 16
@@ -185,15 +185,6 @@ def direct_why_not(url: str) -> str | None:
         return "no GPU here"
     ok, why = direct_usable(url, os.environ, kvikio_remote())
     return None if ok else why
-
-
-def figures(r: PassResult) -> Row:
-    """A measurement's figures as bench rows hold them."""
-    per_gb = r.cpu_core_s_per_gb if r.cpu_s else None
-    return {"io_mode": r.io_mode, "gbps": round(r.gb_per_s, 3),
-            "samples_per_s": round(r.samples_per_s) if r.samples_per_s else None,
-            "cpu_s_per_gb": None if per_gb is None else round(per_gb, 4), "seconds": round(r.seconds, 3),
-            "bytes": r.bytes}
 
 
 def dataset_row(url: str, backend: str, batch_size: int, seconds: float, bounded: Callable[[Any, float], Any]) -> Row:

@@ -388,3 +388,12 @@ def best(results: Sequence[PassResult]) -> PassResult:
     """The fastest of several passes of the same thing (the steady state of a warm regime): the highest
     rate, which is the shortest time where they read the same bytes (a stretch of passes may read more)."""
     return max(results, key=lambda r: (r.gb_per_s, -r.seconds))
+
+
+def figures(r: PassResult) -> dict[str, Any]:
+    """A measurement's figures as the benchmark rows hold them (rounded for the tables)."""
+    per_gb = r.cpu_core_s_per_gb if r.cpu_s else None
+    return {"io_mode": r.io_mode, "gbps": round(r.gb_per_s, 3),
+            "samples_per_s": round(r.samples_per_s) if r.samples_per_s else None,
+            "cpu_s_per_gb": None if per_gb is None else round(per_gb, 4), "seconds": round(r.seconds, 3),
+            "bytes": r.bytes}
