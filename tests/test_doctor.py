@@ -349,7 +349,8 @@ def test_numa_mismatch_is_a_warning_not_a_reason(tmp_path):
     assert check(off_node, "NUMA") == {
         "name": "NUMA", "ok": False, "section": "stack",
         "found": "GPU 5 (0000:ab:00.0) is on NUMA node 1 (CPUs 56-111,168-223); this process may run on CPUs 0-63: "
-                 "8 of the node's, 56 on node 0; GPUs by node: node 0: 0-3, node 1: 4-7",
+                 "8 of the node's, 56 on node 0; GPUs by node: node 0: 0-3, node 1: 4-7; gdsload binds its reader "
+                 "threads and pinned buffers to the 8 of node 1's CPUs it may use (56-63), not the rest of the process",
         "fix": "run this rank on its GPU's node: numactl --cpunodebind=1 --membind=1 ... (or taskset -c "
                "56-111,168-223 ...)"}
     assert off_node["verdict"] == on_node["verdict"] and off_node["reasons"] == on_node["reasons"]
@@ -365,7 +366,8 @@ def test_numa_line_for_gpus_on_either_node(tmp_path):
     assert check(other, "NUMA")["ok"] is True
     wrong = report(numa_host(tmp_path / "b", "0-55", {"CUDA_VISIBLE_DEVICES": "7"}), None)
     assert check(wrong, "NUMA")["found"].endswith("this process may run on CPUs 0-55 (node 0 only); GPUs by node: "
-                                                  "node 0: 0-3, node 1: 4-7")
+                                                  "node 0: 0-3, node 1: 4-7; gdsload cannot place its reader threads "
+                                                  "and pinned buffers on node 1: none of its CPUs is allowed")
 
     class ProbedBus(Machine):  # CuPy told the doctor its device's bus id: it wins over CUDA_VISIBLE_DEVICES
         def gpu(self) -> dict:

@@ -216,7 +216,7 @@ def test_the_slot_readers_land_a_window_exactly_and_report_the_common_stats(back
             np.testing.assert_array_equal(dest[r.dest_offset:r.dest_offset + r.nbytes],
                                           datas[paths.index(r.path)][r.offset:r.offset + r.nbytes])
         stats = b.stats()
-        assert tuple(stats) == (*STATS_KEYS, "native") and stats["reader"] == b.reader == reader
+        assert tuple(stats) == (*STATS_KEYS, "native", "numa") and stats["reader"] == b.reader == reader
         assert stats["pool_bytes"] == b.pinned_bytes == 4 * (64 << 10) and stats["slots"] == 4
         assert stats["reading_slots"] == (3 if reader == "kvikio" else 4) and 1 <= stats["peak_slots_in_use"] <= 4
         with pytest.raises(ReadError, match=rf"{paths[2]}.*offset {(1 << 20) - 100}"):

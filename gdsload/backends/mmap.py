@@ -37,6 +37,7 @@ from .._tasks import Pending, Queued
 from .base import ReadRequest, Request
 from ..format.files import read_error
 from .cuda import CudaBackend
+from ..system.placement import Placer, device_bus_id, for_process
 
 DEFAULT_COPY_BYTES = 64 << 20
 DEFAULT_STREAMS = 2
@@ -225,6 +226,12 @@ class MmapBackend(CudaBackend):
         if copier not in ("auto", "native", "cupy"):
             raise ValueError(f"copier must be 'auto', 'native' or 'cupy' (found {copier!r})")
         super().__init__(device_id)
+        # The loader threads run on the GPU's NUMA node: a cold file's pages are allocated there as they read
+        # it; pages already cached stay where they were first read (docs/design.md, "NUMA placement").
+        self.placer = Placer(for_process(device_bus_id(self.device)))
+        if self.placer.placement.active:
+            self.placer.note("page cache pages already cached", "the kernel placed them where they were first "
+                             "read; gdsload does not migrate them (move_pages/migrate_pages)")
         self.max_bytes = default_budget() if max_bytes is None else max_bytes
         self.queue_bytes = queue_bytes
         self.copy_bytes = min(copy_bytes, queue_bytes // 2) if queue_bytes else copy_bytes
@@ -257,7 +264,7 @@ class MmapBackend(CudaBackend):
         return {"locked_bytes": self.pinned_bytes, "open_s": self.register_s,
                 "loaded_bytes": loader.get("bytes_loaded", 0), "load_s": loader.get("load_s"),
                 "num_streams": len(self._streams), "copy_bytes": self.copy_bytes, "queue_bytes": self.queue_bytes,
-                "copier": "cupy" if self._copier is None else "native"}
+                "copier": "cupy" if self._copier is None else "native", "numa": self.placer.describe()}
 
     def prepare(self, files: Any) -> None:
         """Check the whole set against the budget, map every file, check that this process can lock and
@@ -278,7 +285,8 @@ class MmapBackend(CudaBackend):
                 probe.close_ranges()
         self._ranges = file_ranges(sizes, self.range_bytes)
         # Held until the first batch is assembled (started()): the ranges a window waits for load alone.
-        self._loader = Preloader(self._ranges, files.fd, self._lock_range, self.register_threads, hold=True)
+        self._loader = Preloader(self._ranges, files.fd, self._lock_range, self.register_threads, hold=True,
+                                 on_start=lambda: self.placer.bind_thread("loader threads"))
         self.register_s = time.perf_counter() - t0
 
     def started(self) -> None:

@@ -60,6 +60,7 @@ class PinnedBackend(CudaBackend):
         :func:`native_buf_bytes`). ``num_threads`` (reader threads) defaults to :func:`native_threads` of this
         rank's cores for the native reader, ``DEFAULT_THREADS`` for the others."""
         from ..system.env import kvikio_installed, local_ranks, rank_cores
+        from ..system.placement import Placer, device_bus_id, for_process
 
         if num_threads is not None and num_threads < 1:
             raise ValueError(f"num_threads must be positive (found {num_threads})")
@@ -76,6 +77,8 @@ class PinnedBackend(CudaBackend):
         self.io_mode = "pinned-odirect" if direct else "pinned"
         self.copy_share, self.spin_events = copy_share, spin_events
         self.native_reason: str | None = None  # why "auto" did not get the native stager
+        # The GPU's NUMA node: reader threads and staging memory are made there (docs/design.md, "NUMA placement").
+        self.placer = placer = Placer(for_process(device_bus_id(self.device)))
         self._files = FileHandles()
         staging: StagingReader | None = None
         if reader in ("auto", "native") and not direct:
@@ -84,7 +87,10 @@ class PinnedBackend(CudaBackend):
 
             try:
                 buf = native_buf_bytes(local_ranks()) if buf_bytes is None else buf_bytes
-                stager = Stager("cuda", device_id, num_threads or native_threads(rank_cores()), buf, bufs_per_thread)
+                # Its C threads inherit this thread's mask and its buffers are faulted in here (MAP_POPULATE).
+                with placer.around("native stager threads and buffers"):
+                    stager = Stager("cuda", device_id, num_threads or native_threads(rank_cores()), buf,
+                                    bufs_per_thread)
                 staging = NativeReader(stager, self._files, self.device, self.stream)
                 reader = "native"
             except BackendUnavailable as e:
@@ -99,9 +105,10 @@ class PinnedBackend(CudaBackend):
         # The native stager stages through buffers of its own: the pool is not made.
         self.pool: StagingPool | None = None
         if staging is None:
-            self.pool = pool = StagingPool(slot_bytes, pool_bytes // slot_bytes, device_id, spin_events)
-            staging = (KvikioReader(pool, device_id, num_threads, copy_share) if reader == "kvikio"
-                       else ThreadReader(pool, self._files, direct, device_id, num_threads, self.stream))
+            with placer.around("staging pool"):  # PinnedHost's pages are faulted in by this thread
+                self.pool = pool = StagingPool(slot_bytes, pool_bytes // slot_bytes, device_id, spin_events)
+            staging = (KvikioReader(pool, device_id, num_threads, copy_share, placer) if reader == "kvikio"
+                       else ThreadReader(pool, self._files, direct, device_id, num_threads, self.stream, placer))
         self._staging: StagingReader = staging
 
     @property
@@ -109,9 +116,10 @@ class PinnedBackend(CudaBackend):
         return self._staging.pinned_bytes
 
     def stats(self) -> dict[str, Any]:
-        """The reader's stats (:data:`gdsload.backends.staging.STATS_KEYS`), and ``native``: why ``auto`` did not
-        get the native reader (None when it did, or was not asked)."""
-        return {**self._staging.stats(), "native": self.native_reason}
+        """The reader's stats (:data:`gdsload.backends.staging.STATS_KEYS`), ``native``: why ``auto`` did not
+        get the native reader (None when it did, or was not asked), and ``numa``: what was placed on the GPU's
+        node (:meth:`gdsload.system.placement.Placer.describe`)."""
+        return {**self._staging.stats(), "native": self.native_reason, "numa": self.placer.describe()}
 
     def handles(self) -> list[FileHandles]:
         return [self._files, *self._staging.handles()]

@@ -6,8 +6,10 @@ move to the front. Made with ``hold``, the threads load only units waited for un
 the mmap backend holds the bulk back until the first batch is assembled, so a window's units do not queue
 behind chunks already handed out and the pipeline's start does not share the GIL and the driver's
 registration lock with every loader thread. When a unit's last chunk is read, ``done(key)`` runs on that
-reader thread (the mmap backend locks the range there). A failure of either is kept with its unit and
-raised to whoever waits for it; the other units go on loading. No CUDA here: the callback is the caller's.
+reader thread (the mmap backend locks the range there); ``on_start()`` runs first on each thread (the mmap
+backend binds it to the GPU's NUMA node there, so cold pages land on that node). A failure of a read or of
+``done`` is kept with its unit and raised to whoever waits for it; the other units go on loading. No CUDA
+here: the callbacks are the caller's.
 """
 
 from __future__ import annotations
@@ -34,11 +36,13 @@ class Preloader:
     once they are gone."""
 
     def __init__(self, units: dict[Hashable, tuple[str, int, int]], fd: Callable[[str], int],
-                 done: Callable[[Any], None], threads: int, chunk_bytes: int = CHUNK_BYTES, hold: bool = False):
-        """``hold``: load only the units :meth:`wait` names until :meth:`start` is called."""
+                 done: Callable[[Any], None], threads: int, chunk_bytes: int = CHUNK_BYTES, hold: bool = False,
+                 on_start: Callable[[], Any] | None = None):
+        """``hold``: load only the units :meth:`wait` names until :meth:`start` is called; ``on_start``: run
+        first on each thread (must not raise)."""
         if threads < 1 or chunk_bytes < 1:
             raise ValueError(f"threads and chunk_bytes must be positive (found {threads}, {chunk_bytes})")
-        self._fd, self._done, self._chunk = fd, done, chunk_bytes
+        self._fd, self._done, self._chunk, self._on_start = fd, done, chunk_bytes, on_start
         self._units = dict(units)
         # Offsets not yet handed to a thread, per unit; an empty unit is one chunk of no bytes (its done()
         # still runs).
@@ -70,6 +74,8 @@ class Preloader:
         return None
 
     def _run(self) -> None:
+        if self._on_start is not None:
+            self._on_start()
         buf = None
         while True:
             with self._cond:

@@ -18,6 +18,7 @@ from ..cuda.runtime import record_event
 from .._units import ALIGN
 from ..errors import ReadError
 from .._tasks import Pending, TaskGroup
+from ..system.placement import Placer, inactive
 from .base import FileHandles, ReadRequest, pread_full, split
 from ..format.files import read_error
 from .cuda import KvikioPool
@@ -37,12 +38,13 @@ def _groups(reads: Sequence[ReadRequest], slot_bytes: int) -> list[SlotGroup]:
 class ThreadReader(StagingReader):
     """``num_threads`` Python threads each read a slot load with ``os.preadv`` (through ``files``; aligned
     pieces through O_DIRECT descriptors of its own when ``direct``) and copy it on a non-blocking stream of
-    their own. A window's event is recorded on ``stream`` (the backend's) after its copies."""
+    their own. A window's event is recorded on ``stream`` (the backend's) after its copies. Each thread binds
+    itself to ``placer``'s CPUs (the GPU's NUMA node) as it starts."""
 
     name = "threads"
 
     def __init__(self, pool: StagingPool, files: FileHandles, direct: bool, device_id: int, num_threads: int,
-                 stream: Any):
+                 stream: Any, placer: Placer | None = None):
         import cupy
 
         self._cupy, self._pool, self._files, self._stream = cupy, pool, files, stream
@@ -52,8 +54,13 @@ class ThreadReader(StagingReader):
         self._local = threading.local()
         self._streams: list[Any] = []
         self._streams_lock = threading.Lock()
-        self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="gdsload-pinned",
-                                            initializer=cupy.cuda.runtime.setDevice, initargs=(device_id,))
+        placer = placer or inactive("no placement given")
+
+        def start() -> None:
+            placer.bind_thread("reader threads")
+            cupy.cuda.runtime.setDevice(device_id)
+
+        self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="gdsload-pinned", initializer=start)
 
     @property
     def pinned_bytes(self) -> int:
@@ -157,15 +164,25 @@ class KvikioReader(StagingReader):
     """One driver thread keeps the slots reading through KvikIO's C++ thread pool (``num_threads`` threads; one
     slot in ``copy_share`` kept for copies in flight, 0: none) and copies each slot to the device, in order, as
     its reads finish, on a non-blocking stream of its own. Loads of the next windows are issued while earlier
-    ones finish, so the reads never drain at a window boundary. Opens its own KvikIO file handles."""
+    ones finish, so the reads never drain at a window boundary. Opens its own KvikIO file handles. The
+    driver thread binds itself to ``placer``'s CPUs; KvikIO's own threads are KvikIO's (see :meth:`__init__`)."""
 
     name = "kvikio"
 
-    def __init__(self, pool: StagingPool, device_id: int, num_threads: int, copy_share: int):
+    def __init__(self, pool: StagingPool, device_id: int, num_threads: int, copy_share: int,
+                 placer: Placer | None = None):
         import cupy
         import kvikio
 
-        KvikioPool.acquire(num_threads, TASK_BYTES)
+        self.placer = placer = placer or inactive("no placement given")
+        # KvikIO's pool threads are started by KvikIO (at its first use, or when its settings change): a pool
+        # (re)started in this call inherits the node's CPUs, one already running keeps its threads' masks,
+        # and gdsload cannot reach them to tell which.
+        with placer.around(None):
+            KvikioPool.acquire(num_threads, TASK_BYTES)
+        if placer.placement.active:
+            placer.note("KvikIO's pool threads", "started by KvikIO: bound only if its pool (re)started here "
+                        "(KvikioPool.acquire runs bound); a pool already running is not moved")
         self.pool_held = True
         self._cupy, self.pool, self.device_id, self.num_threads = cupy, pool, device_id, num_threads
         self.copy_share = copy_share
@@ -213,6 +230,7 @@ class KvikioReader(StagingReader):
         inflight: deque[tuple[_Job, int, SlotGroup, list[Any]]] = deque()
         taken: list[_Job] = []  # jobs taken off the queue and maybe not done
         try:
+            self.placer.bind_thread("driver thread")
             self._cupy.cuda.runtime.setDevice(self.device_id)
             self._loop(inflight, taken)
         except BaseException as e:  # a CUDA or internal failure: every job still open fails with it

@@ -33,7 +33,10 @@ class PinnedHost:
     (``MAP_POPULATE``), then registered with CUDA for DMA: quicker to set up than ``cudaHostAlloc`` (CuPy's
     ``PinnedMemory``), and copies from it run at the same rate (docs/design.md). ``array`` is the memory as
     uint8; :meth:`close` unregisters and unmaps (after every copy out of it is done), and so does dropping
-    the last reference (an owner whose constructor failed later never gets to call ``close``)."""
+    the last reference (an owner whose constructor failed later never gets to call ``close``). The pages are
+    faulted in by the calling thread, so they sit on the NUMA node of the CPUs it runs on: a caller binds it
+    around the construction to place them (:meth:`gdsload.system.placement.Placer.around`); registering
+    does not move them."""
 
     def __init__(self, nbytes: int, device_id: int = 0):
         import mmap

@@ -22,7 +22,7 @@ from .doctor_probe import LIVE_READ_BYTES, HostProbes, LiveRead, PathError, Targ
 from ..system.env import CONNECTIONS_ENV, CONNECTIONS_FIX, connections_note
 from ..errors import printable
 from ..remote.objects import is_remote
-from ..system.numa import numa_report
+from ..system.placement import placement_report
 from ..system.sysfiles import (NVFS_DIR, NVFS_RW_STATS_PARAM, NVFS_STATS, FsSupport, Iommu, Mount, NvfsStats,
                                SystemFiles, cufile_json_path, cufile_settings, find_mount, iommu_mode,
                                kvikio_compat_env, mount_support, nvfs_version, parse_cufile_json, parse_mountinfo,
@@ -127,7 +127,7 @@ def gather(path: str | None, files: SystemFiles, probes: Any) -> Facts:
         wsl="microsoft" in (files.read("/proc/sys/kernel/osrelease") or "").lower(),
         container=_container(files, mounts),
         iommu=iommu_mode(files.read("/proc/cmdline"), types, bool(groups)), backend=_auto(probes, target),
-        numa=numa_report(files, gpu.get("pci_bus_id")), target=target, mount_error=mount_error)
+        numa=placement_report(files, gpu.get("pci_bus_id")), target=target, mount_error=mount_error)
     if target is None:
         return facts
     facts.mount = find_mount(mounts, target.real)
