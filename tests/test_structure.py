@@ -147,19 +147,19 @@ def test_raw_kvikio_reads_hold_the_pool_without_restarting_a_datasets(fake_kviki
     it back; beside a dataset open with other settings it refuses, leaving that dataset's pool as it is (it
     restarted the pool under the dataset, which then read with threads it did not report), and beside one
     with the same settings it reads."""
-    from gdsload.tools.measure import _kvikio
+    from gdsload.tools.measure import kvikio_pool
 
     pool, calls = fake_kvikio
-    with _kvikio(16):
+    with kvikio_pool(16):
         assert calls[-1] == {"num_threads": 16, "task_size": 4 << 20, "bounce_buffer_size": 4 << 20}
     assert pool._users == 0
     pool.acquire(14, 4 << 20)  # a dataset opens
     n = len(calls)
     with pytest.raises(RuntimeError, match="in use with 14 threads .* 16 and 4194304 were asked for: close"):
-        with _kvikio(16):
+        with kvikio_pool(16):
             pass
     assert len(calls) == n and pool._users == 1, "the dataset's pool was not touched"
-    with _kvikio(14):
+    with kvikio_pool(14):
         assert pool._users == 2
     assert pool._users == 1
 

@@ -36,7 +36,7 @@ from .pieces import PieceCrc, join_pieces
 from .plan import DEFAULT_SLICE_BYTES, ConversionPlan, plan_dataset
 from .publish import (Target, check_output, make_temp, protected, remove_empty, remove_stale_temps, rename_exchange,
                       rename_noreplace, staged_output, sync_tree)
-from .writer import _close_all, open_inputs, input_list, write_checksums, write_metadata, write_shards
+from .writer import close_all, open_inputs, input_list, write_checksums, write_metadata, write_shards
 
 RECORD, PIECES, DATA = "part.json", "pieces.npy", "data"
 RECORD_FORMAT = 1
@@ -137,8 +137,8 @@ def survey(inputs: Sequence[str], out: str, named: Mapping[str, str], ragged: Ma
         options.pop("slice_bytes", None)
         return fingerprint(plan_dataset(out, sources, rag, **options), paths)
     finally:
-        _close_all(sources)
-        _close_all(rag)
+        close_all(sources)
+        close_all(rag)
 
 
 def write_part(inputs: Sequence[str], out: str, named: Mapping[str, str], ragged: Mapping[str, str], index: int,
@@ -200,8 +200,8 @@ def write_part(inputs: Sequence[str], out: str, named: Mapping[str, str], ragged
                 remove_empty(made)
             raise
     finally:
-        _close_all(sources)
-        _close_all(rag)
+        close_all(sources)
+        close_all(rag)
     return final
 
 

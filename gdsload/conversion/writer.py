@@ -143,7 +143,7 @@ class _Encoder:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _close_all(sources: Mapping[str, object]) -> None:
+def close_all(sources: Mapping[str, object]) -> None:
     for src in sources.values():
         src.close()  # type: ignore[attr-defined]
 
@@ -221,7 +221,7 @@ def write_dataset(
     try:
         sources = {n: as_source(out, str(n), s) for n, s in sources.items()}
     except ConversionError:
-        _close_all({n: s for n, s in sources.items() if callable(getattr(s, "close", None))})
+        close_all({n: s for n, s in sources.items() if callable(getattr(s, "close", None))})
         raise
     arrays: dict[str, Source] = dict(sources)  # every sharded array, by its path in the group
     arrays.update({f"{n}/values": r.values for n, r in ragged.items()})
@@ -252,7 +252,7 @@ def write_dataset(
                     write_shards(target, a, arrays[a.key], range(a.num_shards), slice_bytes, bar.update,
                                  lambda shard: crc)
                     checksums[a.field] = crc.crcs
-            _close_all(arrays)
+            close_all(arrays)
             closed = True
             with protected():
                 try:
@@ -262,7 +262,7 @@ def write_dataset(
                 read_metadata(tmp)  # the result must parse before it may replace anything
     finally:
         if not closed:
-            _close_all(arrays)
+            close_all(arrays)
     return read_metadata(out)
 
 
@@ -307,8 +307,8 @@ def open_inputs(inputs: Sequence[str], named: Mapping[str, str], ragged: Mapping
             ragged_sources[name] = open_ragged(p)
             orders.setdefault(p, getattr(ragged_sources[name].values, "files", ()))
     except BaseException:
-        _close_all(sources)
-        _close_all(ragged_sources)
+        close_all(sources)
+        close_all(ragged_sources)
         raise
     return sources, ragged_sources, orders
 

@@ -103,11 +103,11 @@ def raw_remote_file(blocks: Sequence[RemoteBlock], dest: Any, threads: int | Non
     from ..backends.kvikio import default_threads
     from ..backends.remote_direct import IO_MODE, open_remote_file
     from ..system.env import rank_cores
-    from .measure import _kvikio
+    from .measure import kvikio_pool
 
     threads = threads or default_threads(rank_cores())
     starts = _starts(blocks)
-    with _kvikio(threads):
+    with kvikio_pool(threads):
         handles = {b.info.url: open_remote_file(b.info) for b in blocks}
         try:
             c0, t0 = cpu_seconds(), time.perf_counter()

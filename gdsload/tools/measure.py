@@ -303,7 +303,7 @@ def read_files(paths: Sequence[str], direct: bool = False, pinned: bool = False,
 
 
 @contextlib.contextmanager
-def _kvikio(threads: int) -> Iterator[Any]:
+def kvikio_pool(threads: int) -> Iterator[Any]:
     """KvikIO with its process-wide pool set as the kvikio backend sets it (``threads`` threads, 4 MiB tasks
     and bounce buffers), held through ``KvikioPool`` while the reads run: a dataset open with other settings
     keeps its pool (restarting it would change what the dataset reads with) and the ceiling raises
@@ -332,7 +332,7 @@ def raw_kvikio_files(paths: Sequence[str], dest: Any, threads: int = THREADS) ->
     import cupy
 
     sizes = [os.path.getsize(p) for p in paths]
-    with _kvikio(threads) as kvikio:
+    with kvikio_pool(threads) as kvikio:
         handles = [kvikio.CuFile(p, "r") for p in paths]
         try:
             c0, t0 = cpu_seconds(), time.perf_counter()
@@ -361,7 +361,7 @@ def raw_kvikio_blocks(blocks: Sequence[BlockLocation], dest: Any, threads: int =
 
     starts = np.concatenate([[0], np.cumsum([b.nbytes for b in blocks])]).tolist()
     rng = np.random.default_rng(seed)
-    with _kvikio(threads) as kvikio:
+    with kvikio_pool(threads) as kvikio:
         handles = {p: kvikio.CuFile(p, "r") for p in dict.fromkeys(b.path for b in blocks)}
         try:
             c0, t0 = cpu_seconds(), time.perf_counter()
