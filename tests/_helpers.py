@@ -51,6 +51,20 @@ def wait_no_readers(timeout_s: float = 2.0) -> list[threading.Thread]:
     return reader_threads()
 
 
+def threads_left_since(before: set[threading.Thread], timeout_s: float = 5.0) -> list[str]:
+    """Names of threads started since ``before`` (a ``set(threading.enumerate())``) still alive after
+    ``timeout_s``: clean-up after ``gc`` runs on the reaper thread, soon after, and threads of other tests may
+    end meanwhile, so counts alone would race. The reaper lives as long as the process: whichever test starts
+    it first is not to blame."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = [t.name for t in threading.enumerate()
+                if t not in before and t.is_alive() and t.name != "gdsload-reaper"]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.01)
+
+
 def zarr_dataset_with_missing_block(path: str) -> np.ndarray:
     """A dataset written by plain zarr, whose block 1 equals the fill value (-5) and so is never written;
     returns the data it holds."""

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from _helpers import break_then_close, labelled, reader_threads, wait_no_readers
+from _helpers import break_then_close, labelled, reader_threads, threads_left_since, wait_no_readers
 from gdsload import GDSDataset, GDSLoadError, ReadError
 from gdsload.pipeline.plan import epoch_plan
 
@@ -323,23 +323,23 @@ def test_stop_ends_the_read_ahead_and_the_next_pass_restarts(data_path):
 
 def test_reading_ahead_dataset_is_collected(data_path):
     path, _ = data_path
-    before = threading.active_count()
+    before = set(threading.enumerate())
     ds = Dataset(path, batch_size=32, backend="cpu", window_blocks=3)
     list(ds)
     assert reader_threads()
     del ds
     gc.collect()
     assert wait_no_readers() == []
-    assert threading.active_count() == before
+    assert threads_left_since(before) == []
 
 
 # -- lifecycle -------------------------------------------------------------------------------------
 def test_threads_stop_on_break_close_and_gc(data_path):
     path, _ = data_path
-    before = threading.active_count()
+    before = set(threading.enumerate())
     ds = Dataset(path, batch_size=8, backend="cpu", window_blocks=1)
     it = break_then_close(ds)
-    assert threading.active_count() == before, "close() stops the backend's pool too"
+    assert threads_left_since(before, timeout_s=0) == [], "close() stops the backend's pool too"
     with pytest.raises(GDSLoadError, match="iterator was closed"):
         next(it)
     with pytest.raises(GDSLoadError, match="the dataset was closed"):
@@ -351,10 +351,7 @@ def test_threads_stop_on_break_close_and_gc(data_path):
     del ds, it
     gc.collect()  # the clean-up runs on the reaper thread (gdsload._tasks.Reaper), soon after
     assert wait_no_readers() == []
-    deadline = time.monotonic() + 5
-    while threading.active_count() != before and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert threading.active_count() == before
+    assert threads_left_since(before) == []
 
 
 def test_new_pass_closes_the_previous_one(data_path):
@@ -375,7 +372,7 @@ def test_new_pass_closes_the_previous_one(data_path):
 
 def test_reader_error_surfaces_with_file_and_offset(data_path):
     path, _ = data_path
-    before = threading.active_count()
+    before = set(threading.enumerate())
     shard = os.path.join(path, "x", "c", "1", "0, 0".replace(", ", os.sep))
     with Dataset(path, batch_size=8, backend="cpu", window_blocks=2) as ds:
         with open(shard, "r+b") as f:  # damage the file after the index was read
@@ -388,7 +385,7 @@ def test_reader_error_surfaces_with_file_and_offset(data_path):
         assert shard in msg and "offset" in msg and "reading window" in msg
         assert got, "batches before the damaged block still arrive"
         assert wait_no_readers() == []
-    assert threading.active_count() == before
+    assert threads_left_since(before, timeout_s=0) == []
 
 
 def test_files_moved_after_open_are_still_read(data_path):
