@@ -1,8 +1,8 @@
 """The direct route of a remote dataset (gdsload/backends/remote_direct.py): the route's rule and facts, the map
 from a skeleton's shard files to their objects, the reads and their pinning, on the CPU; on a GPU, whole datasets
-read by KvikIO's RemoteFile straight into device memory and the faults. Real servers only, started here
-(tests/remote_servers.py's HTTP server: the GPU machine has no moto, so S3 over the direct route is tested only
-as far as the route's rule goes)."""
+read by KvikIO's RemoteFile straight into device memory and the faults. Real servers only, started here:
+tests/remote_servers.py's HTTP server, and moto's S3 server where moto is installed (carried to the GPU machine
+in a wheel folder of its own)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from gdsload.format.mirror import open_version
 from gdsload.remote.objects import ObjectChanged, ObjectInfo, join
 
 from _helpers import ragged_source
-from remote_servers import RangeServer, Seen, client_for_server
+from remote_servers import MotoS3, RangeServer, Seen, client_for_server
 
 N = 600
 SPB = 16
@@ -48,12 +48,12 @@ def local(make_dataset) -> str:
                         ragged={"tokens": ragged_source(seqs)})
 
 
-def _upload(srv: RangeServer, path: str, prefix: str = "d.gds") -> str:
+def _upload(store: RangeServer | MotoS3, path: str, prefix: str = "d.gds") -> str:
     for d, _, files in os.walk(path):
         for f in files:
             with open(os.path.join(d, f), "rb") as fh:
-                srv.put(f"{prefix}/{os.path.relpath(os.path.join(d, f), path)}", fh.read())
-    return srv.url(prefix)
+                store.put(f"{prefix}/{os.path.relpath(os.path.join(d, f), path)}", fh.read())
+    return store.url(prefix)
 
 
 # -- the route's rule (pure) -----------------------------------------------------------------------------
@@ -498,3 +498,43 @@ def test_a_server_without_etags_reads_exactly_and_its_private_version_goes_at_cl
         assert "@private-" in root and ds.describe()["remote"]["route"] == "direct"
         _same(_batches(ds), want)
     assert not os.path.exists(root), "removed when the dataset closed"
+
+
+# -- on a GPU: the same from S3 (moto's server) ---------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["kvikio", "pinned"])
+def test_every_sample_exact_by_the_direct_route_from_s3_on_two_ranks(local, s3, gds_cache, backend):
+    url = _upload(s3, local)
+    opts = dict(shuffle=True, seed=7, world_size=2, window_blocks=3, pad_to="max", resident_bytes=0)
+    for rank in range(2):
+        with GDSDataset(local, 32, backend="cpu", rank=rank, **opts) as ref:
+            want = _batches(ref) + _batches(ref)
+        with GDSDataset(url, 32, backend=backend, rank=rank, **opts) as ds:
+            got = _batches(ds) + _batches(ds)
+            d = ds.describe()
+        _same(got, want)
+        assert url.startswith("s3://") and d["io_mode"] == "remote-kvikio"
+        assert d["remote"]["route"] == "direct" and d["remote"]["fetched_shards"] == 0
+        assert d["backend_stats"]["reads"] > 0 and d["backend_stats"]["pin_checks"] > 0
+
+
+@pytest.mark.gpu
+def test_an_s3_object_replaced_mid_epoch_is_a_read_error_naming_its_url(local, s3, gds_cache):
+    url = _upload(s3, local)
+    with GDSDataset(local, 32, backend="cpu", pad_to="max") as ref:
+        want = _batches(ref)
+    keys = [o["Key"] for o in s3.client.list_objects_v2(Bucket=s3.bucket, Prefix="d.gds/x/c/")["Contents"]]
+    got = []
+    with GDSDataset(url, 32, backend="kvikio", window_blocks=1, prefetch=1, pad_to="max",
+                    resident_bytes=0) as ds:
+        t0 = time.monotonic()
+        with pytest.raises(ReadError, match=rf"s3://{s3.bucket}/d\.gds/x/c/\d+/0: .*(412|PreconditionFailed)"):
+            for b in ds:
+                got.append({k: v.get() for k, v in b.items()})
+                if len(got) == 2:  # every shard of x replaced: same size, another ETag and other bytes
+                    for key in keys:
+                        old = s3.client.get_object(Bucket=s3.bucket, Key=key)["Body"].read()
+                        s3.put(key, bytes(len(old) - 8) + old[-8:])
+        assert time.monotonic() - t0 < 30
+    assert 2 <= len(got) < len(want)
+    _same(got, want[:len(got)])
