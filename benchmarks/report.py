@@ -11,8 +11,11 @@ import os
 import sys
 from typing import Any
 
-#: Version of the JSON shape; ``report`` refuses another.
-SCHEMA = 1
+#: Version of the JSON shape; ``report`` refuses another. 2: the summary gained ``startup`` (fresh processes),
+#: ``stall_10ms_continuous``, ``stall_1p5x_unslowed`` and ``compressed`` (None where not measured); a suite JSON
+#: of schema 1 has the same shape with fewer rows, and still renders.
+SCHEMA = 2
+READS = (1, 2)
 RAW_SHUFFLED = "raw KvikIO (blocks, shuffled)"
 RAW_FILES = "raw KvikIO (whole files)"
 
@@ -46,6 +49,7 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
     warm_or_cold = "warm" if "warm" in startup else "cold" if startup else None  # warm: what targets are set for
     raw, raw_files = one(regime="warm", name=RAW_SHUFFLED), one(regime="warm", name=RAW_FILES)
     auto = doc.get("auto_backend") or {}
+    compressed = [r for r in rows if r.get("kind") == "compressed" and "warm_epochs_gbps" in r]
     return {"schema": SCHEMA, "date": doc["date"], "mode": doc["mode"], "gpu": doc["machine"].get("gpu"),
             "dataset": main, "auto_backend": auto.get("backend"),
             "io_mode": {b: next((r["io_mode"] for r in gds if r["backend"] == b), None) for b in backends},
@@ -57,12 +61,28 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
             "open_s": per_backend("open_s", kind="startup", regime=warm_or_cold),
             "first_batch_s": per_backend("first_batch_s", kind="startup", regime=warm_or_cold),
             "open_s_cold": per_backend("open_s", kind="startup", regime="cold"),
-            "first_batch_s_cold": per_backend("first_batch_s", kind="startup", regime="cold")}
+            "first_batch_s_cold": per_backend("first_batch_s", kind="startup", regime="cold"),
+            "startup": {b: fresh_startup(one(kind="startup", regime="warm-fresh", backend=b)) for b in backends},
+            "stall_10ms_continuous": per_backend("wait_fraction", kind="step", continuous=True, step_ms=10.0),
+            "stall_1p5x_unslowed": per_backend("wait_fraction_unslowed", kind="step", step_factor=1.5, sync_every=1),
+            "compressed": [{k: r.get(k) for k in COMPRESSED_KEYS} for r in compressed] if compressed else None}
+
+
+#: What the summary keeps of each compressed row.
+COMPRESSED_KEYS = ("store", "backend", "ratio", "warm_epochs_gbps", "cold_gbps", "raw_cold_gbps",
+                   "decoder_ceiling_gbps", "decoder_ceiling_why")
+
+
+def fresh_startup(row: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A fresh-process startup row's medians (None: not measured)."""
+    return None if row is None else {k: row.get(k) for k in ("import_s", "cuda_start_s", "open_s", "first_batch_s",
+                                                              "imports", "processes")}
 
 
 def targets(doc: dict[str, Any]) -> list[str]:
     """The issue's targets, checked against this run's own numbers (or said to be unmeasured)."""
     rows, out = doc["results"], []
+    auto = (doc.get("auto_backend") or {}).get("backend")
     h2d = measured(rows, name="ceiling: pinned H2D copy")
     for ds in sorted({r["dataset"] for r in measured(rows) if r["dataset"].endswith("-4MiB")}):
         page = measured(rows, dataset=ds, name="ceiling: page cache -> pinned")
@@ -91,6 +111,9 @@ def targets(doc: dict[str, Any]) -> list[str]:
                            f"{'met' if v >= 0.9 * d else 'MISSED'}")
             for r in measured(rows, dataset=ds, kind="step", backend=backend):
                 wait = r.get("wait_fraction")
+                if r.get("continuous"):
+                    out.append(_continuous(ds, backend, r))
+                    continue
                 if wait is None:
                     out.append(f"{ds} {backend} stall with {r['config']}: not measured from outside in this run")
                     continue
@@ -102,6 +125,56 @@ def targets(doc: dict[str, Any]) -> list[str]:
                            + ("" if drift is None else f"; the steps alone timed again after them: {drift:+.1%}")
                            + f"; gdsload's own count of host waits: {r['stall_fraction']:.1%}; target <= 1 %) -> "
                            + ("met" if wait <= 0.01 else "MISSED"))
+                if "wait_fraction_unslowed" in r:
+                    out.append(_unslowed(ds, backend, r, auto))
+            for r in measured(rows, dataset=ds, kind="startup", regime="warm-fresh", backend=backend):
+                out.append(f"{ds} {backend} start in a fresh process, pages warm (median of {r['processes']}): "
+                           f"import ({r['imports']}) {r['import_s']} s, open {r['open_s']} s (target <= 0.25 s), "
+                           f"first batch {r['first_batch_s']} s (target <= 0.025 s) -> "
+                           + ("met" if r["open_s"] <= 0.25 and r["first_batch_s"] <= 0.025 else "MISSED"))
+    return out + [t for r in rows if r.get("kind") == "compressed" and "warm_epochs_gbps" in r
+                  for t in _compressed(r)]
+
+
+def _continuous(ds: str, backend: str, r: dict[str, Any]) -> str:
+    wait = r["wait_fraction"]
+    return (f"{ds} {backend} waiting with {r['config']}: {wait:.2%} over the epochs after the first, as one run "
+            f"(each: {', '.join(f'{w:.2%}' for w in r['wait_fraction_runs'])}; the first epoch, from rest: "
+            f"{r['first_pass_wait_fraction']:.2%}; the whole run: {r['whole_run_wait_fraction']:.2%}; pipelines "
+            f"restarted: {r['pipeline_restarts']}; target <= 0.2 %) -> " + ("met" if wait <= 0.002 else "MISSED"))
+
+
+def _unslowed(ds: str, backend: str, r: dict[str, Any], auto: str | None) -> str:
+    u = r["wait_fraction_unslowed"]
+    least = ", ".join("-" if s is None else f"{s:.2f}x" for s in r.get("canary_least_slowdown_runs") or [])
+    head = (f"{ds} {backend} waiting with {r['config']}, the passes the machine did not slow down (least canary "
+            f"slowdown per pass: {least or 'n/a'}; slowed: over {r.get('canary_threshold')}x): ")
+    if u is None:
+        return head + "no pass left: not measured"
+    if backend != auto:
+        return head + f"{u:.1%} (the 1.5 % target is `auto`'s backend's, {auto})"
+    return head + f"{u:.1%} (target <= 1.5 %) -> " + ("met" if u <= 0.015 else "MISSED")
+
+
+def _compressed(r: dict[str, Any]) -> list[str]:
+    """The compressed store's targets: every epoch within 10 % of the best, warm at least 80 % of nvCOMP's
+    batch-decode ceiling, cold at least 0.8 x the raw store's cold rate / ratio (stored over decoded bytes)."""
+    warm, head = r["warm_epochs_gbps"], f"{r['dataset']} {r['backend']} compressed (ratio {r['ratio']})"
+    best = max(warm)
+    out = [f"{head}: epochs {', '.join(map(str, warm))} GB/s, slowest {min(warm) / best:.0%} of the best "
+           f"(target >= 90 %) -> " + ("met" if min(warm) >= 0.9 * best else "MISSED")]
+    ceiling = r.get("decoder_ceiling_gbps")
+    out.append(f"{head}: warm {best} GB/s against nvCOMP's batch decode of the same chunks "
+               + (f"{ceiling} GB/s = {best / ceiling:.0%} (target >= 80 %) -> "
+                  + ("met" if best >= 0.8 * ceiling else "MISSED") if ceiling
+                  else f"not measured ({r.get('decoder_ceiling_why')})"))
+    cold, raw = r.get("cold_gbps"), r.get("raw_cold_gbps")
+    if cold is not None and raw:
+        want = 0.8 * raw / r["ratio"]
+        out.append(f"{head}: cold {cold} GB/s decoded against raw cold {raw} GB/s: target >= 0.8 x raw / ratio = "
+                   f"{want:.2f} -> " + ("met" if cold >= want else "MISSED"))
+    else:
+        out.append(f"{head}: cold not measured (the page cache could not be dropped)")
     return out
 
 
@@ -129,6 +202,10 @@ def _row(r: dict[str, Any]) -> str:
         wait += f"; from rest {r['first_pass_wait_fraction']:.1%}"
     if r.get("alone_drift_fraction") is not None:
         wait += f"; steps alone again {r['alone_drift_fraction']:+.1%}"
+    if r.get("wait_fraction_unslowed") is not None:
+        wait += f"; passes not slowed by the machine {r['wait_fraction_unslowed']:.1%}"
+    if r.get("continuous"):
+        wait += f"; whole run {r['whole_run_wait_fraction']:.2%}; pipelines restarted {r['pipeline_restarts']}"
     cpu = "" if r.get("cpu_core_s_per_gb") is None else r["cpu_core_s_per_gb"]
     return (f"{head} {r['io_mode']} | {r['gb_per_s']} | {r.get('samples_per_s') or ''} | {cpu} | {stall} | "
             f"{wait} | {pinned} |")
@@ -150,6 +227,20 @@ def summary_table(summary: dict[str, Any]) -> list[str]:
         wait = summary["stall_1p5x_sync_every_step"].get(b)
         lines.append(f"| {b} | {v(mode)} | {v(summary['warm_shuffled_gbps'].get(b))} | {_pct(wait) or 'n/a'} | "
                      f"{v(summary['open_s'].get(b))} | {v(summary['first_batch_s'].get(b))} |")
+    if "startup" not in summary:  # a summary of schema 1
+        return lines
+    lines += ["", "| backend | fresh process: import s | open s | first batch s | waiting, 10 ms step, continuous "
+              "| waiting, step 1.5x, passes not slowed |", "|---|---:|---:|---:|---:|---:|"]
+    for b in summary["io_mode"]:
+        fresh = summary["startup"].get(b) or {}
+        cont, unslowed = summary["stall_10ms_continuous"].get(b), summary["stall_1p5x_unslowed"].get(b)
+        lines.append(f"| {b} | {v(fresh.get('import_s'))} | {v(fresh.get('open_s'))} | "
+                     f"{v(fresh.get('first_batch_s'))} | {'n/a' if cont is None else f'{cont:.2%}'} | "
+                     f"{_pct(unslowed) or 'n/a'} |")
+    for c in summary["compressed"] or []:
+        lines += ["", f"Compressed {c['store']} on {c['backend']}: ratio {c['ratio']}, warm epochs "
+                     f"{c['warm_epochs_gbps']} GB/s, cold {v(c['cold_gbps'])}, nvCOMP decode "
+                     f"{v(c['decoder_ceiling_gbps'])} GB/s."]
     return lines
 
 
@@ -174,16 +265,29 @@ def markdown(doc: dict[str, Any]) -> str:
               "Pinned: gdsload's peak pinned host memory (mmap: the dataset's files, locked once read).", "",
               "| dataset | cache | what | config | io mode | GB/s | samples/s | CPU core-s/GB | stall | waiting "
               "| pinned |", "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
-    lines += [_row(r) for r in rows if r.get("kind") != "startup"]
+    lines += [_row(r) for r in rows if r.get("kind") not in ("startup", "compressed")]
     startup = [r for r in rows if r.get("kind") == "startup"]
     if startup:
         lines += ["", "## Startup", "", "Seconds to open the dataset (`describe()['open_s']`) and to its first "
-                  "batch (`stats.first_batch_s`), and from the constructor's call to the first batch in hand.", "",
-                  "| dataset | cache | backend | io mode | open s | first batch s | total s |",
-                  "|---|---|---|---|---:|---:|---:|"]
+                  "batch (`stats.first_batch_s`), and from the constructor's call to the first batch in hand. "
+                  "Cache warm-fresh: each a new process (medians), timing its imports, the open and the first "
+                  "batch on its own clock.", "",
+                  "| dataset | cache | backend | io mode | import s | open s | first batch s | total s |",
+                  "|---|---|---|---|---:|---:|---:|---:|"]
         lines += [f"| {r['dataset']} | {r['regime']} | {r['backend']} | " + (
-            f"{r['io_mode']} | {r['open_s']} | {r['first_batch_s']} | {r['seconds']} |" if "open_s" in r
-            else f"failed: {r.get('error') or r.get('skipped')} | | | |") for r in startup]
+            f"{r['io_mode']} | {r.get('import_s', '')} | {r['open_s']} | {r['first_batch_s']} | {r['seconds']} |"
+            if "open_s" in r else f"failed: {r.get('error') or r.get('skipped')} | | | | |") for r in startup]
+    packed = [r for r in rows if r.get("kind") == "compressed"]
+    if packed:
+        lines += ["", "## Compressed", "", "The tokens store of `benchmarks.compression`, zstd: ratio (stored / "
+                  "decoded bytes), decoded GB/s of every warm epoch in a row, cold (raw store's cold beside it), "
+                  "nvCOMP's batch decode alone on the same chunks.", "",
+                  "| store | backend | ratio | warm GB/s per epoch | cold GB/s | raw cold GB/s | nvCOMP decode GB/s |",
+                  "|---|---|---:|---|---:|---:|---:|"]
+        lines += [f"| {r['dataset']} | {r['backend']} | " + (
+            f"{r['ratio']} | {', '.join(map(str, r['warm_epochs_gbps']))} | {r['cold_gbps']} | {r['raw_cold_gbps']} "
+            f"| {r['decoder_ceiling_gbps'] or 'n/a: ' + str(r['decoder_ceiling_why'])} |" if "warm_epochs_gbps" in r
+            else f"failed: {r.get('error') or r.get('skipped')} | | | | |") for r in packed]
     lines += ["", "## Summary (summary.json)", ""] + summary_table(summarize(doc))
     lines += ["", "## Targets", ""] + [f"- {t}" for t in targets(doc)]
     return "\n".join(lines) + "\n"
@@ -220,8 +324,9 @@ def load(path: str) -> dict[str, Any]:
     """A suite JSON, refused unless it has this module's shape (``schema``)."""
     from .common import load_result
 
-    return load_result(path, lambda doc: None if doc.get("schema") == SCHEMA
-                       else f"not a suite result of schema {SCHEMA} (found {doc.get('schema')!r})")
+    return load_result(path, lambda doc: None if doc.get("schema") in READS
+                       else f"not a suite result of schema {' or '.join(map(str, READS))} "
+                            f"(found {doc.get('schema')!r})")
 
 
 def render(path: str, summary: bool = True) -> list[str]:

@@ -4,7 +4,8 @@ A row is a flat JSON object: ``kind`` (ceiling, gdsload, contender, step or star
 ``regime`` (warm, cold, shm or -), ``name``, ``config``, ``io_mode`` and the figures (``gb_per_s``,
 ``samples_per_s``, ``cpu_core_s_per_gb``, ``seconds``, ``stall_fraction``, ``steady_stall_fraction``,
 ``wait_fraction`` and every repeat's ``wait_fraction_runs``; training-step rows: the median of the passes
-after the one from rest, and that pass's ``first_pass_wait_fraction``); gdsload rows add ``backend``, ``shuffle``,
+after the one from rest, and that pass's ``first_pass_wait_fraction``, where canaries ran the median of the
+passes the machine did not slow down, ``wait_fraction_unslowed``); gdsload rows add ``backend``, ``shuffle``,
 ``threads``, ``default`` (the suite's standard configuration) and what ``GDSDataset.describe()`` says. A
 contender that could not run has ``error`` (or ``skipped``, its package missing) instead of figures.
 """
@@ -152,12 +153,13 @@ class Recorder:
         return self.emit({**where, **labels, **figures(best(runs), waits), **extra})
 
     def steps(self, dataset: str, name: str, config: str, run: GdsRun, passes: int,
-              **labels: Any) -> dict[str, Any] | None:
+              judge: Callable[[list[float]], dict[str, Any]] | None = None, **labels: Any) -> dict[str, Any] | None:
         """A training-step row from ``run.passes(passes)``: the figures of the passes after the one from rest
         (their bytes over their time; waiting: their median, each in ``wait_fraction_runs``), the pass
         from rest beside them (``first_pass_wait_fraction``, ``first_batch_s``: the pipeline's start), and
         how much longer the steps alone took when timed again after the passes (``alone_drift_fraction``,
-        negative when shorter)."""
+        negative when shorter). ``judge(waits)``, when given, adds its fields (the canaries' verdict on the
+        passes after the one from rest: :func:`benchmarks.summary_rows.judged_by_canaries`)."""
         where = {"kind": "step", "dataset": dataset, "regime": "warm", "name": name, "config": config}
         try:
             first, *steady = run.passes(passes)
@@ -173,6 +175,8 @@ class Recorder:
                "first_pass_seconds": round(first.seconds, 4), "first_batch_s": round(first.first_batch_s or 0.0, 6)}
         if first.alone_s and first.alone_again_s:  # the steps alone against themselves: this row's noise floor
             row["alone_drift_fraction"] = round(first.alone_again_s / first.alone_s - 1, 4)
+        if judge is not None:
+            row.update(judge(waits))
         return self.emit({**where, **labels, **row, **run.extra()})
 
     def startup(self, dataset: str, regime: str, backend: str, path: str, batch_size: int, **options: Any) -> None:

@@ -4,12 +4,16 @@
     python -m benchmarks.suite --full           # 1 GiB in 1/4/16 MiB blocks, 8/16/32 threads; 8 GiB
     python -m benchmarks.suite --stall-only     # the training-step rows alone, on the larger dataset
     python -m benchmarks.suite --quick --backends cpu   # no GPU: the cpu backend beside host-memory contenders
+    python -m benchmarks.suite --quick --compressed --compressed-mib 64   # the compressed rows in a quick run
 
 Rows (``benchmarks/rows.py`` builds them): ceilings (pinned H2D copy, O_DIRECT disk read, page cache into
 pinned memory, raw KvikIO of whole files and of the same blocks shuffled), gdsload per backend (warm, cold,
 shuffled; mmap cold = open + pass), each backend's startup (open, first batch, cold when the page cache can
 be dropped), contenders (torch DataLoader, zarr-python, naive np.fromfile, DALI if installed), the /dev/shm
-regime, and with a simulated training step the share of the pass spent waiting for data. Writes
+regime, and with a simulated training step the share of the pass spent waiting for data (also with a 10 ms
+step over epochs in one continuous loop, and, where canaries run, without the passes the machine slowed
+down); each backend's start in fresh processes, and with ``--full`` (or ``--compressed``) the compressed
+tokens store (``benchmarks/summary_rows.py`` builds these). Writes
 ``results/<machine>/suite.json`` first (after every dataset), then ``suite.md``, ``suite.png`` (with
 matplotlib) and ``summary.json`` (``benchmarks.report``); ``--stall-only`` writes ``stall.json`` / ``.md``.
 """
@@ -29,7 +33,7 @@ from gdsload.tools.measure import (PassResult, block_locations, drop_page_cache,
                                    raw_kvikio_files, read_files, shard_paths)
 from gdsload.tools.steps import make_step
 
-from . import report
+from . import report, summary_rows
 from .common import BATCH, DATA_DIR, RESULTS_DIR, SAMPLE_BYTES, describe_machine, free_device_memory, \
     make_dataset, dataset_tag, results_dir, today, write_json
 from .contenders import dali_run, naive_run, torch_run, zarr_run
@@ -64,6 +68,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--keep-read-ahead", action="store_true",
                     help="time one pass without stopping what was read ahead before it (the method of result "
                          "files before this option existed; for comparisons with them)")
+    ap.add_argument("--fresh-starts", type=int, default=5,
+                    help="fresh processes per backend timing import, open and first batch (0: none)")
+    ap.add_argument("--continuous-epochs", type=int, default=8,
+                    help="epochs of the continuous 10 ms step row, in one loop (0: no such row)")
+    ap.add_argument("--canaries", default="auto", help="cores for probe_bursts' canaries around the 1.5x step "
+                                                       "rows ('auto': 3 where 8 or more cores; '': none)")
+    ap.add_argument("--canary-threshold", type=float, default=summary_rows.CANARY_THRESHOLD,
+                    help="a pass is the machine's when every canary ran this much slower than its median")
+    ap.add_argument("--compressed", action="store_true", help="the compressed rows (on with --full)")
+    ap.add_argument("--compressed-mib", type=int, default=1024, help="decoded MiB of the compressed tokens store")
     ap.add_argument("--data", default=DATA_DIR, help="directory on the disk under test (datasets are kept)")
     ap.add_argument("--shm", default="/dev/shm/gdsload-bench", help="tmpfs copy for the /dev/shm regime")
     ap.add_argument("--out", default=RESULTS_DIR, help="results root: files go to OUT/<machine>/")
@@ -78,6 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.options = {} if args.resident_bytes is None else {"resident_bytes": args.resident_bytes}
     args.timing = Timing(0.0, False) if args.keep_read_ahead else Timing(args.warm_seconds, True)
     args.name = args.name or ("stall" if args.stall_only else "suite")
+    args.compressed = (args.compressed or args.full) and not args.stall_only
+    args.canary_cores = summary_rows.canary_cores(args.canaries)
     return args
 
 
@@ -98,7 +114,10 @@ def main(argv: list[str] | None = None) -> int:
                      "sample_bytes": SAMPLE_BYTES, "repeats": args.repeats, "stall_repeats": args.stall_repeats,
                      "batches_ahead": args.batches_ahead, "dataset_options": args.options,
                      "page_cache_dropped": can_drop, "warm_seconds": args.timing.min_seconds,
-                     "from_rest": args.timing.from_rest},
+                     "from_rest": args.timing.from_rest, "fresh_starts": args.fresh_starts,
+                     "continuous_epochs": args.continuous_epochs, "canary_cores": args.canary_cores,
+                     "canary_threshold": args.canary_threshold,
+                     "compressed_mib": args.compressed_mib if args.compressed else None},
         "results": rec.rows}
 
     def save() -> None:
@@ -132,9 +151,15 @@ def main(argv: list[str] | None = None) -> int:
             if size == args.sizes[0] and len(args.sizes) > 1:
                 shm(args, rec, path, tag)
             else:
+                if args.fresh_starts > 0:
+                    summary_rows.fresh_startup(rec, tag, path, args.backends, args.batch_size, args.options,
+                                               args.gpu, args.fresh_starts)
                 stall(args, rec, path, tag, paths)
             save()
             print(f"elapsed {time.perf_counter() - started:.0f} s", flush=True)
+    if args.compressed:
+        summary_rows.compressed(rec, args.backends, args.data, args.compressed_mib, args.batch_size, args.options,
+                                args.gpu)
     save()
     report.render(base + ".json", summary=not args.stall_only)
     print(f"wrote {base}.json", flush=True)
@@ -296,7 +321,9 @@ def stall(args: argparse.Namespace, rec: Recorder, path: str, tag: str, paths: l
     """How long a simulated training step waits for data when it is slower than reading a batch: per
     backend, steps of 1.5x and 3x a batch's read time (timed just before), host syncs after every step or
     every 8th, as training runs epochs: a pass from rest, then ``--stall-repeats`` passes, each timed on its
-    own; the row's waiting is their median, the pass from rest (the pipeline's start) is reported beside it.
+    own; the row's waiting is their median, the pass from rest (the pipeline's start) is reported beside it
+    (at 1.5x with a sync every step, canaries judge which passes the machine slowed down, where they run).
+    Then a 10 ms step over ``--continuous-epochs`` epochs in one loop (:func:`summary_rows.continuous_row`).
     Beside them torch DataLoader with a 5 ms step."""
     read_files(paths, pinned=args.gpu)
     ahead = {} if args.batches_ahead is None else {"batches_ahead": args.batches_ahead}
@@ -314,9 +341,22 @@ def stall(args: argparse.Namespace, rec: Recorder, path: str, tag: str, paths: l
                          **options)
             run()  # the process's first pass with this step: its kernel compiled, its buffers set up
             synced = "" if sync_every == 1 else f", host syncs every {sync_every} steps"
-            rec.steps(tag, f"gdsload {backend} + training step",
-                      f"step = {factor} x batch read time ({ms:.2f} ms){synced}", run, args.stall_repeats,
-                      backend=backend, step_factor=factor, step_ms=round(ms, 3), sync_every=sync_every, **ahead)
+            cores = args.canary_cores if (factor, sync_every) == (1.5, 1) else []
+            seconds = (args.stall_repeats + 3) * len(run.ds) * ms / 1e3 * 2 + 2  # the passes, their steps alone
+            with summary_rows.judged_by_canaries(cores, seconds, run.step, args.stall_repeats,
+                                                 args.canary_threshold) as judge:
+                rec.steps(tag, f"gdsload {backend} + training step",
+                          f"step = {factor} x batch read time ({ms:.2f} ms){synced}", run, args.stall_repeats,
+                          judge=judge, backend=backend, step_factor=factor, step_ms=round(ms, 3),
+                          sync_every=sync_every, **ahead)
+            run.close()
+        if args.continuous_epochs > 0:
+            ms = summary_rows.CONTINUOUS_STEP_MS
+            run = GdsRun(path, backend, args.batch_size, shuffle=True, step=make_step(ms, 1, args.gpu),
+                         prefetch_next_epoch=True, **options)
+            run()  # as above: the step's kernel and the buffers set up outside the timing
+            summary_rows.continuous_row(rec, tag, run, args.continuous_epochs, backend=backend, step_ms=ms,
+                                        sync_every=1, **ahead)
             run.close()
         free_device_memory()
     rec.record(tag, "warm", "torch DataLoader + training step", f"num_workers=8, step {TORCH_STEP_MS:g} ms",

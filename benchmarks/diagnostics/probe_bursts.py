@@ -37,6 +37,7 @@ from gdsload import GDSDataset
 from ..common import (BATCH, GcRuns, Rows, Spin, add_step_options, make_dataset, parse_probe_args, probe_parser,
                       read_files, shard_paths, stamped_steps, step_ms, time_pass, write_probe)
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LONG_GAP_US = 1000.0
 CANARY_UNIT = 20000  # additions per unit: about a millisecond of Python
 
@@ -134,6 +135,41 @@ def timed_passes(spin: Spin, ds: GDSDataset, nb: int, offset: int, n: int) -> li
     return passes
 
 
+class Canaries:
+    """probe_bursts' canary processes (its ``--canary-out`` mode), one pinned to each of ``cores``, timing
+    pure-Python units for ``seconds``; :meth:`units` waits for them and returns each one's (start, length)."""
+
+    def __init__(self, cores: list[int], seconds: float):
+        self.tmp = tempfile.mkdtemp()
+        self.outs = [os.path.join(self.tmp, f"{c}.json") for c in cores]
+        self.procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.diagnostics.probe_bursts",
+                                        "--canary-seconds", str(seconds), "--canary-out", out], cwd=ROOT,
+                                       preexec_fn=lambda c=c: os.sched_setaffinity(0, {c}))
+                      for c, out in zip(cores, self.outs)]
+        waited = time.perf_counter()
+        while not all(os.path.exists(out + ".ready") for out in self.outs):
+            if time.perf_counter() - waited > 60 or any(p.poll() is not None for p in self.procs):
+                self.close()
+                raise RuntimeError(f"the canaries did not start (exit codes {[p.poll() for p in self.procs]})")
+            time.sleep(0.02)
+
+    def units(self) -> list[np.ndarray]:
+        for p in self.procs:
+            p.wait()
+        out = []
+        for path in self.outs:
+            with open(path) as f:
+                out.append(np.array(json.load(f)))
+        return out
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--canary-seconds", type=float)
@@ -162,32 +198,15 @@ def main(argv: list[str] | None = None) -> int:
     offset = int(np.median([np.min(h[:, 3] - g[:, 1]) for h, g in (stamped_steps(spin, range(nb), nb)
                                                                     for _ in range(3))]))
     cores = [int(c) for c in args.canaries.split(",") if c.strip()]
-    tmp = tempfile.mkdtemp()
     seconds = args.passes * nb * ms / 1e3 * 2.6 + 5  # the passes and their steps alone, with room
-    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.diagnostics.probe_bursts", "--canary-seconds",
-                               str(seconds), "--canary-out", os.path.join(tmp, f"{c}.json")],
-                              preexec_fn=lambda c=c: os.sched_setaffinity(0, {c})) for c in cores]
+    canaries = Canaries(cores, seconds)
     try:
-        waited = time.perf_counter()
-        while not all(os.path.exists(os.path.join(tmp, f"{c}.json.ready")) for c in cores):
-            if time.perf_counter() - waited > 60 or any(proc.poll() is not None for proc in procs):
-                raise RuntimeError(f"the canaries did not start (exit codes {[proc.poll() for proc in procs]})")
-            time.sleep(0.05)
         passes = timed_passes(spin, ds, nb, offset, args.passes)
         ds.close()
-        for proc in procs:
-            proc.wait()
-        units = []
-        for c in cores:
-            with open(os.path.join(tmp, f"{c}.json")) as f:
-                units.append(np.array(json.load(f)))
-    except BaseException:
-        for proc in procs:
-            proc.kill()
-        raise
+        units = canaries.units()
     finally:
         ds.close()  # idempotent
-        shutil.rmtree(tmp, ignore_errors=True)  # the canaries' files, read or abandoned
+        canaries.close()  # the canaries' files, read or abandoned
     del held
     rows = Rows()
     for row in passes:

@@ -1,0 +1,289 @@
+"""The suite's rows behind issue 46's summary keys (``benchmarks.suite`` calls these; ``benchmarks.report``
+summarises them):
+
+- ``startup`` rows of regime ``warm-fresh``: per backend, pages warm, each measurement a new interpreter
+  (:func:`benchmarks.diagnostics.probe_startup.run_fresh`) timing its imports, CUDA's start (GPU), the open
+  and the first batch (synchronised); the row holds the medians and every process's figures.
+- a ``step`` row with ``continuous: True``: a 10 ms step after every batch, epochs in one loop as training
+  runs them (``set_epoch`` each, ``prefetch_next_epoch`` on, nothing stopped between them).
+- the canaries of :mod:`benchmarks.diagnostics.probe_bursts` around the 1.5x step rows: passes the machine
+  slowed down (every canary's units longer than ``threshold`` x their median) are left out of
+  ``wait_fraction_unslowed``.
+- ``compressed`` rows: the tokens store of :mod:`benchmarks.compression`, per backend: ratio, every epoch's
+  warm GB/s, cold GB/s (raw and compressed, where the page cache can be dropped) and nvCOMP's batch-decode
+  ceiling on the same chunks (None on the CPU, with the reason).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from gdsload import GDSDataset
+from gdsload.tools.measure import PassResult, cpu_seconds, device_sync, read_files, shard_paths, time_pass, time_passes
+from gdsload.tools.steps import Step
+
+from .rows import GdsRun, Recorder, figures
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONTINUOUS_STEP_MS = 10.0
+#: A pass is the machine's when every canary's units ran this much longer than their median (probe_bursts).
+CANARY_THRESHOLD = 1.15
+
+#: One fresh process: its clock starts before ``import gdsload`` (and ``import cupy`` on GPU runs).
+FRESH = """
+import sys, time
+sys.path.insert(0, {root!r})
+t0 = time.perf_counter()
+import gdsload
+{cupy}
+imported = time.perf_counter() - t0
+import json
+from benchmarks.summary_rows import fresh_child
+print(json.dumps(fresh_child({path!r}, {backend!r}, {batch_size}, {options!r}, imported, {gpu})))
+"""
+
+
+def fresh_child(path: str, backend: str, batch_size: int, options: dict[str, Any], import_s: float,
+                gpu: bool) -> dict[str, Any]:
+    """In the fresh process: CUDA started as a script that built its model has (GPU runs), then the open
+    (shuffled, as training reads) and the first batch, synchronised. Seconds of each, rounded."""
+    t0 = time.perf_counter()
+    if gpu:
+        import cupy
+
+        cupy.zeros(1 << 20, dtype=cupy.uint8)
+        cupy.cuda.Device().synchronize()
+    t1 = time.perf_counter()
+    ds = GDSDataset(path, batch_size=batch_size, backend=backend, shuffle=True, **options)
+    t2 = time.perf_counter()
+    it = iter(ds)  # kept: a dropped iterator closes its pass, inside the timing
+    next(it)
+    device_sync(ds)()
+    t3 = time.perf_counter()
+    row = {"backend": ds.backend_name, "io_mode": ds.io_mode, "import_s": round(import_s, 4),
+           "cuda_start_s": round(t1 - t0, 4), "open_s": round(t2 - t1, 4), "first_batch_s": round(t3 - t2, 6)}
+    del it
+    ds.close()
+    return row
+
+
+def fresh_startup(rec: Recorder, tag: str, path: str, backends: tuple[str, ...], batch_size: int,
+                  options: dict[str, Any], gpu: bool, processes: int) -> None:
+    """Per backend, ``processes`` fresh processes with the dataset's pages warm: a ``startup`` row of regime
+    ``warm-fresh`` with the medians of ``import_s``, ``cuda_start_s``, ``open_s``, ``first_batch_s`` (and
+    ``seconds``: open + first batch) and every process's figures in ``runs``."""
+    from .diagnostics.probe_startup import run_fresh
+
+    imports = "gdsload, cupy" if gpu else "gdsload"
+    for backend in backends:
+        where = {"kind": "startup", "dataset": tag, "regime": "warm-fresh", "name": f"gdsload {backend} startup",
+                 "config": f"fresh process: import {imports}, open (shuffle), first batch", "backend": backend}
+        code = FRESH.format(root=ROOT, cupy="import cupy" if gpu else "", path=path, backend=backend,
+                            batch_size=batch_size, options=options, gpu=gpu)
+        try:
+            runs = []
+            for _ in range(processes):
+                read_files(shard_paths(path))  # warm pages before every process
+                runs.append(run_fresh(code, f"fresh start of {backend}"))
+        except Exception as e:
+            rec.failed(where, e)
+            continue
+
+        def med(key: str) -> float:
+            return round(float(np.median([r[key] for r in runs])), 6)
+
+        rec.emit({**where, "io_mode": runs[0]["io_mode"], "imports": imports, "processes": processes,
+                  "import_s": med("import_s"), "cuda_start_s": med("cuda_start_s"), "open_s": med("open_s"),
+                  "first_batch_s": med("first_batch_s"),
+                  "seconds": round(float(np.median([r["open_s"] + r["first_batch_s"] for r in runs])), 4),
+                  "runs": runs})
+
+
+def continuous_passes(ds: Any, step: Step, epochs: int) -> tuple[list[PassResult], float, int]:
+    """``epochs`` epochs in one loop as a training run takes them: ``set_epoch(e)`` then every batch with a
+    step, nothing stopped between epochs (the next is read ahead during this one). One epoch's steps are
+    timed alone first (reading stopped) and every pass's ``wait_s`` is its time beyond them. Returns the
+    passes (each timed from the end of the one before), the steps alone timed again after them, and how
+    many times the dataset started a new pipeline after the first epoch (0: the run stayed continuous)."""
+    sync = device_sync(ds)
+    ds.stop()
+    alone = step.alone(len(ds))
+    out: list[PassResult] = []
+    pipelines: list[Any] = []  # held, so that their ids stay distinct
+    c_prev, t_prev = cpu_seconds(), time.perf_counter()
+    for epoch in range(epochs):
+        ds.set_epoch(epoch)
+        for _batch in ds:
+            step()
+        step.finish()
+        sync()
+        t, c = time.perf_counter(), cpu_seconds()
+        s = ds.stats
+        out.append(PassResult(bytes=s.bytes_delivered, seconds=t - t_prev, io_mode=s.io_mode, samples=s.samples,
+                              cpu_s=c - c_prev, stall_s=s.stall_s, first_batch_s=s.first_batch_s, alone_s=alone,
+                              wait_s=max(0.0, t - t_prev - alone)))
+        pipelines += getattr(ds, "_active", [])[:1]  # the pipeline reading on (a check on the library's inside)
+        c_prev, t_prev = c, t
+    ds.stop()
+    again = step.alone(len(ds))
+    return out, again, len({id(p) for p in pipelines}) - 1
+
+
+def continuous_row(rec: Recorder, tag: str, run: GdsRun, epochs: int, **labels: Any) -> dict[str, Any] | None:
+    """The ``step`` row of :func:`continuous_passes` on ``run``: ``wait_fraction`` is the epochs after the
+    first as one stretch (their time beyond their steps alone over their time), each epoch's in
+    ``wait_fraction_runs``, the first epoch's (the pipeline's start) and the whole run's beside it."""
+    where = {"kind": "step", "dataset": tag, "regime": "warm", "name": f"gdsload {labels['backend']} + training step",
+             "config": f"step {CONTINUOUS_STEP_MS:g} ms, {epochs} epochs in one loop (set_epoch each, "
+                       "prefetch_next_epoch)"}
+    try:
+        passes, again, restarts = continuous_passes(run.ds, run.step, epochs)
+        first, *steady = passes
+    except Exception as e:
+        rec.failed({**where, **labels}, e)
+        return None
+    steady = steady or [first]
+    total = PassResult(bytes=sum(r.bytes for r in steady), seconds=sum(r.seconds for r in steady),
+                       io_mode=first.io_mode, samples=sum(r.samples or 0 for r in steady),
+                       cpu_s=sum(r.cpu_s for r in steady), stall_s=sum(r.stall_s or 0.0 for r in steady),
+                       wait_s=sum(r.wait_s or 0.0 for r in steady))
+    whole = sum(r.wait_s or 0.0 for r in passes) / sum(r.seconds for r in passes)
+    row = {**figures(total, []), "wait_fraction": round(total.wait_fraction or 0.0, 5),
+           "wait_fraction_runs": [round(r.wait_fraction or 0.0, 4) for r in steady],
+           "first_pass_wait_fraction": round(first.wait_fraction or 0.0, 4),
+           "whole_run_wait_fraction": round(whole, 5), "first_pass_seconds": round(first.seconds, 4),
+           "first_batch_s": round(first.first_batch_s or 0.0, 6), "pipeline_restarts": restarts,
+           "alone_drift_fraction": round(again / (first.alone_s or again) - 1, 4)}
+    return rec.emit({**where, **labels, "continuous": True, "epochs": epochs, **row, **run.extra()})
+
+
+def canary_cores(spec: str) -> list[int]:
+    """The cores to pin canaries on: ``auto`` gives three spread over this process's cores where it has at
+    least 8 (3, 9 and 15 of 16, as probe_bursts), none with fewer; else a comma list ('' none)."""
+    if spec != "auto":
+        return [int(c) for c in spec.split(",") if c.strip()]
+    cores = sorted(os.sched_getaffinity(0))
+    n = len(cores)
+    return [cores[n * 3 // 16], cores[n * 9 // 16], cores[n * 15 // 16]] if n >= 8 else []
+
+
+def stamp_finishes(step: Step) -> list[float]:
+    """The times (perf_counter) at which ``step.finish()`` returns from now on: :func:`time_passes` finishes
+    its steps at the end of each pass, and the steps alone twice each time they are timed."""
+    stamps: list[float] = []
+    finish = step.finish
+
+    def stamped() -> None:
+        finish()
+        stamps.append(time.perf_counter())
+
+    step.finish = stamped  # type: ignore[method-assign]
+    return stamps
+
+
+def pass_windows(stamps: list[float], passes: int) -> list[tuple[float, float]] | None:
+    """Each pass's (start, end) from :func:`stamp_finishes`'s stamps over ``time_passes(ds, step, passes)``
+    (two finishes of the steps alone, one per pass, two again); None when the stamps are not that shape."""
+    if len(stamps) != 1 + passes + 4:
+        return None
+    bounds = stamps[1:3 + passes]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def unslowed(waits: list[float], windows: list[tuple[float, float]], units: list[np.ndarray],
+             threshold: float = CANARY_THRESHOLD) -> tuple[float | None, list[float | None]]:
+    """The median of ``waits`` over the passes the machine did not slow down (None: none left), and every
+    pass's least canary slowdown (probe_bursts' :func:`slowdowns`; None: no canary unit in it, and the pass
+    left out, being unjudged). A pass is the machine's when even its least slowed canary ran slow."""
+    from .diagnostics.probe_bursts import slowdowns
+
+    least: list[float | None] = []
+    for t0, t1 in windows:
+        known = [s for s in slowdowns(units, t0, t1) if s is not None]
+        least.append(min(known) if known else None)
+    kept = [w for w, s in zip(waits, least) if s is not None and s <= threshold]
+    return (round(float(np.median(kept)), 4) if kept else None), least
+
+
+def compressed(rec: Recorder, backends: tuple[str, ...], data_dir: str, mib: int, batch_size: int,
+               options: dict[str, Any], gpu: bool, epochs: int = 8, level: int = 3) -> None:
+    """The tokens store of :mod:`benchmarks.compression` (``mib`` MiB decoded, raw and zstd), per backend a
+    ``compressed`` row: its ratio (stored / decoded bytes), ``epochs`` warm epochs in a row (one list of
+    decoded GB/s, the first from rest), cold GB/s of the zstd and of the raw store where the page cache can
+    be dropped (else None), and nvCOMP's batch decode alone on the same chunks (None, with the reason, where
+    it cannot run)."""
+    from .compression import gdsload_pass, make_kind, nvcomp_decode_gbps, stored_ratio, write_pair
+
+    paths = write_pair(os.path.join(data_dir, "compressed"), "tokens", make_kind("tokens", mib << 20), level)
+    ratio = round(stored_ratio(paths["zstd"], "tokens"), 4)
+    ceiling, why = None, "no GPU: nvCOMP's batch decode runs on the device"
+    if gpu:
+        try:
+            ceiling = nvcomp_decode_gbps(paths["zstd"], "tokens")
+            why = None if ceiling is not None else "nvCOMP (nv.nvcomp) does not import here"
+        except Exception as e:
+            why = f"{type(e).__name__}: {e}"[:300]
+    resident = options.get("resident_bytes")
+    for backend in backends:
+        where = {"kind": "compressed", "dataset": f"tokens-{mib}MiB-zstd", "regime": "warm", "backend": backend,
+                 "name": f"gdsload {backend} compressed", "config": f"zstd:{level}, shuffle, {epochs} epochs"}
+        try:
+            with GDSDataset(paths["zstd"], batch_size=batch_size, backend=backend, shuffle=True, **options) as ds:
+                decode = ds.describe()["decode"]
+                time_pass(ds)  # the page cache and the device set up
+                runs = time_passes(ds, None, epochs - 1)
+            cold = raw_cold = None
+            if rec.can_drop:
+                cold = gdsload_pass(paths["zstd"], backend, batch_size, 0.0, True, resident_bytes=resident)["cold_gbps"]
+                raw_cold = gdsload_pass(paths["raw"], backend, batch_size, 0.0, True,
+                                        resident_bytes=resident)["cold_gbps"]
+        except Exception as e:
+            rec.failed(where, e)
+            continue
+        warm = [round(r.gb_per_s, 3) for r in runs]
+
+        def rnd(v: float | None) -> float | None:
+            return None if v is None else round(v, 3)
+
+        rec.emit({**where, "store": "tokens", "io_mode": runs[0].io_mode, "ratio": ratio, "decode": decode,
+                  "gb_per_s": max(warm), "warm_epochs_gbps": warm, "cold_gbps": rnd(cold),
+                  "raw_cold_gbps": rnd(raw_cold), "decoder_ceiling_gbps": rnd(ceiling),
+                  "decoder_ceiling_why": why, "decoded_bytes": runs[0].bytes})
+
+
+@contextlib.contextmanager
+def judged_by_canaries(cores: list[int], seconds: float, step: Step, passes: int,
+                       threshold: float = CANARY_THRESHOLD) -> Iterator[Callable[[list[float]], dict[str, Any]] | None]:
+    """Canaries on ``cores`` for ``seconds`` around ``time_passes(ds, step, passes)``
+    (:class:`benchmarks.diagnostics.probe_bursts.Canaries`, :func:`stamp_finishes`): yields the ``judge`` of :meth:`benchmarks.rows.Recorder.steps`, or None without
+    cores or where the canaries do not start (said on stdout)."""
+    from .diagnostics.probe_bursts import Canaries
+
+    canaries = None
+    if cores:
+        stamps = stamp_finishes(step)
+        try:
+            canaries = Canaries(cores, seconds)
+        except (OSError, RuntimeError) as e:
+            print(f"no canaries: {e}", flush=True)
+
+    def judge(waits: list[float]) -> dict[str, Any]:
+        assert canaries is not None
+        windows = pass_windows(stamps, passes)
+        out: dict[str, Any] = {"canary_cores": cores, "canary_threshold": threshold}
+        if windows is None:
+            return {**out, "wait_fraction_unslowed": None, "canary_note": "the passes' ends were not stamped"}
+        median, least = unslowed(waits, windows[1:], canaries.units(), threshold)
+        return {**out, "wait_fraction_unslowed": median, "canary_least_slowdown_runs": least}
+
+    try:
+        yield judge if canaries is not None else None
+    finally:
+        if canaries is not None:
+            canaries.close()
