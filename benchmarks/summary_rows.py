@@ -261,8 +261,9 @@ def compressed(rec: Recorder, backends: tuple[str, ...], data_dir: str, mib: int
 def judged_by_canaries(cores: list[int], seconds: float, step: Step, passes: int,
                        threshold: float = CANARY_THRESHOLD) -> Iterator[Callable[[list[float]], dict[str, Any]] | None]:
     """Canaries on ``cores`` for ``seconds`` around ``time_passes(ds, step, passes)``
-    (:class:`benchmarks.diagnostics.probe_bursts.Canaries`, :func:`stamp_finishes`): yields the ``judge`` of :meth:`benchmarks.rows.Recorder.steps`, or None without
-    cores or where the canaries do not start (said on stdout)."""
+    (:class:`benchmarks.diagnostics.probe_bursts.Canaries`, :func:`stamp_finishes`): yields the ``judge`` of
+    :meth:`benchmarks.rows.Recorder.steps`, or None without cores or where the canaries do not start (said on
+    stdout)."""
     from .diagnostics.probe_bursts import Canaries
 
     canaries = None
