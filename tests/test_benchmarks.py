@@ -333,3 +333,15 @@ def test_targets_of_the_new_rows(suite_run: str) -> None:
     lines = targets(doc)
     assert all(t.endswith("MISSED") for t in lines if "fresh process" in t or "one loop" in t)
     assert [t.rsplit("-> ", 1)[-1] for t in lines if "compressed" in t] == ["MISSED", "MISSED", "met"]
+
+
+def test_the_cold_compressed_target_is_capped_by_the_decoders_ceiling() -> None:
+    from benchmarks.report import _compressed
+
+    row = {"dataset": "tokens", "backend": "pinned", "ratio": 0.25, "warm_epochs_gbps": [1.9, 2.0],
+           "decoder_ceiling_gbps": 2.0, "raw_cold_gbps": 1.0}
+    # 0.8 x raw / ratio = 3.2 GB/s, more than the decoder gives: the target is 0.8 x its 2.0 instead
+    assert _compressed({**row, "cold_gbps": 1.7})[2].endswith("= 1.60 -> met")
+    assert _compressed({**row, "cold_gbps": 1.5})[2].endswith("= 1.60 -> MISSED")
+    uncapped = _compressed({**row, "decoder_ceiling_gbps": 10.0, "cold_gbps": 3.0})[2]
+    assert "capped" not in uncapped and uncapped.endswith("= 3.20 -> MISSED")
