@@ -9,23 +9,45 @@ mixture's stretch is whole passes of ``num_batches`` = the single dataset's batc
 alternating order round by round, the device synchronised at the end of each stretch. GB/s counts the bytes
 of the batches delivered. Then each waits beside a simulated step of ``--step-factor`` times a batch's read
 time (the suite's method, ``time_passes``: steps timed alone, passes with a step per batch, the median of
-the later passes' time beyond them). Writes ``results/<machine>/mixture[-TAG].json`` and a markdown table.
-"""
+the later passes' time beyond them).
+
+Rows (``results``, one per backend): ``gdsload <backend>`` with its io mode, the GB/s of one dataset and of the
+mixture (every round kept, the best reported), the mixture's share of one, and the waiting beside the step.
+
+Ceilings (``ceilings``, measured in the same run on the single dataset's files, before the backends, each the best of
+``--rounds`` stretches of at least ``--min-seconds``), with their io mode:
+
+- ``ceiling: page cache -> host memory``: ``read_files`` (16 threads, 8 MiB pieces) of the warm files: the cpu
+  backend's ceiling, and the host side of the others'.
+- ``ceiling: raw KvikIO (blocks, shuffled)``: ``raw_kvikio_blocks`` of every block a reader of the single dataset
+  reads (``block_locations``), one ``pread`` each in a shuffled order, into one device buffer (GPU and KvikIO).
+- ``ceiling: pinned H2D copy``: ``pinned_h2d_gbps`` of 256 MiB, best of 5 copies (GPU).
+
+A ceiling that cannot run here says ``not run: <reason>``, one that fails ``error: ...``; the run goes on. Writes
+``results/<machine>/mixture[-TAG].json``, a markdown table of both beside it and ``mixture[-TAG].png`` (GB/s per
+backend, one dataset and mixture as bars, the ceilings as lines; where matplotlib imports)."""
 
 from __future__ import annotations
 
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from gdsload import GDSDataset, Mixture
-from gdsload.tools.measure import device_sync, time_pass, time_passes
+from gdsload.system.env import gpu_available, kvikio_installed
+from gdsload.tools.measure import (THREADS, PassResult, block_locations, device_sync, pinned_h2d_gbps,
+                                   raw_kvikio_blocks, read_files, shard_paths, time_pass, time_passes)
 from gdsload.tools.steps import Step, make_step
 
-from .common import BATCH, Rows, make_dataset, parse_probe_args, probe_parser, write_probe_table
+from .common import BATCH, Rows, free_device_memory, make_dataset, parse_probe_args, probe_parser, write_probe_table
+from .plots import gbps_plot
 
 SHARES = {"half": 3, "third": 2, "sixth": 1}  # sixths of the total
+PAGE_CACHE = "ceiling: page cache -> host memory"
+RAW_KVIKIO = "ceiling: raw KvikIO (blocks, shuffled)"
+H2D = "ceiling: pinned H2D copy"
 
 
 def time_mixture(mix: Mixture, sync: Any, min_seconds: float) -> float:
@@ -107,13 +129,91 @@ def measure(backend: str, single_path: str, sources: dict[str, str], rounds: int
         single.close()
 
 
-def markdown(rows: list[dict[str, Any]]) -> str:
+def ceiling_row(what: str, config: str, runs: list[PassResult]) -> dict[str, Any]:
+    """A measured ceiling: the best of ``runs`` (its io mode and GB/s), every run's GB/s kept."""
+    top = max(runs, key=lambda r: r.gb_per_s)
+    per_gb = top.cpu_core_s_per_gb if top.cpu_s else None
+    return {"what": what, "kind": "ceiling", "regime": "warm", "config": config, "io_mode": top.io_mode,
+            "gbps": round(top.gb_per_s, 3), "runs": [round(r.gb_per_s, 3) for r in runs],
+            "cpu_s_per_gb": None if per_gb is None else round(per_gb, 3), "note": ""}
+
+
+def not_run(what: str, config: str, why: str, prefix: str = "not run") -> dict[str, Any]:
+    """A ceiling that did not run here (or failed: ``prefix`` "error"): no figures, the reason."""
+    return {"what": what, "kind": "ceiling", "regime": "warm", "config": config, "io_mode": None, "gbps": None,
+            "runs": [], "cpu_s_per_gb": None, "note": f"{prefix}: {why}"}
+
+
+def _raw_kvikio(single_path: str, rounds: int, min_seconds: float) -> list[PassResult]:
+    import cupy
+
+    blocks = block_locations(single_path)
+    dest = cupy.empty(sum(b.nbytes for b in blocks), dtype=cupy.uint8)
+    try:
+        return [raw_kvikio_blocks(blocks, dest, min_seconds=min_seconds) for _ in range(rounds)]
+    finally:
+        del dest
+        free_device_memory()
+
+
+def _h2d(rounds: int) -> list[PassResult]:
+    nbytes = 256 << 20
+    return [PassResult(bytes=nbytes, seconds=nbytes / (pinned_h2d_gbps(nbytes) * 1e9), io_mode="cuda-memcpy")
+            for _ in range(rounds)]
+
+
+def ceilings(single_path: str, rounds: int, min_seconds: float) -> Rows:
+    """The ceilings of the module docstring on ``single_path``'s files (read into the page cache first), in the
+    order page cache, raw KvikIO, pinned H2D; each the best of ``rounds``, or a row saying why it did not run
+    (``not run: ...``) or failed (``error: ...``)."""
+    out = Rows()
+    paths = shard_paths(single_path)
+    read_files(paths)  # warm the page cache: every later reader finds it warm
+    rounds = max(1, rounds)
+    gpu = gpu_available()
+    why_not = None if gpu else "no GPU here"
+    cases: list[tuple[str, str, str | None, Callable[[], list[PassResult]]]] = [
+        (PAGE_CACHE, f"{THREADS} threads, 8 MiB", None,
+         lambda: [read_files(paths, min_seconds=min_seconds) for _ in range(rounds)]),
+        (RAW_KVIKIO, f"{THREADS} threads, one read per block",
+         why_not or (None if kvikio_installed() else "KvikIO is not installed"),
+         lambda: _raw_kvikio(single_path, rounds, min_seconds)),
+        (H2D, "256 MiB, best of 5 copies each run", why_not, lambda: _h2d(rounds)),
+    ]
+    for what, config, why, measure_it in cases:
+        if why is not None:
+            out.emit(not_run(what, config, why))
+            continue
+        try:
+            out.emit(ceiling_row(what, config, measure_it()))
+        except Exception as e:  # noqa: BLE001 - the row says why; the run goes on
+            out.emit(not_run(what, config, " ".join(f"{type(e).__name__}: {e}".split())[:400], "error"))
+    return out
+
+
+def markdown(rows: list[dict[str, Any]], ceiling_rows: list[dict[str, Any]] | None = None) -> str:
+    """The backends' table, then the ceilings' (same run, same data) where given."""
     lines = ["| backend | io mode | GB/s one dataset | GB/s mixture of 3 | mixture / one | waiting, one | "
              "waiting, mixture |", "|---|---|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['what']} | {r['io_mode']} | {r['best_single']} | {r['best_mixture']} | "
               f"{r['mixture_of_single_pct']} % | {_pct(r['waiting_pct_single'])} | {_pct(r['waiting_pct_mixture'])} |"
               for r in rows]
+    if ceiling_rows:
+        lines += ["", "Ceilings, same run, on the single dataset's files (warm, best of the runs):", "",
+                  "| ceiling | io mode | config | GB/s | runs | CPU s/GB | note |", "|---|---|---|---:|---|---:|---|"]
+        lines += [f"| {c['what']} | {c['io_mode'] or '-'} | {c['config']} | "
+                  f"{'-' if c['gbps'] is None else c['gbps']} | {' '.join(str(x) for x in c['runs']) or '-'} | "
+                  f"{'-' if c['cpu_s_per_gb'] is None else c['cpu_s_per_gb']} | {c['note']} |" for c in ceiling_rows]
     return "\n".join(lines) + "\n"
+
+
+def plot(json_path: str, rows: list[dict[str, Any]], ceiling_rows: list[dict[str, Any]]) -> str | None:
+    """GB/s per backend (one dataset, mixture) with the ceilings as lines, beside ``json_path``."""
+    groups = {f"{r['what']} ({r['io_mode']})": {"one dataset": r["best_single"], "mixture of 3": r["best_mixture"]}
+              for r in rows}
+    lines = {f"{c['what'].removeprefix('ceiling: ')}" + (f" ({c['io_mode']})" if c["io_mode"] else ""): c["gbps"]
+             for c in ceiling_rows}
+    return gbps_plot(json_path, "mixture of 3 datasets vs one dataset, warm, shuffled", groups, lines)
 
 
 def _pct(value: float | None) -> str:
@@ -132,11 +232,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_probe_args(ap, argv)
     single = make_dataset(args.data, args.size_gib)
     sources = {name: make_dataset(args.data, args.size_gib * n / 6) for name, n in SHARES.items()}
+    limits = ceilings(single, args.rounds, args.min_seconds)
     rows = Rows()
     for backend in args.backends.split(","):
         rows.emit(measure(backend, single, sources, args.rounds, args.min_seconds, args.batch_size,
                           args.step_factor))
-    write_probe_table(args, "mixture", rows, markdown(rows), rounds=args.rounds, method=__doc__.split("\n\n")[2])
+    out = write_probe_table(args, "mixture", rows, markdown(rows, limits), rounds=args.rounds,
+                            method=__doc__.split("\n\n")[2], ceilings=limits)
+    plot(out, rows, limits)
     return 0
 
 

@@ -8,6 +8,8 @@ The synthetic dataset (``make_dataset``) is read once into the page cache, then 
 of benchmarks/remote_clients.py), so the server copies from memory into sockets and is not what is measured.
 Every row is GB/s of dataset bytes delivered (GB = 1e9), with its io mode and route:
 
+- ``ceiling: pinned H2D copy``: ``pinned_h2d_gbps`` (256 MiB, best of 5 copies): the host-to-device copy's ceiling
+  of the routes that land in host memory first (GPU only).
 - ``raw RemoteFile -> device``: KvikIO ``RemoteFile.open_http`` per shard object, one ``pread`` per block of the
   dataset (the ranges the direct route reads; shuffled, seed 0) into one device buffer, all futures in flight,
   on KvikIO's pool as the direct route sets it. The ceiling of the direct route, and a lower bound on the
@@ -23,7 +25,8 @@ Every row is GB/s of dataset bytes delivered (GB = 1e9), with its io mode and ro
 
 The raw and direct rows are taken ``--repeats`` times, alternating, and the best is reported (every run kept).
 A row that cannot run here (no GPU, no KvikIO) says ``not run: <reason>``; one that fails says ``error: ...``;
-the run goes on. Writes ``results/<machine>/remote[-TAG].json`` and a markdown table beside it.
+the run goes on. Writes ``results/<machine>/remote[-TAG].json``, a markdown table beside it and ``remote[-TAG].png``
+(every measured row's GB/s as a bar, the ceilings, raw RemoteFile and H2D, as lines; where matplotlib imports).
 """
 
 from __future__ import annotations
@@ -41,12 +44,17 @@ import numpy as np
 
 from gdsload.tools.bench_remote import (CPU_THREADS, client_blocks, device_buffer, direct_why_not, raw_remote_file,
                                         remote_blocks)
-from gdsload.tools.measure import PassResult, read_files, shard_paths, time_pass
+from gdsload.system.env import gpu_available
+from gdsload.tools.measure import PassResult, pinned_h2d_gbps, read_files, shard_paths, time_pass
 
 from .common import BATCH, Rows, free_device_memory, make_dataset, parse_probe_args, probe_parser, write_probe_table
+from .plots import gbps_plot
 from .remote_clients import serve_files_on, servers
 
 RAW = "raw RemoteFile -> device"
+H2D = "ceiling: pinned H2D copy"
+#: The rows drawn as lines on the plot (the others are bars).
+CEILINGS = (H2D, RAW, "raw RemoteFile -> host")
 WARMUP_BATCHES = 3
 Row = dict[str, Any]
 
@@ -144,9 +152,26 @@ class Runner:
         self.emit(f"gdsload cached {backend}, warm cache", "cached", [warm])
 
 
+def h2d_row(run: Runner) -> None:
+    """The pinned H2D copy ceiling's row: ``not run`` without a GPU, ``error`` where it fails."""
+    if not gpu_available():
+        run.rows.emit(not_run(H2D, "-", "no GPU here"))
+        return
+    try:
+        rate = pinned_h2d_gbps()  # best of 5 copies of 256 MiB
+    except Exception as e:  # noqa: BLE001 - the row says why; the others go on
+        run.error(H2D, "-", e)
+        return
+    finally:
+        free_device_memory()
+    run.rows.emit({"what": H2D, "route": "-", "io_mode": "cuda-memcpy", "gbps": round(rate, 3),
+                   "runs": [round(rate, 3)], "note": "256 MiB, best of 5"})
+
+
 def measure(url: str, path: str, args: Any, work: str, rows: Rows) -> None:
     """Every row of the run, against the server at ``url`` serving the dataset at ``path``."""
     run = Runner(rows)
+    h2d_row(run)
     gpu_why = direct_why_not(url)
     blocks = remote_blocks(url, os.path.join(work, "skeleton"))
     nbytes = sum(b.nbytes for b in blocks)
@@ -198,6 +223,15 @@ def markdown(rows: list[Row], workers: int) -> str:
     return "\n".join(out) + "\n"
 
 
+def plot(json_path: str, rows: list[Row]) -> str | None:
+    """Every measured row's GB/s as a bar, the :data:`CEILINGS` as lines, beside ``json_path``."""
+    bars = {f"{r['what']} ({r['io_mode']})": {"GB/s": r["gbps"]} for r in rows
+            if r["what"] not in CEILINGS and r.get("gbps") is not None}
+    lines = {r["what"].removeprefix("ceiling: ") + (f" ({r['io_mode']})" if r.get("io_mode") else ""): r.get("gbps")
+             for r in rows if r["what"] in CEILINGS}
+    return gbps_plot(json_path, "remote dataset over HTTP from a local aiohttp server", bars, lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = probe_parser(__doc__.splitlines()[0], size_gib=2.0)
     ap.add_argument("--workers", type=int, default=4, help="aiohttp server processes sharing the port")
@@ -216,10 +250,11 @@ def main(argv: list[str] | None = None) -> int:
             measure(url, path, args, work, rows)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    write_probe_table(args, "remote", rows, markdown(rows, args.workers), dataset=path,
-                      dataset_bytes=sum(os.path.getsize(f) for f in shard_paths(path)), workers=args.workers,
-                      seconds=args.seconds, repeats=args.repeats, batch_size=args.batch_size,
-                      method=__doc__.split("\n\n", 2)[2])
+    out = write_probe_table(args, "remote", rows, markdown(rows, args.workers), dataset=path,
+                            dataset_bytes=sum(os.path.getsize(f) for f in shard_paths(path)), workers=args.workers,
+                            seconds=args.seconds, repeats=args.repeats, batch_size=args.batch_size,
+                            method=__doc__.split("\n\n", 2)[2])
+    plot(out, rows)
     return 0
 
 
