@@ -83,15 +83,15 @@ def test_sources_with_reader_pools_of_their_own_share_the_default_threads():
     """Three pinned sources would each start a pool sized for the process alone; they split it instead (one
     pool's worth in all), unless a source sets num_threads; backends without a pool of their own are left be."""
     from gdsload.backends import info
-    from gdsload.mixture.mixture import MIN_THREADS, _source_specs
+    from gdsload.mixture.specs import MIN_THREADS, source_specs
 
     full = info("pinned").threads()
-    specs = _source_specs({"a": "a.gds", "b": {"path": "b.gds", "backend_options": {"pool_bytes": 1 << 26}},
+    specs = source_specs({"a": "a.gds", "b": {"path": "b.gds", "backend_options": {"pool_bytes": 1 << 26}},
                            "c": {"path": "c.gds", "backend_options": {"num_threads": 7}}}, {"backend": "pinned"})
     got = {n: kw["backend_options"] for n, (_, _, _, kw) in specs.items()}
     share = max(MIN_THREADS, full // 2)
     assert got == {"a": {"num_threads": share}, "b": {"pool_bytes": 1 << 26, "num_threads": share},
                    "c": {"num_threads": 7}}
     for backend in ("kvikio", "mmap", "cpu", "auto"):
-        specs = _source_specs({"a": "a.gds", "b": "b.gds"}, {"backend": backend})
+        specs = source_specs({"a": "a.gds", "b": "b.gds"}, {"backend": backend})
         assert all("backend_options" not in kw for (_, _, _, kw) in specs.values()), backend

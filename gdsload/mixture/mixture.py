@@ -12,7 +12,6 @@ readers, which stop on ``close()``, on leaving a pass early and on an error.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -21,15 +20,15 @@ from typing import Any
 
 from .._tasks import Closing
 from ..backends import info
-from ..backends.registry import NAMES
 from ..dataset import GDSDataset
 from ..errors import GDSLoadError
 from ..integrations import LoaderProtocols, refuse_worker
-from .assemble import SOURCE_KEY, Joiners, assemble
+from .assemble import Joiners, assemble
 from .source import SourceStats, SourceStream
+from .specs import named, source_specs
 from .schedule import (Schedule, Stretch, exact_weights, next_counts, parse_schedule, parse_stretch, schedule_state,
                        state_int)
-from ..options import check_int, field_names, rank_and_world
+from ..options import check_int, rank_and_world
 from ..pipeline.resume import StateError
 
 MIXTURE_FORMAT = 2  # bumped when the state's keys or the schedule change meaning
@@ -37,8 +36,6 @@ PADDED_REST_FORMAT = 1  # before: a position with hops read a padded rest; one w
 STATE_KEYS = ("mixture_format", "step", "seed", "batch_size", "whole_batches", "sources", "schedule", "positions",
               "datasets", "rank", "world_size")
 FINGERPRINT_KEYS = ("num_samples", "samples_per_block", "shuffle", "seed", "fields", "index_sha256", "content_sha256")
-MIN_THREADS = 2  # reader threads a source's own pool keeps when the mixture shares them out
-MIXTURE_OPTIONS = ("rank", "world_size", "exact_shares", "drop_last")  # the mixture's, the same for every source
 
 
 @dataclass
@@ -112,7 +109,7 @@ class Mixture(LoaderProtocols, Closing):
         self.rank, self.world_size = rank_and_world(rank, world_size)
         self._closed = False
         self._join = Joiners()
-        specs = _source_specs(sources, options)
+        specs = source_specs(sources, options)
         self.sources = tuple(specs)
         self._sources: list[SourceStream] = []
         self._weights_fn: Callable[[int], Any] | None = None
@@ -123,7 +120,7 @@ class Mixture(LoaderProtocols, Closing):
                     ds = GDSDataset(path, fields=fields, rank=self.rank, world_size=self.world_size,
                                     exact_shares=True, **kwargs)
                 except (TypeError, ValueError, GDSLoadError) as e:
-                    raise _named(e, f"source {name!r}: {e}") from e
+                    raise named(e, f"source {name!r}: {e}") from e
                 self._sources.append(SourceStream(name, ds, rename))
             self._check_fields(specs)
             self._weights_fn, exact = self._weights_at(weights, 0)
@@ -371,65 +368,6 @@ def merge_states(states: list[Any]) -> dict[str, Any]:
 
 
 # -- helpers ---------------------------------------------------------------------------------------------
-def _source_specs(sources: Any, options: dict[str, Any]) -> dict[str, tuple[Any, Any, dict[str, str], dict]]:
-    """name -> (path, fields for GDSDataset, {field: name in the mixture}, the dataset's other options)."""
-    if not isinstance(sources, Mapping) or not sources:
-        raise TypeError(f"sources must be a non-empty dict of name -> path or dict of options (found "
-                        f"{type(sources).__name__})")
-    specs = {}
-    for name, spec in sources.items():
-        if not isinstance(name, str):
-            raise TypeError(f"source names must be str (found {name!r})")
-        spec = dict(spec) if isinstance(spec, Mapping) else {"path": spec}
-        if not isinstance(spec.get("path"), (str, os.PathLike)):
-            raise TypeError(f"source {name!r}: expected a path or a dict with a 'path' (found {spec.get('path')!r})")
-        kwargs = {**options, **spec}
-        path, fields = kwargs.pop("path"), kwargs.pop("fields", None)
-        fixed = [k for k in MIXTURE_OPTIONS if k in kwargs and not (k == "drop_last" and kwargs[k] is False)]
-        if fixed:
-            raise ValueError(f"source {name!r}: {fixed} are the mixture's (rank and world_size: pass them to "
-                             "Mixture; every source is read in exact shares, no sample dropped)")
-        rename = {}
-        if isinstance(fields, Mapping):
-            rename = dict(fields)
-            if not all(isinstance(v, str) for v in rename.values()) or len(set(rename.values())) < len(rename):
-                raise ValueError(f"source {name!r}: fields {rename!r} must map fields to distinct names (str)")
-            fields = list(rename)
-        fields = field_names(fields)
-        if SOURCE_KEY in (rename.get(f, f) for f in fields or ()):
-            raise ValueError(f"source {name!r}: field {SOURCE_KEY!r} would hide the mixture's source index (rename "
-                             f"it: fields={{'{SOURCE_KEY}': 'other name'}})")
-        specs[name] = (path, fields, rename, kwargs)
-    _share_threads(specs)
-    return specs
-
-
-def _share_threads(specs: dict[str, tuple[Any, Any, dict[str, str], dict]]) -> None:
-    """Sources whose backend starts reader threads of its own (``BackendInfo.threads``, sized for a process
-    reading one dataset) split that default between them equally, unless their options set ``num_threads``:
-    several full pools on the same cores would fight over them, while the bytes to read are those of one."""
-    own = {}
-    for name, (_, _, _, kwargs) in specs.items():
-        backend, options = kwargs.get("backend", "auto"), kwargs.get("backend_options") or {}
-        if isinstance(backend, str) and backend in NAMES and isinstance(options, Mapping) \
-                and info(backend).threads is not None and "num_threads" not in options:
-            own[name] = backend
-    if len(own) < 2:
-        return
-    for name, backend in own.items():
-        kwargs = specs[name][3]
-        share = max(MIN_THREADS, info(backend).threads() // len(own))  # type: ignore[misc]
-        kwargs["backend_options"] = {**(kwargs.get("backend_options") or {}), "num_threads": share}
-
-
-def _named(error: BaseException, message: str) -> BaseException:
-    """``error`` again, its message prefixed (the same type, so ``except`` clauses keep working)."""
-    try:
-        return type(error)(message)
-    except Exception:  # noqa: BLE001 - an error type with another constructor: keep the original
-        return error
-
-
 def _fingerprint(ds: GDSDataset) -> dict[str, Any]:
     state = ds.state_dict()
     return {k: state[k] for k in FINGERPRINT_KEYS}
