@@ -5,7 +5,12 @@ Ranks are simulated in one process: one Mixture per rank, stepped in lockstep as
 
 from __future__ import annotations
 
+import gc
+import glob
 import json
+import os
+import threading
+import time
 from collections import Counter
 from fractions import Fraction
 
@@ -14,7 +19,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from _helpers import labelled, ragged_source, sequences, wait_no_readers
+from _helpers import labelled, ragged_source, sequences, threads_left_since, wait_no_readers
+from gdsload import GDSLoadError, ReadError
 from gdsload.mixture.mixture import Mixture, merge_states
 from gdsload.mixture.schedule import Stretch
 from gdsload.pipeline.plan import share_bounds
@@ -449,3 +455,78 @@ def test_a_mixture_of_the_three_gpu_backends_serves_every_sample_exactly(paths):
                 assert OFFSET[name] <= idx[j] < OFFSET[name] + SIZES[name][0]
                 seen[name] += 1
     assert seen == {"web": 144, "code": 60, "books": 36}  # 0.6 / 0.25 / 0.15 of 12 batches of 20
+
+
+# -- batches made ahead (host arrays) ----------------------------------------------------------------------------
+@pytest.mark.parametrize("whole", [False, True])
+def test_batches_made_ahead_are_those_made_in_the_consumers_thread(paths, whole):
+    """The same batches and states with the maker thread (the default for host arrays) as without, across a
+    weight change, a function of the step and a resume on another number of ranks."""
+    (probe,) = open_ranks(paths, 1)
+    assert probe.read_ahead == 2
+    probe.close()
+    later = (9, {"web": 1, "code": 2, "books": 3})
+    for kw in ({"change": later}, {"weights": lambda s: WEIGHTS if s < 7 else {"web": 1, "code": 0, "books": 1}}):
+        now = [run(paths, 2, 23, whole_batches=whole, read_ahead=ra, **kw) for ra in (0, 2, 5)]
+        assert now[0] == now[1] == now[2]
+        resumed = [run(paths, 3, 11, state=now[0][1], whole_batches=whole, read_ahead=ra) for ra in (0, 3)]
+        assert resumed[0] == resumed[1]
+
+
+def test_a_weight_change_drops_what_was_made_ahead(paths):
+    (mix,) = open_ranks(paths, 1, read_ahead=4)
+    it = iter(mix)
+    first = [next(it)["source"].tolist() for _ in range(3)]
+    deadline = time.monotonic() + 5
+    while mix._ahead._queue.qsize() < 4 and time.monotonic() < deadline:  # the maker has run ahead
+        time.sleep(0.01)
+    assert mix._ahead._queue.qsize() == 4
+    mix.set_weights({"web": 0, "code": 0, "books": 1})
+    assert all(s == 2 for s in next(it)["source"].tolist()), "the next batch follows the new weights"
+    assert mix.stats.batches == 4 and mix.stats.samples == 32 == sum(s.samples for s in mix.stats.sources.values())
+    assert mix.state_dict()["step"] == 4 and mix.stats.wait_s >= 0 and len(first) == 3
+    mix.close()
+    assert wait_no_readers() == []
+
+
+def test_an_error_made_ahead_surfaces_in_the_consumer_naming_the_file(paths, tmp_path):
+    books = write(str(tmp_path / "books.gds"), "books", *SIZES["books"])
+    shards = sorted(glob.glob(os.path.join(books, "x", "c", "**", "*"), recursive=True))
+    shards = [f for f in shards if os.path.isfile(f)]
+    before = set(threading.enumerate())
+    (mix,) = open_ranks({**paths, "books": books}, 1, read_ahead=3)
+    with open(shards[-1], "r+b") as f:  # damaged after the open read its index
+        f.truncate(10)
+    got = 0
+    with pytest.raises(ReadError) as info:
+        for _ in mix:
+            got += 1
+    assert shards[-1] in str(info.value)
+    assert wait_no_readers() == [], "the maker and every source's readers stopped"
+    mix.close()
+    assert threads_left_since(before) == []
+
+
+def test_close_from_another_thread_ends_a_pass_waiting_for_batches_made_ahead(paths):
+    (mix,) = open_ranks(paths, 1, read_ahead=2)
+    it = iter(mix)
+    next(it)
+    closer = threading.Timer(0.05, mix.close)
+    closer.start()
+    with pytest.raises(GDSLoadError, match="closed"):
+        for _ in range(100_000):
+            next(it)
+    closer.join()
+    assert wait_no_readers() == []
+
+
+def test_an_abandoned_mixture_is_collected_and_its_maker_ends(paths):
+    (mix,) = open_ranks(paths, 1, read_ahead=2)
+    it = iter(mix)
+    next(it)
+    maker = mix._ahead._thread
+    del mix, it
+    gc.collect()
+    maker.join(5)
+    assert not maker.is_alive()
+    assert wait_no_readers(5) == []

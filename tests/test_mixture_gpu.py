@@ -95,3 +95,15 @@ def test_sources_with_reader_pools_of_their_own_share_the_default_threads():
     for backend in ("kvikio", "mmap", "cpu", "auto"):
         specs = source_specs({"a": "a.gds", "b": "b.gds"}, {"backend": backend})
         assert all("backend_options" not in kw for (_, _, _, kw) in specs.values()), backend
+
+
+@pytest.mark.gpu
+def test_device_sources_are_joined_in_the_consumers_thread_and_read_ahead_for_them_is_refused(paths):
+    sources = {n: {"path": p, "backend": "pinned"} for n, p in paths.items()}
+    with Mixture(sources, WEIGHTS, batch_size=9) as mix:
+        assert mix.read_ahead == 0
+    with pytest.raises(ValueError, match="read_ahead=2: source 'a' gives device arrays"):
+        Mixture(sources, WEIGHTS, batch_size=9, read_ahead=2)
+    with Mixture({**sources, "a": {"path": paths["a"], "backend": "cpu"}}, WEIGHTS, batch_size=9,
+                 whole_batches=True) as mix:
+        assert mix.read_ahead == 0, "one device source is enough"

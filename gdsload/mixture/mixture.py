@@ -5,8 +5,10 @@ size), read in exact shares (``PlanConfig.exact_shares``): across ranks, every s
 of that source, and a source that runs out begins its next epoch while the others go on. The schedule
 (gdsload/mixture_plan.py) says how many samples each source gives to each batch; they are cut, in order, from
 that source's batches as slices (no copy per sample), and each field is put together with one concatenation
-per batch (none where a batch is one slice). The Mixture starts no thread: its sources' datasets run their own
-readers, which stop on ``close()``, on leaving a pass early and on an error.
+per batch (none where a batch is one slice). Where every source gives host arrays the batches are made
+``read_ahead`` ahead on a thread of the mixture's own (gdsload/mixture/ahead.py), so the consumer's loop takes a
+finished one between its steps; on a GPU they are made in the consumer's thread. Every thread (the sources'
+readers, the mixture's maker) stops on ``close()``, on leaving a pass early and on an error.
 """
 
 from __future__ import annotations
@@ -23,14 +25,16 @@ from ..backends import info
 from ..dataset import GDSDataset
 from ..errors import GDSLoadError
 from ..integrations import LoaderProtocols, refuse_worker
+from .ahead import Ahead, Made
 from .assemble import Joiners, assemble
-from .source import SourceStats, SourceStream
+from .source import SourceStats, SourceStream, Tally
 from .specs import named, source_specs
 from .schedule import (Schedule, Stretch, exact_weights, next_counts, parse_schedule, parse_stretch, schedule_state,
                        state_int)
 from ..options import check_int, rank_and_world
 from ..pipeline.resume import StateError
 
+READ_AHEAD = 2  # batches made ahead by default, where every source gives host arrays
 MIXTURE_FORMAT = 2  # bumped when the state's keys or the schedule change meaning
 PADDED_REST_FORMAT = 1  # before: a position with hops read a padded rest; one without means what it means now
 STATE_KEYS = ("mixture_format", "step", "seed", "batch_size", "whole_batches", "sources", "schedule", "positions",
@@ -40,13 +44,15 @@ FINGERPRINT_KEYS = ("num_samples", "samples_per_block", "shuffle", "seed", "fiel
 
 @dataclass
 class MixtureStats:
-    """The mixture's passes: batches, samples and bytes yielded, wall time, and per source its share;
-    ``gb_per_s`` is bytes yielded per second of wall time, overall or per source."""
+    """The mixture's passes: batches, samples and bytes yielded, wall time, the seconds the consumer waited
+    for batches made ahead, and per source its share; ``gb_per_s`` is bytes yielded per second of wall time,
+    overall or per source."""
 
     batches: int = 0
     samples: int = 0
     bytes: int = 0
     wall_s: float = 0.0
+    wait_s: float = 0.0
     sources: dict[str, SourceStats] = field(default_factory=dict)
 
     def gb_per_s(self, source: str | None = None) -> float:
@@ -55,7 +61,7 @@ class MixtureStats:
 
     def as_dict(self) -> dict[str, Any]:
         return {"batches": self.batches, "samples": self.samples, "bytes": self.bytes, "wall_s": self.wall_s,
-                "gb_per_s": self.gb_per_s(), "sources": {n: {**dataclasses.asdict(s), "gb_per_s": self.gb_per_s(n)}
+                "wait_s": self.wait_s, "gb_per_s": self.gb_per_s(), "sources": {n: {**dataclasses.asdict(s), "gb_per_s": self.gb_per_s(n)}
                                                          for n, s in self.sources.items()}}
 
 
@@ -79,6 +85,9 @@ class Mixture(LoaderProtocols, Closing):
     whole_batches : each batch is one whole batch of one source (sources may then have different fields),
         and the schedule counts batches instead of samples.
     rank, world_size : this process's share (default: torch.distributed, else RANK / WORLD_SIZE).
+    read_ahead : batches made ahead on a thread of the mixture's own (default 2 where every source gives host
+        arrays, 0 where one gives device arrays: those are joined in your thread, which a value above 0 for
+        them refuses so far). A weight change drops what was made ahead.
     **options : GDSDataset options for every source (a source's own options win).
 
     Each batch is ``{field: array}`` as the sources' datasets give it (same backend kind, device and output
@@ -99,7 +108,7 @@ class Mixture(LoaderProtocols, Closing):
 
     def __init__(self, sources: Mapping[str, Any], weights: Any = None, *, batch_size: int, seed: int = 0,
                  num_batches: int | None = None, whole_batches: bool = False, rank: int | None = None,
-                 world_size: int | None = None, **options: Any):
+                 world_size: int | None = None, read_ahead: int | None = None, **options: Any):
         self.batch_size = check_int("batch_size", batch_size, 1)
         self.seed = check_int("seed", seed, 0)
         self.num_batches = check_int("num_batches", num_batches, 1, none_ok=True)
@@ -123,6 +132,7 @@ class Mixture(LoaderProtocols, Closing):
                     raise named(e, f"source {name!r}: {e}") from e
                 self._sources.append(SourceStream(name, ds, rename))
             self._check_fields(specs)
+            self.read_ahead = self._read_ahead(read_ahead)
             self._weights_fn, exact = self._weights_at(weights, 0)
             self._schedule = Schedule.begin(0, exact)
         except BaseException:
@@ -130,7 +140,20 @@ class Mixture(LoaderProtocols, Closing):
             raise
         self.datasets = {s.name: s.ds for s in self._sources}
         self._step = 0
+        self._at = tuple(s.stretch for s in self._sources)  # every source's position after the batches yielded
+        self._made_to = (self._step, self._schedule)  # where the next batch made begins
+        self._ahead: Ahead | None = None
         self._stats = MixtureStats(sources={s.name: s.stats for s in self._sources})
+
+    def _read_ahead(self, read_ahead: int | None) -> int:
+        on_device = [s.name for s in self._sources if info(s.ds.backend_name).on_device]
+        if read_ahead is None:
+            return 0 if on_device else READ_AHEAD
+        read_ahead = check_int("read_ahead", read_ahead, 0)
+        if read_ahead and on_device:
+            raise ValueError(f"read_ahead={read_ahead}: source {on_device[0]!r} gives device arrays, which a "
+                             "mixture joins in your thread so far (pass read_ahead=0, or leave it out)")
+        return read_ahead
 
     def _check_fields(self, specs: dict[str, tuple[Any, Any, dict[str, str], dict]]) -> None:
         """Sources mixed by sample give the same fields (after renaming), padded alike, on the same device."""
@@ -178,7 +201,9 @@ class Mixture(LoaderProtocols, Closing):
         """New weights from the next batch on: a dict as in the constructor (a new segment starts unless the
         proportions are the same), or a function of the step (replacing any function set before)."""
         self._weights_fn, exact = self._weights_at(weights, self._step)
+        self._rewind()  # batches made ahead under the old weights are dropped
         self._schedule = self._schedule.reweighted(exact, self._step)
+        self._made_to = (self._step, self._schedule)
 
     @property
     def weights(self) -> dict[str, float]:
@@ -223,7 +248,7 @@ class Mixture(LoaderProtocols, Closing):
         last = time.perf_counter()
         try:
             while stop is None or self._step < stop:
-                batch = self._next()
+                batch = self._take(self._next_made())
                 now = time.perf_counter()
                 self._stats.wall_s, last = self._stats.wall_s + now - last, now
                 yield batch
@@ -234,19 +259,59 @@ class Mixture(LoaderProtocols, Closing):
         finally:
             self._stats.wall_s += time.perf_counter() - last
 
-    def _next(self) -> dict[str, Any]:
+    def _next_made(self) -> Made:
+        if not self.read_ahead:
+            return self._make()
+        if self._ahead is None:
+            self._ahead = Ahead(self._make, self.read_ahead, "gdsload-reader-mixture")
+        started = time.perf_counter()
+        try:
+            return self._ahead.next()
+        except Exception as e:
+            if self._closed:  # close() from another thread: whatever the maker met, that is the reason
+                raise GDSLoadError(f"mixture of {list(self.sources)}: it was closed while a pass was read") from e
+            raise
+        finally:
+            self._stats.wait_s += time.perf_counter() - started
+
+    def _make(self) -> Made:
+        """The batch after the last one made (on the maker's thread when reading ahead)."""
+        step, schedule = self._made_to
         if self._weights_fn is not None:
-            self._schedule = self._schedule.reweighted(self._weights_at(self._weights_fn, self._step)[1], self._step)
+            schedule = schedule.reweighted(self._weights_at(self._weights_fn, step)[1], step)
         unit = 1 if self.whole_batches else self.batch_size
-        counts, schedule = next_counts(self._schedule, unit, self.seed)
+        counts, after = next_counts(schedule, unit, self.seed)
         if self.whole_batches:
             counts = tuple(c * s.ds.config.batch_size for c, s in zip(counts, self._sources))
-        batch = assemble([(s, s.take(c)) for s, c in zip(self._sources, counts)], self._join)
+        tallies = [Tally() for _ in self._sources]
+        batch = assemble([(t, s.take(c)) for t, s, c in zip(tallies, self._sources, counts)], self._join)
+        self._made_to = (step + 1, after)
+        return Made(batch, step, after, tuple(s.stretch for s in self._sources),
+                    tuple(t.stats.samples for t in tallies), tuple(t.stats.bytes for t in tallies))
+
+    def _take(self, made: Made) -> dict[str, Any]:
+        """The consumer's side: the mixture now stands after ``made``."""
+        assert made.step == self._step, f"batch {made.step} made for step {self._step}"
+        self._step, self._schedule, self._at = made.step + 1, made.schedule, made.stretches
+        for s, samples, size in zip(self._sources, made.samples, made.bytes):
+            s.stats.samples += samples
+            s.stats.bytes += size
         self._stats.bytes = sum(s.stats.bytes for s in self._sources)
-        self._schedule, self._step = schedule, self._step + 1
         self._stats.batches += 1
-        self._stats.samples += sum(counts)
-        return batch
+        self._stats.samples += sum(made.samples)
+        return made.batch
+
+    def _rewind(self, every: bool = False) -> None:
+        """Stop making batches ahead and move each source back to where the batches yielded leave it (all of
+        them with ``every``, which also ends their passes: their reader threads stop)."""
+        if self._ahead is not None:
+            self._ahead.stop()
+            self._ahead = None
+        self._made_to = (self._step, self._schedule)
+        self._join.drain()  # no copy still reads a source's batch when its pipeline goes
+        for s, at in zip(self._sources, self._at):
+            if every or s.stretch != at:
+                s.park(at)
 
     @property
     def stats(self) -> MixtureStats:
@@ -254,19 +319,25 @@ class Mixture(LoaderProtocols, Closing):
         return self._stats
 
     def stop(self) -> None:
-        """End every source's current pass (their reader threads stop); the next pass goes on from here."""
-        self._join.drain()  # no copy still reads a source's batch when its pipeline goes
-        for s in self._sources:
-            s.park()
+        """End every source's current pass and the making of batches ahead (their threads stop); the next pass
+        goes on from here."""
+        self._rewind(every=True)
 
     def close(self) -> None:
-        """Close every source's dataset (threads, buffers, files). Idempotent."""
+        """Close every source's dataset (threads, buffers, files) and stop making batches ahead. Idempotent,
+        from any thread."""
         self._closed = True
+        ahead = getattr(self, "_ahead", None)
+        if ahead is not None:
+            ahead.stop(join=False)  # it may be waiting for a source's reads: the close below ends those
+        for s in getattr(self, "_sources", []):
+            s.ds.close()
+        if ahead is not None:
+            ahead.stop()
         if hasattr(self, "_join"):
             self._join.drain()
         for s in getattr(self, "_sources", []):
             s.drop()
-            s.ds.close()
 
     def __repr__(self) -> str:
         return (f"Mixture({list(self.sources)}, batch_size={self.batch_size}, weights={self.weights}, "
@@ -279,7 +350,7 @@ class Mixture(LoaderProtocols, Closing):
         return {"mixture_format": MIXTURE_FORMAT, "step": self._step, "seed": self.seed,
                 "batch_size": self.batch_size, "whole_batches": self.whole_batches, "sources": list(self.sources),
                 "schedule": schedule_state(self._schedule, self.sources),
-                "positions": {s.name: s.stretch.as_dict() for s in self._sources},
+                "positions": {s.name: at.as_dict() for s, at in zip(self._sources, self._at)},
                 "datasets": {s.name: _fingerprint(s.ds) for s in self._sources},
                 "rank": self.rank, "world_size": self.world_size}
 
@@ -290,6 +361,7 @@ class Mixture(LoaderProtocols, Closing):
         a source whose data differs."""
         if not isinstance(state, Mapping):
             raise TypeError(f"a mixture state must be a dict from Mixture.state_dict(), found {type(state).__name__}")
+        self._rewind()  # the sources where the batches yielded leave them, whether the state is taken or not
         fmt = state.get("mixture_format")
         if sorted(state) != sorted(STATE_KEYS) or isinstance(fmt, bool) or fmt not in (MIXTURE_FORMAT,
                                                                                        PADDED_REST_FORMAT):
@@ -326,6 +398,7 @@ class Mixture(LoaderProtocols, Closing):
             s.ds.load_state_dict(gds_state)
             s.stretch, s.skip = stretch, skip
         self._schedule, self._step = schedule, step
+        self._at, self._made_to = tuple(s.stretch for s in self._sources), (step, schedule)
 
     def _resume_plan(self, s: SourceStream, state: Mapping[str, Any]) -> tuple[dict[str, Any], int, Stretch]:
         """For source ``s``: the GDSDataset state to load, the samples of its first batch already taken, and

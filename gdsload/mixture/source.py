@@ -26,14 +26,23 @@ if TYPE_CHECKING:
 
 @dataclass
 class SourceStats:
-    """One source, over the mixture's passes: samples and bytes it gave, bytes its dataset read (passes
-    ended so far), seconds the mixture waited for its batches, passes its dataset began."""
+    """One source, over the mixture's passes: samples and bytes it gave (in batches yielded), bytes its dataset
+    read (passes ended so far), seconds the mixture waited for its dataset's batches (on the thread making
+    batches ahead, where one does), passes its dataset began."""
 
     samples: int = 0
     bytes: int = 0
     bytes_read: int = 0
     wait_s: float = 0.0
     passes: int = 0
+
+
+class Tally:
+    """One source's share of one batch, as :func:`gdsload.mixture.assemble.assemble` counts it (the mixture
+    adds it to the source's counters when the batch is yielded, not when it is made)."""
+
+    def __init__(self) -> None:
+        self.stats = SourceStats()
 
 
 class SourceStream:
@@ -88,13 +97,15 @@ class SourceStream:
             self.passing.close()
         self.passing, self.batch, self.keys, self.used, self.length = None, {}, (), 0, 0
 
-    def park(self) -> None:
-        """End the pass being read (its reader threads stop); the next pass starts where this one was."""
-        if self.passing is not None:
-            state, skip, _ = self.locate(self.stretch, check=False)
+    def park(self, at: Stretch | None = None) -> None:
+        """End the pass being read (its reader threads stop); the next pass starts at ``at`` (a stretch this
+        stream passed through; default: where it stands)."""
+        at = self.stretch if at is None else at
+        if self.passing is not None or at != self.stretch:
+            state, skip, _ = self.locate(at, check=False)
             self.drop()
             self.ds.load_state_dict(state)
-            self.skip = skip
+            self.stretch, self.skip = at, skip
 
     def locate(self, stretch: Stretch, check: bool = True) -> tuple[dict[str, Any], int, Stretch]:
         """Where this rank's dataset stands at ``stretch``: the GDSDataset state to load, the samples of its
