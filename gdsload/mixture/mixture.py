@@ -62,7 +62,8 @@ class MixtureStats:
     def as_dict(self) -> dict[str, Any]:
         return {"batches": self.batches, "samples": self.samples, "bytes": self.bytes, "wall_s": self.wall_s,
                 "wait_s": self.wait_s, "gb_per_s": self.gb_per_s(),
-                "sources": {n: {**dataclasses.asdict(s), "gb_per_s": self.gb_per_s(n)} for n, s in self.sources.items()}}
+                "sources": {n: {**dataclasses.asdict(s), "gb_per_s": self.gb_per_s(n)}
+                            for n, s in self.sources.items()}}
 
 
 class Mixture(LoaderProtocols, Closing):
