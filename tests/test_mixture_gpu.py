@@ -1,4 +1,4 @@
-"""A mixture's batches put together on the GPU (gdsload/mixture/assemble.py's DeviceJoiner) are the batches the
+"""A mixture's batches put together on the GPU (gdsload/mixture/joiners.py's DeviceJoiner) are the batches the
 cpu backend gives, byte for byte: fixed and variable-length fields, CuPy and torch outputs, the consumer on
 the default stream or on a stream of its own, every batch kept to the end (no memory handed out twice)."""
 

@@ -26,7 +26,8 @@ from ..dataset import GDSDataset
 from ..errors import GDSLoadError
 from ..integrations import LoaderProtocols, refuse_worker
 from .ahead import Ahead, Made
-from .assemble import Joiners, assemble
+from .assemble import assemble
+from .joiners import Joiners
 from .source import SourceStats, SourceStream, Tally
 from .specs import named, source_specs
 from .schedule import (Schedule, Stretch, exact_weights, next_counts, parse_schedule, parse_stretch, schedule_state,
