@@ -11,8 +11,9 @@ of the batches delivered. Then each waits beside a simulated step of ``--step-fa
 time (the suite's method, ``time_passes``: steps timed alone, passes with a step per batch, the median of
 the later passes' time beyond them).
 
-Rows (``results``, one per backend): ``gdsload <backend>`` with its io mode, the GB/s of one dataset and of the
-mixture (every round kept, the best reported), the mixture's share of one, and the waiting beside the step.
+Rows (``results``, one per backend, and per ``--read-ahead`` value where given: ``Mixture(read_ahead=...)``):
+``gdsload <backend>`` with its io mode, the GB/s of one dataset and of the mixture (every round kept, the best
+reported), the mixture's share of one, and the waiting beside the step.
 
 Ceilings (``ceilings``, measured in the same run on the single dataset's files, before the backends, each the best of
 ``--rounds`` stretches of at least ``--min-seconds``), with their io mode:
@@ -90,11 +91,11 @@ def single_waiting(ds: GDSDataset, step: Step, passes: int = 3) -> float:
 
 
 def measure(backend: str, single_path: str, sources: dict[str, str], rounds: int, min_seconds: float,
-            batch_size: int, step_factor: float = 0.0) -> dict[str, Any]:
+            batch_size: int, step_factor: float = 0.0, read_ahead: int | None = None) -> dict[str, Any]:
     options = {"backend": backend, "shuffle": True, "seed": 0}
     single = GDSDataset(single_path, batch_size, **options)
     mix = Mixture(sources, {name: SHARES[name] for name in sources}, batch_size=batch_size,
-                  num_batches=len(single), **options)
+                  num_batches=len(single), read_ahead=read_ahead, **options)
     try:
         sync = device_sync(single)
         time_pass(single)  # warm-up: page cache, kernels, buffers
@@ -117,7 +118,8 @@ def measure(backend: str, single_path: str, sources: dict[str, str], rounds: int
                              gpu=single.describe()["backend"] != "cpu")
             waiting = {"single": round(100 * single_waiting(single, step), 2),
                        "mixture": round(100 * mixture_waiting(mix, step, sync), 2)}
-        return {"what": f"gdsload {backend}", "io_mode": single.io_mode, "regime": "warm", "shuffle": True,
+        return {"what": f"gdsload {backend}" + ("" if read_ahead is None else f", read_ahead={read_ahead}"),
+                "read_ahead": mix.read_ahead, "io_mode": single.io_mode, "regime": "warm", "shuffle": True,
                 "gb_per_s_single": [round(x, 2) for x in rates["single"]],
                 "gb_per_s_mixture": [round(x, 2) for x in rates["mixture"]],
                 "best_single": round(best["single"], 2), "best_mixture": round(best["mixture"], 2),
@@ -229,14 +231,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-factor", type=float, default=1.5,
                     help="waiting beside a simulated step of this many times a batch's read time at the single "
                          "dataset's rate (0: not measured)")
+    ap.add_argument("--read-ahead", default="",
+                    help="comma list of Mixture(read_ahead=...) values, a row each per backend (default: the "
+                         "library's default alone)")
     args = parse_probe_args(ap, argv)
     single = make_dataset(args.data, args.size_gib)
     sources = {name: make_dataset(args.data, args.size_gib * n / 6) for name, n in SHARES.items()}
     limits = ceilings(single, args.rounds, args.min_seconds)
     rows = Rows()
+    aheads = [int(a) for a in args.read_ahead.split(",") if a.strip()] or [None]
     for backend in args.backends.split(","):
-        rows.emit(measure(backend, single, sources, args.rounds, args.min_seconds, args.batch_size,
-                          args.step_factor))
+        for ahead in aheads:
+            rows.emit(measure(backend, single, sources, args.rounds, args.min_seconds, args.batch_size,
+                              args.step_factor, ahead))
     out = write_probe_table(args, "mixture", rows, markdown(rows, limits), rounds=args.rounds,
                             method=__doc__.split("\n\n")[2], ceilings=limits)
     plot(out, rows, limits)

@@ -530,3 +530,31 @@ def test_an_abandoned_mixture_is_collected_and_its_maker_ends(paths):
     maker.join(5)
     assert not maker.is_alive()
     assert wait_no_readers(5) == []
+
+
+def test_the_maker_hands_out_in_order_raises_its_error_as_is_and_nothing_once_stopped():
+    from gdsload.mixture.ahead import Ahead
+
+    class Owner:
+        def __init__(self, fail_at):
+            self.n, self.fail_at = 0, fail_at
+
+        def make(self):
+            self.n += 1
+            if self.n == self.fail_at:
+                raise KeyError("the maker's own error")
+            return self.n
+
+    owner = Owner(fail_at=4)
+    ahead = Ahead(owner.make, 2, "gdsload-reader-test")
+    assert [ahead.next() for _ in range(3)] == [1, 2, 3]
+    with pytest.raises(KeyError, match="the maker's own error"):
+        ahead.next()
+    ahead.stop()
+    owner = Owner(fail_at=-1)
+    ahead = Ahead(owner.make, 3, "gdsload-reader-test")
+    assert ahead.next() == 1
+    ahead.stop()
+    with pytest.raises(GDSLoadError, match="stopped"):
+        ahead.next()
+    assert wait_no_readers() == []

@@ -42,9 +42,10 @@ def host(batch) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("read_ahead", [0, 3])
 @pytest.mark.parametrize("output", ["cupy", "torch"])
 @pytest.mark.parametrize("own_stream", [False, True])
-def test_device_joined_batches_equal_the_cpu_backends(paths, output, own_stream):
+def test_device_joined_batches_equal_the_cpu_backends(paths, output, own_stream, read_ahead):
     import cupy
 
     if output == "torch":
@@ -54,12 +55,12 @@ def test_device_joined_batches_equal_the_cpu_backends(paths, output, own_stream)
     if output == "torch":
         ts = torch.cuda.Stream() if own_stream else torch.cuda.default_stream()
         with torch.cuda.stream(ts):
-            got = batches(paths, ["mmap", "pinned", "kvikio"], "torch")
+            got = batches(paths, ["mmap", "pinned", "kvikio"], "torch", read_ahead=read_ahead)
             assert all(a.is_cuda for b in got for a in b.values())
             got = [host(b) for b in got]
     else:
         with stream:
-            got = batches(paths, ["mmap", "pinned", "kvikio"], "cupy")
+            got = batches(paths, ["mmap", "pinned", "kvikio"], "cupy", read_ahead=read_ahead)
             assert all(isinstance(a, cupy.ndarray) for b in got for a in b.values())
             got = [host(b) for b in got]
     assert len(got) == len(expected)
@@ -71,9 +72,11 @@ def test_device_joined_batches_equal_the_cpu_backends(paths, output, own_stream)
 
 
 @pytest.mark.gpu
-def test_whole_batches_and_padded_fields_on_the_device(paths):
+@pytest.mark.parametrize("read_ahead", [0, 2])
+def test_whole_batches_and_padded_fields_on_the_device(paths, read_ahead):
     expected = [host(b) for b in batches(paths, ["cpu"] * 3, "numpy", pad_to=6, whole_batches=True)]
-    got = [host(b) for b in batches(paths, ["pinned"] * 3, "cupy", pad_to=6, whole_batches=True)]
+    got = [host(b) for b in batches(paths, ["pinned"] * 3, "cupy", pad_to=6, whole_batches=True,
+                                    read_ahead=read_ahead)]
     for g, e in zip(got, expected):
         for k in e:
             np.testing.assert_array_equal(g[k], e[k], err_msg=k)
@@ -98,12 +101,37 @@ def test_sources_with_reader_pools_of_their_own_share_the_default_threads():
 
 
 @pytest.mark.gpu
-def test_device_sources_are_joined_in_the_consumers_thread_and_read_ahead_for_them_is_refused(paths):
+def test_device_arrays_are_made_ahead_only_when_asked_and_of_one_kind(paths):
     sources = {n: {"path": p, "backend": "pinned"} for n, p in paths.items()}
     with Mixture(sources, WEIGHTS, batch_size=9) as mix:
-        assert mix.read_ahead == 0
-    with pytest.raises(ValueError, match="read_ahead=2: source 'a' gives device arrays"):
-        Mixture(sources, WEIGHTS, batch_size=9, read_ahead=2)
-    with Mixture({**sources, "a": {"path": paths["a"], "backend": "cpu"}}, WEIGHTS, batch_size=9,
-                 whole_batches=True) as mix:
+        assert mix.read_ahead == 0, "joined in the consumer's thread unless asked"
+    with Mixture(sources, WEIGHTS, batch_size=9, read_ahead=2) as mix:
+        assert mix.read_ahead == 2
+    mixed = {**sources, "a": {"path": paths["a"], "backend": "cpu"}}
+    with Mixture(mixed, WEIGHTS, batch_size=9, whole_batches=True) as mix:
         assert mix.read_ahead == 0, "one device source is enough"
+    with pytest.raises(ValueError, match="read_ahead=2: batches of device arrays are made ahead where every"):
+        Mixture(mixed, WEIGHTS, batch_size=9, whole_batches=True, read_ahead=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("read_ahead", [0, 2])
+def test_batches_dropped_as_they_are_used_are_never_overwritten_under_the_consumers_work(paths, read_ahead):
+    """The consumer's stream runs late (a 2 ms spin before each use) and drops every batch at once: memory it
+    frees goes back to the pool while its queued work still reads it; nothing may write there before."""
+    import cupy
+
+    from gdsload.tools.steps import Spin
+
+    expected = [float(host(b)["x"].astype(np.float64).sum()) for b in batches(paths, ["cpu"] * 3, "numpy", 40)]
+    spin, sums = Spin(2.0), []
+    stream = cupy.cuda.Stream(non_blocking=True)
+    sources = {n: {"path": p, "backend": b} for (n, p), b in zip(paths.items(), ["mmap", "pinned", "kvikio"])}
+    with stream, Mixture(sources, WEIGHTS, batch_size=9, seed=3, shuffle=True, resident_bytes=0,
+                         read_ahead=read_ahead) as mix:
+        for _, b in zip(range(40), mix):
+            spin.launch()
+            sums.append(b["x"].astype(cupy.float64).sum())
+            del b
+        got = [float(x) for x in sums]
+    assert got == expected

@@ -27,7 +27,8 @@ POLL_S = 0.01  # how often a blocked put or get looks at the stop flag and the t
 @dataclass(frozen=True)
 class Made:
     """One batch and where the mixture stands after it: ``step`` is the batch's own index; ``samples`` and
-    ``bytes`` are each source's share of it."""
+    ``bytes`` are each source's share of it; ``ready``: the event after which a batch of device arrays made
+    ahead is written (None: written when made)."""
 
     batch: dict[str, Any]
     step: int
@@ -35,6 +36,7 @@ class Made:
     stretches: tuple[Stretch, ...]
     samples: tuple[int, ...]
     bytes: tuple[int, ...]
+    ready: Any = None
 
 
 class Ahead:
@@ -69,15 +71,19 @@ class Ahead:
                 return
 
     def next(self) -> Made:
-        """The next batch made; the error the thread met instead, raised here."""
+        """The next batch made; the error the thread met instead, raised here. Once :meth:`stop` was called
+        (from another thread: ``close()``) none is handed out: what it drops would leave a gap."""
         while True:
+            item: Made | BaseException | None = None
             try:
-                item = self._queue.get(timeout=POLL_S)
+                if not self._stop.is_set():
+                    item = self._queue.get(timeout=POLL_S)
             except queue.Empty:
                 if self._thread.is_alive() or not self._queue.empty():
                     continue
-                raise GDSLoadError("the mixture's batch maker stopped (the mixture was stopped from another "
-                                   "thread)") from None
+            if item is None or self._stop.is_set():
+                raise GDSLoadError("the mixture's batch maker was stopped (the mixture was stopped or closed "
+                                   "from another thread)")
             if isinstance(item, BaseException):
                 raise item
             return item

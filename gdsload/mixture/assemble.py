@@ -101,15 +101,16 @@ def cut_keys(batch: dict[str, Any], out_key: Callable[[str], str]) -> tuple[Key,
     return tuple(keys)
 
 
-def assemble(cuts: list[tuple[Counted, list[Piece]]], joiner_for: Callable[[Any], Joiner]) -> dict[str, Any]:
+def assemble(cuts: list[tuple[Counted, list[Piece]]], joiner_for: Callable[[Any], Joiner],
+             as_is: bool = True) -> dict[str, Any]:
     """The batch of ``cuts`` (every source's pieces, in source order) plus ``SOURCE_KEY``. One whole batch of
-    one source goes out as its dataset gave it (renamed); otherwise each key's spans are joined. A
+    one source goes out as its dataset gave it (renamed) where ``as_is``; otherwise each key's spans are joined. A
     variable-length field's offsets are rebased from the host copy's values. Counts each source's samples
     and bytes."""
     given = [(i, s, cut) for i, (s, cut) in enumerate(cuts) if cut]
     runs = tuple((i, sum(p.hi - p.lo for p in cut)) for i, _, cut in given)
     first = given[0][2][0]
-    if len(given) == 1 and len(given[0][2]) == 1 and first.hi - first.lo == first.length:
+    if as_is and len(given) == 1 and len(given[0][2]) == 1 and first.hi - first.lo == first.length:
         out = {k.name: k.array for k in first.keys}
         _count(given[0][1], sum(nbytes(a) for a in out.values()), first.length)
         like = first.keys[0].array

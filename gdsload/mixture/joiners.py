@@ -5,6 +5,8 @@ concatenation for anything else."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -14,7 +16,14 @@ from .assemble import IDS_KEPT, SOURCE_KEY, Joiner, LibraryJoiner, Runs, Span, k
 
 class DeviceJoiner:
     """Joins CuPy arrays or torch CUDA tensors of one device by copies on a stream of its own (module notes).
-    Called from the consumer's thread only."""
+
+    Called from the consumer's thread, or, once :meth:`make_ahead` was called, from the one thread that makes
+    batches ahead of it. Then the consumer's stream is the one its thread last handed over (:meth:`pick_up`,
+    :meth:`hand_over`); outputs come from the pool of a stream of the joiner's that is never given work (as
+    the pipeline's outputs do), ordered after the consumer's latest stream by the event recorded on it; a
+    single slice is copied too (the consumer never holds a source's memory, which the sources' gathers reuse
+    after the joiner's copies, not after the consumer's work); and each batch's copies end in an event of
+    its own (:attr:`ready`), which the consumer's stream waits on when it takes the batch."""
 
     def __init__(self, device_id: int, kind: str):
         import cupy
@@ -31,20 +40,67 @@ class DeviceJoiner:
         with self.device:
             self.stream = cupy.cuda.Stream(non_blocking=True)
             self._before, self._after = new_event(), new_event()
+        self._new_event = new_event
+        self.ahead = False
+        self.consumer: Any = None  # ahead: the consumer's stream as its thread last handed it over
+        self.ready: Any = None  # ahead: the event after the latest batch's copies
+        self._outputs: Any = None  # ahead: never given work; the pool the outputs come from
         self._memcpy = cupy.cuda.runtime.memcpyAsync
         self._external: Any = None  # the consumer's torch stream, as a CuPy stream
         self._ids: dict[Runs, Any] = {}
         self._library = LibraryJoiner()
 
+    # -- making batches ahead: the consumer's thread ----------------------------------------------------------
+    def make_ahead(self) -> None:
+        """From now on joins run on the thread making batches ahead (the consumer's stream picked up first)."""
+        if self._outputs is None:  # one for the joiner's life: its pool holds the outputs handed out
+            with self.device:
+                self._outputs = self.cupy.cuda.Stream(non_blocking=True)
+        self.pick_up()
+        self.ahead = True
+
+    def pick_up(self) -> None:
+        """The consumer's current stream, for the joins made ahead of it; a stream it switched to first waits
+        for what was queued on the one before."""
+        with self.device:
+            stream = self._consumer()
+            if self.consumer is not None and stream.ptr != self.consumer.ptr:
+                stream.wait_event(self.consumer.record())
+        self.consumer = stream
+
+    def hand_over(self, ready: Any) -> None:
+        """The consumer takes a batch made ahead: its stream waits for the batch's copies (``ready``)."""
+        self.pick_up()
+        with self.device:
+            self.consumer.wait_event(ready)
+
+    # -- making batches ahead: the maker's thread ---------------------------------------------------------------
+    @contextlib.contextmanager
+    def taking(self) -> Iterator[None]:
+        """The joiner's stream made current (CuPy's, and torch's for torch outputs) while the sources' batches
+        are taken: their pipelines hand them over to it, and it is what they wait for before reusing memory."""
+        with self.device, self.stream:
+            if self.torch is None:
+                yield
+                return
+            with self.torch.cuda.stream(self._torch_stream(self.stream)):
+                yield
+
+    def _torch_stream(self, stream: Any) -> Any:
+        return self.torch.cuda.ExternalStream(stream.ptr, device=f"cuda:{self.device.id}")
+
     def join(self, spans: dict[str, list[Span]], tails: dict[str, int], runs: Runs) -> dict[str, Any]:
         if any(s.row_bytes < 0 for parts in spans.values() for s in parts):
+            if self.ahead:
+                raise ValueError("a source gives device arrays that are not contiguous, which a mixture joins by "
+                                 "their library in your thread only (pass read_ahead=0)")
             return self._library.join(spans, tails, runs)
         with self.device:
-            consumer = self._consumer()
+            consumer = self.consumer if self.ahead else self._consumer()
             out: dict[str, Any] = {}
             for key, parts in spans.items():
                 first = parts[0]
-                if len(parts) == 1 and key not in tails and not first.shift:
+                if len(parts) == 1 and key not in tails and not first.shift and not self.ahead:
                     out[key] = first.array[first.lo:first.hi]  # a view of the one span
                 else:
                     rows = sum(s.hi - s.lo for s in parts) + (key in tails)
@@ -54,7 +110,7 @@ class DeviceJoiner:
             self._begin(consumer)
             with self.stream:  # the rebasing kernels, as the copies, on the joiner's stream
                 for key, parts in spans.items():
-                    if len(parts) > 1 or key in tails or parts[0].shift:
+                    if len(parts) > 1 or key in tails or parts[0].shift or self.ahead:
                         self._fill(out[key], parts, tails.get(key))
             self._copy(self._ptr(ids), int(self._ids_of(runs).data.ptr), total * 8)
             self._end(consumer)
@@ -62,7 +118,7 @@ class DeviceJoiner:
 
     def ids(self, runs: Runs, like: Any) -> Any:
         with self.device:
-            consumer = self._consumer()
+            consumer = self.consumer if self.ahead else self._consumer()
             total = sum(n for _, n in runs)
             ids = self._empty((total,), None)
             self._begin(consumer)
@@ -105,10 +161,13 @@ class DeviceJoiner:
     def _empty(self, shape: tuple[int, ...], dtype: Any) -> Any:
         """Allocated by the output's library on the consumer's current stream (its pool, its reuse rules);
         ``dtype`` None: int64."""
+        pool = self._outputs if self.ahead else None
         if self.torch is not None:
-            return self.torch.empty(shape, dtype=self.torch.int64 if dtype is None else dtype,
-                                    device=f"cuda:{self.device.id}")
-        return self.cupy.empty(shape, dtype=np.int64 if dtype is None else dtype)
+            with self.torch.cuda.stream(self._torch_stream(pool)) if pool is not None else contextlib.nullcontext():
+                return self.torch.empty(shape, dtype=self.torch.int64 if dtype is None else dtype,
+                                        device=f"cuda:{self.device.id}")
+        with pool if pool is not None else contextlib.nullcontext():
+            return self.cupy.empty(shape, dtype=np.int64 if dtype is None else dtype)
 
     def _ptr(self, a: Any) -> int:
         return int(a.data_ptr()) if self.torch is not None else int(a.data.ptr)
@@ -118,6 +177,10 @@ class DeviceJoiner:
         self.stream.wait_event(self._before)
 
     def _end(self, consumer: Any) -> None:
+        if self.ahead:  # an event per batch: several are in flight, and the consumer waits when it takes one
+            self.ready = self._new_event()
+            self.stream.record(self.ready)
+            return
         self.stream.record(self._after)
         consumer.wait_event(self._after)  # one event, recorded again per batch: a wait takes the record current
 
@@ -166,6 +229,14 @@ class Joiners:
     def drain(self) -> None:
         for j in self._made.values():
             j.drain()
+
+    def device(self, kind: str, device_id: int) -> DeviceJoiner:
+        """The joiner of ``kind`` arrays (``cupy`` or ``torch``) on device ``device_id``, made now if need be."""
+        joiner = self._made.get((kind, device_id))
+        if joiner is None:
+            joiner = self._made[(kind, device_id)] = DeviceJoiner(device_id, kind)
+        assert isinstance(joiner, DeviceJoiner)
+        return joiner
 
 
 def _cuda_device(a: Any, kind: str) -> int:

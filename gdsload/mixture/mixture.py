@@ -13,6 +13,7 @@ readers, the mixture's maker) stops on ``close()``, on leaving a pass early and 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -27,9 +28,9 @@ from ..errors import GDSLoadError
 from ..integrations import LoaderProtocols, refuse_worker
 from .ahead import Ahead, Made
 from .assemble import assemble
-from .joiners import Joiners
+from .joiners import DeviceJoiner, Joiners
 from .source import SourceStats, SourceStream, Tally
-from .specs import named, source_specs
+from .specs import check_fields, named, source_specs
 from .schedule import (Schedule, Stretch, exact_weights, next_counts, parse_schedule, parse_stretch, schedule_state,
                        state_int)
 from ..options import check_int, rank_and_world
@@ -88,8 +89,8 @@ class Mixture(LoaderProtocols, Closing):
         and the schedule counts batches instead of samples.
     rank, world_size : this process's share (default: torch.distributed, else RANK / WORLD_SIZE).
     read_ahead : batches made ahead on a thread of the mixture's own (default 2 where every source gives host
-        arrays, 0 where one gives device arrays: those are joined in your thread, which a value above 0 for
-        them refuses so far). A weight change drops what was made ahead.
+        arrays; 0, joined in your thread, where they give device arrays, for which a value above 0 is taken
+        where all give CuPy arrays or torch tensors on one device). A weight change drops what was made ahead.
     **options : GDSDataset options for every source (a source's own options win).
 
     Each batch is ``{field: array}`` as the sources' datasets give it (same backend kind, device and output
@@ -133,7 +134,7 @@ class Mixture(LoaderProtocols, Closing):
                 except (TypeError, ValueError, GDSLoadError) as e:
                     raise named(e, f"source {name!r}: {e}") from e
                 self._sources.append(SourceStream(name, ds, rename))
-            self._check_fields(specs)
+            check_fields(self._sources, specs, self.whole_batches)
             self.read_ahead = self._read_ahead(read_ahead)
             self._weights_fn, exact = self._weights_at(weights, 0)
             self._schedule = Schedule.begin(0, exact)
@@ -145,6 +146,7 @@ class Mixture(LoaderProtocols, Closing):
         self._at = tuple(s.stretch for s in self._sources)  # every source's position after the batches yielded
         self._made_to = (self._step, self._schedule)  # where the next batch made begins
         self._ahead: Ahead | None = None
+        self._device: DeviceJoiner | None = None  # device arrays made ahead: the joiner on the maker's thread
         self._stats = MixtureStats(sources={s.name: s.stats for s in self._sources})
 
     def _read_ahead(self, read_ahead: int | None) -> int:
@@ -152,42 +154,12 @@ class Mixture(LoaderProtocols, Closing):
         if read_ahead is None:
             return 0 if on_device else READ_AHEAD
         read_ahead = check_int("read_ahead", read_ahead, 0)
-        if read_ahead and on_device:
-            raise ValueError(f"read_ahead={read_ahead}: source {on_device[0]!r} gives device arrays, which a "
-                             "mixture joins in your thread so far (pass read_ahead=0, or leave it out)")
+        kinds = {(s.ds.output, s.ds.device, info(s.ds.backend_name).on_device) for s in self._sources}
+        if read_ahead and on_device and (len(kinds) > 1 or next(iter(kinds))[0] not in ("cupy", "torch")):
+            raise ValueError(f"read_ahead={read_ahead}: batches of device arrays are made ahead where every source "
+                             f"gives CuPy arrays or torch tensors on one device (found (output, device, on the "
+                             f"device) {sorted(kinds, key=str)}); pass read_ahead=0")
         return read_ahead
-
-    def _check_fields(self, specs: dict[str, tuple[Any, Any, dict[str, str], dict]]) -> None:
-        """Sources mixed by sample give the same fields (after renaming), padded alike, on the same device."""
-        if self.whole_batches:
-            return
-        first = None
-        for s in self._sources:
-            kwargs, described = specs[s.name][3], s.ds.state_dict()["fields"]
-            pad_to, fields = kwargs.get("pad_to"), {}
-            for f in s.ds.fields:
-                what = described[f]
-                width = pad_to.get(f) if isinstance(pad_to, Mapping) else pad_to
-                if what.startswith("ragged") and width == "max":
-                    raise ValueError(f"source {s.name!r}: pad_to='max' pads field {f!r} to each batch's longest "
-                                     "sample, which differs from source to source (expected an int, or None)")
-                if what.startswith("ragged") and width is not None:
-                    what += f" padded to {width} with {kwargs.get('pad_value', 0)!r}"
-                fields[s.rename.get(f, f)] = what
-            on = f"device {s.ds.device}" if info(s.ds.backend_name).on_device else "the host"
-            where = f"{s.ds.output} arrays on {on}"
-            if first is None:
-                first = (s.name, fields, where)
-                continue
-            name, fields0, where0 = first
-            for f in sorted(fields0.keys() | fields.keys()):
-                if fields0.get(f) != fields.get(f):
-                    raise ValueError(f"source {s.name!r}: field {f!r} is {fields.get(f, 'absent')}, in source "
-                                     f"{name!r} {fields0.get(f, 'absent')} (sources mixed by sample read the same "
-                                     "fields; rename with fields={...}, or pass whole_batches=True)")
-            if where != where0:
-                raise ValueError(f"source {s.name!r} gives {where}, source {name!r} {where0} (sources mixed by "
-                                 "sample need the same output and device; or pass whole_batches=True)")
 
     # -- weights ---------------------------------------------------------------------------------------
     def _weights_at(self, weights: Any, step: int) -> tuple[Callable[[int], Any] | None, tuple[Fraction, ...]]:
@@ -265,6 +237,10 @@ class Mixture(LoaderProtocols, Closing):
         if not self.read_ahead:
             return self._make()
         if self._ahead is None:
+            first = self._sources[0].ds
+            if info(first.backend_name).on_device:  # the joiner joins on the maker's thread from now on
+                self._device = self._join.device(str(first.output), first.device)
+                self._device.make_ahead()
             self._ahead = Ahead(self._make, self.read_ahead, "gdsload-reader-mixture")
         started = time.perf_counter()
         try:
@@ -285,15 +261,20 @@ class Mixture(LoaderProtocols, Closing):
         counts, after = next_counts(schedule, unit, self.seed)
         if self.whole_batches:
             counts = tuple(c * s.ds.config.batch_size for c, s in zip(counts, self._sources))
-        tallies = [Tally() for _ in self._sources]
-        batch = assemble([(t, s.take(c)) for t, s, c in zip(tallies, self._sources, counts)], self._join)
+        tallies, device = [Tally() for _ in self._sources], self._device
+        with device.taking() if device is not None else contextlib.nullcontext():  # sources hand over to it
+            batch = assemble([(t, s.take(c)) for t, s, c in zip(tallies, self._sources, counts)], self._join,
+                             as_is=device is None)  # made ahead, device arrays are copied even when whole
         self._made_to = (step + 1, after)
         return Made(batch, step, after, tuple(s.stretch for s in self._sources),
-                    tuple(t.stats.samples for t in tallies), tuple(t.stats.bytes for t in tallies))
+                    tuple(t.stats.samples for t in tallies), tuple(t.stats.bytes for t in tallies),
+                    None if device is None else device.ready)
 
     def _take(self, made: Made) -> dict[str, Any]:
         """The consumer's side: the mixture now stands after ``made``."""
         assert made.step == self._step, f"batch {made.step} made for step {self._step}"
+        if made.ready is not None:
+            self._device.hand_over(made.ready)  # type: ignore[union-attr]
         self._step, self._schedule, self._at = made.step + 1, made.schedule, made.stretches
         for s, samples, size in zip(self._sources, made.samples, made.bytes):
             s.stats.samples += samples

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..backends import info
 from ..backends.registry import NAMES
 from ..options import field_names
 from .assemble import SOURCE_KEY
+
+if TYPE_CHECKING:
+    from .source import SourceStream
 
 MIN_THREADS = 2  # reader threads a source's own pool keeps when the mixture shares them out
 MIXTURE_OPTIONS = ("rank", "world_size", "exact_shares", "drop_last")  # the mixture's, the same for every source
@@ -73,3 +76,37 @@ def named(error: BaseException, message: str) -> BaseException:
         return type(error)(message)
     except Exception:  # noqa: BLE001 - an error type with another constructor: keep the original
         return error
+
+
+def check_fields(sources: list[SourceStream], specs: dict[str, tuple[Any, Any, dict[str, str], dict]],
+                 whole_batches: bool) -> None:
+    """Sources mixed by sample give the same fields (after renaming), padded alike, on the same device."""
+    if whole_batches:
+        return
+    first = None
+    for s in sources:
+        kwargs, described = specs[s.name][3], s.ds.state_dict()["fields"]
+        pad_to, fields = kwargs.get("pad_to"), {}
+        for f in s.ds.fields:
+            what = described[f]
+            width = pad_to.get(f) if isinstance(pad_to, Mapping) else pad_to
+            if what.startswith("ragged") and width == "max":
+                raise ValueError(f"source {s.name!r}: pad_to='max' pads field {f!r} to each batch's longest "
+                                 "sample, which differs from source to source (expected an int, or None)")
+            if what.startswith("ragged") and width is not None:
+                what += f" padded to {width} with {kwargs.get('pad_value', 0)!r}"
+            fields[s.rename.get(f, f)] = what
+        on = f"device {s.ds.device}" if info(s.ds.backend_name).on_device else "the host"
+        where = f"{s.ds.output} arrays on {on}"
+        if first is None:
+            first = (s.name, fields, where)
+            continue
+        name, fields0, where0 = first
+        for f in sorted(fields0.keys() | fields.keys()):
+            if fields0.get(f) != fields.get(f):
+                raise ValueError(f"source {s.name!r}: field {f!r} is {fields.get(f, 'absent')}, in source "
+                                 f"{name!r} {fields0.get(f, 'absent')} (sources mixed by sample read the same "
+                                 "fields; rename with fields={...}, or pass whole_batches=True)")
+        if where != where0:
+            raise ValueError(f"source {s.name!r} gives {where}, source {name!r} {where0} (sources mixed by "
+                             "sample need the same output and device; or pass whole_batches=True)")
