@@ -13,7 +13,8 @@ the later passes' time beyond them).
 
 Rows (``results``, one per backend, and per ``--read-ahead`` value where given: ``Mixture(read_ahead=...)``):
 ``gdsload <backend>`` with its io mode, the GB/s of one dataset and of the mixture (every round kept, the best
-reported), the mixture's share of one, and the waiting beside the step.
+reported), the mixture's share of one, and the waiting beside the step; a backend that cannot run here is a row
+without figures whose ``note`` says why (``not run: ...``).
 
 Ceilings (``ceilings``, measured in the same run on the single dataset's files, before the backends, each the best of
 ``--rounds`` stretches of at least ``--min-seconds``), with their io mode:
@@ -37,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gdsload import GDSDataset, Mixture
+from gdsload.errors import BackendUnavailable
 from gdsload.system.env import gpu_available, kvikio_installed
 from gdsload.tools.measure import (THREADS, PassResult, block_locations, device_sync, pinned_h2d_gbps,
                                    raw_kvikio_blocks, read_files, shard_paths, time_pass, time_passes)
@@ -196,10 +198,10 @@ def ceilings(single_path: str, rounds: int, min_seconds: float) -> Rows:
 def markdown(rows: list[dict[str, Any]], ceiling_rows: list[dict[str, Any]] | None = None) -> str:
     """The backends' table, then the ceilings' (same run, same data) where given."""
     lines = ["| backend | io mode | GB/s one dataset | GB/s mixture of 3 | mixture / one | waiting, one | "
-             "waiting, mixture |", "|---|---|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['what']} | {r['io_mode']} | {r['best_single']} | {r['best_mixture']} | "
-              f"{r['mixture_of_single_pct']} % | {_pct(r['waiting_pct_single'])} | {_pct(r['waiting_pct_mixture'])} |"
-              for r in rows]
+             "waiting, mixture | note |", "|---|---|---:|---:|---:|---:|---:|---|"]
+    lines += [f"| {r['what']} | {r['io_mode'] or '-'} | {_v(r['best_single'])} | {_v(r['best_mixture'])} | "
+              f"{_pct(r['mixture_of_single_pct'])} | {_pct(r['waiting_pct_single'])} | "
+              f"{_pct(r['waiting_pct_mixture'])} | {r.get('note', '')} |" for r in rows]
     if ceiling_rows:
         lines += ["", "Ceilings, same run, on the single dataset's files (warm, best of the runs):", "",
                   "| ceiling | io mode | config | GB/s | runs | CPU s/GB | note |", "|---|---|---|---:|---|---:|---|"]
@@ -212,7 +214,7 @@ def markdown(rows: list[dict[str, Any]], ceiling_rows: list[dict[str, Any]] | No
 def plot(json_path: str, rows: list[dict[str, Any]], ceiling_rows: list[dict[str, Any]]) -> str | None:
     """GB/s per backend (one dataset, mixture) with the ceilings as lines, beside ``json_path``."""
     groups = {f"{r['what']} ({r['io_mode']})": {"one dataset": r["best_single"], "mixture of 3": r["best_mixture"]}
-              for r in rows}
+              for r in rows if r["best_single"] is not None}
     lines = {f"{c['what'].removeprefix('ceiling: ')}" + (f" ({c['io_mode']})" if c["io_mode"] else ""): c["gbps"]
              for c in ceiling_rows}
     return gbps_plot(json_path, "mixture of 3 datasets vs one dataset, warm, shuffled", groups, lines)
@@ -220,6 +222,18 @@ def plot(json_path: str, rows: list[dict[str, Any]], ceiling_rows: list[dict[str
 
 def _pct(value: float | None) -> str:
     return "" if value is None else f"{value} %"
+
+
+def _v(value: float | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def backend_not_run(backend: str, read_ahead: int | None, why: str) -> dict[str, Any]:
+    """A backend that cannot run here: the row, without figures, says why."""
+    return {"what": f"gdsload {backend}" + ("" if read_ahead is None else f", read_ahead={read_ahead}"),
+            "read_ahead": read_ahead, "io_mode": None, "best_single": None, "best_mixture": None,
+            "mixture_of_single_pct": None, "waiting_pct_single": None, "waiting_pct_mixture": None,
+            "note": f"not run: {why}"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -242,8 +256,12 @@ def main(argv: list[str] | None = None) -> int:
     aheads = [int(a) for a in args.read_ahead.split(",") if a.strip()] or [None]
     for backend in args.backends.split(","):
         for ahead in aheads:
-            rows.emit(measure(backend, single, sources, args.rounds, args.min_seconds, args.batch_size,
-                              args.step_factor, ahead))
+            try:
+                row = measure(backend, single, sources, args.rounds, args.min_seconds, args.batch_size,
+                              args.step_factor, ahead)
+            except BackendUnavailable as e:
+                row = backend_not_run(backend, ahead, " ".join(str(e).split())[:300])
+            rows.emit(row)
     out = write_probe_table(args, "mixture", rows, markdown(rows, limits), rounds=args.rounds,
                             method=__doc__.split("\n\n")[2], ceilings=limits)
     plot(out, rows, limits)

@@ -210,12 +210,13 @@ def markdown(rows: list[Row], workers: int) -> str:
     """The rows as a table: GB/s, its share of the raw RemoteFile -> device row, the runs, CPU s/GB, notes."""
     raw = next((r["gbps"] for r in rows if r["what"] == RAW and r.get("gbps")), None)
     out = [f"GB/s of dataset bytes delivered (best of the runs listed), from a local aiohttp sendfile server of "
-           f"{workers} processes; % of raw: share of the `{RAW}` row.", "",
+           f"{workers} processes; % of raw: share of the `{RAW}` row. `{H2D}`: bytes copied from pinned host "
+           "memory to the device, no server (the copy's ceiling).", "",
            "| what | io mode | route | GB/s | % of raw | runs | CPU s/GB | note |",
            "|---|---|---|---:|---:|---|---:|---|"]
     for r in rows:
         g = r.get("gbps")
-        pct = f"{100 * g / raw:.0f}" if g and raw else "-"
+        pct = f"{100 * g / raw:.0f}" if g and raw and r["what"] != H2D else "-"
         cells = [r["what"], r.get("io_mode") or "-", r.get("route") or "-", "-" if g is None else f"{g:.2f}", pct,
                  " ".join(f"{x:.2f}" for x in r.get("runs", [])) or "-",
                  "-" if r.get("cpu_s_per_gb") is None else f"{r['cpu_s_per_gb']:.2f}", r.get("note", "")]

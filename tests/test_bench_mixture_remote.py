@@ -44,7 +44,8 @@ def mixture_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
 
     tmp = tmp_path_factory.mktemp("mixture")
     out = str(tmp / "results")
-    return _run(mixture.main, ["--data", str(tmp / "data"), "--out", out, "--size-gib", "0.02", "--backends", "cpu",
+    backends = "cpu" if gpu_available() else "cpu,pinned"  # pinned: a row saying why it did not run
+    return _run(mixture.main, ["--data", str(tmp / "data"), "--out", out, "--size-gib", "0.02", "--backends", backends,
                                "--rounds", "2", "--min-seconds", "0", "--batch-size", "16", "--step-factor", "0"],
                 out, "mixture")
 
@@ -75,7 +76,7 @@ def test_mixture_ceilings_in_the_json(mixture_run: Run) -> None:
     from benchmarks.mixture import H2D, PAGE_CACHE, RAW_KVIKIO
 
     doc = mixture_run["doc"]
-    (row,) = doc["results"]
+    row = doc["results"][0]
     assert row["what"] == "gdsload cpu" and row["io_mode"] == "cpu" and row["best_single"] > 0
     ceilings = {c["what"]: c for c in doc["ceilings"]}
     assert list(ceilings) == [PAGE_CACHE, RAW_KVIKIO, H2D]
@@ -143,3 +144,11 @@ def test_plot_leaves_out_rows_not_run(tmp_path: Any) -> None:
     png = gbps_plot(json_path, "t", {"a": {"one": 1.0, "two": None}, "b": {"one": 0.5, "two": 0.7}},
                     {"ceiling": 2.0, "gpu ceiling": None})
     assert png == str(tmp_path / "x.png") and os.path.getsize(png) > 0
+
+
+def test_a_backend_that_cannot_run_here_is_a_row_saying_why(mixture_run: Run) -> None:
+    if gpu_available():
+        pytest.skip("every backend runs here")
+    (row,) = [r for r in mixture_run["doc"]["results"] if r["what"] == "gdsload pinned"]
+    assert row["best_single"] is None and row["note"].startswith("not run: backend 'pinned' needs a CUDA GPU")
+    assert "| gdsload pinned | - | - | - |" in mixture_run["md"] and row["note"] in mixture_run["md"]
