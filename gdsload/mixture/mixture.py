@@ -174,8 +174,8 @@ class Mixture(LoaderProtocols, Closing):
     def set_weights(self, weights: Any) -> None:
         """New weights from the next batch on: a dict as in the constructor (a new segment starts unless the
         proportions are the same), or a function of the step (replacing any function set before)."""
+        self._rewind()  # batches made ahead under the old weights are dropped (the maker stopped first)
         self._weights_fn, exact = self._weights_at(weights, self._step)
-        self._rewind()  # batches made ahead under the old weights are dropped
         self._schedule = self._schedule.reweighted(exact, self._step)
         self._made_to = (self._step, self._schedule)
 
