@@ -70,7 +70,8 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
 
 #: What the summary keeps of each compressed row.
 COMPRESSED_KEYS = ("store", "backend", "ratio", "warm_epochs_gbps", "cold_gbps", "raw_cold_gbps",
-                   "decoder_ceiling_gbps", "decoder_ceiling_why")
+                   "decoder_ceiling_gbps", "decoder_ceiling_why", "device_used_bytes_before",
+                   "device_used_bytes_after")
 
 
 def fresh_startup(row: dict[str, Any] | None) -> dict[str, Any] | None:

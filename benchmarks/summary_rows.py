@@ -11,7 +11,8 @@ summarises them):
   ``wait_fraction_unslowed``.
 - ``compressed`` rows: the tokens store of :mod:`benchmarks.compression`, per backend: ratio, every epoch's
   warm GB/s, cold GB/s (raw and compressed, where the page cache can be dropped) and nvCOMP's batch-decode
-  ceiling on the same chunks (None on the CPU, with the reason).
+  ceiling on the same chunks (None on the CPU, with the reason), and the GPU memory in use before and after
+  the warm epochs.
 """
 
 from __future__ import annotations
@@ -237,7 +238,9 @@ def compressed(rec: Recorder, backends: tuple[str, ...], data_dir: str, mib: int
             with GDSDataset(paths["zstd"], batch_size=batch_size, backend=backend, shuffle=True, **options) as ds:
                 decode = ds.describe()["decode"]
                 time_pass(ds)  # the page cache and the device set up
+                before = device_used_bytes(gpu)
                 runs = time_passes(ds, None, epochs - 1)
+                after = device_used_bytes(gpu)
             cold = raw_cold = None
             if rec.can_drop:
                 cold = gdsload_pass(paths["zstd"], backend, batch_size, 0.0, True, resident_bytes=resident)["cold_gbps"]
@@ -254,7 +257,20 @@ def compressed(rec: Recorder, backends: tuple[str, ...], data_dir: str, mib: int
         rec.emit({**where, "store": "tokens", "io_mode": runs[0].io_mode, "ratio": ratio, "decode": decode,
                   "gb_per_s": max(warm), "warm_epochs_gbps": warm, "cold_gbps": rnd(cold),
                   "raw_cold_gbps": rnd(raw_cold), "decoder_ceiling_gbps": rnd(ceiling),
-                  "decoder_ceiling_why": why, "decoded_bytes": runs[0].bytes})
+                  "decoder_ceiling_why": why, "decoded_bytes": runs[0].bytes,
+                  "device_used_bytes_before": before, "device_used_bytes_after": after})
+
+
+def device_used_bytes(gpu: bool) -> int | None:
+    """Bytes in use on the current GPU, every allocator's (CuPy's pool, nvCOMP's, the driver's): total less
+    free (None without a GPU). Taken before and after the warm epochs, it shows whether memory stays bounded."""
+    if not gpu:
+        return None
+    import cupy
+
+    cupy.cuda.Device().synchronize()
+    free, total = cupy.cuda.runtime.memGetInfo()
+    return int(total - free)
 
 
 @contextlib.contextmanager
