@@ -45,7 +45,7 @@ import numpy as np
 from gdsload.tools.bench_remote import (CPU_THREADS, client_blocks, device_buffer, direct_why_not, raw_remote_file,
                                         remote_blocks)
 from gdsload.system.env import gpu_available
-from gdsload.tools.measure import PassResult, pinned_h2d_gbps, read_files, shard_paths, time_pass
+from gdsload.tools.measure import PassResult, pinned_h2d_gbps, read_files, shard_paths, take_batches, time_pass
 
 from .common import BATCH, Rows, free_device_memory, make_dataset, parse_probe_args, probe_parser, write_probe_table
 from .plots import gbps_plot
@@ -55,7 +55,6 @@ RAW = "raw RemoteFile -> device"
 H2D = "ceiling: pinned H2D copy"
 #: The rows drawn as lines on the plot (the others are bars).
 CEILINGS = (H2D, RAW, "raw RemoteFile -> host")
-WARMUP_BATCHES = 3
 Row = dict[str, Any]
 
 
@@ -81,12 +80,7 @@ def warm_pass(source: str, backend: str, batch: int, seconds: float, route: str 
         took = ds.describe().get("remote", {}).get("route", "local")
         if route is not None and took != route:
             raise ValueError(f"took the {took} route, not {route}: {ds.describe()['remote']['route_reason']}")
-        it = iter(ds)
-        try:
-            for _, _b in zip(range(WARMUP_BATCHES), it):
-                pass
-        finally:
-            it.close()
+        take_batches(ds)
         return time_pass(ds, min_seconds=seconds), took
 
 

@@ -65,6 +65,28 @@ def threads_left_since(before: set[threading.Thread], timeout_s: float = 5.0) ->
         time.sleep(0.01)
 
 
+class FakeStream:
+    """A CUDA stream for tests that replace CuPy on the host: every operation returns at once."""
+
+    def __init__(self, non_blocking: bool = False):
+        self.ptr = id(self)
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_event(self, event: object) -> None:
+        pass
+
+    def record(self, event: object = None) -> object:
+        return event
+
+    def __enter__(self) -> FakeStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
 def zarr_dataset_with_missing_block(path: str) -> np.ndarray:
     """A dataset written by plain zarr, whose block 1 equals the fill value (-5) and so is never written;
     returns the data it holds."""

@@ -16,6 +16,7 @@ import types
 import numpy as np
 import pytest
 
+from _helpers import FakeStream
 from gdsload.errors import BackendUnavailable, ReadError
 from gdsload.backends.preload import Preloader
 
@@ -203,30 +204,10 @@ class _Runtime:
         ctypes.memmove(dst, src, nbytes)
 
 
-class _Stream:
-    def __init__(self, non_blocking=False):
-        self.ptr = id(self)
-
-    def synchronize(self):
-        pass
-
-    def wait_event(self, e):
-        pass
-
-    def record(self, e=None):
-        return e
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        pass
-
-
 @pytest.fixture
 def fake_cupy(monkeypatch):
     runtime = _Runtime()
-    cuda = types.SimpleNamespace(runtime=runtime, Device=lambda i: contextlib.nullcontext(), Stream=_Stream,
+    cuda = types.SimpleNamespace(runtime=runtime, Device=lambda i: contextlib.nullcontext(), Stream=FakeStream,
                                  Event=lambda **kw: object())
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda, uint8=np.uint8))
     return runtime
@@ -365,7 +346,7 @@ def test_with_few_cuda_queues_a_windows_copies_are_queued_two_pieces_ahead(tmp_p
 
     events: list[Event] = []
 
-    class Stream(_Stream):
+    class Stream(FakeStream):
         def record(self, e=None):
             e.stream = self
             events.append(e)

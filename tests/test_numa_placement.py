@@ -16,6 +16,7 @@ import types
 import numpy as np
 import pytest
 
+from _helpers import FakeStream
 from gdsload.system import placement as pl
 from gdsload.system.numa import parse_cpulist
 from gdsload.system.placement import ENV_NUMA, Placement, Placer, bound, for_process, plan, placement_report
@@ -246,23 +247,6 @@ class _Runtime:
         pass
 
 
-class _Stream:
-    def __init__(self, non_blocking=False):
-        self.ptr = id(self)
-
-    def synchronize(self):
-        pass
-
-    def record(self, e=None):
-        return e
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        pass
-
-
 class _Device(contextlib.nullcontext):
     pci_bus_id = "00000000:C1:00.0"
 
@@ -273,7 +257,7 @@ class _Device(contextlib.nullcontext):
 @pytest.fixture
 def fake_cupy(monkeypatch):
     runtime = _Runtime()
-    cuda = types.SimpleNamespace(runtime=runtime, Device=_Device, Stream=_Stream, Event=lambda **kw: object())
+    cuda = types.SimpleNamespace(runtime=runtime, Device=_Device, Stream=FakeStream, Event=lambda **kw: object())
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda, uint8=np.uint8))
     return runtime
 

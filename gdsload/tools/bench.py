@@ -53,11 +53,10 @@ from ..system.env import gpu_available, kvikio_installed, memory_available, syst
 from ..errors import GDSLoadError, one_line
 from ..remote.objects import is_remote
 from .measure import (PassResult, best, block_locations, cold_pass, cpu_seconds, drop_page_cache, figures,
-                      pinned_h2d_gbps, raw_kvikio_blocks, read_files, shard_paths, time_pass)
+                      pinned_h2d_gbps, raw_kvikio_blocks, read_files, shard_paths, take_batches, time_pass)
 
 DEFAULT_SECONDS = 2.0
 DEFAULT_BATCH = 256
-WARMUP_BATCHES = 3
 PROBE_BYTES = 64 << 20  # a ceiling's first piece: at least this much, to time a rate rather than a latency
 #: A ceiling's timed stretch lasts at least this long (passes over the same bytes back to back: warm, or through
 #: O_DIRECT, which the page cache does not serve), so a small dataset is timed at its rate, not at the cost
@@ -252,7 +251,7 @@ class Bench:
             with self.open(backend, shuffle) as ds:
                 # Buffers, streams and kernels are set up by a first pass: never inside a timed one, cold
                 # or warm (cold_pass stops the dataset and drops the cache after this).
-                _take(ds, WARMUP_BATCHES)
+                take_batches(ds)
                 if cold:
                     return cold_pass(Bounded(ds, self.seconds))
                 return time_pass(Bounded(ds, self.seconds), min_seconds=self.seconds)
@@ -391,16 +390,6 @@ def main(args: argparse.Namespace) -> int:
             f.write("\n")
         print(f"wrote {args.json}")
     return 0
-
-
-def _take(ds: Any, n: int) -> None:
-    """Take up to ``n`` batches of a pass and leave it (its readers stop)."""
-    it = iter(ds)
-    try:
-        for _, _batch in zip(range(n), it):
-            pass
-    finally:
-        it.close()
 
 
 def _num(v: float | None, fmt: str) -> str:

@@ -40,14 +40,13 @@ import numpy as np
 
 from ..errors import GDSLoadError, ReadError, one_line
 from ..remote.objects import ObjectInfo
-from .measure import PassResult, best, block_locations, cpu_seconds, figures, time_pass
+from .measure import PassResult, best, block_locations, cpu_seconds, figures, take_batches, time_pass
 
 #: Threads of the CPU client rows (gdsload's own default reader threads).
 CPU_THREADS = 16
 #: A ceiling's first piece: enough to time a rate rather than a latency.
 PROBE_BYTES = 64 << 20
 MIN_TIMED_S = 0.2
-WARMUP_BATCHES = 3
 Row = dict[str, Any]
 
 
@@ -194,12 +193,7 @@ def dataset_row(url: str, backend: str, batch_size: int, seconds: float, bounded
 
     with GDSDataset(url, batch_size=batch_size, backend=backend, shuffle=True, seed=0) as ds:
         route = ds.describe()["remote"]["route"]
-        it = iter(ds)
-        try:
-            for _, _batch in zip(range(WARMUP_BATCHES), it):
-                pass
-        finally:
-            it.close()
+        take_batches(ds)
         r = time_pass(bounded(ds, seconds), min_seconds=seconds)
         return {"backend": ds.backend_name, "route": route, **figures(r)}
 

@@ -136,6 +136,20 @@ def device_sync(ds: Any) -> Callable[[], None]:
     return lambda: cupy.cuda.get_current_stream().synchronize()
 
 
+#: Batches a warm measurement takes, untimed, before it starts (the pipeline's start left out).
+WARMUP_BATCHES = 3
+
+
+def take_batches(ds: Any, n: int = WARMUP_BATCHES) -> None:
+    """Take up to ``n`` batches of a pass and leave it (its readers stop)."""
+    it = iter(ds)
+    try:
+        for _, _batch in zip(range(n), it):
+            pass
+    finally:
+        it.close()
+
+
 def time_pass(ds: Any, step: Step | None = None, min_seconds: float = 0.0, from_rest: bool = True) -> PassResult:
     """Time passes over ``ds`` (a :class:`gdsload.GDSDataset`), back to back, every batch taken and dropped:
     one pass, or as many as it takes to fill ``min_seconds``, reported as one stretch.
