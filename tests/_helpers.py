@@ -65,6 +65,16 @@ def threads_left_since(before: set[threading.Thread], timeout_s: float = 5.0) ->
         time.sleep(0.01)
 
 
+def files_below(path: str) -> dict[str, bytes]:
+    """Every file below ``path``, by its path relative to it."""
+    found = {}
+    for folder, _, names in os.walk(path):
+        for n in names:
+            with open(os.path.join(folder, n), "rb") as f:
+                found[os.path.relpath(os.path.join(folder, n), path)] = f.read()
+    return found
+
+
 class FakeStream:
     """A CUDA stream for tests that replace CuPy on the host: every operation returns at once."""
 

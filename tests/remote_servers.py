@@ -20,7 +20,9 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["RangeServer", "Seen", "client_for_server", "etag_of", "MotoS3", "moto_endpoint", "moto_server"]
+from _helpers import files_below
+
+__all__ = ["RangeServer", "Seen", "client_for_server", "etag_of", "MotoS3", "moto_endpoint", "moto_server", "upload"]
 
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
 
@@ -365,3 +367,11 @@ def client_for_server(server: RangeServer, **options: Any) -> Iterator[Any]:
         yield client
     finally:
         use_client(server.base, previous)
+
+
+def upload(store: RangeServer | MotoS3, path: str, prefix: str = "d.gds") -> str:
+    """Every file of the dataset at ``path`` put under ``prefix`` of an HTTP server or an S3 bucket; the
+    dataset's URL."""
+    for key, data in files_below(path).items():
+        store.put(f"{prefix}/{key}", data)
+    return store.url(prefix)

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from remote_servers import RangeServer
+from remote_servers import RangeServer, upload
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,21 +50,13 @@ def test_remote_benchmark_times_the_cpu_rows_and_says_why_gpu_rows_did_not_run(t
     assert (out / folder / "remote.md").read_text().count("| ") > len(rows)
 
 
-def _put_dataset(srv: RangeServer, path: str, prefix: str) -> str:
-    for d, _, files in os.walk(path):
-        for name in files:
-            with open(os.path.join(d, name), "rb") as fh:
-                srv.put(f"{prefix}/{os.path.relpath(os.path.join(d, name), path)}", fh.read())
-    return srv.url(prefix)
-
-
 def test_gdsload_bench_of_an_http_url_on_the_cpu_backend(make_dataset, tmp_path):
     n = 800
     path = make_dataset({"images": np.random.default_rng(0).integers(0, 256, (n, 16, 16, 3), dtype=np.uint8),
                          "labels": np.arange(n, dtype=np.int64)}, block_bytes=64 << 10)
     out = tmp_path / "b.json"
     with RangeServer() as srv:
-        url = _put_dataset(srv, path, "d.gds")
+        url = upload(srv, path, "d.gds")
         done = subprocess.run([sys.executable, "-m", "gdsload", "bench", url, "--backends", "cpu", "--seconds", "0.2",
                                "--json", str(out)], capture_output=True, text=True, cwd=ROOT, env=_env(tmp_path),
                               timeout=240)
@@ -87,7 +79,7 @@ def test_remote_blocks_are_the_local_blocks(make_dataset, tmp_path):
 
     path = make_dataset({"x": np.arange(4000, dtype=np.int64)}, block_bytes=4 << 10)
     with RangeServer() as srv:
-        url = _put_dataset(srv, path, "d.gds")
+        url = upload(srv, path, "d.gds")
         got = remote_blocks(url, str(tmp_path / "cache"), shuffle=False)
     want = block_locations(path)
     assert [(b.info.url.split("d.gds/")[1], b.offset, b.nbytes) for b in got] == \

@@ -14,6 +14,7 @@ import crc32c
 import numpy as np
 import pytest
 
+from _helpers import files_below
 from gdsload import GDSDataset
 from gdsload.conversion.parts import parse_part
 from gdsload.conversion.pieces import crc32c_combine
@@ -61,18 +62,8 @@ def shard(*args: str) -> tuple[int, str, str]:
     return finish(gds(*args))
 
 
-def files(path) -> dict[str, bytes]:
-    """Every file below ``path``, by relative path."""
-    found = {}
-    for folder, _, names in os.walk(path):
-        for n in names:
-            with open(os.path.join(folder, n), "rb") as f:
-                found[os.path.relpath(os.path.join(folder, n), path)] = f.read()
-    return found
-
-
 def assert_same_files(got, want) -> None:
-    a, b = files(got), files(want)
+    a, b = files_below(got), files_below(want)
     assert sorted(a) == sorted(b), f"other files: {sorted(set(a) ^ set(b))}"
     differ = [k for k in b if a[k] != b[k]]
     assert not differ, f"files that differ: {differ}"
@@ -97,7 +88,7 @@ def test_three_processes_publish_the_bytes_of_one_conversion(inputs, tmp_path, o
     out, one = tmp_path / "many.gds", tmp_path / "one.gds"
     three_parts(inputs, out, options)
     parts = tmp_path / "many.gds.parts"
-    written = {i: [k for k in files(parts / f"part-{i}-of-3" / "data") if "/c/" in k] for i in range(3)}
+    written = {i: [k for k in files_below(parts / f"part-{i}-of-3" / "data") if "/c/" in k] for i in range(3)}
     assert all(written.values()), f"every part writes shards of its own: {written}"
     assert not set(written[0]) & set(written[1]) and not set(written[1]) & set(written[2])
     code, stdout, err = shard("--publish-parts", "-o", str(out))
@@ -107,7 +98,7 @@ def test_three_processes_publish_the_bytes_of_one_conversion(inputs, tmp_path, o
     code, _, err = shard(*inputs, "-o", str(one), *options)
     assert code == 0, err
     assert_same_files(out, one)
-    assert len([k for k in files(one) if k.startswith("img/c/")]) > 3, "several shards per field"
+    assert len([k for k in files_below(one) if k.startswith("img/c/")]) > 3, "several shards per field"
     with GDSDataset(str(out), batch_size=64, backend="cpu", verify=True) as ds:  # every block's checksum holds
         assert sum(len(b["label"]) for b in ds) == N
 
@@ -200,14 +191,14 @@ def test_a_part_run_twice_is_refused_and_overwrite_writes_it_again(inputs, tmp_p
 def test_publish_into_an_existing_output_needs_overwrite(inputs, tmp_path, capsys):
     out, one = tmp_path / "d.gds", tmp_path / "one.gds"
     assert run([*inputs, "-o", str(out), "--samples-per-block", "50"], capsys)[0] == 0  # another dataset there
-    old = files(out)
+    old = files_below(out)
     code, err = run([*inputs, "-o", str(out), *RAW, "--part", "0/2"], capsys)
     assert code == 2 and "output exists (pass --overwrite to replace it)" in err, "refused before converting"
     for i in range(2):
         assert run([*inputs, "-o", str(out), *RAW, "--part", f"{i}/2", "--overwrite"], capsys)[0] == 0
     code, err = run(["--publish-parts", "-o", str(out)], capsys)
     assert code == 2 and "output exists (pass --overwrite to replace it)" in err
-    assert files(out) == old and (tmp_path / "d.gds.parts").is_dir()
+    assert files_below(out) == old and (tmp_path / "d.gds.parts").is_dir()
     assert run(["--publish-parts", "-o", str(out), "--overwrite"], capsys)[0] == 0
     assert run([*inputs, "-o", str(one), *RAW], capsys)[0] == 0
     assert_same_files(out, one)

@@ -21,6 +21,7 @@ from gdsload.conversion.writer import write_dataset
 from gdsload.tools.doctor import main
 from gdsload.tools.doctor_remote import LATENCY_BYTES, LATENCY_GETS
 
+from _helpers import files_below
 from remote_servers import RangeServer, etag_of, moto_endpoint, moto_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,12 +35,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
     x = np.random.default_rng(0).integers(0, 255, (768, 4096), dtype=np.uint8)
     write_dataset(path, {"x": ArraySource("<x>", x), "y": ArraySource("<y>", np.arange(768))},
                   block_bytes=256 << 10, shard_bytes=1 << 20, progress=False)
-    out = {}
-    for folder, _, names in os.walk(path):
-        for n in names:
-            with open(os.path.join(folder, n), "rb") as f:
-                out[os.path.relpath(os.path.join(folder, n), path)] = f.read()
-    return out
+    return files_below(path)
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import pytest
 
 from gdsload import GDSDataset, ReadError
 
-from remote_servers import RangeServer, Seen, client_for_server
+from remote_servers import Seen, client_for_server, upload
 
 N = 600
 SPB = 16  # samples per block; 4 blocks per shard of x, 12 per shard of idx
@@ -35,14 +35,6 @@ def fast_client(srv) -> Iterator[object]:
 def local(make_dataset) -> str:
     data = {"x": np.arange(N * 6, dtype=np.float32).reshape(N, 6), "idx": np.arange(N)}
     return make_dataset(data, samples_per_block=SPB, shard_bytes=4 * SPB * 6 * 4)
-
-
-def _upload(srv: RangeServer, path: str, prefix: str = "d.gds") -> str:
-    for d, _, files in os.walk(path):
-        for f in files:
-            with open(os.path.join(d, f), "rb") as fh:
-                srv.put(f"{prefix}/{os.path.relpath(os.path.join(d, f), path)}", fh.read())
-    return srv.url(prefix)
 
 
 def _open(url: str, cache: str | None, **kw) -> GDSDataset:
@@ -98,7 +90,7 @@ def _present_bytes(cache: str) -> int:
 
 # -- what is fetched -------------------------------------------------------------------------------------
 def test_the_open_fetches_only_the_skeleton(local, srv, tmp_path):
-    url = _upload(srv, local)
+    url = upload(srv, local)
     srv.reset_log()
     with _open(url, str(tmp_path / "c"), window_blocks=1) as ds:
         first = set(_data_gets(srv.requests))
@@ -109,7 +101,7 @@ def test_the_open_fetches_only_the_skeleton(local, srv, tmp_path):
 
 
 def test_every_sample_exact_under_a_bound_smaller_than_the_dataset_with_eviction(local, srv, tmp_path):
-    url, cache = _upload(srv, local), str(tmp_path / "c")
+    url, cache = upload(srv, local), str(tmp_path / "c")
     with _open(local, None, shuffle=True, seed=5) as ref:
         want = _batches(ref) + _batches(ref)
     with _open(url, cache) as probe:
@@ -131,7 +123,7 @@ def test_every_sample_exact_under_a_bound_smaller_than_the_dataset_with_eviction
 
 
 def test_a_rank_fetches_only_the_shards_of_its_share(local, srv, tmp_path):
-    url = _upload(srv, local)
+    url = upload(srv, local)
     num_blocks = -(-N // SPB)
     for rank in range(2):
         srv.reset_log()
@@ -153,7 +145,7 @@ with GDSDataset(url, 32, backend="cpu", resident_bytes=0, window_blocks=2, cache
 
 
 def test_two_processes_share_one_cache_and_fetch_no_shard_twice(local, srv, tmp_path):
-    url, cache = _upload(srv, local), str(tmp_path / "c")
+    url, cache = upload(srv, local), str(tmp_path / "c")
     srv.reset_log()
     procs = [subprocess.Popen([sys.executable, "-c", _CHILD, url, cache], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
@@ -168,7 +160,7 @@ def test_two_processes_share_one_cache_and_fetch_no_shard_twice(local, srv, tmp_
 
 # -- faults ----------------------------------------------------------------------------------------------
 def test_5xx_then_success_is_retried(local, srv, tmp_path, fast_client):
-    url = _upload(srv, local)
+    url = upload(srv, local)
     with _open(local, None) as ref:
         want = _batches(ref)
     with _open(url, str(tmp_path / "c")) as ds:
@@ -177,7 +169,7 @@ def test_5xx_then_success_is_retried(local, srv, tmp_path, fast_client):
 
 
 def test_a_stall_beyond_the_timeout_is_a_clear_error_in_bounded_time(local, srv, tmp_path, fast_client):
-    url = _upload(srv, local)
+    url = upload(srv, local)
     with _open(url, str(tmp_path / "c")) as ds:
         srv.delay_next(1000, 5.0)
         t0 = time.monotonic()
@@ -189,7 +181,7 @@ def test_a_stall_beyond_the_timeout_is_a_clear_error_in_bounded_time(local, srv,
 
 
 def test_an_object_replaced_mid_epoch_is_a_read_error_never_mixed_data(local, srv, tmp_path, fast_client):
-    url = _upload(srv, local)
+    url = upload(srv, local)
     with _open(local, None) as ref:
         want = _batches(ref)
     got = []
@@ -222,7 +214,7 @@ ds.close()
 
 
 def test_a_full_disk_is_a_clear_error_and_leaves_nothing_that_looks_complete(local, srv, tmp_path):
-    url, cache = _upload(srv, local), str(tmp_path / "c")
+    url, cache = upload(srv, local), str(tmp_path / "c")
     done = subprocess.run([sys.executable, "-c", _FULL, url, cache], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     message = json.loads(done.stdout)
@@ -236,7 +228,7 @@ def test_a_full_disk_is_a_clear_error_and_leaves_nothing_that_looks_complete(loc
 
 
 def test_a_bound_below_one_shard_is_a_clear_error_naming_cache_bytes(local, srv, tmp_path):
-    url = _upload(srv, local)
+    url = upload(srv, local)
     with pytest.raises(ReadError, match=r"cache_bytes=100 is smaller than one shard: .* \(raise cache_bytes to "
                                         r"at least \d+\)"):
         _open(url, str(tmp_path / "c"), cache_bytes=100)
@@ -247,7 +239,7 @@ def test_a_bound_below_one_shard_is_a_clear_error_naming_cache_bytes(local, srv,
 
 # -- threads ---------------------------------------------------------------------------------------------
 def test_fetcher_threads_stop_on_break_on_stop_and_on_close(local, srv, tmp_path):
-    url = _upload(srv, local)
+    url = upload(srv, local)
     before = set(threading.enumerate())
     ds = _open(url, str(tmp_path / "c"), cache_bytes=1 << 20)
     assert _no_fetch_threads(), "no fetcher runs while no pass does"
@@ -275,7 +267,7 @@ def _new_gdsload_threads(before: set[threading.Thread]) -> list[str]:
 
 
 def test_a_server_without_etags_reads_exactly_from_a_private_version_removed_at_close(local, srv, tmp_path):
-    url, cache = _upload(srv, local), str(tmp_path / "c")
+    url, cache = upload(srv, local), str(tmp_path / "c")
     srv.send_etags = False
     with _open(local, None) as ref:
         want = _batches(ref)

@@ -15,7 +15,7 @@ from gdsload import GDSDataset, ReadError
 from gdsload.errors import FormatError
 from gdsload.format.mirror import MARKER, mirror, mirror_path
 
-from remote_servers import MotoS3, RangeServer, client_for_server
+from remote_servers import client_for_server, upload
 
 N = 600
 
@@ -41,20 +41,10 @@ def _same_as_local(url: str, path: str, cache: str) -> None:
             np.testing.assert_array_equal(g[k], w[k])
 
 
-def _upload(store: MotoS3 | RangeServer, path: str, prefix: str) -> str:
-    """Every file of the dataset at ``path`` put under ``prefix`` of an S3 bucket or an HTTP server; the
-    dataset's URL."""
-    for d, _, files in os.walk(path):
-        for f in files:
-            with open(os.path.join(d, f), "rb") as fh:
-                store.put(f"{prefix}/{os.path.relpath(os.path.join(d, f), path)}", fh.read())
-    return store.url(prefix)
-
-
 # -- HTTP ------------------------------------------------------------------------------------------------
 def test_a_dataset_over_http_reads_exactly_as_the_local_one(local, srv, tmp_path):
     path, _ = local
-    url = _upload(srv, path, "d.gds")
+    url = upload(srv, path, "d.gds")
     _same_as_local(url, path, str(tmp_path / "cache"))
     (root,) = [n for n in os.listdir(tmp_path / "cache") if not n.endswith((".lock", ".shards"))]
     assert root.startswith(os.path.basename(mirror_path(url, str(tmp_path / "cache"))) + "@")
@@ -64,7 +54,7 @@ def test_a_dataset_over_http_reads_exactly_as_the_local_one(local, srv, tmp_path
 
 def test_a_second_open_reads_the_mirror_and_a_changed_root_fetches_again(local, srv, tmp_path):
     path, _ = local
-    url, cache = _upload(srv, path, "d.gds"), str(tmp_path / "cache")
+    url, cache = upload(srv, path, "d.gds"), str(tmp_path / "cache")
     first = mirror(url, cache)
     srv.reset_log()
     assert mirror(url, cache) == first
@@ -87,14 +77,14 @@ def test_a_foreign_group_over_http_is_refused_naming_the_url(srv, tmp_path):
     zarr = pytest.importorskip("zarr")
     g = zarr.open_group(str(tmp_path / "z.zarr"), mode="w", zarr_format=3)
     g.create_array("a", shape=(8, 2), dtype="int16", chunks=(4, 2))[:] = 1
-    url = _upload(srv, str(tmp_path / "z.zarr"), "z.zarr")
+    url = upload(srv, str(tmp_path / "z.zarr"), "z.zarr")
     with pytest.raises(FormatError, match=r"/z\.zarr: a Zarr group over HTTP\(S\) lists no arrays"):
         GDSDataset(url, 4, backend="cpu", cache_dir=str(tmp_path / "cache"))
 
 
 def test_a_failing_server_is_a_read_error_naming_url_and_status_and_leaves_no_mirror(local, srv, tmp_path):
     path, _ = local
-    url = _upload(srv, path, "d.gds")
+    url = upload(srv, path, "d.gds")
     srv.reset_log()
     srv.fail_next(100, 503)
     with client_for_server(srv, retries=2, backoff_s=0.01), \
@@ -107,7 +97,7 @@ def test_a_failing_server_is_a_read_error_naming_url_and_status_and_leaves_no_mi
 # -- S3 --------------------------------------------------------------------------------------------------
 def test_a_dataset_on_s3_reads_exactly_as_the_local_one(local, s3, tmp_path):
     path, _ = local
-    _same_as_local(_upload(s3, path, "sets/d.gds"), path, str(tmp_path / "cache"))
+    _same_as_local(upload(s3, path, "sets/d.gds"), path, str(tmp_path / "cache"))
 
 
 def test_a_listing_that_fails_is_an_error_not_another_route(local, s3, tmp_path, monkeypatch):
@@ -116,7 +106,7 @@ def test_a_listing_that_fails_is_an_error_not_another_route(local, s3, tmp_path,
     from gdsload.remote.s3 import S3Client
 
     path, _ = local
-    url = _upload(s3, path, "sets/d.gds")
+    url = upload(s3, path, "sets/d.gds")
 
     def refused(self, prefix):
         raise ReadError(f"{prefix}: HTTP 403 AccessDenied on LIST")
@@ -147,7 +137,7 @@ def test_ranks_of_a_node_share_one_mirror(local, s3, tmp_path):
     """Two processes opening the same URL at once: one fetches under the lock, the other waits and reads the
     same mirror; both read every sample, and the cache holds one mirror and nothing half-written."""
     path, _ = local
-    url = _upload(s3, path, "sets/d.gds")
+    url = upload(s3, path, "sets/d.gds")
     cache, ctx = str(tmp_path / "cache"), multiprocessing.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_open_in_child, args=(url, cache, s3.endpoint, out)) for _ in range(2)]

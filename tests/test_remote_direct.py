@@ -25,7 +25,7 @@ from gdsload.format.mirror import open_version
 from gdsload.remote.objects import ObjectChanged, ObjectInfo, join
 
 from _helpers import ragged_source
-from remote_servers import MotoS3, RangeServer, Seen, client_for_server
+from remote_servers import Seen, client_for_server, upload
 
 N = 600
 SPB = 16
@@ -46,14 +46,6 @@ def local(make_dataset) -> str:
     seqs = [rng.integers(0, 1000, size=int(rng.integers(1, 9))).astype(np.int32) for _ in range(N)]
     return make_dataset(data, samples_per_block=SPB, shard_bytes=4 * SPB * 6 * 4,
                         ragged={"tokens": ragged_source(seqs)})
-
-
-def _upload(store: RangeServer | MotoS3, path: str, prefix: str = "d.gds") -> str:
-    for d, _, files in os.walk(path):
-        for f in files:
-            with open(os.path.join(d, f), "rb") as fh:
-                store.put(f"{prefix}/{os.path.relpath(os.path.join(d, f), path)}", fh.read())
-    return store.url(prefix)
 
 
 # -- the route's rule (pure) -----------------------------------------------------------------------------
@@ -168,7 +160,7 @@ def test_remote_files_are_opened_with_the_pinned_size_one_per_object_by_the_docu
 
 # -- the objects of a skeleton, and the reads --------------------------------------------------------------
 def test_every_shard_file_of_a_skeleton_maps_to_its_object_pinned(local, srv, tmp_path):
-    url = _upload(srv, local)
+    url = upload(srv, local)
     version = open_version(url, str(tmp_path / "c"))
     objects = rd.object_map(version.shards)
     keys = {p[len("/d.gds/"):] for p in srv.objects if "/c/" in p and "checksums" not in p and "offsets" not in p}
@@ -219,7 +211,7 @@ def _data_requests(version, objects) -> tuple[list[ReadRequest], int]:
 
 def test_reads_come_from_the_objects_and_an_object_changed_since_is_an_error_naming_it(local, srv, tmp_path,
                                                                                      fast_client):
-    url = _upload(srv, local)
+    url = upload(srv, local)
     version = open_version(url, str(tmp_path / "c"))
     objects = rd.object_map(version.shards)
     requests, nbytes = _data_requests(version, objects)
@@ -262,7 +254,7 @@ def test_reads_come_from_the_objects_and_an_object_changed_since_is_an_error_nam
 
 def test_a_read_that_fails_on_an_unchanged_object_is_a_read_error_naming_its_url(local, srv, tmp_path,
                                                                                 fast_client):
-    url = _upload(srv, local)
+    url = upload(srv, local)
     version = open_version(url, str(tmp_path / "c"))
     objects = rd.object_map(version.shards)
     requests, nbytes = _data_requests(version, objects)
@@ -277,7 +269,7 @@ def test_a_read_that_fails_on_an_unchanged_object_is_a_read_error_naming_its_url
 
 
 def test_the_cpu_backend_on_a_remote_dataset_says_its_route_and_why(local, srv, tmp_path):
-    url = _upload(srv, local)
+    url = upload(srv, local)
     with GDSDataset(url, 32, backend="cpu", cache_dir=str(tmp_path / "c")) as ds:
         remote = ds.describe()["remote"]
         assert ds.backend_name == "cpu" and ds._reader.remote is ds._reader._skeleton is not None
@@ -321,7 +313,7 @@ def test_the_reader_on_the_direct_route_fetches_no_shard_and_stops_at_an_object_
                         if name == rd.BACKEND else made(name, device, **o))
     monkeypatch.setattr(reader_module, "info", lambda name: dataclasses.replace(info(name), on_device=False))
     monkeypatch.setenv("GDSLOAD_CACHE_DIR", str(tmp_path / "gdsload-cache"))
-    url = _upload(srv, local)
+    url = upload(srv, local)
     opts = dict(shuffle=True, seed=3, window_blocks=2, prefetch=1, pad_to="max", resident_bytes=0)
     with GDSDataset(local, 32, backend="cpu", **opts) as ref:
         want = _batches(ref)
@@ -383,7 +375,7 @@ def gds_cache(tmp_path, monkeypatch) -> str:
 @pytest.mark.parametrize("shuffle", [False, True])
 @pytest.mark.parametrize("backend", ["kvikio", "pinned", "auto"])
 def test_every_sample_exact_by_the_direct_route_on_two_ranks(local, srv, gds_cache, fast_client, backend, shuffle):
-    url = _upload(srv, local)
+    url = upload(srv, local)
     # x and idx read whole once (resident) or window by window
     opts = dict(shuffle=shuffle, seed=7, world_size=2, window_blocks=3, pad_to="max", resident_bytes=0 if shuffle
                 else 64 << 20)
@@ -415,7 +407,7 @@ def test_compressed_fields_decoded_by_cpu_threads_are_read_by_the_direct_route(m
     monkeypatch.setenv("GDSLOAD_NVCOMP", "0")  # zstd decoded by CPU threads: read into the window's host buffer
     data = {"x": (np.arange(N * 64) % 251).astype(np.uint8).reshape(N, 64), "idx": np.arange(N)}
     path = make_dataset(data, samples_per_block=SPB, compress="zstd")
-    url = _upload(srv, path)
+    url = upload(srv, path)
     with GDSDataset(path, 32, backend="cpu", shuffle=True, resident_bytes=0) as ref:
         want = _batches(ref)
     with GDSDataset(url, 32, backend="kvikio", shuffle=True, resident_bytes=0) as ds:
@@ -426,7 +418,7 @@ def test_compressed_fields_decoded_by_cpu_threads_are_read_by_the_direct_route(m
 
 @pytest.mark.gpu
 def test_mmap_by_name_and_a_cache_dir_take_the_cached_route(local, srv, tmp_path, gds_cache, fast_client):
-    url = _upload(srv, local)
+    url = upload(srv, local)
     with GDSDataset(local, 32, backend="cpu", pad_to="max") as ref:
         want = _batches(ref)
     with GDSDataset(url, 32, backend="mmap", pad_to="max") as ds:
@@ -444,7 +436,7 @@ def test_mmap_by_name_and_a_cache_dir_take_the_cached_route(local, srv, tmp_path
 @pytest.mark.gpu
 @pytest.mark.parametrize("verify", [False, None])
 def test_an_object_replaced_mid_epoch_is_a_read_error_naming_its_url(local, srv, gds_cache, fast_client, verify):
-    url = _upload(srv, local)
+    url = upload(srv, local)
     with GDSDataset(local, 32, backend="cpu", pad_to="max") as ref:
         want = _batches(ref)
     got = []
@@ -468,7 +460,7 @@ def test_an_object_replaced_mid_epoch_is_a_read_error_naming_its_url(local, srv,
 def test_server_errors_are_retried_by_kvikio_then_a_read_error_naming_the_url(local, srv, gds_cache, fast_client):
     import kvikio.defaults
 
-    url = _upload(srv, local)
+    url = upload(srv, local)
     with GDSDataset(local, 32, backend="cpu", pad_to="max", resident_bytes=0) as ref:
         want = _batches(ref)
     with kvikio.defaults.set({"http_max_attempts": 3}):
@@ -489,7 +481,7 @@ def test_server_errors_are_retried_by_kvikio_then_a_read_error_naming_the_url(lo
 @pytest.mark.gpu
 def test_a_server_without_etags_reads_exactly_and_its_private_version_goes_at_close(local, srv, gds_cache,
                                                                                    fast_client):
-    url = _upload(srv, local)
+    url = upload(srv, local)
     srv.send_etags = False
     with GDSDataset(local, 32, backend="cpu", pad_to="max") as ref:
         want = _batches(ref)
@@ -504,7 +496,7 @@ def test_a_server_without_etags_reads_exactly_and_its_private_version_goes_at_cl
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["kvikio", "pinned"])
 def test_every_sample_exact_by_the_direct_route_from_s3_on_two_ranks(local, s3, gds_cache, backend):
-    url = _upload(s3, local)
+    url = upload(s3, local)
     opts = dict(shuffle=True, seed=7, world_size=2, window_blocks=3, pad_to="max", resident_bytes=0)
     for rank in range(2):
         with GDSDataset(local, 32, backend="cpu", rank=rank, **opts) as ref:
@@ -520,7 +512,7 @@ def test_every_sample_exact_by_the_direct_route_from_s3_on_two_ranks(local, s3, 
 
 @pytest.mark.gpu
 def test_an_s3_object_replaced_mid_epoch_is_a_read_error_naming_its_url(local, s3, gds_cache):
-    url = _upload(s3, local)
+    url = upload(s3, local)
     with GDSDataset(local, 32, backend="cpu", pad_to="max") as ref:
         want = _batches(ref)
     keys = [o["Key"] for o in s3.client.list_objects_v2(Bucket=s3.bucket, Prefix="d.gds/x/c/")["Contents"]]

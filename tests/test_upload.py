@@ -18,7 +18,8 @@ from gdsload.errors import ReadError
 from gdsload.tools.cli import shard_main
 
 from remote_servers import MotoS3
-from test_conversion_parts import RAW, files, finish, gds, make_inputs, three_parts
+from _helpers import files_below
+from test_conversion_parts import RAW, finish, gds, make_inputs, three_parts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -37,7 +38,7 @@ def objects(s3: MotoS3, prefix: str) -> dict[str, bytes]:
 
 
 def same_as_local(s3: MotoS3, prefix: str, local) -> None:
-    want = files(local)
+    want = files_below(local)
     got = objects(s3, prefix)
     assert sorted(got) == sorted(want), f"other objects: {sorted(set(got) ^ set(want))}"
     assert [k for k in want if got[k] != want[k]] == [], "every object is the local file, byte for byte"
@@ -147,7 +148,7 @@ def test_overwrite_rules_and_errors_name_the_url_and_status(inputs, s3, tmp_path
     assert shard_main([*inputs, "-o", url, *RAW, "--overwrite", "--quiet"]) == 0
     assert shard_main([*inputs, "-o", str(tmp_path / "one.gds"), *RAW, "--quiet"]) == 0
     same_as_local(s3, "sets/o.gds", tmp_path / "one.gds")  # the old version's extra shards are gone
-    assert len(many) > len(files(tmp_path / "one.gds"))
+    assert len(many) > len(files_below(tmp_path / "one.gds"))
     s3.put("sets/mine/notes.txt", b"not a dataset")
     capsys.readouterr()
     assert shard_main([*inputs, "-o", s3.url("sets/mine"), "--overwrite", "--quiet"]) == 2
