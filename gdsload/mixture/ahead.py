@@ -1,27 +1,26 @@
 """A mixture's batches made ahead of the consumer, on a thread of their own.
 
 The consumer's loop then takes a finished batch between two training steps instead of cutting and joining
-one there. :class:`Ahead` runs the mixture's ``_make`` (weakly held: an abandoned mixture is collected, and
-the thread ends at its next look) until ``depth`` batches wait, each a :class:`Made` carrying where the mixture
-stands after it (step, schedule, every source's stretch), so the consumer's state is always that of the batches
-it was given. An error raised there is raised again, the same object, in the consumer's ``next()``; once the
-thread has stopped (``stop()``, from the consumer's side) what it made is dropped, and the mixture moves its
-sources back to the consumer's position.
+one there. :class:`Ahead` runs the mixture's ``_make`` (weakly held: an abandoned mixture is collected, and its
+finalizer stops the thread) until ``depth`` batches wait, handed over through the pipeline's
+:class:`gdsload.backends.handoff.Handoff` (the consumer's take wakes nobody). Each is a :class:`Made` carrying
+where the mixture stands after it (step, schedule, every source's stretch), so the consumer's state is always
+that of the batches it was given. An error raised there is raised again, the same object, in the consumer's
+``next()``; once the thread is stopped (``stop()``, from the consumer's side or ``close()`` from any thread)
+nothing more is handed out, and the mixture moves its sources back to the consumer's position.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..backends.handoff import Handoff
 from ..errors import GDSLoadError
 from .schedule import Schedule, Stretch
-
-POLL_S = 0.01  # how often a blocked put or get looks at the stop flag and the thread
 
 
 @dataclass(frozen=True)
@@ -41,64 +40,46 @@ class Made:
 
 class Ahead:
     """``make()`` called on a thread named ``name`` until ``depth`` results wait; :meth:`next` takes them in
-    order. ``make`` is a bound method, held weakly."""
+    order. ``make`` is a bound method, held weakly; its object's collection stops the thread."""
 
     def __init__(self, make: Callable[[], Made], depth: int, name: str):
         self._make = weakref.WeakMethod(make)  # type: ignore[arg-type]
-        self._queue: queue.Queue[Made | BaseException] = queue.Queue(depth)
+        self._handoff = Handoff(depth)
         self._stop = threading.Event()
+        self._finalizer = weakref.finalize(make.__self__, self._stop.set)  # type: ignore[attr-defined]
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.is_set():
             make = self._make()
-            if make is None:  # the mixture was collected
+            if make is None:  # the owner was collected
                 return
             try:
                 item: Made | BaseException = make()
             except BaseException as e:  # noqa: BLE001 - raised again in the consumer's next()
                 item = e
             del make
-            while not self._stop.is_set():
-                try:
-                    self._queue.put(item, timeout=POLL_S)
-                    break
-                except queue.Full:
-                    if self._make() is None:
-                        return
-            if isinstance(item, BaseException):
+            if not self._handoff.put(item, self._stop) or isinstance(item, BaseException):
                 return
 
     def next(self) -> Made:
         """The next batch made; the error the thread met instead, raised here. Once :meth:`stop` was called
         (from another thread: ``close()``) none is handed out: what it drops would leave a gap."""
-        while True:
-            item: Made | BaseException | None = None
-            try:
-                if not self._stop.is_set():
-                    item = self._queue.get(timeout=POLL_S)
-            except queue.Empty:
-                if self._thread.is_alive() or not self._queue.empty():
-                    continue
-            if item is None or self._stop.is_set():
-                raise GDSLoadError("the mixture's batch maker was stopped (the mixture was stopped or closed "
-                                   "from another thread)")
-            if isinstance(item, BaseException):
-                raise item
-            return item
+        item = self._handoff.get(self._stop)
+        if item is None or self._stop.is_set():
+            raise GDSLoadError("the mixture's batch maker was stopped (the mixture was stopped or closed from "
+                               "another thread)")
+        self._handoff.release()
+        if isinstance(item, BaseException):
+            raise item
+        return item
 
     def stop(self, join: bool = True) -> None:
-        """Stop the thread (after the batch it is making) and drop what it made; ``join``: wait for it."""
+        """Stop the thread (after the batch it is making); ``join``: wait for it and drop what it made."""
         self._stop.set()
-        while join and self._thread.is_alive():
-            self._drain()
-            self._thread.join(POLL_S)
-        self._drain()
-
-    def _drain(self) -> None:
-        while True:
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                return
+        self._finalizer.detach()
+        if join:
+            self._handoff.clear()  # room given back: a thread waiting for it wakes now, not at its next poll
+            self._thread.join()
+            self._handoff.clear()  # and what it queued meanwhile is dropped
