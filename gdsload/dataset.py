@@ -186,11 +186,10 @@ class GDSDataset(LoaderProtocols, Closing):
                 raise GDSLoadError(f"{self.meta.path}: the dataset was closed (open a new GDSDataset)")
             start = self._position.begin()
             ahead = self._active[0].upcoming() if self._active else None
-            if ahead is not None and ahead.reads_as(start, self.config.shuffle):
-                pipeline = self._active[0]  # this pass was read ahead while the last one ran
-            else:
-                pipeline = self._start(start)
+            read_ahead = ahead is not None and ahead.reads_as(start, self.config.shuffle)
+            pipeline = self._active[0] if read_ahead else self._start(start)  # read ahead while the last one ran
             self.stats = pipeline.stats
+            self.stats.read_ahead = read_ahead
         yield from self._run(pipeline, start)
 
     def _start(self, start: Cursor) -> Pipeline:

@@ -221,6 +221,7 @@ def test_next_epoch_is_read_ahead_and_exact(data_path):
                 assert wait_for(lambda: ds._active[0].stats.bytes_read > 0), "the next epoch is read ahead"
             first = next(it)
             pipelines.append(ds._active[0])
+            assert ds.stats.read_ahead == (e > 0), "the stats say whether the pass was read ahead"
             got.append([i for b in itertools.chain([first], it) for i in (check_batch(b, data), b["idx"].tolist())[1]])
         assert len(set(map(id, pipelines))) == 1, "one pipeline ran the three epochs"
         assert len(reader_threads()) == 3  # reading epoch 3 ahead
@@ -285,6 +286,7 @@ def test_prefetch_next_epoch_off(data_path):
     with Dataset(path, batch_size=32, backend="cpu", window_blocks=3, prefetch_next_epoch=False) as ds:
         assert len(list(ds)) == len(ds)
         assert wait_no_readers() == []
+        assert len(list(ds)) == len(ds) and not ds.stats.read_ahead
 
 
 def test_error_read_ahead_surfaces_in_the_pass_that_needs_it(data_path):

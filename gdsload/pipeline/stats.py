@@ -14,7 +14,8 @@ class EpochStats:
     ``bytes_read`` counts what the pass read (resident fields count on the first pass only: they are read
     once); ``bytes_delivered`` counts the batches' bytes, so ``gb_per_s`` is the rate data reached the
     consumer whichever tier it came from. ``stall_s`` is time spent blocked in ``next()``;
-    ``first_batch_s`` is the part of it spent waiting for the pass's first batch."""
+    ``first_batch_s`` is the part of it spent waiting for the pass's first batch; ``read_ahead``: the pass was
+    read ahead while the one before it ran (its pipeline went on into it; no new start)."""
 
     io_mode: str
     batches: int = 0
@@ -24,6 +25,7 @@ class EpochStats:
     wall_s: float = 0.0
     stall_s: float = 0.0
     first_batch_s: float = 0.0
+    read_ahead: bool = False
 
     @property
     def gb_per_s(self) -> float:
@@ -33,4 +35,5 @@ class EpochStats:
     def as_dict(self) -> dict[str, Any]:
         return {"io_mode": self.io_mode, "batches": self.batches, "samples": self.samples,
                 "bytes_read": self.bytes_read, "bytes_delivered": self.bytes_delivered, "wall_s": self.wall_s,
-                "stall_s": self.stall_s, "first_batch_s": self.first_batch_s, "gb_per_s": self.gb_per_s}
+                "stall_s": self.stall_s, "first_batch_s": self.first_batch_s, "read_ahead": self.read_ahead,
+                "gb_per_s": self.gb_per_s}
