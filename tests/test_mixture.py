@@ -546,15 +546,15 @@ def test_the_maker_hands_out_in_order_raises_its_error_as_is_and_nothing_once_st
             return self.n
 
     owner = Owner(fail_at=4)
-    ahead = Ahead(owner.make, 2, "gdsload-reader-test")
+    ahead = Ahead(owner.make, 2, "gdsload-reader-test", "test maker")
     assert [ahead.next() for _ in range(3)] == [1, 2, 3]
     with pytest.raises(KeyError, match="the maker's own error"):
         ahead.next()
     ahead.stop()
     owner = Owner(fail_at=-1)
-    ahead = Ahead(owner.make, 3, "gdsload-reader-test")
+    ahead = Ahead(owner.make, 3, "gdsload-reader-test", "test maker")
     assert ahead.next() == 1
     ahead.stop()
-    with pytest.raises(GDSLoadError, match="stopped"):
+    with pytest.raises(GDSLoadError, match="^test maker: its batch maker was stopped"):
         ahead.next()
     assert wait_no_readers() == []

@@ -42,7 +42,9 @@ class Ahead:
     """``make()`` called on a thread named ``name`` until ``depth`` results wait; :meth:`next` takes them in
     order. ``make`` is a bound method, held weakly; its object's collection stops the thread."""
 
-    def __init__(self, make: Callable[[], Made], depth: int, name: str):
+    def __init__(self, make: Callable[[], Made], depth: int, name: str, what: str):
+        """``what`` names the owner in errors (``"mixture of [...]"``)."""
+        self._what = what
         self._make = weakref.WeakMethod(make)  # type: ignore[arg-type]
         self._handoff = Handoff(depth)
         self._stop = threading.Event()
@@ -68,8 +70,8 @@ class Ahead:
         (from another thread: ``close()``) none is handed out: what it drops would leave a gap."""
         item = self._handoff.get(self._stop)
         if item is None or self._stop.is_set():
-            raise GDSLoadError("the mixture's batch maker was stopped (the mixture was stopped or closed from "
-                               "another thread)")
+            raise GDSLoadError(f"{self._what}: its batch maker was stopped (stop() or close() from another "
+                               "thread)")
         self._handoff.release()
         if isinstance(item, BaseException):
             raise item

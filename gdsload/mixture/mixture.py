@@ -241,7 +241,8 @@ class Mixture(LoaderProtocols, Closing):
             if info(first.backend_name).on_device:  # the joiner joins on the maker's thread from now on
                 self._device = self._join.device(str(first.output), first.device)
                 self._device.make_ahead()
-            self._ahead = Ahead(self._make, self.read_ahead, "gdsload-reader-mixture")
+            self._ahead = Ahead(self._make, self.read_ahead, "gdsload-reader-mixture",
+                                f"mixture of {list(self.sources)}")
         started = time.perf_counter()
         try:
             return self._ahead.next()
