@@ -146,6 +146,8 @@ class FakeNvcomp:
 
     def __init__(self):
         self.calls: list[int] = []  # batch sizes, one per decode call
+        self.configured: list[bool] = []  # per decode call: a decompression config was passed
+        self.configs_built = 0
         self.settings: list[dict] = []
         outer = self
 
@@ -153,11 +155,23 @@ class FakeNvcomp:
             def __init__(self, **kwargs):
                 outer.settings.append(kwargs)
 
-            def decode(self, batch, data_type="|u1", out=None):
-                """Into ``out``'s buffers when given (ValueError if one is too small), as nvCOMP 6 does."""
+            def compression_config(self, sizes):
+                outer.configs_built += 1
+                return ("compress", tuple(sizes))
+
+            def decompression_config(self, compress):
+                assert compress[0] == "compress"
+                return ("decompress", compress[1])
+
+            def decode(self, batch, data_type="|u1", out=None, decompression_config=None):
+                """Into ``out``'s buffers when given (ValueError if one is too small), as nvCOMP 6 does; a
+                config, when given, must be one built for the output sizes."""
                 assert isinstance(batch, FakeBatch) and data_type == "|u1"
                 assert out is None or (isinstance(out, FakeBatch) and len(out) == len(batch))
+                if decompression_config is not None:
+                    assert decompression_config == ("decompress", tuple(len(o) for o in out.items))
                 outer.calls.append(len(batch))
+                outer.configured.append(decompression_config is not None)
                 decoded = [np.frombuffer(numcodecs.Zstd().decode(np.asarray(v)), np.uint8) for v in batch.items]
                 if out is None:
                     return FakeOut(decoded)
@@ -275,6 +289,8 @@ def test_device_path_batches_one_call_per_field_and_window(tmp_path):
     np.testing.assert_array_equal(got["g"], rows())
     windows = -(-meta.num_blocks // 3)
     assert len(fake.calls) == 2 * windows  # one batched call per device field and window, never one per chunk
+    # each call passes a config built from the sizes: then nvCOMP does not wait for its stream
+    assert all(fake.configured)
     assert fake.settings == [{"algorithm": "Zstd", "bitstream_kind": "raw", "device_id": 0, "cuda_stream": 0}]
     assert len(ops.to_device_calls) == windows
 
@@ -293,10 +309,10 @@ def test_device_path_names_a_corrupt_chunk(tmp_path):
     fake = FakeNvcomp()
     real = fake.Codec.decode
 
-    def refuse_chunk_5(self, batch, data_type="|u1", out=None):
+    def refuse_chunk_5(self, batch, data_type="|u1", out=None, **config):
         if any(np.array_equal(np.asarray(v), chunk5) for v in batch.items):
             raise RuntimeError("nvcompStatus: cannot decompress")
-        return real(self, batch, data_type, out)
+        return real(self, batch, data_type, out, **config)
 
     with open(loc.path, "rb") as f:
         chunk5 = np.frombuffer(os.pread(f.fileno(), loc.nbytes, loc.offset), np.uint8)
@@ -340,12 +356,27 @@ def test_device_path_names_a_chunk_too_short_for_its_crc32c(tmp_path):
         read_all(path, "cpu", resident_bytes=0)
 
 
+def test_nvcomp_batch_keeps_a_config_per_shape_and_a_bounded_number_of_them():
+    from gdsload.codecs.nvcomp import CONFIGS
+
+    fake = FakeNvcomp()
+    batch = NvcompBatch(fake, HostOps())
+    first = batch.config(120, 3)
+    assert batch.config(120, 3) is first and fake.configs_built == 1
+    assert batch.config(120, 4) == ("decompress", (120,) * 4) and fake.configs_built == 2
+    for n in range(5, 5 + 2 * CONFIGS):
+        batch.config(120, n)
+    assert len(batch._configs) == CONFIGS
+    batch.close()
+    assert not batch._configs
+
+
 def test_nvcomp_batch_checks_the_decoded_size(tmp_path):
     path = store(tmp_path, z=(10, 40, [ZstdCodec()]))
     fake = FakeNvcomp()
     real = fake.Codec.decode
-    fake.Codec.decode = lambda self, batch, data_type="|u1", out=None: FakeOut(
-        [a[:-1] for a in real(self, batch, data_type, out)._items])
+    fake.Codec.decode = lambda self, batch, data_type="|u1", out=None, **config: FakeOut(
+        [a[:-1] for a in real(self, batch, data_type, out, **config)._items])
     with pytest.raises(ReadError, match=r"chunk \d+ of array 'z' .*: nvCOMP decodes it to 119 bytes \(expected 120\)"):
         _device_windows(path, ["z"], [], fake, HostOps())
     with pytest.raises(ImportError, match="nvidia.nvcomp is not installed"):

@@ -80,7 +80,13 @@ class Decoder:
 
             self.gpu = ops if ops is not None else DecodeDevice(device_id)
             if device:
-                self.batch = NvcompBatch(nvcomp or load_nvcomp(), self.gpu, device_id)
+                if nvcomp is None:
+                    from .nvcomp_memory import install
+
+                    nvcomp = load_nvcomp()
+                    if nvcomp is not None:
+                        install(nvcomp)  # its scratch memory from CuPy's pools, in stream order
+                self.batch = NvcompBatch(nvcomp, self.gpu, device_id)
 
     def host_buffer(self, nbytes: int) -> Any:
         """A host buffer for a window's compressed chunks that CPU threads decode: pinned on a GPU backend

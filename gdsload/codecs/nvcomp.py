@@ -15,6 +15,12 @@ wrong codec, a damaged file) is an error, never decoded into a wrong sample. A c
 by decoding the batch's chunks one by one after the batched call failed; one whose decoded size is not the
 chunk's is named too.
 
+Nothing in a window's decode waits for earlier work on the decoder's stream: each call passes a decompression
+config built from the chunks' sizes (:meth:`NvcompBatch.config`; without one, nvCOMP reads the frame headers
+back and waits for the stream), the magic-number and crc32c checks run on a stream of their own that waits
+for the window's reads alone, and nvCOMP's scratch memory comes from CuPy's pools in stream order
+(:mod:`gdsload.codecs.nvcomp_memory`; nvCOMP's own allocators wait for the whole device).
+
 Teardown order matters: the codec is made on the decoder's stream and uses it when it is destroyed, so
 :meth:`NvcompBatch.close` (called by the decoder's ``close()``, and when the batch is collected) destroys the
 codec while the stream still exists; left to reference counting, the stream went first and the process
@@ -39,6 +45,8 @@ from ..format.arrays import CRC_BYTES
 
 #: The first four bytes of every zstd frame, read as a little-endian uint32.
 ZSTD_MAGIC = 0xFD2FB528
+#: Decompression configs kept per codec, one per (chunk size, chunks in a call): a dataset's windows have few shapes.
+CONFIGS = 16
 
 
 class DecodeOps(Protocol):
@@ -69,10 +77,25 @@ class NvcompBatch:
         self.nvcomp, self.ops = nvcomp, ops
         self.codec: Any = nvcomp.Codec(algorithm="Zstd", bitstream_kind=nvcomp.BitstreamKind.RAW,
                                        device_id=device_id, cuda_stream=ops.stream_ptr)
+        self._configs: dict[tuple[int, int], Any] = {}  # (chunk bytes, chunks) -> DecompressConfig
+
+    def config(self, block_bytes: int, n: int) -> Any:
+        """The decompression config of ``n`` chunks of ``block_bytes`` each, built from their sizes alone (no
+        header read back from the device, so the decode call does not wait for the stream) and kept for
+        later windows of the same shape (the last :data:`CONFIGS` shapes)."""
+        key = (block_bytes, n)
+        got = self._configs.pop(key, None)
+        if got is None:
+            got = self.codec.decompression_config(self.codec.compression_config([block_bytes] * n))
+        self._configs[key] = got
+        while len(self._configs) > CONFIGS:
+            self._configs.pop(next(iter(self._configs)))
+        return got
 
     def close(self) -> None:
         """Destroy the codec now, while ``ops`` (and its stream) are still held (see the module's docstring)."""
         self.codec = None
+        self._configs.clear()
 
     def __del__(self) -> None:
         self.close()
@@ -106,8 +129,10 @@ class NvcompBatch:
                               f"{ZSTD_MAGIC:#010x}{'; shorter than one' if ends[i] - src[i] < 4 else ''})")
         views = [ops.view(buffer, s, e) for s, e in zip(src.tolist(), ends.tolist())]
         cells = [ops.view(buffer, d, d + bb) for d in np.asarray(job.dest, dtype=np.int64).tolist()]
+        config = self.config(bb, len(views))
         try:
-            outs = self.codec.decode(self.nvcomp.as_arrays(views), out=self.nvcomp.as_arrays(cells))
+            outs = self.codec.decode(self.nvcomp.as_arrays(views), out=self.nvcomp.as_arrays(cells),
+                                     decompression_config=config)
         except Exception as e:
             raise self._culprit(views, job, layout, names, e) from None
         for i in range(len(views)):
@@ -166,6 +191,7 @@ class DecodeDevice:
         self.device = cupy.cuda.Device(device_id)
         with self.device:
             self.stream = cupy.cuda.Stream(non_blocking=True)
+            self.checks = cupy.cuda.Stream(non_blocking=True)  # the chunks' checks: they wait for reads only
         self.stream_ptr = self.stream.ptr
         self._crc: Any = None
         self._held: list[tuple[Any, Any]] = []  # (event, nvCOMP outputs) until the event has passed
@@ -179,10 +205,12 @@ class DecodeDevice:
 
     @contextlib.contextmanager
     def ordered(self, filled: Any) -> Iterator[None]:
-        """The device and the decoder's stream made current; the stream waits on ``filled`` first."""
+        """The device and the decoder's stream made current; the stream, and the checks' stream, wait on
+        ``filled`` first."""
         with self.device, self.stream:
             if filled is not None:
                 self.stream.wait_event(filled)
+                self.checks.wait_event(filled)
             yield
 
     def to_device(self, buffer: Any, dest: int, host: np.ndarray, src: int, nbytes: int) -> None:
@@ -207,8 +235,10 @@ class DecodeDevice:
 
     def heads(self, buffer: Any, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """The first four bytes of each segment ``[lo, hi)`` as little-endian uint32 (bytes past ``hi`` read as
-        zero); only these come back to the host."""
-        return heads(lambda idx: buffer[self.cupy.asarray(idx)].get(stream=self.stream), lo, hi)
+        zero); only these come back to the host. On the checks' stream, which waits for the window's reads
+        alone: a decode still running on the decoder's stream does not hold the next window's checks up."""
+        with self.checks:
+            return heads(lambda idx: buffer[self.cupy.asarray(idx)].get(stream=self.checks), lo, hi)
 
     def crc_mismatch(self, buffer: Any, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """Whether each segment ``[lo, hi)`` of the device buffer differs from the crc32c stored in the 4
@@ -217,13 +247,15 @@ class DecodeDevice:
 
         if self._crc is None:
             self._crc = DeviceCrc(self.device.id)
-        got = self._crc.launch(buffer, lo, hi, self.stream).get(stream=self.stream)
-        trailing = buffer[self.cupy.asarray(trailing_index(hi))].get(stream=self.stream)
+        with self.checks:
+            got = self._crc.launch(buffer, lo, hi, self.checks).get(stream=self.checks)
+            trailing = buffer[self.cupy.asarray(trailing_index(hi))].get(stream=self.checks)
         return crc_mismatch(got, trailing, lo, hi)
 
     def quiesce(self) -> None:
-        """Wait for every copy and decode queued so far (they write into window buffers)."""
+        """Wait for every copy and decode queued so far (they write into window buffers), and the checks."""
         self.stream.synchronize()
+        self.checks.synchronize()
 
     def close(self) -> None:
         self.quiesce()
