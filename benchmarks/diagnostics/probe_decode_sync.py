@@ -11,34 +11,41 @@ compressed by numcodecs' zstd level 3 on the CPU, back to back in one device buf
 outputs into views of one device buffer, as the window's cells), each case:
 
 - ``blocks``: a spin kernel of ``--spin-ms`` is queued on the codec's stream first; the host seconds the
-  decode call takes: about the spin (or more) means the call waited for the stream;
+  decode call takes: about the spin (or more) means the call waited for the stream. ``blocks_other``: the
+  same with the spin on another stream: about the spin means the call waited for the whole device (a
+  ``cudaFree`` in nvCOMP's own allocator does);
 - ``host_ms`` and ``gbps``: the call alone (stream idle before it), and decoded GB/s over ``--repeats`` calls
   queued back to back, then one synchronisation;
 - ``exact``: every chunk's decoded bytes equal the CPU's;
-- ``sizes``: what ``outs[i]`` reports as its size (the check gdsload makes), for one chunk truncated by half
-  in the batch (``truncated``): an error raised, a size other than the chunk's, or silence (the stale bytes
-  of the cell would be a wrong sample);
+- ``truncated`` / ``corrupted``: chunk 1 of the batch cut to half its length, or 64 bytes in its middle
+  inverted, its cell filled with 0xAB first: an error raised, or no error and the cell untouched, exact, or
+  wrong (a silent wrong sample), with what nvCOMP reports as its size;
 - ``pinned_allocs`` / ``device_allocs``: calls nvCOMP made to its allocators per decode call (counted by
   allocators that hand out CuPy memory; ``set_*_allocator``).
 
 Cases: ``plain`` (gdsload's call today), ``config-from-sizes`` (the sync-free config, built once per batch
-size and reused), ``config-from-buffers`` (a config parsed from the first batch, reused for others of the
-same shape), ``latency`` (``execution_policy=LATENCY``, plain call). GPU and ``nvidia-nvcomp-cu13`` only.
-Prints a line per case and batch size; ``--json FILE`` keeps them.
+size and reused), ``latency`` (``execution_policy=LATENCY``, plain call), ``default-allocators`` and
+``config-default-allocators`` (the first two with nvCOMP's own allocators, nothing counted). A config parsed
+from the buffers (``codec.decompression_config(batch)``) is left out: it syncs as the plain call does, and the
+run that tried it crashed (while codecs were still destroyed after their streams). GPU and nvCOMP only.
+Each case runs in a child process of its own (a decode that never returns is reported as hung after
+``--timeout``); the damaged chunks are decoded at the first batch size. Prints a line per case and batch
+size; ``--json FILE`` keeps them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
-import traceback
 from typing import Any
 
 import numpy as np
 
-CASES = ("plain", "config-from-sizes", "config-from-buffers", "latency")
+CASES = ("plain", "config-from-sizes", "latency", "default-allocators", "config-default-allocators")
+DAMAGED = ("plain", "config-from-sizes")  # the cases a damaged chunk is decoded by
 
 
 class Counting:
@@ -62,7 +69,8 @@ def frames_of(n: int, chunk_bytes: int) -> tuple[list[np.ndarray], list[np.ndarr
     return [base[i % 8] for i in range(n)], [frames[i % 8] for i in range(n)]
 
 
-def run_case(name: str, n: int, chunk_bytes: int, spin_ms: float, repeats: int) -> dict[str, Any]:
+def run_case(name: str, n: int, chunk_bytes: int, spin_ms: float, repeats: int,
+             damage: str | None = None) -> dict[str, Any]:
     import cupy
     from nvidia import nvcomp
 
@@ -71,8 +79,9 @@ def run_case(name: str, n: int, chunk_bytes: int, spin_ms: float, repeats: int) 
     plain, frames = frames_of(n, chunk_bytes)
     stream = cupy.cuda.Stream(non_blocking=True)
     pinned, device = Counting(cupy.cuda.alloc_pinned_memory), Counting(cupy.cuda.alloc)
-    nvcomp.set_pinned_allocator(pinned)
-    nvcomp.set_device_allocator(device)
+    if "default-allocators" not in name:
+        nvcomp.set_pinned_allocator(pinned)
+        nvcomp.set_device_allocator(device)
     policy = {"execution_policy": nvcomp.ExecutionPolicy.LATENCY} if name == "latency" else {}
     codec = nvcomp.Codec(algorithm="Zstd", bitstream_kind=nvcomp.BitstreamKind.RAW, device_id=0,
                          cuda_stream=stream.ptr, **policy)
@@ -82,10 +91,8 @@ def run_case(name: str, n: int, chunk_bytes: int, spin_ms: float, repeats: int) 
     views = [src[int(e - len(f)):int(e)] for f, e in zip(frames, ends)]
     cells = [out[i * chunk_bytes:(i + 1) * chunk_bytes] for i in range(n)]
     config = None
-    if name == "config-from-sizes":
+    if name.startswith("config"):
         config = codec.decompression_config(codec.compression_config([chunk_bytes] * n))
-    elif name == "config-from-buffers":
-        config = codec.decompression_config(nvcomp.as_arrays(views))
     kw = {} if config is None else {"decompression_config": config}
 
     def call() -> Any:
@@ -93,6 +100,11 @@ def run_case(name: str, n: int, chunk_bytes: int, spin_ms: float, repeats: int) 
 
     row: dict[str, Any] = {"case": name, "chunks": n, "chunk_bytes": chunk_bytes}
     call()
+    if damage is not None:
+        stream.synchronize()
+        row[damage] = damaged(codec, nvcomp, cupy, damage, views, cells, plain[1], kw, stream)
+        codec = None  # before its stream: nvCOMP uses the stream when the codec is destroyed
+        return row
     stream.synchronize()
     row["exact"] = bool(np.array_equal(out.get(), np.concatenate(plain)))
     pinned.calls = device.calls = 0
@@ -107,30 +119,71 @@ def run_case(name: str, n: int, chunk_bytes: int, spin_ms: float, repeats: int) 
     call()
     row["blocks"] = round((time.perf_counter() - t0) * 1e3, 3)
     stream.synchronize()
+    other = cupy.cuda.Stream(non_blocking=True)
+    with other:
+        Spin(spin_ms).launch()
+    t0 = time.perf_counter()
+    call()
+    row["blocks_other"] = round((time.perf_counter() - t0) * 1e3, 3)
+    other.synchronize()
+    stream.synchronize()
     t0 = time.perf_counter()
     for _ in range(repeats):
         call()
     stream.synchronize()
     row["gbps"] = round(repeats * n * chunk_bytes / (time.perf_counter() - t0) / 1e9, 2)
-    row["truncated"] = truncated(codec, nvcomp, cupy, frames, views, cells, chunk_bytes, kw, stream)
+    codec = None  # before its stream: nvCOMP uses the stream when the codec is destroyed
     nvcomp.set_pinned_allocator(None)
     nvcomp.set_device_allocator(None)
     return row
 
 
-def truncated(codec: Any, nvcomp: Any, cupy: Any, frames: list, views: list, cells: list, chunk_bytes: int,
-              kw: dict[str, Any], stream: Any) -> str:
-    """What happens when chunk 1 of the batch is cut to half its length."""
-    cut = list(views)
-    cut[1] = views[1][:len(frames[1]) // 2]
+def damaged(codec: Any, nvcomp: Any, cupy: Any, how: str, views: list, cells: list, expected: np.ndarray,
+            kw: dict[str, Any], stream: Any) -> str:
+    """What happens when chunk 1 of the batch is cut to half its length (``truncated``) or has 64 bytes in its
+    middle inverted (``corrupted``), its cell filled with 0xAB first: an error raised, the cell left untouched,
+    the right bytes (a damage nvCOMP cannot see), or wrong bytes with no error (a silent wrong sample)."""
+    bad = list(views)
+    if how == "truncated":
+        bad[1] = views[1][:len(views[1]) // 2]
+    else:
+        bad[1] = views[1].copy()
+        mid = len(bad[1]) // 2
+        bad[1][mid:mid + 64] ^= 0xFF
+    cells[1].fill(0xAB)
     try:
-        outs = codec.decode(nvcomp.as_arrays(cut), out=nvcomp.as_arrays(cells), **kw)
+        outs = codec.decode(nvcomp.as_arrays(bad), out=nvcomp.as_arrays(cells), **kw)
         stream.synchronize()
-        cai = outs[1].__cuda_array_interface__
-        size = int(np.prod(cai["shape"])) * np.dtype(cai["typestr"]).itemsize
-        return "silent (size reported as the chunk's)" if size == chunk_bytes else f"size reported {size}"
     except Exception as e:  # noqa: BLE001 - what nvCOMP raises is the finding
         return f"raised {type(e).__name__}: {str(e)[:160]}"
+    sizes = getattr(outs, "buffer_sizes", None)
+    got = cells[1].get()
+    what = ("untouched" if (got == 0xAB).all() else "exact" if np.array_equal(got, expected)
+            else f"wrong ({int((got != expected).sum())} bytes differ)")
+    return f"no error: cell {what}; buffer_sizes[1] {None if sizes is None else list(sizes)[1]}"
+
+
+def one(args: argparse.Namespace) -> dict[str, Any]:
+    """One case in this process (``--one CASE:N[:DAMAGE]``), its row printed as the last line of JSON."""
+    name, n, *damage = args.one.split(":")
+    return run_case(name, int(n), args.chunk_kib << 10, args.spin_ms, args.repeats, damage[0] if damage else None)
+
+
+def in_child(argv: list[str], spec: str, timeout_s: float) -> dict[str, Any]:
+    """Run one case in a child process: a decode that never returns (a kernel spinning on a damaged frame)
+    is reported as hung after ``timeout_s`` instead of stopping the probe."""
+    name, n, *damage = spec.split(":")
+    head: dict[str, Any] = {"case": name, "chunks": int(n)}
+    try:
+        done = subprocess.run([sys.executable, "-m", __spec__.name, *argv, "--one", spec], capture_output=True,
+                              text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {**head, damage[0] if damage else "error": f"hung: no answer within {timeout_s:g} s"}
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    if done.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
+    return {**head, damage[0] if damage else "error": f"exit {done.returncode}: {tail[:300]}"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,20 +192,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-kib", type=int, default=256)
     ap.add_argument("--spin-ms", type=float, default=50.0)
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--timeout", type=float, default=60.0, help="seconds a case may take in its child process")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.one:
+        print(json.dumps(one(args)), flush=True)
+        return 0
     from nvidia import nvcomp
 
+    passed = ["--chunk-kib", str(args.chunk_kib), "--spin-ms", str(args.spin_ms), "--repeats", str(args.repeats)]
+    specs = [f"{name}:{n}" for n in (int(c) for c in args.chunks.split(",")) for name in CASES]
+    specs += [f"{name}:{args.chunks.split(',')[0]}:{how}" for name in DAMAGED for how in ("truncated", "corrupted")]
     rows = []
-    for n in (int(c) for c in args.chunks.split(",")):
-        for name in CASES:
-            try:
-                row = run_case(name, n, args.chunk_kib << 10, args.spin_ms, args.repeats)
-            except Exception as e:  # noqa: BLE001 - a case nvCOMP refuses is a finding, the others still run
-                row = {"case": name, "chunks": n, "error": f"{type(e).__name__}: {e}",
-                       "trace": traceback.format_exc(limit=3)}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    for spec in specs:
+        row = in_child(passed, spec, args.timeout)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"nvcomp": nvcomp.__version__, "spin_ms": args.spin_ms, "rows": rows}, f, indent=1)
