@@ -101,12 +101,12 @@ def test_sources_with_reader_pools_of_their_own_share_the_default_threads():
 
 
 @pytest.mark.gpu
-def test_device_arrays_are_made_ahead_only_when_asked_and_of_one_kind(paths):
+def test_device_arrays_are_made_ahead_where_of_one_kind(paths):
     sources = {n: {"path": p, "backend": "pinned"} for n, p in paths.items()}
     with Mixture(sources, WEIGHTS, batch_size=9) as mix:
-        assert mix.read_ahead == 0, "joined in the consumer's thread unless asked"
-    with Mixture(sources, WEIGHTS, batch_size=9, read_ahead=2) as mix:
-        assert mix.read_ahead == 2
+        assert mix.read_ahead == 2, "made ahead by default: every source gives CuPy arrays on one device"
+    with Mixture(sources, WEIGHTS, batch_size=9, read_ahead=0) as mix:
+        assert mix.read_ahead == 0
     mixed = {**sources, "a": {"path": paths["a"], "backend": "cpu"}}
     with Mixture(mixed, WEIGHTS, batch_size=9, whole_batches=True) as mix:
         assert mix.read_ahead == 0, "one device source is enough"

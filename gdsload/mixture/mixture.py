@@ -5,9 +5,10 @@ size), read in exact shares (``PlanConfig.exact_shares``): across ranks, every s
 of that source, and a source that runs out begins its next epoch while the others go on. The schedule
 (gdsload/mixture_plan.py) says how many samples each source gives to each batch; they are cut, in order, from
 that source's batches as slices (no copy per sample), and each field is put together with one concatenation
-per batch (none where a batch is one slice). Where every source gives host arrays the batches are made
-``read_ahead`` ahead on a thread of the mixture's own (gdsload/mixture/ahead.py), so the consumer's loop takes a
-finished one between its steps; on a GPU they are made in the consumer's thread. Every thread (the sources'
+per batch (none where a batch is one slice). Where every source gives host arrays, or every one CuPy arrays or
+torch tensors on one device, the batches are made ``read_ahead`` ahead on a thread of the mixture's own
+(gdsload/mixture/ahead.py), so the consumer's loop takes a finished one between its steps; sources of mixed
+kinds are joined in the consumer's thread. Every thread (the sources'
 readers, the mixture's maker) stops on ``close()``, on leaving a pass early and on an error.
 """
 
@@ -89,8 +90,8 @@ class Mixture(LoaderProtocols, Closing):
         and the schedule counts batches instead of samples.
     rank, world_size : this process's share (default: torch.distributed, else RANK / WORLD_SIZE).
     read_ahead : batches made ahead on a thread of the mixture's own (default 2 where every source gives host
-        arrays; 0, joined in your thread, where they give device arrays, for which a value above 0 is taken
-        where all give CuPy arrays or torch tensors on one device). A weight change drops what was made ahead.
+        arrays, or every one CuPy arrays or torch tensors on one device; else 0, joined in your thread, the
+        only value taken there). A weight change drops what was made ahead.
     **options : GDSDataset options for every source (a source's own options win).
 
     Each batch is ``{field: array}`` as the sources' datasets give it (same backend kind, device and output
@@ -151,11 +152,12 @@ class Mixture(LoaderProtocols, Closing):
 
     def _read_ahead(self, read_ahead: int | None) -> int:
         on_device = [s.name for s in self._sources if info(s.ds.backend_name).on_device]
-        if read_ahead is None:
-            return 0 if on_device else READ_AHEAD
-        read_ahead = check_int("read_ahead", read_ahead, 0)
         kinds = {(s.ds.output, s.ds.device, info(s.ds.backend_name).on_device) for s in self._sources}
-        if read_ahead and on_device and (len(kinds) > 1 or next(iter(kinds))[0] not in ("cupy", "torch")):
+        joinable = not on_device or (len(kinds) == 1 and next(iter(kinds))[0] in ("cupy", "torch"))
+        if read_ahead is None:
+            return READ_AHEAD if joinable else 0
+        read_ahead = check_int("read_ahead", read_ahead, 0)
+        if read_ahead and not joinable:
             raise ValueError(f"read_ahead={read_ahead}: batches of device arrays are made ahead where every source "
                              f"gives CuPy arrays or torch tensors on one device (found (output, device, on the "
                              f"device) {sorted(kinds, key=str)}); pass read_ahead=0")
