@@ -20,6 +20,8 @@ outputs into views of one device buffer, as the window's cells), each case:
 - ``truncated`` / ``corrupted``: chunk 1 of the batch cut to half its length, or 64 bytes in its middle
   inverted, its cell filled with 0xAB first: an error raised, or no error and the cell untouched, exact, or
   wrong (a silent wrong sample), with what nvCOMP reports as its size;
+- ``gil_free_pct``: what a Python thread counts while the call runs, against as long a sleep: about 0 means
+  the call holds the GIL, and every other thread (the consumer's, the assembler's) stops meanwhile;
 - ``pinned_allocs`` / ``device_allocs``: calls nvCOMP made to its allocators per decode call (counted by
   allocators that hand out CuPy memory; ``set_*_allocator``).
 
@@ -113,6 +115,7 @@ def run_case(name: str, n: int, chunk_bytes: int, spin_ms: float, repeats: int,
     row["host_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
     stream.synchronize()
     row["pinned_allocs"], row["device_allocs"] = pinned.calls, device.calls
+    row["gil_free_pct"] = gil_free_pct(call, stream)
     with stream:
         Spin(spin_ms).launch()
     t0 = time.perf_counter()
@@ -136,6 +139,33 @@ def run_case(name: str, n: int, chunk_bytes: int, spin_ms: float, repeats: int,
     nvcomp.set_pinned_allocator(None)
     nvcomp.set_device_allocator(None)
     return row
+
+
+def gil_free_pct(call: Any, stream: Any) -> float:
+    """How much a Python thread gets done while ``call`` runs, against as long a sleep (100: the call lets the
+    GIL go throughout; about 0: it holds it, and every other thread of the process, the training loop's
+    included, stops for as long as it runs)."""
+    import threading
+
+    count, stop = [0], threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            count[0] += 1
+
+    worker = threading.Thread(target=spin, daemon=True)
+    worker.start()
+    time.sleep(0.05)
+    c0, t0 = count[0], time.perf_counter()
+    call()
+    took, during = time.perf_counter() - t0, count[0] - c0
+    stream.synchronize()
+    c0 = count[0]
+    time.sleep(took)
+    idle = count[0] - c0
+    stop.set()
+    worker.join()
+    return round(100 * during / max(idle, 1), 1)
 
 
 def damaged(codec: Any, nvcomp: Any, cupy: Any, how: str, views: list, cells: list, expected: np.ndarray,
