@@ -457,7 +457,7 @@ def test_converter_compress_round_trip(tmp_path):
     g = zarr.open_group(out, mode="r")
     for name, data in (("images", images), ("tokens", tokens), ("label", np.arange(n))):
         np.testing.assert_array_equal(g[name][:], data)
-        assert [c.to_dict()["name"] for c in g[name].compressors] == ["zstd"]
+        assert [c.to_dict()["name"] for c in g[name].compressors] == ["zstd", "crc32c"]
         assert g[name].compressors[0].level == 3
     meta = read_metadata(out)
     assert meta.samples_per_block == 64  # 16 KiB of the largest sample (256 bytes)
@@ -469,8 +469,8 @@ def test_converter_compress_round_trip(tmp_path):
                 np.testing.assert_array_equal(b["tokens"], tokens[b["label"]])
     info = cli("info", out)
     assert info.returncode == 0, info.stderr
-    assert re.search(r"images: .*codecs \['bytes', 'zstd'\], ratio 0\.\d+ \(stored / decoded\)", info.stdout)
-    assert re.search(r"tokens: .*codecs \['bytes', 'zstd'\], ratio 0\.\d+", info.stdout), info.stdout
+    assert re.search(r"images: .*codecs \['bytes', 'zstd', 'crc32c'\], ratio 0\.\d+ \(stored / decoded\)", info.stdout)
+    assert re.search(r"tokens: .*codecs \['bytes', 'zstd', 'crc32c'\], ratio 0\.\d+", info.stdout), info.stdout
     ok = cli("verify", out, "--quiet")
     assert ok.returncode == 0 and ok.stdout.strip().endswith("0 bad"), ok.stdout + ok.stderr
     with DatasetLayout(read_metadata(out)) as layout:
@@ -478,6 +478,26 @@ def test_converter_compress_round_trip(tmp_path):
     flip_byte(loc.path, loc.offset)
     bad = cli("verify", out, "--quiet")
     assert bad.returncode == 1 and f"BAD {loc.path}: chunk 3 of array 'tokens'" in bad.stdout, bad.stdout
+
+
+def test_a_converted_chunk_damaged_inside_is_found_before_it_is_decoded(tmp_path):
+    """The converter stores a crc32c after each zstd chunk (zarr's crc32c codec): a chunk with a byte changed
+    in the middle of its frame is an error naming it before any decoder sees it, on the device path (nvCOMP's
+    decode of such a frame did not return) and on the CPU, where the blocks' own checksums would only be
+    checked after the decode."""
+    tokens = np.random.default_rng(1).zipf(1.5, (400, 64)).clip(0, 50000).astype(np.int32)
+    out = str(tmp_path / "t.gds")
+    write_dataset(out, {"tokens": ArraySource("tokens", tokens)}, compress="zstd:3", chunk_bytes=16 << 10,
+                  progress=False)
+    with DatasetLayout(read_metadata(out)) as layout:
+        loc = layout.locate("tokens", 2)
+    flip_byte(loc.path, loc.offset + loc.nbytes // 2)
+    fake = FakeNvcomp()
+    with pytest.raises(ReadError, match=rf"^{re.escape(loc.path)}: chunk 2 of array 'tokens' .*crc32c mismatch"):
+        _device_windows(out, ["tokens"], [], fake, HostOps(), window_blocks=8)
+    assert fake.calls == [], "no batch went to nvCOMP: the damaged chunk's window is the first"
+    with pytest.raises(ReadError, match=r"chunk 2 of array 'tokens' .*crc32c mismatch"):
+        read_all(out, "cpu", resident_bytes=0, verify=False)
 
 
 def test_converter_compress_options_are_checked(tmp_path):

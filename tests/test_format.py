@@ -66,7 +66,7 @@ def test_converter_datasets_compress_with_zstd_only(tmp_path):
     g.attrs["gdsload"] = {"format": 1, "num_samples": 8, "samples_per_block": 4, "fields": {"x": {}}}
     g.create_array("x", shape=(8,), dtype="f4", chunks=(4,), shards=(8,), compressors=[zarr.codecs.GzipCodec()])
     with pytest.raises(FormatError, match=r"x/zarr.json: inner chunks must be raw \('bytes' codec only\) or 'bytes' "
-                                          r"then 'zstd', found \['bytes', 'gzip'\]"):
+                                          r"then 'zstd' \(then 'crc32c'\), found \['bytes', 'gzip'\]"):
         read_metadata(tmp_path / "c.gds")
 
 

@@ -72,12 +72,13 @@ class NvcompBatch:
     """A field's chunks of one window, decoded by one nvCOMP call and copied into their cells."""
 
     def __init__(self, nvcomp: Any, ops: DecodeOps, device_id: int = 0):
+        self.codec: Any = None
+        self._configs: dict[tuple[int, int], Any] = {}  # (chunk bytes, chunks) -> DecompressConfig
         if nvcomp is None:
             raise ImportError("nvidia.nvcomp is not installed")
         self.nvcomp, self.ops = nvcomp, ops
-        self.codec: Any = nvcomp.Codec(algorithm="Zstd", bitstream_kind=nvcomp.BitstreamKind.RAW,
-                                       device_id=device_id, cuda_stream=ops.stream_ptr)
-        self._configs: dict[tuple[int, int], Any] = {}  # (chunk bytes, chunks) -> DecompressConfig
+        self.codec = nvcomp.Codec(algorithm="Zstd", bitstream_kind=nvcomp.BitstreamKind.RAW, device_id=device_id,
+                                  cuda_stream=ops.stream_ptr)
 
     def config(self, block_bytes: int, n: int) -> Any:
         """The decompression config of ``n`` chunks of ``block_bytes`` each, built from their sizes alone (no

@@ -31,6 +31,7 @@ import numpy as np
 
 from .checks import NAME_MAX_BYTES, RESERVED_NAMES
 from ..errors import ConversionError, one_line
+from ..format.arrays import CRC_BYTES
 from ..format.meta import ATTRS_KEY, CHECKSUM_ALGORITHM, CHECKSUMS_GROUP, FORMAT_VERSION, DatasetMeta, read_metadata
 from ..format.shard_index import MAX_UINT_64
 from .publish import (RENAME_EXCHANGE, RENAME_NOREPLACE, Interrupted, Target, check_output, input_paths, on_signal,
@@ -126,8 +127,11 @@ def _write_shard(path: str, src: Source, dtype: np.dtype, first_sample: int, sto
 
 
 class _Encoder:
-    """zstd at ``level`` on a few threads: a slice of whole blocks in, each block compressed out. The bytes
-    are those of zarr's ``ZstdCodec(level=...)`` (the numcodecs codec it encodes with), so zarr reads them."""
+    """zstd at ``level``, then the crc32c of the compressed bytes, on a few threads: a slice of whole blocks
+    in, each block encoded out. The bytes are those of zarr's ``[ZstdCodec(level=...), Crc32cCodec()]`` (the
+    numcodecs codec it encodes with, then 4 little-endian bytes), so zarr reads them. The crc32c lets a
+    damaged chunk be found before it is decoded: nvCOMP's decode of a damaged zstd frame may never return
+    (docs/benchmarks.md), and the blocks' own checksums cover the decoded bytes, checked only after."""
 
     def __init__(self, level: int):
         import numcodecs
@@ -135,9 +139,13 @@ class _Encoder:
         self.codec = numcodecs.Zstd(level=level)
         self.pool = ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="gdsload-compress")
 
+    def _encode(self, block: memoryview) -> bytes:
+        frame = bytes(self.codec.encode(block))
+        return frame + crc32c.crc32c(frame).to_bytes(CRC_BYTES, "little")
+
     def encode(self, buf: memoryview, block_bytes: int) -> list[memoryview]:
         blocks = [buf[o:o + block_bytes] for o in range(0, len(buf), block_bytes)]
-        return [memoryview(bytes(b)) for b in self.pool.map(self.codec.encode, blocks)]
+        return [memoryview(b) for b in self.pool.map(self._encode, blocks)]
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
@@ -152,7 +160,7 @@ def write_metadata(root: str, plan: ConversionPlan, ragged: Mapping[str, RaggedS
     """Every ``zarr.json`` of the dataset planned, and the variable-length fields' offsets, through zarr at
     ``root``; returns the zarr group (the checksums follow once the blocks are written). OSError passes."""
     import zarr
-    from zarr.codecs import ZstdCodec
+    from zarr.codecs import Crc32cCodec, ZstdCodec
 
     fields_attr = {n: {"kind": "fixed"} for n in plan.fixed}
     fields_attr.update({n: {"kind": "ragged"} for n in plan.ragged})
@@ -168,7 +176,7 @@ def write_metadata(root: str, plan: ConversionPlan, ragged: Mapping[str, RaggedS
     for a in plan.arrays:
         group.create_array(a.key, shape=(a.rows, *a.shape), dtype=a.dtype, chunks=(a.per_chunk, *a.shape),
                            shards=(a.per_chunk * a.chunks_per_shard, *a.shape), fill_value=0, filters=None,
-                           compressors=None if a.level is None else [ZstdCodec(level=a.level)])
+                           compressors=None if a.level is None else [ZstdCodec(level=a.level), Crc32cCodec()])
     return group
 
 

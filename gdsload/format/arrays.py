@@ -255,8 +255,9 @@ def _sharding(where: str, cfg: dict[str, Any], ndim: int, dtype: np.dtype,
     chunk = as_shape(where, "inner chunk_shape", cfg.get("chunk_shape"), 1, ndim)
     inner = [codec_entry(where, c) for c in as_list(where, "inner codecs", cfg.get("codecs"))]
     if strict:
-        if [name for name, _ in inner] not in (["bytes"], ["bytes", "zstd"]):
-            raise fail(where, f"inner chunks must be raw ('bytes' codec only) or 'bytes' then 'zstd', found "
+        if [name for name, _ in inner] not in (["bytes"], ["bytes", "zstd"], ["bytes", "zstd", "crc32c"]):
+            raise fail(where, f"inner chunks must be raw ('bytes' codec only) or 'bytes' then 'zstd' (then "
+                              f"'crc32c'), found "
                               f"{show([n for n, _ in inner])}")
         endian = bytes_endian(where, inner[0][1])
         if endian != "little" and dtype.itemsize > 1:
