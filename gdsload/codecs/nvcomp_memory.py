@@ -30,8 +30,8 @@ class StreamOrdered:
     stream now (with ``.done``); a released block is kept until its event has passed.
     Blocks whose events have passed go back to the pool at the next allocation (or :meth:`reap`)."""
 
-    def __init__(self, alloc: Callable[[int, int], Any], record: Callable[[int, int], Any],
-                 current: Callable[[], tuple[int, int]]):
+    def __init__(self, alloc: Callable[[int, int], Any], record: Callable[[Any, int], Any],
+                 current: Callable[[], tuple[Any, int]]):
         self.alloc, self.record, self.current = alloc, record, current
         self._held: deque[tuple[Any, Any]] = deque()
         self._lock = threading.Lock()
