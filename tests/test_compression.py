@@ -364,11 +364,15 @@ def test_nvcomp_batch_keeps_a_config_per_shape_and_a_bounded_number_of_them():
     first = batch.config(120, 3)
     assert batch.config(120, 3) is first and fake.configs_built == 1
     assert batch.config(120, 4) == ("decompress", (120,) * 4) and fake.configs_built == 2
-    for n in range(5, 5 + 2 * CONFIGS):
+    for n in range(5, 3 + CONFIGS):  # CONFIGS shapes in all: the first two are still kept
         batch.config(120, n)
-    assert len(batch._configs) == CONFIGS
+    built = fake.configs_built
+    assert batch.config(120, 3) is first and fake.configs_built == built
+    batch.config(120, 3 + CONFIGS)  # one more: the least recently used, (120, 4), goes
+    assert batch.config(120, 3) is first
+    batch.config(120, 4)
+    assert fake.configs_built == built + 2
     batch.close()
-    assert not batch._configs
 
 
 def test_nvcomp_batch_checks_the_decoded_size(tmp_path):
