@@ -68,10 +68,11 @@ class Span(NamedTuple):
 Runs = tuple[tuple[int, int], ...]  # (source index, samples), in batch order
 
 
-class Counted(Protocol):
-    """What assemble needs of a source: its counters."""
+class Counts(Protocol):
+    """Where assemble counts a source's share of a batch (:class:`gdsload.mixture.source.SourceStats`)."""
 
-    stats: Any
+    samples: int
+    bytes: int
 
 
 class Joiner(Protocol):
@@ -101,12 +102,12 @@ def cut_keys(batch: dict[str, Any], out_key: Callable[[str], str]) -> tuple[Key,
     return tuple(keys)
 
 
-def assemble(cuts: list[tuple[Counted, list[Piece]]], joiner_for: Callable[[Any], Joiner],
+def assemble(cuts: list[tuple[Counts, list[Piece]]], joiner_for: Callable[[Any], Joiner],
              as_is: bool = True) -> dict[str, Any]:
     """The batch of ``cuts`` (every source's pieces, in source order) plus ``SOURCE_KEY``. One whole batch of
     one source goes out as its dataset gave it (renamed) where ``as_is``; otherwise each key's spans are joined. A
     variable-length field's offsets are rebased from the host copy's values. Counts each source's samples
-    and bytes."""
+    and bytes into its ``Counts``."""
     given = [(i, s, cut) for i, (s, cut) in enumerate(cuts) if cut]
     runs = tuple((i, sum(p.hi - p.lo for p in cut)) for i, _, cut in given)
     first = given[0][2][0]
@@ -136,9 +137,9 @@ def assemble(cuts: list[tuple[Counted, list[Piece]]], joiner_for: Callable[[Any]
     return joiner_for(first.keys[0].array).join(spans, tails, runs)
 
 
-def _count(source: Counted, size: int, samples: int) -> None:
-    source.stats.samples += samples
-    source.stats.bytes += size
+def _count(counts: Counts, size: int, samples: int) -> None:
+    counts.samples += samples
+    counts.bytes += size
 
 
 class LibraryJoiner:

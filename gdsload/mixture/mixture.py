@@ -30,7 +30,7 @@ from ..integrations import LoaderProtocols, refuse_worker
 from .ahead import Ahead, Made
 from .assemble import assemble
 from .joiners import DeviceJoiner, Joiners
-from .source import SourceStats, SourceStream, Tally
+from .source import SourceStats, SourceStream
 from .specs import check_fields, named, source_specs
 from .schedule import (Schedule, Stretch, exact_weights, next_counts, parse_schedule, parse_stretch, schedule_state,
                        state_int)
@@ -264,13 +264,14 @@ class Mixture(LoaderProtocols, Closing):
         counts, after = next_counts(schedule, unit, self.seed)
         if self.whole_batches:
             counts = tuple(c * s.ds.config.batch_size for c, s in zip(counts, self._sources))
-        tallies, device = [Tally() for _ in self._sources], self._device
+        # each source's share of this batch, added to its counters when the batch is yielded, not when made
+        tallies, device = [SourceStats() for _ in self._sources], self._device
         with device.taking() if device is not None else contextlib.nullcontext():  # sources hand over to it
             batch = assemble([(t, s.take(c)) for t, s, c in zip(tallies, self._sources, counts)], self._join,
                              as_is=device is None)  # made ahead, device arrays are copied even when whole
         self._made_to = (step + 1, after)
         return Made(batch, step, after, tuple(s.stretch for s in self._sources),
-                    tuple(t.stats.samples for t in tallies), tuple(t.stats.bytes for t in tallies),
+                    tuple(t.samples for t in tallies), tuple(t.bytes for t in tallies),
                     None if device is None else device.ready)
 
     def _take(self, made: Made) -> dict[str, Any]:

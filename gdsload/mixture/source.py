@@ -37,14 +37,6 @@ class SourceStats:
     passes: int = 0
 
 
-class Tally:
-    """One source's share of one batch, as :func:`gdsload.mixture.assemble.assemble` counts it (the mixture
-    adds it to the source's counters when the batch is yielded, not when it is made)."""
-
-    def __init__(self) -> None:
-        self.stats = SourceStats()
-
-
 class SourceStream:
     """One source: its dataset, the pass being read, the batch being cut, its position and its counters."""
 
