@@ -413,6 +413,25 @@ def test_the_codec_goes_before_its_stream(tmp_path, closed):
     assert events == ["codec destroyed", "stream destroyed"]
 
 
+def test_a_closed_decoder_gives_nvcomps_scratch_memory_back_after_its_codec_goes(tmp_path, monkeypatch):
+    """Blocks nvCOMP let go are held until their stream passes, and given back at the next allocation; a
+    decoder that closes gives them back then (its stream drained, its codec gone), not at some later decode."""
+    from gdsload.codecs import nvcomp_memory
+
+    events = []
+    monkeypatch.setattr(nvcomp_memory, "reap", lambda: events.append("reaped"))
+    fake = FakeNvcomp()
+
+    class Codec(fake.Codec):
+        def __del__(self):
+            events.append("codec destroyed")
+
+    fake.Codec = Codec
+    layout = DatasetLayout(read_metadata(store(tmp_path, z=(10, 40, [ZstdCodec()]))))
+    Decoder(layout, True, 0, ["z"], threads=1, nvcomp=fake, ops=HostOps()).close()
+    assert events == ["codec destroyed", "reaped"]
+
+
 def test_zstd_decodes_on_cpu_threads_without_nvcomp(monkeypatch):
     """Without nvCOMP, zstd fields on a GPU backend are decoded by CPU threads, after one warning naming the
     extra to install."""

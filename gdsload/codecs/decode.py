@@ -141,7 +141,10 @@ class Decoder:
         if self.gpu is not None:
             self.gpu.close()  # the stream drained, nvCOMP's outputs freed
         if self.batch is not None:
+            from .nvcomp_memory import reap
+
             self.batch.close()  # the codec destroyed before its stream
+            reap()  # its scratch memory back to the pools: the stream has passed every use of it
 
 
 def _groups(n: int, parts: int) -> list[tuple[int, int]]:

@@ -22,6 +22,7 @@ from typing import Any
 
 _installed = False
 _install_lock = threading.Lock()
+_allocators: list[StreamOrdered] = []  # the installed ones, for reap()
 
 
 class StreamOrdered:
@@ -111,7 +112,17 @@ def install(nvcomp: Any) -> None:
             return
         import cupy
 
-        nvcomp.set_device_allocator(StreamOrdered(_on_device(cupy.cuda.alloc), _record, _current))
-        nvcomp.set_pinned_allocator(StreamOrdered(_on_device(cupy.cuda.alloc_pinned_memory), _record, _current))
+        device = StreamOrdered(_on_device(cupy.cuda.alloc), _record, _current)
+        pinned = StreamOrdered(_on_device(cupy.cuda.alloc_pinned_memory), _record, _current)
+        nvcomp.set_device_allocator(device)
+        nvcomp.set_pinned_allocator(pinned)
+        _allocators.extend((device, pinned))
         atexit.register(_uninstall, nvcomp)
         _installed = True
+
+
+def reap() -> None:
+    """Give back what the installed allocators hold whose stream has passed (a decoder calls it when it
+    closes, its stream drained and its codec gone, so nothing it had lent stays held until the next decode)."""
+    for allocator in list(_allocators):
+        allocator.reap()
