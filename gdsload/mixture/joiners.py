@@ -217,13 +217,11 @@ class Joiners:
     def __call__(self, like: Any) -> Joiner:
         kind = kind_of(like)
         device = _cuda_device(like, kind)
-        key = (kind, device)
-        joiner = self._made.get(key)
+        if device >= 0:
+            return self.device(kind, device)
+        joiner = self._made.get((kind, device))
         if joiner is None:
-            if device >= 0:
-                joiner = self._made[key] = DeviceJoiner(device, kind)
-            else:
-                joiner = self._made[key] = LibraryJoiner()
+            joiner = self._made[(kind, device)] = LibraryJoiner()
         return joiner
 
     def drain(self) -> None:

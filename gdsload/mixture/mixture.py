@@ -8,8 +8,8 @@ that source's batches as slices (no copy per sample), and each field is put toge
 per batch (none where a batch is one slice). Where every source gives host arrays, or every one CuPy arrays or
 torch tensors on one device, the batches are made ``read_ahead`` ahead on a thread of the mixture's own
 (gdsload/mixture/ahead.py), so the consumer's loop takes a finished one between its steps; sources of mixed
-kinds are joined in the consumer's thread. Every thread (the sources'
-readers, the mixture's maker) stops on ``close()``, on leaving a pass early and on an error.
+kinds are joined in the consumer's thread. Every thread (the sources' readers, the mixture's maker) stops on
+``close()``, on leaving a pass early and on an error.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from .schedule import (Schedule, Stretch, exact_weights, next_counts, parse_sche
 from ..options import check_int, rank_and_world
 from ..pipeline.resume import StateError
 
-READ_AHEAD = 2  # batches made ahead by default, where every source gives host arrays
+READ_AHEAD = 2  # batches made ahead by default, where the sources' arrays can be joined on the maker's thread
 MIXTURE_FORMAT = 2  # bumped when the state's keys or the schedule change meaning
 PADDED_REST_FORMAT = 1  # before: a position with hops read a padded rest; one without means what it means now
 STATE_KEYS = ("mixture_format", "step", "seed", "batch_size", "whole_batches", "sources", "schedule", "positions",
