@@ -45,7 +45,7 @@ from gdsload.tools.measure import (THREADS, PassResult, block_locations, device_
 from gdsload.tools.steps import Step, make_step
 
 from .common import BATCH, Rows, free_device_memory, make_dataset, parse_probe_args, probe_parser, write_probe_table
-from .plots import gbps_plot
+from .plots import gbps_plot, line_label
 
 SHARES = {"half": 3, "third": 2, "sixth": 1}  # sixths of the total
 PAGE_CACHE = "ceiling: page cache -> host memory"
@@ -215,8 +215,7 @@ def plot(json_path: str, rows: list[dict[str, Any]], ceiling_rows: list[dict[str
     """GB/s per backend (one dataset, mixture) with the ceilings as lines, beside ``json_path``."""
     groups = {f"{r['what']} ({r['io_mode']})": {"one dataset": r["best_single"], "mixture of 3": r["best_mixture"]}
               for r in rows if r["best_single"] is not None}
-    lines = {f"{c['what'].removeprefix('ceiling: ')}" + (f" ({c['io_mode']})" if c["io_mode"] else ""): c["gbps"]
-             for c in ceiling_rows}
+    lines = {line_label(c["what"], c["io_mode"]): c["gbps"] for c in ceiling_rows}
     return gbps_plot(json_path, "mixture of 3 datasets vs one dataset, warm, shuffled", groups, lines)
 
 

@@ -17,6 +17,11 @@ def png_path(json_path: str) -> str:
     return os.path.splitext(json_path)[0] + ".png"
 
 
+def line_label(what: str, io_mode: str | None) -> str:
+    """A ceiling's name on the plot: its row's name without ``ceiling: ``, with its io mode where it has one."""
+    return what.removeprefix("ceiling: ") + (f" ({io_mode})" if io_mode else "")
+
+
 def gbps_plot(json_path: str, title: str, groups: dict[str, dict[str, float | None]],
               ceilings: dict[str, float | None]) -> str | None:
     """Write ``<json_path without .json>.png``: a group of bars per key of ``groups`` (its series side by side,

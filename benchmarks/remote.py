@@ -48,7 +48,7 @@ from gdsload.system.env import gpu_available
 from gdsload.tools.measure import PassResult, pinned_h2d_gbps, read_files, shard_paths, take_batches, time_pass
 
 from .common import BATCH, Rows, free_device_memory, make_dataset, parse_probe_args, probe_parser, write_probe_table
-from .plots import gbps_plot
+from .plots import gbps_plot, line_label
 from .remote_clients import serve_files_on, servers
 
 RAW = "raw RemoteFile -> device"
@@ -222,8 +222,7 @@ def plot(json_path: str, rows: list[Row]) -> str | None:
     """Every measured row's GB/s as a bar, the :data:`CEILINGS` as lines, beside ``json_path``."""
     bars = {f"{r['what']} ({r['io_mode']})": {"GB/s": r["gbps"]} for r in rows
             if r["what"] not in CEILINGS and r.get("gbps") is not None}
-    lines = {r["what"].removeprefix("ceiling: ") + (f" ({r['io_mode']})" if r.get("io_mode") else ""): r.get("gbps")
-             for r in rows if r["what"] in CEILINGS}
+    lines = {line_label(r["what"], r.get("io_mode")): r.get("gbps") for r in rows if r["what"] in CEILINGS}
     return gbps_plot(json_path, "remote dataset over HTTP from a local aiohttp server", bars, lines)
 
 
