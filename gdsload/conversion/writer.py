@@ -23,14 +23,13 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Callable
 
 import crc32c
 import numpy as np
 
 from .checks import NAME_MAX_BYTES, RESERVED_NAMES
-from ..errors import ConversionError, one_line
+from ..errors import ConversionError
 from ..format.arrays import CRC_BYTES
 from ..format.meta import ATTRS_KEY, CHECKSUM_ALGORITHM, CHECKSUMS_GROUP, FORMAT_VERSION, DatasetMeta, read_metadata
 from ..format.shard_index import MAX_UINT_64
