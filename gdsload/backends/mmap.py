@@ -37,7 +37,7 @@ from .._tasks import Pending, Queued
 from .base import ReadRequest, Request
 from ..format.files import read_error
 from .cuda import CudaBackend
-from ..system.placement import Placer, device_bus_id, for_process
+from ..system.placement import for_device
 
 DEFAULT_COPY_BYTES = 64 << 20
 DEFAULT_STREAMS = 2
@@ -228,7 +228,7 @@ class MmapBackend(CudaBackend):
         super().__init__(device_id)
         # The loader threads run on the GPU's NUMA node: a cold file's pages are allocated there as they read
         # it; pages already cached stay where they were first read (docs/design.md, "NUMA placement").
-        self.placer = Placer(for_process(device_bus_id(self.device)))
+        self.placer = for_device(self.device)
         if self.placer.placement.active:
             self.placer.note("page cache pages already cached", "the kernel placed them where they were first "
                              "read; gdsload does not migrate them (move_pages/migrate_pages)")

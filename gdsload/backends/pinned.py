@@ -60,7 +60,7 @@ class PinnedBackend(CudaBackend):
         :func:`native_buf_bytes`). ``num_threads`` (reader threads) defaults to :func:`native_threads` of this
         rank's cores for the native reader, ``DEFAULT_THREADS`` for the others."""
         from ..system.env import kvikio_installed, local_ranks, rank_cores
-        from ..system.placement import Placer, device_bus_id, for_process
+        from ..system.placement import for_device
 
         if num_threads is not None and num_threads < 1:
             raise ValueError(f"num_threads must be positive (found {num_threads})")
@@ -78,7 +78,7 @@ class PinnedBackend(CudaBackend):
         self.copy_share, self.spin_events = copy_share, spin_events
         self.native_reason: str | None = None  # why "auto" did not get the native stager
         # The GPU's NUMA node: reader threads and staging memory are made there (docs/design.md, "NUMA placement").
-        self.placer = placer = Placer(for_process(device_bus_id(self.device)))
+        self.placer = placer = for_device(self.device)
         self._files = FileHandles()
         staging: StagingReader | None = None
         if reader in ("auto", "native") and not direct:

@@ -183,6 +183,11 @@ def placement_report(files: SystemFiles, gpu_bus_id: str | None = None) -> tuple
                 f"({format_cpulist(p.cpus)}), not the rest of the process"), fix
 
 
+def for_device(device: Any) -> Placer:
+    """The placer of a backend on CuPy ``device``: this process's placement for that GPU (:func:`for_process`)."""
+    return Placer(for_process(device_bus_id(device)))
+
+
 def inactive(why: str) -> Placer:
     """A placer that places nothing (stand-ins, and backends built without a device)."""
     return Placer(Placement(None, None, _NONE, why))
