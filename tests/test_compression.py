@@ -387,16 +387,8 @@ def test_nvcomp_batch_checks_the_decoded_size(tmp_path):
         NvcompBatch(None, HostOps())
 
 
-@pytest.mark.parametrize("closed", [True, False], ids=["closed", "dropped"])
-def test_the_codec_goes_before_its_stream(tmp_path, closed):
-    """nvCOMP's codec uses the stream it was made with when it is destroyed: a decoder closed, or just dropped,
-    destroys the codec while the decoder's stream still exists (the stream going first crashed the process)."""
-    events = []
-
-    class StreamOps(HostOps):
-        def __del__(self):
-            events.append("stream destroyed")
-
+def noting_codec(events: list[str]) -> FakeNvcomp:
+    """A FakeNvcomp whose codecs add "codec destroyed" to ``events`` when they go."""
     fake = FakeNvcomp()
 
     class Codec(fake.Codec):
@@ -404,8 +396,21 @@ def test_the_codec_goes_before_its_stream(tmp_path, closed):
             events.append("codec destroyed")
 
     fake.Codec = Codec
+    return fake
+
+
+@pytest.mark.parametrize("closed", [True, False], ids=["closed", "dropped"])
+def test_the_codec_goes_before_its_stream(tmp_path, closed):
+    """nvCOMP's codec uses the stream it was made with when it is destroyed: a decoder closed, or just dropped,
+    destroys the codec while the decoder's stream still exists (the stream going first crashed the process)."""
+    events: list[str] = []
+
+    class StreamOps(HostOps):
+        def __del__(self):
+            events.append("stream destroyed")
+
     layout = DatasetLayout(read_metadata(store(tmp_path, z=(10, 40, [ZstdCodec()]))))
-    decoder = Decoder(layout, True, 0, ["z"], threads=1, nvcomp=fake, ops=StreamOps())
+    decoder = Decoder(layout, True, 0, ["z"], threads=1, nvcomp=noting_codec(events), ops=StreamOps())
     if closed:
         decoder.close()
         assert events == ["codec destroyed"]
@@ -418,17 +423,10 @@ def test_a_closed_decoder_gives_nvcomps_scratch_memory_back_after_its_codec_goes
     decoder that closes gives them back then (its stream drained, its codec gone), not at some later decode."""
     from gdsload.codecs import nvcomp_memory
 
-    events = []
+    events: list[str] = []
     monkeypatch.setattr(nvcomp_memory, "reap", lambda: events.append("reaped"))
-    fake = FakeNvcomp()
-
-    class Codec(fake.Codec):
-        def __del__(self):
-            events.append("codec destroyed")
-
-    fake.Codec = Codec
     layout = DatasetLayout(read_metadata(store(tmp_path, z=(10, 40, [ZstdCodec()]))))
-    Decoder(layout, True, 0, ["z"], threads=1, nvcomp=fake, ops=HostOps()).close()
+    Decoder(layout, True, 0, ["z"], threads=1, nvcomp=noting_codec(events), ops=HostOps()).close()
     assert events == ["codec destroyed", "reaped"]
 
 
