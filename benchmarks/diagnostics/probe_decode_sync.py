@@ -116,20 +116,8 @@ def run_case(name: str, n: int, chunk_bytes: int, spin_ms: float, repeats: int,
     stream.synchronize()
     row["pinned_allocs"], row["device_allocs"] = pinned.calls, device.calls
     row["gil_free_pct"] = gil_free_pct(call, stream)
-    with stream:
-        Spin(spin_ms).launch()
-    t0 = time.perf_counter()
-    call()
-    row["blocks"] = round((time.perf_counter() - t0) * 1e3, 3)
-    stream.synchronize()
-    other = cupy.cuda.Stream(non_blocking=True)
-    with other:
-        Spin(spin_ms).launch()
-    t0 = time.perf_counter()
-    call()
-    row["blocks_other"] = round((time.perf_counter() - t0) * 1e3, 3)
-    other.synchronize()
-    stream.synchronize()
+    row["blocks"] = behind_spin(call, Spin(spin_ms), stream, stream)
+    row["blocks_other"] = behind_spin(call, Spin(spin_ms), cupy.cuda.Stream(non_blocking=True), stream)
     t0 = time.perf_counter()
     for _ in range(repeats):
         call()
@@ -139,6 +127,18 @@ def run_case(name: str, n: int, chunk_bytes: int, spin_ms: float, repeats: int,
     nvcomp.set_pinned_allocator(None)
     nvcomp.set_device_allocator(None)
     return row
+
+
+def behind_spin(call: Any, spin: Any, on: Any, stream: Any) -> float:
+    """Host milliseconds ``call`` takes with ``spin`` queued first on stream ``on`` (both streams drained after)."""
+    with on:
+        spin.launch()
+    t0 = time.perf_counter()
+    call()
+    took = round((time.perf_counter() - t0) * 1e3, 3)
+    on.synchronize()
+    stream.synchronize()
+    return took
 
 
 def gil_free_pct(call: Any, stream: Any) -> float:
