@@ -209,19 +209,3 @@ def test_canaries_judge_the_passes_of_a_step_row(small: str) -> None:
     assert row is not None and row["canary_cores"] == [core] and len(row["canary_least_slowdown_runs"]) == 2
     assert all(s is not None and s > 0 for s in row["canary_least_slowdown_runs"])
     assert row["wait_fraction_unslowed"] == round(float(np.median(row["wait_fraction_runs"])), 4)
-
-
-def test_gil_free_pct_tells_a_call_that_lets_the_gil_go_from_one_that_holds_it():
-    """probe_decode_sync's measure: a sleep lets a Python thread run on; sorting a long list in C holds the GIL."""
-    import random
-
-    from benchmarks.diagnostics.probe_decode_sync import gil_free_pct
-
-    class Idle:
-        def synchronize(self) -> None:
-            pass
-
-    values = list(range(1_000_000))
-    random.Random(0).shuffle(values)
-    assert gil_free_pct(lambda: time.sleep(0.1), Idle()) > 50
-    assert gil_free_pct(lambda: sorted(values), Idle()) < 25

@@ -5,8 +5,6 @@
     python -m benchmarks.diagnostics.probe_startup       # open and first batch per backend (--fresh: new processes)
     python -m benchmarks.diagnostics.verify_cost         # what verify and zarr's crc32c codec cost each backend
     python -m benchmarks.diagnostics.probe_copy_engines  # does a device copy wait behind host-to-device copies
-    python -m benchmarks.diagnostics.probe_nvcomp        # which threads, streams and views nvCOMP's Codec needs
-    python -m benchmarks.diagnostics.probe_decode_sync   # does nvCOMP's batched decode block the host; what stops it
 
 They use gdsload's public API only (``from gdsload import ...``, ``describe()``, ``stats``, constructor
 options) and the measuring tools that ``benchmarks.common`` imports; none reads a private name of the library

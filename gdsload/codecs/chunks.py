@@ -23,9 +23,11 @@ NVCOMP_CHAINS = (("zstd",), ("zstd", "crc32c"))
 #: ``GDSLOAD_NVCOMP=0`` turns the device path off: zstd is then decoded by CPU threads, as without nvCOMP.
 NVCOMP_ENV = "GDSLOAD_NVCOMP"
 #: What the warning about CPU decoding of zstd suggests.
-NVCOMP_HINT = ("install gdsload[nvcomp] (nvidia-nvcomp-cu13, under NVIDIA's licence; also in gdsload[gpu]; for "
+NVCOMP_HINT = ("install gdsload[nvcomp] (nvidia-libnvcomp-cu13, under NVIDIA's licence; also in gdsload[gpu]; for "
                "CUDA 12, gdsload[nvcomp-cu12]) to decode them on the GPU")
 _warned = threading.Event()
+_loaded: list[Any] = []  # [the ZstdLib or None], once tried
+_load_lock = threading.Lock()
 
 
 class Chain:
@@ -64,15 +66,16 @@ def device_decodable(codecs: Sequence[tuple[str, Any]]) -> bool:
 
 
 def load_nvcomp() -> Any:
-    """``nvidia.nvcomp`` when it is installed and not switched off (``GDSLOAD_NVCOMP=0``), else None
-    (imported only when a dataset needs it)."""
+    """nvCOMP's zstd decoder (:class:`gdsload.codecs.nvcomp_lib.ZstdLib`) when libnvcomp is installed and
+    not switched off (``GDSLOAD_NVCOMP=0``), else None (loaded only when a dataset needs it, once)."""
     if os.environ.get(NVCOMP_ENV) == "0":
         return None
-    try:
-        from nvidia import nvcomp
-    except Exception:
-        return None
-    return nvcomp
+    with _load_lock:
+        if not _loaded:
+            from .nvcomp_lib import load
+
+            _loaded.append(load())
+    return _loaded[0]
 
 
 def device_fields(fields: Sequence[Any], on_gpu: bool, nvcomp: Any = None) -> tuple[list[str], list[str]]:

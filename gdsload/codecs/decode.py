@@ -48,7 +48,7 @@ class WindowDecoder(Protocol):
     device work. :class:`Decoder` keeps it."""
 
     def host_buffer(self, nbytes: int) -> Any: ...
-    def decode(self, wb: Any, work: Any, filled: Any, stop: threading.Event) -> Any: ...
+    def decode(self, wb: Any, work: Any, filled: Any, stop: threading.Event) -> tuple[Any, Any]: ...
     def quiesce(self) -> None: ...
     def close(self) -> None: ...
 
@@ -64,7 +64,7 @@ class Decoder:
 
     def __init__(self, layout: Any, on_gpu: bool, device_id: int = 0, device: Sequence[str] = (),
                  threads: int = DECODE_THREADS, nvcomp: Any = None, ops: DecodeOps | None = None):
-        """``nvcomp`` and ``ops`` replace ``nvidia.nvcomp`` and the CUDA side
+        """``nvcomp`` and ``ops`` replace libnvcomp (:class:`gdsload.codecs.nvcomp_lib.ZstdLib`) and the CUDA side
         (:class:`gdsload.codecs.nvcomp.DecodeDevice`), for tests of the device path without a GPU."""
         self.layout, self.on_gpu, self.device_id = layout, on_gpu, device_id
         metas = {k: layout.meta.array(k) for k in layout.keys}
@@ -80,35 +80,31 @@ class Decoder:
 
             self.gpu = ops if ops is not None else DecodeDevice(device_id)
             if device:
-                if nvcomp is None:
-                    from .nvcomp_memory import install
-
-                    nvcomp = load_nvcomp()
-                    if nvcomp is not None:
-                        install(nvcomp)  # its scratch memory from CuPy's pools, in stream order
-                self.batch = NvcompBatch(nvcomp, self.gpu, device_id)
+                self.batch = NvcompBatch(nvcomp if nvcomp is not None else load_nvcomp(), self.gpu)
 
     def host_buffer(self, nbytes: int) -> Any:
         """A host buffer for a window's compressed chunks that CPU threads decode: pinned on a GPU backend
         (its decoded cells are copied to the device from it)."""
         return self.gpu.pinned(nbytes) if self.gpu is not None else np.empty(nbytes, np.uint8)
 
-    def decode(self, wb: Any, work: Any, filled: Any, stop: threading.Event) -> Any:
+    def decode(self, wb: Any, work: Any, filled: Any, stop: threading.Event) -> tuple[Any, Any]:
         """Decode every compressed chunk of ``work`` into its cell (the window's reads are done, or queued
-        before ``filled``); return the event after which the cells hold them (None on cpu). Once ``stop`` is
-        set, chunks not yet started are skipped."""
+        before ``filled``); return the event after which the cells hold them (None on cpu), and the check of
+        the device's decode to confirm before a sample of the window is handed on (None: none queued). Once
+        ``stop`` is set, chunks not yet started are skipped."""
         host_jobs = [j for j in work.jobs if j.name in self.chains]
         self._decode_host(wb, host_jobs, stop)
         if self.gpu is None:
-            return filled
+            return filled, None
         gpu = self.gpu
         with self._lock, gpu.ordered(filled):  # the device's work on the decoder's stream, after ``filled``
             for job in host_jobs:
                 if job.copy is not None:
                     h, d, n = job.copy
                     gpu.to_device(wb.buffer, d, wb.host, h, n)
-            outs = [self.batch.decode(wb.buffer, j, self.layout) for j in work.jobs if j.name not in self.chains]
-            return gpu.done(outs)
+            checks = [self.batch.decode(wb.buffer, j, self.layout) for j in work.jobs if j.name not in self.chains]
+            checks = [c for c in checks if c is not None]
+            return gpu.done([c.keep for c in checks]), all_of(checks)
 
     def _decode_host(self, wb: Any, jobs: list[Any], stop: threading.Event) -> None:
         tasks: list[Callable[[], None]] = []
@@ -139,12 +135,32 @@ class Decoder:
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
         if self.gpu is not None:
-            self.gpu.close()  # the stream drained, nvCOMP's outputs freed
+            self.gpu.quiesce()
         if self.batch is not None:
-            from .nvcomp_memory import reap
+            self.batch.close()  # nvCOMP's scratch memory back to the pool: the stream has passed every use of it
+        if self.gpu is not None:
+            self.gpu.close()  # then the pool's blocks of the decoder's streams are released
 
-            self.batch.close()  # the codec destroyed before its stream
-            reap()  # its scratch memory back to the pools: the stream has passed every use of it
+
+class AllOf:
+    """Checks of one window confirmed together, in order (a Verdict's ``confirm``)."""
+
+    passed = None
+
+    def __init__(self, checks: Sequence[Any]):
+        self.checks, self.confirmed = list(checks), False
+
+    def confirm(self) -> None:
+        if not self.confirmed:
+            self.confirmed = True
+            for c in self.checks:
+                c.confirm()
+
+
+def all_of(checks: Sequence[Any]) -> Any:
+    """One check for ``checks`` (skipping None): None when there is none, the check itself when one."""
+    checks = [c for c in checks if c is not None]
+    return None if not checks else checks[0] if len(checks) == 1 else AllOf(checks)
 
 
 def _groups(n: int, parts: int) -> list[tuple[int, int]]:

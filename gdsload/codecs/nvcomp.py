@@ -1,33 +1,23 @@
 """Decoding on the device: zstd chunks batched through nvCOMP, and the decode step's CUDA side.
 
-nvCOMP (``nvidia-nvcomp-cu13`` >= 6, NVIDIA-proprietary, the optional ``gdsload[nvcomp]`` extra) is imported only
-when a dataset with device-decoded fields opens. Its Python API as used here::
+nvCOMP (``nvidia-libnvcomp-cu13`` >= 6, NVIDIA-proprietary, the optional ``gdsload[nvcomp]`` extra) is loaded
+only when a dataset with device-decoded fields opens, and called through its C API
+(:mod:`gdsload.codecs.nvcomp_lib`): ``nvcompBatchedZstdDecompressAsync`` decodes a batch of chunks, each from
+its place in the window buffer's compressed region straight into its cell, and only queues the work on the
+decoder's stream. Nothing waits for the stream or the decode, and nothing is allocated per window but a small
+table of addresses and sizes (device memory from CuPy's pool, filled by one copy from a pinned buffer).
 
-    codec = nvcomp.Codec(algorithm="Zstd", bitstream_kind=nvcomp.BitstreamKind.RAW, device_id=D, cuda_stream=S)
-    codec.decode(nvcomp.as_arrays([chunk, ...]), out=nvcomp.as_arrays([cell, ...]))  # chunk i into cell i
-
-One call decodes every chunk of one field in one window (a call per chunk is far slower: few large chunks
-leave the GPU underused), from views of the window buffer's compressed region straight into views of the
-chunks' cells: nothing is allocated, copied or freed per window (nvCOMP's own outputs would be, and freeing
-device memory synchronises the whole device). nvCOMP does not check the zstd magic number, so each chunk's
-first four bytes are checked here first: a chunk that is not a zstd frame (a store whose metadata names the
-wrong codec, a damaged file) is an error, never decoded into a wrong sample. A chunk nvCOMP refuses is named
-by decoding the batch's chunks one by one after the batched call failed; one whose decoded size is not the
-chunk's is named too.
-
-Nothing in a window's decode waits for earlier work on the decoder's stream: each call passes a decompression
-config built from the chunks' sizes (:meth:`NvcompBatch.config`; without one, nvCOMP reads the frame headers
-back and waits for the stream), the magic-number and crc32c checks run on a stream of their own that waits
-for the window's reads alone, and nvCOMP's scratch memory comes from CuPy's pools in stream order
-(:mod:`gdsload.codecs.nvcomp_memory`; nvCOMP's own allocators wait for the whole device).
-
-Teardown order matters: the codec is made on the decoder's stream and uses it when it is destroyed, so
-:meth:`NvcompBatch.close` (called by the decoder's ``close()``, and when the batch is collected) destroys the
-codec while the stream still exists; left to reference counting, the stream went first and the process
-crashed in nvCOMP.
+One call decodes every chunk of one field in one window, up to :data:`CALL_BYTES` decoded (a call per chunk is
+far slower: few chunks leave the GPU underused). Its scratch memory is the decoder's, kept and grown as needed.
+Before the call, each chunk's crc32c (when its codecs end with one) and its zstd magic number are checked on a
+stream of their own that waits for the window's reads alone: nvCOMP checks neither, and a damaged frame can
+make its decode run on without end. After it, each chunk's status and decoded size come back to the host with
+the window's other checks (:class:`DecodeCheck`, confirmed before a sample of the window is handed on): a chunk
+nvCOMP fails on, or decodes to another size than its cell's, is a ReadError naming it.
 
 :class:`NvcompBatch` does the batching and the mapping of chunks to cells through an ``ops`` object
-(:class:`DecodeDevice` here; tests pass host stand-ins and a fake codec, so this logic runs without a GPU).
+(:class:`DecodeDevice` here; tests pass host stand-ins and a library that decodes host memory, so this logic
+runs without a GPU).
 """
 
 from __future__ import annotations
@@ -39,72 +29,111 @@ from typing import Any, ContextManager, Protocol
 
 import numpy as np
 
-from ..cuda.runtime import H2D, record_event
-from .chunks import chunk_error
+from ..cuda.runtime import D2H, H2D, record_event
 from ..format.arrays import CRC_BYTES
+from .chunks import chunk_error
+from .nvcomp_lib import ZstdLib, status_name
 
 #: The first four bytes of every zstd frame, read as a little-endian uint32.
 ZSTD_MAGIC = 0xFD2FB528
-#: Decompression configs kept per codec, one per (chunk size, chunks in a call): a dataset's windows have few shapes.
-CONFIGS = 16
+#: Decoded bytes one nvCOMP call takes at most: more chunks per call keep more of the GPU busy, and nvCOMP 6's zstd
+#: needs about three times a call's decoded bytes of scratch memory.
+CALL_BYTES = 512 << 20
+SIZE_BYTES, STATUS_BYTES = 8, 4  # a size_t, an nvcompStatus_t
 
 
 class DecodeOps(Protocol):
     """The device side of the decode step: its stream, pinned host buffers, host-to-device copies ordered
-    after a window's reads, and the buffer views nvCOMP decodes into. :class:`DecodeDevice` keeps it on a
-    GPU; the tests keep it with numpy."""
+    after a window's reads, device memory and copies to and from it on the decoder's stream, and the checks
+    before a decode. :class:`DecodeDevice` keeps it on a GPU; the tests keep it with numpy."""
 
     stream_ptr: int
 
     def pinned(self, nbytes: int) -> np.ndarray: ...
     def ordered(self, filled: Any) -> ContextManager[None]: ...
     def to_device(self, buffer: Any, dest: int, host: np.ndarray, src: int, nbytes: int) -> None: ...
-    def done(self, outs: list[Any]) -> Any: ...
-    def view(self, buffer: Any, lo: int, hi: int) -> Any: ...
-    def nbytes(self, arr: Any) -> int: ...
+    def done(self, keep: list[Any]) -> Any: ...
+    def address(self, arr: Any) -> int: ...
+    def empty(self, nbytes: int) -> Any: ...
+    def upload(self, data: np.ndarray, extra: int) -> tuple[Any, Any]: ...
+    def download(self, arr: Any, lo: int, hi: int) -> Readback: ...
     def heads(self, buffer: Any, lo: np.ndarray, hi: np.ndarray) -> np.ndarray: ...
     def crc_mismatch(self, buffer: Any, lo: np.ndarray, hi: np.ndarray) -> np.ndarray: ...
     def quiesce(self) -> None: ...
     def close(self) -> None: ...
 
 
+class Readback:
+    """Bytes copied from the device into ``host`` on the decoder's stream: :meth:`get` waits for the copy
+    (``event``; None: done) and returns them."""
+
+    def __init__(self, host: np.ndarray, event: Any = None):
+        self.host, self.event = host, event
+
+    def get(self) -> np.ndarray:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host
+
+
+class DecodeCheck:
+    """A field's decode in one window, queued: :meth:`confirm` waits for it and raises the ReadError of the
+    first chunk nvCOMP failed on or decoded to another size than its cell's; later calls do nothing. ``keep``:
+    what must live until the decoder's stream has passed the decode (its arguments, its readbacks)."""
+
+    passed = None  # as Verdict's: nothing to record once confirmed
+
+    def __init__(self, layout: Any, job: Any, names: list[str], cell_bytes: int):
+        self.layout, self.job, self.names, self.cell_bytes = layout, job, names, cell_bytes
+        self.calls: list[tuple[int, Readback]] = []  # (the call's first chunk in the job, its readback)
+        self.keep: list[Any] = []
+        self.confirmed = False
+
+    def confirm(self) -> None:
+        if self.confirmed:
+            return
+        self.confirmed = True
+        for first, readback in self.calls:
+            got = readback.get()
+            m = len(got) // (SIZE_BYTES + STATUS_BYTES)
+            sizes = got[:m * SIZE_BYTES].view(np.uint64)
+            statuses = got[m * SIZE_BYTES:].view(np.int32)
+            bad = np.flatnonzero((statuses != 0) | (sizes != self.cell_bytes))
+            if len(bad):
+                i = int(bad[0])
+                why = (f"nvCOMP: {status_name(int(statuses[i]))}" if statuses[i] != 0 else
+                       f"nvCOMP decodes it to {int(sizes[i])} bytes (expected {self.cell_bytes})")
+                raise chunk_error(self.layout, self.job.name, int(self.job.chunks[first + i]), self.names, why)
+
+
 class NvcompBatch:
-    """A field's chunks of one window, decoded by one nvCOMP call and copied into their cells."""
+    """A field's chunks of one window decoded by nvCOMP straight into their cells, in calls of at most
+    ``call_bytes`` decoded bytes (nvCOMP's scratch memory for a call is about three times that, kept and
+    reused in stream order; ``temp_bytes`` says how much is held)."""
 
-    def __init__(self, nvcomp: Any, ops: DecodeOps, device_id: int = 0):
-        self.codec: Any = None
-        self._configs: dict[tuple[int, int], Any] = {}  # (chunk bytes, chunks) -> DecompressConfig
-        if nvcomp is None:
-            raise ImportError("nvidia.nvcomp is not installed")
-        self.nvcomp, self.ops = nvcomp, ops
-        self.codec = nvcomp.Codec(algorithm="Zstd", bitstream_kind=nvcomp.BitstreamKind.RAW, device_id=device_id,
-                                  cuda_stream=ops.stream_ptr)
-
-    def config(self, block_bytes: int, n: int) -> Any:
-        """The decompression config of ``n`` chunks of ``block_bytes`` each, built from their sizes alone (no
-        header read back from the device, so the decode call does not wait for the stream) and kept for
-        later windows of the same shape (the last :data:`CONFIGS` shapes)."""
-        key = (block_bytes, n)
-        got = self._configs.pop(key, None)
-        if got is None:
-            got = self.codec.decompression_config(self.codec.compression_config([block_bytes] * n))
-        self._configs[key] = got
-        while len(self._configs) > CONFIGS:
-            self._configs.pop(next(iter(self._configs)))
-        return got
+    def __init__(self, lib: ZstdLib | None, ops: DecodeOps, call_bytes: int | None = None):
+        if lib is None:
+            raise ImportError("libnvcomp is not installed (nvidia-libnvcomp-cu13)")
+        self.lib, self.ops, self.call_bytes = lib, ops, call_bytes or CALL_BYTES
+        self._temp: Any = None
+        self.temp_bytes = 0  # the scratch memory held
 
     def close(self) -> None:
-        """Destroy the codec now, while ``ops`` (and its stream) are still held (see the module's docstring)."""
-        self.codec = None
-        self._configs.clear()
+        """Let go of the scratch memory (the decoder's stream is drained first)."""
+        self._temp, self.temp_bytes = None, 0
 
-    def __del__(self) -> None:
-        self.close()
+    def _scratch(self, nbytes: int) -> int:
+        """The address of scratch memory of at least ``nbytes``, reused call after call in the stream's order
+        and grown when a call needs more."""
+        if nbytes > self.temp_bytes:
+            self._temp = None  # back to the pool, reused in the stream's order
+            self._temp, self.temp_bytes = self.ops.empty(nbytes), nbytes
+        return self.ops.address(self._temp)
 
-    def decode(self, buffer: Any, job: Any, layout: Any) -> Any:
-        """Decode chunks ``job.chunks`` (compressed at ``job.src`` of ``buffer``, ``job.nbytes`` long, a crc32c
-        after each when the array's codecs end with one) into ``buffer`` at ``job.dest``; returns what nvCOMP
-        returned, to be kept until the decoder's stream has passed the call."""
+    def decode(self, buffer: Any, job: Any, layout: Any) -> DecodeCheck | None:
+        """Queue the decode of chunks ``job.chunks`` (compressed at ``job.src`` of ``buffer``, ``job.nbytes``
+        long, a crc32c after each when the array's codecs end with one) into ``buffer`` at ``job.dest``, after
+        checking each chunk's crc32c and zstd magic number; the returned check confirms the decode."""
         meta = layout.meta.array(job.name)
         names = [n for n, _ in meta.codecs]
         bb, ops = meta.block_bytes, self.ops
@@ -128,32 +157,34 @@ class NvcompBatch:
             raise chunk_error(layout, job.name, int(job.chunks[i]), names,
                               f"not a zstd frame (it starts with {int(heads[i]):#010x}, not the magic number "
                               f"{ZSTD_MAGIC:#010x}{'; shorter than one' if ends[i] - src[i] < 4 else ''})")
-        views = [ops.view(buffer, s, e) for s, e in zip(src.tolist(), ends.tolist())]
-        cells = [ops.view(buffer, d, d + bb) for d in np.asarray(job.dest, dtype=np.int64).tolist()]
-        config = self.config(bb, len(views))
-        try:
-            outs = self.codec.decode(self.nvcomp.as_arrays(views), out=self.nvcomp.as_arrays(cells),
-                                     decompression_config=config)
-        except Exception as e:
-            raise self._culprit(views, job, layout, names, e) from None
-        for i in range(len(views)):
-            n = ops.nbytes(outs[i])
-            if n != bb:
-                raise chunk_error(layout, job.name, int(job.chunks[i]), names,
-                                  f"nvCOMP decodes it to {n} bytes (expected {bb})")
-        return outs
+        base = ops.address(buffer)
+        table = np.stack([base + src, ends - src, np.full(len(src), bb), base + np.asarray(job.dest, np.int64),
+                          np.zeros(len(src), np.int64)]).astype(np.uint64)
+        check = DecodeCheck(layout, job, names, bb)
+        step = max(1, self.call_bytes // bb)
+        for lo in range(0, len(src), step):
+            check.calls.append((lo, self._call(np.ascontiguousarray(table[:, lo:lo + step]), bb, check, layout)))
+        return check
 
-    def _culprit(self, views: list[Any], job: Any, layout: Any, names: list[str], error: Exception) -> Exception:
-        """The batched call failed: decode chunk by chunk to name the first that does not decode."""
-        for i, v in enumerate(views):
-            try:
-                self.codec.decode(self.nvcomp.as_arrays([v]), data_type="|u1")
-            except Exception as e:
-                return chunk_error(layout, job.name, int(job.chunks[i]), names, f"nvCOMP: {type(e).__name__}: {e}")
-        chunks = [int(c) for c in job.chunks[:8]]
-        return chunk_error(layout, job.name, chunks[0], names, f"nvCOMP failed on the batch of chunks {chunks}"
-                                                               f"{'...' if len(job.chunks) > 8 else ''} "
-                                                               f"({type(error).__name__}: {error})")
+    def _call(self, table: np.ndarray, bb: int, check: DecodeCheck, layout: Any) -> Readback:
+        """One nvCOMP call over ``table``'s chunks (rows: compressed addresses and sizes, cell sizes and
+        addresses, decoded sizes), its statuses after the table in the same device array."""
+        ops, m = self.ops, table.shape[1]
+        dev, staged = ops.upload(table.reshape(-1).view(np.uint8), STATUS_BYTES * m)
+        at = ops.address(dev)
+        row = SIZE_BYTES * m
+        need = self.lib.temp_bytes(m, bb, m * bb)
+        code = self.lib.decompress(at, at + row, at + 2 * row, at + 4 * row, m, self._scratch(need), need,
+                                   at + 3 * row, at + 5 * row, ops.stream_ptr)
+        check.keep += [dev, staged]
+        if code != 0:
+            chunks = [int(c) for c in check.job.chunks[:8]]
+            raise chunk_error(layout, check.job.name, chunks[0], check.names,
+                              f"nvCOMP refused the batch of chunks {chunks}{'...' if len(check.job.chunks) > 8 else ''}"
+                              f" ({status_name(code)})")
+        readback = ops.download(dev, 4 * row, 5 * row + STATUS_BYTES * m)
+        check.keep.append(readback)
+        return readback
 
 
 def heads(gather: Any, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -181,9 +212,10 @@ def crc_mismatch(got: np.ndarray, trailing: np.ndarray, lo: np.ndarray, hi: np.n
 
 
 class DecodeDevice:
-    """The decode step's CUDA side: a non-blocking stream of its own, pinned host buffers for host-decoded
-    fields, copies of their decoded cells to the device, and the buffer operations :class:`NvcompBatch`
-    needs."""
+    """The decode step's CUDA side: a non-blocking stream of its own (and one for the checks), pinned host
+    buffers for host-decoded fields, copies of their decoded cells to the device, and the buffer operations
+    :class:`NvcompBatch` needs. Device memory it allocates comes from CuPy's pool on its stream; when it
+    closes, the pool's free blocks of its streams are released (no later stream could reuse them)."""
 
     def __init__(self, device_id: int):
         import cupy
@@ -195,7 +227,7 @@ class DecodeDevice:
             self.checks = cupy.cuda.Stream(non_blocking=True)  # the chunks' checks: they wait for reads only
         self.stream_ptr = self.stream.ptr
         self._crc: Any = None
-        self._held: list[tuple[Any, Any]] = []  # (event, nvCOMP outputs) until the event has passed
+        self._held: list[tuple[Any, Any]] = []  # (event, what queued work uses) until the event has passed
         self._lock = threading.Lock()
 
     def pinned(self, nbytes: int) -> np.ndarray:
@@ -219,20 +251,39 @@ class DecodeDevice:
         self.cupy.cuda.runtime.memcpyAsync(int(buffer.data.ptr) + dest, int(host.ctypes.data) + src, nbytes, H2D,
                                            self.stream_ptr)
 
-    def done(self, outs: list[Any]) -> Any:
-        """The event after the work queued so far; nvCOMP's outputs ``outs`` are kept until it has passed."""
+    def done(self, keep: list[Any]) -> Any:
+        """The event after the work queued so far; ``keep`` (what that work reads or writes) is held until it
+        has passed."""
         event = record_event(self.stream)
         with self._lock:
-            self._held = [(e, o) for e, o in self._held if not e.done] + [(event, outs)]
+            self._held = [(e, k) for e, k in self._held if not e.done] + [(event, keep)]
         return event
 
     # -- what NvcompBatch needs ----------------------------------------------------------------------------
-    def view(self, buffer: Any, lo: int, hi: int) -> Any:
-        return buffer[lo:hi]
+    def address(self, arr: Any) -> int:
+        return int(arr.data.ptr)
 
-    def nbytes(self, arr: Any) -> int:
-        cai = arr.__cuda_array_interface__
-        return int(np.prod(cai["shape"], dtype=np.int64)) * np.dtype(cai["typestr"]).itemsize
+    def empty(self, nbytes: int) -> Any:
+        """Device memory from CuPy's pool, allocated on the decoder's stream: once let go, only later work on
+        that stream reuses it."""
+        with self.device, self.stream:
+            return self.cupy.empty(nbytes, self.cupy.uint8)
+
+    def upload(self, data: np.ndarray, extra: int) -> tuple[Any, Any]:
+        """A device array of ``data``'s bytes followed by ``extra`` more, filled on the decoder's stream through
+        a pinned buffer from CuPy's pool; returns it and that buffer (held until the copy has run)."""
+        n = len(data)
+        staged = self.cupy.cuda.alloc_pinned_memory(n)
+        np.frombuffer(staged, np.uint8, n)[:] = data
+        dev = self.empty(n + extra)
+        self.cupy.cuda.runtime.memcpyAsync(int(dev.data.ptr), staged.ptr, n, H2D, self.stream_ptr)
+        return dev, staged
+
+    def download(self, arr: Any, lo: int, hi: int) -> Readback:
+        """Bytes ``[lo, hi)`` of the device array ``arr``, copied to a pinned buffer on the decoder's stream."""
+        staged = self.cupy.cuda.alloc_pinned_memory(hi - lo)
+        self.cupy.cuda.runtime.memcpyAsync(staged.ptr, int(arr.data.ptr) + lo, hi - lo, D2H, self.stream_ptr)
+        return Readback(np.frombuffer(staged, np.uint8, hi - lo), record_event(self.stream))
 
     def heads(self, buffer: Any, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """The first four bytes of each segment ``[lo, hi)`` as little-endian uint32 (bytes past ``hi`` read as
@@ -261,4 +312,7 @@ class DecodeDevice:
     def close(self) -> None:
         self.quiesce()
         with self._lock:
-            self._held.clear()
+            self._held.clear()  # the stream has passed every use
+        pool = self.cupy.get_default_memory_pool()
+        for stream in (self.stream, self.checks):
+            pool.free_all_blocks(stream=stream)

@@ -22,7 +22,7 @@ from .._tasks import Pending, Queued, drain
 from ..backends import ENV_BACKEND, info, make_backend, resolve
 from ..backends.base import Backend
 from ..backends.cpu import CpuBackend
-from ..codecs.decode import WindowDecoder
+from ..codecs.decode import WindowDecoder, all_of
 from ..codecs.verify import Verdict, Verification, carries_trailers, unchecked_fields
 from ..errors import GDSLoadError, ReadError
 from ..format.layout import DatasetLayout
@@ -77,13 +77,15 @@ class InFlight:
         try:
             pending, self._pending = self._pending, None
             event = pending.finish() if pending is not None else None
+            decoded = None  # the device decode's check, confirmed before the blocks' own
             if r.decoder is not None and not stop.is_set():
                 host, self._host = self._host, None
                 if host is not None:
                     host.finish()
-                event = r.decoder.decode(self.buf, self.work, event, stop)
+                event, decoded = r.decoder.decode(self.buf, self.work, event, stop)
             if self.checks is not None and len(self.checks.lo) and not stop.is_set():
                 verdict = r.verification.start(self.buf.buffer, self.checks, event)  # type: ignore[union-attr]
+            verdict = all_of([decoded, verdict])
         finally:
             self.drain()
         return Filled(event, verdict)
@@ -397,8 +399,10 @@ class Reader:
                   else "positions" if wm.direct(f) else "rows" for f in self.fields}  # type: ignore[union-attr]
         decode = {f: "device (nvCOMP)" if f in self.device_decoded else "cpu threads" for f in self.fields
                   if f in self.meta.fields and self.meta.fields[f].compressed}
+        batch = getattr(self.decoder, "batch", None)
         return {"backend": self.backend_name, "backend_reason": self.backend_reason, "io_mode": self.io_mode,
                 "foreign_store": self.meta.foreign, "gather": gather, "decode": decode,
+                "decode_scratch_bytes": batch.temp_bytes if batch is not None else 0,
                 "window_bytes": wm.nbytes, "resident_fields": list(self.resident_fields),  # type: ignore[union-attr]
                 "backend_stats": self.backend.stats(), **self._describe_remote()}
 
