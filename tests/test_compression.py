@@ -227,7 +227,8 @@ def _device_windows(path: str, device: list[str], host: list[str], fake: FakeZst
         decoder.batch.call_bytes = call_bytes
     wb = WindowBuffer(np.zeros(wl.nbytes, np.uint8))
     order = np.random.default_rng(0).permutation(meta.num_blocks)
-    got = {f: np.zeros((meta.num_blocks * meta.samples_per_block, 3), np.int32) for f in meta.fields}
+    got = {f: np.zeros((meta.num_blocks * meta.samples_per_block, *meta.fields[f].sample_shape),
+                       meta.fields[f].dtype) for f in meta.fields}
     stop = threading.Event()
     try:
         for w in range(0, len(order), window_blocks):
@@ -253,7 +254,7 @@ def _device_windows(path: str, device: list[str], host: list[str], fake: FakeZst
         decoder.close()
         backend.close()
         layout.close()
-    return {name: a[:N] for name, a in got.items()}, meta
+    return {name: a[:meta.num_samples] for name, a in got.items()}, meta
 
 
 def test_device_path_batches_one_call_per_field_and_window(tmp_path):
@@ -449,6 +450,44 @@ def test_compressed_and_raw_fields_together(tmp_path, backend):
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "gdsload", *args], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+
+
+def test_chunks_next_to_each_other_in_a_file_are_read_by_one_request(tmp_path):
+    """A window's compressed chunks lie in its region in file order, and chunks that follow each other in a
+    file come in one read: an unshuffled window over one shard is one request; a shuffled window reads each
+    chunk once, in fewer requests where its chunks meet; both decode exactly (the device path, decoded by the
+    fake library)."""
+    from gdsload.backends.base import ReadRequest
+
+    tokens = np.random.default_rng(2).zipf(1.5, (512, 64)).clip(0, 50000).astype(np.int32)
+    out = str(tmp_path / "t.gds")
+    write_dataset(out, {"tokens": ArraySource("tokens", tokens)}, compress="zstd:1", chunk_bytes=4 << 10,
+                  progress=False)
+    meta = read_metadata(out)
+    with DatasetLayout(meta) as layout:
+        f = meta.fields["tokens"]
+        wl = WindowMap([f], 8, samples_per_block=meta.samples_per_block, chunk_lengths=layout.chunk_lengths)
+        work = wl.work(layout, np.arange(8))
+        assert [type(r) for r in work.requests] == [ReadRequest]
+        assert work.requests[0].nbytes == int(layout.chunk_lengths["tokens"][:8].sum())
+        blocks = np.array([5, 0, 6, 1, 9, 2, 12, 3])
+        work = wl.work(layout, blocks)
+        job = work.jobs[0]
+        assert sorted(job.chunks.tolist()) == sorted(blocks.tolist())
+        assert len(work.requests) == 4  # 0-3, 5-6, 9, 12
+        assert sum(r.nbytes for r in work.requests) == int(job.nbytes.sum())
+    got, _ = _device_windows(out, ["tokens"], [], FakeZstd(), HostOps(), window_blocks=8)
+    np.testing.assert_array_equal(got["tokens"], tokens)
+
+
+def test_runs_merge_only_pieces_that_continue_in_file_and_destination():
+    from gdsload.pipeline.window import runs
+
+    files, offsets = np.array([0, 0, 0, 1, 1, 1]), np.array([0, 10, 10, 30, 40, 56])
+    lengths, dest = np.array([10, 5, 5, 10, 15, 5]), np.array([0, 10, 15, 20, 30, 45])
+    # 0+1 continue; 2 repeats 1's bytes; 3 is another file; 4 continues 3; 5 leaves a gap in the file
+    assert runs(files, offsets, lengths, dest) == ([0, 0, 1, 1], [0, 10, 30, 56], [15, 5, 25, 5], [0, 15, 20, 45])
+    assert runs(*(np.array([], np.int64),) * 4) == ([], [], [], [])
 
 
 # -- the converter ---------------------------------------------------------------------------------------------

@@ -242,27 +242,29 @@ class WindowMap:
         return self.work(layout, plan.windows[w]).requests if w < len(plan.windows) else []
 
     def _compressed(self, layout: DatasetLayout, f: FieldMeta, blocks: np.ndarray, work: Work) -> None:
-        """A compressed field's reads (chunk by chunk, back to back into its compressed region), fills and
-        decode job (see :class:`DecodeJob`)."""
+        """A compressed field's reads, fills and decode job (see :class:`DecodeJob`). The written chunks lie
+        back to back in its compressed region in the order of their files and offsets, so chunks that lie
+        next to each other in a file (a block of several chunks, an unshuffled window) are read by one
+        request: a request per chunk costs more than the chunk's bytes."""
         chunks, cells = self._chunk_cells(f, blocks)
         cells = np.arange(len(chunks), dtype=np.int64) if cells is None else cells
-        offsets, lengths = layout.block_offsets[f.name][chunks], layout.chunk_lengths[f.name][chunks]
-        files = layout.chunk_files[f.name][chunks]
+        offsets, files = layout.block_offsets[f.name][chunks], layout.chunk_files[f.name][chunks]
         present = offsets >= 0
         host = f.name in self.host_fields
-        sizes = np.where(present, lengths, 0)
-        src = self.zstarts[f.name] + np.cumsum(sizes) - sizes
         base = self.mirror[f.name] if host else self.starts[f.name]
         dest = base + cells * f.block_bytes
         reads = work.host_requests if host else work.requests
+        at = np.flatnonzero(present)
+        at = at[np.lexsort((offsets[at], files[at]))]
+        lengths = layout.chunk_lengths[f.name][chunks[at]]
+        src = self.zstarts[f.name] + np.cumsum(lengths) - lengths
         paths = layout.paths(f.name)
-        for file, off, n, s in zip(files[present].tolist(), offsets[present].tolist(), lengths[present].tolist(),
-                                   src[present].tolist()):
+        for file, off, n, s in zip(*runs(files[at], offsets[at], lengths, src)):
             reads.append(ReadRequest(paths[file], off, n, s))
         fill = f.fill_bytes()
         reads.extend(FillRequest(d, f.block_bytes, fill) for d in dest[~present].tolist())
         used = (int(cells.max()) + 1) * f.block_bytes if len(cells) else 0
-        work.jobs.append(DecodeJob(f.name, chunks[present], src[present], lengths[present], dest[present], host,
+        work.jobs.append(DecodeJob(f.name, chunks[at], src, lengths, dest[at], host,
                                    (self.mirror[f.name], self.starts[f.name], used) if host else None))
 
     def checks(self, layout: DatasetLayout, blocks: np.ndarray) -> Checks:
@@ -289,3 +291,16 @@ class WindowMap:
         off = self.starts[name]
         raw = buffer[off:off + f.sample_bytes * self.rows[name]]
         return raw.view(f.dtype).reshape(self.rows[name], *f.sample_shape)
+
+
+def runs(files: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, dest: np.ndarray) -> tuple[list[int], ...]:
+    """Pieces (file, offset, length, destination), merged where one begins in its file and its destination
+    where the one before ends: (files, offsets, lengths, destinations) of the merged pieces."""
+    if not len(files):
+        return [], [], [], []
+    ends = offsets + lengths
+    joined = (files[1:] == files[:-1]) & (offsets[1:] == ends[:-1]) & (dest[1:] == dest[:-1] + lengths[:-1])
+    first = np.flatnonzero(np.r_[True, ~joined])
+    last = np.r_[first[1:], len(files)] - 1
+    return (files[first].tolist(), offsets[first].tolist(), (ends[last] - offsets[first]).tolist(),
+            dest[first].tolist())
