@@ -82,17 +82,19 @@ def test_whole_batches_and_padded_fields_on_the_device(paths, read_ahead):
             np.testing.assert_array_equal(g[k], e[k], err_msg=k)
 
 
-def test_sources_with_reader_pools_of_their_own_share_one():
-    """Three pinned sources would each start a pool sized for the process alone; they share one instead,
-    unless a source sets num_threads or share_reader; backends without a pool of their own are left be."""
-    from gdsload.mixture.specs import source_specs
+def test_sources_with_reader_pools_of_their_own_share_the_default_threads():
+    """Three pinned sources would each start a pool sized for the process alone; they split it instead (one
+    pool's worth in all), unless a source sets num_threads; backends without a pool of their own are left be."""
+    from gdsload.backends import info
+    from gdsload.mixture.specs import MIN_THREADS, source_specs
 
+    full = info("pinned").threads()
     specs = source_specs({"a": "a.gds", "b": {"path": "b.gds", "backend_options": {"pool_bytes": 1 << 26}},
-                          "c": {"path": "c.gds", "backend_options": {"num_threads": 7}},
-                          "d": {"path": "d.gds", "backend_options": {"share_reader": False}}}, {"backend": "pinned"})
+                           "c": {"path": "c.gds", "backend_options": {"num_threads": 7}}}, {"backend": "pinned"})
     got = {n: kw["backend_options"] for n, (_, _, _, kw) in specs.items()}
-    assert got == {"a": {"share_reader": True}, "b": {"pool_bytes": 1 << 26, "share_reader": True},
-                   "c": {"num_threads": 7}, "d": {"share_reader": False}}
+    share = max(MIN_THREADS, full // 2)
+    assert got == {"a": {"num_threads": share}, "b": {"pool_bytes": 1 << 26, "num_threads": share},
+                   "c": {"num_threads": 7}}
     for backend in ("kvikio", "mmap", "cpu", "auto"):
         specs = source_specs({"a": "a.gds", "b": "b.gds"}, {"backend": backend})
         assert all("backend_options" not in kw for (_, _, _, kw) in specs.values()), backend

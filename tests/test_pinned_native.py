@@ -107,48 +107,6 @@ def test_the_native_readers_stats_have_the_common_keys(backend):
     assert stats["pool_bytes"] == b.pinned_bytes == 0  # host mode pins nothing
 
 
-def test_readers_sharing_one_stager_read_exactly_and_close_apart(backend):
-    """Two datasets' readers on one shared stager (a Mixture's pinned sources): windows of both read exactly
-    at once; closing one cancels and waits for its own window still in flight (nothing written after) and
-    leaves the stager to the other; the last to close closes it."""
-    from gdsload.backends.native import SHARED
-
-    _, paths, datas = backend
-    files = ShardFiles.open(paths)
-    handles = FileHandles()
-    handles.bind(files)
-    key = ("host", "test", 3)
-    make = lambda: stager.Stager("host", num_threads=3, buf_bytes=64 << 10)  # noqa: E731
-    a = NativeReader(SHARED.acquire(key, make), handles, contextlib.nullcontext(), None, shared=True)
-    b = NativeReader(SHARED.acquire(key, make), handles, contextlib.nullcontext(), None, shared=True)
-    try:
-        assert a._stager is b._stager and SHARED.users(a._stager) == 2
-        reads = [ReadRequest(paths[i % 3], i * 4096, 4096, i * 4096) for i in range(200)]
-        dests = [np.zeros(200 * 4096, np.uint8) for _ in range(2)]
-        jobs = [r.submit(d.ctypes.data, reads, threading.Event(), FILLS) for r, d in zip((a, b), dests)]
-        assert [j.finish() for j in jobs] == [FILLS, FILLS]
-        for d in dests:
-            for r in reads:
-                np.testing.assert_array_equal(d[r.dest_offset:r.dest_offset + 4096],
-                                              datas[paths.index(r.path)][r.offset:r.offset + 4096])
-        n = 20_000
-        left = np.zeros((n, 4096), np.uint8)
-        a.submit(left.ctypes.data, [ReadRequest(paths[i % 3], (i % 256) << 12, 4096, i << 12) for i in range(n)],
-                 threading.Event(), FILLS)  # never finished by a pipeline: close() must see to it
-        a.close()
-        left[:] = 0
-        time.sleep(0.2)
-        assert not left.any(), "a read of the closed reader's window still wrote after close()"
-        assert not b._stager.closed and SHARED.users(b._stager) == 1
-        dest = np.zeros(200 * 4096, np.uint8)
-        assert b.submit(dest.ctypes.data, reads, threading.Event(), FILLS).finish() is FILLS
-        np.testing.assert_array_equal(dest[:4096], datas[0][:4096])
-    finally:
-        b.close()
-        files.close()
-    assert b._stager.closed and SHARED.users(b._stager) == 0
-
-
 def test_the_native_reader_leaves_the_pipeline_threads_their_cores():
     assert native_threads(16) == 16 - PIPELINE_THREADS == 12
     assert native_threads(64) == DEFAULT_THREADS  # never more than the KvikIO-sized default

@@ -3,9 +3,8 @@ window's reads through it (:class:`NativeReader`)."""
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from ..cuda.runtime import record_event
@@ -44,60 +43,17 @@ def native_buf_bytes(ranks: int) -> int:
     return NATIVE_BUF_BYTES if ranks <= 1 else NATIVE_SHARED_BUF_BYTES
 
 
-class SharedStagers:
-    """Stagers that several pinned backends of one process use at once (the sources of a Mixture): one pool
-    of reader threads serves every dataset's windows in the order they were submitted, so no thread idles
-    while another dataset has reads queued, and the process runs one pool's threads, not one per dataset.
-    Backends asking for the same settings get the same stager; the last to let it go closes it."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._held: dict[tuple[Any, ...], list[Any]] = {}  # settings -> [stager, users]
-
-    def acquire(self, key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
-        """The stager for ``key``, made by ``make()`` for its first user."""
-        with self._lock:
-            entry = self._held.get(key)
-            if entry is None or entry[0].closed:
-                entry = self._held[key] = [make(), 0]
-            entry[1] += 1
-            return entry[0]
-
-    def release(self, stager: Any) -> None:
-        """One user less; the stager closes with its last."""
-        with self._lock:
-            key = next((k for k, e in self._held.items() if e[0] is stager), None)
-            if key is not None:
-                self._held[key][1] -= 1
-                if self._held[key][1] > 0:
-                    return
-                del self._held[key]
-        stager.close()
-
-    def users(self, stager: Any) -> int:
-        with self._lock:
-            return next((e[1] for e in self._held.values() if e[0] is stager), 0)
-
-
-#: The process's shared stagers (``PinnedBackend(share_reader=True)``).
-SHARED = SharedStagers()
-
-
 class NativeReader(StagingReader):
     """The pinned backend's native reader: ``stager``'s C threads read each piece into buffers of their own and
     copy it to the device; a piece's data is there when its job finishes. Reads go to the descriptors of
     ``files``; ``device`` and ``stream`` (the backend's) are where the event of a window without fills is
-    recorded. Closing it closes the stager, or with ``shared`` cancels and waits for its own jobs still in
-    flight and lets the shared stager go (:data:`SHARED`): either way every copy it issued is then complete."""
+    recorded. Closing it closes the stager, whose every copy is then complete."""
 
     name = "native"
 
-    def __init__(self, stager: Any, files: FileHandles, device: Any, stream: Any, shared: bool = False):
+    def __init__(self, stager: Any, files: FileHandles, device: Any, stream: Any):
         self._stager, self._files, self._device, self._stream = stager, files, device, stream
         self.num_threads: int = stager.num_threads
-        self.shared = shared
-        self._lock = threading.Lock()
-        self._jobs: set[int] = set()  # submitted, not yet waited for to the end
 
     @property
     def pinned_bytes(self) -> int:
@@ -106,13 +62,7 @@ class NativeReader(StagingReader):
     def submit(self, dest_ptr: int, reads: Sequence[ReadRequest], stop: threading.Event, fills: Any) -> Pending:
         job = self._stager.submit([(self._files.get(r.path), r.offset, r.nbytes, dest_ptr + r.dest_offset)
                                    for r in reads])
-        with self._lock:
-            self._jobs.add(job)
-        return _NativeJob(self, job, [r.path for r in reads], stop, fills)
-
-    def finished(self, job: int) -> None:
-        with self._lock:
-            self._jobs.discard(job)
+        return _NativeJob(self._stager, job, [r.path for r in reads], stop, fills, self._device, self._stream)
 
     def stats(self) -> dict[str, Any]:
         st = self._stager
@@ -123,28 +73,17 @@ class NativeReader(StagingReader):
                 "peak_slots_in_use": slots, "copy_share": None, "spin_events": not st.blocking_sync}
 
     def close(self) -> None:
-        if not self.shared:
-            self._stager.close()
-            return
-        with self._lock:
-            jobs, self._jobs = sorted(self._jobs), set()
-        stop = threading.Event()
-        stop.set()
-        try:
-            for job in jobs:  # a pipeline stopped by an error may leave some: the stager reads on for others
-                with contextlib.suppress(Exception):
-                    _NativeJob(self, job, [], stop, None).finish()
-        finally:
-            SHARED.release(self._stager)
+        self._stager.close()
 
 
 class _NativeJob(Pending):
     """One window's reads, carried out by the native stager; the data is on the device when they finish
     (its threads wait for their own copies)."""
 
-    def __init__(self, reader: NativeReader, job: int, paths: list[str], stop: threading.Event, fills: Any):
-        self.reader, self.job, self.paths, self.stop, self.fills = reader, job, paths, stop, fills
-        self.stager = reader._stager
+    def __init__(self, stager: Any, job: int, paths: list[str], stop: threading.Event, fills: Any, device: Any,
+                 stream: Any):
+        self.stager, self.job, self.paths, self.stop, self.fills = stager, job, paths, stop, fills
+        self.device, self.stream = device, stream
 
     def finish(self) -> Any:
         from .stager import JobCancelled
@@ -160,8 +99,6 @@ class _NativeJob(Pending):
         except JobCancelled:
             if not self.stop.is_set():
                 raise
-        finally:
-            self.reader.finished(self.job)
         # The reads' copies are complete; the fills, if any, are queued on the backend's stream.
-        with self.reader._device:
-            return self.fills if self.fills is not None else record_event(self.reader._stream)
+        with self.device:
+            return self.fills if self.fills is not None else record_event(self.stream)

@@ -21,8 +21,7 @@ from typing import Any
 from .._tasks import Pending
 from .base import FileHandles, ReadRequest, Request, coalesce
 from .cuda import CudaBackend
-from .native import (DEFAULT_THREADS, NATIVE_BUFS_PER_THREAD, SHARED, NativeReader, native_buf_bytes,
-                     native_threads)
+from .native import DEFAULT_THREADS, NATIVE_BUFS_PER_THREAD, NativeReader, native_buf_bytes, native_threads
 from .slot_readers import KvikioReader, ThreadReader
 from .staging import StagingPool, StagingReader, pack
 
@@ -50,7 +49,7 @@ class PinnedBackend(CudaBackend):
     def __init__(self, device_id: int = 0, num_threads: int | None = None, slot_bytes: int = DEFAULT_SLOT_BYTES,
                  pool_bytes: int = DEFAULT_POOL_BYTES, direct: bool = False, reader: str = "auto",
                  copy_share: int = DEFAULT_COPY_SHARE, spin_events: bool = True, buf_bytes: int | None = None,
-                 bufs_per_thread: int = NATIVE_BUFS_PER_THREAD, share_reader: bool = False):
+                 bufs_per_thread: int = NATIVE_BUFS_PER_THREAD):
         """``pool_bytes`` bounds the pinned memory held (``pool_bytes // slot_bytes`` slots); ``direct`` reads
         aligned blocks with O_DIRECT, bypassing the page cache (for datasets larger than RAM); ``reader``:
         "native" (the native stager), "kvikio" (KvikIO's thread pool, ``num_threads`` threads), "threads"
@@ -59,9 +58,7 @@ class PinnedBackend(CudaBackend):
         in flight (0: every slot reads); ``spin_events``: waits for a slot's last copy spin rather than sleep;
         ``buf_bytes`` and ``bufs_per_thread``: the native reader's own pinned buffers per thread (default
         :func:`native_buf_bytes`). ``num_threads`` (reader threads) defaults to :func:`native_threads` of this
-        rank's cores for the native reader, ``DEFAULT_THREADS`` for the others. ``share_reader``: the native
-        reader's threads and buffers are shared with the other pinned backends of the process that share
-        theirs with the same settings (:class:`gdsload.backends.native.SharedStagers`; a Mixture's sources)."""
+        rank's cores for the native reader, ``DEFAULT_THREADS`` for the others."""
         from ..system.env import kvikio_installed, local_ranks, rank_cores
         from ..system.placement import for_device
 
@@ -89,16 +86,12 @@ class PinnedBackend(CudaBackend):
             from .stager import Stager
 
             try:
-                settings = ("cuda", device_id, num_threads or native_threads(rank_cores()),
-                            native_buf_bytes(local_ranks()) if buf_bytes is None else buf_bytes, bufs_per_thread)
-
-                def make() -> Stager:
-                    # Its C threads inherit this thread's mask and its buffers are faulted in here (MAP_POPULATE).
-                    with placer.around("native stager threads and buffers"):
-                        return Stager(*settings)
-
-                stager = SHARED.acquire(settings, make) if share_reader else make()
-                staging = NativeReader(stager, self._files, self.device, self.stream, share_reader)
+                buf = native_buf_bytes(local_ranks()) if buf_bytes is None else buf_bytes
+                # Its C threads inherit this thread's mask and its buffers are faulted in here (MAP_POPULATE).
+                with placer.around("native stager threads and buffers"):
+                    stager = Stager("cuda", device_id, num_threads or native_threads(rank_cores()), buf,
+                                    bufs_per_thread)
+                staging = NativeReader(stager, self._files, self.device, self.stream)
                 reader = "native"
             except BackendUnavailable as e:
                 if reader == "native":

@@ -40,16 +40,23 @@ def _mmap_budget() -> int | None:
     return default_budget()
 
 
+def _pinned_threads() -> int:
+    from ..system.env import rank_cores
+    from .native import native_threads
+
+    return native_threads(rank_cores())
+
+
 @dataclass(frozen=True)
 class BackendInfo:
     """What one backend is. ``on_device``: its window buffers and batches live in device memory.
     ``io_modes``: the ``io_mode`` strings its instances report.
     ``needs_kvikio``: it reads through KvikIO. ``locks_dataset``: opening it locks the dataset's files in RAM
     (every read then copies from there). ``capacity``: the most dataset bytes it holds with default options
-    (None: no limit). ``shared_reader``: its instances start reader threads of their own, sized for the
-    process alone, and can share them (the ``share_reader`` option); a process opening several datasets at
-    once (a Mixture) has them share one pool. The class (``module``, ``class_name``) is imported only when
-    asked for."""
+    (None: no limit). ``threads``: the reader threads an instance starts of its own by default, sized for the
+    process alone (None: none, or a process-wide pool); a process opening several datasets at once (a
+    Mixture) gives each a share as the ``num_threads`` option. The class (``module``, ``class_name``) is
+    imported only when asked for."""
 
     name: str
     on_device: bool
@@ -59,7 +66,7 @@ class BackendInfo:
     needs_kvikio: bool = False
     locks_dataset: bool = False
     capacity: Callable[[], int | None] = _no_limit
-    shared_reader: bool = False
+    threads: Callable[[], int] | None = None
 
     @property
     def backend_class(self) -> type[Backend]:
@@ -108,7 +115,7 @@ class BackendInfo:
 
 _INFOS: dict[str, BackendInfo] = {i.name: i for i in (
     BackendInfo("cpu", False, ("cpu",), "cpu", "CpuBackend"),
-    BackendInfo("pinned", True, ("pinned", "pinned-odirect"), "pinned", "PinnedBackend", shared_reader=True),
+    BackendInfo("pinned", True, ("pinned", "pinned-odirect"), "pinned", "PinnedBackend", threads=_pinned_threads),
     BackendInfo("kvikio", True, (_GDS_MODE, "kvikio-compat"), "kvikio", "KvikioBackend", needs_kvikio=True),
     BackendInfo("mmap", True, ("mmap",), "mmap", "MmapBackend", locks_dataset=True, capacity=_mmap_budget),
 )}

@@ -1,5 +1,5 @@
 """A mixture's sources as the user gives them: each one's path, fields, renaming and dataset options, checked,
-and one pool of reader threads for the sources whose backend starts its own."""
+and the reader threads of backends that start their own shared out between the sources."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from .assemble import SOURCE_KEY
 if TYPE_CHECKING:
     from .source import SourceStream
 
+MIN_THREADS = 2  # reader threads a source's own pool keeps when the mixture shares them out
 MIXTURE_OPTIONS = ("rank", "world_size", "exact_shares", "drop_last")  # the mixture's, the same for every source
 
 
@@ -47,26 +48,26 @@ def source_specs(sources: Any, options: dict[str, Any]) -> dict[str, tuple[Any, 
             raise ValueError(f"source {name!r}: field {SOURCE_KEY!r} would hide the mixture's source index (rename "
                              f"it: fields={{'{SOURCE_KEY}': 'other name'}})")
         specs[name] = (path, fields, rename, kwargs)
-    share_readers(specs)
+    share_threads(specs)
     return specs
 
 
-def share_readers(specs: dict[str, tuple[Any, Any, dict[str, str], dict]]) -> None:
-    """Sources whose backend starts reader threads of its own (``BackendInfo.shared_reader``, sized for a
-    process reading one dataset) share one pool of them (the ``share_reader`` option), unless their options
-    set ``num_threads`` or ``share_reader``: several full pools on the same cores would fight over them, and
-    a pool split between the sources leaves one source's threads idle while another's reads wait."""
-    own = []
+def share_threads(specs: dict[str, tuple[Any, Any, dict[str, str], dict]]) -> None:
+    """Sources whose backend starts reader threads of its own (``BackendInfo.threads``, sized for a process
+    reading one dataset) split that default between them equally, unless their options set ``num_threads``:
+    several full pools on the same cores would fight over them, while the bytes to read are those of one."""
+    own = {}
     for name, (_, _, _, kwargs) in specs.items():
         backend, options = kwargs.get("backend", "auto"), kwargs.get("backend_options") or {}
         if isinstance(backend, str) and backend in NAMES and isinstance(options, Mapping) \
-                and info(backend).shared_reader and not {"num_threads", "share_reader"} & set(options):
-            own.append(name)
+                and info(backend).threads is not None and "num_threads" not in options:
+            own[name] = backend
     if len(own) < 2:
         return
-    for name in own:
+    for name, backend in own.items():
         kwargs = specs[name][3]
-        kwargs["backend_options"] = {**(kwargs.get("backend_options") or {}), "share_reader": True}
+        share = max(MIN_THREADS, info(backend).threads() // len(own))  # type: ignore[misc]
+        kwargs["backend_options"] = {**(kwargs.get("backend_options") or {}), "num_threads": share}
 
 
 def named(error: BaseException, message: str) -> BaseException:
