@@ -152,3 +152,27 @@ def test_a_backend_that_cannot_run_here_is_a_row_saying_why(mixture_run: Run) ->
     (row,) = [r for r in mixture_run["doc"]["results"] if r["what"] == "gdsload pinned"]
     assert row["best_single"] is None and row["note"].startswith("not run: backend 'pinned' needs a CUDA GPU")
     assert "| gdsload pinned | - | - | - |" in mixture_run["md"] and row["note"] in mixture_run["md"]
+
+
+def test_the_mixture_probe_reports_each_part_and_where_the_mixture_waited(tmp_path) -> None:
+    """benchmarks.diagnostics.probe_mixture on the cpu backend: the single dataset, each source alone, the three at
+    once (their sum and each one's rate), and the mixture's rate with the share of the stretch it waited for each
+    source; a backend that cannot run here is a row saying why."""
+    from benchmarks.diagnostics import probe_mixture
+
+    out = str(tmp_path / "results")
+    backends = "cpu" if gpu_available() else "cpu,pinned"
+    run = _run(probe_mixture.main, ["--data", str(tmp_path / "data"), "--out", out, "--size-gib", "0.02",
+                                    "--backends", backends, "--seconds", "0"], out, "probe-mixture")
+    rows = {r["backend"]: r for r in run["doc"]["results"]}
+    cpu = rows["cpu"]
+    sources = {"half", "third", "sixth"}
+    assert cpu["single"] > 0 and set(cpu["alone"]) == sources and all(v > 0 for v in cpu["alone"].values())
+    assert set(cpu["concurrent"]["per_source"]) == sources and cpu["concurrent"]["gb_per_s"] > 0
+    for ahead in (0, 2):
+        m = cpu[f"mixture, read_ahead={ahead}"]
+        assert m["gb_per_s"] > 0 and set(m["waited_pct"]) == sources
+        assert all(0 <= v <= 100 for v in m["waited_pct"].values())
+    if "pinned" in rows:
+        assert rows["pinned"]["note"].startswith("not run: ")
+    assert "| cpu | cpu |" in run["md"]
