@@ -60,6 +60,11 @@ class Machine:
     def kvikio(self, gpu: bool) -> dict:
         return self._kvikio
 
+    nvcomp_info = {"nvcomp": "6.0.0", "path": "/venv/lib/python3.12/site-packages/nvidia/libnvcomp/lib64/libnvcomp.so.6"}
+
+    def nvcomp(self) -> dict:
+        return self.nvcomp_info
+
     def libcufile(self) -> dict:
         return {"path": "/usr/local/cuda-12.8/lib64/libcufile.so.0",
                 "file": "/usr/local/cuda-12.8/targets/x86_64-linux/lib/libcufile.so.1.13.1", "version": "1.13"}
@@ -311,7 +316,7 @@ def test_no_path_reports_the_stack_only(tmp_path):
     assert rep["verdict"] == "GDS: not confirmed — no PATH to read; fix: run gdsload doctor PATH"
     assert [c["name"] for c in rep["checks"]] == ["GPU", "KvikIO", "libcufile", "nvidia-fs", "cufile.json",
                                                   "KVIKIO_COMPAT_MODE", "container", "IOMMU", "CUDA queues",
-                                                  "NUMA", "backend auto"]
+                                                  "NUMA", "nvCOMP", "backend auto"]
     assert check(rep, "NUMA")["ok"] is None  # gds_host has no /proc/driver/nvidia: the GPU's node is unknown
     assert check(rep, "CUDA queues") == {"name": "CUDA queues", "ok": True, "fix": "", "section": "stack",
                                          "found": "CUDA_DEVICE_MAX_CONNECTIONS unset (CUDA's default)"}
@@ -521,3 +526,44 @@ def test_alignment_calls_small_what_gdsdataset_holds_whole(tmp_path, monkeypatch
     assert main(path, as_json=True, out=out) == 0
     found = check(json.loads(out.getvalue()), "alignment")
     assert found["ok"] is False and "array 'a'" in found["found"] and "read whole" not in found["found"]
+
+
+def test_the_nvcomp_line_says_where_zstd_chunks_decode(tmp_path):
+    """nvCOMP loaded: its version and file, zstd on the GPU. Missing or switched off: a neutral line saying zstd
+    decodes on CPU threads, with the extra to install; never a reason GDS is not used."""
+    files = scenario(tmp_path, "gds_host")
+    line = check(report(files, None), "nvCOMP")
+    assert line["ok"] is True and line["found"].startswith("6.0.0 (/venv/") and "on the GPU" in line["found"]
+    for info, fix in (({"nvcomp": None, "nvcomp_error": "libnvcomp.so.6 not found"}, "pip install 'gdsload[nvcomp]'"),
+                      ({"nvcomp": None, "nvcomp_error": "switched off (GDSLOAD_NVCOMP=0)"}, "unset GDSLOAD_NVCOMP")):
+        machine = Machine(files.root)
+        machine.nvcomp_info = info
+        rep = diagnose(gather(None, files, machine))
+        line = check(rep, "nvCOMP")
+        assert line["ok"] is None and info["nvcomp_error"] in line["found"] and "CPU threads" in line["found"]
+        assert line["fix"].startswith(fix) and not any(r.startswith("nvCOMP") for r in rep["reasons"])
+        assert f"fix: {fix}" in render(rep)
+
+
+def test_nvcomp_is_described_from_its_library_properties():
+    """libnvcomp's version comes from nvcompGetProperties (major * 1000 + minor * 100 + patch)."""
+    from types import SimpleNamespace
+
+    from gdsload.codecs.nvcomp_lib import ZstdLib, describe
+
+    def properties(ref):
+        ref._obj.version, ref._obj.cudart_version = 6012, 13040
+        return 0
+
+    def alignments(opts, ref):
+        ref._obj.input, ref._obj.output, ref._obj.temp = 1, 1, 8
+        return 0
+
+    fns = {"nvcompGetProperties": properties, "nvcompBatchedZstdDecompressGetRequiredAlignments": alignments,
+           "nvcompBatchedZstdDecompressGetTempSize": lambda *a: 0, "nvcompBatchedZstdDecompressAsync": lambda *a: 0}
+    lib = ZstdLib(SimpleNamespace(_name="/x/libnvcomp.so.6", **fns))
+    assert (lib.version, lib.path, lib.alignments) == ("6.0.12", "/x/libnvcomp.so.6", (1, 1, 8))
+    assert describe(lib) == {"nvcomp": "6.0.12", "path": "/x/libnvcomp.so.6"}
+    assert describe(None)["nvcomp"] is None and "not found" in describe(None)["nvcomp_error"]
+    assert describe(lib, switched_off=True)["nvcomp_error"] == "switched off (GDSLOAD_NVCOMP=0)"
+

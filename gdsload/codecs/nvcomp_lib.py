@@ -45,12 +45,23 @@ class Alignments(ctypes.Structure):
 _size, _ptr = ctypes.c_size_t, ctypes.c_void_p
 
 
+class Properties(ctypes.Structure):
+    """``nvcompProperties_t``: the library's version as ``major * 1000 + minor * 100 + patch``, and CUDA's."""
+
+    _fields_ = [("version", ctypes.c_uint32), ("cudart_version", ctypes.c_uint32)]
+
+
 class ZstdLib:
     """The three calls of libnvcomp's batched zstd decoder that gdsload makes. Every pointer is a device address
-    (an int); ``stream`` is a CUDA stream's handle."""
+    (an int); ``stream`` is a CUDA stream's handle. ``version``: the library's ("6.0.0"); ``path``: its file."""
 
     def __init__(self, lib: Any):
         self.lib = lib
+        self.path: str = getattr(lib, "_name", "?")
+        props = Properties()
+        _check(lib.nvcompGetProperties(ctypes.byref(props)), "properties")
+        v = int(props.version)
+        self.version = f"{v // 1000}.{v % 1000 // 100}.{v % 100}"
         lib.nvcompBatchedZstdDecompressGetTempSize.argtypes = [_size, _size, DecompressOpts, ctypes.POINTER(_size),
                                                                 _size, _ptr]
         lib.nvcompBatchedZstdDecompressAsync.argtypes = [_ptr, _ptr, _ptr, _ptr, _size, _ptr, _size, _ptr,
@@ -103,3 +114,12 @@ def load() -> ZstdLib | None:
         return ZstdLib(lib)
     except (AttributeError, RuntimeError):  # too old a libnvcomp: its zstd calls differ
         return None
+
+
+def describe(lib: ZstdLib | None, switched_off: bool = False) -> dict[str, Any]:
+    """What ``gdsload doctor`` shows of nvCOMP: its version and file, or why zstd decodes on CPU threads."""
+    if switched_off:
+        return {"nvcomp": None, "nvcomp_error": "switched off (GDSLOAD_NVCOMP=0)"}
+    if lib is None:
+        return {"nvcomp": None, "nvcomp_error": f"{SONAME} not found, nor the nvidia-libnvcomp wheel's"}
+    return {"nvcomp": lib.version, "path": lib.path}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from ..backends.registry import io_mode as backend_io_mode
@@ -66,6 +66,7 @@ class Facts:
     iommu: Iommu
     backend: tuple[str, str]
     numa: tuple[bool | None, str, str] = (None, "not observed", "")
+    nvcomp: dict[str, Any] = field(default_factory=dict)
     target: Target | None = None
     mount: Mount | None = None
     mount_error: str | None = None
@@ -127,7 +128,8 @@ def gather(path: str | None, files: SystemFiles, probes: Any) -> Facts:
         wsl="microsoft" in (files.read("/proc/sys/kernel/osrelease") or "").lower(),
         container=_container(files, mounts),
         iommu=iommu_mode(files.read("/proc/cmdline"), types, bool(groups)), backend=_auto(probes, target),
-        numa=placement_report(files, gpu.get("pci_bus_id")), target=target, mount_error=mount_error)
+        numa=placement_report(files, gpu.get("pci_bus_id")), target=target, mount_error=mount_error,
+        nvcomp=probes.nvcomp())
     if target is None:
         return facts
     facts.mount = find_mount(mounts, target.real)
@@ -175,6 +177,16 @@ def _kvikio_check(f: Facts) -> Check:
                                   f"{k.get('compat_mode_preferred')}){'; ' + errors if errors else ''}",
                  "the other ✘ lines name the causes; if there are none, run gdscheck -p (CUDA's gds/tools) "
                  "and read cufile.log in the working directory", rank=110)
+
+
+def _nvcomp_check(f: Facts) -> Check:
+    n = f.nvcomp
+    if n.get("nvcomp"):
+        return Check("nvCOMP", True, f"{n['nvcomp']} ({n.get('path')}): GPU backends decode zstd chunks on the GPU")
+    why = n.get("nvcomp_error", "not asked")
+    fix = ("unset GDSLOAD_NVCOMP" if "GDSLOAD_NVCOMP" in why else
+           "pip install 'gdsload[nvcomp]' (CUDA 13) or 'gdsload[nvcomp-cu12]'")
+    return Check("nvCOMP", None, f"not loaded ({why}): zstd chunks decode on CPU threads", fix)
 
 
 def _libcufile_check(f: Facts) -> Check:
@@ -348,7 +360,7 @@ def checks(f: Facts) -> list[Check]:
     """Every check, in the order shown."""
     out = [_gpu_check(f), _kvikio_check(f), _libcufile_check(f), _nvfs_check(f), _cufile_json_check(f),
            _kvikio_env_check(f), _container_check(f), _iommu_check(f), _connections_check(f),
-           _numa_check(f)]
+           _numa_check(f), _nvcomp_check(f)]
     if f.target is not None:
         out += _path_checks(f) + [_live_check(f)]
     return out

@@ -259,6 +259,13 @@ class HostProbes:
     def libcufile(self) -> dict[str, Any]:
         return find_libcufile()
 
+    def nvcomp(self) -> dict[str, Any]:
+        """libnvcomp as the decode step loads it (:func:`gdsload.codecs.nvcomp_lib.describe`)."""
+        from ..codecs.chunks import NVCOMP_ENV, load_nvcomp
+        from ..codecs.nvcomp_lib import describe
+
+        return describe(load_nvcomp(), os.environ.get(NVCOMP_ENV) == "0")
+
     def backend(self, dataset_bytes: int | None = None, path: str | None = None) -> tuple[str, str]:
         """What ``auto`` picks, for a dataset of ``dataset_bytes`` (the RAM tier needs its size) whose files
         lie where ``path`` does (GDS needs a file system that allows it)."""
