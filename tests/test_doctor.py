@@ -60,7 +60,7 @@ class Machine:
     def kvikio(self, gpu: bool) -> dict:
         return self._kvikio
 
-    nvcomp_info = {"nvcomp": "6.0.0", "path": "/venv/lib/python3.12/site-packages/nvidia/libnvcomp/lib64/libnvcomp.so.6"}
+    nvcomp_info = {"nvcomp": "6.0.0", "path": "/venv/site-packages/nvidia/libnvcomp/lib64/libnvcomp.so.6"}
 
     def nvcomp(self) -> dict:
         return self.nvcomp_info
