@@ -12,7 +12,7 @@ window's blocks lie back to back, in a region sized for the largest ``window_blo
 Each field's region starts on the 4 KiB alignment.
 
 A compressed field (:mod:`gdsload.codecs.decode`) has, beside its cells, a region for the window's compressed chunks,
-back to back in window order, sized for the largest total compressed size of any ``window_blocks`` blocks'
+back to back in the order of their files and offsets, sized for the largest total compressed size of any ``window_blocks`` blocks'
 covering chunks (:func:`compressed_capacity`, from the chunk table, like the value rows of a variable-length
 field). It lies in the window buffer, or, for a field decoded by CPU threads on a GPU backend (``host_fields``),
 in the window's host buffer beside a host mirror of the field's cells. :meth:`WindowMap.work` says what
@@ -204,8 +204,8 @@ class WindowMap:
 
     def work(self, layout: DatasetLayout, blocks: np.ndarray) -> Work:
         """What carries ``blocks`` into this layout: for raw fields one read per run of consecutive bytes of a
-        file into consecutive cells; for compressed ones a read per chunk into the compressed region and a
-        decode job; one fill per chunk never written."""
+        file into consecutive cells; for compressed ones a read per run of chunks next to each other in a file,
+        into the compressed region, and a decode job; one fill per chunk never written."""
         reqs: list[Request] = []
         blocks = np.asarray(blocks, dtype=np.int64)
         work = Work(reqs, host_nbytes=self.host_nbytes)
