@@ -15,9 +15,9 @@ A compressed field (:mod:`gdsload.codecs.decode`) has, beside its cells, a regio
 back to back in the order of their files and offsets, sized for the largest total compressed size of any
 ``window_blocks`` blocks' covering chunks (:func:`compressed_capacity`, from the chunk table, like the value
 rows of a variable-length field). It lies in the window buffer, or, for a field decoded by CPU threads on a GPU
-backend (``host_fields``), in the window's host buffer beside a host mirror of the field's cells. :meth:`WindowMap.work` says what
-carries a window in: the backend's requests, the reads into the host buffer, and the decode jobs. Pure
-layout: no I/O, no device code.
+backend (``host_fields``), in the window's host buffer beside a host mirror of the field's cells.
+:meth:`WindowMap.work` says what carries a window in: the backend's requests, the reads into the host buffer,
+and the decode jobs. Pure layout: no I/O, no device code.
 """
 
 from __future__ import annotations
