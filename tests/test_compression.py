@@ -453,11 +453,11 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_chunks_next_to_each_other_in_a_file_are_read_by_one_request(tmp_path):
-    """A window's compressed chunks lie in its region in file order, and chunks that follow each other in a
-    file come in one read: an unshuffled window over one shard is one request; a shuffled window reads each
-    chunk once, in fewer requests where its chunks meet; both decode exactly (the device path, decoded by the
-    fake library)."""
-    from gdsload.backends.base import ReadRequest
+    """A window's compressed chunks lie in its region in file order, so chunks that follow each other in a
+    file follow each other in the buffer and the backend's merge reads them at once: an unshuffled window over
+    one shard is one read; a shuffled window reads each chunk once, in fewer reads where its chunks meet; both
+    decode exactly (the device path, decoded by the fake library)."""
+    from gdsload.backends.base import ReadRequest, coalesce
 
     tokens = np.random.default_rng(2).zipf(1.5, (512, 64)).clip(0, 50000).astype(np.int32)
     out = str(tmp_path / "t.gds")
@@ -467,27 +467,18 @@ def test_chunks_next_to_each_other_in_a_file_are_read_by_one_request(tmp_path):
     with DatasetLayout(meta) as layout:
         f = meta.fields["tokens"]
         wl = WindowMap([f], 8, samples_per_block=meta.samples_per_block, chunk_lengths=layout.chunk_lengths)
-        work = wl.work(layout, np.arange(8))
-        assert [type(r) for r in work.requests] == [ReadRequest]
-        assert work.requests[0].nbytes == int(layout.chunk_lengths["tokens"][:8].sum())
+        reads = coalesce(wl.work(layout, np.arange(8)).requests, 1 << 62)
+        assert [type(r) for r in reads] == [ReadRequest]
+        assert reads[0].nbytes == int(layout.chunk_lengths["tokens"][:8].sum())
         blocks = np.array([5, 0, 6, 1, 9, 2, 12, 3])
         work = wl.work(layout, blocks)
         job = work.jobs[0]
         assert sorted(job.chunks.tolist()) == sorted(blocks.tolist())
-        assert len(work.requests) == 4  # 0-3, 5-6, 9, 12
-        assert sum(r.nbytes for r in work.requests) == int(job.nbytes.sum())
+        reads = coalesce(work.requests, 1 << 62)
+        assert len(reads) == 4  # 0-3, 5-6, 9, 12
+        assert sum(r.nbytes for r in reads) == int(job.nbytes.sum())
     got, _ = _device_windows(out, ["tokens"], [], FakeZstd(), HostOps(), window_blocks=8)
     np.testing.assert_array_equal(got["tokens"], tokens)
-
-
-def test_runs_merge_only_pieces_that_continue_in_file_and_destination():
-    from gdsload.pipeline.window import runs
-
-    files, offsets = np.array([0, 0, 0, 1, 1, 1]), np.array([0, 10, 10, 30, 40, 56])
-    lengths, dest = np.array([10, 5, 5, 10, 15, 5]), np.array([0, 10, 15, 20, 30, 45])
-    # 0+1 continue; 2 repeats 1's bytes; 3 is another file; 4 continues 3; 5 leaves a gap in the file
-    assert runs(files, offsets, lengths, dest) == ([0, 0, 1, 1], [0, 10, 30, 56], [15, 5, 25, 5], [0, 15, 20, 45])
-    assert runs(*(np.array([], np.int64),) * 4) == ([], [], [], [])
 
 
 # -- the converter ---------------------------------------------------------------------------------------------

@@ -204,8 +204,8 @@ class WindowMap:
 
     def work(self, layout: DatasetLayout, blocks: np.ndarray) -> Work:
         """What carries ``blocks`` into this layout: for raw fields one read per run of consecutive bytes of a
-        file into consecutive cells; for compressed ones a read per run of chunks next to each other in a file,
-        into the compressed region, and a decode job; one fill per chunk never written."""
+        file into consecutive cells; for compressed ones a read per chunk into the compressed region, in file
+        order, and a decode job; one fill per chunk never written."""
         reqs: list[Request] = []
         blocks = np.asarray(blocks, dtype=np.int64)
         work = Work(reqs, host_nbytes=self.host_nbytes)
@@ -242,10 +242,10 @@ class WindowMap:
         return self.work(layout, plan.windows[w]).requests if w < len(plan.windows) else []
 
     def _compressed(self, layout: DatasetLayout, f: FieldMeta, blocks: np.ndarray, work: Work) -> None:
-        """A compressed field's reads, fills and decode job (see :class:`DecodeJob`). The written chunks lie
-        back to back in its compressed region in the order of their files and offsets, so chunks that lie
-        next to each other in a file (a block of several chunks, an unshuffled window) are read by one
-        request: a request per chunk costs more than the chunk's bytes."""
+        """A compressed field's reads (one per chunk), fills and decode job (see :class:`DecodeJob`). The
+        written chunks lie back to back in its compressed region in the order of their files and offsets, so
+        chunks next to each other in a file are next to each other in the buffer too, and the backend merges
+        their reads into one (:func:`gdsload.backends.base.coalesce`)."""
         chunks, cells = self._chunk_cells(f, blocks)
         cells = np.arange(len(chunks), dtype=np.int64) if cells is None else cells
         offsets, files = layout.block_offsets[f.name][chunks], layout.chunk_files[f.name][chunks]
@@ -259,7 +259,7 @@ class WindowMap:
         lengths = layout.chunk_lengths[f.name][chunks[at]]
         src = self.zstarts[f.name] + np.cumsum(lengths) - lengths
         paths = layout.paths(f.name)
-        for file, off, n, s in zip(*runs(files[at], offsets[at], lengths, src)):
+        for file, off, n, s in zip(files[at].tolist(), offsets[at].tolist(), lengths.tolist(), src.tolist()):
             reads.append(ReadRequest(paths[file], off, n, s))
         fill = f.fill_bytes()
         reads.extend(FillRequest(d, f.block_bytes, fill) for d in dest[~present].tolist())
@@ -291,16 +291,3 @@ class WindowMap:
         off = self.starts[name]
         raw = buffer[off:off + f.sample_bytes * self.rows[name]]
         return raw.view(f.dtype).reshape(self.rows[name], *f.sample_shape)
-
-
-def runs(files: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, dest: np.ndarray) -> tuple[list[int], ...]:
-    """Pieces (file, offset, length, destination), merged where one begins in its file and its destination
-    where the one before ends: (files, offsets, lengths, destinations) of the merged pieces."""
-    if not len(files):
-        return [], [], [], []
-    ends = offsets + lengths
-    joined = (files[1:] == files[:-1]) & (offsets[1:] == ends[:-1]) & (dest[1:] == dest[:-1] + lengths[:-1])
-    first = np.flatnonzero(np.r_[True, ~joined])
-    last = np.r_[first[1:], len(files)] - 1
-    return (files[first].tolist(), offsets[first].tolist(), (ends[last] - offsets[first]).tolist(),
-            dest[first].tolist())
