@@ -392,10 +392,10 @@ def test_a_closed_decoder_lets_its_scratch_memory_go_after_its_stream_is_drained
 
     class Ops(HostOps):
         def quiesce(self):
-            events.append(f"drained, scratch held: {decoder.batch.temp_bytes > 0}")
+            events.append(f"drained, scratch held: {decoder.scratch_bytes > 0}")
 
         def close(self):
-            events.append(f"closed, scratch held: {decoder.batch.temp_bytes > 0}")
+            events.append(f"closed, scratch held: {decoder.scratch_bytes > 0}")
 
     path = store(tmp_path, z=(10, 40, [ZstdCodec()]))
     meta = read_metadata(path)

@@ -4,6 +4,7 @@ and which compressed fields nvCOMP decodes on the device. Pure: bytes in, bytes 
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Sequence
@@ -26,8 +27,6 @@ NVCOMP_ENV = "GDSLOAD_NVCOMP"
 NVCOMP_HINT = ("install gdsload[nvcomp] (nvidia-libnvcomp-cu13, under NVIDIA's licence; also in gdsload[gpu]; for "
                "CUDA 12, gdsload[nvcomp-cu12]) to decode them on the GPU")
 _warned = threading.Event()
-_loaded: list[Any] = []  # [the ZstdLib or None], once tried
-_load_lock = threading.Lock()
 
 
 class Chain:
@@ -70,12 +69,14 @@ def load_nvcomp() -> Any:
     not switched off (``GDSLOAD_NVCOMP=0``), else None (loaded only when a dataset needs it, once)."""
     if os.environ.get(NVCOMP_ENV) == "0":
         return None
-    with _load_lock:
-        if not _loaded:
-            from .nvcomp_lib import load
+    return _zstd_lib()
 
-            _loaded.append(load())
-    return _loaded[0]
+
+@functools.cache
+def _zstd_lib() -> Any:
+    from .nvcomp_lib import load
+
+    return load()
 
 
 def device_fields(fields: Sequence[Any], on_gpu: bool, nvcomp: Any = None) -> tuple[list[str], list[str]]:

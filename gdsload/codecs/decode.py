@@ -47,6 +47,8 @@ class WindowDecoder(Protocol):
     whose reads are done (returning the event after which its decoded cells are there), and a wait for its
     device work. :class:`Decoder` keeps it."""
 
+    scratch_bytes: int
+
     def host_buffer(self, nbytes: int) -> Any: ...
     def decode(self, wb: Any, work: Any, filled: Any, stop: threading.Event) -> tuple[Any, Any]: ...
     def quiesce(self) -> None: ...
@@ -81,6 +83,11 @@ class Decoder:
             self.gpu = ops if ops is not None else DecodeDevice(device_id)
             if device:
                 self.batch = NvcompBatch(nvcomp if nvcomp is not None else load_nvcomp(), self.gpu)
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Device memory nvCOMP's decode holds as scratch (0 where nothing decodes on the device)."""
+        return self.batch.temp_bytes if self.batch is not None else 0
 
     def host_buffer(self, nbytes: int) -> Any:
         """A host buffer for a window's compressed chunks that CPU threads decode: pinned on a GPU backend
@@ -144,8 +151,6 @@ class Decoder:
 
 class AllOf:
     """Checks of one window confirmed together, in order (a Verdict's ``confirm``)."""
-
-    passed = None
 
     def __init__(self, checks: Sequence[Any]):
         self.checks, self.confirmed = list(checks), False

@@ -81,8 +81,6 @@ class DecodeCheck:
     first chunk nvCOMP failed on or decoded to another size than its cell's; later calls do nothing. ``keep``:
     what must live until the decoder's stream has passed the decode (its arguments, its readbacks)."""
 
-    passed = None  # as Verdict's: nothing to record once confirmed
-
     def __init__(self, layout: Any, job: Any, names: list[str], cell_bytes: int):
         self.layout, self.job, self.names, self.cell_bytes = layout, job, names, cell_bytes
         self.calls: list[tuple[int, Readback]] = []  # (the call's first chunk in the job, its readback)

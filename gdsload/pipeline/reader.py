@@ -399,10 +399,9 @@ class Reader:
                   else "positions" if wm.direct(f) else "rows" for f in self.fields}  # type: ignore[union-attr]
         decode = {f: "device (nvCOMP)" if f in self.device_decoded else "cpu threads" for f in self.fields
                   if f in self.meta.fields and self.meta.fields[f].compressed}
-        batch = getattr(self.decoder, "batch", None)
         return {"backend": self.backend_name, "backend_reason": self.backend_reason, "io_mode": self.io_mode,
                 "foreign_store": self.meta.foreign, "gather": gather, "decode": decode,
-                "decode_scratch_bytes": batch.temp_bytes if batch is not None else 0,
+                "decode_scratch_bytes": self.decoder.scratch_bytes if self.decoder is not None else 0,
                 "window_bytes": wm.nbytes, "resident_fields": list(self.resident_fields),  # type: ignore[union-attr]
                 "backend_stats": self.backend.stats(), **self._describe_remote()}
 
