@@ -552,18 +552,29 @@ def test_nvcomp_is_described_from_its_library_properties():
     from gdsload.codecs.nvcomp_lib import ZstdLib, describe
 
     def properties(ref):
-        ref._obj.version, ref._obj.cudart_version = 6012, 13040
+        ref.contents.version, ref.contents.cudart_version = 6012, 13040
         return 0
 
     def alignments(opts, ref):
-        ref._obj.input, ref._obj.output, ref._obj.temp = 1, 1, 8
+        ref.contents.input, ref.contents.output, ref.contents.temp = 1, 1, 8
         return 0
 
     fns = {"nvcompGetProperties": properties, "nvcompBatchedZstdDecompressGetRequiredAlignments": alignments,
            "nvcompBatchedZstdDecompressGetTempSize": lambda *a: 0, "nvcompBatchedZstdDecompressAsync": lambda *a: 0}
-    lib = ZstdLib(SimpleNamespace(_name="/x/libnvcomp.so.6", **fns))
+    lib = ZstdLib(SimpleNamespace(**fns), "/x/libnvcomp.so.6")
     assert (lib.version, lib.path, lib.alignments) == ("6.0.12", "/x/libnvcomp.so.6", (1, 1, 8))
     assert describe(lib) == {"nvcomp": "6.0.12", "path": "/x/libnvcomp.so.6"}
     assert describe(None)["nvcomp"] is None and "not found" in describe(None)["nvcomp_error"]
     assert describe(lib, switched_off=True)["nvcomp_error"] == "switched off (GDSLOAD_NVCOMP=0)"
+
+
+def test_the_library_file_is_the_one_the_loader_took_the_function_from():
+    """``loaded_from`` asks the dynamic loader (dladdr) where a function came from: libc's printf, here."""
+    import ctypes
+    import os
+
+    from gdsload.codecs.nvcomp_lib import loaded_from
+
+    path = loaded_from(ctypes.CDLL(None).printf)
+    assert os.path.isfile(path) and "libc" in os.path.basename(path), path
 

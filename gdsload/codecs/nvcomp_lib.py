@@ -55,11 +55,10 @@ class ZstdLib:
     """The three calls of libnvcomp's batched zstd decoder that gdsload makes. Every pointer is a device address
     (an int); ``stream`` is a CUDA stream's handle. ``version``: the library's ("6.0.0"); ``path``: its file."""
 
-    def __init__(self, lib: Any):
-        self.lib = lib
-        self.path: str = getattr(lib, "_name", "?")
+    def __init__(self, lib: Any, path: str = "?"):
+        self.lib, self.path = lib, path
         props = Properties()
-        _check(lib.nvcompGetProperties(ctypes.byref(props)), "properties")
+        _check(lib.nvcompGetProperties(ctypes.pointer(props)), "properties")
         v = int(props.version)
         self.version = f"{v // 1000}.{v % 1000 // 100}.{v % 100}"
         lib.nvcompBatchedZstdDecompressGetTempSize.argtypes = [_size, _size, DecompressOpts, ctypes.POINTER(_size),
@@ -72,7 +71,7 @@ class ZstdLib:
             getattr(lib, name).restype = ctypes.c_int
         self.opts = DecompressOpts()
         got = Alignments()
-        _check(lib.nvcompBatchedZstdDecompressGetRequiredAlignments(self.opts, ctypes.byref(got)), "alignments")
+        _check(lib.nvcompBatchedZstdDecompressGetRequiredAlignments(self.opts, ctypes.pointer(got)), "alignments")
         self.alignments = (got.input, got.output, got.temp)
 
     def temp_bytes(self, chunks: int, chunk_bytes: int, total_bytes: int) -> int:
@@ -96,6 +95,22 @@ def _check(code: int, what: str) -> None:
         raise RuntimeError(f"libnvcomp: {what}: {status_name(code)}")
 
 
+class DlInfo(ctypes.Structure):
+    """``Dl_info`` of ``<dlfcn.h>``."""
+
+    _fields_ = [("fname", ctypes.c_char_p), ("fbase", _ptr), ("sname", ctypes.c_char_p), ("saddr", _ptr)]
+
+
+def loaded_from(function: Any) -> str:
+    """The file the dynamic loader took ``function`` (a ctypes function) from, as ``dladdr`` says; "?" if not."""
+    info = DlInfo()
+    try:
+        found = ctypes.CDLL(None).dladdr(ctypes.cast(function, _ptr), ctypes.pointer(info))
+    except (AttributeError, OSError):
+        return "?"
+    return info.fname.decode(errors="replace") if found and info.fname else "?"
+
+
 def load() -> ZstdLib | None:
     """libnvcomp from the ``nvidia-libnvcomp`` wheel (or the system's), or None when it cannot be loaded."""
     lib: Any = None
@@ -111,7 +126,7 @@ def load() -> ZstdLib | None:
         except OSError:
             return None
     try:
-        return ZstdLib(lib)
+        return ZstdLib(lib, loaded_from(lib.nvcompGetProperties))
     except (AttributeError, RuntimeError):  # too old a libnvcomp: its zstd calls differ
         return None
 
