@@ -136,23 +136,29 @@ def pieces(lo: np.ndarray, hi: np.ndarray) -> Pieces:
     return Pieces(lo, hi, w1 * WORD_BYTES, np.stack([first, nwords, seg], axis=1))
 
 
+def shift_each(c: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """Raw CRC states ``c[i]`` each advanced over its own ``n[i]`` zero bytes (at most ``2**SHIFT_LEVELS - 1``):
+    one pass per bit of the largest ``n``, through the kernel's byte tables of shifts by ``2**k`` bytes, so a
+    window of chunks of many different lengths costs as little as one of equal blocks."""
+    out = np.array(c, dtype=np.uint32, copy=True).reshape(-1)
+    n = np.asarray(n, dtype=np.int64).reshape(-1)
+    powers = device_tables()[2]
+    for k in range(int(n.max()).bit_length() if len(n) else 0):
+        sel = np.flatnonzero((n >> k) & 1)
+        if len(sel):
+            v, t = out[sel], powers[k]
+            out[sel] = t[0][v & 0xFF] ^ t[1][(v >> 8) & 0xFF] ^ t[2][(v >> 16) & 0xFF] ^ t[3][v >> 24]
+    return out
+
+
 def device_expected(std: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """What the kernel computes for segments whose standard crc32c is ``std``: the raw CRC, advanced
-    over the zero bytes that pad each segment to a whole 16-byte word."""
+    over the zero bytes that pad each segment to a whole 16-byte word. The standard CRC of ``n`` bytes is
+    their raw CRC XOR that of ``n`` zero bytes, ``shift(~0, n) ^ ~0`` (the initial value carried over them)."""
     std, lo, hi = np.asarray(std, np.uint32), np.asarray(lo, np.int64), np.asarray(hi, np.int64)
-    out = np.empty(len(std), dtype=np.uint32)
-    lengths, pads = hi - lo, -hi % WORD_BYTES
-    if len(lengths) and (lengths == lengths[0]).all():  # the usual window: blocks of one size
-        np.bitwise_xor(std, np.uint32(zeros_crc(int(lengths[0]))), out=out)
-    else:
-        for n in np.unique(lengths):
-            sel = lengths == n
-            out[sel] = std[sel] ^ np.uint32(zeros_crc(int(n)))
-    if pads.any():  # segments ending inside a 16-byte word (a shift over no bytes changes nothing)
-        for z in np.unique(pads[pads > 0]):
-            sel = pads == z
-            out[sel] = shift(out[sel], int(z))
-    return out
+    ones = np.full(len(std), 0xFFFFFFFF, dtype=np.uint32)
+    raw = std ^ shift_each(ones, hi - lo) ^ ones
+    return shift_each(raw, -hi % WORD_BYTES)
 
 
 def reference_device_crcs(buf: np.ndarray, p: Pieces) -> np.ndarray:
