@@ -174,11 +174,15 @@ def ceilings(paths: dict[str, str], kind: str) -> list[dict[str, Any]]:
     return rows
 
 
-def nvcomp_decode_gbps(path: str, field: str, window_bytes: int = 256 << 20, repeats: int = 3) -> float | None:
-    """nvCOMP's batched decode alone, as the decode step calls it: one window's worth of ``field``'s chunks,
-    back to back in one device buffer, decoded by one call into cells of another; decoded GB/s (best of
-    ``repeats``, timed by events on the call's stream). None without nvCOMP or CuPy."""
+def nvcomp_decode_gbps(path: str, field: str, window_bytes: int = 256 << 20, repeats: int = 3,
+                       lanes: int | None = None) -> float | None:
+    """nvCOMP's batched decode alone, as the decode step calls it: ``lanes`` windows' worth of ``field``'s
+    chunks (the decoder's :data:`gdsload.codecs.decode.DECODE_LANES` by default), each window back to back in
+    a device buffer and decoded by one call into cells of its own, the calls on as many streams at once;
+    decoded GB/s (best of ``repeats``, timed by events from the first call's start to the last one's end).
+    Windows beyond the field's chunks decode its first chunks again. None without nvCOMP or CuPy."""
     from gdsload.codecs.chunks import load_nvcomp
+    from gdsload.codecs.decode import DECODE_LANES
     from gdsload.format.arrays import CRC_BYTES
     from gdsload.format.layout import DatasetLayout
     from gdsload.format.meta import read_metadata
@@ -188,35 +192,48 @@ def nvcomp_decode_gbps(path: str, field: str, window_bytes: int = 256 << 20, rep
         return None
     import cupy
 
+    lanes = lanes or DECODE_LANES
     with DatasetLayout(read_metadata(path), (field,)) as layout:
         f = layout.meta.fields[field]
-        n = max(1, min(f.num_chunks, window_bytes // f.block_bytes))
-        locs = [loc for loc in (layout.locate(field, c) for c in range(n)) if loc is not None]
-        packed = b"".join(os.pread(layout.files.fd(loc.path), loc.nbytes, loc.offset) for loc in locs)
-    stored = np.array([loc.nbytes for loc in locs], np.uint64)
-    sizes = stored - (CRC_BYTES if f.codecs[-1][0] == "crc32c" else 0)  # each frame without the crc32c after it
-    src, cells = cupy.asarray(np.frombuffer(packed, np.uint8)), cupy.empty(len(locs) * f.block_bytes, cupy.uint8)
-    starts = (np.cumsum(stored) - stored).astype(np.uint64)
-    m, bb = len(locs), f.block_bytes
-    table = cupy.asarray(np.stack([src.data.ptr + starts, sizes, np.full(m, bb, np.uint64),
-                                   cells.data.ptr + np.arange(m, dtype=np.uint64) * bb, np.zeros(m, np.uint64)]))
-    statuses = cupy.zeros(m, cupy.int32)
-    need = lib.temp_bytes(m, bb, m * bb)
-    temp, stream = cupy.empty(need, cupy.uint8), cupy.cuda.Stream(non_blocking=True)
-    at = [int(table[i].data.ptr) for i in range(5)]
-    cupy.cuda.Device().synchronize()  # the copies above ran on the default stream, which ``stream`` does not wait for
+        m = max(1, min(f.num_chunks, window_bytes // f.block_bytes))
+        chunks = [[(lane * m + i) % f.num_chunks for i in range(m)] for lane in range(lanes)]
+        locs = [[layout.locate(field, c) for c in window] for window in chunks]
+        packed = [b"".join(os.pread(layout.files.fd(loc.path), loc.nbytes, loc.offset) for loc in window)
+                  for window in locs]
+    bb = f.block_bytes
+    calls = []
+    for window, data in zip(locs, packed):
+        stored = np.array([loc.nbytes for loc in window], np.uint64)
+        sizes = stored - (CRC_BYTES if f.codecs[-1][0] == "crc32c" else 0)  # each frame without its crc32c
+        src, cells = cupy.asarray(np.frombuffer(data, np.uint8)), cupy.empty(m * bb, cupy.uint8)
+        starts = (np.cumsum(stored) - stored).astype(np.uint64)
+        table = cupy.asarray(np.stack([src.data.ptr + starts, sizes, np.full(m, bb, np.uint64),
+                                       cells.data.ptr + np.arange(m, dtype=np.uint64) * bb, np.zeros(m, np.uint64)]))
+        need = lib.temp_bytes(m, bb, m * bb)
+        calls.append((src, cells, table, cupy.zeros(m, cupy.int32), need, cupy.empty(need, cupy.uint8),
+                      cupy.cuda.Stream(non_blocking=True)))
+    cupy.cuda.Device().synchronize()  # the copies above ran on the default stream, which the others do not wait for
     best = float("inf")
     for _ in range(repeats):
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record(stream)
-        code = lib.decompress(at[0], at[1], at[2], at[4], m, temp.data.ptr, need, at[3], statuses.data.ptr,
-                              stream.ptr)
-        end.record(stream)
-        end.synchronize()
-        if code != 0 or int(cupy.count_nonzero(statuses)) or not bool((table[4] == bb).all()):
-            raise RuntimeError(f"{path}: nvCOMP failed on '{field}' (launch status {code})")
-        best = min(best, cupy.cuda.get_elapsed_time(start, end) / 1e3)
-    return m * bb / best / 1e9
+        start = cupy.cuda.Event()
+        start.record(calls[0][-1])
+        ends = []
+        for _, _, table, statuses, need, temp, stream in calls:
+            stream.wait_event(start)
+            at = [int(table[i].data.ptr) for i in range(5)]
+            code = lib.decompress(at[0], at[1], at[2], at[4], m, temp.data.ptr, need, at[3], statuses.data.ptr,
+                                  stream.ptr)
+            if code != 0:
+                raise RuntimeError(f"{path}: nvCOMP refused '{field}' (launch status {code})")
+            ends.append(cupy.cuda.Event())
+            ends[-1].record(stream)
+        for end in ends:
+            end.synchronize()
+        for _, _, table, statuses, *_ in calls:
+            if int(cupy.count_nonzero(statuses)) or not bool((table[4] == bb).all()):
+                raise RuntimeError(f"{path}: nvCOMP failed on '{field}'")
+        best = min(best, max(cupy.cuda.get_elapsed_time(start, end) for end in ends) / 1e3)
+    return lanes * m * bb / best / 1e9
 
 
 def zarr_reads(path: str, field: str, gpu: bool) -> list[dict[str, Any]]:

@@ -28,7 +28,8 @@ from gdsload.backends.cpu import CpuBackend
 from gdsload.codecs.chunks import load_nvcomp
 from gdsload.codecs.decode import Decoder
 from gdsload.codecs.checksum import pieces, reference_device_crcs
-from gdsload.codecs.nvcomp import ZSTD_MAGIC, NvcompBatch, Readback, crc_mismatch, heads, trailing_index
+from gdsload.codecs.nvcomp import NvcompBatch, Readback
+from gdsload.codecs.screen import STAND_IN, ZSTD_MAGIC, heads, screen_host
 from gdsload.format.layout import DatasetLayout
 from gdsload.format.meta import read_metadata
 from gdsload.conversion.source_types import ArraySource, RaggedSource
@@ -126,6 +127,8 @@ class FakeZstd:
     def __init__(self, status=lambda i, frame: 0, shorten: int = 0):
         self.calls: list[int] = []  # chunks per call
         self.temps: list[tuple[int, int]] = []  # (the scratch memory's address, its size) per call
+        self.streams: list[int] = []  # the stream of each call
+        self.frames: list[bytes] = []  # every frame handed over, in order
         self.status, self.shorten = status, shorten
 
     def temp_bytes(self, chunks, chunk_bytes, total_bytes):
@@ -133,8 +136,9 @@ class FakeZstd:
 
     def decompress(self, src_ptrs, src_bytes, cell_bytes, decoded_bytes, chunks, temp, temp_bytes, cell_ptrs,
                    statuses, stream):
-        assert temp_bytes >= self.temp_bytes(chunks, 0, 0) and stream == HostOps.stream_ptr
+        assert temp_bytes >= self.temp_bytes(chunks, 0, 0)
         self.calls.append(chunks)
+        self.streams.append(stream)
         self.temps.append((temp, temp_bytes))
 
         def table(at, dtype=np.uint64):
@@ -144,6 +148,7 @@ class FakeZstd:
         sizes, codes = np.zeros(chunks, np.uint64), np.zeros(chunks, np.int32)
         for i in range(chunks):
             frame = ctypes.string_at(int(srcs[i]), int(lens[i]))
+            self.frames.append(frame)
             codes[i] = self.status(i, frame)
             if codes[i] == 0:
                 out = numcodecs.Zstd().decode(frame)
@@ -164,7 +169,8 @@ class HostOps:
 
     stream_ptr = 0x5EED
 
-    def __init__(self):
+    def __init__(self, stream_ptr: int = 0x5EED):
+        self.stream_ptr = stream_ptr
         self.to_device_calls = []
         self.kept = []  # what each window's ``done`` was given to hold
 
@@ -196,20 +202,19 @@ class HostOps:
     def download(self, arr, lo, hi):
         return Readback(arr[lo:hi].copy())
 
-    def heads(self, buffer, lo, hi):
-        return heads(lambda idx: buffer[idx], lo, hi)
+    def screen(self, buffer, tab, lo, hi, crc):
+        """As DecodeDevice screens: the crc kernel's algorithm (its numpy reference), then the screening kernel's
+        (its numpy twin), the stand-in frame in host memory."""
+        got = reference_device_crcs(buffer, pieces(lo, hi)) if crc else None
+        stand_in = np.frombuffer(STAND_IN, np.uint8).copy()
+        screen_host(buffer, tab, lo, hi, crc, got, stand_in.ctypes.data)
+        return stand_in
 
     def close(self):
         pass
 
     def quiesce(self):
         pass
-
-    def crc_mismatch(self, buffer, lo, hi):
-        """As DecodeDevice computes it: the device kernel's algorithm (its numpy reference) on the segments."""
-        got = reference_device_crcs(buffer, pieces(lo, hi))
-        return crc_mismatch(got, buffer[trailing_index(hi)], lo, hi)
-
 
 def _device_windows(path: str, device: list[str], host: list[str], fake: FakeZstd, ops: HostOps,
                     window_blocks: int = 3, call_bytes: int | None = None):
@@ -222,9 +227,9 @@ def _device_windows(path: str, device: list[str], host: list[str], fake: FakeZst
                       chunk_lengths=layout.chunk_lengths, host_fields=host)
     backend = CpuBackend()
     backend.prepare(layout.files)
-    decoder = Decoder(layout, True, 0, device, threads=2, nvcomp=fake, ops=ops)
+    decoder = Decoder(layout, True, 0, device, threads=2, nvcomp=fake, ops=[ops])
     if call_bytes is not None:
-        decoder.batch.call_bytes = call_bytes
+        decoder.lanes[0].batch.call_bytes = call_bytes
     wb = WindowBuffer(np.zeros(wl.nbytes, np.uint8))
     order = np.random.default_rng(0).permutation(meta.num_blocks)
     got = {f: np.zeros((meta.num_blocks * meta.samples_per_block, *meta.fields[f].sample_shape),
@@ -330,6 +335,34 @@ def test_zstd_frame_heads():
     assert heads(lambda i: buf[i], np.array([9]), np.array([9])).tolist() == [0]  # empty, at the buffer's end
 
 
+def test_a_stored_crc32c_turned_by_its_key_and_pad_is_what_the_crc_kernel_computes():
+    """The screening kernel's crc step, byte loop for byte loop: the crc32c stored after a frame, advanced over
+    its pad one zero byte at a time and XORed with its key, equals the crc kernel's result for the frame."""
+    from gdsload.codecs.checksum import T0, host_crcs
+    from gdsload.codecs.screen import keys
+
+    rng = np.random.default_rng(5)
+    sizes = rng.integers(1, 3000, 60)
+    hi = np.cumsum(sizes + 4 + rng.integers(0, 20, 60))
+    lo = hi - sizes
+    buf = rng.integers(0, 256, int(hi[-1]) + 4, dtype=np.uint8)
+    key, pad = keys(lo, hi)
+    turned = []
+    for v, p in zip(host_crcs(buf, lo, hi).tolist(), pad.tolist()):
+        for _ in range(p):
+            v = (v >> 8) ^ int(T0[v & 0xFF])
+        turned.append(v)
+    np.testing.assert_array_equal(np.array(turned, np.uint32) ^ key.astype(np.uint32),
+                                  reference_device_crcs(buf, pieces(lo, hi)))
+
+
+def test_the_stand_in_frame_decodes_to_one_byte():
+    """What nvCOMP decodes in place of a screened-out chunk: a valid frame, so nothing of the damaged one is
+    read, and one byte, which any cell holds."""
+    assert int.from_bytes(STAND_IN[:4], "little") == ZSTD_MAGIC
+    assert bytes(numcodecs.Zstd().decode(STAND_IN)) == b"\0"
+
+
 def test_device_path_checks_crc32c_after_zstd(tmp_path):
     path = store(tmp_path, c=(10, None, [ZstdCodec(), Crc32cCodec()]))
     got, _ = _device_windows(path, ["c"], [], FakeZstd(), HostOps())
@@ -371,7 +404,7 @@ def test_a_decode_is_checked_when_confirmed_not_when_queued(tmp_path):
     meta = read_metadata(path)
     with DatasetLayout(meta) as layout:
         decoder = Decoder(layout, True, 0, ["z"], threads=1, nvcomp=FakeZstd(status=lambda i, f: 12 * (i == 2)),
-                          ops=HostOps())
+                          ops=[HostOps()])
         try:
             _, work, wb = one_window(layout, meta)
             event, check = decoder.decode(wb, work, None, threading.Event())
@@ -400,11 +433,42 @@ def test_a_closed_decoder_lets_its_scratch_memory_go_after_its_stream_is_drained
     path = store(tmp_path, z=(10, 40, [ZstdCodec()]))
     meta = read_metadata(path)
     with DatasetLayout(meta) as layout:
-        decoder = Decoder(layout, True, 0, ["z"], threads=1, nvcomp=FakeZstd(), ops=Ops())
+        decoder = Decoder(layout, True, 0, ["z"], threads=1, nvcomp=FakeZstd(), ops=[Ops()])
         wl, work, wb = one_window(layout, meta)
         decoder.decode(wb, work, None, threading.Event())[1].confirm()
         decoder.close()
     assert events == ["drained, scratch held: True", "closed, scratch held: False"]
+
+
+def test_successive_windows_take_turns_on_the_lanes_each_with_its_own_scratch_memory(tmp_path):
+    """A window's decode runs on its lane's stream, beside the previous window's on the other lane: each call
+    goes to its lane's stream, with that lane's scratch memory (one lane's memory reused by the other while a
+    decode may still run there would corrupt both), and closing drains and closes every lane."""
+    events: list[str] = []
+
+    class Ops(HostOps):
+        def quiesce(self):
+            events.append(f"drained {self.stream_ptr:#x}")
+
+        def close(self):
+            events.append(f"closed {self.stream_ptr:#x}")
+
+    path = store(tmp_path, z=(10, 40, [ZstdCodec()]))
+    meta = read_metadata(path)
+    lanes, fake = [Ops(0xA), Ops(0xB)], FakeZstd()
+    with DatasetLayout(meta) as layout:
+        decoder = Decoder(layout, True, 0, ["z"], threads=1, nvcomp=fake, ops=lanes)
+        for _ in range(4):
+            wl, work, wb = one_window(layout, meta)
+            decoder.decode(wb, work, None, threading.Event())[1].confirm()
+            np.testing.assert_array_equal(wb.views(wl)["z"][:40], rows()[:40])
+        assert decoder.scratch_bytes == sum(lane.batch.temp_bytes for lane in decoder.lanes) > 0
+        decoder.close()
+    assert fake.streams == [0xA, 0xB, 0xA, 0xB]
+    assert [len(lane.kept) for lane in lanes] == [2, 2]
+    scratch = {s: {t for t, st in zip(fake.temps, fake.streams) if st == s} for s in (0xA, 0xB)}
+    assert len(scratch[0xA]) == len(scratch[0xB]) == 1 and scratch[0xA] != scratch[0xB]
+    assert events == ["drained 0xa", "drained 0xb", "closed 0xa", "closed 0xb"]
 
 
 def one_window(layout, meta, blocks: int = 4):
@@ -524,9 +588,9 @@ def test_converter_compress_round_trip(tmp_path):
 
 def test_a_converted_chunk_damaged_inside_is_found_before_it_is_decoded(tmp_path):
     """The converter stores a crc32c after each zstd chunk (zarr's crc32c codec): a chunk with a byte changed
-    in the middle of its frame is an error naming it before any decoder sees it, on the device path (nvCOMP's
-    decode of such a frame did not return) and on the CPU, where the blocks' own checksums would only be
-    checked after the decode."""
+    in the middle of its frame is an error naming it, and no decoder sees it: on the device path (nvCOMP's
+    decode of such a frame did not return) it is screened out of the batch, replaced by a stand-in frame; on
+    the CPU, where the blocks' own checksums would only be checked after the decode, it is never decoded."""
     tokens = np.random.default_rng(1).zipf(1.5, (400, 64)).clip(0, 50000).astype(np.int32)
     out = str(tmp_path / "t.gds")
     write_dataset(out, {"tokens": ArraySource("tokens", tokens)}, compress="zstd:3", chunk_bytes=16 << 10,
@@ -534,10 +598,13 @@ def test_a_converted_chunk_damaged_inside_is_found_before_it_is_decoded(tmp_path
     with DatasetLayout(read_metadata(out)) as layout:
         loc = layout.locate("tokens", 2)
     flip_byte(loc.path, loc.offset + loc.nbytes // 2)
+    with open(loc.path, "rb") as f:
+        damaged = os.pread(f.fileno(), loc.nbytes - 4, loc.offset)  # the frame, without its crc32c
     fake = FakeZstd()
     with pytest.raises(ReadError, match=rf"^{re.escape(loc.path)}: chunk 2 of array 'tokens' .*crc32c mismatch"):
         _device_windows(out, ["tokens"], [], fake, HostOps(), window_blocks=8)
-    assert fake.calls == [], "no batch went to nvCOMP: the damaged chunk's window is the first"
+    assert len(fake.calls) == 1, "the damaged chunk's window is the first: its batch went to nvCOMP"
+    assert damaged not in fake.frames and fake.frames.count(STAND_IN) == 1
     with pytest.raises(ReadError, match=r"chunk 2 of array 'tokens' .*crc32c mismatch"):
         read_all(out, "cpu", resident_bytes=0, verify=False)
 

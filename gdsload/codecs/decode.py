@@ -11,7 +11,8 @@ window is there (GPU backends) or None (cpu: it is there when the call returns).
   ``GDSLOAD_NVCOMP=0``): the compressed region lies in the device
   window buffer (kvikio reads it straight there, pinned stages and copies it, mmap copies it from its
   locked pages); one batched nvCOMP call per field and window decodes every chunk on the device
-  (:mod:`gdsload.codecs.nvcomp`).
+  (:mod:`gdsload.codecs.nvcomp`). Successive windows take turns on :data:`DECODE_LANES` streams, each with its
+  own scratch memory, so one window's decode runs beside the next one's.
 - any other codec on a GPU backend (and ``zstd`` without nvCOMP, after a one-time warning): the compressed
   region lies in a pinned *host* buffer of the window, read by threaded POSIX reads; CPU threads decode each
   chunk into a host mirror of the field's cells, and one host-to-device copy per field moves them. Reading
@@ -30,7 +31,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -38,7 +39,13 @@ from .._tasks import TaskGroup
 from .chunks import DECODE_THREADS, Chain, CrcMismatch, chunk_error, load_nvcomp
 
 if TYPE_CHECKING:
-    from .nvcomp import DecodeOps
+    from .nvcomp import DecodeOps, NvcompBatch
+
+#: Streams a GPU decoder's windows take turns on. nvCOMP's batched zstd decode takes about as long for a few
+#: hundred chunks as for a thousand (one thread block decodes a chunk, mostly serially), so a window decoded
+#: while the one before still decodes adds its chunks to the GPU's work at little cost in time. Each lane holds
+#: its own scratch memory (about three times a window's decoded bytes).
+DECODE_LANES = 2
 
 
 # -- the decode step -----------------------------------------------------------------------------------
@@ -59,15 +66,18 @@ class Decoder:
     """Decodes the compressed fields of an open dataset's windows (see the module's docstring).
 
     ``device``: the fields nvCOMP decodes on the device (:func:`gdsload.codecs.chunks.device_fields`); ``on_gpu``: the
-    window buffers are device memory. Holds a pool of :data:`DECODE_THREADS` threads and, on a GPU backend, a stream;
-    :meth:`close` stops them. It reads nothing: the reader (gdsload.pipeline.reader) hands it windows whose reads are
-    done. The pinned host buffers it gives windows belong to their window buffers and go with them.
+    window buffers are device memory. Holds a pool of :data:`DECODE_THREADS` threads and, on a GPU backend,
+    ``lanes`` streams (:class:`Lane`) that successive windows take turns on; :meth:`close` stops them. It reads
+    nothing: the reader (gdsload.pipeline.reader) hands it windows whose reads are done. The pinned host buffers
+    it gives windows belong to their window buffers and go with them.
     """
 
     def __init__(self, layout: Any, on_gpu: bool, device_id: int = 0, device: Sequence[str] = (),
-                 threads: int = DECODE_THREADS, nvcomp: Any = None, ops: DecodeOps | None = None):
-        """``nvcomp`` and ``ops`` replace libnvcomp (:class:`gdsload.codecs.nvcomp_lib.ZstdLib`) and the CUDA side
-        (:class:`gdsload.codecs.nvcomp.DecodeDevice`), for tests of the device path without a GPU."""
+                 threads: int = DECODE_THREADS, nvcomp: Any = None, ops: Sequence[DecodeOps] | None = None,
+                 lanes: int = DECODE_LANES):
+        """``nvcomp`` and ``ops`` (one per lane) replace libnvcomp (:class:`gdsload.codecs.nvcomp_lib.ZstdLib`)
+        and the CUDA side (:class:`gdsload.codecs.nvcomp.DecodeDevice`), for tests of the device path without a
+        GPU."""
         self.layout, self.on_gpu, self.device_id = layout, on_gpu, device_id
         metas = {k: layout.meta.array(k) for k in layout.keys}
         self.chains = {k: Chain(m.codecs) for k, m in metas.items() if m.compressed and k not in device}
@@ -75,24 +85,26 @@ class Decoder:
         self.threads = threads
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="gdsload-decode")
         self._lock = threading.Lock()  # the completer and a resident load may decode at once
-        self.gpu: DecodeOps | None = None
-        self.batch: Any = None
+        self.lanes: list[Lane] = []
+        self._turn = 0  # the lane the next window decodes on
         if on_gpu:
             from .nvcomp import DecodeDevice, NvcompBatch
 
-            self.gpu = ops if ops is not None else DecodeDevice(device_id)
-            if device:
-                self.batch = NvcompBatch(nvcomp if nvcomp is not None else load_nvcomp(), self.gpu)
+            if ops is None:
+                ops = [DecodeDevice(device_id) for _ in range(max(1, lanes) if device else 1)]
+            lib = (nvcomp if nvcomp is not None else load_nvcomp()) if device else None
+            self.lanes = [Lane(gpu, NvcompBatch(lib, gpu) if device else None) for gpu in ops]
 
     @property
     def scratch_bytes(self) -> int:
-        """Device memory nvCOMP's decode holds as scratch (0 where nothing decodes on the device)."""
-        return self.batch.temp_bytes if self.batch is not None else 0
+        """Device memory nvCOMP's decode holds as scratch, over every lane (0 where nothing decodes on the
+        device)."""
+        return sum(lane.batch.temp_bytes for lane in self.lanes if lane.batch is not None)
 
     def host_buffer(self, nbytes: int) -> Any:
         """A host buffer for a window's compressed chunks that CPU threads decode: pinned on a GPU backend
         (its decoded cells are copied to the device from it)."""
-        return self.gpu.pinned(nbytes) if self.gpu is not None else np.empty(nbytes, np.uint8)
+        return self.lanes[0].gpu.pinned(nbytes) if self.lanes else np.empty(nbytes, np.uint8)
 
     def decode(self, wb: Any, work: Any, filled: Any, stop: threading.Event) -> tuple[Any, Any]:
         """Decode every compressed chunk of ``work`` into its cell (the window's reads are done, or queued
@@ -101,17 +113,21 @@ class Decoder:
         ``stop`` is set, chunks not yet started are skipped."""
         host_jobs = [j for j in work.jobs if j.name in self.chains]
         self._decode_host(wb, host_jobs, stop)
-        if self.gpu is None:
+        if not self.lanes:
             return filled, None
-        gpu = self.gpu
-        with self._lock, gpu.ordered(filled):  # the device's work on the decoder's stream, after ``filled``
-            for job in host_jobs:
-                if job.copy is not None:
-                    h, d, n = job.copy
-                    gpu.to_device(wb.buffer, d, wb.host, h, n)
-            checks = [self.batch.decode(wb.buffer, j, self.layout) for j in work.jobs if j.name not in self.chains]
-            checks = [c for c in checks if c is not None]
-            return gpu.done([c.keep for c in checks]), all_of(checks)
+        with self._lock:
+            lane = self.lanes[self._turn % len(self.lanes)]
+            self._turn += 1
+            gpu = lane.gpu
+            with gpu.ordered(filled):  # the lane's device work on its stream, after ``filled``
+                for job in host_jobs:
+                    if job.copy is not None:
+                        h, d, n = job.copy
+                        gpu.to_device(wb.buffer, d, wb.host, h, n)
+                checks = [lane.batch.decode(wb.buffer, j, self.layout)  # type: ignore[union-attr]
+                          for j in work.jobs if j.name not in self.chains]
+                checks = [c for c in checks if c is not None]
+                return gpu.done([c.keep for c in checks]), all_of(checks)
 
     def _decode_host(self, wb: Any, jobs: list[Any], stop: threading.Event) -> None:
         tasks: list[Callable[[], None]] = []
@@ -136,17 +152,24 @@ class Decoder:
 
     def quiesce(self) -> None:
         """Wait until no device work of this decoder still writes into a window buffer (a pipeline stops)."""
-        if self.gpu is not None:
-            self.gpu.quiesce()
+        for lane in self.lanes:
+            lane.gpu.quiesce()
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
-        if self.gpu is not None:
-            self.gpu.quiesce()
-        if self.batch is not None:
-            self.batch.close()  # nvCOMP's scratch memory back to the pool: the stream has passed every use of it
-        if self.gpu is not None:
-            self.gpu.close()  # then the pool's blocks of the decoder's streams are released
+        self.quiesce()
+        for lane in self.lanes:
+            if lane.batch is not None:
+                lane.batch.close()  # nvCOMP's scratch memory back to the pool: the stream has passed every use of it
+            lane.gpu.close()  # then the pool's blocks of the lane's streams are released
+
+
+class Lane(NamedTuple):
+    """One stream of a GPU decoder (its device side) and the nvCOMP batch that decodes on it, with its own
+    scratch memory (None where no field decodes on the device)."""
+
+    gpu: DecodeOps
+    batch: NvcompBatch | None
 
 
 class AllOf:
