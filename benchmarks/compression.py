@@ -35,6 +35,7 @@ import numpy as np
 
 from gdsload import GDSDataset, write_dataset
 from gdsload.codecs.chunks import NVCOMP_ENV
+from gdsload.codecs.decode import DECODE_LANES
 from gdsload.tools.measure import (cold_pass, cpu_seconds, drop_page_cache, pinned_h2d_gbps, read_files, shard_paths,
                                    time_pass)
 from gdsload.conversion.writer import DEFAULT_CHUNK_BYTES
@@ -182,7 +183,6 @@ def nvcomp_decode_gbps(path: str, field: str, window_bytes: int = 256 << 20, rep
     decoded GB/s (best of ``repeats``, timed by events from the first call's start to the last one's end).
     Windows beyond the field's chunks decode its first chunks again. None without nvCOMP or CuPy."""
     from gdsload.codecs.chunks import load_nvcomp
-    from gdsload.codecs.decode import DECODE_LANES
     from gdsload.format.arrays import CRC_BYTES
     from gdsload.format.layout import DatasetLayout
     from gdsload.format.meta import read_metadata
@@ -344,6 +344,7 @@ def main(argv: list[str] | None = None) -> str:
     write_json(out, {"benchmark": "compression", "date": today(), "machine": info, "notes": [TOKENS_NOTE],
                      "settings": {"backends": backends, "size_bytes": size, "level": args.level, "tiny": args.tiny,
                                   "chunk_sizes": chunk_sizes, "default_chunk_bytes": DEFAULT_CHUNK_BYTES,
+                                  "decode_lanes": DECODE_LANES,
                                   "resident_bytes": "0" if resident == 0 else "GDSDataset's default"}, "results": rows})
     print(TOKENS_NOTE)
     print(f"wrote {out}")

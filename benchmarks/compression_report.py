@@ -81,11 +81,20 @@ def nvcomp_ceiling(doc: dict[str, Any]) -> tuple[float | None, str]:
     rows = [r for r in chunk_rows(doc) if r.get("nvcomp_decode_gbps") is not None]
     for r in rows:
         if default is not None and r["chunk_bytes"] == default:
-            return r["nvcomp_decode_gbps"], f"{_kib(r['chunk_bytes'])} KiB chunks, the default"
+            return r["nvcomp_decode_gbps"], f"{_kib(r['chunk_bytes'])} KiB chunks, the default, {_windows(doc)}"
     if not rows:
         return None, "not measured"
     best = max(rows, key=lambda r: r["nvcomp_decode_gbps"])
-    return best["nvcomp_decode_gbps"], f"best of the chunk sweep, {_kib(best['chunk_bytes'])} KiB chunks"
+    return best["nvcomp_decode_gbps"], (f"best of the chunk sweep, {_kib(best['chunk_bytes'])} KiB chunks, "
+                                        f"{_windows(doc)}")
+
+
+def _windows(doc: dict[str, Any]) -> str:
+    """How many windows' chunks the ceiling decodes at once: the decode step's lanes (one before it had lanes)."""
+    lanes = (doc.get("settings") or {}).get("decode_lanes") or 1
+    return ("one window's chunks in one call" if lanes == 1 else
+            f"{lanes} windows' chunks at once, a call each on streams of their own, as the decode step's lanes run "
+            "them")
 
 
 def best_zarr(doc: dict[str, Any], data: str) -> dict[str, Any] | None:
@@ -246,7 +255,7 @@ def _chunk_table(doc: dict[str, Any]) -> list[str]:
     if not rows:
         return ["## Chunk sweep", "", "No chunk rows in this run.", ""]
     bs = list(dict.fromkeys(b for r in rows for b in (r.get("warm_gbps") or {})))
-    lines = ["## Chunk sweep (tokens, zstd)", "", "nvCOMP decode: its batched decode alone on one window's chunks "
+    lines = ["## Chunk sweep (tokens, zstd)", "", f"nvCOMP decode: its batched decode alone on {_windows(doc)}, "
              "already in device memory; warm: a gdsload pass over the tokens written with that chunk.", "",
              "| chunk KiB | decoded:stored | nvCOMP decode GB/s | " + " | ".join(f"warm GB/s {b}" for b in bs) + " |",
              "|---:|---:|---:|" + "---:|" * len(bs)]

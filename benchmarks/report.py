@@ -70,7 +70,7 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
 
 #: What the summary keeps of each compressed row.
 COMPRESSED_KEYS = ("store", "backend", "ratio", "warm_epochs_gbps", "cold_gbps", "raw_cold_gbps",
-                   "decoder_ceiling_gbps", "decoder_ceiling_why", "device_used_bytes_before",
+                   "decoder_ceiling_gbps", "decoder_ceiling_why", "decoder_lanes", "device_used_bytes_before",
                    "device_used_bytes_after")
 
 
@@ -165,7 +165,8 @@ def _compressed(r: dict[str, Any]) -> list[str]:
     out = [f"{head}: epochs {', '.join(map(str, warm))} GB/s, slowest {min(warm) / best:.0%} of the best "
            f"(target >= 90 %) -> " + ("met" if min(warm) >= 0.9 * best else "MISSED")]
     ceiling = r.get("decoder_ceiling_gbps")
-    out.append(f"{head}: warm {best} GB/s against nvCOMP's batch decode of the same chunks "
+    out.append(f"{head}: warm {best} GB/s against nvCOMP's batch decode of the same chunks, "
+               f"{r.get('decoder_lanes') or 1} window(s) at once as the decode step runs them, "
                + (f"{ceiling} GB/s = {best / ceiling:.0%} (target >= 80 %) -> "
                   + ("met" if best >= 0.8 * ceiling else "MISSED") if ceiling
                   else f"not measured ({r.get('decoder_ceiling_why')})"))

@@ -221,6 +221,7 @@ def compressed(rec: Recorder, backends: tuple[str, ...], data_dir: str, mib: int
     be dropped (else None), and nvCOMP's batch decode alone on the same chunks (None, with the reason, where
     it cannot run)."""
     from .compression import gdsload_pass, make_kind, nvcomp_decode_gbps, stored_ratio, write_pair
+    from gdsload.codecs.decode import DECODE_LANES
 
     paths = write_pair(os.path.join(data_dir, "compressed"), "tokens", make_kind("tokens", mib << 20), level)
     ratio = round(stored_ratio(paths["zstd"], "tokens"), 4)
@@ -258,7 +259,7 @@ def compressed(rec: Recorder, backends: tuple[str, ...], data_dir: str, mib: int
         rec.emit({**where, "store": "tokens", "io_mode": runs[0].io_mode, "ratio": ratio, "decode": decode,
                   "gb_per_s": max(warm), "warm_epochs_gbps": warm, "cold_gbps": rnd(cold),
                   "raw_cold_gbps": rnd(raw_cold), "decoder_ceiling_gbps": rnd(ceiling),
-                  "decoder_ceiling_why": why, "decoded_bytes": runs[0].bytes,
+                  "decoder_ceiling_why": why, "decoder_lanes": DECODE_LANES, "decoded_bytes": runs[0].bytes,
                   "device_used_bytes_before": before, "device_used_bytes_after": after})
 
 

@@ -153,7 +153,8 @@ def test_gpu_run_checks_pass_fail_and_not_measured(tmp_path: Any) -> None:
         "- cold, tokens, kvikio: zstd 5.00 GB/s / raw 2.00 GB/s = 2.5x (target >= 2.0x) -> PASS",
         "- cold, tokens, pinned: zstd 3.00 GB/s / raw 2.00 GB/s = 1.5x (target >= 2.0x) -> FAIL",
         "- cold, tokens, mmap: zstd - GB/s / raw - GB/s (target >= 2.0x) -> not measured"]
-    ceiling = "; nvCOMP decode ceiling 40.0 GB/s (best of the chunk sweep, 512 KiB chunks)"
+    ceiling = ("; nvCOMP decode ceiling 40.0 GB/s (best of the chunk sweep, 512 KiB chunks, one window's chunks in one "
+               "call)")
     assert lines[3:] == [
         "- warm, zstd, tokens: best gdsload 12.0 GB/s (kvikio) / best zarr-python 1.00 GB/s (numpy+asarray) = 12x "
         "(target >= 5.0x) -> PASS" + ceiling,
@@ -175,11 +176,15 @@ def test_gpu_run_checks_pass_fail_and_not_measured(tmp_path: Any) -> None:
     assert "| float16 | 2.00x | 8.00 (kvikio) | 6.00 (kvikio) | 1.50 (kvikio) | 1.50 (kvikio) | - |" in md
 
 
-def test_nvcomp_ceiling_prefers_the_default_chunk() -> None:
+def test_nvcomp_ceiling_prefers_the_default_chunk_and_says_how_many_windows_it_decodes_at_once() -> None:
     doc = gpu_doc()
-    assert nvcomp_ceiling(doc) == (40.0, "best of the chunk sweep, 512 KiB chunks")
+    one = "one window's chunks in one call"  # a run from before the decode step had lanes
+    assert nvcomp_ceiling(doc) == (40.0, f"best of the chunk sweep, 512 KiB chunks, {one}")
     doc["settings"]["default_chunk_bytes"] = 64 << 10
-    assert nvcomp_ceiling(doc) == (20.0, "64 KiB chunks, the default")
+    assert nvcomp_ceiling(doc) == (20.0, f"64 KiB chunks, the default, {one}")
+    doc["settings"]["decode_lanes"] = 2
+    assert nvcomp_ceiling(doc)[1] == ("64 KiB chunks, the default, 2 windows' chunks at once, a call each on streams "
+                                      "of their own, as the decode step's lanes run them")
     doc["settings"]["default_chunk_bytes"] = 4 << 20  # measured without nvCOMP there: the best one instead
     assert nvcomp_ceiling(doc)[0] == 40.0
     assert nvcomp_ceiling(cpu_doc()) == (None, "not measured")
