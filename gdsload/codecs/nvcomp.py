@@ -77,12 +77,13 @@ class Readback:
 
 class DecodeCheck:
     """A field's decode in one window, queued: :meth:`confirm` waits for it and raises the ReadError of the
-    first chunk nvCOMP failed on or decoded to another size than its cell's; later calls do nothing. ``keep``:
+    first chunk screened out (its crc32c first, then its magic number, as the CPU path checks them), else of
+    the first nvCOMP failed on or decoded to another size than its cell's; later calls do nothing. ``keep``:
     what must live until the decoder's stream has passed the decode (its arguments, its readbacks)."""
 
     def __init__(self, layout: Any, job: Any, names: list[str], cell_bytes: int):
         self.layout, self.job, self.names, self.cell_bytes = layout, job, names, cell_bytes
-        self.calls: list[tuple[int, Readback]] = []  # (the call's first chunk in the job, its readback)
+        self.calls: list[Readback] = []  # each call's readback, in the job's order of chunks
         self.keep: list[Any] = []
         self.confirmed = False
 
@@ -93,13 +94,13 @@ class DecodeCheck:
         if not self.calls:
             return
         parts = []
-        for _, readback in self.calls:
+        for readback in self.calls:
             got = readback.get()
             m = len(got) // (SIZE_BYTES + screen.TAIL_ITEM_BYTES)
             tail = got[m * SIZE_BYTES:].view(np.int32)
             parts.append((got[:m * SIZE_BYTES].view(np.uint64), tail[:m], tail[m:2 * m], tail[2 * m:].view(np.uint32)))
         sizes, statuses, reasons, heads = (np.concatenate(col) for col in zip(*parts))
-        for reason in (screen.CRC_MISMATCH, screen.NOT_ZSTD):  # as the CPU path checks them: the crc32c first
+        for reason in (screen.CRC_MISMATCH, screen.NOT_ZSTD):
             bad = np.flatnonzero(reasons == reason)
             if len(bad):
                 self._fail(int(bad[0]), reason, int(heads[bad[0]]))
@@ -167,8 +168,8 @@ class NvcompBatch:
         step = max(1, self.call_bytes // bb)
         for lo in range(0, len(src), step):
             part = slice(lo, lo + step)
-            check.calls.append((lo, self._call(buffer, np.ascontiguousarray(rows[:, part]), src[part], ends[part],
-                                               crc, check, layout)))
+            check.calls.append(self._call(buffer, np.ascontiguousarray(rows[:, part]), src[part], ends[part], crc,
+                                          check, layout))
         return check
 
     def _call(self, buffer: Any, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray, crc: bool, check: DecodeCheck,
