@@ -69,7 +69,7 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 #: What the summary keeps of each compressed row.
-COMPRESSED_KEYS = ("store", "backend", "ratio", "warm_epochs_gbps", "cold_gbps", "raw_cold_gbps",
+COMPRESSED_KEYS = ("store", "backend", "ratio", "warm_epochs_gbps", "first_batch_s", "cold_gbps", "raw_cold_gbps",
                    "decoder_ceiling_gbps", "decoder_ceiling_why", "decoder_lanes", "device_used_bytes_before",
                    "device_used_bytes_after")
 
@@ -162,7 +162,9 @@ def _compressed(r: dict[str, Any]) -> list[str]:
     batch-decode ceiling, cold at least 0.8 x the raw store's cold rate / ratio (stored over decoded bytes)."""
     warm, head = r["warm_epochs_gbps"], f"{r['dataset']} {r['backend']} compressed (ratio {r['ratio']})"
     best = max(warm)
-    out = [f"{head}: epochs {', '.join(map(str, warm))} GB/s, slowest {min(warm) / best:.0%} of the best "
+    first = r.get("first_batch_s")
+    start = f" (the first from rest, its first batch after {first * 1e3:.1f} ms)" if first is not None else ""
+    out = [f"{head}: epochs {', '.join(map(str, warm))} GB/s{start}, slowest {min(warm) / best:.0%} of the best "
            f"(target >= 90 %) -> " + ("met" if min(warm) >= 0.9 * best else "MISSED")]
     ceiling = r.get("decoder_ceiling_gbps")
     out.append(f"{head}: warm {best} GB/s against nvCOMP's batch decode of the same chunks, "

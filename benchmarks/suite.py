@@ -77,7 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--canary-threshold", type=float, default=summary_rows.CANARY_THRESHOLD,
                     help="a pass is the machine's when every canary ran this much slower than its median")
     ap.add_argument("--compressed", action="store_true", help="the compressed rows (on with --full)")
-    ap.add_argument("--compressed-mib", type=int, default=1024, help="decoded MiB of the compressed tokens store")
+    ap.add_argument("--compressed-mib", type=int, default=4096, help="decoded MiB of the compressed tokens store "
+                    "(epochs long enough that the first one's start does not decide its rate)")
     ap.add_argument("--data", default=DATA_DIR, help="directory on the disk under test (datasets are kept)")
     ap.add_argument("--shm", default="/dev/shm/gdsload-bench", help="tmpfs copy for the /dev/shm regime")
     ap.add_argument("--out", default=RESULTS_DIR, help="results root: files go to OUT/<machine>/")

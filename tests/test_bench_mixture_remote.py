@@ -169,6 +169,7 @@ def test_the_mixture_probe_reports_each_part_and_where_the_mixture_waited(tmp_pa
     sources = {"half", "third", "sixth"}
     assert cpu["single"] > 0 and set(cpu["alone"]) == sources and all(v > 0 for v in cpu["alone"].values())
     assert set(cpu["concurrent"]["per_source"]) == sources and cpu["concurrent"]["gb_per_s"] > 0
+    assert cpu["source_options"] == dict.fromkeys(sources)  # opened as the mixture opens them: cpu starts no threads
     for ahead in (0, 2):
         m = cpu[f"mixture, read_ahead={ahead}"]
         assert m["gb_per_s"] > 0 and set(m["waited_pct"]) == sources

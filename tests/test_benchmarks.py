@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -297,10 +298,12 @@ def test_summary_compressed(suite_run: str) -> None:
     assert c["store"] == "tokens" and c["backend"] == "cpu" and 0 < c["ratio"] < 1  # tokens compress
     assert len(c["warm_epochs_gbps"]) == 8 and all(g > 0 for g in c["warm_epochs_gbps"])
     assert c["cold_gbps"] is None and c["raw_cold_gbps"] is None  # --no-cold
-    assert c["decoder_ceiling_gbps"] is None and "no GPU" in c["decoder_ceiling_why"]
+    assert c["decoder_ceiling_gbps"] is None and "no GPU" in c["decoder_ceiling_why"] and c["decoder_lanes"] >= 1
+    assert c["first_batch_s"] > 0  # the first epoch's, from rest
     with open(os.path.join(suite_run, "suite.md")) as f:
         md = f.read()
     assert "## Compressed" in md and "compressed (ratio " in md and "| warm-fresh | cpu | cpu |" in md
+    assert re.search(r"GB/s \(the first from rest, its first batch after \d+\.\d ms\), slowest", md)
 
 
 def test_targets_of_the_new_rows(suite_run: str) -> None:

@@ -6,13 +6,16 @@ The data of ``benchmarks.mixture``: one dataset of ``--size-gib`` and three sour
 of it. Per backend, each a stretch of at least ``--seconds`` from rest:
 
 - ``single``: the one dataset;
-- ``alone <source>``: each source's dataset by itself;
-- ``concurrent``: the three sources' datasets at once, each taken flat out on a thread of its own. Their sum
-  is what three pipelines carry side by side in one process; each one's share of it stands beside;
+- ``alone <source>``: each source's dataset by itself, opened as the mixture opens it (with its share of the
+  reader threads, :func:`gdsload.mixture.specs.share_threads`);
+- ``concurrent``: the three sources' datasets, opened the same way, at once, each taken flat out on a thread
+  of its own. Their sum is what three pipelines carry side by side in one process; each one's share of it
+  stands beside;
 - ``mixture, read_ahead=R``: the Mixture, and per source the seconds it waited for that source's batches
   (``mix.stats``) as a share of the stretch. The source it waits on most is the one holding it back.
 
-Prints a table and writes ``results/<machine>/probe-mixture[-TAG].json`` and ``.md``. Public API only.
+Prints a table and writes ``results/<machine>/probe-mixture[-TAG].json`` and ``.md``. Public API, and the
+mixture's rule for sharing reader threads.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 
 from gdsload import GDSDataset, Mixture
 from gdsload.errors import BackendUnavailable
+from gdsload.mixture.specs import share_threads
 from gdsload.tools.measure import device_sync, time_pass
 
 from ..common import BATCH, make_dataset, parse_probe_args, probe_parser, write_probe_table
@@ -73,7 +77,10 @@ def probe(backend: str, single_path: str, sources: dict[str, str], seconds: floa
         row["io_mode"] = single.io_mode
         row["single"] = round(time_pass(single, min_seconds=seconds).gb_per_s, 2)
         num_batches = len(single)
-    datasets = {n: GDSDataset(p, BATCH, **options) for n, p in sources.items()}
+    specs = {n: (p, None, {}, dict(options)) for n, p in sources.items()}
+    share_threads(specs)  # as the Mixture opens its sources: the reader threads of one dataset shared out
+    row["source_options"] = {n: spec[3].get("backend_options") for n, spec in specs.items()}
+    datasets = {n: GDSDataset(p, BATCH, **kwargs) for n, (p, _, _, kwargs) in specs.items()}
     try:
         row["alone"] = {n: round(time_pass(ds, min_seconds=seconds).gb_per_s, 2) for n, ds in datasets.items()}
         row["concurrent"] = concurrent(datasets, seconds)
