@@ -356,6 +356,16 @@ def test_a_stored_crc32c_turned_by_its_key_and_pad_is_what_the_crc_kernel_comput
                                   reference_device_crcs(buf, pieces(lo, hi)))
 
 
+def test_the_screening_kernel_is_written_with_the_tables_layout():
+    """The kernel's source names the table's rows and the reasons as this module numbers them (substituted once):
+    none is left for the compiler to reject, and the magic number is the one the host checks against."""
+    from gdsload.codecs import screen
+
+    for name in ("SRC", "LEN", "KEY", "PAD", "ROWS", "NOT_ZSTD", "CRC_MISMATCH", "ZSTD_MAGIC"):
+        assert re.search(rf"\b{name}\b", screen.KERNEL_SOURCE) is None, name
+    assert f"head != {ZSTD_MAGIC}u" in screen.KERNEL_SOURCE and f"t + {screen.ROWS} * m" in screen.KERNEL_SOURCE
+
+
 def test_the_stand_in_frame_decodes_to_one_byte():
     """What nvCOMP decodes in place of a screened-out chunk: a valid frame, so nothing of the damaged one is
     read, and one byte, which any cell holds."""

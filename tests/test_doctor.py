@@ -494,7 +494,7 @@ def test_cufile_version_decoding():
 
         @staticmethod
         def cuFileGetVersion(ref):
-            ref._obj.value = 1150
+            ref.contents.value = 1150
             return type("CUfileError", (), {"err": 0})()
 
     assert cufile_version(Lib()) == "1.15"

@@ -35,7 +35,8 @@ STAND_IN = bytes.fromhex("28b52ffd200109000000")
 #: Bytes after the rows: statuses, reasons, heads.
 TAIL_ITEM_BYTES = 12
 
-_SOURCE = r"""
+#: The screening kernel (CUDA C++), the table's layout written in.
+KERNEL_SOURCE = r"""
 extern "C" __global__ void screen_frames(unsigned long long* t, int m, int crc, const unsigned int* got,
                                          const unsigned int* t0, unsigned long long stand_in,
                                          unsigned long long stand_in_bytes)
@@ -65,7 +66,7 @@ extern "C" __global__ void screen_frames(unsigned long long* t, int m, int crc, 
 """
 for _name, _value in dict(SRC=SRC, LEN=LEN, KEY=KEY, PAD=PAD, ROWS=ROWS, NOT_ZSTD=NOT_ZSTD,
                           CRC_MISMATCH=CRC_MISMATCH, ZSTD_MAGIC=ZSTD_MAGIC).items():
-    _SOURCE = _SOURCE.replace(_name, str(_value))
+    KERNEL_SOURCE = KERNEL_SOURCE.replace(_name, str(_value))
 
 
 def keys(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -132,7 +133,8 @@ class DeviceScreen:
         self.cupy = cupy
         self.device = cupy.cuda.Device(device_id)
         with self.device:
-            self.kernel = load_module(cupy, _SOURCE, device_id, probe="screen_frames").get_function("screen_frames")
+            module = load_module(cupy, KERNEL_SOURCE, device_id, probe="screen_frames")
+            self.kernel = module.get_function("screen_frames")
             self.t0 = cupy.asarray(checksum.T0)
             self.stand_in = cupy.asarray(np.frombuffer(STAND_IN, np.uint8))
         self.crc = DeviceCrc(device_id)

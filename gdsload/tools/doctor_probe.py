@@ -169,7 +169,7 @@ def cufile_version(lib: Any) -> str | None:
         return None
     fn.restype, fn.argtypes = CUfileError, [ctypes.POINTER(ctypes.c_int)]
     v = ctypes.c_int(0)
-    if fn(ctypes.byref(v)).err != 0 or v.value <= 0:
+    if fn(ctypes.pointer(v)).err != 0 or v.value <= 0:
         return None
     return f"{v.value // 1000}.{(v.value % 1000) // 10}"
 
