@@ -258,8 +258,7 @@ def compressed(rec: Recorder, backends: tuple[str, ...], data_dir: str, mib: int
 
         rec.emit({**where, "store": "tokens", "io_mode": runs[0].io_mode, "ratio": ratio, "decode": decode,
                   "gb_per_s": max(warm), "warm_epochs_gbps": warm, "first_batch_s": rnd(runs[0].first_batch_s),
-                  "cold_gbps": rnd(cold),
-                  "raw_cold_gbps": rnd(raw_cold), "decoder_ceiling_gbps": rnd(ceiling),
+                  "cold_gbps": rnd(cold), "raw_cold_gbps": rnd(raw_cold), "decoder_ceiling_gbps": rnd(ceiling),
                   "decoder_ceiling_why": why, "decoder_lanes": DECODE_LANES, "decoded_bytes": runs[0].bytes,
                   "device_used_bytes_before": before, "device_used_bytes_after": after})
 

@@ -87,18 +87,6 @@ def shift(c: np.ndarray | int, n: int) -> np.ndarray:
     return _apply(_shift_op(int(n)), np.asarray(c, dtype=np.uint32))
 
 
-@functools.lru_cache(maxsize=64)
-def zeros_crc(nbytes: int) -> int:
-    """Standard crc32c of ``nbytes`` zero bytes: what turns a standard CRC into a raw one."""
-    chunk = bytes(min(nbytes, 1 << 20))
-    c, left = 0, nbytes
-    while left:
-        n = min(left, len(chunk))
-        c = crc32c.crc32c(chunk[:n], c)
-        left -= n
-    return c
-
-
 def slice_tables() -> np.ndarray:
     """(16, 256): the raw CRC of a 16-byte word from state 0 is the XOR of ``t[k][byte k]``."""
     return np.stack([_apply(_shift_op(WORD_BYTES - 1 - k), T0) for k in range(WORD_BYTES)])
