@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from gdsload import GDSDataset, write_dataset
+from gdsload.codecs import screen
 from gdsload.codecs.chunks import NVCOMP_ENV
 from gdsload.codecs.decode import DECODE_LANES
 from gdsload.tools.measure import (cold_pass, cpu_seconds, drop_page_cache, pinned_h2d_gbps, read_files, shard_paths,
@@ -203,34 +204,40 @@ def nvcomp_decode_gbps(path: str, field: str, window_bytes: int = 256 << 20, rep
     bb = f.block_bytes
     calls = []
     for window, data in zip(locs, packed):
-        stored = np.array([loc.nbytes for loc in window], np.uint64)
+        stored = np.array([loc.nbytes for loc in window], np.int64)
         sizes = stored - (CRC_BYTES if f.codecs[-1][0] == "crc32c" else 0)  # each frame without its crc32c
-        src, cells = cupy.asarray(np.frombuffer(data, np.uint8)), cupy.empty(m * bb, cupy.uint8)
-        starts = (np.cumsum(stored) - stored).astype(np.uint64)
-        table = cupy.asarray(np.stack([src.data.ptr + starts, sizes, np.full(m, bb, np.uint64),
-                                       cells.data.ptr + np.arange(m, dtype=np.uint64) * bb, np.zeros(m, np.uint64)]))
+        # One buffer as a window's: the cells, then the chunks back to back; the table laid out as the step's.
+        buf = cupy.empty(m * bb + len(data), cupy.uint8)
+        buf[m * bb:] = cupy.asarray(np.frombuffer(data, np.uint8))
+        lo = m * bb + np.cumsum(stored) - stored
+        rows = screen.table(int(buf.data.ptr), lo, lo + sizes, bb, np.arange(m, dtype=np.int64) * bb)
+        table = cupy.zeros(rows.nbytes + screen.TAIL_ITEM_BYTES * m, cupy.uint8)
+        table[:rows.nbytes] = cupy.asarray(rows.reshape(-1).view(np.uint8))
         need = lib.temp_bytes(m, bb, m * bb)
-        calls.append((src, cells, table, cupy.zeros(m, cupy.int32), need, cupy.empty(need, cupy.uint8),
-                      cupy.cuda.Stream(non_blocking=True)))
+        calls.append((buf, table, need, cupy.empty(need, cupy.uint8), cupy.cuda.Stream(non_blocking=True)))
     cupy.cuda.Device().synchronize()  # the copies above ran on the default stream, which the others do not wait for
+    row = 8 * m
     best = float("inf")
     for _ in range(repeats):
         start = cupy.cuda.Event()
         start.record(calls[0][-1])
         ends = []
-        for _, _, table, statuses, need, temp, stream in calls:
+        for _, table, need, temp, stream in calls:
             stream.wait_event(start)
-            at = [int(table[i].data.ptr) for i in range(5)]
-            code = lib.decompress(at[0], at[1], at[2], at[4], m, temp.data.ptr, need, at[3], statuses.data.ptr,
-                                  stream.ptr)
+            at = int(table.data.ptr)
+            code = lib.decompress(at + screen.SRC * row, at + screen.LEN * row, at + screen.CAP * row,
+                                  at + screen.OUT * row, m, temp.data.ptr, need, at + screen.CELL * row,
+                                  at + screen.ROWS * row, stream.ptr)
             if code != 0:
                 raise RuntimeError(f"{path}: nvCOMP refused '{field}' (launch status {code})")
             ends.append(cupy.cuda.Event())
             ends[-1].record(stream)
         for end in ends:
             end.synchronize()
-        for _, _, table, statuses, *_ in calls:
-            if int(cupy.count_nonzero(statuses)) or not bool((table[4] == bb).all()):
+        for _, table, *_ in calls:
+            got = table.get()
+            decoded, statuses = got[:screen.ROWS * row].view(np.uint64)[screen.OUT * m:], got[screen.ROWS * row:]
+            if statuses[:4 * m].view(np.int32).any() or not (decoded == bb).all():
                 raise RuntimeError(f"{path}: nvCOMP failed on '{field}'")
         best = min(best, max(cupy.cuda.get_elapsed_time(start, end) for end in ends) / 1e3)
     return lanes * m * bb / best / 1e9

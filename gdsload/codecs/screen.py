@@ -8,7 +8,7 @@ why it failed comes back with nvCOMP's statuses, with its first four bytes, so t
 for the device: the checks of one window queue behind the decode of the one before.
 
 A call's table is one device array: :data:`ROWS` rows of ``m`` uint64 (compressed address and size, cell size
-and address, the chunk's CRC key and pad, then the decoded sizes nvCOMP writes), followed by ``m`` int32 statuses
+and address, the chunk's CRC pad, then the decoded sizes nvCOMP writes), followed by ``m`` int32 statuses
 (nvCOMP's), ``m`` int32 reasons and ``m`` uint32 heads (this module's). :func:`screen_host` does on host memory
 what the kernel does, for the tests of the device path without a GPU.
 """
@@ -24,8 +24,8 @@ from ..format.arrays import CRC_BYTES
 from . import checksum
 
 #: The table's rows, in order.
-SRC, LEN, CAP, CELL, KEY, PAD, OUT = range(7)
-ROWS = 7
+SRC, LEN, CAP, CELL, PAD, OUT = range(6)
+ROWS = 6
 #: Why a chunk was not handed to nvCOMP (0: it was).
 NOT_ZSTD, CRC_MISMATCH = 1, 2
 #: The first four bytes of every zstd frame, read as a little-endian uint32.
@@ -38,8 +38,8 @@ TAIL_ITEM_BYTES = 12
 #: The screening kernel (CUDA C++), the table's layout written in.
 KERNEL_SOURCE = r"""
 extern "C" __global__ void screen_frames(unsigned long long* t, int m, int crc, const unsigned int* got,
-                                         const unsigned int* t0, unsigned long long stand_in,
-                                         unsigned long long stand_in_bytes)
+                                         const unsigned int* t0, const unsigned int* powers,
+                                         unsigned long long stand_in, unsigned long long stand_in_bytes)
 {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= m) return;
@@ -48,11 +48,25 @@ extern "C" __global__ void screen_frames(unsigned long long* t, int m, int crc, 
     unsigned int head = 0;
     for (unsigned long long k = 0; k < 4 && k < n; ++k) head |= static_cast<unsigned int>(p[k]) << (8 * k);
     int reason = 0;
-    if (crc) {  // the stored crc32c after the frame, turned into what the crc kernel computed (checksum.py)
+    if (crc) {  // the stored crc32c after the frame, turned into what the crc kernel computed (checksum.py's
+                // device_expected): the initial value carried over the frame's n bytes, both over its pad
         unsigned int v = static_cast<unsigned int>(p[n]) | static_cast<unsigned int>(p[n + 1]) << 8
                          | static_cast<unsigned int>(p[n + 2]) << 16 | static_cast<unsigned int>(p[n + 3]) << 24;
-        for (unsigned long long k = t[PAD * m + i]; k; --k) v = (v >> 8) ^ t0[v & 0xff];
-        if ((v ^ static_cast<unsigned int>(t[KEY * m + i])) != got[i]) reason = CRC_MISMATCH;
+        unsigned int key = 0xffffffffu;
+        int k = 0;
+        for (unsigned long long b = n; b; ++k, b >>= 1) {
+            if (b & 1) {
+                const unsigned int* s = powers + k * 1024;
+                key = s[key & 0xff] ^ s[256 + ((key >> 8) & 0xff)] ^ s[512 + ((key >> 16) & 0xff)]
+                      ^ s[768 + (key >> 24)];
+            }
+        }
+        key ^= 0xffffffffu;
+        for (unsigned long long b = t[PAD * m + i]; b; --b) {
+            v = (v >> 8) ^ t0[v & 0xff];
+            key = (key >> 8) ^ t0[key & 0xff];
+        }
+        if ((v ^ key) != got[i]) reason = CRC_MISMATCH;
     }
     if (!reason && head != ZSTD_MAGICu) reason = NOT_ZSTD;
     if (reason) {
@@ -64,27 +78,18 @@ extern "C" __global__ void screen_frames(unsigned long long* t, int m, int crc, 
     reinterpret_cast<unsigned int*>(tail)[2 * m + i] = head;
 }
 """
-for _name, _value in dict(SRC=SRC, LEN=LEN, KEY=KEY, PAD=PAD, ROWS=ROWS, NOT_ZSTD=NOT_ZSTD,
+for _name, _value in dict(SRC=SRC, LEN=LEN, PAD=PAD, ROWS=ROWS, NOT_ZSTD=NOT_ZSTD,
                           CRC_MISMATCH=CRC_MISMATCH, ZSTD_MAGIC=ZSTD_MAGIC).items():
     KERNEL_SOURCE = KERNEL_SOURCE.replace(_name, str(_value))
-
-
-def keys(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per segment ``[lo, hi)``: the key and the pad that turn its stored crc32c into what the crc kernel computes
-    (:func:`gdsload.codecs.checksum.device_expected` is ``shift_each(stored, pad) ^ key``); from the sizes alone."""
-    lo, hi = np.asarray(lo, np.int64), np.asarray(hi, np.int64)
-    pad = -hi % checksum.WORD_BYTES
-    return checksum.device_expected(np.zeros(len(lo), np.uint32), lo, hi), pad
 
 
 def table(base: int, lo: np.ndarray, hi: np.ndarray, cell_bytes: int, dest: np.ndarray) -> np.ndarray:
     """The rows of a call's table (:data:`ROWS` x m uint64) for frames at ``[lo, hi)`` of a window buffer at address
     ``base``, decoded into cells of ``cell_bytes`` at ``dest`` of the same buffer."""
     lo, hi = np.asarray(lo, np.int64), np.asarray(hi, np.int64)
-    key, pad = keys(lo, hi)
     rows = np.zeros((ROWS, len(lo)), np.uint64)
     rows[SRC], rows[LEN], rows[CAP] = base + lo, hi - lo, cell_bytes
-    rows[CELL], rows[KEY], rows[PAD] = base + np.asarray(dest, np.int64), key, pad
+    rows[CELL], rows[PAD] = base + np.asarray(dest, np.int64), -hi % checksum.WORD_BYTES
     return rows
 
 
@@ -111,8 +116,7 @@ def screen_host(buffer: np.ndarray, tab: np.ndarray, lo: np.ndarray, hi: np.ndar
     if crc:
         idx = (np.asarray(hi, np.int64)[:, None] + np.arange(CRC_BYTES)).reshape(-1)
         stored = np.ascontiguousarray(buffer[idx], np.uint8).view("<u4").astype(np.uint32)
-        want = checksum.shift_each(stored, rows[PAD]) ^ rows[KEY].astype(np.uint32)
-        reason[want != got] = CRC_MISMATCH
+        reason[checksum.device_expected(stored, lo, hi) != got] = CRC_MISMATCH
     reason[(reason == 0) & (head != ZSTD_MAGIC)] = NOT_ZSTD
     bad = reason != 0
     rows[SRC][bad], rows[LEN][bad] = stand_in, len(STAND_IN)
@@ -148,5 +152,5 @@ class DeviceScreen:
         with self.device, stream:
             self.kernel(((m + 127) // 128,), (128,),
                         (tab, np.int32(m), np.int32(crc), got if got is not None else np.uint64(0), self.t0,
-                         np.uint64(int(self.stand_in.data.ptr)), np.uint64(len(STAND_IN))))
+                         self.crc.powers, np.uint64(int(self.stand_in.data.ptr)), np.uint64(len(STAND_IN))))
         return got
