@@ -72,6 +72,35 @@ def random_jobs(rng, fds, datas, njobs, max_pieces, dest_size=None):
     return jobs, expected
 
 
+def expected_copies(pieces: list[tuple[int, int]], buf: int) -> int:
+    """The copies a job of ``(nbytes, dest)`` pieces takes: one per sub-piece of a piece over ``buf``, one per
+    run of whole pieces (size-0 ones skipped) whose destinations lie back to back and that fit ``buf``."""
+    live, n, i = [(size, dest) for size, dest in pieces if size], 0, 0
+    while i < len(live):
+        size, dest = live[i]
+        i += 1
+        if size > buf:
+            n += -(-size // buf)
+            continue
+        n, end = n + 1, dest + size
+        while i < len(live) and live[i][1] == end and live[i][0] <= buf - (end - dest):
+            end += live[i][0]
+            i += 1
+    return n
+
+
+def contiguous(fds, datas, sizes, seed=0):
+    """Pieces of ``sizes`` from random files and offsets, destinations back to back from 0: (file index,
+    offset, nbytes, dest) each."""
+    rng, pieces, at = np.random.default_rng(seed), [], 0
+    for n in sizes:
+        f = int(rng.integers(len(fds)))
+        off = int(rng.integers(0, len(datas[f]) - n + 1))
+        pieces.append((f, off, n, at))
+        at += n
+    return pieces
+
+
 def test_random_pieces_from_several_files_land_byte_exact(files):
     """Many jobs in flight at once, far more pieces than buffers, pieces split over several buffers: every
     byte lands where it belongs and nothing is written between the pieces."""
@@ -83,7 +112,109 @@ def test_random_pieces_from_several_files_land_byte_exact(files):
         ids = [st.submit([(fds[f], off, n, addr(dest, d)) for f, off, n, d in pieces]) for pieces in jobs]
         for i in rng.permutation(len(ids)):
             assert st.wait(ids[i], timeout_s=30) is True
+        assert st.copies == sum(expected_copies([(n, d) for _, _, n, d in pieces], BUF) for pieces in jobs)
     assert np.array_equal(dest, expected)
+    assert st.copies == sum(expected_copies([(n, d) for _, _, n, d in pieces], BUF) for pieces in jobs)
+
+
+def test_small_pieces_with_back_to_back_destinations_are_copied_a_buffer_at_a_time(files):
+    """A compressed window: many small pieces from several files and offsets, landing back to back. They are
+    read into one staging buffer and copied with one call per buffer, not one per piece."""
+    _, fds, datas = files
+    pieces = contiguous(fds, datas, [10_000] * 64)
+    pieces.insert(20, (0, 5, 0, 12345))  # an empty piece, its destination anywhere: skipped, the run goes on
+    for buf, copies in ((4 << 20, 1), (BUF, 11)):  # 64 pieces of 10 KB: one buffer, or 6 to a 64 KiB buffer
+        dest = np.full(640_000 + 16, SENTINEL, np.uint8)
+        with Stager("host", num_threads=4, buf_bytes=buf) as st:
+            assert st.wait(st.submit([(fds[f], o, n, addr(dest, d)) for f, o, n, d in pieces]), timeout_s=10)
+            assert st.copies == copies == expected_copies([(n, d) for _, _, n, d in pieces], buf)
+        for f, o, n, d in pieces:
+            assert np.array_equal(dest[d:d + n], datas[f][o:o + n])
+        assert (dest[640_000:] == SENTINEL).all()
+
+
+def test_pieces_whose_destinations_are_not_back_to_back_are_copied_one_each(files):
+    _, fds, datas = files
+    gapped = [(f, o, n, d + i) for i, (f, o, n, d) in enumerate(contiguous(fds, datas, [10_000] * 64, seed=1))]
+    backwards = [(f, o, n, 640_000 - n - d) for f, o, n, d in contiguous(fds, datas, [10_000] * 64, seed=2)]
+    for pieces in (gapped, backwards):
+        dest = np.full(640_064, SENTINEL, np.uint8)
+        with Stager("host", num_threads=4, buf_bytes=4 << 20) as st:
+            assert st.wait(st.submit([(fds[f], o, n, addr(dest, d)) for f, o, n, d in pieces]), timeout_s=10)
+            assert st.copies == 64
+        expected = np.full(len(dest), SENTINEL, np.uint8)
+        for f, o, n, d in pieces:
+            expected[d:d + n] = datas[f][o:o + n]
+        assert np.array_equal(dest, expected)
+
+
+def test_a_run_stops_before_a_piece_too_big_for_the_buffer_which_is_split_as_before(files):
+    """All destinations back to back: A | B (over a buffer: 4 sub-pieces, none in a run) | C D (E would
+    overflow) | E F G (exactly a buffer) | H."""
+    _, fds, datas = files
+    sizes = [10_000, 200_000, 10_000, 10_000, 50_000, 10_000, BUF - 60_000, 1]
+    pieces = contiguous(fds, datas, sizes, seed=3)
+    dest = np.full(sum(sizes) + 16, SENTINEL, np.uint8)
+    with Stager("host", num_threads=3, buf_bytes=BUF) as st:
+        assert st.wait(st.submit([(fds[f], o, n, addr(dest, d)) for f, o, n, d in pieces]), timeout_s=10)
+        assert st.copies == 1 + 4 + 1 + 1 + 1 == expected_copies([(n, d) for _, _, n, d in pieces], BUF)
+    for f, o, n, d in pieces:
+        assert np.array_equal(dest[d:d + n], datas[f][o:o + n])
+    assert (dest[sum(sizes):] == SENTINEL).all()
+
+
+def test_a_failed_piece_inside_a_run_names_that_piece_and_nothing_of_the_run_is_copied(files):
+    """One worker, one buffer of 4 MiB: the whole job is one run. Its third piece runs past the end of its
+    file, or its fourth has a closed descriptor: the error names that piece and only its bytes, and the
+    run's copy is not made."""
+    paths, fds, datas = files
+    size = len(datas[0])
+    dead = os.open(os.devnull, os.O_RDONLY)
+    os.close(dead)
+    names = [f"piece{i}" for i in range(6)]
+    with Stager("host", num_threads=1, buf_bytes=4 << 20) as st:
+        pieces = [(fds[1], 1000 * i, 1000, 1000 * i) for i in range(6)]
+        pieces[2] = (fds[0], size - 100, 1000, 2000)
+        dest = np.full(6000, SENTINEL, np.uint8)
+        with pytest.raises(ReadError) as e:
+            st.wait(st.submit([(fd, o, n, addr(dest, d)) for fd, o, n, d in pieces]), timeout_s=10, paths=names)
+        assert str(e.value) == f"piece2: file ends at offset {size} (expected 1000 bytes from offset {size - 100})"
+        assert (dest == SENTINEL).all() and st.copies == 0
+
+        pieces[2] = (fds[0], 2000, 1000, 2000)
+        pieces[3] = (dead, 3000, 1000, 3000)
+        with pytest.raises(ReadError) as e:
+            st.wait(st.submit([(fd, o, n, addr(dest, d)) for fd, o, n, d in pieces]), timeout_s=10, paths=names)
+        assert isinstance(e.value.__cause__, OSError) and e.value.__cause__.errno == errno.EBADF
+        assert str(e.value).startswith("piece3: read of 1000 bytes at offset 3000 failed (OSError: [Errno")
+        assert (dest == SENTINEL).all() and st.copies == 0
+        pieces[3] = (fds[1], 3000, 1000, 3000)
+        assert st.wait(st.submit([(fd, o, n, addr(dest, d)) for fd, o, n, d in pieces]), timeout_s=10)
+        assert st.copies == 1 and np.array_equal(dest[:2000], datas[1][:2000])
+        assert np.array_equal(dest[2000:3000], datas[0][2000:3000]) and np.array_equal(dest[3000:], datas[1][3000:6000])
+
+
+def test_failed_runs_among_many_in_flight_complete_every_sub_piece_exactly_once(files):
+    """Jobs of runs on several workers, every other one failing in a middle piece: each wait returns (no
+    count left over, none counted twice, which would hang or end a job early), later jobs still land."""
+    paths, fds, datas = files
+    size = len(datas[0])
+    dest = np.full(32 * 640_000, SENTINEL, np.uint8)
+    with Stager("host", num_threads=4, buf_bytes=BUF, bufs_per_thread=2) as st:
+        jobs = []
+        for k in range(32):
+            pieces = [(f, o, n, d + k * 640_000) for f, o, n, d in contiguous(fds, datas, [10_000] * 64, k)]
+            if k % 2:
+                pieces[37] = (0, size - 10, 10_000, pieces[37][3])
+            jobs.append((st.submit([(fds[f], o, n, addr(dest, d)) for f, o, n, d in pieces]), pieces))
+        for k, (job, pieces) in enumerate(jobs):
+            if k % 2:
+                with pytest.raises(ReadError, match=f"^piece37: file ends at offset {size} "):
+                    st.wait(job, timeout_s=10, paths=[f"piece{i}" for i in range(64)])
+            else:
+                assert st.wait(job, timeout_s=10) is True
+                for f, o, n, d in pieces:
+                    assert np.array_equal(dest[d:d + n], datas[f][o:o + n])
 
 
 def test_jobs_submitted_and_waited_from_several_threads(files):
@@ -186,6 +317,46 @@ def test_cancel_returns_promptly_and_nothing_is_written_after_the_wait(files):
             st.wait(job)
         assert st.wait(st.submit([(fds[2], 10, 5000, addr(dest))]), timeout_s=5), "the stager goes on working"
         assert np.array_equal(dest[:5000], datas[2][10:5010])
+
+
+def test_cancel_and_close_stop_a_job_of_runs_and_nothing_is_written_after(files):
+    """A million pieces of 4 KiB landing back to back over a 4 MiB destination, again and again: runs of 256
+    pieces to a 1 MiB buffer (3,907 copies in all). Cancel, then close, once copies began: the waits end
+    promptly, nothing lands after them."""
+    _, fds, _ = files
+    dest = np.zeros(4 << 20, np.uint8)
+    k = np.arange(1_000_000, dtype=np.int64)
+    pieces = np.stack([np.full(len(k), fds[2]), (k % 256) << 12, np.full(len(k), 4096),
+                       addr(dest) + ((k % 1024) << 12)], axis=1)
+    st = Stager("host", num_threads=3, buf_bytes=1 << 20)
+
+    def started(job: int, before: int) -> None:
+        deadline = time.monotonic() + 5
+        while st.copies == before and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert st.wait(job, timeout_s=0) is False, "the job should still be running"
+
+    job = st.submit(pieces)
+    started(job, 0)
+    t0 = time.monotonic()
+    st.cancel(job)
+    with pytest.raises(JobCancelled):
+        st.wait(job, timeout_s=5)
+    assert time.monotonic() - t0 < 1 and 0 < st.copies < 3907
+    dest[:] = SENTINEL
+    time.sleep(0.2)
+    assert (dest == SENTINEL).all(), "a worker wrote into the destination after the wait returned"
+    job = st.submit(pieces)
+    started(job, st.copies)
+    t0 = time.monotonic()
+    st.close()
+    assert time.monotonic() - t0 < 1
+    with pytest.raises(JobCancelled):
+        st.wait(job)
+    copies = st.copies
+    dest[:] = SENTINEL
+    time.sleep(0.2)
+    assert (dest == SENTINEL).all() and st.copies == copies < 2 * 3907
 
 
 def task_count() -> int:
@@ -326,13 +497,14 @@ with Stager("cuda", num_threads=3, buf_bytes=65536, bufs_per_thread=2,
             blocking_sync=bool(os.environ.get("STAGER_BLOCKING"))) as st:
     report["open"] = counts()
     report["pinned"] = st.pinned_bytes
-    ok = True
+    ok, npieces = True, 0
     for rounds in range(30):
         pieces, want, at = [], [], 0
         for _ in range(int(rng.integers(1, 12))):
-            f = int(rng.integers(3)); n = int(rng.integers(1, 3 * 65536 + 2)); n = min(n, len(datas[f]))
+            f = int(rng.integers(3)); n = int(rng.integers(1, int(os.environ.get("STAGER_TOP", 3 * 65536 + 2))))
+            n = min(n, len(datas[f])); npieces += 1
             off = int(rng.integers(0, len(datas[f]) - n + 1))
-            pieces.append((f, off, n, at)); at += n + 3
+            pieces.append((f, off, n, at)); at += n + int(os.environ.get("STAGER_GAP", "3"))
         dest = np.zeros(at, np.uint8)
         job = st.submit([(fds[f], o, n, dest.ctypes.data + d) for f, o, n, d in pieces])
         if not st.wait(job, timeout_s=10):
@@ -342,6 +514,7 @@ with Stager("cuda", num_threads=3, buf_bytes=65536, bufs_per_thread=2,
             ok = ok and np.array_equal(dest[d:d + n], datas[f][o:o + n])
     report["exact"] = ok
     report["queued"] = counts()[4]
+    report["copies"], report["pieces"] = st.copies, npieces
     if os.environ.get("FAKE_CUDA_FAIL_COPY"):
         try:
             st.wait(st.submit([(fds[0], 0, 1000, dest.ctypes.data)]), paths=[paths[0]])
@@ -382,6 +555,19 @@ def test_cuda_mode_blocking_sync_makes_sleeping_events_and_still_waits_for_every
     r = run_cuda_script(fake_libcuda, paths, STAGER_BLOCKING="1")
     assert r["open"][2] == r["open"][5] == 6  # every buffer's event made with CU_EVENT_BLOCKING_SYNC
     assert r["exact"] is True and r["closed"][:4] == [0, 0, 0, 0]
+
+
+def test_cuda_mode_copies_a_run_of_back_to_back_pieces_at_once_and_waits_for_it(files, fake_libcuda):
+    """Destinations back to back: small pieces go in runs, one copy and event each, big ones are split;
+    settling a buffer completes every piece of its run (else a wait would hang or return before the data)."""
+    paths, _, _ = files
+    mixed = run_cuda_script(fake_libcuda, paths, STAGER_GAP="0")
+    apart = run_cuda_script(fake_libcuda, paths, STAGER_TOP="20000")
+    together = run_cuda_script(fake_libcuda, paths, STAGER_TOP="20000", STAGER_GAP="0")
+    assert mixed["exact"] is True and apart["exact"] is True and together["exact"] is True
+    assert apart["copies"] == apart["queued"] == apart["pieces"], "pieces 3 bytes apart: a copy each"
+    assert together["copies"] == together["queued"] and 3 * together["copies"] < together["pieces"]
+    assert mixed["copies"] == mixed["queued"] and mixed["closed"][:4] == together["closed"][:4] == [0, 0, 0, 0]
 
 
 def test_cuda_mode_a_failed_copy_is_a_read_error_naming_the_cuda_error(files, fake_libcuda):

@@ -7,6 +7,10 @@
  * Concurrency: one mutex guards the job table, the FIFO of jobs with pieces still to hand out, and every
  * job's counters; workers drop it around pread, memcpy and CUDA calls. Staging buffers belong to one worker
  * each, so they need no lock. Waits are condition variables or cuEventSynchronize, never polls.
+ *
+ * Runs: pieces whose destinations lie back to back (a compressed window's chunks, from many files) are read
+ * one after the other into one staging buffer and copied with one memcpy or cuMemcpyHtoDAsync: each copy and
+ * event costs driver calls that serialize across threads, which small pieces would otherwise pay one each.
  */
 #define _GNU_SOURCE
 #define _FILE_OFFSET_BITS 64
@@ -15,6 +19,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -24,7 +29,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define GDS_STAGER_ABI 4
+#define GDS_STAGER_ABI 5
 #define MODE_HOST 0
 #define MODE_CUDA 1
 #define ALIGN 4096
@@ -96,8 +101,9 @@ typedef struct job {
 typedef struct {
     unsigned char *ptr;
     CUevent ev;
-    job_t *job;           /* non-NULL: a copy out of this buffer is outstanding, for a sub-piece of job */
-    int piece;
+    job_t *job;           /* non-NULL: a copy out of this buffer is outstanding, for sub-pieces of job */
+    int piece;            /* the first piece of the copy (named if it fails) */
+    int count;            /* the sub-pieces it completes */
 } buf_t;
 
 typedef struct gds_stager gds_stager;
@@ -131,6 +137,7 @@ struct gds_stager {
     int started, start_failed;
     char start_err[MSG_LEN];
     worker_t *workers;
+    atomic_llong copies;  /* memcpy or cuMemcpyHtoDAsync calls issued, failed ones included */
 };
 
 static void set_msg(char *buf, size_t len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
@@ -215,32 +222,51 @@ static void free_job(job_t *j) {
 }
 
 /* ---- the worker ---- */
+/* A task: one sub-piece of piece `piece` (len bytes from sub_off), or a run of whole pieces piece..end-1
+ * (size-0 ones among them skipped), `count` of them, destinations back to back, total bytes in all. */
 typedef struct {
     job_t *job;
-    int piece, fd;
-    int64_t sub_off, len, offset;
-    uint64_t dest;
+    int piece, end, count;
+    int64_t sub_off, len, total;
 } task_t;
 
-/* The next sub-piece of the job at the FIFO's head (which has one). */
+/* The next sub-piece of the job at the FIFO's head (which has one); a piece taken whole that fits the buffer
+ * goes on into a run: the following pieces while each starts where the last one's destination ended and the
+ * run still fits the buffer. */
 static void take(gds_stager *s, task_t *t) {
     job_t *j = s->qhead;
     while (j->pieces[j->next_piece].size == 0) j->next_piece++;
     piece_t *p = &j->pieces[j->next_piece];
-    int64_t left = p->size - j->next_off;
+    int64_t left = p->size - j->next_off, cap = (int64_t)s->buf_bytes;
     t->job = j;
     t->piece = j->next_piece;
-    t->fd = p->fd;
-    t->offset = p->offset;
-    t->dest = p->dest;
     t->sub_off = j->next_off;
-    t->len = left < (int64_t)s->buf_bytes ? left : (int64_t)s->buf_bytes;
+    t->len = left < cap ? left : cap;
+    t->count = 1;
     j->next_off += t->len;
     if (j->next_off == p->size) { j->next_piece++; j->next_off = 0; }
-    if (--j->undispatched == 0) queue_remove(s, j);
+    j->undispatched--;
+    t->total = t->len;
+    if (t->sub_off == 0 && t->len == p->size) {
+        uint64_t end = p->dest + (uint64_t)p->size;
+        int k = j->next_piece;
+        while (j->undispatched > 0) {
+            while (k < j->n && j->pieces[k].size == 0) k++;
+            if (k == j->n) break;
+            piece_t *q = &j->pieces[k];
+            if (q->dest != end || q->size > cap - t->total) break;
+            t->total += q->size;
+            t->count++;
+            end += (uint64_t)q->size;
+            j->next_piece = ++k;
+            j->undispatched--;
+        }
+    }
+    t->end = j->next_off ? t->piece + 1 : j->next_piece;
+    if (j->undispatched == 0) queue_remove(s, j);
 }
 
-/* Wait for the copy out of buffer b and complete its sub-piece. */
+/* Wait for the copy out of buffer b and complete its sub-pieces. */
 static void settle(worker_t *w, buf_t *b) {
     gds_stager *s = w->s;
     CUresult r = s->cu.EventSynchronize(b->ev);
@@ -250,7 +276,7 @@ static void settle(worker_t *w, buf_t *b) {
         snprintf(msg, sizeof msg, "cuEventSynchronize after a host-to-device copy failed: %s", cu_name(&s->cu, r));
         fail(s, b->job, b->piece, -1, 0, msg);
     }
-    complete(s, b->job, 1);
+    complete(s, b->job, b->count);
     pthread_mutex_unlock(&s->mu);
     b->job = NULL;
 }
@@ -284,62 +310,76 @@ static int read_full(int fd, unsigned char *buf, int64_t len, int64_t off, int64
     return 0;
 }
 
-static void run_task(worker_t *w, buf_t *b, task_t *t) {
-    gds_stager *s = w->s;
+/* Read the task's pieces back to back into b: 0, or -1 with the job failed naming the piece that fell short. */
+static int read_task(gds_stager *s, buf_t *b, const task_t *t) {
     job_t *j = t->job;
-    char msg[MSG_LEN];
-    pthread_mutex_lock(&s->mu);
-    int live = j->state == JOB_RUNNING;
-    if (!live) complete(s, j, 1); /* failed or cancelled since it was taken: not started, dropped */
-    pthread_mutex_unlock(&s->mu);
-    if (!live) return;
-
-    int64_t got = 0;
-    int err_no = 0;
-    int rc = read_full(t->fd, b->ptr, t->len, t->offset + t->sub_off, &got, &err_no);
-    pthread_mutex_lock(&s->mu);
-    if (rc != 0) {
-        got += t->sub_off; /* bytes of the whole piece */
+    int64_t at = 0;
+    for (int i = t->piece; i < t->end; i++) {
+        const piece_t *p = &j->pieces[i]; /* fixed once submitted, and alive while the task is incomplete */
+        if (p->size == 0) continue;
+        int64_t off = i == t->piece ? t->sub_off : 0, len = i == t->piece ? t->len : p->size, got = 0;
+        int err_no = 0;
+        int rc = read_full(p->fd, b->ptr + at, len, p->offset + off, &got, &err_no);
+        at += len;
+        if (rc == 0) continue;
+        char msg[MSG_LEN];
+        got += off; /* bytes of the whole piece */
         if (rc == 1) {
             /* The file may end before this sub-piece even began (a sibling's range): say where it ends. */
             struct stat st;
-            if (fstat(t->fd, &st) == 0 && st.st_size - t->offset < got)
-                got = st.st_size > t->offset ? st.st_size - t->offset : 0;
+            if (fstat(p->fd, &st) == 0 && st.st_size - p->offset < got)
+                got = st.st_size > p->offset ? st.st_size - p->offset : 0;
             snprintf(msg, sizeof msg, "file ends after %lld bytes of the piece", (long long)got);
-            fail(s, j, t->piece, 0, got, msg);
+            err_no = 0;
         } else {
             snprintf(msg, sizeof msg, "pread failed (errno %d)", err_no);
-            fail(s, j, t->piece, err_no, got, msg);
         }
-        complete(s, j, 1);
+        pthread_mutex_lock(&s->mu);
+        fail(s, j, i, err_no, got, msg);
+        complete(s, j, t->count);
         pthread_mutex_unlock(&s->mu);
-        return;
+        return -1;
     }
+    return 0;
+}
+
+/* Read the task and copy it out with one call; its sub-pieces complete here, or at settle() in CUDA mode. */
+static void run_task(worker_t *w, buf_t *b, task_t *t) {
+    gds_stager *s = w->s;
+    job_t *j = t->job;
+    pthread_mutex_lock(&s->mu);
+    int live = j->state == JOB_RUNNING;
+    if (!live) complete(s, j, t->count); /* failed or cancelled since it was taken: not started, dropped */
+    pthread_mutex_unlock(&s->mu);
+    if (!live || read_task(s, b, t) != 0) return;
+    pthread_mutex_lock(&s->mu);
     live = j->state == JOB_RUNNING;
-    if (!live) complete(s, j, 1); /* read, but the job ended meanwhile: no copy */
+    if (!live) complete(s, j, t->count); /* read, but the job ended meanwhile: no copy */
     pthread_mutex_unlock(&s->mu);
     if (!live) return;
 
-    uint64_t dest = t->dest + (uint64_t)t->sub_off;
+    uint64_t dest = j->pieces[t->piece].dest + (uint64_t)t->sub_off;
+    atomic_fetch_add_explicit(&s->copies, 1, memory_order_relaxed);
     if (s->mode == MODE_HOST) {
-        memcpy((void *)(uintptr_t)dest, b->ptr, (size_t)t->len);
+        memcpy((void *)(uintptr_t)dest, b->ptr, (size_t)t->total);
         pthread_mutex_lock(&s->mu);
-        complete(s, j, 1);
+        complete(s, j, t->count);
         pthread_mutex_unlock(&s->mu);
         return;
     }
-    CUresult r = s->cu.MemcpyHtoDAsync((CUdeviceptr)dest, b->ptr, (size_t)t->len, w->stream);
+    CUresult r = s->cu.MemcpyHtoDAsync((CUdeviceptr)dest, b->ptr, (size_t)t->total, w->stream);
     const char *what = "cuMemcpyHtoDAsync";
     if (r == 0) {
         r = s->cu.EventRecord(b->ev, w->stream);
-        if (r == 0) { b->job = j; b->piece = t->piece; return; } /* complete once its event is synchronized */
+        if (r == 0) { b->job = j; b->piece = t->piece; b->count = t->count; return; } /* done at settle() */
         what = "cuEventRecord";
         s->cu.StreamSynchronize(w->stream); /* the copy was queued: it must be over before the buffer is reused */
     }
+    char msg[MSG_LEN];
     snprintf(msg, sizeof msg, "%s failed: %s", what, cu_name(&s->cu, r));
     pthread_mutex_lock(&s->mu);
     fail(s, j, t->piece, -1, 0, msg);
-    complete(s, j, 1);
+    complete(s, j, t->count);
     pthread_mutex_unlock(&s->mu);
 }
 
@@ -575,6 +615,7 @@ gds_stager *gds_stager_create(int mode, int device, int nthreads, size_t buf_byt
     s->event_flags = CU_EVENT_DISABLE_TIMING | ((flags & STAGER_BLOCKING_SYNC) ? CU_EVENT_BLOCKING_SYNC : 0);
     s->buf_bytes = buf_bytes;
     s->mem_bytes = per_buf * count;
+    atomic_init(&s->copies, 0);
 
     pthread_condattr_t ca;
     int e = pthread_condattr_init(&ca);
@@ -788,6 +829,9 @@ void gds_stager_cancel(gds_stager *s, int64_t id) {
 int64_t gds_stager_pinned_bytes(gds_stager *s) { return s->mode == MODE_CUDA ? (int64_t)s->mem_bytes : 0; }
 
 int64_t gds_stager_buffer_bytes(gds_stager *s) { return (int64_t)s->mem_bytes; }
+
+/* Copies issued so far (memcpy or cuMemcpyHtoDAsync calls, one per sub-piece or run of pieces). */
+int64_t gds_stager_copies(gds_stager *s) { return (int64_t)atomic_load(&s->copies); }
 
 /* ---- the copier: a window's host-to-device copies queued in one call (the mmap backend) ----
  * No threads of its own. gds_copier_copy queues copy i on streams[i % nstreams] (the caller's streams,

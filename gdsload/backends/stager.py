@@ -9,13 +9,18 @@ buffer round-robin (``bufs_per_thread`` of ``buf_bytes`` each), waits for that b
 one is outstanding, reads the sub-piece whole (``pread``), then copies it: ``memcpy`` in "host" mode,
 ``cuMemcpyHtoDAsync`` on the worker's own non-blocking stream plus an event in "cuda" mode (buffers
 mmap'd with ``MAP_POPULATE`` and registered with ``cuMemHostRegister``; libcuda is opened with ``dlopen``
-at creation, so the library builds and its host mode runs without CUDA). A worker that finds the queue
-empty first synchronizes its outstanding copies, so a job's last pieces never wait for more work. A job
-is done when every sub-piece is read and its copy complete: :meth:`Stager.wait` returning True means the
-data is at the destination. The first error fails the job, its queued pieces are dropped; cancel drops
-queued pieces, lets pieces being read finish without copying them. Either way wait() returns only once
-nothing of the job is in flight, so no worker writes into the destination after it. ``close()`` cancels
-everything, lets each worker finish its current read and copies, joins the threads and frees the memory.
+at creation, so the library builds and its host mode runs without CUDA). A piece taken whole goes on into
+a run: the job's following pieces, while each one's destination starts where the last one's ended and the
+run fits the buffer, are read back to back into it and copied with one call (a compressed window's small
+chunks would otherwise pay a copy and an event each; :attr:`Stager.copies` counts them).
+A worker that finds the queue empty first synchronizes its outstanding copies, so a job's last pieces
+never wait for more work. A job is done when every sub-piece is read and its copy complete:
+:meth:`Stager.wait` returning True means the data is at the destination. The first error fails the job
+(naming its piece, even inside a run, whose copy is then not made), its queued pieces are dropped; cancel
+drops queued pieces, lets pieces being read finish without copying them. Either way wait() returns only
+once nothing of the job is in flight, so no worker writes into the destination after it. ``close()``
+cancels everything, lets each worker finish its current read and copies, joins the threads and frees the
+memory.
 
 Finding the library: a build installed next to this module (``pip install`` runs setup.py), else one
 compiled at first use into :func:`gdsload.system.env.cache_dir` (named by the source's hash) with ``$CC`` or ``cc``:
@@ -48,7 +53,7 @@ from ..errors import BackendUnavailable, ReadError, one_line
 from ..format.files import read_error
 
 ENV_NATIVE = "GDSLOAD_NATIVE"
-ABI = 4  # GDS_STAGER_ABI in _stage.c: a library of another version is not used
+ABI = 5  # GDS_STAGER_ABI in _stage.c: a library of another version is not used
 _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(_HERE, "_stage.c")
 _MODES = {"host": 0, "cuda": 1}
@@ -82,6 +87,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
             ("gds_stager_destroy", None, [c_ptr]),
             ("gds_stager_pinned_bytes", c_i64, [c_ptr]),
             ("gds_stager_buffer_bytes", c_i64, [c_ptr]),
+            ("gds_stager_copies", c_i64, [c_ptr]),
             ("gds_copier_create", c_ptr, [c_int, c_int, c_int, c_ptr, c_str, c_size]),
             ("gds_copier_copy", c_int, [c_ptr, c_int, c_ptr, c_ptr, c_ptr, ctypes.c_uint64, c_ptr, c_str, c_size]),
             ("gds_copier_destroy", None, [c_ptr])):
@@ -252,6 +258,7 @@ class Stager(Closing):
         #: Staging bytes held, pinned or not: ``num_threads * bufs_per_thread`` buffers of ``buf_bytes``
         #: rounded up to 4 KiB.
         self.buffer_bytes: int = lib.gds_stager_buffer_bytes(handle)
+        self._copies = 0  # the count once closed
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when no call is inside the library
         self._calls = 0
@@ -374,6 +381,15 @@ class Stager(Closing):
             self._leave()
 
     @property
+    def copies(self) -> int:
+        """Copies issued so far (``memcpy`` or ``cuMemcpyHtoDAsync`` calls): one per sub-piece, or per run of
+        pieces with back-to-back destinations. Once closed, the count when close() stopped the workers."""
+        with self._lock:
+            if self._closed:
+                return self._copies
+            return int(self._lib.gds_stager_copies(self._handle))
+
+    @property
     def closed(self) -> bool:
         return self._closed
 
@@ -390,6 +406,7 @@ class Stager(Closing):
                 self._lib.gds_stager_stop(self._handle)  # waits in other threads return now (3)
                 while self._calls:
                     self._idle.wait()
+                self._copies = self._lib.gds_stager_copies(self._handle)
             self._finalizer()  # gds_stager_destroy: no thread is inside the library any more
             self._jobs.clear()
 
