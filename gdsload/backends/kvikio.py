@@ -77,12 +77,13 @@ class KvikioBackend(CudaBackend):
 
     def submit(self, dest: Any, requests: Sequence[Request], stop: threading.Event) -> Pending:
         pending = _Reads(self.write_fills(dest, requests))
+        base = int(dest.data.ptr)
         with self.device:
             for r in coalesce([r for r in requests if isinstance(r, ReadRequest)], self.max_read_bytes):
                 if stop.is_set():
                     break
                 try:
-                    view = dest[r.dest_offset:r.dest_offset + r.nbytes]
+                    view = DeviceSpan(base + r.dest_offset, r.nbytes)
                     pending.futures.append((r, self._files.get(r.path).pread(view, r.nbytes, r.offset)))
                 except BaseException as e:
                     pending.error = read_error(r.path, r.offset, r.nbytes, cause=e)
@@ -94,6 +95,19 @@ class KvikioBackend(CudaBackend):
         if self._pool_held:
             self._pool_held = False
             KvikioPool.release()
+
+
+class DeviceSpan:
+    """``nbytes`` of device memory at ``ptr``, described by the CUDA array interface alone: what KvikIO's
+    ``pread`` needs of a slice of the window buffer, without a CuPy view made per read (a window of small
+    compressed chunks makes hundreds of reads, each paid in Python beside the pipeline's other threads). It
+    holds no reference to the buffer: the window buffer outlives its reads (``_Reads.finish``)."""
+
+    __slots__ = ("__cuda_array_interface__",)
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "strides": None, "version": 3}
 
 
 def io_mode_for(gds: bool, supports: list[Any]) -> str:
