@@ -228,6 +228,24 @@ def check_no_repeat(legs, end) -> None:
                                                           "samples read twice"
 
 
+def test_sources_gather_several_batches_at_once_and_their_batch_size_changes_no_batch(paths):
+    """By sample, a source's dataset gathers SOURCE_BATCHES of the mixture's batches at once (its own batch_size
+    unless given); whole batches keep the mixture's. Positions count samples, so the batches, the state and a
+    resume across the two are the same as with sources gathering one batch at a time."""
+    from gdsload.mixture.mixture import SOURCE_BATCHES
+
+    for whole, expected in ((False, 8 * SOURCE_BATCHES), (True, 8)):
+        mix = open_ranks(paths, 1, whole_batches=whole)[0]
+        assert [ds.config.batch_size for ds in mix.datasets.values()] == [expected] * 3
+        mix.close()
+    one = {name: {"path": p, "batch_size": 8} for name, p in paths.items()}
+    full, end = run(paths, 2, 30)
+    assert run(one, 2, 30) == (full, end)
+    first, state = run(one, 2, 11)
+    rest, resumed_end = run(paths, 2, 19, state=state)
+    assert [a + b for a, b in zip(first, rest)] == full and resumed_end == end
+
+
 def test_a_resume_from_ranks_a_sample_apart_reads_nothing_twice(paths):
     """3 ranks stopped where some are a sample ahead of others in a source, resumed on 2, then on 4 inside the
     dealt-out rest: nothing read twice (the old dealing-out re-read up to W - 1 + M - 1 samples of each source
