@@ -184,6 +184,7 @@ def nvcomp_decode_gbps(path: str, field: str, window_bytes: int = 256 << 20, rep
     decoded GB/s (best of ``repeats``, timed by events from the first call's start to the last one's end).
     Windows beyond the field's chunks decode its first chunks again. None without nvCOMP or CuPy."""
     from gdsload.codecs.chunks import load_nvcomp
+    from gdsload.codecs.nvcomp import decompress_table
     from gdsload.format.arrays import CRC_BYTES
     from gdsload.format.layout import DatasetLayout
     from gdsload.format.meta import read_metadata
@@ -224,10 +225,7 @@ def nvcomp_decode_gbps(path: str, field: str, window_bytes: int = 256 << 20, rep
         ends = []
         for _, table, need, temp, stream in calls:
             stream.wait_event(start)
-            at = int(table.data.ptr)
-            code = lib.decompress(at + screen.SRC * row, at + screen.LEN * row, at + screen.CAP * row,
-                                  at + screen.OUT * row, m, temp.data.ptr, need, at + screen.CELL * row,
-                                  at + screen.ROWS * row, stream.ptr)
+            code = decompress_table(lib, int(table.data.ptr), m, temp.data.ptr, need, stream.ptr)
             if code != 0:
                 raise RuntimeError(f"{path}: nvCOMP refused '{field}' (launch status {code})")
             ends.append(cupy.cuda.Event())

@@ -180,19 +180,27 @@ class NvcompBatch:
         bb = int(rows[screen.CAP][0])
         dev, staged = ops.upload(rows.reshape(-1).view(np.uint8), screen.TAIL_ITEM_BYTES * m)
         check.keep += [dev, staged, ops.screen(buffer, dev, lo, hi, crc)]
-        at, row = ops.address(dev), SIZE_BYTES * m
         need = self.lib.temp_bytes(m, bb, m * bb)
-        code = self.lib.decompress(at + screen.SRC * row, at + screen.LEN * row, at + screen.CAP * row,
-                                   at + screen.OUT * row, m, self._scratch(need), need, at + screen.CELL * row,
-                                   at + screen.ROWS * row, ops.stream_ptr)
+        code = decompress_table(self.lib, ops.address(dev), m, self._scratch(need), need, ops.stream_ptr)
         if code != 0:
             chunks = [int(c) for c in check.job.chunks[:8]]
             raise chunk_error(layout, check.job.name, chunks[0], check.names,
                               f"nvCOMP refused the batch of chunks {chunks}{'...' if len(check.job.chunks) > 8 else ''}"
                               f" ({status_name(code)})")
+        row = SIZE_BYTES * m
         readback = ops.download(dev, screen.OUT * row, screen.ROWS * row + screen.TAIL_ITEM_BYTES * m)
         check.keep.append(readback)
         return readback
+
+
+def decompress_table(lib: ZstdLib, table: int, m: int, temp: int, temp_bytes: int, stream: int) -> int:
+    """Queue nvCOMP's decode of the ``m`` chunks of a call's table at device address ``table`` (rows as
+    :func:`gdsload.codecs.screen.table` lays them out, nvCOMP's statuses after them) on ``stream``, with
+    ``temp_bytes`` of scratch memory at ``temp``; the launch's status."""
+    row = SIZE_BYTES * m
+    return lib.decompress(table + screen.SRC * row, table + screen.LEN * row, table + screen.CAP * row,
+                          table + screen.OUT * row, m, temp, temp_bytes, table + screen.CELL * row,
+                          table + screen.ROWS * row, stream)
 
 
 class DecodeDevice:
