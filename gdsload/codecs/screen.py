@@ -126,7 +126,8 @@ def screen_host(buffer: np.ndarray, tab: np.ndarray, lo: np.ndarray, hi: np.ndar
 
 class DeviceScreen:
     """The screening kernel on one device, with :data:`STAND_IN` and the CRC byte table in device memory, and the
-    crc kernel (:class:`gdsload.codecs.checksum_cuda.DeviceCrc`) it follows."""
+    crc kernel (:class:`gdsload.codecs.checksum_cuda.DeviceCrc`) it follows, whose tables of shifts by ``2**k``
+    bytes it also reads (each frame's key)."""
 
     def __init__(self, device_id: int):
         import cupy
