@@ -99,3 +99,20 @@ def test_the_check_sees_imports_of_every_kind(tmp_path):
     assert {"errors", "pipeline.reader"} <= GRAPH["dataset"]
     assert any(GRAPH[m] for m in GRAPH if m.startswith("backends."))
     assert sum(len(v) for v in GRAPH.values()) > 150
+
+
+#: Imported anywhere in gdsload, these would cost a fresh process a fraction of a second on the path of its
+#: first batch (``import cupyx`` imports SciPy); the library has what it needs from them elsewhere.
+SLOW_IMPORTS = ("cupyx", "scipy")
+
+
+def test_no_module_imports_what_pulls_in_scipy():
+    found = []
+    for name, path in _modules().items():
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        for node in ast.walk(tree):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            found += [f"{name}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in SLOW_IMPORTS]
+    assert not found, found

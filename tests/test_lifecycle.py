@@ -233,6 +233,39 @@ def test_the_open_reads_the_window_the_first_pass_reads_first_and_that_pass_does
         assert len(list(ds)) == len(ds) and len(submitted) == len(plan.windows)
 
 
+@pytest.mark.parametrize("window_blocks", [3, 1])
+def test_nothing_is_read_between_the_open_and_the_first_batch_unless_that_batch_needs_it(
+        data_path, submitted, monkeypatch, window_blocks):
+    """The window read at open holds the first batch (3 blocks of 8 samples, batches of 16): no other window
+    is submitted until that batch is out, so its assembly shares nothing with reads. Where the batch needs
+    the next window too (1 block a window), that window is read for it."""
+    from gdsload.pipeline import assembler
+    from gdsload.pipeline.assembler import Assembler
+
+    monkeypatch.setattr(assembler, "GROUP_BYTES", 1)  # a batch at a time, not the whole window's at once
+    real, seen = Assembler.batches, []
+
+    def batches(self, *args, **kwargs):
+        for n, item in enumerate(real(self, *args, **kwargs)):
+            if n == 0:
+                time.sleep(0.05)  # time enough for a read submitted beside it to show
+            seen.append(len(submitted))
+            yield item
+
+    monkeypatch.setattr(Assembler, "batches", batches)
+    path, data = data_path
+    with Dataset(path, batch_size=16, shuffle=True, seed=5, window_blocks=window_blocks, resident_bytes=0,
+                 prefetch_next_epoch=False) as ds:
+        assert len(submitted) == 1, "the open reads the first window"
+        got = list(ds)
+    if window_blocks == 3:
+        assert seen[0] == 1, "reads submitted before the first batch was out"
+    idx = np.concatenate([b["idx"] for b in got])
+    assert len(got) == len(ds) and np.array_equal(np.sort(idx), np.arange(len(data["x"])))
+    for b in got:
+        np.testing.assert_array_equal(b["x"], data["x"][b["idx"]])
+
+
 def test_a_first_window_read_at_open_serves_no_pass_but_one_from_the_start(data_path, submitted):
     path, data = data_path
     for leave_early in (False, True):

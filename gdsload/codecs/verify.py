@@ -233,9 +233,7 @@ class DeviceVerifier:
     def start(self, buf: Any, checks: Checks, filled: Any) -> Verdict:
         """Queue the checks of ``buf`` after ``filled``: a kernel, then a copy of its CRCs to pinned memory,
         then an event the verdict waits for."""
-        import cupyx
-
-        from ..cuda.runtime import D2H, record_event
+        from ..cuda.runtime import D2H, pinned_array, record_event
 
         full = checks.hi > checks.lo
         got = np.zeros(len(checks.lo), dtype=np.uint32)  # an empty segment's CRC is 0
@@ -243,7 +241,7 @@ class DeviceVerifier:
             return Verdict(self.layout, checks, lambda: got)
         expected = checks.expected.copy()
         expected[full] = device_expected(checks.expected[full], checks.lo[full], checks.hi[full])
-        host = cupyx.empty_pinned(int(full.sum()), dtype=np.uint32)
+        host = pinned_array(int(full.sum()), np.uint32)
         with self._lock, self.crc.device:
             while self._queued and self._queued[0][0].done:
                 self._queued.popleft()

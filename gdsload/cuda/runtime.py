@@ -23,6 +23,18 @@ def new_event(blocking: bool = True) -> Any:
     return cupy.cuda.Event(block=blocking, disable_timing=True)
 
 
+def pinned_array(count: int, dtype: Any) -> Any:
+    """A numpy array of ``count`` items in pinned memory from CuPy's pinned pool (returned to it with the
+    array). Not ``cupyx.empty_pinned``: importing cupyx imports SciPy, a fraction of a second on the path of
+    a fresh process's first batch."""
+    import cupy
+    import numpy as np
+
+    dtype = np.dtype(dtype)
+    mem = cupy.cuda.alloc_pinned_memory(max(1, count * dtype.itemsize))
+    return np.frombuffer(mem, dtype=dtype, count=count)
+
+
 def record_event(stream: Any) -> Any:
     """A :func:`new_event` recorded on ``stream``."""
     return stream.record(new_event())

@@ -127,6 +127,9 @@ class Pipeline:
         self._inflight: queue.Queue[Any] = queue.Queue()
         self._ready: queue.Queue[Any] = queue.Queue()
         self._assembled = Handoff(max(1, ahead))
+        # Set once the first batch is assembled, or once it needs a window the open did not read: until then
+        # no other window is submitted, so that batch's work shares no core, lock or driver call with reads.
+        self._first_out = threading.Event()
         for b in self.buffers:
             self._free.put(b)
         self._passes: dict[int, _Pass] = {}
@@ -226,18 +229,21 @@ class Pipeline:
 
     def _submit_loop(self) -> None:
         k, p, w = 0, None, -1
-        pace = Pacer()
+        pace, opened = Pacer(), False
         try:
             while self._may_read(k):
                 p, w = self._pass(k), -1
                 self.reader.expect(p.plan.windows[p.first_window:])  # a remote dataset's shards: fetched ahead
                 for w in range(p.first_window, len(p.plan.windows)):
+                    if w > p.first_window and opened and not self._wait_first_out():
+                        return
                     buf = self._next_free()
                     if buf is None:
                         return
                     self.ops.synchronize(buf.released)  # the last gather from it is done
                     pace.start()
                     inflight = self.reader.submit(buf, p.plan.windows[w], self._halt, pace)
+                    opened = k == 0 and inflight.opened
                     self._inflight.put(_Submitted(p, w, buf, inflight))
                 k, p = k + 1, None
         except BaseException as e:
@@ -245,6 +251,14 @@ class Pipeline:
             self._inflight.put(_Failure(e, where))
         finally:
             self._inflight.put(_END)
+
+    def _wait_first_out(self) -> bool:
+        """Wait until the first batch is out, or needs more than the window read in the open; False once
+        reading stops."""
+        while not self._first_out.wait(POLL_S):
+            if self._halt.is_set():
+                return False
+        return True
 
     def _complete_loop(self) -> None:
         """Finish submitted windows in order; after an error or a stop, keep draining until the submitter
@@ -311,6 +325,8 @@ class Pipeline:
 
                 def window(w: int, k: int = k) -> dict[str, Any] | None:
                     while (k, w) not in held:  # windows arrive in order: take them until this one is in
+                        if held or k or w != p.first_window:
+                            self._first_out.set()  # the batch needs a window the open did not read
                         got = self._take_ready()
                         if got is None:
                             return None
@@ -334,6 +350,7 @@ class Pipeline:
                     if not self._assembled.put(_Assembled(k, i, batch, samples, nbytes, self.ops.record()), self._stop):
                         return
                     if first:  # what the backend kept back (mmap's bulk load) no longer competes with it
+                        self._first_out.set()
                         self.reader.started()
                         first = False
                 k += 1

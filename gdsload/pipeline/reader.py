@@ -62,8 +62,9 @@ class InFlight:
     :meth:`drain` waits for them after an error elsewhere. Either, once, leaves no read writing the buffer."""
 
     def __init__(self, reader: Reader, buf: WindowBuffer, work: Work, pending: Pending, host: Pending | None,
-                 checks: Any, ticket: Any = None):
-        self.reader, self.buf, self.work, self.checks = reader, buf, work, checks
+                 checks: Any, ticket: Any = None, opened: bool = False):
+        """``opened``: the buffer held the window since the dataset's open (nothing was read now)."""
+        self.reader, self.buf, self.work, self.checks, self.opened = reader, buf, work, checks, opened
         self._pending: Pending | None = pending
         self._host = host
         self._ticket = ticket  # a remote dataset's shards this window reads, pinned in the cache until drained
@@ -280,7 +281,7 @@ class Reader:
         except BaseException:
             InFlight(self, buf, work, pending, None, None, ticket).drain()  # reads over before the error goes on
             raise
-        return InFlight(self, buf, work, pending, host, checks, ticket)
+        return InFlight(self, buf, work, pending, host, checks, ticket, opened=loaded)
 
     def expect(self, windows: Sequence[np.ndarray]) -> None:
         """The windows :meth:`submit` is given next, in order (from the pipeline): a remote dataset's shards
