@@ -11,9 +11,9 @@ pinned memory, raw KvikIO of whole files and of the same blocks shuffled), gdslo
 shuffled; mmap cold = open + pass), each backend's startup (open, first batch, cold when the page cache can
 be dropped), contenders (torch DataLoader, zarr-python, naive np.fromfile, DALI if installed), the /dev/shm
 regime, and with a simulated training step the share of the pass spent waiting for data (also with a 10 ms
-step over epochs in one continuous loop, and, where canaries run, without the passes the machine slowed
-down); each backend's start in fresh processes, and with ``--full`` (or ``--compressed``) the compressed
-tokens store (``benchmarks/summary_rows.py`` builds these). Writes
+step over epochs in one continuous loop, in the suite's process and in a fresh one, and, where canaries run,
+without the passes the machine slowed down); each backend's start in fresh processes, and with ``--full`` (or
+``--compressed``) the compressed tokens store (``benchmarks/summary_rows.py`` builds these). Writes
 ``results/<machine>/suite.json`` first (after every dataset), then ``suite.md``, ``suite.png`` (with
 matplotlib) and ``summary.json`` (``benchmarks.report``); ``--stall-only`` writes ``stall.json`` / ``.md``.
 """
@@ -324,7 +324,8 @@ def stall(args: argparse.Namespace, rec: Recorder, path: str, tag: str, paths: l
     every 8th, as training runs epochs: a pass from rest, then ``--stall-repeats`` passes, each timed on its
     own; the row's waiting is their median, the pass from rest (the pipeline's start) is reported beside it
     (at 1.5x with a sync every step, canaries judge which passes the machine slowed down, where they run).
-    Then a 10 ms step over ``--continuous-epochs`` epochs in one loop (:func:`summary_rows.continuous_row`).
+    Then a 10 ms step over ``--continuous-epochs`` epochs in one loop (:func:`summary_rows.continuous_row`), here
+    and in a fresh process (:func:`summary_rows.fresh_continuous`).
     Beside them torch DataLoader with a 5 ms step."""
     read_files(paths, pinned=args.gpu)
     ahead = {} if args.batches_ahead is None else {"batches_ahead": args.batches_ahead}
@@ -359,6 +360,9 @@ def stall(args: argparse.Namespace, rec: Recorder, path: str, tag: str, paths: l
             summary_rows.continuous_row(rec, tag, run, args.continuous_epochs, backend=backend, step_ms=ms,
                                         sync_every=1, **ahead)
             run.close()
+            free_device_memory()  # the child has the device to itself, as a training script would
+            summary_rows.fresh_continuous(rec, tag, path, backend, args.batch_size, options, args.gpu,
+                                          args.continuous_epochs, step_ms=ms, sync_every=1, **ahead)
         free_device_memory()
     rec.record(tag, "warm", "torch DataLoader + training step", f"num_workers=8, step {TORCH_STEP_MS:g} ms",
                lazy(lambda: torch_run(path, 8, args.gpu, make_step(TORCH_STEP_MS, 1, args.gpu))), kind="step",

@@ -137,32 +137,87 @@ def continuous_passes(ds: Any, step: Step, epochs: int) -> tuple[list[PassResult
     return out, again, restarts
 
 
-def continuous_row(rec: Recorder, tag: str, run: GdsRun, epochs: int, **labels: Any) -> dict[str, Any] | None:
-    """The ``step`` row of :func:`continuous_passes` on ``run``: ``wait_fraction`` is the epochs after the
-    first as one stretch (their time beyond their steps alone over their time), each epoch's in
+def continuous_figures(passes: list[PassResult], again: float) -> dict[str, Any]:
+    """What :func:`continuous_passes` gave, as a row's figures: ``wait_fraction`` is the epochs after the first
+    as one stretch (their time beyond their steps alone over their time), each epoch's in
     ``wait_fraction_runs``, the first epoch's (the pipeline's start) and the whole run's beside it."""
-    where = {"kind": "step", "dataset": tag, "regime": "warm", "name": f"gdsload {labels['backend']} + training step",
-             "config": f"step {CONTINUOUS_STEP_MS:g} ms, {epochs} epochs in one loop (set_epoch each, "
-                       "prefetch_next_epoch)"}
-    try:
-        passes, again, restarts = continuous_passes(run.ds, run.step, epochs)
-        first, *steady = passes
-    except Exception as e:
-        rec.failed({**where, **labels}, e)
-        return None
+    first, *steady = passes
     steady = steady or [first]
     total = PassResult(bytes=sum(r.bytes for r in steady), seconds=sum(r.seconds for r in steady),
                        io_mode=first.io_mode, samples=sum(r.samples or 0 for r in steady),
                        cpu_s=sum(r.cpu_s for r in steady), stall_s=sum(r.stall_s or 0.0 for r in steady),
                        wait_s=sum(r.wait_s or 0.0 for r in steady))
     whole = sum(r.wait_s or 0.0 for r in passes) / sum(r.seconds for r in passes)
-    row = {**figures(total, []), "wait_fraction": round(total.wait_fraction or 0.0, 5),
-           "wait_fraction_runs": [round(r.wait_fraction or 0.0, 4) for r in steady],
-           "first_pass_wait_fraction": round(first.wait_fraction or 0.0, 4),
-           "whole_run_wait_fraction": round(whole, 5), "first_pass_seconds": round(first.seconds, 4),
-           "first_batch_s": round(first.first_batch_s or 0.0, 6), "pipeline_restarts": restarts,
-           "alone_drift_fraction": round(again / (first.alone_s or again) - 1, 4)}
-    return rec.emit({**where, **labels, "continuous": True, "epochs": epochs, **row, **run.extra()})
+    return {**figures(total, []), "wait_fraction": round(total.wait_fraction or 0.0, 5),
+            "wait_fraction_runs": [round(r.wait_fraction or 0.0, 4) for r in steady],
+            "first_pass_wait_fraction": round(first.wait_fraction or 0.0, 4),
+            "whole_run_wait_fraction": round(whole, 5), "first_pass_seconds": round(first.seconds, 4),
+            "first_batch_s": round(first.first_batch_s or 0.0, 6),
+            "alone_drift_fraction": round(again / (first.alone_s or again) - 1, 4)}
+
+
+def _continuous_where(tag: str, epochs: int, backend: str, fresh: bool) -> dict[str, Any]:
+    return {"kind": "step", "dataset": tag, "regime": "warm-fresh" if fresh else "warm",
+            "name": f"gdsload {backend} + training step",
+            "config": f"step {CONTINUOUS_STEP_MS:g} ms, {epochs} epochs in one loop (set_epoch each, "
+                      "prefetch_next_epoch)" + (", in a fresh process" if fresh else "")}
+
+
+def continuous_row(rec: Recorder, tag: str, run: GdsRun, epochs: int, **labels: Any) -> dict[str, Any] | None:
+    """The ``step`` row of :func:`continuous_passes` on ``run``, in the suite's process (which has run every
+    row before it), with ``pipeline_restarts``."""
+    where = _continuous_where(tag, epochs, labels["backend"], fresh=False)
+    try:
+        passes, again, restarts = continuous_passes(run.ds, run.step, epochs)
+    except Exception as e:
+        rec.failed({**where, **labels}, e)
+        return None
+    return rec.emit({**where, **labels, "continuous": True, "epochs": epochs, **continuous_figures(passes, again),
+                     "pipeline_restarts": restarts, **run.extra()})
+
+
+#: The continuous row in a new interpreter, as a training script runs it: nothing opened or read before.
+FRESH_CONTINUOUS = """
+import json, sys
+sys.path.insert(0, {root!r})
+from benchmarks.summary_rows import continuous_child
+print(json.dumps(continuous_child({path!r}, {backend!r}, {batch_size}, {options!r}, {gpu}, {epochs})))
+"""
+
+
+def continuous_child(path: str, backend: str, batch_size: int, options: dict[str, Any], gpu: bool,
+                     epochs: int) -> dict[str, Any]:
+    """In the fresh process: the dataset opened as the suite's continuous row opens it, one epoch with the
+    step first (its kernel compiled, the buffers made), then :func:`continuous_passes`; the row's figures."""
+    from gdsload.tools.steps import make_step
+
+    step = make_step(CONTINUOUS_STEP_MS, 1, gpu)
+    with GDSDataset(path, batch_size=batch_size, backend=backend, shuffle=True, prefetch_next_epoch=True,
+                    **options) as ds:
+        for _batch in ds:
+            step()
+        step.finish()
+        passes, again, restarts = continuous_passes(ds, step, epochs)
+        return {**continuous_figures(passes, again), "pipeline_restarts": restarts}
+
+
+def fresh_continuous(rec: Recorder, tag: str, path: str, backend: str, batch_size: int, options: dict[str, Any],
+                     gpu: bool, epochs: int, **labels: Any) -> dict[str, Any] | None:
+    """The continuous row measured in a new interpreter (the dataset's pages warm first): ``fresh_process``
+    rows, regime ``warm-fresh``; ``benchmarks.report`` takes ``stall_10ms_continuous_fresh`` from them."""
+    from .diagnostics.probe_startup import run_fresh
+
+    where = _continuous_where(tag, epochs, backend, fresh=True)
+    code = FRESH_CONTINUOUS.format(root=ROOT, path=path, backend=backend, batch_size=batch_size, options=options,
+                                   gpu=gpu, epochs=epochs)
+    try:
+        read_files(shard_paths(path))
+        row = run_fresh(code, f"continuous run of {backend} in a fresh process")
+    except Exception as e:
+        rec.failed({**where, "backend": backend, **labels}, e)
+        return None
+    return rec.emit({**where, "backend": backend, **labels, "continuous": True, "fresh_process": True,
+                     "epochs": epochs, **row})
 
 
 def canary_cores(spec: str) -> list[int]:

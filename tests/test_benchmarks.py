@@ -21,6 +21,8 @@ SUMMARY_KEYS = {"auto_backend", "io_mode", "warm_shuffled_gbps", "raw_kvikio_shu
                 "stall_1p5x_sync_every_step", "open_s", "first_batch_s"}
 #: What schema 2 added (issue 46): None where a run did not measure them.
 NEW_SUMMARY_KEYS = {"startup", "stall_10ms_continuous", "stall_1p5x_unslowed", "compressed"}
+#: The keys each later schema added, None where a run did not measure them.
+ADDED_KEYS = {2: NEW_SUMMARY_KEYS, 3: {"stall_10ms_continuous_fresh"}}
 
 
 def bench(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -54,7 +56,7 @@ def test_suite_writes_one_shape(suite_run: str) -> None:
         doc = json.load(f)
     from benchmarks.report import SCHEMA
 
-    assert doc["schema"] == SCHEMA == 2 and doc["mode"] == "quick" and doc["machine"]["gpu"] is None
+    assert doc["schema"] == SCHEMA == 3 and doc["mode"] == "quick" and doc["machine"]["gpu"] is None
     assert doc["settings"]["backends"] == ["cpu"] and doc["settings"]["page_cache_dropped"] is False
     assert doc["auto_backend"]["backend"] == "cpu"
     rows = doc["results"]
@@ -133,11 +135,12 @@ def test_committed_results_render_to_their_summary(path: str, tmp_path: str) -> 
     assert SUMMARY_KEYS <= set(kept)
     if kept["schema"] == fresh["schema"]:
         assert kept == fresh
-    else:  # a summary of schema 1: the keys it has are the same, the keys schema 2 added not measured
-        assert kept["schema"] == 1 and set(fresh) == set(kept) | NEW_SUMMARY_KEYS
+    else:  # a summary of an earlier schema: the keys it has are the same, the keys added since not measured
+        added = set().union(*(keys for schema, keys in ADDED_KEYS.items() if schema > kept["schema"]))
+        assert kept["schema"] < fresh["schema"] and set(fresh) == set(kept) | added
         assert {k: fresh[k] for k in kept if k != "schema"} == {k: v for k, v in kept.items() if k != "schema"}
-        assert fresh["compressed"] is None
-        assert all(v is None for k in NEW_SUMMARY_KEYS - {"compressed"} for v in fresh[k].values())
+        assert fresh["compressed"] is None or "compressed" not in added
+        assert all(v is None for k in added - {"compressed"} for v in fresh[k].values())
 
 
 def test_report_refuses_another_shape(tmp_path: str) -> None:
@@ -145,7 +148,7 @@ def test_report_refuses_another_shape(tmp_path: str) -> None:
     with open(path, "w") as f:
         json.dump({"benchmark": "run.py", "results": []}, f)
     done = bench("benchmarks.report", path, check=False)
-    assert done.returncode != 0 and "not a suite result of schema 1 or 2" in done.stderr
+    assert done.returncode != 0 and "not a suite result of schema 1 or 2 or 3" in done.stderr
 
 
 def test_sweep_cpu(tmp_path: str) -> None:
@@ -264,8 +267,9 @@ def test_summary_startup_from_fresh_processes(suite_run: str) -> None:
     """Each figure is the median of the processes' own, every process a new interpreter (its own pid-less
     clock: the import of gdsload is timed, which an in-process row could not do)."""
     doc, summary = _suite(suite_run)
-    assert NEW_SUMMARY_KEYS <= set(summary) and summary["schema"] == 2
-    (row,) = [r for r in doc["results"] if r["regime"] == "warm-fresh" and r["dataset"] == summary["dataset"]]
+    assert NEW_SUMMARY_KEYS <= set(summary) and summary["schema"] == 3
+    (row,) = [r for r in doc["results"]
+              if r["kind"] == "startup" and r["regime"] == "warm-fresh" and r["dataset"] == summary["dataset"]]
     assert row["kind"] == "startup" and row["imports"] == "gdsload" and row["processes"] == len(row["runs"]) == 2
     for key in ("import_s", "open_s", "first_batch_s"):
         assert row[key] == round(float(np.median([r[key] for r in row["runs"]])), 6)
@@ -278,14 +282,18 @@ def test_summary_startup_from_fresh_processes(suite_run: str) -> None:
     assert summary["open_s"]["cpu"] == warm[0]["open_s"]
 
 
-def test_summary_stall_10ms_continuous(suite_run: str) -> None:
-    """Four epochs in one loop: the summary's figure is the epochs after the first as one stretch, and the
+@pytest.mark.parametrize("fresh", [False, True])
+def test_summary_stall_10ms_continuous(suite_run: str, fresh: bool) -> None:
+    """Four epochs in one loop, in the suite's process and in a fresh one (the dataset opened there, as a
+    training script opens it): the summary's figures are the epochs after the first as one stretch, and the
     dataset never started a second pipeline (set_epoch with the next epoch keeps what was read ahead)."""
     doc, summary = _suite(suite_run)
-    (row,) = [r for r in doc["results"] if r.get("continuous")]
+    (row,) = [r for r in doc["results"] if r.get("continuous") and bool(r.get("fresh_process")) == fresh]
     assert row["kind"] == "step" and row["step_ms"] == 10.0 and row["epochs"] == 4 and row["sync_every"] == 1
+    assert row["regime"] == ("warm-fresh" if fresh else "warm") and row["backend"] == "cpu"
     assert row["pipeline_restarts"] == 0 and len(row["wait_fraction_runs"]) == 3
-    assert summary["stall_10ms_continuous"] == {"cpu": row["wait_fraction"]} and 0 <= row["wait_fraction"] < 1
+    key = "stall_10ms_continuous_fresh" if fresh else "stall_10ms_continuous"
+    assert summary[key] == {"cpu": row["wait_fraction"]} and 0 <= row["wait_fraction"] < 1
     assert 0 <= row["first_pass_wait_fraction"] < 1 and 0 <= row["whole_run_wait_fraction"] < 1
     # 9 batches of 16 samples per epoch: three epochs of 10 ms steps take at least 0.27 s
     assert row["seconds"] >= 3 * 9 * 0.010 and row["samples_per_s"] > 0
@@ -320,10 +328,11 @@ def test_targets_of_the_new_rows(suite_run: str) -> None:
             r.update(warm_epochs_gbps=[1.0, 0.95, 0.91], decoder_ceiling_gbps=1.2, cold_gbps=1.0,
                      raw_cold_gbps=0.2)
     lines = targets(doc)
-    fresh = [t for t in lines if "fresh process" in t]
+    fresh = [t for t in lines if "start in a fresh process" in t]
     assert len(fresh) == 1 and fresh[0].endswith("-> met")  # the main dataset's (the smaller is the shm one)
-    (cont,) = [t for t in lines if "one loop" in t]
-    assert "0.10% over the epochs after the first" in cont and cont.endswith("-> met")
+    cont = [t for t in lines if "one loop" in t]
+    assert len(cont) == 2 and sum("in a fresh process" in t for t in cont) == 1  # the suite's process, a fresh one
+    assert all("0.10% over the epochs after the first" in t and t.endswith("-> met") for t in cont)
     packed = [t for t in lines if "compressed" in t]
     assert [t.rsplit("-> ", 1)[-1] for t in packed] == ["met", "met", "met"]  # 0.91 >= 0.9; 1.0 >= 0.8 x 1.2
     for r in doc["results"]:
