@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 import threading
+import warnings
 
 import numcodecs
 import numpy as np
@@ -124,7 +125,8 @@ class FakeZstd:
     the addresses are numpy buffers', read and written with ctypes, and each chunk decodes with numcodecs.
     ``status(i, frame)``: the status to give chunk i of a call instead of decoding it (0: decode it)."""
 
-    def __init__(self, status=lambda i, frame: 0, shorten: int = 0):
+    def __init__(self, status=lambda i, frame: 0, shorten: int = 0, alignments=(1, 1, 1)):
+        self.alignments, self.version = alignments, "6.0.0"  # input, output, scratch; as ZstdLib has them
         self.calls: list[int] = []  # chunks per call
         self.temps: list[tuple[int, int]] = []  # (the scratch memory's address, its size) per call
         self.streams: list[int] = []  # the stream of each call
@@ -516,6 +518,27 @@ def test_zstd_decodes_on_cpu_threads_without_nvcomp(monkeypatch):
     assert decode.device_fields([meta], True) == ([], ["z"])  # warned once
     assert decode.device_fields([meta], False) == ([], [])
     assert decode.device_fields([meta], True, nvcomp=FakeZstd()) == (["z"], [])
+
+
+def test_zstd_decodes_on_cpu_threads_where_nvcomp_needs_alignment_the_window_cannot_give(tmp_path):
+    """nvCOMP states the alignment its decoder needs of each chunk's input and output: a store's chunks start
+    at any byte, and a chunk's cell follows whole decoded chunks. A field that cannot meet it is decoded by
+    CPU threads, with a warning saying why; the others stay on the device."""
+    from gdsload.codecs import chunks as decode
+
+    g = zarr.create_group(str(tmp_path / "s.zarr"))
+    g.create_array("w", shape=(40, 3), dtype="int32", chunks=(10, 3), compressors=[ZstdCodec()])[:] = 1  # 120 B
+    g.create_array("b", shape=(40, 3), dtype="uint8", chunks=(5, 3), compressors=[ZstdCodec()])[:] = 1  # 15 B
+    meta = read_metadata(str(tmp_path / "s.zarr"))
+    fields = [meta.fields["w"], meta.fields["b"]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert decode.device_fields(fields, True, nvcomp=FakeZstd(alignments=(1, 1, 8))) == (["w", "b"], [])
+    with pytest.warns(RuntimeWarning, match=r"'b' are decoded by CPU threads: .*outputs on 8-byte boundaries, "
+                                            r"and the chunks decode to 15 bytes each"):
+        assert decode.device_fields(fields, True, nvcomp=FakeZstd(alignments=(1, 8, 8))) == (["w"], ["b"])
+    with pytest.warns(RuntimeWarning, match=r"inputs on 4-byte boundaries, and a store's chunks start at any byte"):
+        assert decode.device_fields(fields, True, nvcomp=FakeZstd(alignments=(4, 1, 8))) == ([], ["w", "b"])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -81,20 +81,41 @@ def _zstd_lib() -> Any:
 
 def device_fields(fields: Sequence[Any], on_gpu: bool, nvcomp: Any = None) -> tuple[list[str], list[str]]:
     """Split the compressed ``fields`` (FieldMeta) of a dataset into those decoded on the device (GPU backend,
-    nvCOMP installed, a chain in :data:`NVCOMP_CHAINS`) and those decoded by CPU threads from a host buffer
-    (the rest, on a GPU backend; none on cpu, which decodes in its own buffer). Warns once per process when
-    zstd is decoded on the CPU for want of nvCOMP (not when switched off with ``GDSLOAD_NVCOMP=0``)."""
+    nvCOMP installed, a chain in :data:`NVCOMP_CHAINS`, buffers as aligned as nvCOMP asks: :func:`misaligned`)
+    and those decoded by CPU threads from a host buffer (the rest, on a GPU backend; none on cpu, which
+    decodes in its own buffer). Warns once per process when zstd is decoded on the CPU for want of nvCOMP (not
+    when switched off with ``GDSLOAD_NVCOMP=0``), and whenever a field is for want of alignment."""
     compressed = [f for f in fields if f.compressed]
     if not on_gpu or not compressed:
         return [], []
-    zstd = [f.name for f in compressed if device_decodable(f.codecs)]
-    if zstd and nvcomp is None and load_nvcomp() is None:
+    zstd = [f for f in compressed if device_decodable(f.codecs)]
+    lib = nvcomp if nvcomp is not None or not zstd else load_nvcomp()
+    if zstd and lib is None:
         if not _warned.is_set() and os.environ.get(NVCOMP_ENV) != "0":
             _warned.set()
-            warn(f"zstd chunks of {zstd} are decoded by CPU threads: {NVCOMP_HINT}",
-                          RuntimeWarning)
+            warn(f"zstd chunks of {[f.name for f in zstd]} are decoded by CPU threads: {NVCOMP_HINT}",
+                 RuntimeWarning)
         zstd = []
-    return zstd, [f.name for f in compressed if f.name not in zstd]
+    for f in [f for f in zstd if misaligned(f, lib)]:
+        warn(f"zstd chunks of '{f.name}' are decoded by CPU threads: {misaligned(f, lib)}", RuntimeWarning)
+        zstd.remove(f)
+    names = [f.name for f in zstd]
+    return names, [f.name for f in compressed if f.name not in names]
+
+
+def misaligned(field: Any, lib: Any) -> str | None:
+    """Why nvCOMP cannot decode ``field``'s chunks where the window buffer holds them, or None. Its zstd
+    decoder states the alignment it needs of each chunk's input and output (``lib.alignments``): a chunk's
+    compressed bytes start wherever the store put them (any byte), and its cell at the field's region (on
+    4 KiB) plus a whole number of decoded chunks."""
+    need_in, need_out = getattr(lib, "alignments", (1, 1, 1))[:2]
+    if need_in > 1:
+        return (f"nvCOMP {getattr(lib, 'version', '')} needs its inputs on {need_in}-byte boundaries, and a "
+                "store's chunks start at any byte")
+    if need_out > 1 and field.block_bytes % need_out:
+        return (f"nvCOMP {getattr(lib, 'version', '')} needs its outputs on {need_out}-byte boundaries, and the "
+                f"chunks decode to {field.block_bytes} bytes each")
+    return None
 
 
 class CrcMismatch(ValueError):
