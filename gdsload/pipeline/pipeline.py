@@ -353,6 +353,7 @@ class Pipeline:
                         self._first_out.set()
                         self.reader.started()
                         first = False
+                self._first_out.set()  # a pass that gave no batch holds nothing back either
                 k += 1
         except BaseException as e:
             self._halt.set()
