@@ -155,9 +155,10 @@ def test_a_backend_that_cannot_run_here_is_a_row_saying_why(mixture_run: Run) ->
 
 
 def test_the_mixture_probe_reports_each_part_and_where_the_mixture_waited(tmp_path) -> None:
-    """benchmarks.diagnostics.probe_mixture on the cpu backend: the single dataset, each source alone, the three at
-    once (their sum and each one's rate), and the mixture's rate with the share of the stretch it waited for each
-    source; a backend that cannot run here is a row saying why."""
+    """benchmarks.diagnostics.probe_mixture on the cpu backend: the single dataset, each source alone, the three
+    at once (their sum and each one's rate), the single dataset three times at once, and the mixture's rate
+    with the share of the stretch it waited for each source; a backend that cannot run here is a row saying
+    why."""
     from benchmarks.diagnostics import probe_mixture
 
     out = str(tmp_path / "results")
@@ -169,6 +170,8 @@ def test_the_mixture_probe_reports_each_part_and_where_the_mixture_waited(tmp_pa
     sources = {"half", "third", "sixth"}
     assert cpu["single"] > 0 and set(cpu["alone"]) == sources and all(v > 0 for v in cpu["alone"].values())
     assert set(cpu["concurrent"]["per_source"]) == sources and cpu["concurrent"]["gb_per_s"] > 0
+    thirds = cpu["single x3"]  # the one dataset three times over, side by side
+    assert set(thirds["per_source"]) == {"single 0", "single 1", "single 2"} and thirds["gb_per_s"] > 0
     assert cpu["source_options"] == dict.fromkeys(sources)  # opened as the mixture opens them: cpu starts no threads
     for ahead in (0, 2):
         m = cpu[f"mixture, read_ahead={ahead}"]

@@ -11,6 +11,9 @@ of it. Per backend, each a stretch of at least ``--seconds`` from rest:
 - ``concurrent``: the three sources' datasets, opened the same way, at once, each taken flat out on a thread
   of its own. Their sum is what three pipelines carry side by side in one process; each one's share of it
   stands beside;
+- ``single x3``: the one dataset opened three times, each with a third of its reader threads, taken the same
+  way: three pipelines over the same files and epochs. Where it loses what ``concurrent`` loses, the cost is
+  the pipelines side by side; where it does not, it is in the sources (their sizes, their epochs' ends);
 - ``mixture, read_ahead=R``: the Mixture, and per source the seconds it waited for that source's batches
   (``mix.stats``) as a share of the stretch. The source it waits on most is the one holding it back.
 
@@ -87,6 +90,16 @@ def probe(backend: str, single_path: str, sources: dict[str, str], seconds: floa
     finally:
         for ds in datasets.values():
             ds.close()
+    thirds = {f"single {i}": (single_path, None, {}, dict(options)) for i in range(3)}
+    share_threads(thirds)
+    datasets = {n: GDSDataset(p, BATCH, **kwargs) for n, (p, _, _, kwargs) in thirds.items()}
+    try:
+        for ds in datasets.values():
+            time_pass(ds)  # warm-up, as the single dataset had
+        row["single x3"] = concurrent(datasets, seconds)
+    finally:
+        for ds in datasets.values():
+            ds.close()
     for ahead in (0, 2):
         with Mixture(sources, dict(SHARES), batch_size=BATCH, num_batches=num_batches, read_ahead=ahead,
                      **options) as mix:
@@ -96,11 +109,11 @@ def probe(backend: str, single_path: str, sources: dict[str, str], seconds: floa
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    lines = ["| backend | io mode | single GB/s | alone (per source) | concurrent: sum (per source) | "
-             "mixture ra=0: GB/s (waited % per source) | mixture ra=2 |", "|---|---|---:|---|---|---|---|"]
+    lines = ["| backend | io mode | single GB/s | alone (per source) | concurrent: sum (per source) | single x3: sum | "
+             "mixture ra=0: GB/s (waited % per source) | mixture ra=2 |", "|---|---|---:|---|---|---:|---|---|"]
     for r in rows:
         if "note" in r:
-            lines.append(f"| {r['backend']} | {r['note']} | | | | | |")
+            lines.append(f"| {r['backend']} | {r['note']} | | | | | | |")
             continue
         cells = []
         for ahead in (0, 2):
@@ -110,7 +123,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         lines.append(f"| {r['backend']} | {r['io_mode']} | {r['single']} | "
                      f"{', '.join(f'{n} {v}' for n, v in r['alone'].items())} | "
                      f"{c['gb_per_s']} ({', '.join(f'{n} {v}' for n, v in c['per_source'].items())}) | "
-                     f"{cells[0]} | {cells[1]} |")
+                     f"{r.get('single x3', {}).get('gb_per_s', 'n/a')} | {cells[0]} | {cells[1]} |")
     return "\n".join(lines) + "\n"
 
 
