@@ -96,10 +96,13 @@ def device_fields(fields: Sequence[Any], on_gpu: bool, nvcomp: Any = None) -> tu
             warn(f"zstd chunks of {[f.name for f in zstd]} are decoded by CPU threads: {NVCOMP_HINT}",
                  RuntimeWarning)
         zstd = []
-    for f in [f for f in zstd if misaligned(f, lib)]:
-        warn(f"zstd chunks of '{f.name}' are decoded by CPU threads: {misaligned(f, lib)}", RuntimeWarning)
-        zstd.remove(f)
-    names = [f.name for f in zstd]
+    names = []
+    for f in zstd:
+        why = misaligned(f, lib)
+        if why:
+            warn(f"zstd chunks of '{f.name}' are decoded by CPU threads: {why}", RuntimeWarning)
+        else:
+            names.append(f.name)
     return names, [f.name for f in compressed if f.name not in names]
 
 
