@@ -2,9 +2,10 @@
 zarr-python, naive ``np.fromfile`` per shard file, and NVIDIA DALI's file reader when DALI is installed.
 
 Each ``*_run`` function sets a contender up and returns a callable timing one pass as a
-:class:`gdsload.tools.measure.PassResult`. With ``gpu`` the bytes end in device memory (as gdsload's GPU backends
-put them), else in host memory (beside the cpu backend). A contender that cannot run here raises from
-the callable (ImportError when its package is missing), and the suite records why.
+:class:`gdsload.tools.measure.PassResult`; with ``max_s`` a pass ends after that many seconds (its bytes over
+its time: the rate of the reading done; whole only when it takes less). With ``gpu`` the bytes end in device
+memory (as gdsload's GPU backends put them), else in host memory (beside the cpu backend). A contender that
+cannot run here raises from the callable (ImportError when its package is missing), and the suite records why.
 """
 
 from __future__ import annotations
@@ -64,12 +65,21 @@ class TorchBlocks:
         return self._read(image), self._read(label), n
 
 
-def torch_run(path: str, workers: int, gpu: bool, step: Step | None = None, shuffle: bool = False) -> Run:
+def _over(t0: float, max_s: float | None) -> bool:
+    """The pass begun at ``t0`` has used up its ``max_s`` seconds (None: it reads everything). Asked once a pass
+    has read something."""
+    return max_s is not None and time.perf_counter() - t0 >= max_s
+
+
+def torch_run(path: str, workers: int, gpu: bool, step: Step | None = None, shuffle: bool = False,
+              max_s: float | None = None) -> Run:
     """torch DataLoader over the blocks (batch = one block, ``num_workers`` processes); on a GPU with
     ``pin_memory=True`` and ``.to("cuda", non_blocking=True)``. ``stall_s``: time spent in ``next()``."""
     import torch
     from torch.utils.data import DataLoader
 
+    if step is not None and max_s is not None:
+        raise ValueError("a pass with a step runs whole: its waiting is its time beyond the steps alone")
     blocks = TorchBlocks(path)
 
     def run() -> PassResult:
@@ -79,7 +89,7 @@ def torch_run(path: str, workers: int, gpu: bool, step: Step | None = None, shuf
         alone = step.alone(len(blocks)) if step is not None else None
         c0, t0 = cpu_seconds(), time.perf_counter()
         it = iter(loader)
-        while True:
+        while not (n and _over(t0, max_s)):
             w0 = time.perf_counter()
             try:
                 image, label, count = next(it)
@@ -104,7 +114,7 @@ def torch_run(path: str, workers: int, gpu: bool, step: Step | None = None, shuf
     return run
 
 
-def zarr_run(path: str, gpu: bool, gpu_buffers: bool = False) -> Run:
+def zarr_run(path: str, gpu: bool, gpu_buffers: bool = False, max_s: float | None = None) -> Run:
     """zarr-python reading shard-sized slices of the image and label arrays, then ``cupy.asarray`` (with
     ``gpu_buffers``: zarr's own GPU buffers, ``zarr.config.enable_gpu()``)."""
     import zarr
@@ -119,6 +129,8 @@ def zarr_run(path: str, gpu: bool, gpu_buffers: bool = False) -> Run:
             c0, t0 = cpu_seconds(), time.perf_counter()
             nbytes = n = 0
             for a in range(0, image.shape[0], step):
+                if n and _over(t0, max_s):
+                    break
                 x = put(image[a:a + step])
                 y = put(label[a:a + step])
                 nbytes += x.nbytes + y.nbytes
@@ -131,7 +143,7 @@ def zarr_run(path: str, gpu: bool, gpu_buffers: bool = False) -> Run:
     return run
 
 
-def naive_run(paths: list[str], gpu: bool) -> Run:
+def naive_run(paths: list[str], gpu: bool, max_s: float | None = None) -> Run:
     """What people write first: ``np.fromfile`` per shard file, then ``cupy.asarray`` (a pageable copy)."""
     put, sync = _device(gpu)
 
@@ -139,6 +151,8 @@ def naive_run(paths: list[str], gpu: bool) -> Run:
         c0, t0 = cpu_seconds(), time.perf_counter()
         total = 0
         for p in paths:
+            if total and _over(t0, max_s):
+                break
             d = put(np.fromfile(p, dtype=np.uint8))
             total += d.nbytes
             del d
@@ -149,7 +163,7 @@ def naive_run(paths: list[str], gpu: bool) -> Run:
     return run
 
 
-def dali_run(paths: list[str], threads: int = 16) -> Run:
+def dali_run(paths: list[str], threads: int = 16, max_s: float | None = None) -> Run:
     """NVIDIA DALI's file reader over the shard files (one file per sample, whole), moved to the GPU by
     the pipeline (``.gpu()``): DALI's generic path for bytes it does not decode. GPU only."""
     from nvidia.dali import fn, pipeline_def
@@ -168,6 +182,8 @@ def dali_run(paths: list[str], threads: int = 16) -> Run:
         c0, t0 = cpu_seconds(), time.perf_counter()
         total = 0
         for _ in paths:
+            if total and _over(t0, max_s):
+                break
             (out,) = pipe.run()
             total += sum(int(np.prod(s)) for s in out.shape())
         cupy.cuda.runtime.deviceSynchronize()

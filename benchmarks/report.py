@@ -69,7 +69,8 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
             "stall_10ms_continuous_fresh": per_backend("wait_fraction", kind="step", continuous=True, step_ms=10.0,
                                                        fresh_process=True),
             "stall_1p5x_unslowed": per_backend("wait_fraction_unslowed", kind="step", step_factor=1.5, sync_every=1),
-            "compressed": [{k: r.get(k) for k in COMPRESSED_KEYS} for r in compressed] if compressed else None}
+            "compressed": [{k: r.get(k) for k in COMPRESSED_KEYS} for r in compressed] if compressed else None,
+            **({"cut_short": doc["cut_short"]} if doc.get("cut_short") else {})}
 
 
 #: What the summary keeps of each compressed row.
@@ -267,6 +268,12 @@ def markdown(doc: dict[str, Any]) -> str:
              f"batch {s['batch_size']} samples of {s['sample_bytes']} bytes; page cache dropped for cold runs: "
              f"{s['page_cache_dropped']}; run took {doc.get('elapsed_s')} s. Backend `auto` here: "
              + (f"{auto['backend']} ({auto.get('reason')})" if auto else "not recorded") + ". Best of the repeats.", ""]
+    cut = doc.get("cut_short")
+    if cut:
+        lines += [f"**Cut short** by {cut['signal']} after {cut['after_s']} s ({cut['stage']}): the rows after that "
+                  "point are missing, and the summary's figures come from the rows that are here.", ""]
+    if doc.get("stage_seconds"):
+        lines += ["Seconds per stage: " + ", ".join(f"{k} {v:g}" for k, v in doc["stage_seconds"].items()) + ".", ""]
     lines += [f"Note: {n}" for n in doc.get("notes", [])] + ([""] if doc.get("notes") else [])
     lines += ["Stall: gdsload's own count of the time its consumer blocked on the host for data, as a share of "
               "the pass (after the first batch in brackets). Waiting: with a training step, the pass's wall time "

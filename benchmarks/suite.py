@@ -14,8 +14,10 @@ regime, and with a simulated training step the share of the pass spent waiting f
 step over epochs in one continuous loop, in the suite's process and in a fresh one, and, where canaries run,
 without the passes the machine slowed down); each backend's start in fresh processes, and with ``--full`` (or
 ``--compressed``) the compressed tokens store (``benchmarks/summary_rows.py`` builds these). Writes
-``results/<machine>/suite.json`` first (after every dataset), then ``suite.md``, ``suite.png`` (with
-matplotlib) and ``summary.json`` (``benchmarks.report``); ``--stall-only`` writes ``stall.json`` / ``.md``.
+``results/<machine>/suite.json`` first (after every stage, with each stage's seconds), then ``suite.md``,
+``suite.png`` (with matplotlib) and ``summary.json`` (``benchmarks.report``); ``--stall-only`` writes
+``stall.json`` / ``.md``. A run stopped by SIGTERM (a time limit's kill) or SIGINT writes them all from what
+it measured, marked ``cut_short``, and exits with 128 + the signal's number.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from gdsload import GDSDataset
@@ -70,7 +74,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "files before this option existed; for comparisons with them)")
     ap.add_argument("--fresh-starts", type=int, default=5,
                     help="fresh processes per backend timing import, open and first batch (0: none)")
-    ap.add_argument("--continuous-epochs", type=int, default=8,
+    ap.add_argument("--contender-seconds", type=float, default=2.0,
+                    help="a contender's pass ends after this many seconds (its rate is that reading's; 0: whole "
+                         "passes)")
+    ap.add_argument("--continuous-epochs", type=int, default=6,
                     help="epochs of the continuous 10 ms step row, in one loop (0: no such row)")
     ap.add_argument("--canaries", default="auto", help="cores for probe_bursts' canaries around the 1.5x step "
                                                        "rows ('auto': 3 where 8 or more cores; '': none)")
@@ -91,6 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sizes = [float(s) for s in args.sizes_gib.split(",")] if args.sizes_gib else [1.0, 8.0 if args.full else 4.0]
     args.sizes = sizes[-1:] if args.stall_only else sizes
     args.options = {} if args.resident_bytes is None else {"resident_bytes": args.resident_bytes}
+    args.contender_s = args.contender_seconds or None
     args.timing = Timing(0.0, False) if args.keep_read_ahead else Timing(args.warm_seconds, True)
     args.name = args.name or ("stall" if args.stall_only else "suite")
     args.compressed = (args.compressed or args.full) and not args.stall_only
@@ -117,15 +125,60 @@ def main(argv: list[str] | None = None) -> int:
                      "page_cache_dropped": can_drop, "warm_seconds": args.timing.min_seconds,
                      "from_rest": args.timing.from_rest, "fresh_starts": args.fresh_starts,
                      "continuous_epochs": args.continuous_epochs, "canary_cores": args.canary_cores,
-                     "canary_threshold": args.canary_threshold,
+                     "canary_threshold": args.canary_threshold, "contender_seconds": args.contender_s,
                      "compressed_mib": args.compressed_mib if args.compressed else None},
         "results": rec.rows}
 
     def save() -> None:
-        """After every dataset: a run cut short still leaves what it measured."""
+        """After every stage: a run cut short still leaves what it measured."""
         doc["elapsed_s"] = round(time.perf_counter() - started)
         write_json(base + ".json", doc)
 
+    stages: dict[str, float] = {}
+    doc["stage_seconds"] = stages
+    where = ["before the first stage"]  # what a cut interrupts
+
+    def stage(name: str, fn: Callable[..., Any], *a: Any) -> None:
+        where[0] = name
+        t0 = time.perf_counter()
+        try:
+            fn(*a)
+        finally:
+            stages[name] = round(time.perf_counter() - t0, 1)
+            save()
+        where[0] = f"after {name}"
+        print(f"{name}: {stages[name]:.0f} s (elapsed {time.perf_counter() - started:.0f} s)", flush=True)
+
+    cut_on_signals()
+    try:
+        run_stages(args, rec, doc, stage)
+    except Cut as e:
+        doc["cut_short"] = {"signal": e.args[0], "stage": where[0], "after_s": round(time.perf_counter() - started)}
+        print(f"cut short by {e.args[0]} ({where[0]}): writing what was measured", file=sys.stderr, flush=True)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # the files are written whole, once
+        signal.signal(sig, signal.SIG_IGN)
+    save()
+    report.render(base + ".json", summary=not args.stall_only)
+    print(f"wrote {base}.json", flush=True)
+    return 128 + signal.Signals[doc["cut_short"]["signal"]].value if "cut_short" in doc else 0
+
+
+class Cut(BaseException):
+    """SIGTERM (a time limit's kill) or SIGINT stops the run where it is; a BaseException, so that no row's
+    ``except Exception`` records it as that row's failure and goes on."""
+
+
+def cut_on_signals() -> None:
+    def handler(signum: int, frame: Any) -> None:
+        raise Cut(signal.Signals(signum).name)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+
+
+def run_stages(args: argparse.Namespace, rec: Recorder, doc: dict[str, Any],
+               stage: Callable[..., None]) -> None:
+    """Every stage of the run, in order, each through ``stage`` (timed, then the JSON saved)."""
     if args.gpu and not args.stall_only:
         rec.emit({"kind": "ceiling", "dataset": "-", "regime": "-", "name": "ceiling: pinned H2D copy",
                   "config": "1 GiB", "io_mode": "cuda-memcpy", "gb_per_s": round(pinned_h2d_gbps(1 << 30), 2)})
@@ -138,33 +191,27 @@ def main(argv: list[str] | None = None) -> int:
             if doc["auto_backend"] is None:
                 doc["auto_backend"] = auto_backend(path, args.batch_size)
             if args.stall_only:
-                stall(args, rec, path, tag, paths)
+                stage(f"{tag} steps", stall, args, rec, path, tag, paths)
                 continue
             main_block = block == MAIN_BLOCK
-            ceilings(args, rec, path, tag, paths, main_block)
+            stage(f"{tag} ceilings", ceilings, args, rec, path, tag, paths, main_block)
             # None: the backend's own default (the pinned native reader leaves the pipeline's threads a core).
             threads = [None, 8, 16, 32] if args.full and main_block and size == args.sizes[0] else [None]
-            backends(args, rec, path, tag, main_block, threads)
+            stage(f"{tag} backends", backends, args, rec, path, tag, main_block, threads)
             if not main_block:
                 continue
-            startup(args, rec, path, tag)
-            contenders(args, rec, path, tag, paths)
+            stage(f"{tag} startup", startup, args, rec, path, tag)
+            stage(f"{tag} contenders", contenders, args, rec, path, tag, paths)
             if size == args.sizes[0] and len(args.sizes) > 1:
-                shm(args, rec, path, tag)
+                stage(f"{tag} shm", shm, args, rec, path, tag)
             else:
                 if args.fresh_starts > 0:
-                    summary_rows.fresh_startup(rec, tag, path, args.backends, args.batch_size, args.options,
-                                               args.gpu, args.fresh_starts)
-                stall(args, rec, path, tag, paths)
-            save()
-            print(f"elapsed {time.perf_counter() - started:.0f} s", flush=True)
+                    stage(f"{tag} fresh starts", summary_rows.fresh_startup, rec, tag, path, args.backends,
+                          args.batch_size, args.options, args.gpu, args.fresh_starts)
+                stage(f"{tag} steps", stall, args, rec, path, tag, paths)
     if args.compressed:
-        summary_rows.compressed(rec, args.backends, args.data, args.compressed_mib, args.batch_size, args.options,
-                                args.gpu)
-    save()
-    report.render(base + ".json", summary=not args.stall_only)
-    print(f"wrote {base}.json", flush=True)
-    return 0
+        stage("compressed", summary_rows.compressed, rec, args.backends, args.data, args.compressed_mib,
+              args.batch_size, args.options, args.gpu)
 
 
 def auto_backend(path: str, batch_size: int) -> dict[str, Any]:
@@ -267,7 +314,7 @@ def contenders(args: argparse.Namespace, rec: Recorder, path: str, tag: str, pat
     regimes = ["cold", "warm"]
     gpu = args.gpu
     for workers in (0, 4, 8):
-        run = lazy(lambda w=workers: torch_run(path, w, gpu))
+        run = lazy(lambda w=workers: torch_run(path, w, gpu, max_s=args.contender_s))
         for regime in regimes:
             if regime == "warm":
                 read_files(paths, pinned=gpu)
@@ -276,14 +323,14 @@ def contenders(args: argparse.Namespace, rec: Recorder, path: str, tag: str, pat
     for gpu_buffers in (False, True) if gpu else (False,):
         for regime in regimes:
             name = "zarr-python" + (" (GPU buffers)" if gpu_buffers else "") + (" + cupy" if gpu else "")
-            rec.record(tag, regime, name, "shard-sized reads", lazy(lambda g=gpu_buffers: zarr_run(path, gpu, g)),
-                       kind="contender")
+            rec.record(tag, regime, name, "shard-sized reads",
+                       lazy(lambda g=gpu_buffers: zarr_run(path, gpu, g, args.contender_s)), kind="contender")
     for regime in regimes:
         rec.record(tag, regime, "naive np.fromfile" + (" + cupy.asarray" if gpu else ""), "per shard file",
-                   naive_run(paths, gpu), kind="contender")
+                   naive_run(paths, gpu, args.contender_s), kind="contender")
     if gpu:
-        rec.record(tag, "warm", "DALI file reader", "whole shard files, .gpu()", lazy(lambda: dali_run(paths)),
-                   kind="contender")
+        rec.record(tag, "warm", "DALI file reader", "whole shard files, .gpu()",
+                   lazy(lambda: dali_run(paths, max_s=args.contender_s)), kind="contender")
     free_device_memory()
 
 
@@ -313,7 +360,7 @@ def shm(args: argparse.Namespace, rec: Recorder, path: str, tag: str) -> None:
             run.close()
             free_device_memory()
         rec.record(tag, "shm", "torch DataLoader", "num_workers=8" + (" pin_memory" if args.gpu else ""),
-                   lazy(lambda: torch_run(copy, 8, args.gpu)), kind="contender")
+                   lazy(lambda: torch_run(copy, 8, args.gpu, max_s=args.contender_s)), kind="contender")
     finally:
         shutil.rmtree(args.shm, ignore_errors=True)
 
