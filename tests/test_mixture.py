@@ -229,12 +229,12 @@ def check_no_repeat(legs, end) -> None:
 
 
 def test_sources_gather_several_batches_at_once_and_their_batch_size_changes_no_batch(paths):
-    """By sample, a source's dataset gathers SOURCE_BATCHES of the mixture's batches at once (its own batch_size
-    unless given); whole batches keep the mixture's. Positions count samples, so the batches, the state and a
-    resume across the two are the same as with sources gathering one batch at a time."""
-    from gdsload.mixture.mixture import SOURCE_BATCHES
+    """By sample, a source's dataset gathers its backend's mixture_source_batches hint of the mixture's batches
+    at once (its own batch_size unless given); whole batches keep the mixture's. Positions count samples, so the
+    batches, the state and a resume across the two are the same as with sources gathering one batch at a time."""
+    from gdsload.backends.cpu import CpuBackend
 
-    for whole, expected in ((False, 8 * SOURCE_BATCHES), (True, 8)):
+    for whole, expected in ((False, 8 * CpuBackend.mixture_source_batches_hint), (True, 8)):
         mix = open_ranks(paths, 1, whole_batches=whole)[0]
         assert [ds.config.batch_size for ds in mix.datasets.values()] == [expected] * 3
         mix.close()
@@ -244,6 +244,20 @@ def test_sources_gather_several_batches_at_once_and_their_batch_size_changes_no_
     first, state = run(one, 2, 11)
     rest, resumed_end = run(paths, 2, 19, state=state)
     assert [a + b for a, b in zip(first, rest)] == full and resumed_end == end
+
+
+def test_a_source_gathers_what_its_named_backend_hints():
+    """kvikio's sources gather 16 of the mixture's batches (its submitter's Python per read competes with the
+    other sources' threads); a backend left to auto is not known until the open: the general 4."""
+    from gdsload.backends.base import Backend
+    from gdsload.backends.registry import NAMES, info
+    from gdsload.mixture.specs import source_batches
+
+    assert source_batches({"backend": "kvikio"}) == 16 and source_batches({}) == source_batches(
+        {"backend": "auto"}) == Backend.mixture_source_batches_hint == 4
+    assert {n: source_batches({"backend": n}) for n in NAMES} == {
+        n: info(n).backend_class.mixture_source_batches_hint for n in NAMES}
+    assert [n for n in NAMES if source_batches({"backend": n}) != 4] == ["kvikio"]
 
 
 def test_a_resume_from_ranks_a_sample_apart_reads_nothing_twice(paths):

@@ -31,16 +31,12 @@ from .ahead import Ahead, Made
 from .assemble import assemble
 from .joiners import DeviceJoiner, Joiners
 from .source import SourceStats, SourceStream
-from .specs import check_fields, named, source_specs
+from .specs import check_fields, named, source_batches, source_specs
 from .schedule import (Schedule, Stretch, exact_weights, next_counts, parse_schedule, parse_stretch, schedule_state,
                        state_int)
 from ..options import check_int, rank_and_world
 from ..pipeline.resume import StateError
 
-#: Mixing by sample, a source's dataset gathers this many of the mixture's batches at once by default: each batch a
-#: pipeline gathers costs Python work (its gather, its hand-over) beside every other source's pipeline, and the
-#: mixture cuts its batches from the sources' batches whatever their size (the positions count samples).
-SOURCE_BATCHES = 4
 READ_AHEAD = 2  # batches made ahead by default, where the sources' arrays can be joined on the maker's thread
 MIXTURE_FORMAT = 2  # bumped when the state's keys or the schedule change meaning
 PADDED_REST_FORMAT = 1  # before: a position with hops read a padded rest; one without means what it means now
@@ -80,8 +76,9 @@ class Mixture(LoaderProtocols, Closing):
     ----------
     sources : dict of name -> path, or name -> dict of options with ``"path"`` (and any GDSDataset option:
         ``backend``, ``window_blocks``, ``pad_to``, ...; ``batch_size``: samples its dataset gathers at once,
-        default :data:`SOURCE_BATCHES` times the mixture's, the mixture's with ``whole_batches``). ``"fields"``:
-        names to read, or a dict {field: name in the mixture} to rename.
+        default :func:`~gdsload.mixture.specs.source_batches` times the mixture's (16 on ``kvikio``, else 4), the
+        mixture's with ``whole_batches``). ``"fields"``: names to read, or a dict {field: name in the mixture}
+        to rename.
         The order sets each source's index in ``batch["source"]``.
     weights : dict of name -> number >= 0 (any scale; a float counts as the decimal it prints as), or a
         function of the step returning one (checked every batch; a change starts a new segment). Default: in
@@ -133,7 +130,8 @@ class Mixture(LoaderProtocols, Closing):
         self._weights_fn: Callable[[int], Any] | None = None
         try:
             for name, (path, fields, rename, kwargs) in specs.items():
-                own = self.batch_size * (1 if self.whole_batches else SOURCE_BATCHES)
+                # mixing by sample, the mixture cuts its batches from the sources' whatever their size
+                own = self.batch_size * (1 if self.whole_batches else source_batches(kwargs))
                 kwargs = {"batch_size": own, "seed": self.seed, **kwargs}
                 try:
                     ds = GDSDataset(path, fields=fields, rank=self.rank, world_size=self.world_size,

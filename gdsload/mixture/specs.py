@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..backends import info
+from ..backends.base import Backend
 from ..backends.registry import NAMES
 from ..options import field_names
 from .assemble import SOURCE_KEY
@@ -68,6 +69,16 @@ def share_threads(specs: dict[str, tuple[Any, Any, dict[str, str], dict]]) -> No
         kwargs = specs[name][3]
         share = max(MIN_THREADS, info(backend).threads() // len(own))  # type: ignore[misc]
         kwargs["backend_options"] = {**(kwargs.get("backend_options") or {}), "num_threads": share}
+
+
+def source_batches(kwargs: Mapping[str, Any]) -> int:
+    """How many of the mixture's batches a source with these options gathers at once (mixing by sample):
+    its named backend's ``mixture_source_batches`` hint, the general one under ``auto`` (picked at the open,
+    after the dataset's batch size is set)."""
+    backend = kwargs.get("backend", "auto")
+    if isinstance(backend, str) and backend in NAMES:
+        return int(info(backend).defaults["mixture_source_batches"])
+    return Backend.mixture_source_batches_hint
 
 
 def named(error: BaseException, message: str) -> BaseException:
