@@ -123,7 +123,7 @@ def test_a_pass_index_arrays_go_up_before_its_first_read(data_path, monkeypatch)
     monkeypatch.setattr(HostOps, "upload", logged("upload", upload))
     monkeypatch.setattr(CpuBackend, "submit", logged("submit", submit))
     with Dataset(path, backend="cpu", batch_size=16, window_blocks=5, shuffle=True) as ds:
-        windows, resident = len(ds._position.plan(0).windows), len(ds.resident_fields)
+        windows, resident = len(epoch_plan(ds.config, 0).windows), len(ds.resident_fields)
         with lock:
             assert log == ["submit"], "the open reads the first window"
             log.clear()

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import warnings
+from collections.abc import Iterator
 
 import numcodecs
 import numpy as np
@@ -34,6 +35,7 @@ from gdsload.codecs.screen import STAND_IN, ZSTD_MAGIC, heads, screen_host
 from gdsload.format.layout import DatasetLayout
 from gdsload.format.meta import read_metadata
 from gdsload.conversion.source_types import ArraySource, RaggedSource
+from gdsload.pipeline.reader import DEFAULT_RESIDENT_BYTES, Reader
 from gdsload.pipeline.window import WindowBuffer, WindowMap
 
 from _helpers import flip_byte
@@ -696,6 +698,18 @@ def test_compressed_variable_length_values_are_refused(tmp_path):
         read_metadata(out)
 
 
+@contextlib.contextmanager
+def dataset_reader(path: str, batch_size: int, resident_bytes: int) -> Iterator[Reader]:
+    """What ``GDSDataset(path, batch_size, backend="cpu", resident_bytes=resident_bytes)`` reads with (its
+    decoder, window map, layout and backend), opened and started as the dataset does; closed at the end."""
+    reader = Reader.open(path, None, "cpu", 0, resident_bytes, None, None)
+    try:
+        reader.start(min(reader.window_blocks(batch_size, 1), reader.max_window_blocks(1)))
+        yield reader
+    finally:
+        reader.close()
+
+
 def test_a_stop_skips_the_chunks_not_yet_decoded(tmp_path):
     """A window's host decode is a task group that honours the stop (close, or another window's error):
     chunks not yet started are skipped, as reads are, instead of all being decoded before close returns."""
@@ -704,15 +718,15 @@ def test_a_stop_skips_the_chunks_not_yet_decoded(tmp_path):
     from gdsload.pipeline.window import WindowBuffer
 
     path = store(tmp_path, z=(10, 40, ZstdCodec(level=1)))
-    with GDSDataset(path, batch_size=16, backend="cpu", resident_bytes=0) as ds:
-        dec, wl, layout = ds._reader.decoder, ds._reader.window_map, ds._reader.layout
+    with dataset_reader(path, batch_size=16, resident_bytes=0) as reader:
+        dec, wl, layout = reader.decoder, reader.window_map, reader.layout
         calls = []
         chain = dec.chains["z"]
         real = chain.decode
         chain.decode = lambda data, n: (calls.append(1), real(data, n))[1]
         work = wl.work(layout, np.arange(wl.window_blocks))
-        wb = WindowBuffer(ds._reader.backend.allocate(wl.nbytes))
-        ds._reader.backend.load(wb.buffer, work.requests, threading.Event())
+        wb = WindowBuffer(reader.backend.allocate(wl.nbytes))
+        reader.backend.load(wb.buffer, work.requests, threading.Event())
         stop = threading.Event()
         stop.set()
         dec.decode(wb, work, None, stop)
@@ -726,7 +740,6 @@ def test_a_failing_decode_setup_waits_for_the_windows_reads(tmp_path, monkeypatc
     waited for before the error goes on (they were left running, writing into a buffer about to change
     hands), and the error reaches the consumer."""
     from gdsload.backends.cpu import CpuBackend
-    from gdsload.pipeline.reader import Reader
 
     finished = []
     submit = CpuBackend.submit
@@ -752,11 +765,12 @@ def test_a_resident_field_loaded_as_the_dataset_closes_is_not_decoded(tmp_path):
     import threading
 
     path = store(tmp_path, z=(10, 40, ZstdCodec(level=1)))
-    with GDSDataset(path, batch_size=16, backend="cpu") as ds:
+    with dataset_reader(path, batch_size=16, resident_bytes=DEFAULT_RESIDENT_BYTES) as reader:
+        assert reader.resident_fields == ("z",)
         closing = threading.Event()
         closing.set()
         with pytest.raises(GDSLoadError, match="closed while loading field 'z'"):
-            ds._reader.read_resident("z", closing)
+            reader.read_resident("z", closing)
 
 
 def test_benchmark_tokens_are_ids_of_real_text():

@@ -4,9 +4,11 @@ files, close() from any thread, forked children, argument errors."""
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -16,6 +18,8 @@ from gdsload import BackendUnavailable, ChecksumError, GDSDataset, GDSLoadError,
 from gdsload.tools.cli import main as cli_main
 from gdsload.format.layout import DatasetLayout
 from gdsload.format.meta import read_metadata
+from gdsload.pipeline.plan import epoch_plan
+from gdsload.pipeline.window import WindowMap
 
 Dataset = functools.partial(GDSDataset, backend="cpu", resident_bytes=32 << 10)
 Verified = functools.partial(Dataset, verify=True)
@@ -41,6 +45,14 @@ def flip_byte(path: str, field: str, block: int, at: int = 5) -> tuple[str, int]
 
 def gdsload_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("gdsload") and t.name != "gdsload-reaper"]
+
+
+def window_map(ds: GDSDataset, layout: DatasetLayout) -> WindowMap:
+    """The window map of an open local dataset without variable-length or compressed fields, made as its reader
+    makes it (gdsload/pipeline/reader.py, ``Reader.start``)."""
+    meta = ds.meta
+    return WindowMap([meta.fields[f] for f in ds.windowed_fields], ds.config.window_blocks,
+                     samples_per_block=meta.samples_per_block, chunk_lengths=layout.chunk_lengths)
 
 
 # -- integrity ---------------------------------------------------------------------------------------
@@ -125,8 +137,9 @@ def test_a_shard_truncated_after_open_is_a_read_error(data_path):
     path, _ = data_path
     with Dataset(path, batch_size=32, window_blocks=1) as ds:
         # The last block's shard: not the first window's, which the open has read already.
-        shard = ds._reader.layout.locate("x", ds.meta.num_blocks - 1).path
-        assert shard != ds._reader.layout.locate("x", 0).path
+        with DatasetLayout(ds.meta, ("x",)) as layout:
+            shard = layout.locate("x", ds.meta.num_blocks - 1).path
+            assert shard != layout.locate("x", 0).path
         with open(shard, "r+b") as f:
             f.truncate(100)
         with pytest.raises(ReadError, match=f"^{shard}: "):
@@ -213,18 +226,27 @@ def submitted(monkeypatch):
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_the_open_reads_the_window_the_first_pass_reads_first_and_that_pass_does_not_read_it_again(
-        data_path, submitted, rank):
+        data_path, submitted, monkeypatch, rank):
+    from gdsload.backends.cpu import CpuBackend
+
+    allocated, real_allocate = [], CpuBackend.allocate
+    monkeypatch.setattr(CpuBackend, "allocate", lambda self, nbytes: (
+        allocated.append(real_allocate(self, nbytes)), allocated[-1])[1])
     path, data = data_path
     with Dataset(path, batch_size=16, shuffle=True, seed=5, window_blocks=3, rank=rank, world_size=2,
-                 resident_bytes=0, prefetch_next_epoch=False) as ds:
-        plan = ds._position.plan(0)
-        first = ds._reader.window_map.first_requests(ds._reader.layout, plan)
+                 resident_bytes=0, prefetch_next_epoch=False) as ds, DatasetLayout(ds.meta, ds.fields) as layout:
+        plan, wm = epoch_plan(ds.config, 0), window_map(ds, layout)
+        first = wm.first_requests(layout, plan)
         assert len(submitted) == 1 and submitted[0][1] == first, "the first window, at open"
-        assert submitted[0][0] is ds._buffers[0].buffer
+        # Into the dataset's window buffer: the one buffer allocated at open, the one the dataset holds.
+        assert len(allocated) == 1 and ds.describe()["window_buffers"] == 1
+        opened = submitted[0][0]
+        assert opened is allocated[0]
         submitted.clear()
         batches = list(ds)
-        assert [r for _, r in submitted] == [ds._reader.window_map.work(ds._reader.layout, w).requests
+        assert [r for _, r in submitted] == [wm.work(layout, w).requests
                                              for w in plan.windows[1:]], "every window but the first"
+        assert any(dest is opened for dest, _ in submitted), "the pass reads into the open's buffer too"
         for b in batches:
             np.testing.assert_array_equal(b["x"], data["x"][b["idx"]])
         ds.stop()
@@ -280,7 +302,7 @@ def test_a_first_window_read_at_open_serves_no_pass_but_one_from_the_start(data_
             submitted.clear()
             ds.set_epoch(0)  # the first buffer holds another window now
             batches = list(ds)
-            assert len(submitted) == len(ds._position.plan(0).windows), "every window read by the pass"
+            assert len(submitted) == len(epoch_plan(ds.config, 0).windows), "every window read by the pass"
             for b in batches:
                 np.testing.assert_array_equal(b["x"], data["x"][b["idx"]])
 
@@ -292,7 +314,7 @@ def test_stopping_before_any_pass_keeps_the_window_read_at_open(data_path, submi
         submitted.clear()
         ds.stop()  # no pipeline runs, none wrote the buffer
         batches = list(ds)
-        assert len(submitted) == len(ds._position.plan(0).windows) - 1
+        assert len(submitted) == len(epoch_plan(ds.config, 0).windows) - 1
         for b in batches:
             np.testing.assert_array_equal(b["x"], data["x"][b["idx"]])
 
@@ -326,7 +348,9 @@ def test_a_forked_child_refuses_the_inherited_dataset(data_path):
                     code = 3
                 except GDSLoadError as e:
                     code = 0 if "inherited by fork" in str(e) else 4
-                if ds._finalizer.alive:
+                held = open_fds()
+                ds.close()  # detached there: frees nothing (the files, backend and buffers are the parent's)
+                if open_fds() != held:
                     code = 5
                 del ds  # must not close the parent's backend from here
             finally:
@@ -463,19 +487,27 @@ def test_a_dataset_collected_while_a_thread_starts_does_not_hang(data_path):
     path, _ = data_path
     ds = GDSDataset(path, batch_size=8, backend="cpu", window_blocks=2)
     assert len(list(ds)) == len(ds)  # the backend's pool threads exist
-    finalize, done = ds._finalizer, threading.Event()
+    dataset, done, collecting = weakref.ref(ds), threading.Event(), gc.isenabled()
+    gc.collect()  # nothing else left for the collection below
+    gc.disable()  # no automatic collection frees the dataset before the one under the lock
+    try:
+        cycle = [ds]
+        cycle.append(cycle)
+        del ds, cycle
+        assert dataset() is not None, "held by its reference cycle: only the collector frees it"
 
-    def as_the_collector_would() -> None:
-        with threading._shutdown_locks_lock:
-            finalize()
-        done.set()
+        def as_the_collector_would() -> None:
+            with threading._shutdown_locks_lock:
+                gc.collect()  # the dataset's finalizer runs here, under the lock
+            done.set()
 
-    threading.Thread(target=as_the_collector_would, daemon=True).start()
-    assert done.wait(10), "the collector's clean-up joined threads under the thread bookkeeping lock"
+        threading.Thread(target=as_the_collector_would, daemon=True).start()
+        assert done.wait(10), "the collector's clean-up joined threads under the thread bookkeeping lock"
+    finally:
+        if collecting:
+            gc.enable()
     deadline = time.monotonic() + 10
     while any(t.name.startswith("gdsload-cpu") for t in threading.enumerate()) and time.monotonic() < deadline:
         time.sleep(0.01)  # cleaned up on another thread
     assert not any(t.name.startswith("gdsload-cpu") for t in threading.enumerate()), "the pool was not shut down"
-    assert not finalize.alive
-    with pytest.raises(GDSLoadError, match="closed"):
-        next(iter(ds))
+    assert dataset() is None, "the collector did not free the dataset (its finalizer did not run)"

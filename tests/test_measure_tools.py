@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 
+from _helpers import reader_threads
 from gdsload import GDSDataset, write_dataset
 from gdsload.tools.measure import PassResult, block_locations, read_files, shard_paths, time_pass, time_passes
 from gdsload.tools.steps import HostStep
@@ -59,14 +60,15 @@ def test_time_pass_with_a_step_waits_at_least_nothing(small: str) -> None:
 
 
 class _Watched(HostStep):
-    """A step that notes, when its steps alone are timed, whether the dataset still had a pass reading."""
+    """A step that notes, when its steps alone are timed, whether the dataset still had a pass reading (its
+    pipeline's threads, ``gdsload-reader-*``, alive)."""
 
     def __init__(self, ds: GDSDataset, ms: float):
         super().__init__(ms)
         self.ds, self.reading_while_alone = ds, []
 
     def alone(self, steps: int) -> float:
-        self.reading_while_alone.append(bool(self.ds._active))
+        self.reading_while_alone.append(bool(reader_threads()))
         return super().alone(steps)
 
 

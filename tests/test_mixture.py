@@ -505,14 +505,24 @@ def test_batches_made_ahead_are_those_made_in_the_consumers_thread(paths, whole)
         assert resumed[0] == resumed[1]
 
 
-def test_a_weight_change_drops_what_was_made_ahead(paths):
+def test_a_weight_change_drops_what_was_made_ahead(paths, monkeypatch):
+    from gdsload.mixture import mixture
+
+    made, real_assemble = [], mixture.assemble
+
+    def assemble(*args, **kwargs):  # one call a batch made: the threads that made them
+        batch = real_assemble(*args, **kwargs)
+        made.append(threading.current_thread().name)
+        return batch
+
+    monkeypatch.setattr(mixture, "assemble", assemble)
     (mix,) = open_ranks(paths, 1, read_ahead=4)
     it = iter(mix)
     first = [next(it)["source"].tolist() for _ in range(3)]
     deadline = time.monotonic() + 5
-    while len(mix._ahead._handoff) < 4 and time.monotonic() < deadline:  # the maker has run ahead
+    while len(made) < 3 + 4 and time.monotonic() < deadline:  # the maker has run ahead: 4 made, not taken
         time.sleep(0.01)
-    assert len(mix._ahead._handoff) >= 4
+    assert len(made) >= 3 + 4 and set(made) == {"gdsload-reader-mixture"}
     mix.set_weights({"web": 0, "code": 0, "books": 1})
     assert all(s == 2 for s in next(it)["source"].tolist()), "the next batch follows the new weights"
     assert mix.stats.batches == 4 and mix.stats.samples == 32 == sum(s.samples for s in mix.stats.sources.values())
@@ -554,9 +564,10 @@ def test_close_from_another_thread_ends_a_pass_waiting_for_batches_made_ahead(pa
 
 def test_an_abandoned_mixture_is_collected_and_its_maker_ends(paths):
     (mix,) = open_ranks(paths, 1, read_ahead=2)
+    before = set(threading.enumerate())
     it = iter(mix)
     next(it)
-    maker = mix._ahead._thread
+    (maker,) = [t for t in threading.enumerate() if t.name == "gdsload-reader-mixture" and t not in before]
     del mix, it
     gc.collect()
     maker.join(5)

@@ -15,8 +15,14 @@ import time
 import numpy as np
 import pytest
 
+import gdsload.dataset
 from _helpers import break_then_close, labelled, reader_threads, threads_left_since, wait_no_readers
 from gdsload import GDSDataset, GDSLoadError, ReadError
+from gdsload.backends.handoff import Handoff
+from gdsload.backends.registry import info
+from gdsload.format.layout import DatasetLayout
+from gdsload.pipeline import pipeline as pipeline_module
+from gdsload.pipeline.pipeline import Pipeline
 from gdsload.pipeline.plan import epoch_plan
 
 # Small enough that "idx" is resident and "x" is read window by window: every test covers both paths.
@@ -32,6 +38,20 @@ def check_batch(batch: dict[str, np.ndarray], data: dict[str, np.ndarray]) -> No
 def data_path(make_dataset):
     data = labelled(997)
     return make_dataset(data, samples_per_block=8, shard_bytes=8 * 60 * 10), data
+
+
+@pytest.fixture
+def pipelines(monkeypatch) -> list[Pipeline]:
+    """Every pipeline the datasets start from then on, in order: the last one is the one running."""
+    made: list[Pipeline] = []
+
+    class Recorded(Pipeline):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(gdsload.dataset, "Pipeline", Recorded)
+    return made
 
 
 @pytest.mark.parametrize("options", [
@@ -61,19 +81,27 @@ def test_epoch_matches_source_and_plan(data_path, options):
         assert ds.io_mode == "cpu"
 
 
-def test_batches_are_assembled_ahead_of_the_consumer(data_path):
+def test_batches_are_assembled_ahead_of_the_consumer(data_path, monkeypatch):
     """While the consumer holds batch N, the assembler has the next ``batches_ahead`` ones ready, no more."""
+    handoffs: list[Handoff] = []
+
+    class Recorded(Handoff):
+        def __init__(self, ahead: int):
+            super().__init__(ahead)
+            handoffs.append(self)
+
+    monkeypatch.setattr(pipeline_module, "Handoff", Recorded)  # each pipeline's: assembler -> consumer
     path, data = data_path
     with Dataset(path, batch_size=16, backend="cpu", window_blocks=2, batches_ahead=3) as ds:
         it = iter(ds)
         check_batch(next(it), data)
-        pipeline = ds._active[0]
+        [assembled] = handoffs  # the running pipeline's batches assembled, not taken yet
         deadline = time.monotonic() + 5
-        while len(pipeline._assembled) < 3 and time.monotonic() < deadline:
+        while len(assembled) < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert len(pipeline._assembled) == 3
+        assert len(assembled) == 3
         time.sleep(0.1)
-        assert len(pipeline._assembled) == 3, "bounded: the assembler waits for the consumer"
+        assert len(assembled) == 3, "bounded: the assembler waits for the consumer"
         for b in it:
             check_batch(b, data)
         assert ds.stats.batches == len(ds)
@@ -207,23 +235,23 @@ def wait_for(condition, timeout_s: float = 5.0) -> bool:
     return condition()
 
 
-def test_next_epoch_is_read_ahead_and_exact(data_path):
+def test_next_epoch_is_read_ahead_and_exact(data_path, pipelines):
     path, data = data_path
     opts = dict(batch_size=32, backend="cpu", shuffle=True, seed=3, window_blocks=3)
     with Dataset(path, **opts) as ref:
         want = collect(ref, range(3))  # one fresh pipeline per epoch: nothing read ahead
+    pipelines.clear()
     with Dataset(path, **opts) as ds:
-        got, pipelines = [], []
+        got = []
         for e in range(3):
             ds.set_epoch(e)
             it = iter(ds)
             if e > 0:  # read while the last pass ran (or since): data waits before the first next()
-                assert wait_for(lambda: ds._active[0].stats.bytes_read > 0), "the next epoch is read ahead"
+                assert wait_for(lambda: pipelines[-1].stats.bytes_read > 0), "the next epoch is read ahead"
             first = next(it)
-            pipelines.append(ds._active[0])
             assert ds.stats.read_ahead == (e > 0), "the stats say whether the pass was read ahead"
             got.append([i for b in itertools.chain([first], it) for i in (check_batch(b, data), b["idx"].tolist())[1]])
-        assert len(set(map(id, pipelines))) == 1, "one pipeline ran the three epochs"
+        assert len(pipelines) == 1, "one pipeline ran the three epochs"
         assert len(reader_threads()) == 3  # reading epoch 3 ahead
     assert got == want
     assert wait_no_readers() == []
@@ -250,24 +278,24 @@ def test_other_epoch_or_resume_starts_afresh(data_path):
         assert head + [i for b in ds for i in b["idx"].tolist()] == epoch1
 
 
-def test_without_shuffle_every_epoch_continues(data_path):
+def test_without_shuffle_every_epoch_continues(data_path, pipelines):
     path, data = data_path
     with Dataset(path, batch_size=32, backend="cpu", window_blocks=3) as ds:
         first = [b["idx"].tolist() for b in ds]
-        pipeline = ds._active[0]
+        [pipeline] = pipelines
         second = [b["idx"].tolist() for b in ds]  # no set_epoch: without shuffle every epoch is the same
-        assert ds._active[0] is pipeline and first == second
+        assert pipelines == [pipeline] and not pipeline.closed and first == second
 
 
-def test_without_set_epoch_every_pass_is_a_new_epoch(data_path):
+def test_without_set_epoch_every_pass_is_a_new_epoch(data_path, pipelines):
     """As DataLoader(shuffle=True): a loop that never calls set_epoch (PyTorch Lightning's) still gets a new
     order every pass, read ahead, and the state says which epoch it is in."""
     path, _ = data_path
     with Dataset(path, batch_size=32, backend="cpu", shuffle=True, window_blocks=3) as ds:
         first = [b["idx"].tolist() for b in ds]
-        pipeline = ds._active[0]
+        [pipeline] = pipelines
         second = [b["idx"].tolist() for b in ds]  # epoch 1, read ahead while epoch 0 ran
-        assert ds._active[0] is pipeline and first != second and ds.epoch == 1
+        assert pipelines == [pipeline] and not pipeline.closed and first != second and ds.epoch == 1
         np.testing.assert_array_equal(np.concatenate(second), epoch_plan(ds.config, 1).sample_ids())
         it = iter(ds)  # epoch 2, left after 3 batches: the state resumes it exactly
         taken = [next(it)["idx"].tolist() for _ in range(3)]
@@ -293,7 +321,8 @@ def test_error_read_ahead_surfaces_in_the_pass_that_needs_it(data_path):
     path, _ = data_path
     with Dataset(path, batch_size=8, backend="cpu", window_blocks=2, prefetch=1) as ds:
         assert len(list(ds)) == len(ds)
-        shards = [p for p in ds._reader.layout.shard_paths() if "/x/" in p]  # in shard order
+        with DatasetLayout(ds.meta, ds.fields) as layout:
+            shards = [p for p in layout.shard_paths() if "/x/" in p]  # in shard order
         last_shard = shards[-1]
         with open(last_shard, "r+b") as f:  # the last window: not read ahead yet (2 buffers of 2 blocks)
             f.truncate(100)
@@ -425,7 +454,7 @@ def test_bad_arguments(data_path):
 def test_batches_ahead_defaults_to_the_backends(data_path):
     path, _ = data_path
     with Dataset(path, batch_size=8, backend="cpu") as ds:
-        assert ds.batches_ahead == ds._reader.backend.batches_ahead_hint == 2
+        assert ds.batches_ahead == info(ds.backend_name).backend_class.batches_ahead_hint == 2
     with Dataset(path, batch_size=8, backend="cpu", batches_ahead=5) as ds:
         assert ds.batches_ahead == 5
 
@@ -451,8 +480,8 @@ def test_backend_is_prepared_with_every_shard_it_may_read(data_path, monkeypatch
     path, _ = data_path
     seen, prepare = [], CpuBackend.prepare
     monkeypatch.setattr(CpuBackend, "prepare", lambda self, files: (seen.append(list(files)), prepare(self, files)))
-    with Dataset(path, batch_size=8, backend="cpu", fields=["x"]) as ds:
-        want = ds._reader.layout.shard_paths()
+    with Dataset(path, batch_size=8, backend="cpu", fields=["x"]) as ds, DatasetLayout(ds.meta, ds.fields) as layout:
+        want = layout.shard_paths()
     assert seen == [want] and want and all(os.path.isfile(p) and "/x/" in p for p in want)
 
     with pytest.raises(ValueError, match="batch_size must be at least 1"):
@@ -564,7 +593,7 @@ def test_the_backend_is_told_once_that_the_first_batch_was_assembled(data_path, 
         assert len(list(ds)) == len(ds) and calls.count("started") == 1, "once per pipeline"
 
 
-def test_the_pass_being_taken_never_waits_for_the_next_ones_plan(data_path, monkeypatch):
+def test_the_pass_being_taken_never_waits_for_the_next_ones_plan(data_path, monkeypatch, pipelines):
     """The readers make the next epoch's plan while the consumer takes this one: asking for the pass it is
     in (its stats, a new batch) must not wait until that plan is made (it did: one lock for every pass)."""
     import gdsload.dataset as dataset_module
@@ -588,7 +617,7 @@ def test_the_pass_being_taken_never_waits_for_the_next_ones_plan(data_path, monk
             check_batch(next(it), data)
             assert making.wait(5), "the readers went on to the next epoch's plan"
             t0 = time.perf_counter()
-            pipeline = ds._active[0]
+            pipeline = pipelines[-1]
             assert pipeline.stats.batches == 1
             rest = [check_batch(b, data) for b in it]
             took = time.perf_counter() - t0

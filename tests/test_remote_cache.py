@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from gdsload import GDSDataset, ReadError
+from gdsload.format.mirror import open_version
 
 from remote_servers import Seen, client_for_server, upload
 
@@ -105,7 +106,9 @@ def test_every_sample_exact_under_a_bound_smaller_than_the_dataset_with_eviction
     with _open(local, None, shuffle=True, seed=5) as ref:
         want = _batches(ref) + _batches(ref)
     with _open(url, cache) as probe:
-        shards = probe._reader.remote.version.shards
+        version = open_version(url, cache)  # the version the probe opened, complete in the cache: found there
+        assert version.root == probe.describe()["remote"]["version"]
+        shards = version.shards
         total = sum(e.data_bytes for e in shards.values())
         biggest = max(e.data_bytes for e in shards.values())
     bound = max(total // 2, 6 * biggest)
@@ -272,7 +275,7 @@ def test_a_server_without_etags_reads_exactly_from_a_private_version_removed_at_
     with _open(local, None) as ref:
         want = _batches(ref)
     with _open(url, cache, cache_bytes=1 << 20) as ds:
-        root = ds._reader.remote.root
+        root = ds.describe()["remote"]["version"]
         assert "@private-" in root and os.path.isdir(root)
         _same(_batches(ds), want)
     assert not os.path.exists(root) and not os.path.exists(root + ".shards"), "removed when the dataset closed"

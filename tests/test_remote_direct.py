@@ -239,7 +239,7 @@ def test_reads_come_from_the_objects_and_an_object_changed_since_is_an_error_nam
         srv.put(key, old)
 
         srv.reset_log()
-        past = victim._replace(offset=objects[victim.path].size - 4, nbytes=8)
+        past = ReadRequest(victim.path, objects[victim.path].size - 4, 8, victim.dest_offset)
         with pytest.raises(ReadError, match=rf"{objects[victim.path].url}: bytes \d+\.\.\d+ lie past its end"):
             reads.submit(buf, [past], threading.Event()).finish()
         stopped = threading.Event()
@@ -271,9 +271,11 @@ def test_a_read_that_fails_on_an_unchanged_object_is_a_read_error_naming_its_url
 def test_the_cpu_backend_on_a_remote_dataset_says_its_route_and_why(local, srv, tmp_path):
     url = upload(srv, local)
     with GDSDataset(url, 32, backend="cpu", cache_dir=str(tmp_path / "c")) as ds:
-        remote = ds.describe()["remote"]
-        assert ds.backend_name == "cpu" and ds._reader.remote is ds._reader._skeleton is not None
+        remote = ds.describe()["remote"]  # present: the dataset holds a remote version (its skeleton)
+        assert ds.backend_name == "cpu"
     assert remote["route"] == "cached" and remote["route_reason"].startswith("the cpu backend reads into host memory")
+    # the cached route reads through the skeleton's own cache: the first window, read at the open, fetched shards
+    assert remote["fetched_shards"] > 0 and remote["version"].startswith(str(tmp_path / "c"))
 
 
 class _HostDirect(CpuBackend):
@@ -319,14 +321,15 @@ def test_the_reader_on_the_direct_route_fetches_no_shard_and_stops_at_an_object_
         want = _batches(ref)
     got = []
     with GDSDataset(url, 32, backend="cpu", **opts) as ds:
-        reader = ds._reader
-        assert reader.remote is None and reader._skeleton is not None and ds.backend_name == rd.BACKEND
+        opened = ds.describe()  # at the open: a remote version (its skeleton), the direct route, nothing fetched
+        assert "remote" in opened and opened["remote"]["route"] == "direct" and ds.backend_name == rd.BACKEND
+        assert opened["remote"]["fetched_shards"] == 0
         assert ds.backend_reason == "a remote dataset's direct route, in place of 'cpu' (requested)"
         _same(_batches(ds), want)
         d = ds.describe()
         assert d["remote"]["route"] == "direct" and d["remote"]["fetched_shards"] == 0
         assert d["backend_stats"]["pin_checks"] > 0 and d["io_mode"] == rd.IO_MODE
-        assert os.listdir(reader._skeleton.version.root + ".shards") == ["open.lock"], "no shard was fetched"
+        assert os.listdir(d["remote"]["version"] + ".shards") == ["open.lock"], "no shard was fetched"
         with pytest.raises(ReadError, match=r"http://127\.0\.0\.1:\d+/d\.gds/x/c/\d+/0: HTTP 412: the object "
                                             r"changed .* \(reading window \d+ of epoch 1"):
             for b in ds:
@@ -386,13 +389,12 @@ def test_every_sample_exact_by_the_direct_route_on_two_ranks(local, srv, gds_cac
             srv.reset_log()  # the open fetched the skeleton (rank 0) and read the first window
             got = _batches(ds) + _batches(ds)
             d = ds.describe()
-            skeleton = ds._reader._skeleton
         _same(got, want)
         assert ds.backend_name == "remote" and ds.io_mode == "remote-kvikio" and d["io_mode"] == "remote-kvikio"
         assert "a remote dataset's direct route, in place of" in ds.backend_reason
         assert d["remote"]["route"] == "direct" and "KvikIO's RemoteFile" in d["remote"]["route_reason"]
         assert d["remote"]["fetched_shards"] == 0 and d["remote"]["cache_dir"] == os.path.join(gds_cache, "datasets")
-        assert not _present_markers(skeleton.version.root + ".shards"), "no shard data went into the cache"
+        assert not _present_markers(d["remote"]["version"] + ".shards"), "no shard data went into the cache"
         stats = d["backend_stats"]
         assert stats["reads"] > 0 and stats["pin_checks"] > 0 and stats["objects_open"] > 0
         assert _kvikio_gets(srv.requests), "the data came by KvikIO's ranged GETs"
@@ -486,7 +488,7 @@ def test_a_server_without_etags_reads_exactly_and_its_private_version_goes_at_cl
     with GDSDataset(local, 32, backend="cpu", pad_to="max") as ref:
         want = _batches(ref)
     with GDSDataset(url, 32, backend="kvikio", pad_to="max") as ds:
-        root = ds._reader._skeleton.root
+        root = ds.describe()["remote"]["version"]
         assert "@private-" in root and ds.describe()["remote"]["route"] == "direct"
         _same(_batches(ds), want)
     assert not os.path.exists(root), "removed when the dataset closed"
