@@ -13,6 +13,7 @@ import zarr
 from gdsload.format.layout import DatasetLayout
 from gdsload.format.shard_index import encode_shard_index, parse_shard_index
 from gdsload.format.meta import read_metadata
+from gdsload.pipeline.window import WindowMap
 from gdsload.conversion.source_types import ArraySource, RaggedSource
 
 
@@ -237,3 +238,14 @@ def flip_byte(path: str, at: int, mask: int = 0xFF) -> None:
         byte = f.read(1)
         f.seek(at)
         f.write(bytes([byte[0] ^ mask]))
+
+
+def window_map(ds, layout: DatasetLayout | None = None) -> WindowMap:
+    """The window map of an open dataset without variable-length fields, made as its reader makes it
+    (gdsload/pipeline/reader.py, ``Reader.start``; ``layout``'s chunk lengths size the compressed fields); its
+    window is the one the dataset reports, so it is the map the dataset reads with."""
+    wm = WindowMap([ds.meta.fields[f] for f in ds.windowed_fields], ds.config.window_blocks,
+                   samples_per_block=ds.meta.samples_per_block,
+                   chunk_lengths=layout.chunk_lengths if layout is not None else None)
+    assert wm.window_blocks == ds.describe()["window_blocks"] and wm.nbytes == ds.describe()["window_bytes"]
+    return wm

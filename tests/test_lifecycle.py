@@ -13,13 +13,12 @@ import weakref
 import numpy as np
 import pytest
 
-from _helpers import labelled, open_fds, threads_left_after_use, wait_no_readers
+from _helpers import labelled, open_fds, threads_left_after_use, wait_no_readers, window_map
 from gdsload import BackendUnavailable, ChecksumError, GDSDataset, GDSLoadError, ReadError
 from gdsload.tools.cli import main as cli_main
 from gdsload.format.layout import DatasetLayout
 from gdsload.format.meta import read_metadata
 from gdsload.pipeline.plan import epoch_plan
-from gdsload.pipeline.window import WindowMap
 
 Dataset = functools.partial(GDSDataset, backend="cpu", resident_bytes=32 << 10)
 Verified = functools.partial(Dataset, verify=True)
@@ -45,14 +44,6 @@ def flip_byte(path: str, field: str, block: int, at: int = 5) -> tuple[str, int]
 
 def gdsload_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("gdsload") and t.name != "gdsload-reaper"]
-
-
-def window_map(ds: GDSDataset, layout: DatasetLayout) -> WindowMap:
-    """The window map of an open local dataset without variable-length or compressed fields, made as its reader
-    makes it (gdsload/pipeline/reader.py, ``Reader.start``)."""
-    meta = ds.meta
-    return WindowMap([meta.fields[f] for f in ds.windowed_fields], ds.config.window_blocks,
-                     samples_per_block=meta.samples_per_block, chunk_lengths=layout.chunk_lengths)
 
 
 # -- integrity ---------------------------------------------------------------------------------------

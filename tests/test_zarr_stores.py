@@ -23,7 +23,7 @@ import pytest
 import zarr
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, GzipCodec, TransposeCodec, ZstdCodec
 
-from _helpers import in_thread, open_fds, rewrite_index
+from _helpers import in_thread, open_fds, rewrite_index, window_map
 
 try:
     from zarr.codecs.numcodecs import Delta, Zlib
@@ -34,7 +34,6 @@ from gdsload.cuda.ops import HostOps
 from gdsload.format.shard_index import MAX_UINT_64
 from gdsload.format.meta import read_metadata
 from gdsload.pipeline.plan import epoch_plan
-from gdsload.pipeline.window import WindowMap
 from gdsload.conversion.source_types import ArraySource
 from gdsload.conversion.writer import write_dataset
 
@@ -400,15 +399,6 @@ def test_too_many_chunk_files_for_the_descriptor_limit(tmp_path):
     assert soft.stdout.startswith("read, soft limit now") and int(soft.stdout.split()[-1]) > 600
 
 
-def window_map_of(ds: GDSDataset) -> WindowMap:
-    """The window map of ``ds``'s raw fixed fields, made as gdsload/pipeline/reader.py makes it from the
-    dataset's metadata and window size; its buffer is the size the dataset reports, so it is the one it reads with."""
-    wm = WindowMap([ds.meta.fields[f] for f in ds.windowed_fields], ds.config.window_blocks,
-                   samples_per_block=ds.meta.samples_per_block)
-    assert wm.window_blocks == ds.describe()["window_blocks"] and wm.nbytes == ds.describe()["window_bytes"]
-    return wm
-
-
 def test_converter_datasets_keep_their_path(tmp_path, monkeypatch):
     """A dataset the converter wrote: K is every field's chunk, every windowed field is gathered at its plan
     positions, an unshuffled pass copies runs (no gather by index), and a missing shard is still an error."""
@@ -430,7 +420,7 @@ def test_converter_datasets_keep_their_path(tmp_path, monkeypatch):
         assert not ds.meta.foreign
         assert ds.config.samples_per_block == 16 == ds.meta.fields["x"].samples_per_block
         assert ds.describe()["gather"] == {"x": "positions", "idx": "positions"}
-        assert window_map_of(ds).rows["x"] == 16 * ds.config.window_blocks
+        assert window_map(ds).rows["x"] == 16 * ds.config.window_blocks
         read_epochs(ds, "cpu", data, epochs=(0,), label="idx")
     assert calls["copy"] > 0 and calls["take"] == 0
     os.remove(os.path.join(path, "x", "c", "0", "0"))
@@ -449,7 +439,7 @@ def test_straddling_fields_always_gather_by_index(tmp_path, monkeypatch):
         self, src, first, out)))
     with GDSDataset(path, batch_size=32, backend="cpu", resident_bytes=0, window_blocks=3) as ds:
         assert ds.config.samples_per_block == 64 and ds.describe()["gather"] == {"a": "rows", "id": "positions"}
-        assert window_map_of(ds).rows["a"] == 72 * 3  # a block of 64 rows touches at most 8 chunks of 9
+        assert window_map(ds).rows["a"] == 72 * 3  # a block of 64 rows touches at most 8 chunks of 9
         read_epochs(ds, "cpu", expected, epochs=(0,))
     assert copied and all(shape[1:] == () for shape in copied)  # only "id" was copied
 
