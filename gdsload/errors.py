@@ -7,6 +7,10 @@ is a ``ValueError``, a failed read an ``OSError``, a backend that cannot run her
 
 from __future__ import annotations
 
+from typing import TypeVar
+
+E = TypeVar("E", bound=BaseException)
+
 
 class GDSLoadError(Exception):
     """Base of every error gdsload raises on purpose."""
@@ -58,3 +62,18 @@ def warn(message: str, category: type[Warning]) -> None:
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
         level, frame = level + 1, frame.f_back
     warnings.warn(message, category, stacklevel=level)
+
+
+def with_context(error: E, context: str) -> E:
+    """``error`` again with `` (context)`` appended to its message, of the same type and with the same
+    attributes (a ``CacheFull``'s ``need``, an ``OSError``'s ``errno``), to be raised ``from error``.
+
+    Why not ``type(e)(f"{e} (...)")``: a subclass whose ``__init__`` takes other arguments (``CacheFull``)
+    fails that call with a ``TypeError`` that hides the real error. The copy is made without calling
+    ``__init__``; its ``args`` carry the new message."""
+    copy = type(error).__new__(type(error))
+    copy.__dict__.update(getattr(error, "__dict__", {}))
+    copy.args = (f"{error} ({context})",)
+    if isinstance(error, OSError):  # str() of an OSError with strerror set ignores args: keep errno alone
+        copy.errno = error.errno
+    return copy

@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 from ..backends.handoff import POLL_S, Handoff, get
 from ..codecs.verify import Verdict
 from ..cuda.ops import Ops
-from ..errors import GDSLoadError, ReadError
+from ..errors import GDSLoadError, ReadError, with_context
 from .assembler import Assembler, EpochIndex, ResidentField
 from .cursor import Cursor
 from .pacing import Pacer
@@ -296,7 +296,7 @@ class Pipeline:
         if isinstance(item, _Failure):
             e = item.error
             if isinstance(e, GDSLoadError):  # its message starts with the file it is about
-                raise type(e)(f"{e} (reading {item.where})") from e
+                raise with_context(e, f"reading {item.where}") from e
             raise ReadError(f"{self.layout.meta.path}: reading {item.where} failed ({type(e).__name__}: {e})") from e
         return item
 
@@ -316,7 +316,7 @@ class Pipeline:
             try:
                 verdict.confirm()
             except GDSLoadError as e:
-                raise type(e)(f"{e} (reading {self._pass(key[0]).describe(key[1])})") from e
+                raise with_context(e, f"reading {self._pass(key[0]).describe(key[1])}") from e
         first = True
         try:
             k = 0

@@ -24,7 +24,7 @@ from ..backends.base import Backend
 from ..backends.cpu import CpuBackend
 from ..codecs.decode import WindowDecoder, all_of
 from ..codecs.verify import Verdict, Verification, carries_trailers, unchecked_fields
-from ..errors import GDSLoadError, ReadError
+from ..errors import GDSLoadError, ReadError, with_context
 from ..format.layout import DatasetLayout
 from ..format.meta import DatasetMeta, read_metadata
 from ..remote.objects import is_remote
@@ -372,7 +372,7 @@ class Reader:
             if filled.verdict is not None:
                 filled.verdict.confirm()
         except ReadError as e:
-            raise type(e)(f"{e} (reading resident field '{name}')") from e
+            raise with_context(e, f"reading resident field '{name}'") from e
         if filled.event is not None:
             filled.event.synchronize()
         return ResidentField(f, single.view(wb.buffer, name))

@@ -3,6 +3,7 @@ errors of objects that are missing or changed."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -10,11 +11,20 @@ from ..errors import ReadError
 
 #: URL schemes read remotely.
 SCHEMES = ("s3", "http", "https")
+# scheme://user[:password]@ (userinfo cannot hold "/", "@" or white space)
+_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)([^/@\s:]*)(?::([^/@\s]*))?@")
 
 
 def is_remote(path: Any) -> bool:
     """Whether ``path`` is a URL of a scheme in :data:`SCHEMES` (a local path, or a PathLike, is not)."""
     return isinstance(path, str) and path.split("://", 1)[0].lower() in SCHEMES and "://" in path
+
+
+def redact(text: object) -> str:
+    """``text`` with the password of every URL in it replaced by ``***`` (``https://user:***@host/x``), for
+    messages: credentials in a URL are never printed."""
+    return _USERINFO.sub(lambda m: m.group(1) + (m.group(2) + ":***@" if m.group(3) is not None else m.group(2) + "@"),
+                         str(text))
 
 
 def join(url: str, *parts: str) -> str:
