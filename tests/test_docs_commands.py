@@ -99,14 +99,28 @@ def scratch(tmp_path_factory) -> tuple[str, dict[str, str]]:
         os.symlink(os.path.join(ROOT, name), here / name)
     bin_dir = here / ".bin"
     bin_dir.mkdir()
-    for name in ("python", "python3"):
-        os.symlink(sys.executable, bin_dir / name)
-    tool = bin_dir / "gdsload"
-    tool.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -m gdsload \"$@\"\n")
-    tool.chmod(tool.stat().st_mode | stat.S_IXUSR)
+    # Scripts that exec this interpreter by its own path, not links to it: a venv's python finds its
+    # environment (pyvenv.cfg) beside the path it was started by, so a link elsewhere would lose the venv.
+    for name, args in (("python", ""), ("python3", ""), ("gdsload", " -m gdsload")):
+        tool = bin_dir / name
+        tool.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)}{args} \"$@\"\n")
+        tool.chmod(tool.stat().st_mode | stat.S_IXUSR)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "MPLBACKEND": "Agg",
            "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
     return str(here), env
+
+
+def test_the_docs_commands_run_in_this_environment(scratch):
+    """In a venv, a link to its python started Python outside the venv (it looks for pyvenv.cfg beside the
+    path it was started by), where the package's dependencies were missing: each tool on the PATH must be
+    this environment's."""
+    here, env = scratch
+    for tool in ("python", "python3"):
+        done = subprocess.run([tool, "-c", "import sys; print(sys.prefix)"], cwd=here, env=env, capture_output=True,
+                              text=True, timeout=60)
+        assert done.stdout.strip() == sys.prefix, (tool, done.stdout, done.stderr)
+    done = subprocess.run(["gdsload", "--help"], cwd=here, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_every_listed_exception_is_still_in_the_docs():
@@ -115,7 +129,9 @@ def test_every_listed_exception_is_still_in_the_docs():
     assert set(GPU_ONLY) <= shown and set(NOT_RUN) <= shown, (set(GPU_ONLY) | set(NOT_RUN)) - shown
     assert set(PYTHON_NOT_RUN) <= firsts, set(PYTHON_NOT_RUN) - firsts
     with open(os.path.join(ROOT, ".ci", "run")) as f:
-        assert 'python3 -m pip install ".[test]" && python3 -m pytest -q\n' in f.read().splitlines(True)
+        ci = f.read()
+    assert 'python3 -m pip install ".[test]" && python3 -m pytest -q\n' in ci.splitlines(True)
+    assert "python3 -m venv" in ci and "/bin/activate" in ci, "CI runs the tests in a venv, as most users do"
 
 
 def test_every_command_and_program_in_the_docs_runs_as_shown(scratch):
