@@ -165,6 +165,22 @@ def test_every_command_and_program_in_the_docs_runs_as_shown(scratch):
         pytest.skip(f"not run, a package missing (pip install '.[test]'): {missing}")
 
 
+def test_the_readme_programs_that_write_datasets_run_again(scratch):
+    """A user runs a snippet twice: one that writes a dataset must not fail on the second run (the Mixing
+    snippet did: "output exists"). Runs after the test above, in the folder it filled."""
+    here, env = scratch
+    writers = [what for doc, kind, what in everything()
+               if doc == "README.md" and kind == "python" and "write_dataset(" in what
+               and what.splitlines()[0] not in PYTHON_NOT_RUN]
+    assert writers
+    for what in writers:
+        if not os.path.exists(os.path.join(here, "data.gds")):
+            pytest.skip("runs after the test of every command, which makes data.gds")
+        done = subprocess.run([sys.executable, "-c", what], cwd=here, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, f"README.md, a second run: {what}\n{done.stderr[-3000:]}"
+
+
 def test_the_shuffle_quality_script_also_runs_as_a_file(tmp_path):
     """docs/shuffling.md showed ``python benchmarks/shuffle_quality.py ...``, which failed on a relative import."""
     done = subprocess.run([sys.executable, os.path.join("benchmarks", "shuffle_quality.py"), "--samples", "2000",
