@@ -100,7 +100,7 @@ class DecodeCheck:
             tail = got[m * SIZE_BYTES:].view(np.int32)
             parts.append((got[:m * SIZE_BYTES].view(np.uint64), tail[:m], tail[m:2 * m], tail[2 * m:].view(np.uint32)))
         sizes, statuses, reasons, heads = (np.concatenate(col) for col in zip(*parts))
-        for reason in (screen.CRC_MISMATCH, screen.NOT_ZSTD):
+        for reason in (screen.CRC_MISMATCH, screen.NOT_ZSTD, screen.FRAME_BROKEN):
             bad = np.flatnonzero(reasons == reason)
             if len(bad):
                 self._fail(int(bad[0]), reason, int(heads[bad[0]]))
@@ -119,6 +119,10 @@ class DecodeCheck:
             short = int(self.job.nbytes[i]) - (CRC_BYTES if self.names[-1] == "crc32c" else 0) < 4
             why = (f"not a zstd frame (it starts with {head:#010x}, not the magic number {ZSTD_MAGIC:#010x}"
                    f"{'; shorter than one' if short else ''})")
+        if reason == screen.FRAME_BROKEN:
+            n = int(self.job.nbytes[i]) - (CRC_BYTES if self.names[-1] == "crc32c" else 0)
+            why = (f"a damaged zstd frame: its header and block headers do not add up to its {n} bytes "
+                   f"(the walk stopped at byte {head}); not handed to nvCOMP")
         raise chunk_error(self.layout, self.job.name, chunk, self.names, why)
 
 

@@ -1,9 +1,12 @@
-"""Screening zstd frames before nvCOMP decodes them: each chunk's crc32c (when its codecs end with one) and its
-magic number, checked on the device in the decoder's stream order, with nothing waiting on the host.
+"""Screening zstd frames before nvCOMP decodes them: each chunk's crc32c (when its codecs end with one), its
+magic number and its structure (the frame header, then every block header walked: the blocks must end the frame
+exactly at its stated length), checked on the device in the decoder's stream order, with nothing waiting on the
+host.
 
 nvCOMP checks neither, and a damaged frame can make its decode run on without end. A chunk that fails is not
 handed to nvCOMP: its entry in the call's table is pointed at :data:`STAND_IN`, a valid one-byte frame, and
-why it failed comes back with nvCOMP's statuses, with its first four bytes, so the window's check names it
+why it failed comes back with nvCOMP's statuses, with its first four bytes (or, for a broken structure, the
+offset where the walk stopped), so the window's check names it
 (:class:`gdsload.codecs.nvcomp.DecodeCheck`). Checking on the host first would make every window's decode wait
 for the device: the checks of one window queue behind the decode of the one before.
 
@@ -27,7 +30,9 @@ from . import checksum
 SRC, LEN, CAP, CELL, PAD, OUT = range(6)
 ROWS = 6
 #: Why a chunk was not handed to nvCOMP (0: it was).
-NOT_ZSTD, CRC_MISMATCH = 1, 2
+NOT_ZSTD, CRC_MISMATCH, FRAME_BROKEN = 1, 2, 3
+#: The largest block a zstd frame may hold (RFC 8878, Block_Maximum_Size): a larger stated size is damage.
+BLOCK_MAX = 128 * 1024
 #: The first four bytes of every zstd frame, read as a little-endian uint32.
 ZSTD_MAGIC = 0xFD2FB528
 #: What nvCOMP decodes in place of a chunk that failed: a zstd frame of one zero byte (every cell holds one).
@@ -37,6 +42,42 @@ TAIL_ITEM_BYTES = 12
 
 #: The screening kernel (CUDA C++), the table's layout written in.
 KERNEL_SOURCE = r"""
+// Where the walk of a frame of n bytes stopped (a byte offset), or WALK_OK: walk_frame() in screen.py, line
+// for line. Every byte is read only below n; each turn of the loop moves on by at least 3 bytes.
+__device__ unsigned long long walk(const unsigned char* p, unsigned long long n, unsigned long long cap)
+{
+    if (n < 5) return n;
+    const unsigned int fhd = p[4];
+    if (fhd & 0x08) return 4;  // the reserved bit
+    const unsigned int fcs_flag = fhd >> 6, single = (fhd >> 5) & 1, did_flag = fhd & 3;
+    unsigned long long pos = 5 + (single ? 0 : 1) + (did_flag == 3 ? 4 : did_flag);
+    const unsigned long long fcs_bytes = fcs_flag == 0 ? single : (fcs_flag == 1 ? 2 : (fcs_flag == 2 ? 4 : 8));
+    if (pos + fcs_bytes > n) return n;
+    unsigned long long fcs = 0;
+    for (unsigned long long k = 0; k < fcs_bytes; ++k) fcs |= static_cast<unsigned long long>(p[pos + k]) << (8 * k);
+    if (fcs_bytes == 2) fcs += 256;
+    if (fcs_bytes && fcs > cap) return pos;
+    pos += fcs_bytes;
+    unsigned long long decoded = 0;
+    for (;;) {
+        if (pos + 3 > n) return pos;
+        const unsigned int h = p[pos] | static_cast<unsigned int>(p[pos + 1]) << 8
+                               | static_cast<unsigned int>(p[pos + 2]) << 16;
+        const unsigned int type = (h >> 1) & 3, size = h >> 3;
+        if (type == 3 || size > BLOCK_MAX) return pos;
+        if (type != 2) {
+            decoded += size;
+            if (decoded > cap) return pos;
+        }
+        const unsigned long long body = type == 1 ? 1 : size;
+        if (pos + 3 + body > n) return pos;
+        pos += 3 + body;
+        if (h & 1) break;
+    }
+    if (fhd & 0x04) pos += 4;  // the content checksum
+    return pos == n ? WALK_OK : pos;
+}
+
 extern "C" __global__ void screen_frames(unsigned long long* t, int m, int crc, const unsigned int* got,
                                          const unsigned int* t0, const unsigned int* powers,
                                          unsigned long long stand_in, unsigned long long stand_in_bytes)
@@ -69,6 +110,13 @@ extern "C" __global__ void screen_frames(unsigned long long* t, int m, int crc, 
         if ((v ^ key) != got[i]) reason = CRC_MISMATCH;
     }
     if (!reason && head != ZSTD_MAGICu) reason = NOT_ZSTD;
+    if (!reason) {  // the frame's structure, as walk_frame() walks it: on failure, head is where it stopped
+        const unsigned long long at = walk(p, n, t[CAP * m + i]);
+        if (at != WALK_OK) {
+            reason = FRAME_BROKEN;
+            head = static_cast<unsigned int>(at);
+        }
+    }
     if (reason) {
         t[SRC * m + i] = stand_in;
         t[LEN * m + i] = stand_in_bytes;
@@ -78,9 +126,56 @@ extern "C" __global__ void screen_frames(unsigned long long* t, int m, int crc, 
     reinterpret_cast<unsigned int*>(tail)[2 * m + i] = head;
 }
 """
-for _name, _value in dict(SRC=SRC, LEN=LEN, PAD=PAD, ROWS=ROWS, NOT_ZSTD=NOT_ZSTD,
-                          CRC_MISMATCH=CRC_MISMATCH, ZSTD_MAGIC=ZSTD_MAGIC).items():
-    KERNEL_SOURCE = KERNEL_SOURCE.replace(_name, str(_value))
+#: What the walk returns for a sound frame (no offset is this large).
+WALK_OK = 2**64 - 1
+for _name, _value in dict(SRC=SRC, LEN=LEN, CAP=CAP, PAD=PAD, ROWS=ROWS, NOT_ZSTD=NOT_ZSTD, CRC_MISMATCH=CRC_MISMATCH,
+                          FRAME_BROKEN=FRAME_BROKEN, ZSTD_MAGIC=ZSTD_MAGIC, BLOCK_MAX=BLOCK_MAX,
+                          WALK_OK=WALK_OK).items():
+    KERNEL_SOURCE = KERNEL_SOURCE.replace(_name, f"{_value}ull" if _name == "WALK_OK" else str(_value))
+
+
+def walk_frame(p: Any, n: int, cap: int) -> int | None:
+    """Where the walk of the zstd frame ``p[:n]`` stops: None for a frame whose structure is sound (RFC 8878:
+    magic number checked before; header with no reserved bit, content size within ``cap``; blocks of no
+    reserved type and at most :data:`BLOCK_MAX`, raw and RLE blocks within ``cap`` together, the last one
+    followed by the checksum its header announces, ending exactly at ``n``), else the byte offset of what is
+    wrong. A frame that passes may still hold damaged entropy data: only a crc32c catches that. The kernel's
+    ``walk`` is this function in CUDA."""
+    if n < 5:
+        return n
+    fhd = int(p[4])
+    if fhd & 0x08:
+        return 4
+    fcs_flag, single, did_flag = fhd >> 6, (fhd >> 5) & 1, fhd & 3
+    pos = 5 + (0 if single else 1) + (4 if did_flag == 3 else did_flag)
+    fcs_bytes = single if fcs_flag == 0 else (2, 4, 8)[fcs_flag - 1]
+    if pos + fcs_bytes > n:
+        return n
+    fcs = int.from_bytes(bytes(p[pos:pos + fcs_bytes]), "little") + (256 if fcs_bytes == 2 else 0)
+    if fcs_bytes and fcs > cap:
+        return pos
+    pos += fcs_bytes
+    decoded = 0
+    while True:
+        if pos + 3 > n:
+            return pos
+        h = int(p[pos]) | int(p[pos + 1]) << 8 | int(p[pos + 2]) << 16
+        kind, size = (h >> 1) & 3, h >> 3
+        if kind == 3 or size > BLOCK_MAX:
+            return pos
+        if kind != 2:
+            decoded += size
+            if decoded > cap:
+                return pos
+        body = 1 if kind == 1 else size
+        if pos + 3 + body > n:
+            return pos
+        pos += 3 + body
+        if h & 1:
+            break
+    if fhd & 0x04:
+        pos += 4
+    return None if pos == n else pos
 
 
 def table(base: int, lo: np.ndarray, hi: np.ndarray, cell_bytes: int, dest: np.ndarray) -> np.ndarray:
@@ -118,6 +213,10 @@ def screen_host(buffer: np.ndarray, tab: np.ndarray, lo: np.ndarray, hi: np.ndar
         stored = np.ascontiguousarray(buffer[idx], np.uint8).view("<u4").astype(np.uint32)
         reason[checksum.device_expected(stored, lo, hi) != got] = CRC_MISMATCH
     reason[(reason == 0) & (head != ZSTD_MAGIC)] = NOT_ZSTD
+    for i in np.flatnonzero(reason == 0):
+        at = walk_frame(buffer[int(lo[i]):int(hi[i])], int(hi[i] - lo[i]), int(rows[CAP][i]))
+        if at is not None:
+            reason[i], head[i] = FRAME_BROKEN, at
     bad = reason != 0
     rows[SRC][bad], rows[LEN][bad] = stand_in, len(STAND_IN)
     tail[m:2 * m] = reason
@@ -145,8 +244,8 @@ class DeviceScreen:
         self.crc = DeviceCrc(device_id)
 
     def launch(self, buffer: Any, tab: Any, lo: np.ndarray, hi: np.ndarray, crc: bool, stream: Any) -> Any:
-        """Queue the screening of a call's ``m = len(lo)`` frames on ``stream``: their crc32c (``crc``) and magic
-        numbers, writing ``tab``'s reasons and heads and pointing failing entries at :data:`STAND_IN`. Returns
+        """Queue the screening of a call's ``m = len(lo)`` frames on ``stream``: their crc32c (``crc``), magic
+        numbers and structure, writing ``tab``'s reasons and heads and pointing failing entries at :data:`STAND_IN`. Returns
         what must live until the stream has passed it."""
         m = len(lo)
         got = self.crc.launch(buffer, lo, hi, stream) if crc else None
