@@ -245,8 +245,8 @@ class DeviceScreen:
 
     def launch(self, buffer: Any, tab: Any, lo: np.ndarray, hi: np.ndarray, crc: bool, stream: Any) -> Any:
         """Queue the screening of a call's ``m = len(lo)`` frames on ``stream``: their crc32c (``crc``), magic
-        numbers and structure, writing ``tab``'s reasons and heads and pointing failing entries at :data:`STAND_IN`. Returns
-        what must live until the stream has passed it."""
+        numbers and structure, writing ``tab``'s reasons and heads and pointing failing entries at
+        :data:`STAND_IN`. Returns what must live until the stream has passed it."""
         m = len(lo)
         got = self.crc.launch(buffer, lo, hi, stream) if crc else None
         with self.device, stream:
