@@ -3,7 +3,8 @@ a RAM tier."""
 
 from .dataset import GDSDataset
 from .mixture.mixture import Mixture
-from .errors import BackendUnavailable, ChecksumError, ConversionError, FormatError, GDSLoadError, ReadError
+from .errors import (BackendUnavailable, ChecksumError, ConversionError, DecodeError, FormatError, GDSLoadError,
+                     ReadError)
 from .conversion.source_types import ArraySource, RaggedSource, Source
 from .pipeline.resume import merge_states
 from .pipeline.stats import EpochStats
@@ -13,6 +14,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "GDSDataset", "EpochStats", "GDSLoadError", "FormatError", "ConversionError", "ReadError", "ChecksumError",
-    "BackendUnavailable", "Mixture", "merge_states",
+    "DecodeError", "BackendUnavailable", "Mixture", "merge_states",
     "convert", "write_dataset", "Source", "ArraySource", "RaggedSource", "__version__",
 ]

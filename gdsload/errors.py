@@ -35,6 +35,11 @@ class ChecksumError(ReadError, FormatError):
     ValueError; the message names the file, the field or array, the block or chunk, and the offset."""
 
 
+class DecodeError(ReadError):
+    """A decode on the device did not end within its bound (a damaged frame can hang nvCOMP): the message names
+    the file, the chunk and the bound, and says the process may have to exit (the GPU may stay busy)."""
+
+
 class BackendUnavailable(GDSLoadError, RuntimeError):
     """The requested backend cannot run here (no GPU, missing package)."""
 

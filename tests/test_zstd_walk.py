@@ -170,6 +170,50 @@ def test_the_device_path_names_a_damaged_frame_and_never_hands_it_to_nvcomp(tmp_
     assert bad not in fake.frames
 
 
+class _NeverDone:
+    """A CUDA event whose work never ends (a decode hung on the device)."""
+
+    def query(self) -> bool:
+        return False
+
+    def synchronize(self) -> None:
+        raise AssertionError("a wait without a bound")
+
+
+def test_a_decode_still_running_after_the_bound_is_a_decode_error_naming_the_chunk(tmp_path, monkeypatch):
+    """The readback of a window's second nvCOMP call never completes: confirm gives up after the bound with a
+    DecodeError naming the file, the call's first chunk and the bound, and says the process may have to exit."""
+    import time
+
+    from gdsload import DecodeError
+    from gdsload.codecs.nvcomp import Readback
+    from test_compression import FakeZstd, HostOps, _device_windows, store
+
+    class HungSecondCall(HostOps):
+        downloads = 0
+
+        def download(self, arr, lo, hi):
+            HungSecondCall.downloads += 1
+            return Readback(arr[lo:hi].copy(), _NeverDone() if HungSecondCall.downloads == 2 else None)
+
+    monkeypatch.setenv("GDSLOAD_DECODE_WAIT_S", "0.3")
+    path = store(tmp_path, z=(10, 40, [ZstdCodec()]))
+    start = time.monotonic()
+    with pytest.raises(DecodeError, match=r"chunk \d+ of array 'z' .*still running after 0.3 s "
+                                          r"\(GDSLOAD_DECODE_WAIT_S\).*the process may have to exit"):
+        _device_windows(path, ["z"], [], FakeZstd(), HungSecondCall(), window_blocks=6, call_bytes=3 * 40)
+    assert time.monotonic() - start < 5
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "soon"])
+def test_the_decode_bound_from_the_environment_is_checked(monkeypatch, value):
+    from gdsload.codecs.nvcomp import decode_wait_s
+
+    monkeypatch.setenv("GDSLOAD_DECODE_WAIT_S", value)
+    with pytest.raises(ValueError, match="GDSLOAD_DECODE_WAIT_S must be a number of seconds above 0"):
+        decode_wait_s()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["pinned", "kvikio", "mmap"])
 def test_on_the_device_a_damaged_frame_without_a_checksum_is_an_error_not_a_hang(tmp_path, backend, monkeypatch):

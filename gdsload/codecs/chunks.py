@@ -126,11 +126,11 @@ class CrcMismatch(ValueError):
 
 
 def chunk_error(layout: Any, name: str, chunk: int, codecs: Sequence[str], why: str,
-                checksum: bool = False) -> ReadError:
+                checksum: bool = False, error: type[ReadError] | None = None) -> ReadError:
     """``FILE: chunk C of array 'A' (N bytes at offset O, codecs [...]) does not decode: WHY``; a
-    :class:`ChecksumError` when ``checksum`` (its crc32c codec does not match)."""
+    :class:`ChecksumError` when ``checksum`` (its crc32c codec does not match), else ``error`` (ReadError)."""
     loc = layout.locate(name, chunk)
     where = f"{loc.path}: chunk {chunk}" if loc is not None else f"{layout.meta.path}: chunk {chunk}"
     at = f"{loc.nbytes} bytes at offset {loc.offset}, " if loc is not None else ""
-    error = ChecksumError if checksum else ReadError
+    error = ChecksumError if checksum else (error or ReadError)
     return error(f"{where} of array '{name}' ({at}codecs {['bytes', *codecs]}) does not decode: {why}")

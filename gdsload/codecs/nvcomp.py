@@ -14,7 +14,8 @@ device in the same stream (:mod:`gdsload.codecs.screen`): nvCOMP checks neither,
 decode run on without end, so a chunk that fails is not handed to it. After the call, each chunk's verdict,
 status and decoded size come back to the host with the window's other checks (:class:`DecodeCheck`, confirmed
 before a sample of the window is handed on): a chunk that failed its checks, that nvCOMP fails on, or that
-decodes to another size than its cell's, is a ReadError naming it.
+decodes to another size than its cell's, is a ReadError naming it; a decode still running after
+:func:`decode_wait_s` is a :class:`gdsload.errors.DecodeError` (the host never waits on it without end).
 
 :class:`NvcompBatch` does the batching and the mapping of chunks to cells through an ``ops`` object
 (:class:`DecodeDevice` here; tests pass host stand-ins and a library that decodes host memory, so this logic
@@ -24,13 +25,16 @@ runs without a GPU).
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any, ContextManager, Protocol
 
 import numpy as np
 
 from ..cuda.runtime import D2H, H2D, record_event
+from ..errors import DecodeError
 from ..format.arrays import CRC_BYTES
 from . import screen
 from .chunks import chunk_error
@@ -62,6 +66,25 @@ class DecodeOps(Protocol):
     def close(self) -> None: ...
 
 
+#: How long the host waits for a window's decode (its readback, queued after it) before the decode counts as
+#: hung: far beyond any sound decode of a call (at most :data:`CALL_BYTES`); ``GDSLOAD_DECODE_WAIT_S`` sets it.
+DECODE_WAIT_S = 60.0
+
+
+def decode_wait_s() -> float:
+    """:data:`DECODE_WAIT_S`, or ``GDSLOAD_DECODE_WAIT_S`` (seconds, > 0) where set."""
+    text = os.environ.get("GDSLOAD_DECODE_WAIT_S")
+    if text is None:
+        return DECODE_WAIT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise ValueError(f"GDSLOAD_DECODE_WAIT_S must be a number of seconds above 0 (found {text!r})")
+    return value
+
+
 class Readback:
     """Bytes copied from the device into ``host`` on the decoder's stream: :meth:`get` waits for the copy
     (``event``; None: done) and returns them."""
@@ -69,9 +92,20 @@ class Readback:
     def __init__(self, host: np.ndarray, event: Any = None):
         self.host, self.event = host, event
 
-    def get(self) -> np.ndarray:
-        if self.event is not None:
+    def get(self, timeout_s: float | None = None) -> np.ndarray:
+        """The bytes, once copied; a ``TimeoutError`` when the copy is not done after ``timeout_s`` (None: no
+        bound). The bounded wait polls the event (``query``), as a blocking ``synchronize`` cannot be left."""
+        if self.event is None:
+            return self.host
+        if timeout_s is None:
             self.event.synchronize()
+            return self.host
+        deadline, nap = time.monotonic() + timeout_s, 0.0001
+        while not self.event.query():
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"not done after {timeout_s:g} s")
+            time.sleep(nap)
+            nap = min(nap * 2, 0.002)
         return self.host
 
 
@@ -93,9 +127,13 @@ class DecodeCheck:
         self.confirmed = True
         if not self.calls:
             return
-        parts = []
+        parts, bound, at = [], decode_wait_s(), 0
         for readback in self.calls:
-            got = readback.get()
+            try:
+                got = readback.get(bound)
+            except TimeoutError:
+                self._hung(at, bound)
+            at += (len(readback.host) // (SIZE_BYTES + screen.TAIL_ITEM_BYTES))
             m = len(got) // (SIZE_BYTES + screen.TAIL_ITEM_BYTES)
             tail = got[m * SIZE_BYTES:].view(np.int32)
             parts.append((got[:m * SIZE_BYTES].view(np.uint64), tail[:m], tail[m:2 * m], tail[2 * m:].view(np.uint32)))
@@ -109,6 +147,14 @@ class DecodeCheck:
             i = int(bad[0])
             self._fail(i, 0, 0, f"nvCOMP: {status_name(int(statuses[i]))}" if statuses[i] != 0 else
                        f"nvCOMP decodes it to {int(sizes[i])} bytes (expected {self.cell_bytes})")
+
+    def _hung(self, first: int, bound: float) -> None:
+        """Raise the DecodeError of a call, from the job's ``first``-th chunk on, still running after ``bound``."""
+        chunk = int(self.job.chunks[first])
+        raise chunk_error(self.layout, self.job.name, chunk, self.names,
+                          f"the decode of its call (from this chunk on) is still running after {bound:g} s "
+                          f"(GDSLOAD_DECODE_WAIT_S): a damaged frame can hang nvCOMP; the GPU may stay busy with "
+                          f"it, so the process may have to exit", error=DecodeError)
 
     def _fail(self, i: int, reason: int, head: int, why: str = "") -> None:
         """Raise the ReadError of the job's ``i``-th chunk."""
