@@ -3,7 +3,7 @@ the per-kind tables, the issue's acceptance checks, the chunk sweep and the summ
 ``compression[-TAG].png`` when matplotlib imports. Nothing here measures anything: every figure printed is one
 of the JSON's, rounded; a figure the run did not measure shows ``-`` (a check on it: "not measured").
 
-    python -m benchmarks.compression_report benchmarks/results/H100-80GB-HBM3/compression.json
+    python -m benchmarks.compression_report benchmarks/results/H200/compression.json
 """
 
 from __future__ import annotations

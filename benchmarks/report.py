@@ -2,7 +2,7 @@
 checked, a PNG (when matplotlib imports), and ``summary.json`` with the headline figures. Nothing here
 measures anything.
 
-    python -m benchmarks.report benchmarks/results/H100-80GB-HBM3/suite.json
+    python -m benchmarks.report benchmarks/results/H200/suite.json
 """
 
 from __future__ import annotations
