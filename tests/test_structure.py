@@ -38,6 +38,18 @@ def test_no_library_module_is_over_450_lines():
     assert sizes and max(sizes.values()) <= 450, {k: v for k, v in sizes.items() if v > 450}
 
 
+def test_benchmark_docs_and_results_stay_within_bounds():
+    """docs/benchmarks.md explains today's figures (at most 400 lines) and benchmarks/results keeps the latest
+    run per machine of what the docs cite (at most 20 files): older runs, probes and A/Bs live in git history,
+    as the module size cap keeps modules small (both had grown to 637 lines and 41 files)."""
+    with open(os.path.join(ROOT, "docs", "benchmarks.md"), encoding="utf-8") as fh:
+        lines = sum(1 for _ in fh)
+    results = [os.path.relpath(os.path.join(folder, f), ROOT)
+               for folder, _, files in os.walk(os.path.join(ROOT, "benchmarks", "results")) for f in files]
+    assert 0 < lines <= 400, f"docs/benchmarks.md: {lines} lines (at most 400)"
+    assert 0 < len(results) <= 20, f"benchmarks/results: {len(results)} files (at most 20): {sorted(results)}"
+
+
 def test_no_code_line_is_over_120_characters():
     """The project's line limit for its Python: 120 characters, in the library, its benchmarks and its tests
     (long lines had crept into docstrings and argument lists)."""
