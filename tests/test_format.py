@@ -43,12 +43,16 @@ def test_layout_locates_blocks_like_zarr_writes_them(make_dataset):
 
 
 def test_dataset_written_by_zarr_with_missing_chunks_reads_fill_value(tmp_path):
-    """zarr skips chunks equal to the fill value; those read back as the fill value."""
+    """zarr skips chunks equal to the fill value: an open refuses them by default; with
+    ``missing_chunks="fill"`` they read back as the fill value."""
     path = str(tmp_path / "z.gds")
     data = zarr_dataset_with_missing_block(path)
-    layout = DatasetLayout(read_metadata(path))
+    with pytest.raises(FormatError, match="shard index marks chunk 1 of field 'x' as never written"):
+        DatasetLayout(read_metadata(path))
+    layout = DatasetLayout(read_metadata(path), missing_chunks="fill")
     assert layout.locate("x", 1) is None and layout.locate("x", 0) is not None
-    with GDSDataset(path, batch_size=5, backend="cpu") as ds:
+    layout.close()
+    with GDSDataset(path, batch_size=5, backend="cpu", missing_chunks="fill") as ds:
         got = np.concatenate([b["x"] for b in ds])
     np.testing.assert_array_equal(got, data)
 
@@ -357,7 +361,7 @@ def test_chunks_overlapping_the_index_or_each_other_are_refused(make_dataset, tm
         json.dump(doc, f)
     foreign = read_metadata(path, fields=["x"])
     assert foreign.foreign
-    with DatasetLayout(foreign) as layout:
+    with DatasetLayout(foreign, missing_chunks="fill") as layout:
         assert layout.block_offsets["x"].tolist() == [192, 0, -1, 64]
 
     # index_location "start": chunks must begin after the index.
