@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -359,6 +360,7 @@ def test_chunks_overlapping_the_index_or_each_other_are_refused(make_dataset, tm
     del doc["attributes"]["gdsload"]
     with open(group_json, "w") as f:
         json.dump(doc, f)
+    shutil.rmtree(os.path.join(path, "_checksums"))  # else refused: a gdsload dataset whose attribute went
     foreign = read_metadata(path, fields=["x"])
     assert foreign.foreign
     with DatasetLayout(foreign, missing_chunks="fill") as layout:
@@ -404,6 +406,9 @@ def test_checksums_are_parsed_and_read_whole(make_dataset):
     attrs = dict(g.attrs["gdsload"])
     del attrs["checksums"]
     g.attrs["gdsload"] = attrs
+    with pytest.raises(FormatError, match="names no checksum array for field"):
+        read_metadata(path)  # _checksums/ is still there: the metadata would switch verification off
+    shutil.rmtree(os.path.join(path, "_checksums"))
     plain = read_metadata(path)
     assert plain.checksums == {} and DatasetLayout(plain).checksums == {} and not DatasetLayout(plain).has_checksums
     sums = add_checksums(path, ["x", "tok"])
