@@ -24,7 +24,7 @@ from ..errors import FormatError, ReadError
 from ..format.files import pread_exact
 from ..format.layout import DatasetLayout
 from ..format.missing import MissingChunks
-from ..remote.objects import is_remote
+from ..remote.objects import is_remote, redact
 from ..codecs.verify import describe_block, mismatch, unchecked_fields
 
 #: ``read(path, offset, nbytes)``: bytes of one of the layout's files (a ReadError naming it if it fails).
@@ -57,7 +57,8 @@ def local_copy(path: str) -> Iterator[tuple[str, Reads | None, Callable[[str], s
     """``(root, reads, name)`` of the dataset at ``path``: a local one as it is (``reads`` None: its files);
     a remote one's skeleton in a temporary folder (:func:`gdsload.format.mirror.open_version`), removed on
     exit, with ``reads`` of its shards' bytes from the objects and ``name`` turning a message's local paths
-    back into the URL's."""
+    back into the URL's (its password redacted). A temporary folder, not the node's cache: what is shown and
+    checked is what the server holds now, and nothing is left behind."""
     if not is_remote(path):
         yield path, None, lambda text: text
         return
@@ -66,7 +67,7 @@ def local_copy(path: str) -> Iterator[tuple[str, Reads | None, Callable[[str], s
 
     with tempfile.TemporaryDirectory(prefix="gdsload-remote-") as tmp:
         version = open_version(path, tmp)
-        client, root, url = client_for(path), version.root, path.rstrip("/")
+        client, root, url = client_for(path), version.root, redact(path.rstrip("/"))
 
         def reads(where: str, offset: int, nbytes: int) -> bytes:
             entry = version.shards.get(where)

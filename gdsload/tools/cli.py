@@ -186,11 +186,13 @@ def describe_system() -> str:
 
 # -- verify ----------------------------------------------------------------------------------------
 def run_verify(path: str, threads: int, progress: bool) -> int:
+    from ..remote.objects import redact
     from .audit import verify_dataset
 
     if threads < 1:
         raise ValueError(f"--threads must be at least 1 (found {threads})")
     report = verify_dataset(path, threads, progress=None if progress else False)
+    path = redact(path)
     for b in report.bad:
         print(f"BAD {b.message}")
     for m in report.missing:
