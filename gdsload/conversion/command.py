@@ -27,7 +27,8 @@ from ..errors import ConversionError
 from ..format.meta import DatasetMeta
 from ..remote.objects import is_remote
 from .parts import assemble, parse_part, publish_parts, read_parts, remove_parts, staging_dir, survey, write_part
-from .publish import command_line, make_temp, on_signal, protected, remove_stale_temps, reset_signals
+from .publish import make_temp, on_signal, protected, remove_stale_temps, reset_signals
+from .spelling import command_line
 from .upload import upload_dataset
 from .writer import convert
 

@@ -34,8 +34,9 @@ from ..errors import ConversionError
 from ..format.meta import DatasetMeta, read_metadata
 from .pieces import PieceCrc, join_pieces
 from .plan import DEFAULT_SLICE_BYTES, ConversionPlan, plan_dataset
-from .publish import (Target, check_output, make_temp, overwrite_option, protected, remove_empty, remove_stale_temps,
-                      rename_exchange, rename_noreplace, staged_output, sync_tree)
+from .publish import (Target, check_output, make_temp, protected, remove_empty, remove_stale_temps, rename_exchange,
+                      rename_noreplace, staged_output, sync_tree)
+from .spelling import overwrite_option
 from .writer import close_all, open_inputs, input_list, write_checksums, write_metadata, write_shards
 
 RECORD, PIECES, DATA = "part.json", "pieces.npy", "data"

@@ -15,14 +15,13 @@ except inside a :func:`protected` step (a zarr write, cleanup, the final rename)
 published; a signal arriving then stops the conversion as soon as the step ends, or, after publishing, is
 returned by :func:`reset_signals`.
 
-Messages name the option that replaces an output as the caller spells it (:func:`overwrite_option`):
-``overwrite=True`` for a Python caller, ``--overwrite`` inside :func:`command_line` (``gdsload shard``).
+Messages name the option that replaces an output as the caller spells it
+(:func:`gdsload.conversion.spelling.overwrite_option`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import ctypes
 import errno
 import os
@@ -37,25 +36,7 @@ from typing import Callable
 from ..format.zarr_json import read_json
 from ..errors import ConversionError, GDSLoadError, one_line
 from ..format.meta import ATTRS_KEY
-
-
-# -- how the caller spells the option ---------------------------------------------------------------
-_OVERWRITE = contextvars.ContextVar("gdsload_overwrite_option", default="overwrite=True")
-
-
-def overwrite_option() -> str:
-    """``--overwrite`` inside :func:`command_line`, else ``overwrite=True`` (write_dataset's argument)."""
-    return _OVERWRITE.get()
-
-
-@contextlib.contextmanager
-def command_line() -> Iterator[None]:
-    """Messages inside name the command line's ``--overwrite``."""
-    token = _OVERWRITE.set("--overwrite")
-    try:
-        yield
-    finally:
-        _OVERWRITE.reset(token)
+from .spelling import overwrite_option
 
 
 # -- signals ---------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from typing import Any
 from ..errors import ConversionError
 from ..format.meta import ATTRS_KEY
 from ..remote.s3 import split
-from .publish import overwrite_option
+from .spelling import overwrite_option
 
 #: The object that marks an upload in progress (or cut short) under a dataset's prefix.
 MARKER = ".gdsload-upload.json"

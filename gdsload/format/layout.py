@@ -151,9 +151,10 @@ class DatasetLayout(Closing):
     A dataset the converter wrote must have every shard file. A chunk that is missing (a file absent, or an
     index entry never written: ``block_offsets`` -1), and an absent chunk of a variable-length field's
     offsets, is listed in ``missing`` (:mod:`gdsload.format.missing`); with ``missing_chunks="error"`` (the
-    default) any is a FormatError naming it, with ``"fill"`` it reads as the fill value. Sizes are checked as Python ints before anything is
-    allocated: an array whose shape implies more shard files than its chunk directory holds (converter), or
-    a chunk table larger than this machine's memory (foreign), is refused before any file is opened.
+    default) any is a FormatError naming it, with ``"fill"`` it reads as the fill value. Sizes are checked as
+    Python ints before anything is allocated: an array whose shape implies more shard files than its chunk
+    directory holds (converter), or a chunk table larger than this machine's memory (foreign), is refused
+    before any file is opened.
     """
 
     def __init__(self, meta: DatasetMeta, fields: tuple[str, ...] | None = None, missing_chunks: str = "error"):
