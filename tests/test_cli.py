@@ -12,6 +12,8 @@ import pytest
 
 from gdsload import GDSDataset
 
+from remote_servers import upload
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
 
@@ -275,3 +277,71 @@ def test_demo_says_its_figures_are_not_a_benchmark(tmp_path):
     assert res.returncode == 0, res.stderr
     assert res.stdout.splitlines()[-1].startswith("these figures are not a benchmark: epochs of ")
     assert "time your own dataset with 'gdsload bench PATH'" in res.stdout
+
+
+# -- issue 58: info and verify take the URLs doctor and bench take --------------------------------------------------
+def _flip(data: bytes, at: int) -> bytes:
+    return data[:at] + bytes([data[at] ^ 0x04]) + data[at + 1:]
+
+
+def test_info_and_verify_of_an_http_url(make_dataset, srv, tmp_path, monkeypatch, capsys):
+    """``gdsload info URL`` and ``gdsload verify URL`` open a remote dataset as GDSDataset does (its skeleton, in
+    a temporary folder removed after); verify reads every block from the objects, so a bit flipped on the
+    server is BAD, named by its object's URL; a shard object gone is named too."""
+    import tempfile
+
+    from gdsload.tools import cli
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    os.mkdir(tmp_path / "tmp")
+    path = make_dataset({"x": np.arange(400 * 4, dtype=np.float32).reshape(400, 4), "idx": np.arange(400)},
+                        samples_per_block=16, shard_bytes=16 * 16 * 4 * 4)
+    url = upload(srv, path, "d.gds")
+    assert cli.main(["info", url]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"dataset: {url}\nsamples: 400 ") and "  x: dtype <f4 (float32), sample shape (4,)" in out
+    assert path not in out and str(tmp_path / "tmp") not in out, out
+    assert cli.main(["verify", url, "--quiet"]) == 0
+    assert capsys.readouterr().out == f"{url}: 50 block(s) checked, 0 bad\n"
+    shard = "d.gds/x/c/1/0"
+    srv.put(shard, _flip(srv.objects["/" + shard], 100))  # block 16's data: the first of shard 1
+    assert cli.main(["verify", url, "--quiet"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"BAD {srv.url(shard)}: block 16 of field 'x' (256 bytes at offset 0) fails its "
+                             f"crc32c check"), out
+    assert out[-1] == f"{url}: 50 block(s) checked, 1 bad", out
+    srv.delete(shard)
+    assert cli.main(["verify", url, "--quiet"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith(f"BAD {url}/x/zarr.json: expected 2 shard files, found 1"), out
+    assert os.listdir(tmp_path / "tmp") == [], "the skeletons' temporary folders are removed"
+
+
+def test_info_and_verify_of_an_s3_zarr_store_name_its_missing_chunks(s3, tmp_path, capsys):
+    """A zarr-python store (raw + crc32c) on S3 with one chunk object deleted: info counts the missing chunk,
+    verify names its URL and exits 1; a flipped chunk is BAD, named by URL."""
+    import zarr
+    from zarr.codecs import Crc32cCodec
+
+    from gdsload.tools import cli
+
+    path = str(tmp_path / "z.zarr")
+    g = zarr.create_group(path)
+    g.create_array("u", shape=(40, 2), dtype="int32", chunks=(10, 2), compressors=[Crc32cCodec()])[:] = \
+        np.arange(1, 81).reshape(40, 2)
+    url = upload(s3, path, "z.zarr")
+    assert cli.main(["verify", url, "--quiet"]) == 0
+    assert capsys.readouterr().out == f"{url}: 4 chunk(s) checked, 0 bad\n"
+    s3.delete("z.zarr/u/c/3/0")
+    assert cli.main(["info", url]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"dataset: {url}\n") and "1 chunk(s) missing" in out, out
+    assert cli.main(["verify", url, "--quiet"]) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        f"MISSING {url}/u/c/3/0: chunk file missing (chunk 3 of field 'u')",
+        f"{url}: 3 chunk(s) checked, 0 bad, 1 missing"]
+    with open(os.path.join(path, "u", "c", "1", "0"), "rb") as f:
+        s3.put("z.zarr/u/c/1/0", _flip(f.read(), 3))
+    assert cli.main(["verify", url, "--quiet"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"BAD {url}/u/c/1/0: chunk 1 of field 'u' (80 bytes at offset 0) fails its crc32c"), out

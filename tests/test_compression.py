@@ -225,7 +225,7 @@ def _device_windows(path: str, device: list[str], host: list[str], fake: FakeZst
     """Every window of ``path`` (blocks in a shuffled order), carried in and decoded as on a GPU backend:
     backend requests into the window buffer, host requests into its host buffer, then the decode step."""
     meta = read_metadata(path)
-    layout = DatasetLayout(meta)
+    layout = DatasetLayout(meta, missing_chunks="fill")  # fill values where chunks were never written
     fields = [meta.fields[f] for f in meta.fields]
     wl = WindowMap(fields, window_blocks, samples_per_block=meta.samples_per_block,
                       chunk_lengths=layout.chunk_lengths, host_fields=host)

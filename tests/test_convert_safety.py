@@ -271,7 +271,8 @@ HOSTILE = {
     "overwrite-regular-file": "out.gds: --overwrite replaces only a gdsload dataset",
     "overwrite-other-directory": "out.gds: --overwrite replaces only a gdsload dataset",
     "overwrite-plain-zarr": "(found a Zarr v3 group without the 'gdsload' attribute)",
-    "output-exists": "out.gds: output exists (pass --overwrite",
+    "output-exists": "out.gds: output exists and is a directory without zarr.json, not a gdsload dataset "
+                     "(--overwrite replaces only a gdsload dataset): choose another output",
     "output-is-input": "good.npy: output path is inside input",
 }
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -43,12 +44,16 @@ def test_layout_locates_blocks_like_zarr_writes_them(make_dataset):
 
 
 def test_dataset_written_by_zarr_with_missing_chunks_reads_fill_value(tmp_path):
-    """zarr skips chunks equal to the fill value; those read back as the fill value."""
+    """zarr skips chunks equal to the fill value: an open refuses them by default; with
+    ``missing_chunks="fill"`` they read back as the fill value."""
     path = str(tmp_path / "z.gds")
     data = zarr_dataset_with_missing_block(path)
-    layout = DatasetLayout(read_metadata(path))
+    with pytest.raises(FormatError, match="shard index marks chunk 1 of field 'x' as never written"):
+        DatasetLayout(read_metadata(path))
+    layout = DatasetLayout(read_metadata(path), missing_chunks="fill")
     assert layout.locate("x", 1) is None and layout.locate("x", 0) is not None
-    with GDSDataset(path, batch_size=5, backend="cpu") as ds:
+    layout.close()
+    with GDSDataset(path, batch_size=5, backend="cpu", missing_chunks="fill") as ds:
         got = np.concatenate([b["x"] for b in ds])
     np.testing.assert_array_equal(got, data)
 
@@ -355,9 +360,10 @@ def test_chunks_overlapping_the_index_or_each_other_are_refused(make_dataset, tm
     del doc["attributes"]["gdsload"]
     with open(group_json, "w") as f:
         json.dump(doc, f)
+    shutil.rmtree(os.path.join(path, "_checksums"))  # else refused: a gdsload dataset whose attribute went
     foreign = read_metadata(path, fields=["x"])
     assert foreign.foreign
-    with DatasetLayout(foreign) as layout:
+    with DatasetLayout(foreign, missing_chunks="fill") as layout:
         assert layout.block_offsets["x"].tolist() == [192, 0, -1, 64]
 
     # index_location "start": chunks must begin after the index.
@@ -400,6 +406,9 @@ def test_checksums_are_parsed_and_read_whole(make_dataset):
     attrs = dict(g.attrs["gdsload"])
     del attrs["checksums"]
     g.attrs["gdsload"] = attrs
+    with pytest.raises(FormatError, match="names no checksum array for field"):
+        read_metadata(path)  # _checksums/ is still there: the metadata would switch verification off
+    shutil.rmtree(os.path.join(path, "_checksums"))
     plain = read_metadata(path)
     assert plain.checksums == {} and DatasetLayout(plain).checksums == {} and not DatasetLayout(plain).has_checksums
     sums = add_checksums(path, ["x", "tok"])

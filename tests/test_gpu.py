@@ -439,7 +439,7 @@ def test_a_copy_the_native_copier_cannot_queue_names_the_shard_it_reads(small, m
 def test_missing_chunks_read_as_fill_value(tmp_path, backend):
     path = str(tmp_path / "z.gds")
     want = zarr_dataset_with_missing_block(path)
-    with Dataset(path, batch_size=5, backend=backend) as ds:
+    with Dataset(path, batch_size=5, backend=backend, missing_chunks="fill") as ds:
         got = np.concatenate([to_host(b["x"]) for b in ds])
     np.testing.assert_array_equal(got, want)
 

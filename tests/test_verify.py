@@ -3,17 +3,21 @@ once passed where a backend reads from memory it locked (the mmap backend's rule
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import threading
 
 import numpy as np
 import pytest
 
 from _helpers import labelled
-from gdsload import ChecksumError
+from gdsload import ChecksumError, FormatError, GDSDataset
 from gdsload.backends.cpu import CpuBackend
 from gdsload.format.layout import DatasetLayout
 from gdsload.format.meta import read_metadata
 from gdsload.codecs.verify import Verification
+from gdsload.tools.cli import main as cli_main
 from gdsload.pipeline.window import WindowMap
 
 
@@ -83,3 +87,62 @@ def test_host_checks_run_on_a_thread_that_close_stops(opened):
     v.close()
     v.close()  # idempotent
     assert {t for t in threading.enumerate() if t.name.startswith("gdsload-verify") and t.is_alive()} <= before
+
+
+def _doctor(path: str, edit) -> None:
+    """Rewrite the group's zarr.json with ``edit(attributes)``."""
+    where = os.path.join(path, "zarr.json")
+    with open(where) as f:
+        doc = json.load(f)
+    edit(doc["attributes"])
+    with open(where, "w") as f:
+        json.dump(doc, f)
+
+
+def _flip_data_bit(path: str) -> None:
+    """Flip one bit of block 3 of field x (data, not index)."""
+    with DatasetLayout(read_metadata(path)) as layout:
+        loc = layout.locate("x", 3)
+    with open(loc.path, "r+b") as f:
+        f.seek(loc.offset + 5)
+        byte = f.read(1)
+        f.seek(loc.offset + 5)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+DOCTORED = {
+    "checksums removed": lambda a: a["gdsload"].pop("checksums"),
+    "checksums null": lambda a: a["gdsload"].update(checksums=None),
+    "arrays emptied": lambda a: a["gdsload"]["checksums"].update(arrays={}),
+    "one field's array dropped": lambda a: a["gdsload"]["checksums"]["arrays"].pop("x"),
+}
+
+
+@pytest.mark.parametrize("case", list(DOCTORED))
+def test_metadata_that_switches_verification_off_while_checksums_exist_is_refused(make_dataset, case):
+    """Editing the group's attributes so that no checksum array is named for a field, while _checksums/ still
+    holds it, would turn the default verification off and serve a flipped bit: the open refuses it instead,
+    naming the group's zarr.json and the field (verify=False does not make it acceptable either)."""
+    path = make_dataset(labelled(200), samples_per_block=8)
+    _flip_data_bit(path)
+    with GDSDataset(path, batch_size=16, backend="cpu") as ds, pytest.raises(ChecksumError, match="block 3"):
+        list(ds)  # as written: the flipped bit is caught
+    _doctor(path, DOCTORED[case])
+    for verify in (None, False):
+        with pytest.raises(FormatError) as info:
+            GDSDataset(path, batch_size=16, backend="cpu", verify=verify)
+        msg = str(info.value)
+        assert msg.startswith(os.path.join(path, "zarr.json") + ": gdsload.checksums names no checksum array for "
+                              "field(s) ['x'") and "_checksums/x exists" in msg and "\n" not in msg, msg
+    assert cli_main(["verify", path, "--quiet"]) == 2
+
+
+def test_a_gdsload_attribute_removed_with_checksums_left_is_refused(make_dataset):
+    """Without the gdsload attribute the group would read as a foreign Zarr store (fields chosen by name),
+    unverified: _checksums/ on disk says it is a gdsload dataset, so the open refuses it."""
+    path = make_dataset(labelled(200), samples_per_block=8)
+    _flip_data_bit(path)
+    _doctor(path, lambda a: a.pop("gdsload"))
+    with pytest.raises(FormatError, match=re.escape(os.path.join(path, "zarr.json")) +
+                       r": a group without the 'gdsload' attribute holding _checksums/"):
+        GDSDataset(path, batch_size=16, backend="cpu", fields=["x", "idx"])

@@ -31,11 +31,12 @@ except ImportError:  # zarr versions that leave them to numcodecs
     from numcodecs.zarr3 import Delta, Zlib
 from gdsload import FormatError, GDSDataset
 from gdsload.cuda.ops import HostOps
-from gdsload.format.shard_index import MAX_UINT_64
+from gdsload.format.shard_index import MAX_UINT_64, encode_shard_index, parse_shard_index
 from gdsload.format.meta import read_metadata
 from gdsload.pipeline.plan import epoch_plan
 from gdsload.conversion.source_types import ArraySource
 from gdsload.conversion.writer import write_dataset
+from gdsload.tools.cli import main as cli_main
 
 N = 613  # not a multiple of any chunk size below: every array has a partial last chunk
 BACKENDS = ["cpu", *(pytest.param(b, marks=pytest.mark.gpu) for b in ("pinned", "kvikio", "mmap"))]
@@ -140,9 +141,18 @@ STORES = {
 }
 
 
+#: The stores with chunks never written: read with missing_chunks="fill" (a missing chunk fails the open by default).
+SPARSE = ("partial", "zstd", "codecs")
+
+
 @pytest.fixture(scope="module", params=list(STORES))
 def foreign(request, tmp_path_factory):
     return store(tmp_path_factory, f"{request.param}.zarr", STORES[request.param])
+
+
+def fill(path: str) -> dict[str, str]:
+    """The option a store of :data:`SPARSE` is read with (none for the others: the default reads them)."""
+    return {"missing_chunks": "fill"} if os.path.basename(path)[:-len(".zarr")] in SPARSE else {}
 
 
 def to_host(backend, a):
@@ -187,7 +197,7 @@ OPTIONS = [
 @pytest.mark.parametrize("options", OPTIONS)
 def test_every_sample_exactly(foreign, backend, options):
     path, expected = foreign
-    with GDSDataset(path, backend=backend, **{"resident_bytes": 2048, **options}) as ds:
+    with GDSDataset(path, backend=backend, **{"resident_bytes": 2048, **options, **fill(path)}) as ds:
         assert ds.meta.foreign and list(ds.fields) == sorted(expected)
         first, second = read_epochs(ds, backend, expected)
         if not options.get("drop_last"):
@@ -201,7 +211,7 @@ def test_block_choice_and_gathers(foreign):
     gathered at its plan positions, any other by rows of its own."""
     path, _ = foreign
     rows = {name: f.samples_per_block for name, f in read_metadata(path).fields.items()}
-    with GDSDataset(path, batch_size=16, backend="cpu", resident_bytes=0) as ds:
+    with GDSDataset(path, batch_size=16, backend="cpu", resident_bytes=0, **fill(path)) as ds:
         k, gather = ds.config.samples_per_block, ds.describe()["gather"]
     if os.path.basename(path) == "lcm.zarr":
         assert k == 30
@@ -218,7 +228,7 @@ def test_two_ranks_share_every_sample(foreign, backend):
     seen = []
     for rank in (0, 1):
         with GDSDataset(path, batch_size=24, backend=backend, shuffle=True, seed=5, rank=rank, world_size=2,
-                        resident_bytes=0, window_blocks=2) as ds:
+                        resident_bytes=0, window_blocks=2, **fill(path)) as ds:
             seen.append(read_epochs(ds, backend, expected, epochs=(3,))[0])
     assert len(seen[0]) == len(seen[1])
     np.testing.assert_array_equal(np.unique(np.concatenate(seen)), np.arange(N))
@@ -228,7 +238,7 @@ def test_two_ranks_share_every_sample(foreign, backend):
 @pytest.mark.parametrize("cut", [1, 5])
 def test_resume_mid_epoch(foreign, backend, cut):
     path, expected = foreign
-    opts = dict(batch_size=40, backend=backend, shuffle=True, seed=6, window_blocks=2, resident_bytes=0)
+    opts = dict(batch_size=40, backend=backend, shuffle=True, seed=6, window_blocks=2, resident_bytes=0, **fill(path))
     with GDSDataset(path, **opts) as ref:
         ref.set_epoch(2)
         full = np.concatenate([check(backend, b, expected) for b in ref])
@@ -519,22 +529,115 @@ def test_hostile_foreign_store(tmp_path, case):
     assert open_fds() == before
 
 
-def test_missing_files_and_empty_shards_read_as_fill(tmp_path):
-    """A foreign store may lack any chunk or shard file, and a shard may mark every chunk never written:
-    all of it reads as the fill value, as zarr reads it."""
+def _sparse(tmp_path):
+    """A store written by zarr-python, raw + crc32c, every chunk written, then damaged: shard ``s/c/1`` (chunks
+    4..7) marked never written in its index, chunk 1 of shard ``s/c/0`` too, and chunk file ``u/c/3`` deleted.
+    Returns the path and what zarr reads from it (the fill values where chunks are missing)."""
     path = str(tmp_path / "f.zarr")
     g = zarr.create_group(path)
-    u = g.create_array("u", shape=(40,), dtype="int32", chunks=(10,), compressors=None, fill_value=-7)
-    s = g.create_array("s", shape=(40,), dtype="int32", chunks=(5,), shards=(20,), compressors=None, fill_value=-8)
-    u[:], s[:] = np.arange(40), np.arange(40)
+    u = g.create_array("u", shape=(40,), dtype="int32", chunks=(10,), compressors=[Crc32cCodec()], fill_value=-7)
+    s = g.create_array("s", shape=(40,), dtype="int32", chunks=(5,), shards=(20,), compressors=[Crc32cCodec()],
+                       fill_value=-8)
+    u[:], s[:] = np.arange(1, 41), np.arange(1, 41)
     os.remove(os.path.join(path, "u", "c", "3"))
     _index("s/c/1", lambda t: t.fill(MAX_UINT_64))(path)
-    want_u, want_s = u[:], s[:]
-    assert (want_u[30:] == -7).all() and (want_s[20:] == -8).all()
-    with GDSDataset(path, batch_size=8, backend="cpu", resident_bytes=0) as ds:
+    _index("s/c/0", lambda t: t.__setitem__(1, MAX_UINT_64))(path)
+    want = {"u": u[:], "s": s[:]}
+    assert (want["u"][30:] == -7).all() and (want["s"][20:] == -8).all() and (want["s"][5:10] == -8).all()
+    return path, want
+
+
+def test_a_missing_chunk_fails_the_open_naming_the_file_field_and_chunks(tmp_path):
+    """Chunks missing from a store (a file deleted, index entries marked never written) would read as the fill
+    value: by default the open refuses them, one line naming the file, the field and the chunks, and all of
+    them counted; nothing is left open."""
+    path, _ = _sparse(tmp_path)
+    before = open_fds()
+    with pytest.raises(FormatError) as info:
+        GDSDataset(path, batch_size=8, backend="cpu")
+    msg = str(info.value)
+    assert "\n" not in msg and msg.startswith(os.path.join(path, "s", "c", "0") + ": "), msg
+    assert "shard index marks chunk 1 of field 's' as never written" in msg, msg
+    assert "6 missing chunks in all, in 3 files (of field 's', field 'u' in " in msg, msg
+    assert 'missing_chunks="fill"' in msg, msg
+    with pytest.raises(FormatError, match=re.escape(os.path.join(path, "u", "c", "3")) +
+                       r": chunk file missing \(chunk 3 of field 'u'\); a missing chunk is an error"):
+        GDSDataset(path, batch_size=8, backend="cpu", fields=["u"])
+    shutil.rmtree(os.path.join(path, "s", "c"))  # every shard file of s gone
+    with pytest.raises(FormatError, match=re.escape(os.path.join(path, "s", "c", "0")) +
+                       r": shard file missing \(chunks 0..3 of field 's'\); 8 missing chunks in all, in 2 files"):
+        GDSDataset(path, batch_size=8, backend="cpu", fields=["s"])
+    assert open_fds() == before
+
+
+@pytest.mark.parametrize("value", ["zeros", None, True, "Error"])
+def test_missing_chunks_takes_error_or_fill(tmp_path, value):
+    path, _ = _sparse(tmp_path)
+    with pytest.raises(ValueError, match=r"missing_chunks must be one of \['error', 'fill'\] \(found "):
+        GDSDataset(path, batch_size=8, backend="cpu", missing_chunks=value)
+
+
+def test_missing_chunks_fill_reads_the_fill_value_as_zarr_does(tmp_path):
+    """``missing_chunks="fill"``: a store may lack any chunk or shard file, and a shard may mark every chunk
+    never written: all of it reads as the fill value, exactly as zarr reads it."""
+    path, want = _sparse(tmp_path)
+    with GDSDataset(path, batch_size=8, backend="cpu", resident_bytes=0, missing_chunks="fill") as ds:
         got = list(ds)
-    np.testing.assert_array_equal(np.concatenate([b["u"] for b in got]), want_u)
-    np.testing.assert_array_equal(np.concatenate([b["s"] for b in got]), want_s)
+    for name in ("u", "s"):
+        np.testing.assert_array_equal(np.concatenate([b[name] for b in got]), want[name])
     shutil.rmtree(os.path.join(path, "s", "c"))
-    with GDSDataset(path, batch_size=8, backend="cpu", fields=["s"]) as ds:
+    with GDSDataset(path, batch_size=8, backend="cpu", fields=["s"], missing_chunks="fill") as ds:
         assert (np.concatenate([b["s"] for b in ds]) == -8).all()
+
+
+def test_gdsload_verify_reports_missing_chunks_and_exits_1(tmp_path, capsys):
+    path, _ = _sparse(tmp_path)
+    assert cli_main(["verify", path, "--quiet"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert f"MISSING {os.path.join(path, 's', 'c', '0')}: shard index marks chunk 1 of field 's' as never written" \
+        in out, out
+    assert f"MISSING {os.path.join(path, 's', 'c', '1')}: shard index marks chunks 4..7 of field 's' as never " \
+           f"written" in out, out
+    assert f"MISSING {os.path.join(path, 'u', 'c', '3')}: chunk file missing (chunk 3 of field 'u')" in out, out
+    # Every chunk written is checked: 3 of s's 8, 3 of u's 4.
+    assert out[-1] == f"{path}: 6 chunk(s) checked, 0 bad, 6 missing", out
+    os.remove(os.path.join(path, "s", "c", "1"))
+    assert cli_main(["verify", path, "--quiet"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert f"MISSING {os.path.join(path, 's', 'c', '1')}: shard file missing (chunks 4..7 of field 's')" in out, out
+
+
+def test_a_converter_written_dataset_with_a_chunk_or_offsets_missing_is_refused(tmp_path):
+    """The converter writes every chunk (the offsets of a variable-length field too, zeros included): one
+    missing is damage, refused by default even with verify off (where the fill value would be served)."""
+    from gdsload.conversion.source_types import RaggedSource
+
+    values = np.arange(1, 301, dtype=np.int32)
+    offsets = np.concatenate([np.zeros(30000, np.int64), np.linspace(0, 300, 30001).astype(np.int64)])
+    path = str(tmp_path / "d.gds")
+    write_dataset(path, {"x": ArraySource("<x>", np.arange(1, 60001, dtype=np.int64))},
+                  ragged={"r": RaggedSource("<r>", ArraySource("<v>", values), offsets)}, samples_per_block=1000,
+                  shard_bytes=16000 * 4, progress=False)
+    off_dir = os.path.join(path, "r", "offsets", "c")
+    assert len(os.listdir(off_dir)) > 1 and "0" in os.listdir(off_dir), "several chunks, the first (zeros) written"
+    with GDSDataset(path, batch_size=1000, backend="cpu", verify=False) as ds:
+        assert sum(len(b["x"]) for b in ds) == 60000
+    os.rename(os.path.join(off_dir, "0"), str(tmp_path / "o0"))
+    with pytest.raises(FormatError, match=re.escape(os.path.join(off_dir, "0")) +
+                       r": chunk file missing \(chunk 0 of the offsets of field 'r'\)"):
+        GDSDataset(path, batch_size=1000, backend="cpu", verify=False)
+    os.rename(str(tmp_path / "o0"), os.path.join(off_dir, "0"))
+    # The last chunk of shard 1 cut out and its index entry marked never written (a valid crc32c), so the
+    # shard is still laid out as the converter lays it out: only the missing entry is wrong.
+    shard, fm = os.path.join(path, "x", "c", "1"), read_metadata(path).fields["x"]
+    with open(shard, "rb") as f:
+        whole = f.read()
+    table = parse_shard_index(whole[-fm.index_bytes:], fm.blocks_per_shard, shard).offsets_and_lengths.copy()
+    last = fm.blocks_per_shard - 1
+    cut = int(table[last, 0])
+    table[last] = MAX_UINT_64
+    with open(shard, "wb") as f:
+        f.write(whole[:cut] + encode_shard_index(table))
+    with pytest.raises(FormatError, match=re.escape(shard) + f": shard index marks chunk {2 * last + 1} of field "
+                                                             f"'x' as never written"):
+        GDSDataset(path, batch_size=1000, backend="cpu", verify=False)

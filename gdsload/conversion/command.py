@@ -28,6 +28,7 @@ from ..format.meta import DatasetMeta
 from ..remote.objects import is_remote
 from .parts import assemble, parse_part, publish_parts, read_parts, remove_parts, staging_dir, survey, write_part
 from .publish import make_temp, on_signal, protected, remove_stale_temps, reset_signals
+from .spelling import command_line
 from .upload import upload_dataset
 from .writer import convert
 
@@ -43,7 +44,16 @@ def run_shard(inputs: Sequence[str], out: str, named: Mapping[str, str], ragged:
               progress: bool | None = None, log: Callable[[str], None] = lambda line: None,
               **options: Any) -> DatasetMeta | None:
     """Run the conversion ``gdsload shard`` was asked for; the local dataset published, or None (a part, or an
-    upload: ``log`` then says what was done). Errors are ConversionError (ValueError for ``part``)."""
+    upload: ``log`` then says what was done). Errors are ConversionError (ValueError for ``part``), naming the
+    command line's ``--overwrite`` where they suggest it."""
+    with command_line():
+        return _run(inputs, out, named, ragged, part=part, publish=publish, staging=staging, overwrite=overwrite,
+                    progress=progress, log=log, **options)
+
+
+def _run(inputs: Sequence[str], out: str, named: Mapping[str, str], ragged: Mapping[str, str], *,
+         part: str | None, publish: bool, staging: str | None, overwrite: bool, progress: bool | None,
+         log: Callable[[str], None], **options: Any) -> DatasetMeta | None:
     remote = _remote(out)
     if part is not None and publish:
         raise ConversionError(f"{out}: --part writes one part and --publish-parts publishes them all: give one")

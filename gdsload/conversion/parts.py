@@ -36,6 +36,7 @@ from .pieces import PieceCrc, join_pieces
 from .plan import DEFAULT_SLICE_BYTES, ConversionPlan, plan_dataset
 from .publish import (Target, check_output, make_temp, protected, remove_empty, remove_stale_temps, rename_exchange,
                       rename_noreplace, staged_output, sync_tree)
+from .spelling import overwrite_option
 from .writer import close_all, open_inputs, input_list, write_checksums, write_metadata, write_shards
 
 RECORD, PIECES, DATA = "part.json", "pieces.npy", "data"
@@ -163,7 +164,7 @@ def write_part(inputs: Sequence[str], out: str, named: Mapping[str, str], ragged
         doc = fingerprint(plan, paths)
         if os.path.lexists(final) and not overwrite:
             raise ConversionError(f"{final}: part {index}/{count} is already written (publish the parts with "
-                                  f"--publish-parts, or pass --overwrite to write it again)")
+                                  f"--publish-parts, or pass {overwrite_option()} to write it again)")
         remove_stale_temps(final)
         with protected():
             tmp, made = make_temp(final)
@@ -314,11 +315,11 @@ def _record(where: str, index: int, count: int) -> dict[str, Any]:
         pieces = np.load(os.path.join(folder, PIECES), allow_pickle=False)
     except (OSError, ValueError) as e:
         raise ConversionError(f"{folder}: part {index}/{count} is damaged (cannot read its record: {e}); "
-                              f"write it again with --overwrite") from None
+                              f"write it again with {overwrite_option()}") from None
     if (not isinstance(record, dict) or record.get("format") != RECORD_FORMAT or record.get("part") != index
             or record.get("parts") != count or pieces.ndim != 2 or pieces.shape[1] != 5):
         raise ConversionError(f"{folder}: not the record of part {index}/{count} of this gdsload (format "
-                              f"{RECORD_FORMAT}); write it again with --overwrite")
+                              f"{RECORD_FORMAT}); write it again with {overwrite_option()}")
     for rel, size in record["files"].items():
         path = os.path.join(folder, DATA, *rel.split("/"))
         try:
@@ -327,7 +328,8 @@ def _record(where: str, index: int, count: int) -> dict[str, Any]:
             got = None
         if got != size:
             raise ConversionError(f"{path}: {'missing' if got is None else f'{got} bytes'} (part {index}/{count} "
-                                  f"recorded {size} bytes): the part is damaged; write it again with --overwrite")
+                                  f"recorded {size} bytes): the part is damaged; write it again with "
+                                  f"{overwrite_option()}")
     record["pieces"] = pieces
     return record
 

@@ -14,6 +14,9 @@ Signals: :func:`on_signal` (installed by ``shard_main``) stops a conversion with
 except inside a :func:`protected` step (a zarr write, cleanup, the final rename) or once the output is
 published; a signal arriving then stops the conversion as soon as the step ends, or, after publishing, is
 returned by :func:`reset_signals`.
+
+Messages name the option that replaces an output as the caller spells it
+(:func:`gdsload.conversion.spelling.overwrite_option`).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from typing import Callable
 from ..format.zarr_json import read_json
 from ..errors import ConversionError, GDSLoadError, one_line
 from ..format.meta import ATTRS_KEY
+from .spelling import overwrite_option
 
 
 # -- signals ---------------------------------------------------------------------------------------
@@ -118,28 +122,44 @@ def dataset_problem(path: str) -> str | None:
 def check_output(out: str, overwrite: bool, inputs: Sequence[str] = ()) -> None:
     """Refuse an output that must not be written, before anything is: one inside an input, one that exists
     (unless ``overwrite``), and for ``overwrite`` anything but a gdsload dataset that holds no input and
-    not the working directory."""
+    not the working directory. An output that exists and is no such dataset is refused saying what it is,
+    with or without ``overwrite`` (suggesting it would only lead to a second refusal)."""
     for p in inputs:
         if _inside(out, p):
             raise ConversionError(f"{out}: output path is inside input {p} (or the same); choose another output")
     if not os.path.lexists(out):
         return
+    option = overwrite_option()
+    found = _not_replaceable(out, inputs)
+    if found is None:
+        if not overwrite:
+            raise ConversionError(f"{out}: output exists (pass {option} to replace it)")
+        return
+    what, detail = found
     if not overwrite:
-        raise ConversionError(f"{out}: output exists (pass --overwrite to replace it)")
-    refused = f"{out}: --overwrite replaces only a gdsload dataset"
+        raise ConversionError(f"{out}: output exists and is {what}, not a gdsload dataset ({option} replaces only "
+                              f"a gdsload dataset): choose another output")
+    raise ConversionError(f"{out}: {option} replaces only a gdsload dataset{detail}")
+
+
+def _not_replaceable(out: str, inputs: Sequence[str]) -> tuple[str, str] | None:
+    """Why ``overwrite`` would not replace the existing ``out`` -- what it is, and how a refusal of
+    ``overwrite`` goes on after "replaces only a gdsload dataset" -- or None (a dataset it replaces)."""
     for p in inputs:
         if _inside(p, out):
-            raise ConversionError(f"{refused} (found a directory holding input {p})")
+            return f"a directory holding input {p}", f" (found a directory holding input {p})"
     try:
         cwd = os.getcwd()
     except OSError:
         cwd = None
     if cwd is not None and _inside(cwd, out):
-        raise ConversionError(f"{refused} (found a directory holding the working directory {cwd})")
+        return ("a directory holding the working directory",
+                f" (found a directory holding the working directory {cwd})")
     problem = dataset_problem(out)
     if problem:
-        raise ConversionError(f"{refused}: a directory whose zarr.json is a Zarr v3 group with a '{ATTRS_KEY}' "
-                              f"attribute (found {problem})")
+        return problem, (f": a directory whose zarr.json is a Zarr v3 group with a '{ATTRS_KEY}' attribute "
+                         f"(found {problem})")
+    return None
 
 
 def input_paths(origins: Iterable[str]) -> list[str]:
@@ -343,8 +363,8 @@ def publish_output(tmp: str, out: str, overwrite: bool) -> None:
         try:
             rename_noreplace(tmp, out)
         except FileExistsError:
-            raise ConversionError(f"{out}: output exists (it appeared during the conversion; pass --overwrite "
-                                  "to replace it)") from None
+            raise ConversionError(f"{out}: output exists (it appeared during the conversion; pass "
+                                  f"{overwrite_option()} to replace it)") from None
         _signals.published = True
         _fsync_published(parent)
         return
@@ -371,7 +391,7 @@ def publish_output(tmp: str, out: str, overwrite: bool) -> None:
     except OSError as e:
         raise ForeignTemp(f"{out}: was replaced during the conversion by {problem}, which now lies at {tmp} "
                           f"and could not be put back ({e.strerror})") from e
-    raise ConversionError(f"{out}: --overwrite replaces only a gdsload dataset (found {problem}, which "
+    raise ConversionError(f"{out}: {overwrite_option()} replaces only a gdsload dataset (found {problem}, which "
                           "appeared during the conversion; left as it is)")
 
 

@@ -27,6 +27,7 @@ from typing import Any
 from ..errors import ConversionError
 from ..format.meta import ATTRS_KEY
 from ..remote.s3 import split
+from .spelling import overwrite_option
 
 #: The object that marks an upload in progress (or cut short) under a dataset's prefix.
 MARKER = ".gdsload-upload.json"
@@ -146,8 +147,8 @@ def _check_replaceable(b: _Bucket, root: str, url: str) -> None:
         doc = None
     if not (isinstance(doc, dict) and doc.get("zarr_format") == 3 and doc.get("node_type") == "group"
             and ATTRS_KEY in (doc.get("attributes") or {})):
-        raise ConversionError(f"{url}: --overwrite replaces only a gdsload dataset (found a zarr.json that is not "
-                              f"a Zarr v3 group with a '{ATTRS_KEY}' attribute)")
+        raise ConversionError(f"{url}: {overwrite_option()} replaces only a gdsload dataset (found a zarr.json that "
+                              f"is not a Zarr v3 group with a '{ATTRS_KEY}' attribute)")
 
 
 def upload_dataset(local: str, url: str, *, overwrite: bool = False, progress: bool | None = None,
@@ -169,8 +170,8 @@ def upload_dataset(local: str, url: str, *, overwrite: bool = False, progress: b
     existing = set(b.list(base))
     if root in existing:
         if not overwrite:
-            raise ConversionError(f"{url}: output exists (a dataset's zarr.json is there; pass --overwrite to "
-                                  f"replace it)")
+            raise ConversionError(f"{url}: output exists (a dataset's zarr.json is there; pass "
+                                  f"{overwrite_option()} to replace it)")
         _check_replaceable(b, root, url)
     elif existing and marker not in existing:
         raise ConversionError(f"{url}: holds {len(existing)} object(s) but no dataset (no zarr.json, no marker of "

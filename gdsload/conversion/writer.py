@@ -170,7 +170,9 @@ def write_metadata(root: str, plan: ConversionPlan, ragged: Mapping[str, RaggedS
                               "checksums": checksums_attr}
     for name in plan.ragged:
         sub = group.create_group(name)
-        off = sub.create_array("offsets", shape=ragged[name].offsets.shape, dtype=np.int64, compressors=None)
+        # Every chunk written, zeros too (zarr skips a chunk equal to the fill value): a missing one is damage.
+        off = sub.create_array("offsets", shape=ragged[name].offsets.shape, dtype=np.int64, compressors=None,
+                               config={"write_empty_chunks": True})
         off[:] = ragged[name].offsets
     for a in plan.arrays:
         group.create_array(a.key, shape=(a.rows, *a.shape), dtype=a.dtype, chunks=(a.per_chunk, *a.shape),

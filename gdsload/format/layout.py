@@ -26,6 +26,8 @@ from .zarr_json import MAX_DIMENSIONS, check_whole_array, exc_text, fail
 from .arrays import read_array
 from ..errors import FormatError
 from .files import ShardFiles, not_regular, refusal, reserve_descriptors
+from .missing import MissingChunks, check_missing_chunks, missing_in
+from .missing import refusal as missing_refusal
 from .shard_index import chunk_table, read_shard_index
 from .zarr_store import present_shards
 
@@ -113,6 +115,20 @@ def _stored_chunks(array_dir: str) -> int:
     return count
 
 
+def _absent_chunks(where: str, what: str) -> list[MissingChunks]:
+    """The chunk files an unsharded array read whole (offsets) lacks, from its directory listing (zarr reads
+    each as the fill value); nothing for a sharded one, or one whose metadata zarr will judge."""
+    try:
+        fm = read_array(where, os.path.basename(where), "no zarr.json", strict=False)
+    except FormatError:
+        return []
+    if fm.sharded:
+        return []
+    held = np.full(fm.num_chunks, -1, dtype=np.int64)
+    held[list(present_shards(fm))] = 0
+    return missing_in([], fm.shard_path, what, held, held, 1, False)
+
+
 def _memory_bytes() -> int:
     """Physical memory of this machine: an array needing more is refused before it is allocated."""
     try:
@@ -132,14 +148,18 @@ class DatasetLayout(Closing):
     replaced (renamed over) later. If opening fails, every file opened so far is closed before the error
     propagates.
 
-    A dataset the converter wrote must have every shard file; a foreign store's missing files and chunks
-    read as the fill value (``block_offsets`` -1). Sizes are checked as Python ints before anything is
-    allocated: an array whose shape implies more shard files than its chunk directory holds (converter), or
-    a chunk table larger than this machine's memory (foreign), is refused before any file is opened.
+    A dataset the converter wrote must have every shard file. A chunk that is missing (a file absent, or an
+    index entry never written: ``block_offsets`` -1), and an absent chunk of a variable-length field's
+    offsets, is listed in ``missing`` (:mod:`gdsload.format.missing`); with ``missing_chunks="error"`` (the
+    default) any is a FormatError naming it, with ``"fill"`` it reads as the fill value. Sizes are checked as
+    Python ints before anything is allocated: an array whose shape implies more shard files than its chunk
+    directory holds (converter), or a chunk table larger than this machine's memory (foreign), is refused
+    before any file is opened.
     """
 
-    def __init__(self, meta: DatasetMeta, fields: tuple[str, ...] | None = None):
-        self.meta = meta
+    def __init__(self, meta: DatasetMeta, fields: tuple[str, ...] | None = None, missing_chunks: str = "error"):
+        self.meta, self.missing_chunks = meta, check_missing_chunks(missing_chunks)
+        self.missing: list[MissingChunks] = []
         self.fields = tuple(fields) if fields is not None else tuple(meta.names)
         unknown = [f for f in self.fields if f not in meta.fields and f not in meta.ragged]
         if unknown:
@@ -169,6 +189,11 @@ class DatasetLayout(Closing):
                     self.chunk_lengths[k] = lengths
                 if crcs is not None:
                     self.index_crcs[k] = crcs
+                fm = meta.array(k)
+                what = f"field '{k}'" if k in meta.fields else f"the values of field '{k.rsplit('/', 1)[0]}'"
+                self.missing += missing_in(self._paths[k], fm.shard_path, what, self.block_offsets[k],
+                                           self.chunk_files[k], fm.blocks_per_shard, fm.sharded)
+            self._refuse_missing()
             self.offsets: dict[str, np.ndarray] = {f: self._read_offsets(meta.ragged[f]) for f in self.fields
                                                    if f in meta.ragged}
             # checksums[field][b]: crc32c of block b's bytes (see DatasetMeta), for fields that have them.
@@ -177,6 +202,10 @@ class DatasetLayout(Closing):
         except BaseException:
             self.files.close()
             raise
+
+    def _refuse_missing(self) -> None:
+        if self.missing and self.missing_chunks == "error":
+            raise FormatError(missing_refusal(self.meta.path, self.missing))
 
     @property
     def has_checksums(self) -> bool:
@@ -275,6 +304,8 @@ class DatasetLayout(Closing):
             raise fail(os.path.join(where, "zarr.json"), f"{n} offsets need {n * 8} bytes, more than this "
                                                          f"machine's memory ({_memory_bytes()} bytes)")
         _stored_chunks(where)
+        self.missing += _absent_chunks(where, f"the offsets of field '{r.name}'")
+        self._refuse_missing()  # before a chunk of zeros is read as offsets
         offsets = _read_whole(where, n, "cannot read the offsets").astype(np.int64)
         if offsets.shape != (n,):
             raise fail(where, f"expected {n} offsets, found shape {offsets.shape}")

@@ -23,6 +23,7 @@ zarr escapes.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
@@ -41,7 +42,8 @@ ATTRS_KEY = "gdsload"
 #: The one block checksum gdsload writes and checks.
 CHECKSUM_ALGORITHM = "crc32c"
 #: The group the writer puts the checksum arrays in (``_checksums/FIELD``); readers take each array's path
-#: from the attributes, not from this name.
+#: from the attributes, and look here too: checksums on disk that the attributes do not name are refused
+#: (:func:`unnamed_checksums`), so editing the metadata cannot switch verification off.
 CHECKSUMS_GROUP = "_checksums"
 #: The keys the ``gdsload`` attribute may hold, each ``fields.NAME`` entry, and ``checksums`` (exactly what
 #: :mod:`gdsload.conversion.writer` writes): any other key is refused, since a misspelled one would otherwise be
@@ -144,6 +146,30 @@ def _checksums_attr(where: str, value: Any, kinds: dict[str, str]) -> dict[str, 
     return out
 
 
+def unnamed_checksums(path: str, where: str, fields: list[str], named: dict[str, str]) -> None:
+    """Refuse a dataset whose ``_checksums/FIELD`` exists for a field its attributes name no checksum array
+    for (``checksums`` removed, ``null``, or its ``arrays`` emptied or cut), or, for a group without the
+    ``gdsload`` attribute (``fields`` empty), any ``_checksums/``: metadata that switches verification off while
+    the checksums are still on disk was edited or damaged, and reading on would serve unchecked data.
+    Refused rather than used: which of the two is right is not the reader's to guess, and a refusal names
+    both. FormatError naming ``where`` (the group's zarr.json)."""
+    group = os.path.join(path, CHECKSUMS_GROUP)
+    if not os.path.lexists(group):
+        return
+    if not fields:
+        raise fail(where, f"a group without the '{ATTRS_KEY}' attribute holding {CHECKSUMS_GROUP}/, a gdsload "
+                          f"dataset's block checksums: its metadata was edited or damaged (verification would be "
+                          f"off); restore the '{ATTRS_KEY}' attribute, or remove {group} to read it as a Zarr store")
+    unnamed = [f for f in fields if f not in named and os.path.lexists(os.path.join(group, f))]
+    if unnamed:
+        arrays = {f: f"{CHECKSUMS_GROUP}/{f}" for f in fields if f in named or f in unnamed}
+        raise fail(where, f"{ATTRS_KEY}.checksums names no checksum array for field(s) {unnamed}, but "
+                          f"{CHECKSUMS_GROUP}/{unnamed[0]} exists: the metadata was edited or damaged (verification "
+                          f"would be off); restore it (\"checksums\": "
+                          f"{json.dumps({'algorithm': CHECKSUM_ALGORITHM, 'arrays': arrays})}), or remove "
+                          f"{os.path.join(group, unnamed[0])} to read without checksums")
+
+
 def read_metadata(path: str | os.PathLike[str], fields: list[str] | tuple[str, ...] | None = None) -> DatasetMeta:
     """Read and check a dataset's metadata: a converter-written group (its ``gdsload`` attributes and every
     field's arrays), or a foreign store (a group without them, or one array), of which only the arrays in
@@ -167,6 +193,8 @@ def read_metadata(path: str | os.PathLike[str], fields: list[str] | tuple[str, .
     if node == "group":
         attrs = as_object(where, "attributes", doc.get("attributes", {})).get(ATTRS_KEY)
     if attrs is None:
+        if node == "group":
+            unnamed_checksums(path, where, [], {})
         arrays, num_samples = read_store(path, node == "array", fields)
         return DatasetMeta(path=path, num_samples=num_samples, samples_per_block=block_rows(list(arrays.values()),
                            num_samples), fields=arrays, foreign=True)
@@ -191,6 +219,7 @@ def read_metadata(path: str | os.PathLike[str], fields: list[str] | tuple[str, .
             raise fail(where, f"field '{name}' has unknown kind {show(kind)} (expected 'fixed' or 'ragged')")
         kinds[name] = kind
     checksums = _checksums_attr(where, attrs.get("checksums"), kinds)
+    unnamed_checksums(path, where, list(kinds), checksums)
     fixed, ragged = {}, {}
     for name, kind in kinds.items():
         missing = f"field '{name}' is listed in the group attributes but has no array "

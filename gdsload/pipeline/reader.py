@@ -135,12 +135,13 @@ class Reader:
     def open(cls, path: str | os.PathLike[str], fields: Sequence[str] | None, backend: str, device: int,
              resident_bytes: int, verify: bool | None, backend_options: dict[str, Any] | None,
              on_resolved: Callable[[str], None] = lambda name: None, cache_dir: str | None = None,
-             cache_bytes: int | None = None) -> Reader:
+             cache_bytes: int | None = None, missing_chunks: str = "error") -> Reader:
         """Read the metadata, choose and make the backend (``on_resolved`` checks arguments that depend on
         which, before it is made). A remote dataset's skeleton is fetched into ``cache_dir`` (default: the
         ``datasets`` folder of gdsload's cache); its shards are read straight from the objects (the direct route)
         or fetched into the cache as they are read, the node's cache holding at most ``cache_bytes`` of them
-        (None: no bound) (docs/remote.md, "Routes"). Nothing is left open on an error."""
+        (None: no bound) (docs/remote.md, "Routes"). ``missing_chunks``: see
+        :class:`~gdsload.format.layout.DatasetLayout`. Nothing is left open on an error."""
         remote = None
         if is_remote(path):
             from ..format.shard_fetch import RemoteShards
@@ -151,7 +152,7 @@ class Reader:
         cache_option = "cache_dir" if cache_dir is not None else "cache_bytes" if cache_bytes is not None else None
         try:
             reader = cls._open(path, fields, backend, device, resident_bytes, verify, backend_options, on_resolved,
-                               remote, cache_option)
+                               remote, cache_option, missing_chunks)
         except BaseException:
             if remote is not None:
                 remote.close()
@@ -163,13 +164,14 @@ class Reader:
     @classmethod
     def _open(cls, path: str | os.PathLike[str], fields: Sequence[str] | None, backend: str, device: int,
               resident_bytes: int, verify: bool | None, backend_options: dict[str, Any] | None,
-              on_resolved: Callable[[str], None], remote: RemoteShards | None, cache_option: str | None) -> Reader:
+              on_resolved: Callable[[str], None], remote: RemoteShards | None, cache_option: str | None,
+              missing_chunks: str = "error") -> Reader:
         meta = read_metadata(path, fields)
         names = tuple(fields) if fields is not None else tuple(meta.names)
         resident = resident_fields(meta, names, resident_bytes)
         # A foreign store's block: chosen for the arrays read block by block (the others are read whole).
         meta = meta.with_block([f for f in names if f in meta.fields and f not in resident])
-        layout = DatasetLayout(meta, tuple(fields) if fields is not None else None)
+        layout = DatasetLayout(meta, tuple(fields) if fields is not None else None, missing_chunks)
         try:
             paths = list(layout.files)
             # auto may pick the RAM tier: it needs the size of what this dataset reads (a remote one's fetched

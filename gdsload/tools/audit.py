@@ -2,12 +2,18 @@
 
 A gdsload dataset's blocks against their block checksums; a Zarr store's written chunks against their
 ``crc32c`` codec (raw: the 4 bytes stored after the chunk; compressed: as the chunk decodes); every shard
-index's crc32c as the layout opens. What cannot be checked is named, not skipped silently.
+index's crc32c as the layout opens. What cannot be checked is named, not skipped silently, and every chunk
+that is missing (:mod:`gdsload.format.missing`) is counted and named. A remote dataset (``s3://``,
+``http(s)://``) is checked as its server holds it now: its skeleton fetched into a temporary folder (removed
+after), the blocks read from the objects themselves, each pinned to the ETag seen at open.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -17,7 +23,12 @@ from ..codecs.checksum import Checks, host_crcs
 from ..errors import FormatError, ReadError
 from ..format.files import pread_exact
 from ..format.layout import DatasetLayout
+from ..format.missing import MissingChunks
+from ..remote.objects import is_remote, redact
 from ..codecs.verify import describe_block, mismatch, unchecked_fields
+
+#: ``read(path, offset, nbytes)``: bytes of one of the layout's files (a ReadError naming it if it fails).
+Reads = Callable[[str, int, int], bytes]
 
 
 class BadBlock(NamedTuple):
@@ -27,24 +38,71 @@ class BadBlock(NamedTuple):
 
 class Report(NamedTuple):
     """What :func:`verify_dataset` found: ``checked`` units (``unit``: "block" for a gdsload dataset's block
-    checksums, "chunk" for a Zarr store's crc32c codec), the bad ones, and the fields that carry no
-    checksum and so were not checked."""
+    checksums, "chunk" for a Zarr store's crc32c codec), the bad ones, the fields that carry no checksum and
+    so were not checked, and the chunks missing from the store (never checked: counted apart)."""
 
     checked: int
     bad: list[BadBlock]
     unchecked: list[str]
     unit: str
+    missing: tuple[MissingChunks, ...] = ()
+
+    @property
+    def missing_chunks(self) -> int:
+        return sum(len(m.chunks) for m in self.missing)
+
+
+@contextlib.contextmanager
+def local_copy(path: str) -> Iterator[tuple[str, Reads | None, Callable[[str], str]]]:
+    """``(root, reads, name)`` of the dataset at ``path``: a local one as it is (``reads`` None: its files);
+    a remote one's skeleton in a temporary folder (:func:`gdsload.format.mirror.open_version`), removed on
+    exit, with ``reads`` of its shards' bytes from the objects and ``name`` turning a message's local paths
+    back into the URL's (its password redacted). A temporary folder, not the node's cache: what is shown and
+    checked is what the server holds now, and nothing is left behind."""
+    if not is_remote(path):
+        yield path, None, lambda text: text
+        return
+    from ..format.mirror import open_version
+    from ..remote import client_for
+
+    with tempfile.TemporaryDirectory(prefix="gdsload-remote-") as tmp:
+        version = open_version(path, tmp)
+        client, root, url = client_for(path), version.root, redact(path.rstrip("/"))
+
+        def reads(where: str, offset: int, nbytes: int) -> bytes:
+            entry = version.shards.get(where)
+            if entry is None:  # fetched whole with the skeleton
+                with open(where, "rb") as f:
+                    f.seek(offset)
+                    data = f.read(nbytes)
+                if len(data) == nbytes:
+                    return data
+                raise ReadError(f"{where}: file ends before byte {offset + nbytes}")
+            return client.read(entry.info, offset, nbytes)
+
+        yield root, reads, lambda text: text.replace(root, url)
 
 
 def verify_dataset(path: str, num_threads: int = 8, progress: bool | None = None) -> Report:
     """Re-read a whole dataset and check everything it carries: a gdsload dataset's block checksums, a Zarr
     store's crc32c codec on every written chunk (raw: its 4 stored bytes; compressed: as it decodes), and
-    every shard index's crc32c. A data file the layout cannot open (an index that fails its check, a chunk
-    file of the wrong size) is reported as bad, and nothing behind it read.
+    every shard index's crc32c; every missing chunk is listed apart. A data file the layout cannot open (an
+    index that fails its check, a chunk file of the wrong size) is reported as bad, and nothing behind it
+    read. ``path`` may be a remote dataset's URL (:func:`local_copy`): messages then name its objects.
 
-    Reads go through the files the layout opened, on ``num_threads`` threads; a block or chunk that cannot
-    be read or decoded is listed as bad with the error. Metadata gdsload cannot read is a FormatError.
+    Reads go through the files the layout opened (a remote dataset: ranged reads of its objects), on
+    ``num_threads`` threads; a block or chunk that cannot be read or decoded is listed as bad with the
+    error. Metadata gdsload cannot read is a FormatError.
     """
+    with local_copy(path) as (root, reads, name):
+        report = _verify(root, num_threads, progress, reads)
+    if root == path:
+        return report
+    return report._replace(bad=[BadBlock(name(b.where), name(b.message)) for b in report.bad],
+                           missing=tuple(m._replace(path=name(m.path)) for m in report.missing))
+
+
+def _verify(path: str, num_threads: int, progress: bool | None, reads: Reads | None) -> Report:
     from tqdm import tqdm
 
     from ..format.meta import read_metadata
@@ -52,18 +110,20 @@ def verify_dataset(path: str, num_threads: int = 8, progress: bool | None = None
     meta = read_metadata(path)
     unit = "chunk" if meta.foreign else "block"
     try:
-        layout = DatasetLayout(meta)
+        layout = DatasetLayout(meta, missing_chunks="fill")  # missing chunks: counted below
     except (FormatError, ReadError) as e:  # the data files (an index, a chunk file's size): damaged
         return Report(0, [BadBlock(str(e).split(": ", 1)[0], str(e))], [], unit)
     with layout:
+        read = reads or (lambda where, offset, nbytes: pread_exact(layout.files[where], offset, nbytes))
         unchecked = unchecked_fields(layout)
         keys = [k for f, k in zip(layout.fields, layout.keys) if f not in unchecked]
         if meta.foreign:
             jobs = [(k, int(c)) for k in keys for c in np.flatnonzero(layout.block_offsets[k] >= 0)]
-            check, size = _chunk_check(layout), lambda job: int(layout.locate(*job).nbytes)  # type: ignore[union-attr]
-        else:
-            jobs = [(k, b) for k in keys for b in range(meta.num_blocks)]
-            check, size = _block_check(layout), lambda job: _block_span(layout, *job)[2]
+            check, size = _chunk_check(layout, read), lambda job: int(layout.locate(*job).nbytes)  # type: ignore
+        else:  # a missing block of a fixed field is counted as missing, not read as its fill value
+            jobs = [(k, b) for k in keys for b in range(meta.num_blocks)
+                    if k not in meta.fields or layout.block_offsets[k][b] >= 0]
+            check, size = _block_check(layout, read), lambda job: _block_span(layout, *job)[2]
         bad = []
         with ThreadPoolExecutor(num_threads, thread_name_prefix="gdsload-verify") as pool, \
                 tqdm(total=sum(size(j) for j in jobs), unit="B", unit_scale=True, desc=os.path.basename(meta.path),
@@ -72,10 +132,10 @@ def verify_dataset(path: str, num_threads: int = 8, progress: bool | None = None
                 bar.update(size(job))
                 if result is not None:
                     bad.append(result)
-        return Report(len(jobs), bad, unchecked, unit)
+        return Report(len(jobs), bad, unchecked, unit, tuple(layout.missing))
 
 
-def _block_check(layout: DatasetLayout) -> Any:
+def _block_check(layout: DatasetLayout, read: Reads) -> Any:
     """(key, block) -> None, or the BadBlock of a block that fails its block checksum or cannot be read."""
     chains = _chains(layout)
 
@@ -83,7 +143,7 @@ def _block_check(layout: DatasetLayout) -> Any:
         key, b = job
         field = key.rsplit("/", 1)[0] if key.endswith("/values") else key
         try:
-            data = _read_block(layout, key, b, chains.get(key))
+            data = _read_block(layout, key, b, read, chains.get(key))
         except ReadError as e:
             return BadBlock(describe_block(layout, key, b), str(e))
         got = host_crcs(data, np.array([0]), np.array([len(data)]))
@@ -93,7 +153,7 @@ def _block_check(layout: DatasetLayout) -> Any:
     return check
 
 
-def _chunk_check(layout: DatasetLayout) -> Any:
+def _chunk_check(layout: DatasetLayout, read: Reads) -> Any:
     """(key, chunk) -> None, or the BadBlock of a written chunk that fails its crc32c codec (or does not
     decode, or cannot be read)."""
     chains = _chains(layout)
@@ -105,9 +165,9 @@ def _chunk_check(layout: DatasetLayout) -> Any:
         fm = layout.meta.array(key)
         try:
             if key in chains:  # compressed: its chain checks the crc32c as it decodes
-                _read_block(layout, key, c, chains[key])
+                _read_block(layout, key, c, read, chains[key])
                 return None
-            stored = pread_exact(layout.files[loc.path], loc.offset, fm.stored_bytes)
+            stored = read(loc.path, loc.offset, fm.stored_bytes)
         except ReadError as e:
             return BadBlock(describe_block(layout, key, c), str(e))
         data = np.frombuffer(stored, np.uint8)
@@ -139,10 +199,10 @@ def _chains(layout: DatasetLayout) -> dict[str, Any]:
     return {key: Chain(fm.codecs) for key, fm in metas.items() if key in layout.meta.fields and fm.compressed}
 
 
-def _read_block(layout: DatasetLayout, key: str, block: int, chain: Any = None) -> np.ndarray:
-    """A block's bytes as the pipeline would put them in a window buffer (fill value where never written);
-    ``chain`` decodes the block of a compressed array."""
-    from ..backends.base import FillRequest, fill_pattern, pread_full
+def _read_block(layout: DatasetLayout, key: str, block: int, read: Reads, chain: Any = None) -> np.ndarray:
+    """A block's bytes as the pipeline would put them in a window buffer (fill value where never written),
+    read by ``read``; ``chain`` decodes the block of a compressed array."""
+    from ..backends.base import FillRequest, fill_pattern
 
     meta = layout.meta
     fm = meta.array(key)
@@ -155,8 +215,7 @@ def _read_block(layout: DatasetLayout, key: str, block: int, chain: Any = None) 
         if loc is None:
             fill_pattern(out, FillRequest(0, nbytes, fm.fill_bytes()))
             return out
-        stored = np.empty(loc.nbytes, np.uint8)
-        pread_full(layout.files.fd(loc.path), memoryview(stored), loc.offset, loc.path)
+        stored = np.frombuffer(read(loc.path, loc.offset, loc.nbytes), np.uint8)
         try:
             return chain.decode(stored, nbytes)
         except ValueError as e:
@@ -171,5 +230,5 @@ def _read_block(layout: DatasetLayout, key: str, block: int, chain: Any = None) 
         if loc is None:
             fill_pattern(out, FillRequest(at, n, fm.fill_bytes()))
         else:
-            pread_full(layout.files.fd(loc.path), memoryview(out)[at:at + n], loc.offset, loc.path)
+            out[at:at + n] = np.frombuffer(read(loc.path, loc.offset, n), np.uint8)
     return out

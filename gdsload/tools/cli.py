@@ -66,21 +66,25 @@ def _human(n: float) -> str:
 
 # -- info ------------------------------------------------------------------------------------------
 def describe_dataset(path: str) -> str:
-    """A dataset's summary; for a file (.npy, .npz), what it holds and the command that converts it."""
+    """A dataset's summary (of a remote one's URL: as its server holds it now, its skeleton fetched into a
+    temporary folder); for a file (.npy, .npz), what it holds and the command that converts it."""
     import warnings
 
     from ..format.layout import DatasetLayout
     from ..format.meta import read_metadata
     from ..format.zarr_store import find_arrays, skip_listing, skipped_arrays
+    from .audit import local_copy
 
     if os.path.exists(path) and not os.path.isdir(path):
         return describe_input(path)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # arrays skipped: listed below instead
-        meta = read_metadata(path)
-    skipped = skipped_arrays(find_arrays(path)) if meta.foreign else {}
-    with DatasetLayout(meta) as layout:  # it holds every shard file open: closed once described
-        text = _describe(meta, layout)
+    with local_copy(path) as (root, _, name):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # arrays skipped: listed below instead
+            meta = read_metadata(root)
+        skipped = skipped_arrays(find_arrays(root)) if meta.foreign else {}
+        # Every shard file held open, closed once described; missing chunks are counted, not refused.
+        with DatasetLayout(meta, missing_chunks="fill") as layout:
+            text = name(_describe(meta, layout))
     if skipped:
         text += (f"\nskipped: {skip_listing(skipped)}: data types gdsload does not read (read the others, or "
                  f"choose with fields=)")
@@ -116,7 +120,8 @@ def _describe(meta, layout) -> str:
         total += nbytes
         lines.append(f"  {name}: dtype {f.dtype.str} ({f.dtype.name}), sample shape {f.sample_shape}, "
                      f"block {_human(f.block_bytes)}, {shards} shard(s) of {f.blocks_per_shard} blocks, "
-                     f"{_human(nbytes)}" + (f", {missing} block(s) never written (fill value)" if missing else "")
+                     f"{_human(nbytes)}" + (f", {missing} chunk(s) missing (an error unless missing_chunks="
+                                            f"'fill': 'gdsload verify' names them)" if missing else "")
                      + _codecs(f, layout.chunk_lengths.get(name), f.num_chunks - missing))
     for name, r in meta.ragged.items():
         v = r.values
@@ -181,17 +186,22 @@ def describe_system() -> str:
 
 # -- verify ----------------------------------------------------------------------------------------
 def run_verify(path: str, threads: int, progress: bool) -> int:
+    from ..remote.objects import redact
     from .audit import verify_dataset
 
     if threads < 1:
         raise ValueError(f"--threads must be at least 1 (found {threads})")
     report = verify_dataset(path, threads, progress=None if progress else False)
+    path = redact(path)
     for b in report.bad:
         print(f"BAD {b.message}")
+    for m in report.missing:
+        print(f"MISSING {m.describe()}")
     if report.unchecked:
         print(f"{path}: field(s) {report.unchecked} carry no checksum: not checked")
-    print(f"{path}: {report.checked} {report.unit}(s) checked, {len(report.bad)} bad")
-    return 1 if report.bad else 0
+    missing = f", {report.missing_chunks} missing" if report.missing else ""
+    print(f"{path}: {report.checked} {report.unit}(s) checked, {len(report.bad)} bad{missing}")
+    return 1 if report.bad or report.missing else 0
 
 
 # -- demo ------------------------------------------------------------------------------------------
@@ -370,8 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
                               formatter_class=HelpFormatter)
 
     info = command("info", "GPU, CUDA, KvikIO and GDS status; with PATH, a dataset summary")
-    info.add_argument("path", nargs="?", help="a dataset or Zarr v3 store to summarise (a .npy or .npz file: what it "
-                                              "holds and how to convert it); none: this machine's status")
+    info.add_argument("path", nargs="?", help="a dataset or Zarr v3 store to summarise, or an s3:// or http(s):// "
+                                              "dataset URL (a .npy or .npz file: what it holds and how to convert "
+                                              "it); none: this machine's status")
     demo = command("demo", "write a small synthetic dataset and read two epochs of it, checking every batch (a "
                            "check of the install, not a benchmark)")
     demo.add_argument("--samples", type=int, default=8192, help="samples of 64x64x3 uint8 images and labels")
@@ -380,8 +391,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--workdir", default=None, help="where the temporary dataset goes (default: system temp)")
     command("shard", "convert arrays into a dataset (see 'gdsload shard --help')")
     verify = command("verify", "re-read a whole dataset and check every block against its crc32c; exit 1 if any "
-                               "block is bad")
-    verify.add_argument("path", help="a dataset or Zarr v3 store")
+                               "block is bad or any chunk missing")
+    verify.add_argument("path", help="a dataset or Zarr v3 store, or an s3:// or http(s):// dataset URL (read "
+                                     "from its objects)")
     verify.add_argument("--threads", type=int, default=8, help="reader threads")
     verify.add_argument("--quiet", action="store_true", help="no progress bar")
     doctor = command("doctor", "is GPUDirect Storage used for PATH, and if not, why: each check, what it found and "
