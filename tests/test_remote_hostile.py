@@ -91,8 +91,8 @@ def test_a_shape_of_10_15_samples_is_a_quick_format_error_naming_the_url_and_sha
     _doctor(store, "zarr.json", lambda d: _attrs(d).update(num_samples=10**15))
     _doctor(store, "x/zarr.json", lambda d: d.update(shape=[10**15, 6]))
     t0 = time.monotonic()
-    with pytest.raises(FormatError, match=rf"^{re.escape(url)}/x/zarr\.json: (shape|expected) .*10{{15}}|"
-                                          rf"^{re.escape(url)}/x/zarr\.json: .*shape \(1000000000000000, \.\.\.\)"):
+    with pytest.raises(FormatError, match=rf"^{re.escape(url)}/x/zarr\.json: shape \(1000000000000000, \.\.\.\) in "
+                                          rf"chunks of 16 rows needs \d+ bytes of tables, more than this machine's"):
         GDSDataset(url, 32, backend="cpu", cache_dir=str(tmp_path / "c"))
     assert time.monotonic() - t0 < 10
 
