@@ -207,6 +207,15 @@ def test_a_damaged_copy_in_the_cache_names_the_url_and_says_to_clear_the_cache(t
         _exact(ds, 0)
 
 
+def test_an_error_about_the_dataset_as_a_whole_names_its_url_and_no_cache(two, srv, tmp_path):
+    old, _ = two
+    url, cache = upload(srv, old, "d.gds"), str(tmp_path / "c")
+    with pytest.raises(FormatError) as e:
+        _open(url, cache, fields=["nope"])
+    assert str(e.value).startswith(f"{url}: no field ['nope']")
+    assert cache not in str(e.value), "an argument's error: the cache is not the matter"
+
+
 # -- gdsload cache ls|clear ------------------------------------------------------------------------------
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "gdsload", *args], capture_output=True, text=True, timeout=120)

@@ -42,7 +42,7 @@ from typing import NamedTuple
 from ..errors import FormatError, GDSLoadError, ReadError, reworded
 from ..remote import client_for
 from ..remote.objects import NotFound, ObjectClient, ObjectInfo, join, redact
-from .skeleton import FETCH_THREADS, MARKER, PIECE_BYTES, Skeleton, _map, fetch, listing
+from .skeleton import FETCH_THREADS, MARKER, PIECE_BYTES, Skeleton, fetch, listing, parallel
 
 __all__ = ["FETCH_THREADS", "MARKER", "PIECE_BYTES", "PRIVATE", "STATE", "Entry", "Hold", "Version", "mirror",
            "mirror_path", "open_version", "read_marker", "named"]
@@ -180,13 +180,13 @@ def _current(client: ObjectClient, url: str, stem: str, listed: dict[str, Object
         return [info.size, info.etag]
 
     keys = [*marker["objects"], *marker["absent"]]
-    seen = dict(zip(keys, _map(now, keys)))
+    seen = dict(zip(keys, parallel(now, keys)))
     current = {k: v for k, v in seen.items() if v is not None}
     return (root, marker) if _same(marker, current, [k for k, v in seen.items() if v is None]) else None
 
 
 def versions_of(stem: str) -> list[tuple[float, str, dict]]:
-    """The complete, shared versions of the URL whose folders begin ``stem``: (marker's time, root, marker)."""
+    """The complete, shared versions of the URL whose folders begin ``stem``: (marker's time in ns, root, marker)."""
     folder, name = os.path.split(stem)
     out = []
     for entry in os.listdir(folder):
@@ -194,7 +194,7 @@ def versions_of(stem: str) -> list[tuple[float, str, dict]]:
             root = os.path.join(folder, entry)
             marker = read_marker(root)
             if marker is not None:
-                out.append((os.stat(os.path.join(root, MARKER)).st_mtime, root, marker))
+                out.append((os.stat(os.path.join(root, MARKER)).st_mtime_ns, root, marker))
     return out
 
 
@@ -270,7 +270,7 @@ def _recheck(client: ObjectClient, url: str, skeleton: Skeleton) -> None:
             return key, None
         return key, [info.size, info.etag]
 
-    for key, seen in _map(now, meta):
+    for key, seen in parallel(now, meta):
         if seen != skeleton.objects[key][:2]:
             raise ReadError(f"{join(url, key)}: changed while the dataset was opened ({skeleton.objects[key][:2]}, "
                             f"now {seen}); open it again once it is written")
@@ -342,8 +342,9 @@ def named(error: GDSLoadError, version: Version, cache_dir: str) -> GDSLoadError
     text = str(error)
     if version.root not in text:
         return error if scrub(text, version.url) == text else reworded(error, scrub(text, version.url))
+    below = version.root + os.sep in text  # a file of the version, not the dataset as a whole (no field 'y')
     text = text.replace(version.root + os.sep, version.url.rstrip("/") + "/").replace(version.root, version.url)
-    if isinstance(error, FormatError):
+    if isinstance(error, FormatError) and below:
         text += (f" (read from the node's cache of it in {cache_dir}; if the object is sound on the server, "
                  f"'gdsload cache clear {cache_dir} {version.url}' removes that copy once no dataset has it open)")
     return reworded(error, scrub(text, version.url))

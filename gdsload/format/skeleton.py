@@ -23,8 +23,9 @@ from __future__ import annotations
 import json
 import os
 import resource
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import BinaryIO, NamedTuple
+from typing import Any, BinaryIO, NamedTuple
 
 from ..errors import FormatError, with_context
 from ..remote.objects import NotFound, ObjectClient, ObjectInfo, join
@@ -292,7 +293,7 @@ def _fetch_whole(client: ObjectClient, url: str, tmp: str, objects: list, requir
                 f.write(client.read(info, offset, min(PIECE_BYTES, info.size - offset)))
         return key, [info.size, info.etag, 0, info.size]
 
-    return dict(r for r in _map(one, objects) if r is not None)
+    return dict(r for r in parallel(one, objects) if r is not None)
 
 
 def _fetch_data(client: ObjectClient, url: str, tmp: str,
@@ -328,7 +329,7 @@ def _fetch_data(client: ObjectClient, url: str, tmp: str,
             os.pwrite(f.fileno(), tail, lo)
         return key, [info.size, info.etag, lo, lo + len(tail)]
 
-    got = dict(_map(one, todo))
+    got = dict(parallel(one, todo))
     return {k: v for k, v in got.items() if v is not None}, sorted(k for k, v in got.items() if v is None)
 
 
@@ -346,11 +347,16 @@ def _check_index(where: str, size: int, index: bytes, fm: FieldMeta, shard: int,
     chunk_table(where, table, size, fm, allow_empty=not strict, n_chunks=n, tiled=strict)
 
 
-def _map(one, items: list) -> list:
+def parallel(one: Callable[[Any], Any], items: list) -> list:
+    """``one`` of every item, on up to :data:`FETCH_THREADS` threads, in order; the first error is raised once
+    the calls running end (those not begun are dropped: a failed fetch does not go on to the last object)."""
     if not items:
         return []
-    with ThreadPoolExecutor(min(FETCH_THREADS, len(items)), thread_name_prefix="gdsload-fetch") as pool:
+    pool = ThreadPoolExecutor(min(FETCH_THREADS, len(items)), thread_name_prefix="gdsload-fetch")
+    try:
         return list(pool.map(one, items))
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _create(tmp: str, key: str) -> BinaryIO:
