@@ -137,6 +137,22 @@ def test_a_zarr_json_larger_than_a_local_one_may_be_is_refused_by_its_size_unrea
     assert not [r for r in srv.requests if r.method == "GET" and r.path == "/d.gds/x/zarr.json"]
 
 
+@pytest.mark.parametrize("server", ["http", "s3"])
+def test_checksum_arrays_the_metadata_does_not_name_come_whole_into_the_cache(local, server, request, tmp_path):
+    """A root document without its ``checksums`` entry still has ``_checksums/`` beside it: the cache's copy of
+    each checksum array is whole (its bytes are read at open, never through the shard cache), not a sparse
+    file of holes that would read as zeros."""
+    store = request.getfixturevalue("srv" if server == "http" else "s3")
+    url = upload(store, local)
+    _doctor(store, "zarr.json", lambda d: _attrs(d).pop("checksums"))
+    version = open_version(url, str(tmp_path / "c"))
+    with open(os.path.join(local, "_checksums", "x", "c", "0"), "rb") as f:
+        want = f.read()
+    with open(os.path.join(version.root, "_checksums", "x", "c", "0"), "rb") as f:
+        assert f.read() == want
+    assert not [p for p in version.shards if "_checksums" in p], "not a shard the cache fetches later"
+
+
 # -- failures while the skeleton is fetched --------------------------------------------------------------
 @pytest.mark.parametrize("status", [503, 412])
 def test_an_http_failure_mid_skeleton_names_the_url_and_status_not_the_disk(local, srv, fast, tmp_path, status):

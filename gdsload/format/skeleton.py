@@ -179,6 +179,8 @@ def _arrays(url: str, tmp: str, meta_keys: list[str]) -> Arrays:
             if prefix in strict:
                 raise FormatError(str(e).replace(os.path.join(local, "zarr.json"), join(url, key))) from None
             continue  # a group, or an array the dataset's open will judge
+    if named:  # the converter's checksum arrays are read whole at open, whether or not the metadata names them
+        whole |= {p for p in arrays if p.startswith(CHECKSUMS_GROUP + "/") and p not in strict}
     return Arrays(arrays, whole, strict)
 
 
