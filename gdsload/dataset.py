@@ -217,6 +217,11 @@ class GDSDataset(LoaderProtocols, Closing):
             for batch in pipeline.batches():
                 self._position.count(start)
                 yield batch
+        except GDSLoadError as e:
+            named = self._reader.named(e)  # a remote dataset's: its URLs, not the node's cache files
+            if named is e:
+                raise
+            raise named from e
         finally:
             # A pass left early (or failed) has closed its pipeline; one run to its end reads on.
             if pipeline.closed and pipeline in self._active:

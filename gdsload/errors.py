@@ -82,3 +82,14 @@ def with_context(error: E, context: str) -> E:
     if isinstance(error, OSError):  # str() of an OSError with strerror set ignores args: keep errno alone
         copy.errno = error.errno
     return copy
+
+
+def reworded(error: E, message: str) -> E:
+    """``error`` again with ``message`` in place of its own, of the same type and with the same attributes, as
+    :func:`with_context` makes it (a message with its URLs redacted, or naming a URL for a file of the cache)."""
+    copy = type(error).__new__(type(error))
+    copy.__dict__.update(getattr(error, "__dict__", {}))
+    copy.args = (message,)
+    if isinstance(error, OSError):
+        copy.errno = error.errno
+    return copy

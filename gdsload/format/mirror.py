@@ -1,20 +1,31 @@
 """The skeleton of a remote dataset (``s3://`` or ``http(s)://``) in a node-local cache: what opening it needs,
-fetched once per node; the shards' data is fetched later, as ranks read it (:mod:`gdsload.format.shard_cache`).
+fetched once per node (:mod:`gdsload.format.skeleton`); the shards' data is fetched later, as ranks read it
+(:mod:`gdsload.format.shard_cache`).
 
-A *version* of a URL is a folder of the cache named after the URL and the ETag of its root ``zarr.json``,
-holding the dataset's tree: every metadata file and every small array read whole at open (the offsets of
-variable-length fields, the block checksums) in full, and every shard file as a sparse file of its full size
-holding only its index, written in place (in Zarr sharding the index lies at the end of the file; a ranged GET
-of the last bytes gives the object's size, ETag and index at once). A marker lists every object with the
-size and ETag it had then: the shard cache fetches the rest of each pinned to them (``If-Match``), so a shard
-replaced on the server is ``ObjectChanged``, never mixed into an epoch. The skeleton is made once per node
-under a file lock (the node's other ranks wait, then find it complete), in a folder of its own renamed into
-place whole with the marker, so an interrupted fetch leaves nothing that looks complete; shard files are
-never renamed afterwards, so the descriptors a dataset holds see the bytes the cache writes into them.
-A version never changes once made: a new root ``zarr.json`` (another ETag) makes a new one beside it. A server
-that sends no ETag pins nothing: every open then gets a private version, removed when it closes.
-Which objects: every one under the URL where the store lists them (S3); else (HTTP) the metadata first,
-then the shard files it names (a gdsload dataset's group names its arrays; a foreign group cannot be listed).
+A *version* of a URL is a folder of the cache named after the URL and the version's *identity*: a digest of
+the size and ETag of every object it serves (and of the objects its metadata names that the server lacks).
+It holds the dataset's tree: every metadata file and every small array read whole at open in full, and
+every shard file as a sparse file of its full size holding only its index, written in place. A marker lists
+every object with the size and ETag it had then: the shard cache fetches the rest of each pinned to them
+(``If-Match``), so a shard replaced on the server is ``ObjectChanged``, never mixed into an epoch.
+
+Every open looks at the server first and serves a version only while every object of it is unchanged: on
+S3, one listing (its sizes and ETags are the identity, so the version's folder is known at once); over
+HTTP, which has no listing, a HEAD of every object the newest version of the URL holds (and of the ones it
+found missing), in parallel. Any object changed, added or removed: a new version is fetched beside the old
+one, which a dataset still open keeps reading and ``gdsload cache clear`` removes once none is
+(:mod:`gdsload.format.cache_folder`). A republished dataset whose root ``zarr.json`` came out byte-identical
+is so a new version too.
+
+The skeleton is made once per node under the URL's file lock (the node's other ranks wait, then find it
+complete), in a folder of its own renamed into place whole with the marker, so an interrupted fetch, or one
+that failed on a missing, truncated or replaced object, leaves nothing that looks complete; shard files are
+never renamed afterwards, so the descriptors a dataset holds see the bytes the cache writes into them. The
+version an open returns is held (a shared lock on its ``open.lock``, taken under the URL's lock and handed to
+the shard cache), so no ``cache clear`` removes it between the two. A version never changes once made. A
+server that sends no ETag pins nothing: every open then gets a private version, removed when it closes.
+Every message is redacted (:func:`gdsload.remote.objects.redact`): no password in a URL is printed or
+written into the cache.
 """
 
 from __future__ import annotations
@@ -24,26 +35,24 @@ import hashlib
 import json
 import os
 import shutil
+import urllib.parse
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from typing import BinaryIO, NamedTuple
+from typing import NamedTuple
 
-from ..errors import FormatError, ReadError
+from ..errors import FormatError, GDSLoadError, ReadError, reworded
 from ..remote import client_for
-from ..remote.objects import NotFound, ObjectClient, ObjectInfo, join
-from .arrays import FieldMeta, read_array
-from .meta import ATTRS_KEY
+from ..remote.objects import NotFound, ObjectClient, ObjectInfo, join, redact
+from .skeleton import FETCH_THREADS, MARKER, PIECE_BYTES, Skeleton, fetch, listing, parallel
 
-#: The marker a complete version holds (the URL, the root zarr.json's ETag, every object as first seen).
-MARKER = ".gdsload-mirror.json"
-#: Objects fetched at once while a version is made.
-FETCH_THREADS = 16
-#: Bytes of one ranged read: what a fetch holds in memory per thread.
-PIECE_BYTES = 4 << 20
+__all__ = ["FETCH_THREADS", "MARKER", "PIECE_BYTES", "PRIVATE", "STATE", "Entry", "Hold", "Version", "mirror",
+           "mirror_path", "open_version", "read_marker", "named"]
+
 #: Suffix of a version's folder of cache state (locks, present markers; :mod:`gdsload.format.shard_cache`).
 STATE = ".shards"
 #: The version name of an open on a server that sends no ETag (followed by a unique token).
 PRIVATE = "@private-"
+#: The marker's format (a marker of another is not a version this code serves).
+MARKER_FORMAT = 2
 
 
 class Entry(NamedTuple):
@@ -61,21 +70,39 @@ class Entry(NamedTuple):
         return self.info.size - (self.keep_hi - self.keep_lo)
 
 
+class Hold:
+    """A shared lock on a version's ``open.lock``, taken at open under the URL's lock: no ``cache clear``
+    removes the version before the dataset holds its own (:class:`gdsload.format.shard_cache.ShardCache`
+    then closes this). Closed when collected, if nothing did before."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        self.close()
+
+
 class Version(NamedTuple):
-    """A version's folder, the root ETag it is of (None: private), and its shard files by local path."""
+    """A version's folder, its identity (None: private), its shard files by local path, and its hold."""
 
     url: str
     root: str
-    etag: str | None
+    ident: str | None
     shards: dict[str, Entry]
+    hold: Hold | None = None
 
 
-def mirror_path(url: str, cache_dir: str, etag: str | None = None) -> str:
-    """The folder of ``url``'s version in ``cache_dir``: its last path segment, after a digest of the URL, and
-    ``@`` a digest of the root zarr.json's ETag where there is one."""
+def mirror_path(url: str, cache_dir: str, ident: str | None = None) -> str:
+    """The folder of ``url``'s version ``ident`` in ``cache_dir``: its last path segment, after a digest of the
+    URL, and ``@`` the version's identity; without ``ident``, the stem its versions and its lock share."""
     name = url.rstrip("/").rsplit("/", 1)[-1] or "dataset"
-    version = f"@{hashlib.sha256(etag.encode()).hexdigest()[:12]}" if etag is not None else ""
-    return os.path.join(cache_dir, f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-{name}{version}")
+    stem = os.path.join(cache_dir, f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-{name}")
+    return stem if ident is None else f"{stem}@{ident}"
 
 
 def mirror(url: str, cache_dir: str) -> str:
@@ -83,228 +110,241 @@ def mirror(url: str, cache_dir: str) -> str:
     return open_version(url, cache_dir).root
 
 
+def identity(objects: dict[str, list], absent: list[str]) -> str:
+    """The identity of a version: a digest of every object's key, size and ETag, and of the keys absent."""
+    doc = json.dumps([sorted([k, v[0], v[1]] for k, v in objects.items()), sorted(absent)])
+    return hashlib.sha256(doc.encode()).hexdigest()[:16]
+
+
 def open_version(url: str, cache_dir: str) -> Version:
-    """The version of ``url`` the server holds now, its skeleton fetched into ``cache_dir`` unless complete
-    there. ReadError naming the URL (and the HTTP status) when an object cannot be fetched; nothing
-    half-written is left where a later open would take it."""
+    """The version of ``url`` the server holds now, its skeleton fetched into ``cache_dir`` unless a version
+    of exactly these objects is complete there. ReadError naming the URL and the HTTP status (or cause)
+    when an object cannot be fetched, FormatError naming the URL and key for metadata gdsload cannot read;
+    nothing half-written is left where a later open would take it."""
+    try:
+        return _open(url, cache_dir)
+    except GDSLoadError as e:
+        raise reworded(e, scrub(e, url)) from None
+
+
+def scrub(text: object, url: str) -> str:
+    """``text`` redacted (:func:`gdsload.remote.objects.redact`), and without the password of ``url`` wherever
+    a library's message quotes it outside a URL (botocore's, of a bucket name)."""
+    out = redact(text)
+    password = urllib.parse.urlsplit(url).password if "@" in url else None
+    return out.replace(password, "***") if password else out
+
+
+def _open(url: str, cache_dir: str) -> Version:
     client = client_for(url)
+    stem = mirror_path(url, cache_dir)
     try:
         os.makedirs(cache_dir, exist_ok=True)
-        lock = open(mirror_path(url, cache_dir) + ".lock", "a")
+        lock = open(stem + ".lock", "a")
     except OSError as e:
         raise ReadError(f"{cache_dir}: cannot make the cache folder ({e.strerror or e})") from None
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # the node's other ranks wait here, then find the version complete
-        etag = client.head(join(url, "zarr.json")).etag
-        root = mirror_path(url, cache_dir, etag)
-        if etag is None:
-            _remove_stale_private(root)
-            root = f"{root}{PRIVATE}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        marker = _marker(root, url, etag)
-        if marker is None:
-            tmp = f"{root}.tmp-{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            try:
-                objects = _fetch_skeleton(client, url, tmp)
-                now = client.head(join(url, "zarr.json")).etag
-                if now != etag:  # rewritten meanwhile: the objects may be of two versions
-                    raise ReadError(f"{join(url, 'zarr.json')}: changed while the dataset was opened (ETag {etag}, "
-                                    f"now {now}); open it again once it is written")
-                marker = {"url": url, "etag": etag, "objects": objects}
-                with open(os.path.join(tmp, MARKER), "w") as f:
-                    json.dump(marker, f)
-                    f.flush()
-                    os.fsync(f.fileno())
-                shutil.rmtree(root + STATE, ignore_errors=True)  # a crashed version's state: of no file now
-                os.replace(tmp, root)
-            except OSError as e:
-                raise ReadError(f"{cache_dir}: cannot write the dataset's skeleton into the cache "
-                                f"({e.strerror or e}): free space there, or choose another cache_dir") from None
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+        listed = listing(client, url) if client.lists else None
+        found = _current(client, url, stem, listed)
+        root, marker = found if found is not None else _build(client, url, cache_dir, stem, listed)
+        hold = _hold(root)
     shards = {}
     for key, (size, tag, lo, hi) in marker["objects"].items():
         if (lo, hi) != (0, size):
             path = os.path.join(root, *key.split("/"))
             shards[path] = Entry(ObjectInfo(join(url, key), size, tag), key, path, lo, hi)
-    return Version(url, root, etag, shards)
+    return Version(url, root, None if PRIVATE in os.path.basename(root) else marker["ident"], shards, hold)
 
 
-def _marker(root: str, url: str, etag: str | None) -> dict | None:
-    """The marker of a complete version of ``url`` at ``root``, or None."""
+def _current(client: ObjectClient, url: str, stem: str, listed: dict[str, ObjectInfo] | None
+             ) -> tuple[str, dict] | None:
+    """The complete version in the cache whose every object is unchanged on the server, or None."""
+    if listed is not None:
+        now = {k: [o.size, o.etag] for k, o in listed.items()}
+        if any(o.etag is None for o in listed.values()):
+            return None
+        root = f"{stem}@{identity(now, [])}"
+        marker = read_marker(root)
+        return (root, marker) if marker is not None and _same(marker, now, []) else None
+    newest = max(versions_of(stem), default=None)
+    if newest is None:
+        return None
+    root, marker = newest[1], newest[2]
+
+    def now(key: str) -> list | None:
+        try:
+            info = client.head(join(url, key))
+        except NotFound:
+            return None
+        return [info.size, info.etag]
+
+    keys = [*marker["objects"], *marker["absent"]]
+    seen = dict(zip(keys, parallel(now, keys)))
+    current = {k: v for k, v in seen.items() if v is not None}
+    return (root, marker) if _same(marker, current, [k for k, v in seen.items() if v is None]) else None
+
+
+def versions_of(stem: str) -> list[tuple[float, str, dict]]:
+    """The complete, shared versions of the URL whose folders begin ``stem``: (marker's time in ns, root, marker)."""
+    folder, name = os.path.split(stem)
+    out = []
+    for entry in os.listdir(folder):
+        if entry.startswith(name + "@") and PRIVATE not in entry and not entry.endswith((STATE, ".lock")):
+            root = os.path.join(folder, entry)
+            marker = read_marker(root)
+            if marker is not None:
+                out.append((os.stat(os.path.join(root, MARKER)).st_mtime_ns, root, marker))
+    return out
+
+
+def _same(marker: dict, objects: dict[str, list], absent: list[str]) -> bool:
+    return ({k: v[:2] for k, v in marker["objects"].items()} == objects
+            and sorted(marker["absent"]) == sorted(absent))
+
+
+def read_marker(root: str) -> dict | None:
+    """The marker of a complete version at ``root`` (of this code's format, every entry well formed), or None."""
     try:
         with open(os.path.join(root, MARKER)) as f:
             marker = json.load(f)
-    except (OSError, ValueError):
+        objects, absent = marker["objects"], marker["absent"]
+        ok = (marker.get("format") == MARKER_FORMAT and isinstance(marker.get("ident"), str)
+              and isinstance(objects, dict) and isinstance(absent, list)
+              and all(isinstance(v, list) and len(v) == 4 and all(type(n) is int for n in (v[0], v[2], v[3]))
+                      and (v[1] is None or isinstance(v[1], str)) for v in objects.values()))
+    except (OSError, ValueError, KeyError, TypeError):
         return None
-    ok = marker.get("url") == url and etag is not None and marker.get("etag") == etag
-    return marker if ok and isinstance(marker.get("objects"), dict) else None
+    return marker if ok else None
 
 
-def _remove_stale_private(base: str) -> None:
-    """Remove the private versions of ``base`` no open dataset holds (their owner crashed)."""
-    folder, name = os.path.split(base)
+def _build(client: ObjectClient, url: str, cache_dir: str, stem: str, listed: dict[str, ObjectInfo] | None
+           ) -> tuple[str, dict]:
+    """Fetch the version the server holds now into a folder of its own, then rename it into place (or find
+    it complete there already: a version the server went back to)."""
+    tmp = f"{stem}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        skeleton = fetch(client, url, tmp, listed)
+        if listed is None:
+            _recheck(client, url, skeleton)
+        ident = identity(skeleton.objects, skeleton.absent)
+        marker = {"format": MARKER_FORMAT, "url": redact(url), "ident": ident, "objects": skeleton.objects,
+                  "absent": skeleton.absent}
+        if any(v[1] is None for v in skeleton.objects.values()):  # no ETag: nothing can be pinned
+            _remove_stale_private(stem)
+            root = f"{stem}{PRIVATE}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        else:
+            root = f"{stem}@{ident}"
+            old = read_marker(root)
+            if old is not None and _same(old, {k: v[:2] for k, v in skeleton.objects.items()}, skeleton.absent):
+                os.utime(os.path.join(root, MARKER))  # the newest again
+                return root, old
+            _remove_damaged(root, url, cache_dir)
+        with open(os.path.join(tmp, MARKER), "w") as f:
+            json.dump(marker, f)
+            f.flush()
+            os.fsync(f.fileno())
+        shutil.rmtree(root + STATE, ignore_errors=True)  # a crashed version's state: of no file now
+        os.replace(tmp, root)
+        return root, marker
+    except GDSLoadError:
+        raise
+    except OSError as e:
+        raise ReadError(f"{cache_dir}: cannot write the dataset's skeleton into the cache ({e.strerror or e}): "
+                        f"free space there ('gdsload cache clear {cache_dir}' removes the versions no dataset has "
+                        f"open), or choose another cache_dir") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _recheck(client: ObjectClient, url: str, skeleton: Skeleton) -> None:
+    """Without a listing: the metadata fetched is still what the server holds (a dataset rewritten while it was
+    fetched would mix two versions); ReadError naming the object otherwise."""
+    meta = [k for k in skeleton.objects if k.rsplit("/", 1)[-1] == "zarr.json"]
+
+    def now(key: str) -> tuple[str, list | None]:
+        try:
+            info = client.head(join(url, key))
+        except NotFound:
+            return key, None
+        return key, [info.size, info.etag]
+
+    for key, seen in parallel(now, meta):
+        if seen != skeleton.objects[key][:2]:
+            raise ReadError(f"{join(url, key)}: changed while the dataset was opened ({skeleton.objects[key][:2]}, "
+                            f"now {seen}); open it again once it is written")
+
+
+def _hold(root: str) -> Hold:
+    """A shared lock on the version's ``open.lock`` (made with its state folder)."""
+    os.makedirs(root + STATE, exist_ok=True)
+    fd = os.open(os.path.join(root + STATE, "open.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return Hold(fd)
+
+
+def unused(root: str) -> int | None:
+    """A descriptor of the version's ``open.lock`` held exclusively when no dataset has the version open (close
+    it once the version is removed), else None."""
+    try:
+        fd = os.open(os.path.join(root + STATE, "open.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except FileNotFoundError:
+        return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)  # no state: no dataset ever held it
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def remove(root: str) -> None:
+    """Remove a version's folder and its state (hold :func:`unused`'s descriptor, and the URL's lock)."""
+    shutil.rmtree(root, ignore_errors=True)
+    shutil.rmtree(root + STATE, ignore_errors=True)
+
+
+def _remove_damaged(root: str, url: str, cache_dir: str) -> None:
+    """A folder at ``root`` without a complete marker (damaged) is removed unless a dataset holds it open."""
+    if not os.path.lexists(root):
+        return
+    fd = unused(root)
+    if fd is None:
+        raise ReadError(f"{root}: a damaged version of {url} in the cache, open in a dataset: close it, then run "
+                        f"'gdsload cache clear {cache_dir} {url}'")
+    try:
+        remove(root)
+    finally:
+        os.close(fd)
+
+
+def _remove_stale_private(stem: str) -> None:
+    """Remove the private versions of ``stem`` no open dataset holds (their owner crashed)."""
+    folder, name = os.path.split(stem)
     for entry in os.listdir(folder):
         if entry.startswith(name + PRIVATE) and not entry.endswith((STATE, ".lock")) and ".tmp-" not in entry:
             root = os.path.join(folder, entry)
-            try:
-                fd = os.open(os.path.join(root + STATE, "open.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            except OSError:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                continue  # open somewhere
-            finally:
-                os.close(fd)
-            shutil.rmtree(root, ignore_errors=True)
-            shutil.rmtree(root + STATE, ignore_errors=True)
+            fd = unused(root)
+            if fd is not None:
+                try:
+                    remove(root)
+                finally:
+                    os.close(fd)
 
 
-def _check_key(url: str, key: str) -> None:
-    if key == MARKER or any(part in ("", ".", "..") for part in key.split("/")):
-        raise FormatError(f"{join(url, key)}: an object key that leaves the dataset's folder")
-
-
-def _fetch_skeleton(client: ObjectClient, url: str, tmp: str) -> dict[str, list]:
-    """Fetch the skeleton into ``tmp``: ``key -> [size, etag, keep_lo, keep_hi]`` of every object (whole
-    objects keep ``0 .. size``)."""
-    if client.lists:  # S3: every object under the URL; a failure to list is an error, not another route
-        base = url.rstrip("/") + "/"
-        listed = {o.url[len(base):]: o for o in client.list_info(url) if o.url.startswith(base)}
-        if "zarr.json" not in listed:
-            raise FormatError(f"{url}: no zarr.json under this URL (not a dataset or Zarr store)")
-        meta = [k for k in listed if k.rsplit("/", 1)[-1] == "zarr.json"]
-        done = _fetch_whole(client, url, tmp, [listed[k] for k in meta], required=True)
-        arrays, whole = _arrays(url, tmp, meta)
-        data = [k for k in listed if k not in done]
-        return {**done, **_fetch_data(client, url, tmp, [(k, listed[k], _owner(k, arrays, whole)) for k in data])}
-    done = _fetch_whole(client, url, tmp, [join(url, "zarr.json")], required=True)
-    meta_keys = _metadata_keys(url, tmp)
-    done.update(_fetch_whole(client, url, tmp, [join(url, k) for k in meta_keys[1:]], required=True))
-    arrays, whole = _arrays(url, tmp, meta_keys)
-    todo = []
-    for prefix, fm in arrays.items():
-        todo += [(f"{prefix}/{fm.shard_key(s)}" if prefix else fm.shard_key(s), None, None if prefix in whole else fm)
-                 for s in range(fm.num_shards)]
-    return {**done, **_fetch_data(client, url, tmp, todo)}
-
-
-def _metadata_keys(url: str, tmp: str) -> list[str]:
-    """The root ``zarr.json`` (fetched into ``tmp``) and, for a gdsload dataset's group, the ``zarr.json`` of
-    every array it names."""
-    doc = _root(url, tmp)
-    if doc.get("node_type") == "array":
-        return ["zarr.json"]
-    attrs = (doc.get("attributes") or {}).get(ATTRS_KEY)
-    if not isinstance(attrs, dict):
-        raise FormatError(f"{url}: a Zarr group over HTTP(S) lists no arrays (only gdsload datasets name them): "
-                          f"serve it from s3://, or convert it with 'gdsload shard'")
-    return ["zarr.json", *[f"{a}/zarr.json" for a in _named_arrays(attrs)[0]]]
-
-
-def _root(url: str, tmp: str) -> dict:
-    with open(os.path.join(tmp, "zarr.json")) as f:
-        try:
-            doc = json.load(f)
-        except ValueError as e:
-            raise FormatError(f"{join(url, 'zarr.json')}: not JSON ({e})") from None
-    return doc if isinstance(doc, dict) else {}
-
-
-def _named_arrays(attrs: dict) -> tuple[list[str], set[str]]:
-    """The arrays a gdsload dataset's attributes name, and those of them read whole at open (the offsets of
-    variable-length fields, the block checksums)."""
-    arrays, whole = [], set()
-    for name, entry in (attrs.get("fields") or {}).items():
-        if (entry or {}).get("kind", "fixed") == "ragged":
-            arrays += [f"{name}/values", f"{name}/offsets"]
-            whole.add(f"{name}/offsets")
-        else:
-            arrays.append(name)
-    sums = list(((attrs.get("checksums") or {}).get("arrays") or {}).values())
-    return arrays + sums, whole | set(sums)
-
-
-def _arrays(url: str, tmp: str, meta_keys: list[str]) -> tuple[dict[str, FieldMeta], set[str]]:
-    """The arrays among the fetched metadata (prefix -> FieldMeta; one that cannot be read is left out, its
-    files then fetched whole) and the prefixes of those read whole at open."""
-    attrs = (_root(url, tmp).get("attributes") or {}).get(ATTRS_KEY)
-    whole = _named_arrays(attrs)[1] if isinstance(attrs, dict) else set()
-    arrays = {}
-    for key in meta_keys:
-        prefix = key[:-len("zarr.json")].rstrip("/")
-        try:
-            arrays[prefix] = read_array(os.path.join(tmp, *prefix.split("/")) if prefix else tmp, prefix,
-                                        "named by the dataset's metadata", False)
-        except FormatError:
-            continue  # a group, or an array the dataset's open will judge
-    return arrays, whole
-
-
-def _owner(key: str, arrays: dict[str, FieldMeta], whole: set[str]) -> FieldMeta | None:
-    """The array whose chunk file ``key`` is (None: fetched whole)."""
-    parts = key.split("/")
-    for n in range(len(parts) - 1, -1, -1):
-        prefix = "/".join(parts[:n])
-        if prefix in arrays:
-            return None if prefix in whole else arrays[prefix]
-    return None
-
-
-def _fetch_whole(client: ObjectClient, url: str, tmp: str, objects: list, required: bool) -> dict[str, list]:
-    """Fetch ``objects`` (URLs, or ObjectInfo as listed) whole into ``tmp``, on threads (a missing object is
-    passed over unless ``required``)."""
-    base = url.rstrip("/") + "/"
-
-    def one(o: ObjectInfo | str) -> tuple[str, list] | None:
-        key = (o if isinstance(o, str) else o.url)[len(base):]
-        _check_key(url, key)
-        try:
-            info = client.head(o) if isinstance(o, str) else o
-        except NotFound:
-            if required:
-                raise
-            return None
-        with _create(tmp, key) as f:
-            for offset in range(0, info.size, PIECE_BYTES):
-                f.write(client.read(info, offset, min(PIECE_BYTES, info.size - offset)))
-        return key, [info.size, info.etag, 0, info.size]
-
-    with ThreadPoolExecutor(min(FETCH_THREADS, max(1, len(objects))), thread_name_prefix="gdsload-fetch") as pool:
-        return dict(r for r in pool.map(one, objects) if r is not None)
-
-
-def _fetch_data(client: ObjectClient, url: str, tmp: str, todo: list[tuple[str, ObjectInfo | None, FieldMeta | None]]
-                ) -> dict[str, list]:
-    """Write each data object into ``tmp``: a shard file as a sparse file of its size holding its index, an
-    unsharded chunk file as a sparse file, anything else (``None``) whole. A missing object is passed over
-    (a shard never written reads as the fill value; the open judges one the dataset must have)."""
-    def one(item: tuple[str, ObjectInfo | None, FieldMeta | None]) -> tuple[str, list] | None:
-        key, info, fm = item
-        _check_key(url, key)
-        if fm is None:
-            return next(iter(_fetch_whole(client, url, tmp, [info or join(url, key)], required=False).items()), None)
-        try:
-            if fm.sharded and fm.index_location == "end":
-                info, tail = client.read_end(join(url, key), fm.index_bytes)
-                lo, hi = info.size - len(tail), info.size
-            else:
-                info = info or client.head(join(url, key))
-                lo, hi = 0, min(info.size, fm.index_bytes if fm.sharded else 0)
-                tail = client.read(info, lo, hi - lo)
-        except NotFound:
-            return None
-        with _create(tmp, key) as f:
-            f.truncate(info.size)
-            os.pwrite(f.fileno(), tail, lo)
-        return key, [info.size, info.etag, lo, hi]
-
-    with ThreadPoolExecutor(min(FETCH_THREADS, max(1, len(todo))), thread_name_prefix="gdsload-fetch") as pool:
-        return dict(r for r in pool.map(one, todo) if r is not None)
-
-
-def _create(tmp: str, key: str) -> BinaryIO:
-    path = os.path.join(tmp, *key.split("/"))
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    return open(path, "wb")
+def named(error: GDSLoadError, version: Version, cache_dir: str) -> GDSLoadError:
+    """``error`` of a remote dataset's open or read, of the same type, naming the objects' URLs in place of
+    their copies in the cache (redacted); a FormatError (a copy whose bytes do not check) also says how to
+    remove the version, in case the cache, not the server, is what is damaged."""
+    text = str(error)
+    if version.root not in text:
+        return error if scrub(text, version.url) == text else reworded(error, scrub(text, version.url))
+    below = version.root + os.sep in text  # a file of the version, not the dataset as a whole (no field 'y')
+    text = text.replace(version.root + os.sep, version.url.rstrip("/") + "/").replace(version.root, version.url)
+    if isinstance(error, FormatError) and below:
+        text += (f" (read from the node's cache of it in {cache_dir}; if the object is sound on the server, "
+                 f"'gdsload cache clear {cache_dir} {version.url}' removes that copy once no dataset has it open)")
+    return reworded(error, scrub(text, version.url))

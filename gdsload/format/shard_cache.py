@@ -68,6 +68,8 @@ class ShardCache:
         os.makedirs(self.state, exist_ok=True)
         self._open = os.open(os.path.join(self.state, "open.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         fcntl.flock(self._open, fcntl.LOCK_SH)  # this version is open: a private one is not removed under it
+        if version.hold is not None:
+            version.hold.close()  # the open's own lock, held from the skeleton's lock until this one
         self._lock = threading.Lock()
         self.fetched_bytes = self.fetched = self.hits = self.evicted = 0
 
@@ -115,7 +117,7 @@ class ShardCache:
         """Drop the version's open lock; a private version (no ETag) no other dataset holds is removed."""
         if self._open < 0:
             return
-        if self.version.etag is None:
+        if self.version.ident is None:
             import shutil
 
             if _try(self._open, fcntl.LOCK_EX):

@@ -27,6 +27,7 @@ from ..codecs.verify import Verdict, Verification, carries_trailers, unchecked_f
 from ..errors import GDSLoadError, ReadError, with_context
 from ..format.layout import DatasetLayout
 from ..format.meta import DatasetMeta, read_metadata
+from ..format.mirror import named
 from ..remote.objects import is_remote
 from ..system.env import cache_dir as env_cache_dir
 from ..system.env import warn_few_connections
@@ -153,9 +154,11 @@ class Reader:
         try:
             reader = cls._open(path, fields, backend, device, resident_bytes, verify, backend_options, on_resolved,
                                remote, cache_option, missing_chunks)
-        except BaseException:
+        except BaseException as e:
             if remote is not None:
                 remote.close()
+                if isinstance(e, GDSLoadError):
+                    raise named(e, remote.version, remote.cache.cache_dir) from e
             raise
         if reader.on_device:
             warn_few_connections()  # the steps would wait behind this dataset's copies
@@ -325,15 +328,18 @@ class Reader:
         buf = self.allocate()
         requests = self.window_map.first_requests(self.layout, plan)  # type: ignore[union-attr]
         if requests:
-            ticket = self._pinned([getattr(r, "path", "") for r in requests], threading.Event())
             try:
-                filled = self.backend.load(buf.buffer, requests, threading.Event())
-                if filled is not None:
-                    filled.synchronize()  # there when the open returns (copies still queued would hold up the pass)
-            finally:
-                if ticket is not None:
-                    self.remote.release(ticket)  # type: ignore[union-attr]
-                    self.remote.stop()  # type: ignore[union-attr]  # no fetcher thread while no pass runs
+                ticket = self._pinned([getattr(r, "path", "") for r in requests], threading.Event())
+                try:
+                    filled = self.backend.load(buf.buffer, requests, threading.Event())
+                    if filled is not None:
+                        filled.synchronize()  # there when the open returns (copies queued would hold up the pass)
+                finally:
+                    if ticket is not None:
+                        self.remote.release(ticket)  # type: ignore[union-attr]
+                        self.remote.stop()  # type: ignore[union-attr]  # no fetcher thread while no pass runs
+            except GDSLoadError as e:
+                raise self.named(e) from e
             buf.loaded = requests
         return buf
 
@@ -374,10 +380,14 @@ class Reader:
             if filled.verdict is not None:
                 filled.verdict.confirm()
         except ReadError as e:
-            raise with_context(e, f"reading resident field '{name}'") from e
+            raise with_context(self.named(e), f"reading resident field '{name}'") from e
         if filled.event is not None:
             filled.event.synchronize()
         return ResidentField(f, single.view(wb.buffer, name))
+
+    def named(self, e: GDSLoadError) -> GDSLoadError:
+        """``e`` naming a remote dataset's URLs in place of their copies in the node's cache (``e`` for a local one)."""
+        return e if self._skeleton is None else named(e, self._skeleton.version, self._skeleton.cache.cache_dir)
 
     # -- the rest ----------------------------------------------------------------------------------------
     @property

@@ -1,5 +1,5 @@
 """Command line: ``gdsload info [PATH]``, ``demo``, ``shard`` (same as scripts/shard.py), ``verify``, ``doctor``,
-``bench``.
+``bench``, ``cache``.
 
 Errors: every command ends an expected error -- a GDSLoadError, a ValueError or TypeError of an argument
 check (an environment variable's included), an OSError on a path the user gave -- with one line
@@ -403,6 +403,10 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--json", action="store_true", help="print one JSON object")
     doctor.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                         help="for a URL: seconds each request may take (default 10)")
+    from .cache_cmd import add_arguments as cache_arguments
+
+    cache_arguments(command("cache", "the versions of remote datasets in a cache folder (ls), and the removal of "
+                                     "those no dataset has open (clear)"))
     from .bench import add_arguments as bench_arguments
 
     bench_arguments(command("bench", "each backend's GB/s and samples/s on PATH, warm (and cold), shuffled and "
@@ -421,6 +425,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .bench import main as bench_main
 
             return bench_main(args)
+        if args.cmd == "cache":
+            from .cache_cmd import main as cache_main
+
+            return cache_main(args)
         if args.cmd == "doctor":
             from .doctor import main as doctor_main
 
