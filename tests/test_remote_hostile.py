@@ -151,6 +151,9 @@ def test_checksum_arrays_the_metadata_does_not_name_come_whole_into_the_cache(lo
     with open(os.path.join(version.root, "_checksums", "x", "c", "0"), "rb") as f:
         assert f.read() == want
     assert not [p for p in version.shards if "_checksums" in p], "not a shard the cache fetches later"
+    # and so the open sees what a local one would: checksums on disk the metadata does not name are refused
+    with pytest.raises(FormatError, match=r"zarr\.json.*_checksums"):
+        GDSDataset(url, batch_size=8, backend="cpu", cache_dir=str(tmp_path / "c"))
 
 
 # -- failures while the skeleton is fetched --------------------------------------------------------------
