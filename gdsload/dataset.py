@@ -14,7 +14,7 @@ from typing import Any
 from . import _fork
 from ._tasks import REAPER, Closing
 from .errors import GDSLoadError
-from .integrations import LoaderProtocols, refuse_worker
+from .integrations import LoaderProtocols, refuse_collation, refuse_worker
 from .cuda.ops import CudaOps, host_ops
 from .options import check_choices, check_int, device_id, field_names, output_kind, pad_spec, rank_and_world
 from .pipeline import resume
@@ -175,6 +175,7 @@ class GDSDataset(LoaderProtocols, Closing):
         an iterator that is made and never used (as frameworks do to probe an iterable) reads nothing and
         counts as no pass."""
         refuse_worker(self)  # first: a forked worker is also refused by _fork, with less to say
+        refuse_collation(self)
         _fork.check(self)
         if not self._finalizer.alive:
             raise GDSLoadError(f"{self.meta.path}: the dataset was closed (open a new GDSDataset)")

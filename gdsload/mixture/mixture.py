@@ -26,7 +26,7 @@ from .._tasks import Closing
 from ..backends import info
 from ..dataset import GDSDataset
 from ..errors import GDSLoadError
-from ..integrations import LoaderProtocols, refuse_worker
+from ..integrations import LoaderProtocols, refuse_collation, refuse_worker
 from .ahead import Ahead, Made
 from .assemble import assemble
 from .joiners import DeviceJoiner, Joiners
@@ -218,6 +218,7 @@ class Mixture(LoaderProtocols, Closing):
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         refuse_worker(self)
+        refuse_collation(self)
         if self._closed:
             raise GDSLoadError(f"mixture of {list(self.sources)}: it was closed (open a new Mixture)")
         return self._pass()
