@@ -27,6 +27,7 @@ so a resume on another number of ranks can close the old ranks' leg where each o
 from __future__ import annotations
 
 import numbers
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
@@ -39,6 +40,8 @@ from numpy.random import default_rng
 
 from ..pipeline.legs import Hop, rest_after
 from ..pipeline.resume import StateError
+
+WEIGHT_TEXT = re.compile(r"[0-9]+(/[0-9]+)?")  # a weight in a state: str(Fraction) of one >= 0
 
 
 def exact_weights(weights: Any, names: Sequence[str]) -> tuple[Fraction, ...]:
@@ -53,6 +56,8 @@ def exact_weights(weights: Any, names: Sequence[str]) -> tuple[Fraction, ...]:
     out = []
     for name in names:
         value = weights[name]
+        if isinstance(value, Decimal) and not value.is_finite():  # Fraction() would raise, naming no weight
+            raise TypeError(f"weights[{name!r}] must be a finite number (found {value!r})")
         if isinstance(value, (numbers.Rational, Decimal)) and not isinstance(value, bool):
             weight = Fraction(value)
         elif isinstance(value, numbers.Real) and not isinstance(value, bool) and abs(float(value)) < float("inf"):
@@ -145,11 +150,11 @@ def parse_schedule(value: Any, names: Sequence[str], step: int, unit: int) -> Sc
         if not isinstance(value[key], Mapping) or list(value[key]) != list(names):
             raise StateError(f"state key 'schedule.{key}': expected a dict keyed by the sources {list(names)}, "
                              f"found {value[key]!r}"[:300])
+    given = {n: state_weight(value["weights"][n], n) for n in names}
     try:
-        weights = exact_weights({n: Fraction(value["weights"][n]) for n in names}, names)
+        weights = exact_weights(given, names)  # all 0 is refused there
     except (TypeError, ValueError) as e:
-        raise StateError(f"state key 'schedule.weights': expected fractions such as '3/5' (found "
-                         f"{value['weights']!r}: {e})") from None
+        raise StateError(f"state key 'schedule.weights': {e}") from None
     counts = tuple(state_int(value["counts"][n], f"schedule.counts[{n!r}]", 0) for n in names)
     h = (step - start) * unit
     ints, total = _scaled(weights)
@@ -158,6 +163,19 @@ def parse_schedule(value: Any, names: Sequence[str], step: int, unit: int) -> Sc
         raise StateError(f"state key 'schedule.counts': {dict(zip(names, counts))} is not {h} units split by the "
                          f"weights within one each (step {step}, segment start {start})")
     return Schedule(start, weights, counts)
+
+
+def state_weight(text: Any, name: str) -> Fraction:
+    """A weight of a schedule state: a fraction >= 0 as ``str(Fraction)`` writes it (``'3/5'``, ``'2'``; no
+    sign, exponent or float spelling, whose parsing could overflow, divide by zero or take unbounded time).
+    StateError naming the weight and its value otherwise."""
+    try:
+        if isinstance(text, str) and WEIGHT_TEXT.fullmatch(text):
+            return Fraction(text)
+    except (ValueError, ZeroDivisionError):  # a zero denominator; more digits than Python converts
+        pass
+    raise StateError(f"state key 'schedule.weights[{name!r}]': expected a fraction >= 0 as Mixture.state_dict() "
+                     f"writes it, such as '3/5' (found {text!r})"[:300])
 
 
 def state_int(value: Any, key: str, lo: int, hi: int | None = None) -> int:
