@@ -39,7 +39,7 @@ from typing import Any
 from numpy.random import default_rng
 
 from ..pipeline.legs import Hop, rest_after
-from ..pipeline.resume import StateError
+from ..pipeline.resume import StateError, state_int
 
 WEIGHT_TEXT = re.compile(r"[0-9]+(/[0-9]+)?")  # a weight in a state: str(Fraction) of one >= 0
 
@@ -178,15 +178,6 @@ def state_weight(text: Any, name: str) -> Fraction:
                      f"writes it, such as '3/5' (found {text!r})"[:300])
 
 
-def state_int(value: Any, key: str, lo: int, hi: int | None = None) -> int:
-    """An int entry of a state, from ``lo`` to ``hi``: StateError naming the key otherwise (never a bool)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo or (hi is not None
-                                                                                           and value > hi):
-        allowed = f"an int from {lo} to {hi}" if hi is not None else f"an int >= {lo}"
-        raise StateError(f"state key '{key}': expected {allowed}, found {value!r}")
-    return int(value)
-
-
 # -- where a source stands ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Stretch:
@@ -199,13 +190,19 @@ class Stretch:
     rest of ``epoch`` dealt out after an elastic resume, in shares sized as the exact shares of one continuous
     stream (:func:`gdsload.pipeline.legs.rest_shares`): each rank reads its own part of the rest and begins
     ``epoch + 1`` at once, no rank padded. Either way rank r's epochs follow from ``samples`` alone
-    (:meth:`rank_position`), and ranks are at most one sample apart."""
+    (:meth:`rank_position`), and ranks are at most one sample apart.
+
+    ``source`` and ``fingerprint`` say whose position it is: the source's name and the digest of its dataset's
+    fingerprint (:func:`gdsload.mixture.source.record_digest`), saved with it so that a state's positions cannot
+    be swapped between sources or loaded into other ones unnoticed ('' where no source is meant)."""
 
     epoch: int
     hops: tuple[dict[str, int], ...]
     world_size: int
     window_blocks: int
     samples: int
+    source: str = ""
+    fingerprint: str = ""
 
     def _base(self, rank: int, num_samples: int) -> tuple[int, int]:
         """(``rank``'s samples in ``epoch``, its count in the stream of epochs where the stretch begins): the
@@ -250,25 +247,34 @@ class Stretch:
 
     def taken(self, n: int) -> Stretch:
         # Called for every slice of every batch: made directly, which costs a fraction of dataclasses.replace.
-        return Stretch(self.epoch, self.hops, self.world_size, self.window_blocks, self.samples + n)
+        return Stretch(self.epoch, self.hops, self.world_size, self.window_blocks, self.samples + n, self.source,
+                       self.fingerprint)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "hops": [dict(h) for h in self.hops], "world_size": self.world_size,
+        return {"source": self.source, "fingerprint": self.fingerprint, "epoch": self.epoch,
+                "hops": [dict(h) for h in self.hops], "world_size": self.world_size,
                 "window_blocks": self.window_blocks, "samples": self.samples}
 
 
-STRETCH_KEYS = ("epoch", "hops", "world_size", "window_blocks", "samples")
+STRETCH_KEYS = ("source", "fingerprint", "epoch", "hops", "world_size", "window_blocks", "samples")
+UNBOUND_KEYS = STRETCH_KEYS[2:]  # a position of a state saved before positions named their source
 
 
-def parse_stretch(value: Any, key: str) -> Stretch:
-    """A stretch as :meth:`Stretch.as_dict` gives it, its ints checked (the hops are checked where they are
-    loaded, by gdsload.pipeline.resume): StateError naming the key."""
-    if not isinstance(value, Mapping) or sorted(value) != sorted(STRETCH_KEYS):
-        raise StateError(f"state key '{key}': expected a dict with keys {list(STRETCH_KEYS)}, found {value!r}"[:300])
+def parse_stretch(value: Any, key: str, unbound: bool = False) -> Stretch:
+    """A stretch as :meth:`Stretch.as_dict` gives it (``unbound``: without ``source`` and ``fingerprint``, as
+    states saved before them), its ints checked (the hops are checked where they are loaded, by
+    gdsload.pipeline.resume; whose position it is, by gdsload.mixture.state): StateError naming the key."""
+    keys = UNBOUND_KEYS if unbound else STRETCH_KEYS
+    if not isinstance(value, Mapping) or sorted(value) != sorted(keys):
+        raise StateError(f"state key '{key}': expected a dict with keys {list(keys)}, found {value!r}"[:300])
     hops = value["hops"]
     if not isinstance(hops, (list, tuple)) or not all(isinstance(h, Mapping) for h in hops):
         raise StateError(f"state key '{key}.hops': expected a list of dicts, found {hops!r}"[:300])
+    owner = {k: value.get(k, "") for k in STRETCH_KEYS[:2]}
+    for k, v in owner.items():
+        if not isinstance(v, str):
+            raise StateError(f"state key '{key}.{k}': expected a str, found {v!r}"[:300])
     return Stretch(state_int(value["epoch"], f"{key}.epoch", 0), tuple(dict(h) for h in hops),
                    state_int(value["world_size"], f"{key}.world_size", 1),
                    state_int(value["window_blocks"], f"{key}.window_blocks", 1),
-                   state_int(value["samples"], f"{key}.samples", 0))
+                   state_int(value["samples"], f"{key}.samples", 0), **owner)
