@@ -80,6 +80,9 @@ def refuse_worker(dataset: Any) -> None:
                            f"(num_workers > 0): {NO_WORKERS}")
 
 
+#: The module and class of the fetcher a torch DataLoader iterates an IterableDataset with.
+FETCH_MODULE, FETCHER = "torch.utils.data._utils.fetch", "_IterableDatasetFetcher"
+
 #: Why a dataset is not given to a DataLoader that batches, and what to do instead.
 NO_COLLATION = ("it yields whole batches already, so a DataLoader that batches (batch_size not None; its default "
                 "is 1) would collate several of them into one, or fail in torch's collate at a batch of another "
@@ -88,21 +91,26 @@ NO_COLLATION = ("it yields whole batches already, so a DataLoader that batches (
 
 def refuse_collation(dataset: Any) -> None:
     """Raise ValueError when ``dataset`` is being iterated for a torch DataLoader that batches. Called from
-    ``__iter__``: such a loader's fetcher (``torch.utils.data._utils.fetch._IterableDatasetFetcher``, also
-    torchdata's StatefulDataLoader's) calls ``iter(dataset)`` from its constructor, holding the dataset and
-    ``auto_collation`` (True where the loader has a batch size), so the frames just above tell. Never imports
-    torch; without torch's data module loaded there is no DataLoader, and nothing is looked at."""
-    if "torch.utils.data" not in sys.modules:
+    ``__iter__``: such a loader's fetcher (:data:`FETCHER` in :data:`FETCH_MODULE`, also what torchdata's
+    StatefulDataLoader uses) calls ``iter(dataset)`` from its constructor, holding the dataset and
+    ``auto_collation`` (True where the loader has a batch size), so a frame just above running that
+    constructor tells. Only that frame's locals are read: reading another's would keep its variables alive
+    (a user's ``del ds`` would free nothing). Never imports torch; without its fetch module loaded there is no
+    DataLoader, and nothing is looked at."""
+    fetcher = getattr(sys.modules.get(FETCH_MODULE), FETCHER, None)
+    code = getattr(getattr(fetcher, "__init__", None), "__code__", None)
+    if code is None:
         return
     frame = sys._getframe(2)  # 0: here, 1: the dataset's __iter__, 2: who called iter()
     for _ in range(3):
         if frame is None:
             return
-        owner = frame.f_locals.get("self")
-        if (type(owner).__name__.endswith("DatasetFetcher") and getattr(owner, "dataset", None) is dataset
-                and getattr(owner, "auto_collation", False) is True):
-            where = dataset.meta.path if hasattr(dataset, "meta") else repr(dataset)
-            raise ValueError(f"{where}: iterated by a torch DataLoader that batches: {NO_COLLATION}")
+        if frame.f_code is code:
+            owner = frame.f_locals.get("self")
+            if getattr(owner, "dataset", None) is dataset and getattr(owner, "auto_collation", False) is True:
+                where = dataset.meta.path if hasattr(dataset, "meta") else repr(dataset)
+                raise ValueError(f"{where}: iterated by a torch DataLoader that batches: {NO_COLLATION}")
+            return
         frame = frame.f_back
 
 

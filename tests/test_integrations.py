@@ -247,6 +247,25 @@ def test_a_dataloader_that_batches_is_refused_saying_to_use_batch_size_none(data
             assert sum(1 for _ in DataLoader(dataset, batch_size=None)) == len(dataset)
 
 
+def test_the_dataloader_check_keeps_no_variable_of_its_caller_alive(data):
+    """The check looks at the frames above __iter__ for a DataLoader's fetcher: reading any other frame's
+    locals would keep them alive, so that a dataset iterated with torch imported was never freed by ``del``
+    (its reader threads outliving it)."""
+    pytest.importorskip("torch", reason="needs torch (the test extra installs the CPU build)")
+    import gc
+    import weakref
+
+    import torch.utils.data  # noqa: F401 - a DataLoader could be there
+
+    path, _ = data
+    ds = opened(path)
+    assert sum(1 for _ in ds) == len(ds)
+    ref = weakref.ref(ds)
+    del ds
+    gc.collect()
+    assert ref() is None, "the dataset outlived its last reference"
+
+
 def test_a_mixtures_epochs_are_its_passes_for_lightnings_set_epoch(data):
     """Epoch e is the pass over steps [6e, 6e + 6): the epoch it stands in is accepted, any other refused
     saying where it stands; an endless mixture has none."""
