@@ -13,11 +13,12 @@ from typing import Any
 
 from . import _fork
 from ._tasks import REAPER, Closing
-from .errors import GDSLoadError
+from .errors import GDSLoadError, warn
 from .format.missing import check_missing_chunks
-from .integrations import LoaderProtocols, refuse_worker
+from .integrations import LoaderProtocols, refuse_collation, refuse_worker
 from .cuda.ops import CudaOps, host_ops
 from .options import check_choices, check_int, device_id, field_names, output_kind, pad_spec, rank_and_world
+from .options import check_bool
 from .pipeline import resume
 from .pipeline.cursor import Cursor
 from .pipeline.position import Position
@@ -77,6 +78,9 @@ class GDSDataset(LoaderProtocols, Closing):
         resident_bytes, seed = check_int("resident_bytes", resident_bytes, 0), check_int("seed", seed, 0)
         window_blocks = check_int("window_blocks", window_blocks, 1, none_ok=True)
         batches_ahead = check_int("batches_ahead", batches_ahead, 1, none_ok=True)
+        shuffle, drop_last, exact_shares, prefetch_next_epoch = (check_bool(n, v) for n, v in (
+            ("shuffle", shuffle), ("drop_last", drop_last), ("exact_shares", exact_shares),
+            ("prefetch_next_epoch", prefetch_next_epoch)))
         device, (rank, world_size) = device_id(device), rank_and_world(rank, world_size)
         check_choices(backend, output, verify, backend_options)
         check_missing_chunks(missing_chunks)
@@ -93,6 +97,10 @@ class GDSDataset(LoaderProtocols, Closing):
         try:
             if window_blocks is None:
                 window_blocks = reader.window_blocks(batch_size, world_size)
+            elif window_blocks > self.meta.num_blocks:  # no window of this dataset can be that: say what it is
+                warn(f"{self.meta.path}: window_blocks={window_blocks} is more than the dataset's "
+                     f"{self.meta.num_blocks} blocks; a window holds at most a rank's share, so windows of "
+                     f"{reader.max_window_blocks(world_size)} blocks are read", UserWarning)
             self.config = PlanConfig(num_samples=self.meta.num_samples, samples_per_block=self.meta.samples_per_block,
                                      batch_size=batch_size, window_blocks=min(window_blocks,  # no window holds more
                                                                               reader.max_window_blocks(world_size)),
@@ -169,9 +177,10 @@ class GDSDataset(LoaderProtocols, Closing):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``, saved by any rank (all ranks' agree; ``resume.merge_states`` checks it):
         the next pass yields exactly the batches not yet yielded. Under another world_size, batch_size or
-        window_blocks the ranks share out the rest of the epoch, every sample once (docs/multi-gpu.md).
-        Raises TypeError for a non-dict and ValueError naming the key for a malformed state or one of
-        another dataset, seed, shuffle or drop_last; nothing changes then."""
+        window_blocks the ranks share out the rest of the epoch, every sample once (docs/multi-gpu.md); another
+        batch_size is warned about, saying what changes. Raises TypeError for a non-dict and ValueError naming
+        the key for a malformed state or one of another dataset, seed, shuffle or drop_last; nothing changes
+        then."""
         self._position.load(state)
 
     # -- iteration -------------------------------------------------------------------------------------
@@ -180,6 +189,7 @@ class GDSDataset(LoaderProtocols, Closing):
         an iterator that is made and never used (as frameworks do to probe an iterable) reads nothing and
         counts as no pass."""
         refuse_worker(self)  # first: a forked worker is also refused by _fork, with less to say
+        refuse_collation(self)
         _fork.check(self)
         if not self._finalizer.alive:
             raise GDSLoadError(f"{self.meta.path}: the dataset was closed (open a new GDSDataset)")

@@ -12,7 +12,9 @@ Then, for any dataset built on :class:`LoaderProtocols`:
 
 - ``DataLoader(ds, batch_size=None)`` iterates it in the main process and hands its batches on (torch's
   default conversion turns numpy arrays into tensors sharing their memory, and leaves tensors and CuPy
-  arrays as they are); ``len()`` is the dataset's.
+  arrays as they are); ``len()`` is the dataset's. A DataLoader that batches (``batch_size`` not None, its
+  default being 1) is refused when it starts iterating, with a ValueError saying to pass ``batch_size=None``
+  (:func:`refuse_collation`).
 - In a DataLoader worker process (``num_workers > 0``) iterating is refused with a :class:`GDSLoadError`
   saying why and what to do (:func:`refuse_worker`), and pickling (how ``spawn`` workers receive it) with a
   TypeError saying the same.
@@ -76,6 +78,40 @@ def refuse_worker(dataset: Any) -> None:
         where = dataset.meta.path if hasattr(dataset, "meta") else repr(dataset)
         raise GDSLoadError(f"{where}: iterated in DataLoader worker process {info().id} "
                            f"(num_workers > 0): {NO_WORKERS}")
+
+
+#: The module and class of the fetcher a torch DataLoader iterates an IterableDataset with.
+FETCH_MODULE, FETCHER = "torch.utils.data._utils.fetch", "_IterableDatasetFetcher"
+
+#: Why a dataset is not given to a DataLoader that batches, and what to do instead.
+NO_COLLATION = ("it yields whole batches already, so a DataLoader that batches (batch_size not None; its default "
+                "is 1) would collate several of them into one, or fail in torch's collate at a batch of another "
+                "size; use DataLoader(ds, batch_size=None) and set the batch size on the dataset")
+
+
+def refuse_collation(dataset: Any) -> None:
+    """Raise ValueError when ``dataset`` is being iterated for a torch DataLoader that batches. Called from
+    ``__iter__``: such a loader's fetcher (:data:`FETCHER` in :data:`FETCH_MODULE`, also what torchdata's
+    StatefulDataLoader uses) calls ``iter(dataset)`` from its constructor, holding the dataset and
+    ``auto_collation`` (True where the loader has a batch size), so a frame just above running that
+    constructor tells. Only that frame's locals are read: reading another's would keep its variables alive
+    (a user's ``del ds`` would free nothing). Never imports torch; without its fetch module loaded there is no
+    DataLoader, and nothing is looked at."""
+    fetcher = getattr(sys.modules.get(FETCH_MODULE), FETCHER, None)
+    code = getattr(getattr(fetcher, "__init__", None), "__code__", None)
+    if code is None:
+        return
+    frame = sys._getframe(2)  # 0: here, 1: the dataset's __iter__, 2: who called iter()
+    for _ in range(3):
+        if frame is None:
+            return
+        if frame.f_code is code:
+            owner = frame.f_locals.get("self")
+            if getattr(owner, "dataset", None) is dataset and getattr(owner, "auto_collation", False) is True:
+                where = dataset.meta.path if hasattr(dataset, "meta") else repr(dataset)
+                raise ValueError(f"{where}: iterated by a torch DataLoader that batches: {NO_COLLATION}")
+            return
+        frame = frame.f_back
 
 
 def register(iterable_dataset: type) -> None:

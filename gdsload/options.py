@@ -12,10 +12,8 @@ import numpy as np
 
 from .backends import BACKENDS, info
 from .errors import BackendUnavailable, one_line
+from .pipeline.plan import MAX_INT  # the largest integer argument (why: there)
 
-#: The largest integer argument (counts, sizes, seed, epoch, rank): they meet numpy's int64 arithmetic in the
-#: plan (block ids, stream positions, batch bounds) and are saved in the state dict as int64-sized ints.
-MAX_INT = 2**63 - 1
 #: The largest device id: CUDA takes it as a C int.
 MAX_DEVICE = 2**31 - 1
 
@@ -38,6 +36,14 @@ def check_int(name: str, value: Any, minimum: int, maximum: int = MAX_INT, none_
     if number > maximum:
         raise ValueError(f"{name} must be at most {maximum} (found {number})")
     return number
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` -- True or False, a numpy bool too -- as a Python bool; TypeError naming ``name`` for anything
+    else (a string such as ``"no"`` is truthy: taken as a flag it would mean the opposite of what it says)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False (found {type(value).__name__} {value!r})")
+    return bool(value)
 
 
 def field_names(fields: Any) -> tuple[str, ...] | None:

@@ -4,6 +4,7 @@ to what a rank can use, and a configuration that would yield no batch is refused
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 
@@ -123,6 +124,7 @@ def test_rank_not_below_world_size_is_refused_before_anything_is_read(path):
 
 
 # -- window_blocks --------------------------------------------------------------------------------------
+@pytest.mark.filterwarnings("ignore:.*window_blocks=.* is more than the dataset's")  # said: the test below
 @pytest.mark.parametrize("world_size, per_rank", [(1, 63), (2, 32), (4, 16)])
 def test_window_blocks_is_clamped_to_a_ranks_blocks(path, world_size, per_rank):
     """window_blocks=10**9 asked numpy for 11 TiB; 100000 sized 1.16 GiB window buffers for 63 blocks. The
@@ -141,6 +143,39 @@ def test_window_blocks_is_clamped_to_a_ranks_blocks(path, world_size, per_rank):
 def test_window_blocks_below_a_ranks_share_is_kept(path):
     with open_(path, window_blocks=np.int64(5), resident_bytes=0) as ds:
         assert ds.config.window_blocks == ds.describe()["window_blocks"] == 5
+
+
+def test_window_blocks_beyond_the_dataset_is_clamped_with_a_warning(path):
+    """window_blocks=10**9 was clamped without a word. No window of the dataset can hold more blocks than it
+    has, so that is said, naming the windows read; a value up to the dataset's blocks is clamped to a rank's
+    share as documented (it is the largest window under fewer ranks), silently."""
+    with pytest.warns(UserWarning, match=r"window_blocks=1000000000 is more than the dataset's 63 blocks; a window "
+                                         r"holds at most a rank's share, so windows of 32 blocks are read$"):
+        with open_(path, window_blocks=10**9, world_size=2, rank=0, resident_bytes=0) as ds:
+            assert ds.config.window_blocks == 32
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with open_(path, window_blocks=63, world_size=2, rank=0, resident_bytes=0) as ds:
+            assert ds.config.window_blocks == 32
+
+
+# -- flags ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["shuffle", "drop_last", "exact_shares", "prefetch_next_epoch"])
+@pytest.mark.parametrize("value", ["yes", "no", 1, None, [False]])
+def test_flags_must_be_bools(path, name, value):
+    """shuffle="no" shuffled (a non-empty string is true): every flag is True or False, else a TypeError
+    naming it and the value."""
+    with pytest.raises(TypeError) as info:
+        open_(path, **{name: value})
+    assert str(info.value) == f"{name} must be True or False (found {type(value).__name__} {value!r})"
+
+
+def test_numpy_bools_are_flags_and_become_python_bools(path):
+    with open_(path, shuffle=np.bool_(True), drop_last=np.bool_(True), prefetch_next_epoch=np.bool_(False)) as ds:
+        assert ds.config.shuffle is True and ds.config.drop_last is True and ds.prefetch_next_epoch is False
+        assert json.loads(json.dumps(ds.state_dict()))["shuffle"] is True
+    with open_(path, exact_shares=np.bool_(True)) as ds:  # PlanConfig refused a numpy bool here
+        assert ds.config.exact_shares is True
 
 
 # -- fields -------------------------------------------------------------------------------------------

@@ -225,6 +225,47 @@ def test_a_mixture_is_an_iterable_dataset_that_a_dataloader_hands_on(data):
             pickle.dumps(mix)
 
 
+def test_a_dataloader_that_batches_is_refused_saying_to_use_batch_size_none(data):
+    """DataLoader(ds, batch_size=32) failed inside torch's collate at the epoch's last, shorter batch (and
+    batch_size=2 stacked two batches into one, saying nothing): the dataset yields whole batches, so a loader
+    that batches again (its default batch_size is 1) is refused when it starts, saying what to pass, for
+    torch's DataLoader and torchdata's StatefulDataLoader, a GDSDataset and a Mixture; batch_size=None works."""
+    pytest.importorskip("torch", reason="needs torch (the test extra installs the CPU build)")
+    import torchdata.stateful_dataloader as sdl
+    from torch.utils.data import DataLoader
+
+    path, _ = data
+    with opened(path) as ds, mixed(path) as mix:
+        for dataset, where in ((ds, path), (mix, "Mixture(")):
+            for loader in (DataLoader(dataset, batch_size=32), DataLoader(dataset), DataLoader(dataset, batch_size=2),
+                           sdl.StatefulDataLoader(dataset, batch_size=4)):
+                with pytest.raises(ValueError) as info:
+                    next(iter(loader))
+                assert str(info.value).startswith(f"{where}") and "iterated by a torch DataLoader that batches" in \
+                    str(info.value) and str(info.value).endswith("use DataLoader(ds, batch_size=None) and set the "
+                                                                 "batch size on the dataset")
+            assert sum(1 for _ in DataLoader(dataset, batch_size=None)) == len(dataset)
+
+
+def test_the_dataloader_check_keeps_no_variable_of_its_caller_alive(data):
+    """The check looks at the frames above __iter__ for a DataLoader's fetcher: reading any other frame's
+    locals would keep them alive, so that a dataset iterated with torch imported was never freed by ``del``
+    (its reader threads outliving it)."""
+    pytest.importorskip("torch", reason="needs torch (the test extra installs the CPU build)")
+    import gc
+    import weakref
+
+    import torch.utils.data  # noqa: F401 - a DataLoader could be there
+
+    path, _ = data
+    ds = opened(path)
+    assert sum(1 for _ in ds) == len(ds)
+    ref = weakref.ref(ds)
+    del ds
+    gc.collect()
+    assert ref() is None, "the dataset outlived its last reference"
+
+
 def test_a_mixtures_epochs_are_its_passes_for_lightnings_set_epoch(data):
     """Epoch e is the pass over steps [6e, 6e + 6): the epoch it stands in is accepted, any other refused
     saying where it stands; an endless mixture has none."""
@@ -337,6 +378,47 @@ def test_output_jax_gives_jax_arrays_without_copying(data):
         assert out.shape == shape and out.dtype == dtype
         if host.size:
             assert out.unsafe_buffer_pointer() == host.ctypes.data  # zero-copy: the same memory
+
+
+def x64(jax):
+    """JAX's 64-bit types on, for a ``with`` block (the context manager's name moved between JAX releases)."""
+    return jax.enable_x64(True) if hasattr(jax, "enable_x64") else jax.experimental.enable_x64()
+
+
+def test_output_jax_keeps_64_bit_fields_with_x64_and_says_so_without(data):
+    """int64 labels arrived as int32, copied, while the docs said zero-copy: JAX's 64-bit types are off by
+    default. Without them a pass says so once, naming each field narrowed and what x64 does; with them the
+    fields keep their types, zero-copy, and nothing is said."""
+    import warnings
+
+    jax = pytest.importorskip("jax", reason="needs jax (the test extra installs the CPU build)")
+    from gdsload.cuda.ops import JaxHostOps
+
+    path, arrays = data
+    with opened(path, output="jax") as ds:
+        for first in (True, False):  # said at a pass's first batch; a pass read ahead by the last one: not again
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                batches = list(ds)
+            said = [str(w.message) for w in caught]
+            if not (first or said):
+                continue
+            assert len(said) == 1 and said[0].startswith("output='jax': field(s) 'idx' (int64 -> int32) arrive "
+                                                         "narrowed and copied, not zero-copy: JAX's 64-bit types "
+                                                         "are off (jax_enable_x64"), said
+            assert "jax.config.update('jax_enable_x64', True)" in said[0]
+            assert {b["idx"].dtype for b in batches} == {np.dtype("int32")}
+        with x64(jax), warnings.catch_warnings():
+            warnings.simplefilter("error")
+            batches = list(ds)
+            host = JaxHostOps().empty((5,), np.dtype("int64"))
+            host[:] = 2**40
+            out = JaxHostOps().export({"a": host})["a"]
+            assert out.dtype == np.int64 and out.unsafe_buffer_pointer() == host.ctypes.data  # zero-copy
+    assert {b["idx"].dtype for b in batches} == {np.dtype("int64")} and {b["x"].dtype for b in batches} == {
+        np.dtype("float32")}
+    np.testing.assert_array_equal(np.concatenate([np.asarray(b["idx"]) for b in batches]) % N,
+                                  np.concatenate([np.asarray(b["idx"]) for b in batches]))
 
 
 def test_output_jax_is_refused_where_jax_cannot_take_the_arrays(data, monkeypatch):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import glob
+import hashlib
 import json
 import os
 import threading
@@ -306,9 +307,68 @@ def test_a_state_of_other_sources_or_other_data_is_refused_naming_them(paths, tm
         m.load_state_dict([state])
     m.close()
     (m,) = open_ranks(paths, 1, batch_size=12)  # counts in other units: a new segment from the saved step
-    m.load_state_dict(state)
+    with pytest.warns(UserWarning, match="saved with batch_size=8, .* resumed with batch_size=12, .* from step 3 "
+                                         "the batches differ .* no sample skipped or repeated"):
+        m.load_state_dict(state)
     assert m.state_dict()["schedule"] == {**state["schedule"], "start": 3, "counts": dict.fromkeys(SIZES, 0)}
     assert len(next(iter(m))["idx"]) == 12
+    m.close()
+
+
+def test_a_position_is_only_loaded_into_the_source_it_was_saved_for(paths):
+    """Two sources' positions swapped were accepted: one source repeated samples, another skipped as many. Each
+    position now names its source and the fingerprint of that source's dataset; a swapped one, or one taken
+    from another source's entry, is refused naming the source, and the mixture is left where it stood."""
+    _, state = run(paths, 1, 5)
+    p = state["positions"]
+    assert p["web"]["source"] == "web" and len(p["web"]["fingerprint"]) == 64
+    assert {n: q["fingerprint"] for n, q in p.items()} == {
+        n: hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+        for n, d in state["datasets"].items()}
+    (m,) = open_ranks(paths, 1)
+    swapped = {**p, "web": p["code"], "code": p["web"]}
+    renamed = {**p, "web": {**p["code"], "source": "web"}}  # code's counts under web's name
+    stranger = {**p, "books": {**p["books"], "source": "news"}}
+    for positions, match in ((swapped, r"'positions\['web'\]\.source': this position is source 'code''s, not "
+                                       r"'web''s \(positions swapped"),
+                             (renamed, r"'positions\['web'\]\.fingerprint': .* is the fingerprint of source "
+                                       r"'code''s dataset, not of source 'web''s"),
+                             (stranger, r"'positions\['books'\]\.source': .* 'news', a source this mixture does "
+                                        "not have")):
+        with pytest.raises(StateError, match=match):
+            m.load_state_dict({**state, "positions": positions})
+        assert m.step == 0 and m.state_dict()["positions"]["web"]["samples"] == 0, "nothing changed"
+    datasets = {**state["datasets"], "web": state["datasets"]["code"], "code": state["datasets"]["web"]}
+    with pytest.raises(StateError, match=r"'datasets\['web'\]\.num_samples'.*it is source 'code''s \(swapped"):
+        m.load_state_dict({**state, "datasets": datasets})
+    m.load_state_dict(state)
+    assert m.step == 5
+    m.close()
+
+
+@pytest.mark.parametrize("key", ["step", "batch_size", "world_size", "rank", "schedule.start", "schedule.counts",
+                                 "positions.epoch", "positions.samples", "positions.world_size",
+                                 "positions.window_blocks"])
+def test_every_number_of_a_state_is_range_checked(paths, key):
+    """A position's epoch or samples of 10**30 was accepted: every number of a state is refused beyond 2**63 - 1
+    (as GDSDataset's arguments; the position's world size beyond the source's blocks), naming the key."""
+    _, state = run(paths, 1, 2)
+    huge = 10**30
+    if key.startswith("positions."):
+        name = key.split(".")[1]
+        bad = {**state, "positions": {**state["positions"], "web": {**state["positions"]["web"], name: huge}}}
+        match = rf"'positions\['web'\]\.{name}': expected an int from \d+ to {2**63 - 1}, found {huge}"
+    elif key.startswith("schedule."):
+        name = key.split(".")[1]
+        value = huge if name == "start" else {**state["schedule"]["counts"], "web": huge}
+        bad = {**state, "schedule": {**state["schedule"], name: value}}
+        match = rf"'schedule\.{name}"
+    else:
+        bad, match = {**state, key: huge}, rf"'{key}': expected an int from \d+ to \d+, found {huge}"
+    (m,) = open_ranks(paths, 1)
+    with pytest.raises(StateError, match=match):
+        m.load_state_dict(bad)
+    assert m.step == 0
     m.close()
 
 
@@ -324,17 +384,27 @@ def test_a_resume_after_an_elastic_one_yields_the_uninterrupted_run(paths, cut):
     assert [a + b for a, b in zip(first, rest)] == full and resumed_end == end
 
 
-def test_a_state_of_the_previous_format_resumes_unless_inside_a_padded_rest(paths):
-    """mixture_format 1 (the previous release's) positions without hops mean what they mean now and resume;
-    one inside a rest of an epoch dealt out with padding is refused, naming the source; another format too."""
+def unbound(state: dict, fmt: int) -> dict:
+    """``state`` as a release before positions named their source saved it (mixture_format 1 or 2)."""
+    return {**state, "mixture_format": fmt, "positions": {n: {k: v for k, v in p.items() if k not in
+                                                              ("source", "fingerprint")}
+                                                          for n, p in state["positions"].items()}}
+
+
+def test_a_state_of_a_previous_format_resumes_unless_inside_a_padded_rest(paths):
+    """mixture_format 2 (positions without their source) resumes, warning that whose each position is goes
+    unchecked; so do mixture_format 1's positions without hops, which mean what they mean now; one inside a
+    rest of an epoch dealt out with padding is refused, naming the source; another format too."""
     _, state = run(paths, 2, 5)
-    assert state["mixture_format"] == 2
+    assert state["mixture_format"] == 3
     want, _ = run(paths, 2, 3, state=state)
-    got, _ = run(paths, 2, 3, state={**state, "mixture_format": 1})
-    assert got == want
+    for fmt in (2, 1):
+        with pytest.warns(UserWarning, match=f"mixture_format {fmt} .*whose each position is cannot be checked"):
+            got, _ = run(paths, 2, 3, state=unbound(state, fmt))
+        assert got == want
     hop = {"world_size": 3, "batch_size": 1, "window_blocks": 1, "batches": 2}
-    inside = {**state, "mixture_format": 1,
-              "positions": {**state["positions"], "code": {**state["positions"]["code"], "hops": [hop]}}}
+    old = unbound(state, 1)
+    inside = {**old, "positions": {**old["positions"], "code": {**old["positions"]["code"], "hops": [hop]}}}
     (m,) = open_ranks(paths, 1)
     with pytest.raises(StateError, match=r"'positions\['code'\]': a position of mixture_format 1 inside the rest"):
         m.load_state_dict(inside)
@@ -342,10 +412,22 @@ def test_a_state_of_the_previous_format_resumes_unless_inside_a_padded_rest(path
                                                                       "hops": [{**hop, "shift": 3}]}}}
     with pytest.raises(StateError, match=r"source 'code'.*'hops\[0\]\.shift': expected an int from 0 to 2"):
         m.load_state_dict(shifted)
-    for fmt in (3, True, "2"):
-        with pytest.raises(StateError, match="mixture_format 2"):
+    for fmt in (4, True, "3"):
+        with pytest.raises(StateError, match="mixture_format 3"):
             m.load_state_dict({**state, "mixture_format": fmt})
+    with pytest.raises(StateError, match=r"'positions\['web'\]': expected a dict with keys \['epoch'"):
+        m.load_state_dict({**state, "mixture_format": 2})  # positions that name their source: not format 2's
     m.close()
+
+
+def test_a_flag_that_is_not_a_bool_is_refused_naming_the_source(paths):
+    """shuffle="no" shuffled every source (a non-empty string is true)."""
+    for options, source in (({"shuffle": "no"}, "web"), ({"books": {"path": paths["books"], "shuffle": "yes"}},
+                                                         "books")):
+        sources = {**paths, **{k: v for k, v in options.items() if k in paths}}
+        kw = {k: v for k, v in options.items() if k not in paths}
+        with pytest.raises(TypeError, match=f"^source '{source}': shuffle must be True or False \\(found str"):
+            Mixture(sources, batch_size=8, backend="cpu", **kw)
 
 
 def test_sources_must_read_the_same_fields_unless_whole_batches(paths, tmp_path):

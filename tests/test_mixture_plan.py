@@ -5,6 +5,7 @@ rank stands in a source given the samples every rank took."""
 from __future__ import annotations
 
 import json
+from decimal import Decimal
 from fractions import Fraction
 
 import numpy as np
@@ -151,6 +152,29 @@ def test_weights_of_any_number_type_are_exact():
 
     got = exact_weights({"a": np.float32(0.5), "b": Decimal("0.1"), "c": np.int64(2), "d": Fraction(1, 3)}, "abcd")
     assert got == (Fraction(1, 2), Fraction(1, 10), Fraction(2), Fraction(1, 3))
+
+
+@pytest.mark.parametrize("value", [Decimal("Infinity"), Decimal("-Infinity"), Decimal("NaN"), Decimal("sNaN"),
+                                   float("inf"), "1/0"])
+def test_non_finite_weights_are_refused_naming_the_weight_and_value(value):
+    """Decimal('Infinity') raised OverflowError and Decimal('NaN') a ValueError naming no weight."""
+    with pytest.raises(TypeError) as info:
+        exact_weights({"a": 1, "b": value}, ("a", "b"))
+    assert str(info.value) == f"weights['b'] must be a finite number (found {value!r})"
+
+
+@pytest.mark.parametrize("value", ["1/0", float("inf"), "inf", Decimal("Infinity"), Decimal("NaN"), "nan", "1e999999",
+                                   "-1", "0.5", 1, None, "1" * 5000], ids=lambda v: repr(v)[:12])
+def test_a_bad_weight_in_a_schedule_state_is_refused_naming_it(value):
+    """A saved schedule's weight of '1/0' raised ZeroDivisionError and one of inf an OverflowError (and
+    '1e999999' would compute a number of a million digits): a weight of a state is a fraction as the state
+    writes it ('3/5'), else a StateError naming the weight and its value."""
+    names = ("a", "b")
+    good = schedule_state(Schedule.begin(0, (Fraction(1), Fraction(2))), names)
+    with pytest.raises(StateError) as info:
+        parse_schedule({**good, "weights": {"a": "1", "b": value}}, names, 0, 4)
+    assert str(info.value).startswith("state key 'schedule.weights['b']': expected a fraction >= 0 as "
+                                      f"Mixture.state_dict() writes it, such as '3/5' (found {value!r}"[:120])
 
 
 # -- exact shares --------------------------------------------------------------------------------------

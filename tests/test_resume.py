@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 
@@ -510,6 +511,10 @@ def mutate(state, key, value):
     ("batches_yielded", 2.0, r"'batches_yielded'.*float"),
     ("epoch", "1", r"'epoch': expected an int >= 0, found '1'"),
     ("epoch", -1, r"'epoch'"),
+    ("epoch", 10**30, rf"'epoch': expected an int from 0 to {2**63 - 1}, found {10**30}$"),
+    ("window_blocks", 2**63, rf"'window_blocks': expected an int from 1 to {2**63 - 1}, found {2**63}$"),
+    ("hops", [{"world_size": 2, "batch_size": 10**30, "window_blocks": 3, "batches": 1}],
+     rf"'hops\[0\]\.batch_size': expected an int from 1 to {2**63 - 1}, found {10**30}$"),
     ("hops", KeyError, r"lacks \['hops'\]"),
     ("extra", 1, r"unknown keys \['extra'\]"),
     ("state_format", 3, r"'state_format': expected 2 \(or 1\), found 3"),
@@ -578,7 +583,7 @@ def test_fuzzed_states_raise_only_value_errors(saved):
                 pass
     # valid after all: another epoch (resumed at its batch 5), a leg read in one huge window (its batch 5
     # exists), no field's hash to compare
-    assert accepted == [("epoch", 2**70), ("window_blocks", 2**70), ("index_sha256", {}), ("content_sha256", {})]
+    assert accepted == [("index_sha256", {}), ("content_sha256", {})]  # 2**70 was accepted as epoch, window_blocks
 
 
 def test_other_field_selection_and_rank_resume(saved):
@@ -603,6 +608,39 @@ def test_merge_states(saved):
         merge_states(state)
     with pytest.raises(StateError):
         merge_states([{**two[0], "seed": -1}, two[1]])
+
+
+def test_huge_world_sizes_are_refused_before_a_list_of_ranks_is_made(saved):
+    _, state = saved
+    for world in (2**62, 10**30):
+        with pytest.raises(StateError, match="'(world_size|rank)'"):
+            merge_states([{**state, "world_size": world, "rank": 0}])
+
+
+@pytest.mark.parametrize("cut", [0, 5])
+def test_a_resume_under_another_batch_size_warns_saying_what_changes(data_path, cut):
+    """A state of batch_size 32 loaded with batch_size 16 was resumed without a word. It is exact (every sample
+    of the epoch once), and now says that the batches, and with another window the order, are not the saved
+    run's."""
+    path, data = data_path
+    with Dataset(path, batch_size=32, shuffle=True, seed=1) as ds:
+        first = take(ds, cut, data, epoch=1) if cut else np.zeros(0, np.int64)
+        if not cut:
+            ds.set_epoch(1)
+        state = ds.state_dict()
+    for window, note in ((state["window_blocks"], "$"), (1, r"; window_blocks is 1, saved \d+ .* order of samples "
+                                                            r"differs too \(pass window_blocks to keep it\)$")):
+        with Dataset(path, batch_size=16, window_blocks=window, shuffle=True, seed=1) as ds:
+            what = (r"the rest of epoch 1 is dealt out anew in batches of 16 \(every sample not yet yielded once"
+                    if cut else r"epoch 1 \(not begun\) and the later ones come in batches of 16")
+            with pytest.warns(UserWarning, match=r"^resume state saved with batch_size=32, resumed with "
+                                                 rf"batch_size=16: {what}.*{note}"):
+                ds.load_state_dict(state)
+            rest = take(ds, None, data)
+            assert sorted(np.concatenate([first, rest]).tolist()) == list(range(997)), "exact all the same"
+    with Dataset(path, batch_size=32, shuffle=True, seed=1) as ds, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ds.load_state_dict(state)  # the same batch_size: nothing to say
 
 
 # -- the fingerprint covers the data, not only the layout -------------------------------------------------

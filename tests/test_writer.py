@@ -361,3 +361,48 @@ def test_write_dataset_takes_plain_arrays_and_names_what_it_cannot(tmp_path):
                                               r"array .* found list"):
         write_dataset(tmp_path / "p.gds", {"kept": Kept(), "bad": [1, 2, 3]}, progress=False)
     assert closed == [True] and not (tmp_path / "p.gds").exists()
+
+
+# -- sizes ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("option, value, error, message", [
+    ("block_bytes", 0, ConversionError, "block_bytes (--block-bytes) must be at least 1 byte (found 0)"),
+    ("block_bytes", -4096, ConversionError, "block_bytes (--block-bytes) must be at least 1 byte (found -4096)"),
+    ("block_bytes", "4MiB", TypeError, "block_bytes (--block-bytes) must be an int, in bytes (found str '4MiB')"),
+    ("block_bytes", 4096.0, TypeError, "block_bytes (--block-bytes) must be an int"),
+    ("shard_bytes", 0, ConversionError, "shard_bytes (--shard-bytes) must be at least 1 byte (found 0)"),
+    ("shard_bytes", True, TypeError, "shard_bytes (--shard-bytes) must be an int, in bytes (found bool True)"),
+    ("shard_bytes", 1, ConversionError, "shard_bytes (--shard-bytes) 1 is less than any array's block (the "
+                                        "smallest: 400 bytes, of 'label'): a shard holds whole blocks"),
+    ("shard_bytes", 399, ConversionError, "(expected at least 400, or the default 1073741824)"),
+])
+def test_sizes_that_cannot_be_meant_are_refused_naming_the_option(tmp_path, option, value, error, message):
+    """--block-bytes 0 and --shard-bytes 1 were accepted: blocks of one sample, a file per block. A block target
+    holds at least one whole sample, so any positive one means something; a shard holds whole blocks, so a
+    target below every array's block cannot be met. Both refused naming the option, in Python and the CLI,
+    before anything is written."""
+    arrays = {"image": np.zeros((100, 8, 8), np.uint8), "label": np.arange(100)}  # 64 and 8 bytes a sample
+    out = str(tmp_path / "d.gds")
+    with pytest.raises(error) as info:
+        write_dataset(out, {k: ArraySource(k, a) for k, a in arrays.items()}, samples_per_block=50, progress=False,
+                      **{option: value})
+    assert message in str(info.value) and str(info.value).startswith(f"{out}: ") and not os.path.exists(out)
+
+
+def test_sizes_at_their_minimums_convert(tmp_path, capsys):
+    """The least each size takes: a block target of 1 byte (a sample per block), a shard of the smallest array's
+    block (a block per shard); and the command line says what the Python API says."""
+    arrays = {"image": np.arange(800, dtype=np.uint8).reshape(100, 8), "label": np.arange(100)}
+    out = str(tmp_path / "d.gds")
+    meta = write_dataset(out, {k: ArraySource(k, a) for k, a in arrays.items()}, block_bytes=1, shard_bytes=8,
+                         progress=False)
+    assert meta.samples_per_block == 1 and meta.num_shards("label") == 100 and meta.num_shards("image") == 100
+    assert_same(out, arrays)
+    for name, a in arrays.items():
+        np.save(tmp_path / f"{name}.npy", a)
+    for flags, message in ((["--block-bytes", "0"], "block_bytes (--block-bytes) must be at least 1 byte"),
+                           (["--shard-bytes", "1"], "shard_bytes (--shard-bytes) 1 is less than any array's block")):
+        code = shard_main([str(tmp_path / "image.npy"), str(tmp_path / "label.npy"), "-o", str(tmp_path / "c.gds"),
+                           "--quiet", *flags], prog="gdsload shard")
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith(f"gdsload shard: error: {tmp_path}/c.gds: ") and message in err
+        assert err.count("\n") == 1 and not os.path.exists(tmp_path / "c.gds")

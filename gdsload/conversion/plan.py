@@ -10,6 +10,7 @@ sample (a variable-length field's offsets excepted), so it is cheap to repeat in
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -144,6 +145,8 @@ def plan_dataset(out: str, sources: Mapping[str, Source], ragged: Mapping[str, R
     first (:mod:`gdsload.conversion.checks`); ConversionError naming the input or option that is wrong."""
     if not sources and not ragged:
         raise ConversionError(f"{out}: no input arrays (empty input)")
+    block_bytes, shard_bytes = _size(out, "block_bytes", block_bytes), _size(out, "shard_bytes", shard_bytes)
+    chunk_bytes = None if chunk_bytes is None else _size(out, "chunk_bytes", chunk_bytes)
     try:
         level = parse_compress(compress)
     except ValueError as e:
@@ -182,4 +185,29 @@ def plan_dataset(out: str, sources: Mapping[str, Source], ragged: Mapping[str, R
         cps = max(1, min(shard_bytes // (row_bytes[key] * per_chunk), num_chunks))
         plans.append(ArrayPlan(key, key if fixed else key.rsplit("/", 1)[0], not fixed, rows, tuple(src.shape[1:]),
                                dtypes[key], row_bytes[key], per_chunk, cps, level if fixed else None, bounds))
+    _check_shard_bytes(out, shard_bytes, plans)
     return ConversionPlan(tuple(sources), tuple(ragged), num_samples, spb, level, tuple(plans))
+
+
+def _size(out: str, name: str, value: Any) -> int:
+    """A size argument as an int of at least 1 byte: TypeError or ConversionError (a ValueError) naming it and
+    its flag. A block holds as many whole samples as fit in its target, at least one, so every positive target
+    means something (1: a sample per block, as samples_per_block=1); 0 or less asks for blocks of nothing."""
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{out}: {name} ({flag}) must be an int, in bytes (found {type(value).__name__} {value!r})")
+    if value < 1:
+        raise ConversionError(f"{out}: {name} ({flag}) must be at least 1 byte (found {value})")
+    return int(value)
+
+
+def _check_shard_bytes(out: str, shard_bytes: int, arrays: Sequence[ArrayPlan]) -> None:
+    """Refuse a shard target below every array's block: a shard holds whole blocks, at least one, so no shard
+    could be that small, and each would hold a single block (a file per block), which was surely not meant.
+    A target below some arrays' blocks only is met where it can be (those get a block per shard)."""
+    smallest = min(arrays, key=lambda a: a.chunk_bytes)
+    if shard_bytes < smallest.chunk_bytes:
+        raise ConversionError(f"{out}: shard_bytes (--shard-bytes) {shard_bytes} is less than any array's "
+                              f"block (the smallest: {smallest.chunk_bytes} bytes, of {smallest.key!r}): a shard "
+                              f"holds whole blocks, at least one (expected at least {smallest.chunk_bytes}, or the "
+                              f"default {DEFAULT_SHARD_BYTES})")

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..errors import warn
 from .runtime import D2D, new_event, record_event
 from .gather import Gather, word_bytes
 
@@ -118,10 +119,34 @@ class TorchHostOps(HostOps):
         return {name: torch.from_numpy(a) for name, a in batch.items()}
 
 
+def jax_narrowed(batch: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """The arrays of ``batch`` JAX would take as another type: name -> (dtype, JAX's). With its 64-bit types
+    off (``jax_enable_x64``, off by default) JAX narrows int64, uint64, float64 and complex128, copying."""
+    import jax
+
+    out = {}
+    for name, a in batch.items():
+        got = np.dtype(jax.dtypes.canonicalize_dtype(a.dtype))
+        if got != a.dtype:
+            out[name] = (np.dtype(a.dtype).name, got.name)
+    return out
+
+
+def warn_jax_narrowed(batch: dict[str, Any]) -> None:
+    """Warn, naming them, of the fields a batch handed to JAX loses bits of (:func:`jax_narrowed`)."""
+    narrowed = jax_narrowed(batch)
+    if narrowed:
+        fields = ", ".join(f"{n!r} ({a} -> {b})" for n, (a, b) in narrowed.items())
+        warn(f"output='jax': field(s) {fields} arrive narrowed and copied, not zero-copy: JAX's 64-bit types are "
+             "off (jax_enable_x64, off by default), so JAX converts them; enable them before reading "
+             "(jax.config.update('jax_enable_x64', True), or JAX_ENABLE_X64=1) to keep them as stored", UserWarning)
+
+
 class JaxHostOps(HostOps):
     """numpy work, handed out as jax arrays on jax's CPU device, zero-copy through DLPack: each output array
     is allocated 64-byte aligned, which jax's CPU client needs to take it without copying. jax's own rules
-    apply: without ``jax_enable_x64``, 64-bit fields arrive as 32-bit (copied)."""
+    apply: without ``jax_enable_x64``, 64-bit fields arrive as 32-bit (copied), which the first batch of a
+    pass warns of (:func:`warn_jax_narrowed`)."""
 
     #: Alignment of output arrays, in bytes.
     ALIGN = 64
@@ -130,6 +155,7 @@ class JaxHostOps(HostOps):
         import jax
 
         self.from_dlpack = jax.dlpack.from_dlpack
+        self.checked = False  # whether a batch was checked for fields JAX narrows
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
@@ -138,6 +164,9 @@ class JaxHostOps(HostOps):
         return raw[start:start + nbytes].view(dtype).reshape(shape)
 
     def export(self, batch: dict[str, Any]) -> dict[str, Any]:
+        if not self.checked:
+            self.checked = True
+            warn_jax_narrowed(batch)
         return {name: self.from_dlpack(a) for name, a in batch.items()}
 
 
@@ -173,6 +202,7 @@ class CudaOps:
             import jax
 
             self.from_dlpack = jax.dlpack.from_dlpack  # onto the jax device of the array's own GPU
+        self.checked = output != "jax"  # whether a batch was checked for fields JAX narrows (warn_jax_narrowed)
         self.stream: Any = None  # the consumer's current stream, as of its latest batch
         with self.device:
             self.work = cupy.cuda.Stream(non_blocking=True)  # the assembler's
@@ -298,6 +328,9 @@ class CudaOps:
         the batch, ready on the consumer's stream made current here."""
         if self.from_dlpack is None:
             return batch
+        if not self.checked:
+            self.checked = True
+            warn_jax_narrowed(batch)
         # For torch, CuPy's current stream is torch's, so DLPack adds no synchronization of its own.
         with self.device, self.stream:
             return {name: self.from_dlpack(a) for name, a in batch.items()}

@@ -26,23 +26,17 @@ from .._tasks import Closing
 from ..backends import info
 from ..dataset import GDSDataset
 from ..errors import GDSLoadError
-from ..integrations import LoaderProtocols, refuse_worker
+from ..integrations import LoaderProtocols, refuse_collation, refuse_worker
 from .ahead import Ahead, Made
 from .assemble import assemble
 from .joiners import DeviceJoiner, Joiners
 from .source import SourceStats, SourceStream
 from .specs import check_fields, named, source_batches, source_specs
-from .schedule import (Schedule, Stretch, exact_weights, next_counts, parse_schedule, parse_stretch, schedule_state,
-                       state_int)
+from .schedule import Schedule, exact_weights, next_counts, schedule_state
+from .state import MIXTURE_FORMAT, check_state, dataset_record, merge_states  # noqa: F401 - merge_states: here too
 from ..options import check_int, rank_and_world
-from ..pipeline.resume import StateError
 
 READ_AHEAD = 2  # batches made ahead by default, where the sources' arrays can be joined on the maker's thread
-MIXTURE_FORMAT = 2  # bumped when the state's keys or the schedule change meaning
-PADDED_REST_FORMAT = 1  # before: a position with hops read a padded rest; one without means what it means now
-STATE_KEYS = ("mixture_format", "step", "seed", "batch_size", "whole_batches", "sources", "schedule", "positions",
-              "datasets", "rank", "world_size")
-FINGERPRINT_KEYS = ("num_samples", "samples_per_block", "shuffle", "seed", "fields", "index_sha256", "content_sha256")
 
 
 @dataclass
@@ -218,6 +212,7 @@ class Mixture(LoaderProtocols, Closing):
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         refuse_worker(self)
+        refuse_collation(self)
         if self._closed:
             raise GDSLoadError(f"mixture of {list(self.sources)}: it was closed (open a new Mixture)")
         return self._pass()
@@ -337,101 +332,28 @@ class Mixture(LoaderProtocols, Closing):
     # -- checkpoints -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Where the mixture stands: the step, the weights' segment, every source's position (the same on
-        every rank) and fingerprint. Plain and small; every rank's is the same but for ``rank``."""
+        every rank, saved with its source's name and fingerprint) and each source's dataset fingerprint (keys:
+        docs/mixtures.md). Plain and small; every rank's is the same but for ``rank``."""
         return {"mixture_format": MIXTURE_FORMAT, "step": self._step, "seed": self.seed,
                 "batch_size": self.batch_size, "whole_batches": self.whole_batches, "sources": list(self.sources),
                 "schedule": schedule_state(self._schedule, self.sources),
                 "positions": {s.name: at.as_dict() for s, at in zip(self._sources, self._at)},
-                "datasets": {s.name: _fingerprint(s.ds) for s in self._sources},
+                "datasets": {s.name: dataset_record(s.ds) for s in self._sources},
                 "rank": self.rank, "world_size": self.world_size}
 
     def load_state_dict(self, state: Any) -> None:
         """Continue from ``state`` (saved by any rank, on any number of ranks): the next batch is the one the
-        saved run would have yielded next. Checked whole before anything changes: TypeError for a non-dict,
-        StateError (a ValueError) naming the key for a malformed state, another source list, another seed, or
-        a source whose data differs."""
+        saved run would have yielded next. Checked whole before anything changes
+        (:func:`gdsload.mixture.state.check_state`): TypeError for a non-dict, StateError (a ValueError) naming
+        the key for a malformed state, another source list, another seed, a source whose data differs, or a
+        position saved for another source."""
         if not isinstance(state, Mapping):
             raise TypeError(f"a mixture state must be a dict from Mixture.state_dict(), found {type(state).__name__}")
         self._rewind()  # the sources where the batches yielded leave them, whether the state is taken or not
-        fmt = state.get("mixture_format")
-        if sorted(state) != sorted(STATE_KEYS) or isinstance(fmt, bool) or fmt not in (MIXTURE_FORMAT,
-                                                                                       PADDED_REST_FORMAT):
-            raise StateError(f"state keys: expected {list(STATE_KEYS)} with mixture_format {MIXTURE_FORMAT} (a state "
-                             f"from Mixture.state_dict() of this gdsload version), found {sorted(state)}")
-        if not isinstance(state["sources"], (list, tuple)) or list(state["sources"]) != list(self.sources):
-            raise StateError(f"state key 'sources': saved {state['sources']!r}, now {list(self.sources)} (a mixture "
-                             "resumes with the same sources, in the same order)")
-        if state["seed"] != self.seed:
-            raise StateError(f"state key 'seed': saved {state['seed']!r}, now {self.seed}")
-        step = state_int(state["step"], "step", 0)
-        state_int(state["rank"], "rank", 0, state_int(state["world_size"], "world_size", 1) - 1)
-        if not isinstance(state["whole_batches"], bool):
-            raise StateError(f"state key 'whole_batches': expected True or False, found {state['whole_batches']!r}")
-        unit = 1 if state["whole_batches"] else state_int(state["batch_size"], "batch_size", 1)
-        schedule = parse_schedule(state["schedule"], self.sources, step, unit)
-        if (state["batch_size"], state["whole_batches"]) != (self.batch_size, self.whole_batches):
-            schedule = Schedule.begin(step, schedule.weights)  # counts in other units: a new segment
-        for key in ("positions", "datasets"):
-            if not isinstance(state[key], Mapping) or sorted(state[key]) != sorted(self.sources):
-                raise StateError(f"state key '{key}': expected a dict keyed by the sources {list(self.sources)}, "
-                                 f"found {state[key]!r}"[:300])
-        if fmt == PADDED_REST_FORMAT:  # its positions without hops mean what they mean now
-            padded = [n for n, p in state["positions"].items() if isinstance(p, Mapping) and p.get("hops")]
-            if padded:
-                raise StateError(f"state key 'positions[{padded[0]!r}]': a position of "
-                                 f"mixture_format {PADDED_REST_FORMAT} inside the rest of an epoch dealt out with "
-                                 "padding (an earlier gdsload's), which this version deals out without: its samples "
-                                 "are not this version's (resume it with the version that saved it, or from a state "
-                                 f"outside such an epoch; expected mixture_format {MIXTURE_FORMAT})")
-        plans = [self._resume_plan(s, state) for s in self._sources]
-        for s, (gds_state, skip, stretch) in zip(self._sources, plans):
+        checked = check_state(state, self._sources, self.seed, self.batch_size, self.whole_batches)
+        for s, (gds_state, skip, stretch) in zip(self._sources, checked.sources):
             s.drop()
             s.ds.load_state_dict(gds_state)
             s.stretch, s.skip = stretch, skip
-        self._schedule, self._step = schedule, step
-        self._at, self._made_to = tuple(s.stretch for s in self._sources), (step, schedule)
-
-    def _resume_plan(self, s: SourceStream, state: Mapping[str, Any]) -> tuple[dict[str, Any], int, Stretch]:
-        """For source ``s``: the GDSDataset state to load, the samples of its first batch already taken, and
-        its stretch from there (under another world size or window, the one dealing out the rest of the epoch)."""
-        where = f"datasets[{s.name!r}]"
-        saved, now = state["datasets"].get(s.name), _fingerprint(s.ds)
-        if not isinstance(saved, Mapping) or sorted(saved) != sorted(FINGERPRINT_KEYS):
-            raise StateError(f"state key '{where}': expected a dict with keys {list(FINGERPRINT_KEYS)}, found "
-                             f"{saved!r}"[:300])
-        for key in FINGERPRINT_KEYS:
-            a, b = saved[key], now[key]
-            if key.endswith("sha256") and isinstance(a, Mapping):
-                a, b = ({f: d[f] for f in sorted(a.keys() & b.keys())} for d in (a, b))
-            if a != b:
-                raise StateError(f"state key '{where}.{key}': saved {a!r}, now {b!r} (source {s.name!r} is another "
-                                 f"dataset, or its data or order changed since)"[:600])
-        stretch = parse_stretch(state["positions"].get(s.name), f"positions[{s.name!r}]")
-        try:
-            return s.locate(stretch)
-        except StateError as e:
-            raise StateError(f"source {s.name!r}'s position (state key 'positions[{s.name!r}]'): {e}") from None
-
-
-def merge_states(states: list[Any]) -> dict[str, Any]:
-    """One state from every rank's: checks there is one per rank and that they agree on all but ``rank``."""
-    if isinstance(states, Mapping) or not isinstance(states, (list, tuple)) or not states:
-        raise TypeError("merge_states takes a non-empty list of mixture states, one per rank")
-    world = states[0].get("world_size") if isinstance(states[0], Mapping) else None
-    ranks = sorted(s.get("rank") for s in states if isinstance(s, Mapping))
-    if ranks != list(range(world or 0)) or len(ranks) != len(states):
-        raise StateError(f"state key 'rank': expected one state per rank 0..{world - 1 if world else '?'}, found "
-                         f"ranks {ranks}")
-    ref = next(s for s in states if s["rank"] == 0)
-    for s in states:
-        differ = [k for k in dict.fromkeys([*ref, *s]) if k != "rank" and s.get(k) != ref.get(k)]
-        if differ:
-            raise StateError(f"rank {s['rank']}'s mixture state differs from rank 0's in {differ} (checkpoint "
-                             "every rank after the same step)")
-    return dict(ref)
-
-
-# -- helpers ---------------------------------------------------------------------------------------------
-def _fingerprint(ds: GDSDataset) -> dict[str, Any]:
-    state = ds.state_dict()
-    return {k: state[k] for k in FINGERPRINT_KEYS}
+        self._schedule, self._step = checked.schedule, checked.step
+        self._at, self._made_to = tuple(s.stretch for s in self._sources), (self._step, self._schedule)

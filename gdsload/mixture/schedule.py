@@ -27,6 +27,7 @@ so a resume on another number of ranks can close the old ranks' leg where each o
 from __future__ import annotations
 
 import numbers
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
@@ -38,7 +39,9 @@ from typing import Any
 from numpy.random import default_rng
 
 from ..pipeline.legs import Hop, rest_after
-from ..pipeline.resume import StateError
+from ..pipeline.resume import StateError, state_int
+
+WEIGHT_TEXT = re.compile(r"[0-9]+(/[0-9]+)?")  # a weight in a state: str(Fraction) of one >= 0
 
 
 def exact_weights(weights: Any, names: Sequence[str]) -> tuple[Fraction, ...]:
@@ -53,6 +56,8 @@ def exact_weights(weights: Any, names: Sequence[str]) -> tuple[Fraction, ...]:
     out = []
     for name in names:
         value = weights[name]
+        if isinstance(value, Decimal) and not value.is_finite():  # Fraction() would raise, naming no weight
+            raise TypeError(f"weights[{name!r}] must be a finite number (found {value!r})")
         if isinstance(value, (numbers.Rational, Decimal)) and not isinstance(value, bool):
             weight = Fraction(value)
         elif isinstance(value, numbers.Real) and not isinstance(value, bool) and abs(float(value)) < float("inf"):
@@ -145,11 +150,11 @@ def parse_schedule(value: Any, names: Sequence[str], step: int, unit: int) -> Sc
         if not isinstance(value[key], Mapping) or list(value[key]) != list(names):
             raise StateError(f"state key 'schedule.{key}': expected a dict keyed by the sources {list(names)}, "
                              f"found {value[key]!r}"[:300])
+    given = {n: state_weight(value["weights"][n], n) for n in names}
     try:
-        weights = exact_weights({n: Fraction(value["weights"][n]) for n in names}, names)
+        weights = exact_weights(given, names)  # all 0 is refused there
     except (TypeError, ValueError) as e:
-        raise StateError(f"state key 'schedule.weights': expected fractions such as '3/5' (found "
-                         f"{value['weights']!r}: {e})") from None
+        raise StateError(f"state key 'schedule.weights': {e}") from None
     counts = tuple(state_int(value["counts"][n], f"schedule.counts[{n!r}]", 0) for n in names)
     h = (step - start) * unit
     ints, total = _scaled(weights)
@@ -160,13 +165,17 @@ def parse_schedule(value: Any, names: Sequence[str], step: int, unit: int) -> Sc
     return Schedule(start, weights, counts)
 
 
-def state_int(value: Any, key: str, lo: int, hi: int | None = None) -> int:
-    """An int entry of a state, from ``lo`` to ``hi``: StateError naming the key otherwise (never a bool)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo or (hi is not None
-                                                                                           and value > hi):
-        allowed = f"an int from {lo} to {hi}" if hi is not None else f"an int >= {lo}"
-        raise StateError(f"state key '{key}': expected {allowed}, found {value!r}")
-    return int(value)
+def state_weight(text: Any, name: str) -> Fraction:
+    """A weight of a schedule state: a fraction >= 0 as ``str(Fraction)`` writes it (``'3/5'``, ``'2'``; no
+    sign, exponent or float spelling, whose parsing could overflow, divide by zero or take unbounded time).
+    StateError naming the weight and its value otherwise."""
+    try:
+        if isinstance(text, str) and WEIGHT_TEXT.fullmatch(text):
+            return Fraction(text)
+    except (ValueError, ZeroDivisionError):  # a zero denominator; more digits than Python converts
+        pass
+    raise StateError(f"state key 'schedule.weights[{name!r}]': expected a fraction >= 0 as Mixture.state_dict() "
+                     f"writes it, such as '3/5' (found {text!r})"[:300])
 
 
 # -- where a source stands ------------------------------------------------------------------------------
@@ -181,13 +190,19 @@ class Stretch:
     rest of ``epoch`` dealt out after an elastic resume, in shares sized as the exact shares of one continuous
     stream (:func:`gdsload.pipeline.legs.rest_shares`): each rank reads its own part of the rest and begins
     ``epoch + 1`` at once, no rank padded. Either way rank r's epochs follow from ``samples`` alone
-    (:meth:`rank_position`), and ranks are at most one sample apart."""
+    (:meth:`rank_position`), and ranks are at most one sample apart.
+
+    ``source`` and ``fingerprint`` say whose position it is: the source's name and the digest of its dataset's
+    fingerprint (:func:`gdsload.mixture.source.record_digest`), saved with it so that a state's positions cannot
+    be swapped between sources or loaded into other ones unnoticed ('' where no source is meant)."""
 
     epoch: int
     hops: tuple[dict[str, int], ...]
     world_size: int
     window_blocks: int
     samples: int
+    source: str = ""
+    fingerprint: str = ""
 
     def _base(self, rank: int, num_samples: int) -> tuple[int, int]:
         """(``rank``'s samples in ``epoch``, its count in the stream of epochs where the stretch begins): the
@@ -232,25 +247,34 @@ class Stretch:
 
     def taken(self, n: int) -> Stretch:
         # Called for every slice of every batch: made directly, which costs a fraction of dataclasses.replace.
-        return Stretch(self.epoch, self.hops, self.world_size, self.window_blocks, self.samples + n)
+        return Stretch(self.epoch, self.hops, self.world_size, self.window_blocks, self.samples + n, self.source,
+                       self.fingerprint)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "hops": [dict(h) for h in self.hops], "world_size": self.world_size,
+        return {"source": self.source, "fingerprint": self.fingerprint, "epoch": self.epoch,
+                "hops": [dict(h) for h in self.hops], "world_size": self.world_size,
                 "window_blocks": self.window_blocks, "samples": self.samples}
 
 
-STRETCH_KEYS = ("epoch", "hops", "world_size", "window_blocks", "samples")
+STRETCH_KEYS = ("source", "fingerprint", "epoch", "hops", "world_size", "window_blocks", "samples")
+UNBOUND_KEYS = STRETCH_KEYS[2:]  # a position of a state saved before positions named their source
 
 
-def parse_stretch(value: Any, key: str) -> Stretch:
-    """A stretch as :meth:`Stretch.as_dict` gives it, its ints checked (the hops are checked where they are
-    loaded, by gdsload.pipeline.resume): StateError naming the key."""
-    if not isinstance(value, Mapping) or sorted(value) != sorted(STRETCH_KEYS):
-        raise StateError(f"state key '{key}': expected a dict with keys {list(STRETCH_KEYS)}, found {value!r}"[:300])
+def parse_stretch(value: Any, key: str, unbound: bool = False) -> Stretch:
+    """A stretch as :meth:`Stretch.as_dict` gives it (``unbound``: without ``source`` and ``fingerprint``, as
+    states saved before them), its ints checked (the hops are checked where they are loaded, by
+    gdsload.pipeline.resume; whose position it is, by gdsload.mixture.state): StateError naming the key."""
+    keys = UNBOUND_KEYS if unbound else STRETCH_KEYS
+    if not isinstance(value, Mapping) or sorted(value) != sorted(keys):
+        raise StateError(f"state key '{key}': expected a dict with keys {list(keys)}, found {value!r}"[:300])
     hops = value["hops"]
     if not isinstance(hops, (list, tuple)) or not all(isinstance(h, Mapping) for h in hops):
         raise StateError(f"state key '{key}.hops': expected a list of dicts, found {hops!r}"[:300])
+    owner = {k: value.get(k, "") for k in STRETCH_KEYS[:2]}
+    for k, v in owner.items():
+        if not isinstance(v, str):
+            raise StateError(f"state key '{key}.{k}': expected a str, found {v!r}"[:300])
     return Stretch(state_int(value["epoch"], f"{key}.epoch", 0), tuple(dict(h) for h in hops),
                    state_int(value["world_size"], f"{key}.world_size", 1),
                    state_int(value["window_blocks"], f"{key}.window_blocks", 1),
-                   state_int(value["samples"], f"{key}.samples", 0))
+                   state_int(value["samples"], f"{key}.samples", 0), **owner)

@@ -9,6 +9,8 @@ offsets, by which the slices are cut (gdsload/mixture/assemble.py puts them toge
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,10 +20,14 @@ from ..pipeline import resume
 from ..errors import GDSLoadError
 from .assemble import Key, Piece, batch_len, cut_keys
 from .schedule import Stretch
+from ..pipeline.plan import MAX_INT
 from ..pipeline.resume import StateError
 
 if TYPE_CHECKING:
     from ..dataset import GDSDataset
+
+#: What identifies a source's dataset and its order, of its GDSDataset state: a mixture state's ``datasets``.
+FINGERPRINT_KEYS = ("num_samples", "samples_per_block", "shuffle", "seed", "fields", "index_sha256", "content_sha256")
 
 
 @dataclass
@@ -46,8 +52,9 @@ class SourceStream:
         self.batch: dict[str, Any] = {}
         self.keys: tuple[Key, ...] = ()  # the batch's, prepared for cutting
         self.used = self.length = self.skip = 0
+        self.fingerprint = record_digest(dataset_record(ds))  # whose positions this stream's are, with its name
         c = ds.config
-        self.stretch = Stretch(0, (), c.world_size, c.window_blocks, 0)
+        self.stretch = Stretch(0, (), c.world_size, c.window_blocks, 0, name, self.fingerprint)
         self.stats = SourceStats()
 
     def take(self, n: int) -> list[Piece]:
@@ -110,6 +117,7 @@ class SourceStream:
         Derived, never the dataset's own ``state_dict()``: that counts the batch being cut, and under exact
         shares a rank may hold one more batch than rank 0, by which a GDSDataset state is bounded."""
         c = self.ds.config
+        stretch = dataclasses.replace(stretch, source=self.name, fingerprint=self.fingerprint)  # this stream's now
         if stretch.world_size > c.num_blocks:
             raise StateError(f"state key 'world_size': expected at most {c.num_blocks} (the dataset's blocks), found "
                              f"{stretch.world_size}")
@@ -117,13 +125,16 @@ class SourceStream:
             self._check_hops(stretch)
         if (stretch.world_size, stretch.window_blocks) == (c.world_size, c.window_blocks):
             epoch, taken = stretch.rank_position(c.rank, c.num_samples)
+            _check_epoch(epoch, stretch)
             hops = stretch.hops if epoch == stretch.epoch else ()
             return self._state(epoch, hops, taken // c.batch_size), taken % c.batch_size, stretch
         epoch, hops = stretch.end_hop(c.num_samples)
+        _check_epoch(epoch, stretch)
         if len(hops) > resume.MAX_HOPS:
             raise StateError(f"state key 'hops': epoch {epoch} was already read in {resume.MAX_HOPS + 1} legs, the "
                              "most a state records; finish it under the world size and window it was saved with")
-        return self._state(epoch, hops, 0), 0, Stretch(epoch, hops, c.world_size, c.window_blocks, 0)
+        return self._state(epoch, hops, 0), 0, Stretch(epoch, hops, c.world_size, c.window_blocks, 0, self.name,
+                                                       self.fingerprint)
 
     def _state(self, epoch: int, hops: tuple[dict[str, int], ...], batches: int) -> dict[str, Any]:
         """This rank's GDSDataset state at batch ``batches`` of the leg of ``epoch`` after ``hops``."""
@@ -148,3 +159,22 @@ class SourceStream:
             if key.endswith(suffix) and base in self.rename:
                 return self.rename[base] + suffix
         return key
+
+
+def _check_epoch(epoch: int, stretch: Stretch) -> None:
+    """StateError where a stretch puts a rank in an epoch beyond :data:`MAX_INT` (what GDSDataset takes)."""
+    if epoch > MAX_INT:
+        raise StateError(f"state key 'samples': {stretch.samples} samples from epoch {stretch.epoch} reach epoch "
+                         f"{epoch}, beyond {MAX_INT} (expected a position from Mixture.state_dict())")
+
+
+def dataset_record(ds: GDSDataset) -> dict[str, Any]:
+    """What identifies a source's dataset and its order: :data:`FINGERPRINT_KEYS` of its GDSDataset state."""
+    state = ds.state_dict()
+    return {k: state[k] for k in FINGERPRINT_KEYS}
+
+
+def record_digest(record: Any) -> str:
+    """The sha256 hex digest of a dataset record as sorted JSON (the same after a JSON round trip)."""
+    text = json.dumps(record, sort_keys=True, separators=(",", ":"), default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()

@@ -24,6 +24,9 @@ from functools import cached_property
 import numpy as np
 from numpy.random import default_rng  # imported with gdsload, not by the first pass's plan
 
+#: The largest integer argument (counts, sizes, seed, epoch, rank) and state entry: they meet numpy's int64
+#: arithmetic in the plan (block ids, stream positions, batch bounds) and are saved in states as int64-sized ints.
+MAX_INT = 2**63 - 1
 
 @dataclass(frozen=True)
 class PlanConfig:

@@ -24,7 +24,7 @@ import numpy as np
 from .cursor import Cursor
 from ..errors import GDSLoadError, warn
 from .legs import Hop, RankPlan, first_leg, most_batches, next_leg
-from .plan import EpochPlan, PlanConfig, epoch_plan
+from .plan import MAX_INT, EpochPlan, PlanConfig, epoch_plan
 
 if TYPE_CHECKING:
     from ..format.layout import DatasetLayout
@@ -115,15 +115,17 @@ def make_state(config: PlanConfig, fp: Fingerprint, epoch: int, batches_yielded:
     return state
 
 
-def _int(value: Any, key: str, lo: int, hi: int | None = None, why: str = "") -> int:
-    allowed = f"an int from {lo} to {hi}" if hi is not None else f"an int >= {lo}"
-    if why:
-        allowed += f", {why}"
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise StateError(f"state key '{key}': expected {allowed}, found {value!r} ({type(value).__name__})")
-    if value < lo or (hi is not None and value > hi):
-        raise StateError(f"state key '{key}': expected {allowed}, found {int(value)}")
-    return int(value)
+def state_int(value: Any, key: str, lo: int, hi: int | None = None, why: str = "") -> int:
+    """An int entry of a state from ``lo`` to ``hi``, never above :data:`MAX_INT` (the bound of GDSDataset's
+    arguments): StateError naming the key and what it allows otherwise."""
+    top = MAX_INT if hi is None else min(hi, MAX_INT)
+    integral = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if integral and lo <= value <= top:
+        return int(value)
+    bounded = hi is not None or (integral and value > top)
+    allowed = (f"an int from {lo} to {top}" if bounded else f"an int >= {lo}") + (f", {why}" if why else "")
+    found = f"{int(value)}" if integral else f"{value!r} ({type(value).__name__})"
+    raise StateError(f"state key '{key}': expected {allowed}, found {found}")
 
 
 def _bool(value: Any, key: str) -> bool:
@@ -176,7 +178,7 @@ def parse_state(state: Any, num_blocks: int | None = None) -> SavedState:
     hop_keys = EXACT_HOP_KEYS if exact and fmt == EXACT_FORMAT else HOP_KEYS
     max_world = num_blocks if num_blocks is not None else None
     world_why = "the dataset's blocks" if max_world is not None else ""
-    world_size = _int(state["world_size"], "world_size", 1, max_world, world_why)
+    world_size = state_int(state["world_size"], "world_size", 1, max_world, world_why)
     raw_hops = state["hops"]
     if not isinstance(raw_hops, (list, tuple)) or len(raw_hops) > MAX_HOPS:
         raise StateError(f"state key 'hops': expected a list of at most {MAX_HOPS} dicts with keys {list(hop_keys)}, "
@@ -187,12 +189,12 @@ def parse_state(state: Any, num_blocks: int | None = None) -> SavedState:
         if not isinstance(h, Mapping):
             raise StateError(f"state key '{where}': expected a dict with keys {list(hop_keys)}, found {h!r}")
         _keys(h, hop_keys, f"state key '{where}'")
-        hop_world = _int(h["world_size"], f"{where}.world_size", 1, max_world, world_why)
-        shift = (_int(h["shift"], f"{where}.shift", 0, hop_world - 1, "below that leg's world_size")
+        hop_world = state_int(h["world_size"], f"{where}.world_size", 1, max_world, world_why)
+        shift = (state_int(h["shift"], f"{where}.shift", 0, hop_world - 1, "below that leg's world_size")
                  if "shift" in hop_keys else 0)
-        hops.append(Hop(hop_world, _int(h["batch_size"], f"{where}.batch_size", 1),
-                        _int(h["window_blocks"], f"{where}.window_blocks", 1),
-                        _int(h["batches"], f"{where}.batches", 1, None, "batches taken in that leg"), shift))
+        hops.append(Hop(hop_world, state_int(h["batch_size"], f"{where}.batch_size", 1),
+                        state_int(h["window_blocks"], f"{where}.window_blocks", 1),
+                        state_int(h["batches"], f"{where}.batches", 1, None, "batches taken in that leg"), shift))
     fields = _str_dict(state["fields"], "fields")
     hashes = {}
     for key in ("index_sha256",) if content_free else ("index_sha256", "content_sha256"):
@@ -201,18 +203,18 @@ def parse_state(state: Any, num_blocks: int | None = None) -> SavedState:
             raise StateError(f"state key '{key}': expected digests of fields in 'fields' {sorted(fields)}, found "
                              f"{sorted(hashes[key])}")
     return SavedState(
-        epoch=_int(state["epoch"], "epoch", 0),
-        batches_yielded=_int(state["batches_yielded"], "batches_yielded", 0, None, "batches yielded in the epoch"),
+        epoch=state_int(state["epoch"], "epoch", 0),
+        batches_yielded=state_int(state["batches_yielded"], "batches_yielded", 0, None, "batches yielded in the epoch"),
         hops=tuple(hops),
-        num_samples=_int(state["num_samples"], "num_samples", 1),
-        samples_per_block=_int(state["samples_per_block"], "samples_per_block", 1),
-        batch_size=_int(state["batch_size"], "batch_size", 1),
-        window_blocks=_int(state["window_blocks"], "window_blocks", 1),
+        num_samples=state_int(state["num_samples"], "num_samples", 1),
+        samples_per_block=state_int(state["samples_per_block"], "samples_per_block", 1),
+        batch_size=state_int(state["batch_size"], "batch_size", 1),
+        window_blocks=state_int(state["window_blocks"], "window_blocks", 1),
         shuffle=_bool(state["shuffle"], "shuffle"),
-        seed=_int(state["seed"], "seed", 0),
+        seed=state_int(state["seed"], "seed", 0),
         drop_last=_bool(state["drop_last"], "drop_last"),
         exact_shares=False if content_free else _bool(state["exact_shares"], "exact_shares"),
-        rank=_int(state["rank"], "rank", 0, world_size - 1, "below the state's world_size"),
+        rank=state_int(state["rank"], "rank", 0, world_size - 1, "below the state's world_size"),
         world_size=world_size,
         fields=fields,
         index_sha256=hashes["index_sha256"],
@@ -250,14 +252,37 @@ def resume(state: Any, config: PlanConfig, fp: Fingerprint) -> Cursor:
     Under the state's own world_size, batch_size and window_blocks this continues the current leg (the plain
     resume: the same plan, from the next batch). Under others, the leg is closed as a hop and the next one
     starts at batch 0 of its own plan, made from what the state's ranks left; a leg in which nothing was
-    yielded is simply replaced, so a state taken at an epoch's start resumes as that epoch, fresh.
+    yielded is simply replaced, so a state taken at an epoch's start resumes as that epoch, fresh. Under
+    another batch_size it warns saying what changes (:func:`batch_size_change`).
     """
     saved = parse_state(state, config.num_blocks)
     check_matches(saved, config, fp)
+    cursor = _cursor(saved, config)
     if saved.content_sha256 is None:
         warn(f"resume state of state_format {CONTENT_FREE_FORMAT} (saved before gdsload fingerprinted a "
-                      "dataset's content): its dataset's shapes and shard layout match, its content cannot be "
-                      "checked; resuming. States saved from now on carry 'content_sha256'", UserWarning)
+             "dataset's content): its dataset's shapes and shard layout match, its content cannot be "
+             "checked; resuming. States saved from now on carry 'content_sha256'", UserWarning)
+    if saved.batch_size != config.batch_size:
+        warn(batch_size_change(saved, config), UserWarning)
+    return cursor
+
+
+def batch_size_change(saved: SavedState, config: PlanConfig) -> str:
+    """What a resume under another batch_size changes, said in a warning: the resume is exact (every sample of
+    the epoch once), but the batches, and with another window size the order, are not the saved run's."""
+    if saved.batches_yielded or saved.hops:
+        what = (f"the rest of epoch {saved.epoch} is dealt out anew in batches of {config.batch_size} (every sample "
+                "not yet yielded once, none twice), not in the batches the saved run would have yielded")
+    else:
+        what = f"epoch {saved.epoch} (not begun) and the later ones come in batches of {config.batch_size}"
+    if saved.window_blocks != config.window_blocks:
+        what += (f"; window_blocks is {config.window_blocks}, saved {saved.window_blocks} (its default depends on "
+                 "batch_size), so the order of samples differs too (pass window_blocks to keep it)")
+    return (f"resume state saved with batch_size={saved.batch_size}, resumed with batch_size={config.batch_size}: "
+            f"{what}")
+
+
+def _cursor(saved: SavedState, config: PlanConfig) -> Cursor:
     legs = _legs(config, saved.epoch, saved.hops, saved.leg)
     batches = max(leg.plan.num_batches for leg in legs)  # ranks' exact shares may differ by a batch
     if saved.batches_yielded > batches:
@@ -289,7 +314,7 @@ def merge_states(states: Sequence[Any]) -> dict[str, Any]:
     parsed = [parse_state(s) for s in states]
     world = parsed[0].world_size
     ranks = sorted(p.rank for p in parsed)
-    if ranks != list(range(world)):
+    if world != len(parsed) or ranks != list(range(world)):  # no list of `world` ranks before it is known small
         raise StateError(f"state key 'rank': expected one state per rank 0..{world - 1}, found ranks {ranks}")
     first = min(range(len(parsed)), key=lambda i: parsed[i].rank)
     ref = states[first]
