@@ -83,11 +83,11 @@ def mirror(url: str, cache_dir: str) -> str:
     return open_version(url, cache_dir).root
 
 
-def open_version(url: str, cache_dir: str) -> Version:
+def open_version(url: str, cache_dir: str, timeout_s: float | None = None) -> Version:
     """The version of ``url`` the server holds now, its skeleton fetched into ``cache_dir`` unless complete
-    there. ReadError naming the URL (and the HTTP status) when an object cannot be fetched; nothing
-    half-written is left where a later open would take it."""
-    client = client_for(url)
+    there (each request within ``timeout_s``, None: the client's default). ReadError naming the URL (and the
+    HTTP status) when an object cannot be fetched; nothing half-written is left where a later open would take it."""
+    client = client_for(url, timeout_s)
     try:
         os.makedirs(cache_dir, exist_ok=True)
         lock = open(mirror_path(url, cache_dir) + ".lock", "a")

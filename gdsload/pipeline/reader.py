@@ -27,7 +27,7 @@ from ..codecs.verify import Verdict, Verification, carries_trailers, unchecked_f
 from ..errors import GDSLoadError, ReadError, with_context
 from ..format.layout import DatasetLayout
 from ..format.meta import DatasetMeta, read_metadata
-from ..remote.objects import is_remote
+from ..remote.objects import DEFAULT_TIMEOUT_S, is_remote
 from ..system.env import cache_dir as env_cache_dir
 from ..system.env import warn_few_connections
 from .assembler import ResidentField
@@ -135,18 +135,19 @@ class Reader:
     def open(cls, path: str | os.PathLike[str], fields: Sequence[str] | None, backend: str, device: int,
              resident_bytes: int, verify: bool | None, backend_options: dict[str, Any] | None,
              on_resolved: Callable[[str], None] = lambda name: None, cache_dir: str | None = None,
-             cache_bytes: int | None = None) -> Reader:
+             cache_bytes: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Reader:
         """Read the metadata, choose and make the backend (``on_resolved`` checks arguments that depend on
         which, before it is made). A remote dataset's skeleton is fetched into ``cache_dir`` (default: the
         ``datasets`` folder of gdsload's cache); its shards are read straight from the objects (the direct route)
         or fetched into the cache as they are read, the node's cache holding at most ``cache_bytes`` of them
-        (None: no bound) (docs/remote.md, "Routes"). Nothing is left open on an error."""
+        (None: no bound; docs/remote.md, "Routes"), each remote wait within ``timeout_s``. Nothing is left open on
+        an error."""
         remote = None
         if is_remote(path):
             from ..format.shard_fetch import RemoteShards
 
             remote = RemoteShards.open(str(path), os.fspath(cache_dir) if cache_dir else
-                                       os.path.join(env_cache_dir(), "datasets"), cache_bytes)
+                                       os.path.join(env_cache_dir(), "datasets"), cache_bytes, timeout_s)
             path = remote.root
         cache_option = "cache_dir" if cache_dir is not None else "cache_bytes" if cache_bytes is not None else None
         try:
@@ -188,7 +189,8 @@ class Reader:
                 direct = route[0] == rd.DIRECT
                 if direct:
                     name, reason = rd.BACKEND, f"a remote dataset's direct route, in place of {name!r} ({reason})"
-                    backend_options = rd.direct_options(backend_options, rd.object_map(remote.version.shards))
+                    backend_options = rd.direct_options(backend_options, rd.object_map(remote.version.shards),
+                                                        remote.timeout_s)
             unchecked = unchecked_fields(layout) if verify else []
             if unchecked:
                 kind = ("its chunks have no crc32c codec" if meta.foreign
@@ -245,6 +247,7 @@ class Reader:
 
             self.decoder = Decoder(layout, self.on_device, self.device, self.device_decoded)
         if self.remote is not None and self.backend.reads_locked_memory:  # it locks every file: all fetched now
+            self.remote.check_room([list(layout.files)])
             self._whole = self.remote.acquire(list(layout.files), threading.Event())
             self.remote.stop()
         self.backend.prepare(layout.files)
@@ -320,6 +323,8 @@ class Reader:
         """The first window buffer, holding the window a pass from the dataset's start reads first (which that
         pass then does not read again): the backend's own start and that window's reads happen in the open,
         and a file they cannot read fails the open, naming it."""
+        if self.remote is not None:  # a bound that cannot hold one read's shards: CacheFull now, not after waits
+            self.remote.check_room(self._pinned_at_once(plan))
         buf = self.allocate()
         requests = self.window_map.first_requests(self.layout, plan)  # type: ignore[union-attr]
         if requests:
@@ -334,6 +339,20 @@ class Reader:
                     self.remote.stop()  # type: ignore[union-attr]  # no fetcher thread while no pass runs
             buf.loaded = requests
         return buf
+
+    def _pinned_at_once(self, plan: EpochPlan) -> list[list[str]]:
+        """The files each read pins together: the first windows of ``plan``, and each resident field whole."""
+        from ..format.shard_fetch import ROOM_WINDOWS
+
+        reads = [_paths(self.window_map.work(self.layout, b)) for b in plan.windows[:ROOM_WINDOWS]]  # type: ignore
+        return reads + [_paths(self._whole_field(n).work(self.layout, np.arange(self.meta.fields[n].num_chunks)))
+                        for n in self.resident_fields]
+
+    def _whole_field(self, name: str) -> WindowMap:
+        """The window map of field ``name`` read whole: every chunk back to back, a block per chunk."""
+        f = self.meta.fields[name]
+        return WindowMap([f], f.num_chunks, samples_per_block=f.samples_per_block,
+                         chunk_lengths=self.layout.chunk_lengths, host_fields=self.host_decoded)
 
     def resident(self, closing: threading.Event) -> tuple[dict[str, ResidentField], int]:
         """The resident fields, read whole on the first call (a close meanwhile stops it), then kept; and the
@@ -350,9 +369,7 @@ class Reader:
         """Field ``name`` whole: every chunk back to back, a block per chunk, so row i holds sample i whatever
         the plan's block is; decoded and checked as windows are. A ReadError names the field; a close while it
         loads is a GDSLoadError."""
-        f = self.meta.fields[name]
-        single = WindowMap([f], f.num_chunks, samples_per_block=f.samples_per_block,
-                           chunk_lengths=self.layout.chunk_lengths, host_fields=self.host_decoded)
+        f, single = self.meta.fields[name], self._whole_field(name)
         wb = WindowBuffer(self.backend.allocate(single.nbytes))  # held until the end: its host buffer feeds copies
         blocks = np.arange(f.num_chunks)
         try:
