@@ -238,7 +238,7 @@ class HttpClient:
         if max_bytes is None:
             return resp.read()
         pieces, n = [], 0
-        while piece := resp.read(READ_BYTES):
+        while piece := resp.read(min(READ_BYTES, max_bytes + 1 - n)):  # no further than one byte past the bound
             n += len(piece)
             if n > max_bytes:
                 raise too_large(url, None, max_bytes)

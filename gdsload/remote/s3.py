@@ -75,7 +75,7 @@ class _Call:
         if size is not None or max_bytes is None:
             return body.read()
         pieces, n = [], 0
-        while piece := body.read(1 << 20):
+        while piece := body.read(min(1 << 20, max_bytes + 1 - n)):
             n += len(piece)
             if n > max_bytes:
                 body.close()
