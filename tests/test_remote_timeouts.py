@@ -451,3 +451,15 @@ def test_a_stopped_server_is_a_read_error_within_the_bound_on_the_direct_route(l
             assert msg.startswith(url + "/") and f"no response for {T:g} s" in msg and ".cpp:" not in msg, msg
             t0 = time.monotonic()
         assert time.monotonic() - t0 < 1.0, "close after the error"
+
+
+def test_a_mixture_passes_timeout_s_to_its_sources(local, tmp_path):
+    from gdsload import Mixture
+
+    with pytest.raises(ValueError, match="source 'a': timeout_s must be"):
+        Mixture({"a": local}, batch_size=8, backend="cpu", timeout_s=0)
+    with server(str(tmp_path), "silent") as srv:
+        url = srv.url("d.gds")
+        e, _ = _raises_within(lambda: Mixture({"a": url}, batch_size=8, backend="cpu", cache_dir=str(tmp_path / "c"),
+                                               timeout_s=T), BOUND)
+        assert f"{url}/zarr.json: no response for {T:g} s" in str(e), e
