@@ -463,3 +463,85 @@ def test_a_mixture_passes_timeout_s_to_its_sources(local, tmp_path):
         e, _ = _raises_within(lambda: Mixture({"a": url}, batch_size=8, backend="cpu", cache_dir=str(tmp_path / "c"),
                                                timeout_s=T), BOUND)
         assert f"{url}/zarr.json: no response for {T:g} s" in str(e), e
+
+
+class _Urllib:
+    """A stand-in for KvikIO's RemoteFile on the CPU: each ``pread`` a ranged GET on a thread, bounded by its own
+    timeout (KvikIO's ``http_timeout``), its future with ``done()`` and ``get()`` as KvikIO's IOFuture."""
+
+    pool = None
+
+    def __init__(self, info, timeout: float = 2 * T):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.url, self.timeout = info.url, timeout
+        _Urllib.pool = _Urllib.pool or ThreadPoolExecutor(4, thread_name_prefix="test-kvikio")
+
+    def pread(self, buf, size: int, offset: int):
+        def read() -> int:
+            req = urllib.request.Request(self.url, headers={"Range": f"bytes={offset}-{offset + size - 1}"})
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                    body = resp.read()
+            except OSError as e:
+                raise RuntimeError("curl_easy_perform() error (Failure when receiving data from the peer)") from e
+            buf[:len(body)] = np.frombuffer(body, dtype=np.uint8)
+            return size
+
+        future = self.pool.submit(read)
+        future.get = future.result  # type: ignore[attr-defined]
+        return future
+
+
+def test_direct_reads_that_do_not_move_are_no_response_for_timeout_s_naming_the_url(local, tmp_path):
+    from gdsload.backends import remote_direct as rd
+    from gdsload.backends.base import ReadRequest
+    from gdsload.format.mirror import open_version
+
+    root, name = os.path.split(local)
+    with server(root) as srv:
+        url = srv.url(name)
+        version = open_version(url, str(tmp_path / "c"), T)
+        path, entry = sorted(version.shards.items())[0]
+        reads = rd.DirectReads(rd.object_map(version.shards), _Urllib, check_threads=2, timeout_s=T)
+        try:
+            buf = np.zeros(entry.keep_lo, dtype=np.uint8)
+            reads.submit(buf, [ReadRequest(path, 0, entry.keep_lo, 0)], threading.Event()).finish()
+            srv.stop()
+            t0 = time.monotonic()
+            with pytest.raises(ReadError) as e:
+                reads.submit(buf, [ReadRequest(path, 0, entry.keep_lo, 0)], threading.Event()).finish()
+            elapsed = time.monotonic() - t0
+            assert str(e.value) == (f"{entry.info.url}: no response for {T:g} s (read of {entry.keep_lo} bytes at "
+                                    f"offset 0; raised once KvikIO's requests in flight ended)")
+            assert 2 * T - 0.5 < elapsed < 2 * T + 1, "raised once the read in flight ended: none writes after"
+        finally:
+            srv.cont()
+            reads.close()
+            if _Urllib.pool is not None:
+                _Urllib.pool.shutdown(wait=True)
+                _Urllib.pool = None
+
+
+def test_a_direct_read_kvikio_timed_out_is_no_response_for_timeout_s_without_another_request(tmp_path):
+    from gdsload.backends import remote_direct as rd
+    from gdsload.backends.base import ReadRequest
+    from gdsload.remote.objects import ObjectInfo
+
+    with RangeServer({"/o": b"x" * 100}) as srv:
+        info = ObjectInfo(srv.url("/o"), 100, srv.etag("/o"))
+        reads = rd.DirectReads({"/p": info}, lambda i: None, timeout_s=T)
+        try:
+            cause = RuntimeError("KvikIO failure at: /w/cpp/src/shim/libcurl.cpp:184: KvikIO: HTTP request reached "
+                                 "maximum number of attempts (1). Reason: Operation timed out.")
+            got = reads.failed(ReadRequest("/p", 0, 10, 0), info, cause)
+            assert str(got) == (f"{info.url}: no response for {T:g} s (read of 10 bytes at offset 0: RuntimeError: "
+                                "KvikIO: HTTP request reached maximum number of attempts (1). Reason: Operation timed "
+                                "out.)")
+            assert srv.count == 0, "a stalled server: no pin check that would wait as long again"
+            other = reads.failed(ReadRequest("/p", 0, 10, 0), info, RuntimeError(cause.args[0].replace(
+                "Operation timed out.", "Got HTTP code 503.")))
+            assert str(other).endswith("failed (RuntimeError: KvikIO: HTTP request reached maximum number of attempts "
+                                       "(1). Reason: Got HTTP code 503.)") and srv.count == 1
+        finally:
+            reads.close()

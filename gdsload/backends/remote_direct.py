@@ -272,7 +272,8 @@ class DirectReads:
         what = f"read of {r.nbytes} bytes at offset {r.offset}"
         words = kvikio_words(cause) if cause is not None else ""
         if "timed out" in words.lower():  # a stalled server: another request would wait as long
-            return ReadError(redact(f"{info.url}: no response for {self.timeout_s:g} s ({what}: {words})"))
+            return ReadError(redact(f"{info.url}: no response for {self.timeout_s:g} s ({what}: "
+                                    f"{type(cause).__name__}: {words})"))
         try:
             self._check(info)
         except ObjectChanged as e:
