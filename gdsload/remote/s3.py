@@ -124,7 +124,10 @@ class S3Client:
         if call.error is not None:
             if isinstance(call.error, (FormatError, Stopped)):
                 raise call.error
-            raise self._fail(url, call.error, what, changed)
+            error = self._fail(url, call.error, what, changed)
+            if error is not call.error:  # botocore's error stays its context (the doctor reads it), unprinted
+                error.__context__, error.__suppress_context__ = call.error, True
+            raise error
         return call.result
 
     def _fail(self, url: str, e: BaseException, what: str, changed: bool = False) -> ReadError:
