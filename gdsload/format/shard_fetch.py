@@ -13,7 +13,7 @@ wakes them, waits for them (a ranged read in flight ends at once: the client's s
 they start again with the next ``expect`` or ``acquire``. No wait is unbounded, and each is bounded by
 ``timeout_s``: a stalled server is the client's ReadError (``no response for N s``), a fetch by another
 process that stops moving is the cache's, no room under ``cache_bytes`` while nothing moves is a CacheFull.
-A bound too small for one window of the node's ranks is a CacheFull at open (:meth:`RemoteShards.check_room`).
+A bound too small for one read (a window, a resident field) is a CacheFull at open (:meth:`RemoteShards.check_room`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from typing import Any
 
 from ..errors import ReadError
 from ..remote.objects import DEFAULT_TIMEOUT_S, redact
-from ..system.env import local_ranks
 from .mirror import Version, open_version
 from .shard_cache import CacheFull, ShardCache, Stopped
 
@@ -92,16 +91,16 @@ class RemoteShards:
                 "cache_bytes": self.cache.cache_bytes, "ahead_windows": AHEAD_WINDOWS, "timeout_s": self.timeout_s,
                 **self.cache.stats()}
 
-    def check_room(self, windows: Sequence[Sequence[str]], ranks: int | None = None) -> None:
-        """CacheFull now, where ``cache_bytes`` cannot hold what must be pinned at once: the shards of the
-        largest of ``windows`` (each the files one read pins together: a window, a resident field, every shard
-        for a backend that locks them) for each of the node's ``ranks`` (default: its launcher's count)."""
+    def check_room(self, reads: Sequence[Sequence[str]]) -> None:
+        """CacheFull now, where ``cache_bytes`` cannot hold the shards of the largest of ``reads`` (each the files
+        one read pins together: a window, a resident field, every shard for a backend that locks them): that
+        read would wait for room its own pins hold. (What the node's other ranks pin beside it is not known
+        here: a wait for that room ends once nothing on the node has moved for ``timeout_s``.)"""
         bound = self.cache.cache_bytes
         if bound is None:
             return
-        ranks = local_ranks() if ranks is None else ranks
         most, largest, one = 0, [], None  # the most one read pins, its shards; the largest shard
-        for paths in windows:
+        for paths in reads:
             shards = [e for e in {p: self.cache.entry(p) for p in paths}.values() if e is not None]
             if sum(e.data_bytes for e in shards) > most:
                 most, largest = sum(e.data_bytes for e in shards), shards
@@ -111,12 +110,10 @@ class RemoteShards:
             raise CacheFull(redact(f"cache_bytes={bound} is smaller than one shard: {one.info.url} holds "
                                    f"{one.data_bytes} bytes of data (raise cache_bytes to at least {one.data_bytes})"),
                             one.data_bytes, 0)
-        if most * ranks > bound:
-            example = redact(largest[0].info.url)
-            each = f" by each of the node's {ranks} ranks" if ranks > 1 else ""
-            raise CacheFull(f"cache_bytes={bound} is too small: one read of this dataset pins {len(largest)} "
-                            f"shard(s) at once ({most} bytes of data, e.g. {example}){each}; raise cache_bytes to at "
-                            f"least {most * ranks} (or read smaller windows: window_blocks)", most * ranks, 0)
+        if most > bound:
+            raise CacheFull(redact(f"cache_bytes={bound} is too small: one read of this dataset pins {len(largest)} "
+                                   f"shards at once ({most} bytes of data, e.g. {largest[0].info.url}); raise "
+                                   f"cache_bytes to at least {most} (or read smaller windows: window_blocks)"), most, 0)
 
     # -- the reader's side ---------------------------------------------------------------------------------
     def expect(self, windows: Sequence[Any], paths_of: Callable[[Any], tuple[str, ...]]) -> None:
