@@ -26,6 +26,7 @@ from .pipeline.pipeline import Pipeline
 from .pipeline.plan import PlanConfig, check_yields, epoch_plan, window_buffers_for
 from .pipeline.reader import DEFAULT_RESIDENT_BYTES, Reader
 from .pipeline.stats import EpochStats
+from .remote.objects import DEFAULT_TIMEOUT_S, check_timeout
 from .pipeline.window import WindowBuffer
 
 
@@ -56,6 +57,7 @@ class GDSDataset(LoaderProtocols, Closing):
     cache_dir, cache_bytes : a remote dataset's node cache (default: gdsload's cache folder) and its LRU bound.
     missing_chunks : ``"error"`` (default): a chunk missing from the store (a shard's index or a file) fails the
         open, naming it; ``"fill"``: it reads as the array's fill value, as zarr reads it.
+    timeout_s : the bound of every remote wait (30 s): a request with its retries, a wait for another's fetch.
 
     Epochs: without ``set_epoch``, every new pass is the next epoch; with it, a pass reads the epoch set.
     ``state_dict()`` / ``load_state_dict()`` save and restore the position, also under another world size.
@@ -71,7 +73,7 @@ class GDSDataset(LoaderProtocols, Closing):
                  pad_to: int | str | dict[str, int | str] | None = None, pad_value: Any = 0,
                  backend_options: dict[str, Any] | None = None, verify: bool | None = None, exact_shares: bool = False,
                  cache_dir: str | os.PathLike[str] | None = None, cache_bytes: int | None = None,
-                 missing_chunks: str = "error"):
+                 missing_chunks: str = "error", timeout_s: float = DEFAULT_TIMEOUT_S):
         started = time.perf_counter()
         # Integers become Python ints here, RANK / WORLD_SIZE / LOCAL_RANK are read here: no numpy scalar goes on.
         batch_size, prefetch = check_int("batch_size", batch_size, 1), check_int("prefetch", prefetch, 1)
@@ -84,13 +86,14 @@ class GDSDataset(LoaderProtocols, Closing):
         device, (rank, world_size) = device_id(device), rank_and_world(rank, world_size)
         check_choices(backend, output, verify, backend_options)
         check_missing_chunks(missing_chunks)
+        timeout_s = check_timeout(timeout_s)
         fields = field_names(fields)  # read once: an iterator would be used up by the metadata's checks
 
         def chosen(name: str) -> None:
             self.output = output_kind(output, name)  # before the backend is made: a bad output costs nothing
 
         self._reader = reader = Reader.open(path, fields, backend, device, resident_bytes, verify, backend_options,
-                                            chosen, cache_dir, cache_bytes, missing_chunks)
+                                            chosen, cache_dir, cache_bytes, missing_chunks, timeout_s)
         for name in ("meta", "fields", "resident_fields", "ragged_fields", "windowed_fields", "backend_name",
                      "backend_reason", "device", "verify"):
             setattr(self, name, getattr(reader, name))

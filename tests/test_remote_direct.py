@@ -111,8 +111,8 @@ def test_the_direct_backend_is_in_the_registry_but_not_a_name_users_pass(local):
     with pytest.raises(ValueError, match="backend"):
         GDSDataset(local, 32, backend=rd.BACKEND)
     objects = {"/p": ObjectInfo("http://h/p", 10, None)}
-    assert rd.direct_options({"num_threads": 4, "pool_bytes": 1 << 20}, objects) == {"num_threads": 4,
-                                                                                      "objects": objects}
+    assert rd.direct_options({"num_threads": 4, "pool_bytes": 1 << 20}, objects, 7.0) == {
+        "num_threads": 4, "objects": objects, "timeout_s": 7.0}
 
 
 def test_remote_files_are_opened_with_the_pinned_size_one_per_object_by_the_documented_api(monkeypatch):

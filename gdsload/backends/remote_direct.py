@@ -15,12 +15,19 @@ after a window's reads are over, every object they read is read once more, one b
 of the skeleton (``If-Match``; :meth:`gdsload.remote.objects.ObjectClient.read`): an object replaced or removed
 is ``ObjectChanged`` naming the URL, and the window is not served. A read that fails is looked at the same way,
 so a changed object is named as such. The block checksums (``verify``) check the bytes besides.
+
+Time bounds. KvikIO's ``http_timeout`` (per try) and ``http_max_attempts`` are set, process-wide, so that a
+request's tries end within the dataset's ``timeout_s`` (:func:`kvikio_http`); and a window whose reads have not
+moved for ``timeout_s`` is a ReadError naming the URL and ``no response for N s``, raised once KvikIO's requests
+in flight have ended (none may still write into the buffer). KvikIO's messages lose its C++ source path.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
@@ -31,7 +38,7 @@ from .._tasks import Pending
 from ..errors import ReadError
 from ..format.files import read_error
 from ..remote import client_for
-from ..remote.objects import ObjectChanged, ObjectInfo
+from ..remote.objects import DEFAULT_TIMEOUT_S, ObjectChanged, ObjectInfo, redact
 from .base import Backend, FileHandles, FillRequest, ReadRequest, Request, coalesce, fill_pattern
 from .cuda import CudaBackend, KvikioPool
 from .kvikio import DEFAULT_MAX_READ_BYTES, DEFAULT_TASK_BYTES, default_threads
@@ -45,6 +52,10 @@ CHECK_THREADS = 16
 #: The backend options the direct backend takes from those given for the backend it replaces.
 OPTIONS = ("num_threads", "task_bytes", "max_read_bytes", "check_threads")
 _KVIKIO_MISSING = "KvikIO is not installed (pip install 'gdsload[gpu]')"
+#: KvikIO's pauses between the tries of a request (0.5 s, doubling up to 4 s), which its tries' time includes.
+KVIKIO_BACKOFF_S = (0.5, 1.0, 2.0, 4.0)
+_SOURCE = re.compile(r"(KvikIO failure at: )?\S*[/\\][\w.+-]+\.(?:cpp|hpp|cu|cuh|h|pyx):\d+: ")
+_attempts: list[int] = []  # KvikIO's http_max_attempts before gdsload set it, and what gdsload set
 
 
 class Route(NamedTuple):
@@ -119,15 +130,69 @@ def route_for(url: str, backend: str, named: bool, cache_option: str | None) -> 
     return choose_route(backend, i.on_device, i.locks_dataset and named, cache_option, usable)
 
 
+def routed(remote: Any, backend: str, name: str, reason: str, backend_options: dict[str, Any] | None,
+           cache_option: str | None) -> tuple[str, str, dict[str, Any] | None, Route]:
+    """The backend a remote dataset (``remote``: its :class:`gdsload.format.shard_fetch.RemoteShards`) reads
+    with, its reason and options, and the route: ``name`` (what ``backend`` resolved to) on the cached route,
+    :data:`BACKEND` with the objects' options on the direct route."""
+    from . import ENV_BACKEND
+
+    named = backend != "auto" or bool(os.environ.get(ENV_BACKEND, "").strip())
+    route = route_for(remote.version.url, name, named, cache_option)
+    if route[0] != DIRECT:
+        return name, reason, backend_options, route
+    options = direct_options(backend_options, object_map(remote.version.shards), remote.timeout_s)
+    return BACKEND, f"a remote dataset's direct route, in place of {name!r} ({reason})", options, route
+
+
 def object_map(shards: Mapping[str, Any]) -> dict[str, ObjectInfo]:
     """A version's shard files (local path -> :class:`gdsload.format.mirror.Entry`) as the objects to read: local
     path -> the object's URL, size and ETag pinned when the skeleton was made."""
     return {path: entry.info for path, entry in shards.items()}
 
 
-def direct_options(options: Mapping[str, Any] | None, objects: Mapping[str, ObjectInfo]) -> dict[str, Any]:
-    """The direct backend's options: those of :data:`OPTIONS` given for the backend it replaces, and the objects."""
-    return {**{k: v for k, v in (options or {}).items() if k in OPTIONS}, "objects": dict(objects)}
+def direct_options(options: Mapping[str, Any] | None, objects: Mapping[str, ObjectInfo],
+                   timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+    """The direct backend's options: those of :data:`OPTIONS` given for the backend it replaces, the objects and
+    the dataset's ``timeout_s``."""
+    return {**{k: v for k, v in (options or {}).items() if k in OPTIONS}, "objects": dict(objects),
+            "timeout_s": timeout_s}
+
+
+def kvikio_words(text: object) -> str:
+    """KvikIO's message without the C++ source file and line it names (``KvikIO failure at:
+    .../cpp/src/shim/libcurl.cpp:188: ``), on one line: the cause stays."""
+    return " ".join(_SOURCE.sub("", str(text)).split())
+
+
+def kvikio_http(timeout_s: float, attempts: int) -> dict[str, int]:
+    """KvikIO's ``http_timeout`` (whole seconds, per try) and ``http_max_attempts`` that end a request, its tries
+    and the pauses between them, within ``timeout_s`` (pure): as many of ``attempts`` tries as fit with two
+    seconds each (at least one try), sharing the time the pauses leave."""
+    fit = max((a for a in range(1, max(1, attempts) + 1) if 2 * a + sum(_pauses(a)) <= timeout_s), default=1)
+    return {"http_timeout": max(1, int((timeout_s - sum(_pauses(fit))) // fit)), "http_max_attempts": fit}
+
+
+def _pauses(attempts: int) -> list[float]:
+    return [KVIKIO_BACKOFF_S[min(i, len(KVIKIO_BACKOFF_S) - 1)] for i in range(attempts - 1)]
+
+
+def set_kvikio_http(timeout_s: float) -> dict[str, int]:
+    """Set KvikIO's ``http_timeout`` and ``http_max_attempts`` (process-wide: the last dataset opened wins) from
+    ``timeout_s`` and the tries KvikIO allowed before gdsload set them (or since, where another set them);
+    what was set ({} for a KvikIO without these settings)."""
+    import kvikio.defaults
+
+    try:
+        now = int(kvikio.defaults.get("http_max_attempts"))
+        if not _attempts or now != _attempts[1]:
+            _attempts[:] = [now, now]
+        settings = kvikio_http(timeout_s, _attempts[0])
+        kvikio.defaults.set(settings)
+    except (KeyError, ValueError, AttributeError, TypeError):
+        return {}
+    _attempts[1] = settings["http_max_attempts"]
+    return settings
 
 
 def open_remote_file(info: ObjectInfo) -> Any:
@@ -150,9 +215,9 @@ class DirectReads:
 
     def __init__(self, objects: Mapping[str, ObjectInfo], opener: Callable[[ObjectInfo], Any],
                  local: FileHandles | None = None, check_threads: int = CHECK_THREADS,
-                 max_read_bytes: int = DEFAULT_MAX_READ_BYTES):
+                 max_read_bytes: int = DEFAULT_MAX_READ_BYTES, timeout_s: float = DEFAULT_TIMEOUT_S):
         self.objects, self._opener, self._local = dict(objects), opener, local
-        self.max_read_bytes = max_read_bytes
+        self.max_read_bytes, self.timeout_s = max_read_bytes, timeout_s
         self._handles: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(check_threads, thread_name_prefix="gdsload-pin")
@@ -167,7 +232,8 @@ class DirectReads:
                     try:
                         h = self._opener(info)
                     except Exception as e:
-                        raise ReadError(f"{info.url}: cannot open it with KvikIO ({type(e).__name__}: {e})") from e
+                        raise ReadError(redact(f"{info.url}: cannot open it with KvikIO ({type(e).__name__}: "
+                                               f"{kvikio_words(e)})")) from e
                     self._handles[info.url] = h
         return h
 
@@ -210,7 +276,7 @@ class DirectReads:
         with self._lock:
             self.checks += 1
         if info.size:  # one byte, pinned by If-Match and the size: 412, 404 or another size is ObjectChanged
-            client_for(info.url).read(info, info.size - 1, 1)
+            client_for(info.url, self.timeout_s).read(info, info.size - 1, 1)
 
     def failed(self, r: ReadRequest, info: ObjectInfo | None, cause: BaseException | None,
                got: int | None = None) -> ReadError:
@@ -218,14 +284,25 @@ class DirectReads:
         object changed, else a ReadError naming the URL and KvikIO's own words."""
         if info is None or isinstance(cause, ReadError):
             return read_error(r.path, r.offset, r.nbytes, cause=cause, got=got)
+        what = f"read of {r.nbytes} bytes at offset {r.offset}"
+        words = kvikio_words(cause) if cause is not None else ""
+        if "timed out" in words.lower():  # a stalled server: another request would wait as long
+            return ReadError(redact(f"{info.url}: no response for {self.timeout_s:g} s ({what}: "
+                                    f"{type(cause).__name__}: {words})"))
         try:
             self._check(info)
         except ObjectChanged as e:
             return e
         except Exception:  # noqa: BLE001 - the server's state is unknown: the read's own error says more
             pass
-        what = f"{type(cause).__name__}: {cause}" if cause is not None else f"{got} bytes came"
-        return ReadError(f"{info.url}: read of {r.nbytes} bytes at offset {r.offset} failed ({what})")
+        cause_text = f"{type(cause).__name__}: {words}" if cause is not None else f"{got} bytes came"
+        return ReadError(redact(f"{info.url}: {what} failed ({cause_text})"))
+
+    def stalled(self, r: ReadRequest, info: ObjectInfo | None) -> ReadError:
+        """The error of a window whose reads did not move for ``timeout_s`` (``r``: the first still in flight)."""
+        where = redact(info.url) if info is not None else r.path
+        return ReadError(f"{where}: no response for {self.timeout_s:g} s (read of {r.nbytes} bytes at offset "
+                         f"{r.offset}; raised once KvikIO's requests in flight ended)")
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -254,7 +331,10 @@ class _Reads(Pending):
     def finish(self) -> Any:
         error, read = self.error, {}
         futures, self.futures = self.futures, []
-        for r, info, future in futures:
+        late = _stalled(futures, self.reads.timeout_s)
+        if late is not None and error is None:
+            error = self.reads.stalled(late[0], late[1])
+        for r, info, future in futures:  # all of them, whatever happened: none writes into the buffer after
             try:
                 n = future.get()
             except BaseException as e:
@@ -271,6 +351,25 @@ class _Reads(Pending):
         return self.fills  # KvikIO's reads are complete in the buffer when their futures return
 
 
+def _stalled(futures: list[tuple[ReadRequest, ObjectInfo | None, Any]], timeout_s: float
+             ) -> tuple[ReadRequest, ObjectInfo | None, Any] | None:
+    """Wait until every future is done: None; or the first still in flight once none has finished for
+    ``timeout_s``. (A future without ``done()`` counts as done: its ``get()`` waits.)"""
+    pending = [f for f in futures if hasattr(f[2], "done")]
+    deadline, pause = time.monotonic() + timeout_s, 0.0002
+    while pending:
+        left = [f for f in pending if not f[2].done()]
+        if len(left) < len(pending):
+            deadline, pause = time.monotonic() + timeout_s, 0.0002
+        pending = left
+        if pending and time.monotonic() > deadline:
+            return pending[0]
+        if pending:
+            time.sleep(pause)
+            pause = min(pause * 2, 0.002)
+    return None
+
+
 class RemoteDirectBackend(CudaBackend):
     """The direct route's backend: ``objects`` (local shard path -> pinned object, :func:`object_map`) read by
     KvikIO's RemoteFile into device window buffers. ``num_threads`` and ``task_bytes`` ask for KvikIO's
@@ -281,9 +380,9 @@ class RemoteDirectBackend(CudaBackend):
     io_mode = IO_MODE
     window_bytes_hint = 256 << 20
 
-    def __init__(self, device_id: int = 0, *, objects: Mapping[str, ObjectInfo], num_threads: int | None = None,
-                 task_bytes: int = DEFAULT_TASK_BYTES, max_read_bytes: int = DEFAULT_MAX_READ_BYTES,
-                 check_threads: int = CHECK_THREADS):
+    def __init__(self, device_id: int = 0, *, objects: Mapping[str, ObjectInfo], timeout_s: float,
+                 num_threads: int | None = None, task_bytes: int = DEFAULT_TASK_BYTES,
+                 max_read_bytes: int = DEFAULT_MAX_READ_BYTES, check_threads: int = CHECK_THREADS):
         import kvikio
 
         from ..system.env import rank_cores
@@ -297,13 +396,15 @@ class RemoteDirectBackend(CudaBackend):
         self.num_threads, self.task_bytes, self.max_read_bytes = num_threads, task_bytes, max_read_bytes
         self.check_threads = check_threads
         self._files = FileHandles(opener=lambda path: kvikio.CuFile(path, "r"), closer=lambda f: f.close())
-        self.reads = DirectReads(objects, open_remote_file, self._files, check_threads, max_read_bytes)
+        self.reads = DirectReads(objects, open_remote_file, self._files, check_threads, max_read_bytes, timeout_s)
+        self.http = set_kvikio_http(timeout_s)  # before the first remote read: KvikIO's tries end within timeout_s
         KvikioPool.acquire(num_threads, task_bytes)
         self._pool_held = True
 
     def stats(self) -> dict[str, Any]:
         return {"num_threads": self.num_threads, "task_bytes": self.task_bytes, "max_read_bytes": self.max_read_bytes,
-                "check_threads": self.check_threads, **self.reads.stats()}
+                "check_threads": self.check_threads, "timeout_s": self.reads.timeout_s, **self.http,
+                **self.reads.stats()}
 
     def handles(self) -> list[FileHandles]:
         return [self._files]

@@ -116,13 +116,14 @@ def identity(objects: dict[str, list], absent: list[str]) -> str:
     return hashlib.sha256(doc.encode()).hexdigest()[:16]
 
 
-def open_version(url: str, cache_dir: str) -> Version:
+def open_version(url: str, cache_dir: str, timeout_s: float | None = None) -> Version:
     """The version of ``url`` the server holds now, its skeleton fetched into ``cache_dir`` unless a version
-    of exactly these objects is complete there. ReadError naming the URL and the HTTP status (or cause)
-    when an object cannot be fetched, FormatError naming the URL and key for metadata gdsload cannot read;
-    nothing half-written is left where a later open would take it."""
+    of exactly these objects is complete there (each request within ``timeout_s``; None: the client's default).
+    ReadError naming the URL and the HTTP status (or cause) when an object cannot be fetched, FormatError naming
+    the URL and key for metadata gdsload cannot read; nothing half-written is left where a later open would
+    take it."""
     try:
-        return _open(url, cache_dir)
+        return _open(url, cache_dir, timeout_s)
     except GDSLoadError as e:
         raise reworded(e, scrub(e, url)) from None
 
@@ -135,8 +136,8 @@ def scrub(text: object, url: str) -> str:
     return out.replace(password, "***") if password else out
 
 
-def _open(url: str, cache_dir: str) -> Version:
-    client = client_for(url)
+def _open(url: str, cache_dir: str, timeout_s: float | None) -> Version:
+    client = client_for(url, timeout_s)
     stem = mirror_path(url, cache_dir)
     try:
         os.makedirs(cache_dir, exist_ok=True)

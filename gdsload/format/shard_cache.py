@@ -16,6 +16,12 @@ finds another fetching waits for the lock, then uses the shard: no shard is fetc
 the lock exclusively without waiting (a pinned shard is passed over), removes the marker, then punches the
 data out of the file (``fallocate(PUNCH_HOLE)``; without it, the file is cut and re-extended around its
 index). A crash mid-fetch leaves no marker: the shard reads as absent and is fetched again.
+
+Waits are bounded by ``timeout_s``. A fetch touches its ``.fill`` (which names its pid) after each ranged read,
+each of which ends within ``timeout_s``; a rank waiting for another's fetch watches it and gives up with a
+ReadError once it has not moved for ``timeout_s`` (a stalled owner). A fetch that fails leaves ``<id>.failed``
+(its error) for those that waited on it, so they raise the owner's error (the URL and its cause) at once
+instead of trying again; a pin that did not wait ignores it.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from collections.abc import Iterator
 
 from ..errors import GDSLoadError, ReadError
 from ..remote import client_for
+from ..remote.objects import DEFAULT_TIMEOUT_S, ObjectChanged, Stopped, redact
 from .mirror import PIECE_BYTES, STATE, Entry, Version
 
 #: The lock a process holds while it decides what to evict to make room (the whole cache folder's).
@@ -43,10 +50,6 @@ CACHE_LOCK = ".gdsload-cache.lock"
 POLL_S = 0.01
 _PUNCH = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-
-
-class Stopped(Exception):
-    """A wait or fetch ended because its stop event was set (not an error: the reading stops)."""
 
 
 class CacheFull(ReadError):
@@ -61,9 +64,10 @@ class ShardCache:
     """Pins of one version's shards for one open dataset (thread-safe; :meth:`pin` blocks, on a fetcher
     thread). ``cache_bytes`` (None: no bound) bounds the bytes of shard data the whole cache folder holds."""
 
-    def __init__(self, version: Version, cache_dir: str, cache_bytes: int | None):
-        self.version, self.cache_dir, self.cache_bytes = version, cache_dir, cache_bytes
-        self.client = client_for(version.url)
+    def __init__(self, version: Version, cache_dir: str, cache_bytes: int | None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.version, self.cache_dir, self.cache_bytes, self.timeout_s = version, cache_dir, cache_bytes, timeout_s
+        self.client = client_for(version.url, timeout_s)
         self.state = version.root + STATE
         os.makedirs(self.state, exist_ok=True)
         self._open = os.open(os.path.join(self.state, "open.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -77,12 +81,14 @@ class ShardCache:
     def entry(self, path: str) -> Entry | None:
         return self.version.shards.get(path)
 
-    def pin(self, path: str, stop: threading.Event, deadline: float) -> int:
+    def pin(self, path: str, stop: threading.Event) -> int:
         """Pin the shard file ``path``, fetching it first unless present: the descriptor of the pin (pass it to
-        :meth:`unpin`). Waits for another's fetch or eviction (ReadError past ``deadline``, a monotonic time);
-        :class:`Stopped` once ``stop`` is set; the fetch's ReadError naming the URL, CacheFull without room."""
+        :meth:`unpin`). Waits for another's fetch or eviction while it moves (a ReadError once it has not for
+        ``timeout_s``, or the error the fetch it waited on ended with); :class:`Stopped` once ``stop`` is set;
+        the fetch's ReadError naming the URL, CacheFull without room."""
         entry = self.version.shards[path]
         fd = os.open(self._lock_path(entry), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        waited, seen, moved = 0.0, None, 0.0  # since when (wall clock) it waited; the owner's progress, when
         try:
             while True:
                 if stop.is_set():
@@ -96,18 +102,37 @@ class ShardCache:
                     fcntl.flock(fd, fcntl.LOCK_UN)
                 if _try(fd, fcntl.LOCK_EX):  # none holds it: this one fetches (or finds it fetched meanwhile)
                     if not self._present(entry):
+                        if waited:
+                            self._raise_failed(entry, waited)  # the fetch waited on failed: its error, not another try
                         self._fetch(entry, stop)
                     if _try(fd, fcntl.LOCK_SH) and self._present(entry):  # EX -> SH: no evictor comes between
                         return fd
                     fcntl.flock(fd, fcntl.LOCK_UN)
                     continue
-                if time.monotonic() > deadline:
-                    raise ReadError(f"{entry.info.url}: another process has been fetching (or evicting) it too "
-                                    f"long (lock {self._lock_path(entry)})")
+                now, state = time.monotonic(), _progress(self._id(entry) + ".fill")
+                if not waited or state != seen:
+                    waited, seen, moved = waited or time.time(), state, now
+                elif now - moved > self.timeout_s:
+                    owner = f"process {state[1]}" if state is not None else "another process"
+                    raise ReadError(redact(f"{entry.info.url}: no response for {self.timeout_s:g} s: its fetch by "
+                                           f"{owner} has not moved (lock {self._lock_path(entry)})"))
                 time.sleep(POLL_S * (0.5 + random.random()))  # two waiters do not keep meeting
         except BaseException:
             os.close(fd)  # closing the descriptor drops its lock
             raise
+
+    def _raise_failed(self, entry: Entry, since: float) -> None:
+        """Raise the error another's fetch of ``entry`` ended with at or after ``since`` (wall clock), if any."""
+        try:
+            with open(self._id(entry) + ".failed") as f:
+                doc = json.load(f)
+            if float(doc["time"]) < since:
+                return
+            message = str(doc["error"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        cls = ObjectChanged if doc.get("kind") == "ObjectChanged" else ReadError
+        raise cls(f"{message} (in process {doc.get('pid')}, whose fetch this one waited on)")
 
     @staticmethod
     def unpin(fd: int) -> None:
@@ -154,18 +179,22 @@ class ShardCache:
     # -- fetch ---------------------------------------------------------------------------------------------
     def _fetch(self, entry: Entry, stop: threading.Event) -> None:
         """Fetch the data of ``entry`` into its file, in place (holding its lock exclusively), then sync it and
-        write its marker. On any failure the data written is punched out again and no marker is written."""
+        write its marker. On any failure the data written is punched out again and no marker is written; a
+        ReadError is also left in ``<id>.failed`` for the ranks that waited on this fetch."""
         base, need = self._id(entry), entry.data_bytes
         fd = -1
         try:
             self._make_room(entry, need)
+            if self.cache_bytes is None:  # no reservation to make: the .fill only shows the fetch moving
+                _write_marker(base + ".fill", {"size": need, "pid": os.getpid()})
             fd = os.open(entry.path, os.O_RDWR | os.O_CLOEXEC)
             for lo, hi in _data_ranges(entry):
                 for offset in range(lo, hi, PIECE_BYTES):
                     if stop.is_set():
                         raise Stopped()
-                    data = self.client.read(entry.info, offset, min(PIECE_BYTES, hi - offset))  # pinned: If-Match
+                    data = self.client.read(entry.info, offset, min(PIECE_BYTES, hi - offset), stop)  # If-Match
                     _pwrite_all(fd, data, offset)
+                    _moved(base + ".fill")
                     with self._lock:
                         self.fetched_bytes += len(data)
             os.fdatasync(fd)
@@ -174,6 +203,7 @@ class ShardCache:
             with self._room():  # the reservation becomes the marker at once for a scan (which reads no folder whole)
                 _write_marker(base + ".ok", marker)
                 _remove(base + ".fill")
+            _remove(base + ".failed")
             with self._lock:
                 self.fetched += 1
         except BaseException as e:
@@ -183,9 +213,13 @@ class ShardCache:
                 except OSError:
                     pass  # no marker: it reads as absent whatever the file holds
             if isinstance(e, OSError) and not isinstance(e, GDSLoadError):  # writing the cache failed
-                raise ReadError(f"{self.cache_dir}: cannot write {entry.info.url} into the shard cache "
+                raise ReadError(f"{self.cache_dir}: cannot write {redact(entry.info.url)} into the shard cache "
                                 f"({errno.errorcode.get(e.errno or 0, 'OSError')}: {e.strerror or e}); free space "
                                 f"in the cache folder or lower cache_bytes") from None
+            if isinstance(e, ReadError) and not isinstance(e, CacheFull):
+                with contextlib.suppress(OSError):
+                    _write_marker(base + ".failed", {"error": str(e), "kind": type(e).__name__, "time": time.time(),
+                                                     "pid": os.getpid()})
             raise
         finally:
             if fd >= 0:
@@ -198,8 +232,8 @@ class ShardCache:
         if self.cache_bytes is None:
             return
         if need > self.cache_bytes:
-            raise CacheFull(f"cache_bytes={self.cache_bytes} is smaller than one shard: {entry.info.url} holds "
-                            f"{need} bytes of data (raise cache_bytes to at least {need})", need, 0)
+            raise CacheFull(redact(f"cache_bytes={self.cache_bytes} is smaller than one shard: {entry.info.url} holds "
+                                   f"{need} bytes of data (raise cache_bytes to at least {need})"), need, 0)
         with self._room():
             present, used = _scan(self.cache_dir)
             for when, size, lock_path, marker in sorted(present):
@@ -208,10 +242,10 @@ class ShardCache:
                 if self._evict(lock_path, marker):
                     used -= size
             if used + need > self.cache_bytes:
-                raise CacheFull(f"cache_bytes={self.cache_bytes} is too small: {entry.info.url} needs {need} bytes "
-                                f"and {used} bytes of shards are in use by the open datasets' windows (at least "
-                                f"{used + need} bytes needed at once)", need, used)
-            _write_marker(self._id(entry) + ".fill", {"size": need})
+                raise CacheFull(redact(f"cache_bytes={self.cache_bytes} is too small: {entry.info.url} needs {need} "
+                                       f"bytes and {used} bytes of shards are in use by the open datasets' windows "
+                                       f"(at least {used + need} bytes needed at once)"), need, used)
+            _write_marker(self._id(entry) + ".fill", {"size": need, "pid": os.getpid()})
 
     @contextlib.contextmanager
     def _room(self) -> Iterator[None]:
@@ -297,6 +331,24 @@ def _stale(lock_path: str) -> bool:
         return _try(fd, fcntl.LOCK_EX)
     finally:
         os.close(fd)
+
+
+def _progress(fill: str) -> tuple[int, object] | None:
+    """Where a fetch stands, from its ``.fill``: (last move in ns, the fetching pid); None without one."""
+    try:
+        when = os.stat(fill).st_mtime_ns
+        with open(fill) as f:
+            pid = json.load(f).get("pid")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return when, pid
+
+
+def _moved(fill: str) -> None:
+    """Mark a fetch's ``.fill`` as moved now (its waiters watch it)."""
+    now = time.time_ns()
+    with contextlib.suppress(OSError):
+        os.utime(fill, ns=(now, now))
 
 
 def _try(fd: int, kind: int) -> bool:

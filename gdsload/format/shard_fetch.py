@@ -9,9 +9,11 @@ MiB) and hands the pin back here, where it is held while a window that reads the
 :meth:`RemoteShards.release` (the window's reads are over) unpins what no window needs any more. A fetch error
 is kept for the shard and raised, naming the URL, by the ``acquire`` of a window that reads it. The threads
 stop with :meth:`RemoteShards.stop` (the pipeline stops: a break, an error, ``stop()``, ``close()``), which
-wakes them, waits for them (a fetch stops between two ranged reads) and unpins everything; they start again
-with the next ``expect`` or ``acquire``. No wait is unbounded: a stall is the client's timeout, a shard
-another process holds too long or no room under ``cache_bytes`` for :data:`WAIT_S` is a ReadError.
+wakes them, waits for them (a ranged read in flight ends at once: the client's stop) and unpins everything;
+they start again with the next ``expect`` or ``acquire``. No wait is unbounded, and each is bounded by
+``timeout_s``: a stalled server is the client's ReadError (``no response for N s``), a fetch by another
+process that stops moving is the cache's, no room under ``cache_bytes`` while nothing moves is a CacheFull.
+A bound too small for one read (a window, a resident field) is a CacheFull at open (:meth:`RemoteShards.check_room`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import ReadError
+from ..remote.objects import DEFAULT_TIMEOUT_S, redact
 from .mirror import Version, open_version
 from .shard_cache import CacheFull, ShardCache, Stopped
 
@@ -32,9 +35,11 @@ from .shard_cache import CacheFull, ShardCache, Stopped
 AHEAD_WINDOWS = 4
 #: Shards fetched at once.
 FETCH_THREADS = 4
-#: The longest a reader waits for a shard (beyond the client's own timeouts and retries): another process
-#: fetching it, or room under ``cache_bytes`` that the node's windows in flight hold.
-WAIT_S = 120.0
+#: A reader's last resort: how many ``timeout_s`` it waits for a window's shards while no fetch of them moves
+#: (the client's, the cache's and the room's bounds end every wait first).
+STALL_TIMEOUTS = 4
+#: Windows of the first epoch whose shards :meth:`RemoteShards.check_room` measures at open.
+ROOM_WINDOWS = 256
 #: How often a wait looks again at the stop event and the clock.
 POLL_S = 0.05
 
@@ -51,7 +56,7 @@ class RemoteShards:
     """A remote dataset's version in the node's cache, and the fetching of its shards ahead of the reads."""
 
     def __init__(self, version: Version, cache: ShardCache):
-        self.version, self.cache = version, cache
+        self.version, self.cache, self.timeout_s = version, cache, cache.timeout_s
         self._cv = threading.Condition()
         self._queue: deque[tuple[int, Any]] = deque()  # windows expected, not yet acquired: (seq, blocks)
         self._paths: dict[int, tuple[str, ...]] = {}  # of queued windows, computed as they come in reach
@@ -62,27 +67,53 @@ class RemoteShards:
         self._busy: set[str] = set()
         self._errors: dict[str, BaseException] = {}
         self._full_at = -1  # the seq no room was found for: windows past it are not fetched until a release
-        self._full_since: dict[str, float] = {}  # shard waited for now -> since when no room was found for it
+        self._full_since: dict[str, tuple[float, int]] = {}  # shard waited for -> (since when, pinned) no room
         self._seq = 0
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._closed = False
 
     @classmethod
-    def open(cls, url: str, cache_dir: str, cache_bytes: int | None) -> RemoteShards:
+    def open(cls, url: str, cache_dir: str, cache_bytes: int | None, timeout_s: float = DEFAULT_TIMEOUT_S
+             ) -> RemoteShards:
         if cache_bytes is not None and (isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int)
                                         or cache_bytes < 1):
             raise ValueError(f"cache_bytes must be a positive int or None (found {cache_bytes!r})")
-        version = open_version(url, os.fspath(cache_dir))
-        return cls(version, ShardCache(version, os.fspath(cache_dir), cache_bytes))
+        version = open_version(url, os.fspath(cache_dir), timeout_s)
+        return cls(version, ShardCache(version, os.fspath(cache_dir), cache_bytes, timeout_s))
 
     @property
     def root(self) -> str:
         return self.version.root
 
     def describe(self) -> dict[str, Any]:
-        return {"url": self.version.url, "cache_dir": self.cache.cache_dir, "version": self.version.root,
-                "cache_bytes": self.cache.cache_bytes, "ahead_windows": AHEAD_WINDOWS, **self.cache.stats()}
+        return {"url": redact(self.version.url), "cache_dir": self.cache.cache_dir, "version": self.version.root,
+                "cache_bytes": self.cache.cache_bytes, "ahead_windows": AHEAD_WINDOWS, "timeout_s": self.timeout_s,
+                **self.cache.stats()}
+
+    def check_room(self, reads: Sequence[Sequence[str]]) -> None:
+        """CacheFull now, where ``cache_bytes`` cannot hold the shards of the largest of ``reads`` (each the files
+        one read pins together: a window, a resident field, every shard for a backend that locks them): that
+        read would wait for room its own pins hold. (What the node's other ranks pin beside it is not known
+        here: a wait for that room ends once nothing on the node has moved for ``timeout_s``.)"""
+        bound = self.cache.cache_bytes
+        if bound is None:
+            return
+        most, largest, one = 0, [], None  # the most one read pins, its shards; the largest shard
+        for paths in reads:
+            shards = [e for e in {p: self.cache.entry(p) for p in paths}.values() if e is not None]
+            if sum(e.data_bytes for e in shards) > most:
+                most, largest = sum(e.data_bytes for e in shards), shards
+            for e in shards:
+                one = e if one is None or e.data_bytes > one.data_bytes else one
+        if one is not None and one.data_bytes > bound:
+            raise CacheFull(redact(f"cache_bytes={bound} is smaller than one shard: {one.info.url} holds "
+                                   f"{one.data_bytes} bytes of data (raise cache_bytes to at least {one.data_bytes})"),
+                            one.data_bytes, 0)
+        if most > bound:
+            raise CacheFull(redact(f"cache_bytes={bound} is too small: one read of this dataset pins {len(largest)} "
+                                   f"shards at once ({most} bytes of data, e.g. {largest[0].info.url}); raise "
+                                   f"cache_bytes to at least {most} (or read smaller windows: window_blocks)"), most, 0)
 
     # -- the reader's side ---------------------------------------------------------------------------------
     def expect(self, windows: Sequence[Any], paths_of: Callable[[Any], tuple[str, ...]]) -> None:
@@ -115,7 +146,8 @@ class RemoteShards:
             ticket = Ticket(seq, shards)
             self._start()
             self._cv.notify_all()
-            deadline, pinned = time.monotonic() + WAIT_S, -1
+            limit = STALL_TIMEOUTS * self.timeout_s
+            deadline, seen = time.monotonic() + limit, None
             while True:
                 failed = next((self._errors[p] for p in shards if p in self._errors), None)
                 if failed is not None:
@@ -127,12 +159,14 @@ class RemoteShards:
                 now = sum(p in self._pins for p in shards)
                 if now == len(shards):
                     return ticket
-                if now > pinned:  # progress: the wait is bounded per shard, not for the whole window
-                    deadline, pinned = time.monotonic() + WAIT_S, now
+                moved = (now, self.cache.fetched_bytes, tuple(self._full_since.values()))
+                if moved != seen:  # progress: the wait is bounded while nothing moves, not for the whole window
+                    deadline, seen = time.monotonic() + limit, moved
                 if time.monotonic() > deadline:
                     self._release(ticket)
                     missing = [self.cache.entry(p).info.url for p in shards if p not in self._pins]  # type: ignore
-                    raise ReadError(f"{missing[0]}: not in the shard cache after {WAIT_S:g} s")
+                    raise ReadError(redact(f"{missing[0]}: not in the shard cache after {limit:g} s in which no fetch "
+                                           f"of the window's shards moved (timeout_s={self.timeout_s:g})"))
                 self._cv.wait(POLL_S)
 
     def passed(self, paths: Sequence[str]) -> None:
@@ -250,7 +284,7 @@ class RemoteShards:
                 self._busy.add(path)
                 urgent = seq in self._acquired
             try:
-                fd = self.cache.pin(path, stop, time.monotonic() + WAIT_S)
+                fd = self.cache.pin(path, stop)
             except Stopped:
                 return
             except CacheFull as e:
@@ -277,8 +311,9 @@ class RemoteShards:
 
     def _room(self, path: str, seq: int, urgent: bool, e: CacheFull) -> bool:
         """No room under ``cache_bytes`` for ``path`` (first needed by window ``seq``): unpin what only windows
-        after it need, and stop fetching ahead past it until a release. For a window waited for now, after
-        :data:`WAIT_S` without room, the CacheFull is its error. Whether to wait before trying again."""
+        after it need, and stop fetching ahead past it until a release. For a window waited for now, once the
+        bytes pinned on the node have not changed for ``timeout_s``, the CacheFull is its error. Whether to wait
+        before trying again."""
         later = [p for p, users in self._need.items() if p in self._pins and min(users) > seq
                  and not users & self._acquired]
         for p in later:
@@ -286,8 +321,11 @@ class RemoteShards:
         if not urgent:
             self._full_at = seq if self._full_at < 0 else min(self._full_at, seq)
             return False
-        first = self._full_since.setdefault(path, time.monotonic())
-        if e.pinned == 0 or time.monotonic() - first > WAIT_S:
+        since, pinned = self._full_since.get(path, (time.monotonic(), -1))
+        if pinned != e.pinned:  # the node's windows moved: room may come
+            since, pinned = time.monotonic(), e.pinned
+        self._full_since[path] = (since, pinned)
+        if e.pinned == 0 or time.monotonic() - since > self.timeout_s:
             self._errors[path] = e
             self._cv.notify_all()
             return False

@@ -17,9 +17,10 @@ yielding different numbers of samples (what a mixture of datasets wants, gdsload
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 from numpy.random import default_rng  # imported with gdsload, not by the first pass's plan
@@ -305,3 +306,14 @@ def window_buffers_for(prefetch: int, plan: EpochPlan) -> int:
     """Window buffers a pass needs: the consumer holds the windows its current batch draws from while
     ``prefetch`` more are being read."""
     return prefetch + plan.max_windows_per_batch()
+
+
+#: Fields whose whole array is at most this many bytes are read once and kept (``resident_bytes``).
+DEFAULT_RESIDENT_BYTES = 64 << 20
+
+
+def resident_fields(meta: Any, names: Sequence[str], resident_bytes: int) -> tuple[str, ...]:
+    """The fixed fields among ``names`` read whole, once, on the first pass (resident): those whose chunks
+    total at most ``resident_bytes``. The one rule for GDSDataset and the doctor."""
+    return tuple(n for n in names if n in meta.fields
+                 and meta.fields[n].block_bytes * meta.fields[n].num_chunks <= resident_bytes)

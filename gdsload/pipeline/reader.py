@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from .._tasks import Pending, Queued, drain
-from ..backends import ENV_BACKEND, info, make_backend, resolve
+from ..backends import info, make_backend, resolve
 from ..backends.base import Backend
 from ..backends.cpu import CpuBackend
 from ..codecs.decode import WindowDecoder, all_of
@@ -28,27 +28,16 @@ from ..errors import GDSLoadError, ReadError, with_context
 from ..format.layout import DatasetLayout
 from ..format.meta import DatasetMeta, read_metadata
 from ..format.mirror import named
-from ..remote.objects import is_remote
+from ..remote.objects import DEFAULT_TIMEOUT_S, is_remote
 from ..system.env import cache_dir as env_cache_dir
 from ..system.env import warn_few_connections
 from .assembler import ResidentField
-from .plan import EpochPlan, blocks_per_rank, window_blocks_for
+from .plan import DEFAULT_RESIDENT_BYTES, EpochPlan, blocks_per_rank, resident_fields, window_blocks_for
 from .ragged import capacity_rows
 from .window import WindowBuffer, WindowMap, Work, cell_rows
 
 if TYPE_CHECKING:
     from ..format.shard_fetch import RemoteShards, Ticket
-
-#: Fields whose whole array is at most this many bytes are read once and kept (``resident_bytes``).
-DEFAULT_RESIDENT_BYTES = 64 << 20
-
-
-def resident_fields(meta: Any, names: Sequence[str], resident_bytes: int) -> tuple[str, ...]:
-    """The fixed fields among ``names`` read whole, once, on the first pass (resident): those whose chunks
-    total at most ``resident_bytes``. The one rule for GDSDataset and the doctor."""
-    return tuple(n for n in names if n in meta.fields
-                 and meta.fields[n].block_bytes * meta.fields[n].num_chunks <= resident_bytes)
-
 
 class Filled(NamedTuple):
     """A window read, decoded and its check started: its data is there after ``event`` (None: already),
@@ -136,19 +125,20 @@ class Reader:
     def open(cls, path: str | os.PathLike[str], fields: Sequence[str] | None, backend: str, device: int,
              resident_bytes: int, verify: bool | None, backend_options: dict[str, Any] | None,
              on_resolved: Callable[[str], None] = lambda name: None, cache_dir: str | None = None,
-             cache_bytes: int | None = None, missing_chunks: str = "error") -> Reader:
+             cache_bytes: int | None = None, missing_chunks: str = "error",
+             timeout_s: float = DEFAULT_TIMEOUT_S) -> Reader:
         """Read the metadata, choose and make the backend (``on_resolved`` checks arguments that depend on
         which, before it is made). A remote dataset's skeleton is fetched into ``cache_dir`` (default: the
         ``datasets`` folder of gdsload's cache); its shards are read straight from the objects (the direct route)
         or fetched into the cache as they are read, the node's cache holding at most ``cache_bytes`` of them
-        (None: no bound) (docs/remote.md, "Routes"). ``missing_chunks``: see
+        (None: no bound; docs/remote.md, "Routes"), each remote wait within ``timeout_s``. ``missing_chunks``: see
         :class:`~gdsload.format.layout.DatasetLayout`. Nothing is left open on an error."""
         remote = None
         if is_remote(path):
             from ..format.shard_fetch import RemoteShards
 
             remote = RemoteShards.open(str(path), os.fspath(cache_dir) if cache_dir else
-                                       os.path.join(env_cache_dir(), "datasets"), cache_bytes)
+                                       os.path.join(env_cache_dir(), "datasets"), cache_bytes, timeout_s)
             path = remote.root
         cache_option = "cache_dir" if cache_dir is not None else "cache_bytes" if cache_bytes is not None else None
         try:
@@ -184,16 +174,13 @@ class Reader:
             name, reason = resolve(backend, size if bound is None or bound >= size else None,
                                    paths[0] if paths else None)
             on_resolved(name)
-            route, direct = ("", ""), False
+            route = ("", "")
             if remote is not None:  # the direct route reads with its own backend, in place of this one
-                from ..backends import remote_direct as rd
+                from ..backends.remote_direct import routed
 
-                named = backend != "auto" or bool(os.environ.get(ENV_BACKEND, "").strip())
-                route = rd.route_for(remote.version.url, name, named, cache_option)
-                direct = route[0] == rd.DIRECT
-                if direct:
-                    name, reason = rd.BACKEND, f"a remote dataset's direct route, in place of {name!r} ({reason})"
-                    backend_options = rd.direct_options(backend_options, rd.object_map(remote.version.shards))
+                name, reason, backend_options, route = routed(remote, backend, name, reason, backend_options,
+                                                              cache_option)
+            direct = route[0] == "direct"
             unchecked = unchecked_fields(layout) if verify else []
             if unchecked:
                 kind = ("its chunks have no crc32c codec" if meta.foreign
@@ -250,6 +237,7 @@ class Reader:
 
             self.decoder = Decoder(layout, self.on_device, self.device, self.device_decoded)
         if self.remote is not None and self.backend.reads_locked_memory:  # it locks every file: all fetched now
+            self.remote.check_room([list(layout.files)])
             self._whole = self.remote.acquire(list(layout.files), threading.Event())
             self.remote.stop()
         self.backend.prepare(layout.files)
@@ -325,6 +313,8 @@ class Reader:
         """The first window buffer, holding the window a pass from the dataset's start reads first (which that
         pass then does not read again): the backend's own start and that window's reads happen in the open,
         and a file they cannot read fails the open, naming it."""
+        if self.remote is not None:  # a bound that cannot hold one read's shards: CacheFull now, not after waits
+            self.remote.check_room(self._pinned_at_once(plan))
         buf = self.allocate()
         requests = self.window_map.first_requests(self.layout, plan)  # type: ignore[union-attr]
         if requests:
@@ -343,6 +333,20 @@ class Reader:
             buf.loaded = requests
         return buf
 
+    def _pinned_at_once(self, plan: EpochPlan) -> list[list[str]]:
+        """The files each read pins together: the first windows of ``plan``, and each resident field whole."""
+        from ..format.shard_fetch import ROOM_WINDOWS
+
+        reads = [_paths(self.window_map.work(self.layout, b)) for b in plan.windows[:ROOM_WINDOWS]]  # type: ignore
+        return reads + [_paths(self._whole_field(n).work(self.layout, np.arange(self.meta.fields[n].num_chunks)))
+                        for n in self.resident_fields]
+
+    def _whole_field(self, name: str) -> WindowMap:
+        """The window map of field ``name`` read whole: every chunk back to back, a block per chunk."""
+        f = self.meta.fields[name]
+        return WindowMap([f], f.num_chunks, samples_per_block=f.samples_per_block,
+                         chunk_lengths=self.layout.chunk_lengths, host_fields=self.host_decoded)
+
     def resident(self, closing: threading.Event) -> tuple[dict[str, ResidentField], int]:
         """The resident fields, read whole on the first call (a close meanwhile stops it), then kept; and the
         bytes this call read (0 after the first)."""
@@ -358,9 +362,7 @@ class Reader:
         """Field ``name`` whole: every chunk back to back, a block per chunk, so row i holds sample i whatever
         the plan's block is; decoded and checked as windows are. A ReadError names the field; a close while it
         loads is a GDSLoadError."""
-        f = self.meta.fields[name]
-        single = WindowMap([f], f.num_chunks, samples_per_block=f.samples_per_block,
-                           chunk_lengths=self.layout.chunk_lengths, host_fields=self.host_decoded)
+        f, single = self.meta.fields[name], self._whole_field(name)
         wb = WindowBuffer(self.backend.allocate(single.nbytes))  # held until the end: its host buffer feeds copies
         blocks = np.arange(f.num_chunks)
         try:
@@ -419,9 +421,8 @@ class Reader:
                 "backend_stats": self.backend.stats(), **self._describe_remote()}
 
     def _describe_remote(self) -> dict[str, Any]:
-        """A remote dataset's route (``"direct"``: read from the objects into the window buffers; ``"cached"``:
-        shards fetched into the node's cache as windows need them; ``"whole"``: every shard fetched at open, for a
-        backend that locks every file), why, and the cache's counters."""
+        """A remote dataset's route (``"direct"``, ``"cached"``, or ``"whole"``: every shard fetched at open, for
+        a backend that locks every file; docs/remote.md), why, and the cache's counters."""
         if self._skeleton is None:
             return {}
         route, why = self.route

@@ -3,14 +3,21 @@ errors of objects that are missing or changed."""
 
 from __future__ import annotations
 
+import math
 import re
+import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..errors import ReadError
+from ..errors import FormatError, ReadError
 
 #: URL schemes read remotely.
 SCHEMES = ("s3", "http", "https")
+#: The default of ``timeout_s``: what every remote wait is bounded by (a request with all its tries, a wait for
+#: another process's fetch) unless given.
+DEFAULT_TIMEOUT_S = 30.0
+#: The most bytes :meth:`ObjectClient.get` reads by default: whole objects are metadata, never a dataset's data.
+MAX_GET_BYTES = 64 << 20
 # scheme://user[:password]@ (userinfo cannot hold "/", "@" or white space)
 _USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)([^/@\s:]*)(?::([^/@\s]*))?@")
 
@@ -25,6 +32,22 @@ def redact(text: object) -> str:
     messages: credentials in a URL are never printed."""
     return _USERINFO.sub(lambda m: m.group(1) + (m.group(2) + ":***@" if m.group(3) is not None else m.group(2) + "@"),
                          str(text))
+
+
+def check_timeout(value: Any, name: str = "timeout_s") -> float:
+    """``value`` as a float of seconds: a positive finite number (not a bool), else a TypeError or ValueError
+    naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds (found {type(value).__name__} {value!r})")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a positive finite number of seconds (found {value!r})")
+    return float(value)
+
+
+def too_large(url: str, size: int | None, max_bytes: int) -> FormatError:
+    """The refusal of an object larger than a whole-object read takes (``size`` None: its body ran past)."""
+    found = f"{size} bytes" if size is not None else "a body that ran past it"
+    return FormatError(redact(f"{url}: too large to read whole (at most {max_bytes} bytes, found {found})"))
 
 
 def join(url: str, *parts: str) -> str:
@@ -42,26 +65,35 @@ class ObjectInfo:
     etag: str | None
 
 
+class Stopped(Exception):
+    """A request (or a wait) given up because its stop event was set: not an error, the reading stops."""
+
+
 class ObjectChanged(ReadError):
     """An object changed (ETag or size) or vanished since it was first seen: never mixed into an epoch."""
 
 
 class ObjectClient(Protocol):
-    """Ranged reads of one scheme's objects. Thread-safe. Errors are :class:`ReadError` naming the URL and,
-    where there was one, the HTTP status; a missing object is also a ``FileNotFoundError``."""
+    """Ranged reads of one scheme's objects. Thread-safe. Errors are :class:`ReadError` naming the URL (its
+    password redacted) and the cause: the HTTP status, or ``no response for N s``; a missing object is also a
+    ``FileNotFoundError``. Every call ends within ``timeout_s`` (a request with all its tries: a stalled or
+    trickling server is a ReadError then); a read given ``stop`` ends soon after it is set (:class:`Stopped`)."""
 
     #: Whether :meth:`list` can name the objects under a prefix (S3 can; HTTP has no listing).
     lists: bool
+    #: The bound of each call, in seconds.
+    timeout_s: float
 
     def head(self, url: str) -> ObjectInfo:
         """Size and ETag of ``url`` now."""
 
-    def read(self, info: ObjectInfo, offset: int, nbytes: int) -> bytes:
+    def read(self, info: ObjectInfo, offset: int, nbytes: int, stop: threading.Event | None = None) -> bytes:
         """Bytes ``offset .. offset + nbytes`` of the object ``info`` pins (:class:`ObjectChanged` if it is
-        no longer that object; a range past its end is a ReadError)."""
+        no longer that object; a range past its end is a ReadError); :class:`Stopped` once ``stop`` is set."""
 
-    def get(self, url: str) -> bytes:
-        """The whole object (small ones: metadata)."""
+    def get(self, url: str, max_bytes: int = MAX_GET_BYTES) -> bytes:
+        """The whole object (small ones: metadata). One larger than ``max_bytes`` (by its Content-Length, or by
+        a body that runs past it) is a FormatError naming the URL and the size, and is not read into memory."""
 
     def read_end(self, url: str, nbytes: int) -> tuple[ObjectInfo, bytes]:
         """The object as it is now and its last ``nbytes`` bytes (all of it when smaller), in one request: what a
