@@ -94,14 +94,14 @@ class Readback:
 
     def get(self, timeout_s: float | None = None) -> np.ndarray:
         """The bytes, once copied; a ``TimeoutError`` when the copy is not done after ``timeout_s`` (None: no
-        bound). The bounded wait polls the event (``query``), as a blocking ``synchronize`` cannot be left."""
+        bound). The bounded wait polls the event (CuPy's ``Event.done``), as a blocking ``synchronize`` cannot be left."""
         if self.event is None:
             return self.host
         if timeout_s is None:
             self.event.synchronize()
             return self.host
         deadline, nap = time.monotonic() + timeout_s, 0.0001
-        while not self.event.query():
+        while not self.event.done:
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"not done after {timeout_s:g} s")
             time.sleep(nap)
