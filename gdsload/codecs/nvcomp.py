@@ -94,7 +94,8 @@ class Readback:
 
     def get(self, timeout_s: float | None = None) -> np.ndarray:
         """The bytes, once copied; a ``TimeoutError`` when the copy is not done after ``timeout_s`` (None: no
-        bound). The bounded wait polls the event (CuPy's ``Event.done``), as a blocking ``synchronize`` cannot be left."""
+        bound). The bounded wait polls the event (CuPy's ``Event.done``): a blocking ``synchronize`` cannot be
+        left."""
         if self.event is None:
             return self.host
         if timeout_s is None:
