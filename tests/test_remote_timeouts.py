@@ -107,20 +107,26 @@ def _raises_within(fn, bound: float) -> tuple[BaseException, float]:
     return e.value, elapsed
 
 
+def _stop_mid_epoch(srv: Proc, url: str, cache: str) -> None:
+    """Read 5 batches of ``url``, stop the server's process (SIGSTOP): the epoch's rest is a ReadError naming
+    an object of ``url`` and "no response for T s" within the bound, and the close after it takes under 1 s."""
+    with _open(url, cache) as ds:
+        it = iter(ds)
+        for _ in range(5):
+            next(it)
+        srv.stop()
+        e, _ = _raises_within(lambda: [None for _ in it], BOUND)
+        assert str(e).startswith(url + "/") and f"no response for {T:g} s" in str(e), e
+        t0 = time.monotonic()
+    assert time.monotonic() - t0 < 1.0, "close after the error"
+
+
 # -- a stopped server -----------------------------------------------------------------------------------
 def test_a_stopped_server_is_a_read_error_naming_the_url_and_no_response_within_the_bound(local, tmp_path):
     root, name = os.path.split(local)
     with server(root) as srv:
         url = srv.url(name)
-        with _open(url, str(tmp_path / "c")) as ds:
-            it = iter(ds)
-            for _ in range(5):
-                next(it)
-            srv.stop()
-            e, _ = _raises_within(lambda: [None for _ in it], BOUND)
-            assert str(e).startswith(url + "/") and f"no response for {T:g} s" in str(e), e
-            t0 = time.monotonic()
-        assert time.monotonic() - t0 < 1.0, "close after the error"
+        _stop_mid_epoch(srv, url, str(tmp_path / "c"))
         assert not _fetch_threads()
 
 
@@ -144,15 +150,7 @@ def test_a_stopped_moto_server_is_a_read_error_naming_the_url_within_the_bound(l
                 time.sleep(0.1)
         with moto_server(monkeypatch, endpoint=srv.base) as s3:
             url = upload(s3, local)
-            with _open(url, str(tmp_path / "c")) as ds:
-                it = iter(ds)
-                for _ in range(5):
-                    next(it)
-                srv.stop()
-                e, _ = _raises_within(lambda: [None for _ in it], BOUND)
-                assert str(e).startswith(url + "/") and f"no response for {T:g} s" in str(e), e
-                t0 = time.monotonic()
-            assert time.monotonic() - t0 < 1.0, "close after the error"
+            _stop_mid_epoch(srv, url, str(tmp_path / "c"))
             srv.cont()  # moto answers again, so botocore's calls given up end (they hold no state of gdsload's)
     finally:
         srv.kill()

@@ -7,6 +7,7 @@ import argparse
 import os
 
 from ..format.cache_folder import Cached, clear, versions
+from .cli import human_bytes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,7 +31,7 @@ def main(args: argparse.Namespace) -> int:
         for c in found:
             print(_line(c))
         total = sum(c.disk_bytes for c in found)
-        print(f"{folder}: {len(found)} folder(s), {_human(total)} on disk" if found else f"{folder}: no versions")
+        print(f"{folder}: {len(found)} folder(s), {human_bytes(total)} on disk" if found else f"{folder}: no versions")
         return 0
     removed, kept = clear(folder, args.url)
     for c in removed:
@@ -38,20 +39,13 @@ def main(args: argparse.Namespace) -> int:
     for c in kept:
         print(f"kept {_line(c)}")
     freed = sum(c.disk_bytes for c in removed)
-    print(f"{folder}: removed {len(removed)} folder(s) ({_human(freed)}); kept {len(kept)} in use")
+    print(f"{folder}: removed {len(removed)} folder(s) ({human_bytes(freed)}); kept {len(kept)} in use")
     return 0
 
 
 def _line(c: Cached) -> str:
     what = {"version": "version", "unfinished": "unfinished fetch", "stale": "older or damaged version"}[c.kind]
     shards = f"{c.present}/{c.shards} shards present" if c.kind == "version" else "no shards served"
-    return (f"{c.url}  {what} {c.ident}  {_human(c.disk_bytes)}  {shards}  "
+    return (f"{c.url}  {what} {c.ident}  {human_bytes(c.disk_bytes)}  {shards}  "
             f"{'in use' if c.in_use else 'not in use'}  ({c.root})")
 
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)

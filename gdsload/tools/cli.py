@@ -56,7 +56,7 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
-def _human(n: float) -> str:
+def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
@@ -119,8 +119,8 @@ def _describe(meta, layout) -> str:
         nbytes = f.sample_bytes * meta.num_samples
         total += nbytes
         lines.append(f"  {name}: dtype {f.dtype.str} ({f.dtype.name}), sample shape {f.sample_shape}, "
-                     f"block {_human(f.block_bytes)}, {shards} shard(s) of {f.blocks_per_shard} blocks, "
-                     f"{_human(nbytes)}" + (f", {missing} chunk(s) missing (an error unless missing_chunks="
+                     f"block {human_bytes(f.block_bytes)}, {shards} shard(s) of {f.blocks_per_shard} blocks, "
+                     f"{human_bytes(nbytes)}" + (f", {missing} chunk(s) missing (an error unless missing_chunks="
                                             f"'fill': 'gdsload verify' names them)" if missing else "")
                      + _codecs(f, layout.chunk_lengths.get(name), f.num_chunks - missing))
     for name, r in meta.ragged.items():
@@ -130,9 +130,9 @@ def _describe(meta, layout) -> str:
         total += nbytes
         lines.append(f"  {name}: variable length, dtype {v.dtype.str} ({v.dtype.name}), element shape "
                      f"{v.sample_shape}, {v.num_rows} elements (per sample {int(lengths.min())}..{int(lengths.max())}, "
-                     f"mean {lengths.mean():.1f}), chunk {_human(v.block_bytes)}, {v.num_shards} shard(s), "
-                     f"{_human(nbytes)}")
-    lines.append(f"fields: {len(meta.names)}   shards: {len(layout.shard_paths())}   bytes: {_human(total)}")
+                     f"mean {lengths.mean():.1f}), chunk {human_bytes(v.block_bytes)}, {v.num_shards} shard(s), "
+                     f"{human_bytes(nbytes)}")
+    lines.append(f"fields: {len(meta.names)}   shards: {len(layout.shard_paths())}   bytes: {human_bytes(total)}")
     return "\n".join(lines)
 
 
@@ -241,11 +241,11 @@ def run_demo(samples: int, backend: str, batch_size: int, workdir: str | None) -
                 if seen != samples:
                     raise GDSLoadError(f"{path}: demo read {seen} samples (expected {samples})")
                 nbytes = ds.stats.bytes_delivered if ds.stats else 0
-                lines.append(f"epoch {epoch}: {samples} samples ({_human(nbytes)}) in {wall:.3f} s: "
+                lines.append(f"epoch {epoch}: {samples} samples ({human_bytes(nbytes)}) in {wall:.3f} s: "
                              f"{samples / wall:,.0f} samples/s, {nbytes / wall / 1e9:.2f} GB/s, consumer stalled "
                              f"{ds.stats.stall_s:.3f} s" + (" (includes start-up)" if epoch == 0 else ""))
             lines.append("every batch checked against its labels")
-            lines.append(f"these figures are not a benchmark: epochs of {_human(nbytes)} are too short to time (they "
+            lines.append(f"these figures are not a benchmark: epochs of {human_bytes(nbytes)} are too short to time (they "
                          f"vary many times over between runs); time your own dataset with 'gdsload bench PATH'")
             return "\n".join(lines)
 
