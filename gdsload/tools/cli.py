@@ -245,8 +245,8 @@ def run_demo(samples: int, backend: str, batch_size: int, workdir: str | None) -
                              f"{samples / wall:,.0f} samples/s, {nbytes / wall / 1e9:.2f} GB/s, consumer stalled "
                              f"{ds.stats.stall_s:.3f} s" + (" (includes start-up)" if epoch == 0 else ""))
             lines.append("every batch checked against its labels")
-            lines.append(f"these figures are not a benchmark: epochs of {human_bytes(nbytes)} are too short to time (they "
-                         f"vary many times over between runs); time your own dataset with 'gdsload bench PATH'")
+            lines.append(f"these figures are not a benchmark: epochs of {human_bytes(nbytes)} are too short to time "
+                         f"(they vary many times over between runs); time your own dataset with 'gdsload bench PATH'")
             return "\n".join(lines)
 
 
