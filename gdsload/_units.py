@@ -1,4 +1,4 @@
-"""The one alignment unit of gdsload: 4 KiB.
+"""The one alignment unit of gdsload, 4 KiB, and sizes as people read them.
 
 Reads that bypass the page cache (``O_DIRECT``) and GPUDirect Storage (cuFile) need file offsets, sizes
 and buffer addresses that are multiples of 4 KiB: ``O_DIRECT`` refuses anything else (EINVAL), and cuFile
@@ -17,3 +17,12 @@ ALIGN = 4096
 def align_up(n: int) -> int:
     """The smallest multiple of :data:`ALIGN` that is at least ``n`` (``n`` >= 0; 0 stays 0)."""
     return -(-n // ALIGN) * ALIGN
+
+
+def human_bytes(n: float) -> str:
+    """``n`` bytes as a person reads them: ``512 B``, ``4.0 KiB``, ``1.5 GiB`` (binary units, up to TiB)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from .._units import human_bytes
 from ..format.cache_folder import Cached, clear, versions
-from .cli import human_bytes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .._units import human_bytes
 from ..backends import BACKENDS
 from ..errors import GDSLoadError, printable
 
@@ -54,14 +55,6 @@ def parse_bytes(text: str) -> int:
     if not m or unit not in _UNITS:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4096, 4MiB, 1GiB)")
     return int(float(m.group(1)) * _UNITS[unit])
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
 
 
 # -- info ------------------------------------------------------------------------------------------
