@@ -439,7 +439,8 @@ def test_a_stopped_server_is_a_read_error_within_the_bound_on_the_direct_route(l
         url = srv.url(name)
         with GDSDataset(url, 32, backend=backend, resident_bytes=0, window_blocks=1, prefetch=1, timeout_s=T) as ds:
             assert ds.describe()["remote"]["route"] == "direct"
-            assert ds.describe()["backend_stats"]["http_timeout"] == 2
+            stats = ds.describe()["backend_stats"]  # KvikIO's tries, each and all, within timeout_s
+            assert 1 <= stats["http_timeout"] * stats["http_max_attempts"] <= T, stats
             it = iter(ds)
             for _ in range(5):
                 next(it)
