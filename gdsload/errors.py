@@ -75,13 +75,8 @@ def with_context(error: E, context: str) -> E:
 
     Why not ``type(e)(f"{e} (...)")``: a subclass whose ``__init__`` takes other arguments (``CacheFull``)
     fails that call with a ``TypeError`` that hides the real error. The copy is made without calling
-    ``__init__``; its ``args`` carry the new message."""
-    copy = type(error).__new__(type(error))
-    copy.__dict__.update(getattr(error, "__dict__", {}))
-    copy.args = (f"{error} ({context})",)
-    if isinstance(error, OSError):  # str() of an OSError with strerror set ignores args: keep errno alone
-        copy.errno = error.errno
-    return copy
+    ``__init__``; its ``args`` carry the new message (:func:`reworded`)."""
+    return reworded(error, f"{error} ({context})")
 
 
 def reworded(error: E, message: str) -> E:
@@ -90,6 +85,6 @@ def reworded(error: E, message: str) -> E:
     copy = type(error).__new__(type(error))
     copy.__dict__.update(getattr(error, "__dict__", {}))
     copy.args = (message,)
-    if isinstance(error, OSError):
+    if isinstance(error, OSError):  # str() of an OSError with strerror set ignores args: keep errno alone
         copy.errno = error.errno
     return copy
