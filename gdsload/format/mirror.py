@@ -344,8 +344,13 @@ def named(error: GDSLoadError, version: Version, cache_dir: str) -> GDSLoadError
     if version.root not in text:
         return error if scrub(text, version.url) == text else reworded(error, scrub(text, version.url))
     below = version.root + os.sep in text  # a file of the version, not the dataset as a whole (no field 'y')
-    text = text.replace(version.root + os.sep, version.url.rstrip("/") + "/").replace(version.root, version.url)
     if isinstance(error, FormatError) and below:
         text += (f" (read from the node's cache of it in {cache_dir}; if the object is sound on the server, "
                  f"'gdsload cache clear {cache_dir} {version.url}' removes that copy once no dataset has it open)")
-    return reworded(error, scrub(text, version.url))
+    return reworded(error, as_urls(text, version))
+
+
+def as_urls(text: str, version: Version) -> str:
+    """``text`` naming the objects' URLs in place of their copies under ``version.root``, redacted."""
+    text = text.replace(version.root + os.sep, version.url.rstrip("/") + "/").replace(version.root, version.url)
+    return scrub(text, version.url)

@@ -24,7 +24,7 @@ from ..errors import FormatError, ReadError
 from ..format.files import pread_exact
 from ..format.layout import DatasetLayout
 from ..format.missing import MissingChunks
-from ..remote.objects import is_remote, redact
+from ..remote.objects import is_remote
 from ..codecs.verify import describe_block, mismatch, unchecked_fields
 
 #: ``read(path, offset, nbytes)``: bytes of one of the layout's files (a ReadError naming it if it fails).
@@ -62,12 +62,12 @@ def local_copy(path: str) -> Iterator[tuple[str, Reads | None, Callable[[str], s
     if not is_remote(path):
         yield path, None, lambda text: text
         return
-    from ..format.mirror import open_version
+    from ..format.mirror import as_urls, open_version
     from ..remote import client_for
 
     with tempfile.TemporaryDirectory(prefix="gdsload-remote-") as tmp:
         version = open_version(path, tmp)
-        client, root, url = client_for(path), version.root, redact(path.rstrip("/"))
+        client, root = client_for(path), version.root
 
         def reads(where: str, offset: int, nbytes: int) -> bytes:
             entry = version.shards.get(where)
@@ -80,7 +80,7 @@ def local_copy(path: str) -> Iterator[tuple[str, Reads | None, Callable[[str], s
                 raise ReadError(f"{where}: file ends before byte {offset + nbytes}")
             return client.read(entry.info, offset, nbytes)
 
-        yield root, reads, lambda text: text.replace(root, url)
+        yield root, reads, lambda text: as_urls(text, version)
 
 
 def verify_dataset(path: str, num_threads: int = 8, progress: bool | None = None) -> Report:
