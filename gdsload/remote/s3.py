@@ -119,8 +119,8 @@ class S3Client:
             if time.monotonic() >= deadline:
                 call.abandon()
                 t = f"{self.timeout_s:g}"
-                raise ReadError(redact(f"{url}: no response for {t} s ({what})" if call.body is None else
-                                       f"{url}: no complete response within {t} s ({what}: the body stalled)"))
+                stalled = "" if call.body is None else ": the body stalled after its headers"
+                raise ReadError(redact(f"{url}: no response for {t} s ({what}{stalled})"))
         if call.error is not None:
             if isinstance(call.error, (FormatError, Stopped)):
                 raise call.error
