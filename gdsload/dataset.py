@@ -21,6 +21,7 @@ from .options import check_choices, check_int, device_id, field_names, output_ki
 from .options import check_bool
 from .pipeline import resume
 from .pipeline.cursor import Cursor
+from .pipeline.feeds import Feed
 from .pipeline.position import Position
 from .pipeline.pipeline import Pipeline
 from .pipeline.plan import PlanConfig, check_yields, epoch_plan, window_buffers_for
@@ -242,6 +243,31 @@ class GDSDataset(LoaderProtocols, Closing):
                     self._active.remove(pipeline)
                 except ValueError:  # close() from another thread took it meanwhile
                     pass
+
+    def feed(self, name: str, skip: int, names: dict[str, str]) -> Feed:
+        """This dataset's stream for a pipeline serving several sources (a Mixture's): from the position loaded
+        last (``load_state_dict``), ``skip`` samples into its batch, with its reader, window buffers (borrowed;
+        the pipeline may add to them), resident fields and padding; ``names`` renames fields in the output.
+        Any pipeline of its own is stopped first."""
+        with self._lock:
+            if not self._finalizer.alive:
+                raise GDSLoadError(f"{self.meta.path}: the dataset was closed (open a new GDSDataset)")
+            self._close_active()
+            start = self._position.begin()
+            resident, _ = self._reader.resident(self._closing)
+            return Feed(name, self._reader, self._buffers, self._reader.allocate, start,
+                        self._position.plan(start.epoch), skip, functools.partial(epoch_plan, self.config),
+                        self.fields, dict(names), resident, self._pad)
+
+    def lend(self, pipeline: Any, gone: Any = None) -> None:
+        """Record ``pipeline`` as reading through this dataset (closing the dataset closes it first); with
+        ``gone``, forget that one instead."""
+        with self._lock:
+            if gone is not None:
+                if gone in self._active:
+                    self._active.remove(gone)
+            elif pipeline is not None:
+                self._active.append(pipeline)
 
     def _close_active(self) -> None:
         while self._active:

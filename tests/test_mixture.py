@@ -229,36 +229,37 @@ def check_no_repeat(legs, end) -> None:
                                                           "samples read twice"
 
 
-def test_sources_gather_several_batches_at_once_and_their_batch_size_changes_no_batch(paths):
-    """By sample, a source's dataset gathers its backend's mixture_source_batches hint of the mixture's batches
-    at once (its own batch_size unless given); whole batches keep the mixture's. Positions count samples, so the
-    batches, the state and a resume across the two are the same as with sources gathering one batch at a time."""
-    from gdsload.backends.cpu import CpuBackend
-
-    for whole, expected in ((False, 8 * CpuBackend.mixture_source_batches_hint), (True, 8)):
-        mix = open_ranks(paths, 1, whole_batches=whole)[0]
-        assert [ds.config.batch_size for ds in mix.datasets.values()] == [expected] * 3
-        mix.close()
-    one = {name: {"path": p, "batch_size": 8} for name, p in paths.items()}
-    full, end = run(paths, 2, 30)
-    assert run(one, 2, 30) == (full, end)
-    first, state = run(one, 2, 11)
-    rest, resumed_end = run(paths, 2, 19, state=state)
-    assert [a + b for a, b in zip(first, rest)] == full and resumed_end == end
+def test_a_sources_batch_size_sizes_its_whole_batches_and_is_refused_by_sample(paths):
+    """Mixing by sample, every source is read for the mixture's batches (positions count samples): a source's
+    own batch_size is refused, naming it; with whole_batches it sizes that source's batches."""
+    with pytest.raises(ValueError, match="source 'code': batch_size is the mixture's"):
+        Mixture({**paths, "code": {"path": paths["code"], "batch_size": 4}}, batch_size=8, backend="cpu")
+    sizes = {**paths, "code": {"path": paths["code"], "batch_size": 3}}
+    with Mixture(sizes, WEIGHTS, batch_size=8, backend="cpu", whole_batches=True, seed=2) as mix:
+        got = {(mix.sources[int(b["source"][0])], len(b["idx"])) for _, b in zip(range(30), mix)}
+    assert got == {("web", 8), ("code", 3), ("books", 8)}
 
 
-def test_a_source_gathers_what_its_named_backend_hints():
-    """kvikio's sources gather 16 of the mixture's batches (its submitter's Python per read competes with the
-    other sources' threads); a backend left to auto is not known until the open: the general 4."""
-    from gdsload.backends.base import Backend
-    from gdsload.backends.registry import NAMES, info
-    from gdsload.mixture.specs import source_batches
-
-    assert source_batches({"backend": "kvikio"}) == 16 and source_batches({}) == source_batches(
-        {"backend": "auto"}) == Backend.mixture_source_batches_hint == 4
-    assert {n: source_batches({"backend": n}) for n in NAMES} == {
-        n: info(n).backend_class.mixture_source_batches_hint for n in NAMES}
-    assert [n for n in NAMES if source_batches({"backend": n}) != 4] == ["kvikio"]
+@pytest.mark.parametrize("ahead", [0, 7])
+def test_a_batch_spanning_more_windows_than_its_source_has_buffers_is_read(paths, ahead):
+    """Windows of one block, and every batch from one source: a batch touches four or five of its windows, more
+    than its dataset allocated at the open, and the pipeline adds buffers rather than wait for one that never
+    comes back; every sample still comes once per epoch of its source, on one rank and on two."""
+    n = SIZES["books"][0]
+    for world in (1, 2):
+        mixes = open_ranks(paths, world, weights={"web": 0, "code": 0, "books": 1}, read_ahead=ahead, window_blocks=1)
+        assert [m.datasets["books"].describe()["window_buffers"] for m in mixes] == [1] * world
+        its = [iter(m) for m in mixes]
+        got = [[i for _ in range(12) for i in next(it)["idx"].tolist()] for it in its]
+        assert all(m.datasets["books"].describe()["window_buffers"] >= 4 for m in mixes)
+        at = [0] * world
+        for epoch in range(3):
+            shares = np.diff(share_bounds(n, world, epoch))
+            seen = sorted(i for r in range(world) for i in got[r][at[r]:at[r] + shares[r]])
+            assert seen == list(range(OFFSET["books"], OFFSET["books"] + n)), f"epoch {epoch} exactly once"
+            at = [a + int(z) for a, z in zip(at, shares)]
+        for m in mixes:
+            m.close()
 
 
 def test_a_resume_from_ranks_a_sample_apart_reads_nothing_twice(paths):
@@ -587,25 +588,23 @@ def test_batches_made_ahead_are_those_made_in_the_consumers_thread(paths, whole)
         assert resumed[0] == resumed[1]
 
 
-def test_a_weight_change_drops_what_was_made_ahead(paths, monkeypatch):
-    from gdsload.mixture import mixture
+def test_a_weight_change_drops_what_was_read_ahead(paths):
+    """The schedule is made ahead, step by step, as far as the pipeline reads; a weight change stops that
+    pipeline and the next batch follows the new weights."""
+    asked = []
 
-    made, real_assemble = [], mixture.assemble
-
-    def assemble(*args, **kwargs):  # one call a batch made: the threads that made them
-        batch = real_assemble(*args, **kwargs)
-        made.append(threading.current_thread().name)
-        return batch
-
-    monkeypatch.setattr(mixture, "assemble", assemble)
-    (mix,) = open_ranks(paths, 1, read_ahead=4)
+    def weights(step):
+        asked.append(step)
+        return WEIGHTS
+    (mix,) = open_ranks(paths, 1, read_ahead=4, weights=weights)
     it = iter(mix)
     first = [next(it)["source"].tolist() for _ in range(3)]
     deadline = time.monotonic() + 5
-    while len(made) < 3 + 4 and time.monotonic() < deadline:  # the maker has run ahead: 4 made, not taken
+    while max(asked) < 3 + 4 and time.monotonic() < deadline:  # read ahead of the consumer
         time.sleep(0.01)
-    assert len(made) >= 3 + 4 and set(made) == {"gdsload-reader-mixture"}
+    assert max(asked) >= 3 + 4 and asked[1:9] == list(range(8)), "made once per step, in order (after the open's)"
     mix.set_weights({"web": 0, "code": 0, "books": 1})
+    assert wait_no_readers() == [], "the pipeline reading under the old weights stopped"
     assert all(s == 2 for s in next(it)["source"].tolist()), "the next batch follows the new weights"
     assert mix.stats.batches == 4 and mix.stats.samples == 32 == sum(s.samples for s in mix.stats.sources.values())
     assert mix.state_dict()["step"] == 4 and mix.stats.wait_s >= 0 and len(first) == 3
@@ -644,42 +643,16 @@ def test_close_from_another_thread_ends_a_pass_waiting_for_batches_made_ahead(pa
     assert wait_no_readers() == []
 
 
-def test_an_abandoned_mixture_is_collected_and_its_maker_ends(paths):
+def test_an_abandoned_mixture_is_collected_and_its_pipeline_ends(paths):
     (mix,) = open_ranks(paths, 1, read_ahead=2)
     before = set(threading.enumerate())
     it = iter(mix)
     next(it)
-    (maker,) = [t for t in threading.enumerate() if t.name == "gdsload-reader-mixture" and t not in before]
+    started = [t for t in threading.enumerate() if t.name.startswith("gdsload-reader") and t not in before]
+    assert len(started) == 3, "one pipeline: three threads, whatever the number of sources"
     del mix, it
     gc.collect()
-    maker.join(5)
-    assert not maker.is_alive()
+    for t in started:
+        t.join(5)
+        assert not t.is_alive()
     assert wait_no_readers(5) == []
-
-
-def test_the_maker_hands_out_in_order_raises_its_error_as_is_and_nothing_once_stopped():
-    from gdsload.mixture.ahead import Ahead
-
-    class Owner:
-        def __init__(self, fail_at):
-            self.n, self.fail_at = 0, fail_at
-
-        def make(self):
-            self.n += 1
-            if self.n == self.fail_at:
-                raise KeyError("the maker's own error")
-            return self.n
-
-    owner = Owner(fail_at=4)
-    ahead = Ahead(owner.make, 2, "gdsload-reader-test", "test maker")
-    assert [ahead.next() for _ in range(3)] == [1, 2, 3]
-    with pytest.raises(KeyError, match="the maker's own error"):
-        ahead.next()
-    ahead.stop()
-    owner = Owner(fail_at=-1)
-    ahead = Ahead(owner.make, 3, "gdsload-reader-test", "test maker")
-    assert ahead.next() == 1
-    ahead.stop()
-    with pytest.raises(GDSLoadError, match="^test maker: its batch maker was stopped"):
-        ahead.next()
-    assert wait_no_readers() == []

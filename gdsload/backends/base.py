@@ -148,10 +148,6 @@ class Backend(ABC):
     window_bytes_hint: int = 64 << 20
     #: Batches gathered ahead of the consumer unless the dataset is told otherwise.
     batches_ahead_hint: int = 2
-    #: In a Mixture (by sample), a source on this backend gathers this many of the mixture's batches at once
-    #: unless its ``batch_size`` is given: each batch its pipeline gathers costs Python work beside the other
-    #: sources' pipelines, and larger ones hold more device memory longer (docs/mixtures.md).
-    mixture_source_batches_hint: int = 4
     #: Every read copies from memory this backend locked for the dataset's life, which nothing writes: a
     #: block's bytes there, checked once, are the bytes of every later read of it (gdsload.codecs.verify).
     reads_locked_memory: bool = False

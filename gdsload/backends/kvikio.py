@@ -36,7 +36,6 @@ def default_threads(cores: int) -> int:
 class KvikioBackend(CudaBackend):
     name = "kvikio"
     window_bytes_hint = 256 << 20
-    mixture_source_batches_hint = 16  # its submitter's Python per read competes with the other sources' threads
 
     def __init__(self, device_id: int = 0, num_threads: int | None = None, task_bytes: int = DEFAULT_TASK_BYTES,
                  max_read_bytes: int = DEFAULT_MAX_READ_BYTES):

@@ -77,14 +77,13 @@ class BackendInfo:
     @property
     def defaults(self) -> dict[str, Any]:
         """Its defaults, read from the class: ``batches_ahead`` and ``window_bytes`` (the hints a dataset uses
-        unless told otherwise), ``mixture_source_batches`` (a Mixture's, for its sources on this backend) and
-        ``options`` (its constructor's keyword defaults)."""
+        unless told otherwise) and ``options`` (its constructor's keyword defaults)."""
         cls = self.backend_class
         params = inspect.signature(cls.__init__).parameters.values()
         options = {p.name: p.default for p in params
                    if p.default is not inspect.Parameter.empty and p.name != "device_id"}
         return {"batches_ahead": cls.batches_ahead_hint, "window_bytes": cls.window_bytes_hint,
-                "mixture_source_batches": cls.mixture_source_batches_hint, "options": options}
+                "options": options}
 
     def available(self) -> tuple[bool, str]:
         """Whether it can run on this machine, and why not (an empty reason when it can)."""

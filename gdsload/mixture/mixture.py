@@ -3,18 +3,14 @@
 Each source is a :class:`GDSDataset` of its own (its own backend and options, this process's rank and world
 size), read in exact shares (``PlanConfig.exact_shares``): across ranks, every sample of a source once per epoch
 of that source, and a source that runs out begins its next epoch while the others go on. The schedule
-(gdsload/mixture_plan.py) says how many samples each source gives to each batch; they are cut, in order, from
-that source's batches as slices (no copy per sample), and each field is put together with one concatenation
-per batch (none where a batch is one slice). Where every source gives host arrays, or every one CuPy arrays or
-torch tensors on one device, the batches are made ``read_ahead`` ahead on a thread of the mixture's own
-(gdsload/mixture/ahead.py), so the consumer's loop takes a finished one between its steps; sources of mixed
-kinds are joined in the consumer's thread. Every thread (the sources' readers, the mixture's maker) stops on
-``close()``, on leaving a pass early and on an error.
+(schedule.py) says how many samples each source gives to each batch. One pipeline serves every source
+(gdsload/pipeline/mixed.py): one submitter reads the sources' windows in the order the batches need them, each
+through its source's reader and backend, and one assembler gathers each batch's samples straight from those
+windows into the batch. Its threads stop on ``close()``, on leaving a pass early and on an error.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -24,19 +20,19 @@ from typing import Any
 
 from .._tasks import Closing
 from ..backends import info
+from ..cuda.ops import CudaOps, host_ops
 from ..dataset import GDSDataset
 from ..errors import GDSLoadError
 from ..integrations import LoaderProtocols, refuse_collation, refuse_worker
-from .ahead import Ahead, Made
-from .assemble import assemble
-from .joiners import DeviceJoiner, Joiners
+from ..pipeline.assembler import GROUP_BYTES
+from ..pipeline.mixed import MAX_GROUP, Mixed, MixedPipeline
+from ..pipeline.steps import Step, Steps
 from .source import SourceStats, SourceStream
-from .specs import check_fields, named, source_batches, source_specs
+from .specs import check_fields, named, source_specs
 from .schedule import Schedule, exact_weights, next_counts, schedule_state
 from .state import MIXTURE_FORMAT, check_state, dataset_record, merge_states  # noqa: F401 - merge_states: here too
 from ..options import check_int, rank_and_world
 
-READ_AHEAD = 2  # batches made ahead by default, where the sources' arrays can be joined on the maker's thread
 
 
 @dataclass
@@ -69,13 +65,13 @@ class Mixture(LoaderProtocols, Closing):
     Parameters
     ----------
     sources : dict of name -> path, or name -> dict of options with ``"path"`` (and any GDSDataset option:
-        ``backend``, ``window_blocks``, ``pad_to``, ...; ``batch_size``: samples its dataset gathers at once,
-        default :func:`~gdsload.mixture.specs.source_batches` times the mixture's (16 on ``kvikio``, else 4), the
-        mixture's with ``whole_batches``). ``"fields"``: names to read, or a dict {field: name in the mixture}
+        ``backend``, ``window_blocks``, ``pad_to``, ...; ``batch_size``: with ``whole_batches``, the
+        samples of its batches, default the mixture's). ``"fields"``: names to read, or a dict {field: name in the mixture}
         to rename.
         The order sets each source's index in ``batch["source"]``.
     weights : dict of name -> number >= 0 (any scale; a float counts as the decimal it prints as), or a
-        function of the step returning one (checked every batch; a change starts a new segment). Default: in
+        function of the step returning one (called once per step, in order, up to a few hundred steps ahead of
+        the batch being yielded: it must depend on the step alone; a change starts a new segment). Default: in
         proportion to the sources' sizes.
     batch_size : samples per batch.
     seed : breaks ties in the schedule, and is each source's ``seed`` unless its options give one.
@@ -85,13 +81,12 @@ class Mixture(LoaderProtocols, Closing):
     whole_batches : each batch is one whole batch of one source (sources may then have different fields),
         and the schedule counts batches instead of samples.
     rank, world_size : this process's share (default: torch.distributed, else RANK / WORLD_SIZE).
-    read_ahead : batches made ahead on a thread of the mixture's own (default 2 where every source gives host
-        arrays, or every one CuPy arrays or torch tensors on one device; else 0, joined in your thread, the
-        only value taken there). A weight change drops what was made ahead.
+    read_ahead : batches assembled ahead of the consumer (default: the first source's ``batches_ahead``; 0 counts
+        as 1). A weight change or a loaded state drops what was read ahead.
     **options : GDSDataset options for every source (a source's own options win).
 
-    Each batch is ``{field: array}`` as the sources' datasets give it (same backend kind, device and output
-    for all sources unless ``whole_batches``), samples grouped by source in source order, plus
+    Each batch is ``{field: array}`` as the sources' datasets give it (every source gives arrays of one output
+    on one device, whatever its backend: one pipeline serves them all), samples grouped by source in source order, plus
     ``batch["source"]`` (int64, one per sample, same kind and device). Sources mixed by sample must read
     the same fields (names, dtypes, sample shapes; variable-length fields with the same padding, not
     ``"max"``), else a ValueError names the source and the field.
@@ -101,9 +96,8 @@ class Mixture(LoaderProtocols, Closing):
     Guarantees (docs/mixtures.md): since the start or the last weight change, each source's count stays within
     one of ``weight * samples`` after every batch (within two over any run of batches); every sample of a
     source once per epoch of that source across ranks; a weight change skips and repeats nothing; a state
-    resumes batch for batch, on another number of ranks as a GDSDataset does, per source. A batch costs one
-    concatenation per field (a variable-length field's offsets and ``source`` are put together on the host
-    and copied over once each).
+    resumes batch for batch, on another number of ranks as a GDSDataset does, per source. Each sample is
+    gathered once, from its source's window straight into the batch.
     """
 
     def __init__(self, sources: Mapping[str, Any], weights: Any = None, *, batch_size: int, seed: int = 0,
@@ -112,21 +106,23 @@ class Mixture(LoaderProtocols, Closing):
         self.batch_size = check_int("batch_size", batch_size, 1)
         self.seed = check_int("seed", seed, 0)
         self.num_batches = check_int("num_batches", num_batches, 1, none_ok=True)
+        read_ahead = check_int("read_ahead", read_ahead, 0, none_ok=True)
         if not isinstance(whole_batches, bool):
             raise TypeError(f"whole_batches must be True or False (found {whole_batches!r})")
         self.whole_batches = bool(whole_batches)
         self.rank, self.world_size = rank_and_world(rank, world_size)
         self._closed = False
-        self._join = Joiners()
+        self._pipe: MixedPipeline | None = None
         specs = source_specs(sources, options)
         self.sources = tuple(specs)
         self._sources: list[SourceStream] = []
         self._weights_fn: Callable[[int], Any] | None = None
         try:
             for name, (path, fields, rename, kwargs) in specs.items():
-                # mixing by sample, the mixture cuts its batches from the sources' whatever their size
-                own = self.batch_size * (1 if self.whole_batches else source_batches(kwargs))
-                kwargs = {"batch_size": own, "seed": self.seed, **kwargs}
+                if "batch_size" in kwargs and not self.whole_batches:
+                    raise ValueError(f"source {name!r}: batch_size is the mixture's when sources mix by sample (a "
+                                     "source's own sizes its whole batches, with whole_batches=True)")
+                kwargs = {"batch_size": self.batch_size, "seed": self.seed, **kwargs}
                 try:
                     ds = GDSDataset(path, fields=fields, rank=self.rank, world_size=self.world_size,
                                     exact_shares=True, **kwargs)
@@ -134,7 +130,7 @@ class Mixture(LoaderProtocols, Closing):
                     raise named(e, f"source {name!r}: {e}") from e
                 self._sources.append(SourceStream(name, ds, rename))
             check_fields(self._sources, specs, self.whole_batches)
-            self.read_ahead = self._read_ahead(read_ahead)
+            self.read_ahead = max(1, self._sources[0].ds.batches_ahead if read_ahead is None else read_ahead)
             self._weights_fn, exact = self._weights_at(weights, 0)
             self._schedule = Schedule.begin(0, exact)
         except BaseException:
@@ -143,23 +139,9 @@ class Mixture(LoaderProtocols, Closing):
         self.datasets = {s.name: s.ds for s in self._sources}
         self._step = 0
         self._at = tuple(s.stretch for s in self._sources)  # every source's position after the batches yielded
-        self._made_to = (self._step, self._schedule)  # where the next batch made begins
-        self._ahead: Ahead | None = None
-        self._device: DeviceJoiner | None = None  # device arrays made ahead: the joiner on the maker's thread
+        self._placed: list[tuple[dict[str, Any], int] | None] = [None] * len(self._sources)  # a loaded state's
+        self._counted = [(0, 0)] * len(self._sources)  # per source, bytes read and passes of pipelines stopped
         self._stats = MixtureStats(sources={s.name: s.stats for s in self._sources})
-
-    def _read_ahead(self, read_ahead: int | None) -> int:
-        on_device = [s.name for s in self._sources if info(s.ds.backend_name).on_device]
-        kinds = {(s.ds.output, s.ds.device, info(s.ds.backend_name).on_device) for s in self._sources}
-        joinable = not on_device or (len(kinds) == 1 and next(iter(kinds))[0] in ("cupy", "torch"))
-        if read_ahead is None:
-            return READ_AHEAD if joinable else 0
-        read_ahead = check_int("read_ahead", read_ahead, 0)
-        if read_ahead and not joinable:
-            raise ValueError(f"read_ahead={read_ahead}: batches of device arrays are made ahead where every source "
-                             f"gives CuPy arrays or torch tensors on one device (found (output, device, on the "
-                             f"device) {sorted(kinds, key=str)}); pass read_ahead=0")
-        return read_ahead
 
     # -- weights ---------------------------------------------------------------------------------------
     def _weights_at(self, weights: Any, step: int) -> tuple[Callable[[int], Any] | None, tuple[Fraction, ...]]:
@@ -174,10 +156,9 @@ class Mixture(LoaderProtocols, Closing):
     def set_weights(self, weights: Any) -> None:
         """New weights from the next batch on: a dict as in the constructor (a new segment starts unless the
         proportions are the same), or a function of the step (replacing any function set before)."""
-        self._rewind()  # batches made ahead under the old weights are dropped (the maker stopped first)
+        self._halt()  # batches read ahead under the old weights are dropped
         self._weights_fn, exact = self._weights_at(weights, self._step)
         self._schedule = self._schedule.reweighted(exact, self._step)
-        self._made_to = (self._step, self._schedule)
 
     @property
     def weights(self) -> dict[str, float]:
@@ -223,81 +204,72 @@ class Mixture(LoaderProtocols, Closing):
         last = time.perf_counter()
         try:
             while stop is None or self._step < stop:
-                batch = self._take(self._next_made())
+                item, batch, waited = self._pipeline().next()
+                self._take(item, waited)
                 now = time.perf_counter()
                 self._stats.wall_s, last = self._stats.wall_s + now - last, now
                 yield batch
-        except BaseException:  # left early, or failed: every source's readers stop
+        except BaseException as e:  # left early, or failed: the pipeline stops
             if not self._closed:
                 self.stop()
+            elif isinstance(e, GDSLoadError) and "closed" not in str(e):
+                raise GDSLoadError(f"mixture of {list(self.sources)}: it was closed while a pass was read") from e
             raise
         finally:
             self._stats.wall_s += time.perf_counter() - last
 
-    def _next_made(self) -> Made:
-        if not self.read_ahead:
-            return self._make()
-        if self._ahead is None:
-            first = self._sources[0].ds
-            if info(first.backend_name).on_device:  # the joiner joins on the maker's thread from now on
-                self._device = self._join.device(str(first.output), first.device)
-                self._device.make_ahead()
-            self._ahead = Ahead(self._make, self.read_ahead, "gdsload-reader-mixture",
-                                f"mixture of {list(self.sources)}")
-        started = time.perf_counter()
-        try:
-            return self._ahead.next()
-        except Exception as e:
-            if self._closed:  # close() from another thread: whatever the maker met, that is the reason
-                raise GDSLoadError(f"mixture of {list(self.sources)}: it was closed while a pass was read") from e
-            raise
-        finally:
-            self._stats.wait_s += time.perf_counter() - started
+    def _pipeline(self) -> MixedPipeline:
+        """The pipeline reading from where the batches yielded leave every source (started here if none runs)."""
+        if self._pipe is not None:
+            return self._pipe
+        if self._closed:
+            raise GDSLoadError(f"mixture of {list(self.sources)}: it was closed (open a new Mixture)")
+        feeds = []
+        for i, (s, at) in enumerate(zip(self._sources, self._at)):
+            placed, self._placed[i] = self._placed[i], None
+            state, skip = placed if placed is not None else s.locate(at, check=False)[:2]
+            s.ds.load_state_dict(state)
+            feeds.append(s.ds.feed(s.name, skip, s.rename))
+        first = self._sources[0].ds
+        ops = CudaOps(first.device, first.output) if info(first.backend_name).on_device else host_ops(first.output)
+        make = _maker(self._schedule, self._weights_fn, self.sources, self.seed, self.whole_batches,
+                      self.batch_size, tuple(s.ds.config.batch_size for s in self._sources))
+        group = 1
+        if not self.whole_batches and not any(s.ds.ragged_fields for s in self._sources):
+            row = sum(f.sample_bytes for f in _fixed_fields(first))
+            group = max(1, min(MAX_GROUP, GROUP_BYTES // max(1, row * self.batch_size)))
+        self._pipe = MixedPipeline(ops, feeds, Steps(make, self._step), self._step, self.read_ahead, group)
+        for s in self._sources:
+            s.ds.lend(self._pipe)  # closing a source's dataset closes the pipeline first
+        return self._pipe
 
-    def _make(self) -> Made:
-        """The batch after the last one made (on the maker's thread when reading ahead)."""
-        step, schedule = self._made_to
-        if self._weights_fn is not None:
-            schedule = schedule.reweighted(self._weights_at(self._weights_fn, step)[1], step)
-        unit = 1 if self.whole_batches else self.batch_size
-        counts, after = next_counts(schedule, unit, self.seed)
-        if self.whole_batches:
-            counts = tuple(c * s.ds.config.batch_size for c, s in zip(counts, self._sources))
-        # each source's share of this batch, added to its counters when the batch is yielded, not when made
-        tallies, device = [SourceStats() for _ in self._sources], self._device
-        with device.taking() if device is not None else contextlib.nullcontext():  # sources hand over to it
-            batch = assemble([(t, s.take(c)) for t, s, c in zip(tallies, self._sources, counts)], self._join,
-                             as_is=device is None)  # made ahead, device arrays are copied even when whole
-        self._made_to = (step + 1, after)
-        return Made(batch, step, after, tuple(s.stretch for s in self._sources),
-                    tuple(t.samples for t in tallies), tuple(t.bytes for t in tallies),
-                    None if device is None else device.ready)
-
-    def _take(self, made: Made) -> dict[str, Any]:
-        """The consumer's side: the mixture now stands after ``made``."""
-        assert made.step == self._step, f"batch {made.step} made for step {self._step}"
-        if made.ready is not None:
-            self._device.hand_over(made.ready)  # type: ignore[union-attr]
-        self._step, self._schedule, self._at = made.step + 1, made.schedule, made.stretches
-        for s, samples, size in zip(self._sources, made.samples, made.bytes):
+    def _take(self, item: Mixed, waited: float) -> None:
+        """The consumer's side: the mixture now stands after batch ``item``."""
+        assert item.step == self._step, f"batch {item.step} read for step {self._step}"
+        self._step, self._schedule = item.step + 1, item.after
+        self._at = tuple(at.taken(c) if c else at for at, c in zip(self._at, item.counts))
+        pipe = self._pipe
+        for i, (s, samples, size) in enumerate(zip(self._sources, item.counts, item.nbytes)):
             s.stats.samples += samples
             s.stats.bytes += size
-        self._stats.bytes = sum(s.stats.bytes for s in self._sources)
+            if pipe is not None:
+                s.stats.bytes_read = self._counted[i][0] + pipe.bytes_read[i]
+                s.stats.passes = self._counted[i][1] + pipe.passes_begun[i]
+        self._stats.bytes += sum(item.nbytes)
         self._stats.batches += 1
-        self._stats.samples += sum(made.samples)
-        return made.batch
+        self._stats.samples += sum(item.counts)
+        self._stats.wait_s += waited
 
-    def _rewind(self, every: bool = False) -> None:
-        """Stop making batches ahead and move each source back to where the batches yielded leave it (all of
-        them with ``every``, which also ends their passes: their reader threads stop)."""
-        if self._ahead is not None:
-            self._ahead.stop()
-            self._ahead = None
-        self._made_to = (self._step, self._schedule)
-        self._join.drain()  # no copy still reads a source's batch when its pipeline goes
-        for s, at in zip(self._sources, self._at):
-            if every or s.stretch != at:
-                s.park(at)
+    def _halt(self) -> None:
+        """Stop the pipeline (what it read ahead is dropped); the next batch starts a new one from the position
+        of the batches yielded."""
+        pipe, self._pipe = self._pipe, None
+        if pipe is None:
+            return
+        pipe.close()
+        for i, s in enumerate(self._sources):
+            s.ds.lend(None, pipe)
+            self._counted[i] = (self._counted[i][0] + pipe.bytes_read[i], self._counted[i][1] + pipe.passes_begun[i])
 
     @property
     def stats(self) -> MixtureStats:
@@ -305,25 +277,17 @@ class Mixture(LoaderProtocols, Closing):
         return self._stats
 
     def stop(self) -> None:
-        """End every source's current pass and the making of batches ahead (their threads stop); the next pass
-        goes on from here."""
-        self._rewind(every=True)
+        """End the current pass's reading ahead (the pipeline's threads stop); the next pass goes on from here."""
+        self._halt()
 
     def close(self) -> None:
-        """Close every source's dataset (threads, buffers, files) and stop making batches ahead. Idempotent,
-        from any thread."""
+        """Stop the pipeline and close every source's dataset (buffers, files). Idempotent, from any thread."""
         self._closed = True
-        ahead = getattr(self, "_ahead", None)
-        if ahead is not None:
-            ahead.stop(join=False)  # it may be waiting for a source's reads: the close below ends those
+        pipe = getattr(self, "_pipe", None)
+        if pipe is not None:
+            pipe.close()
         for s in getattr(self, "_sources", []):
             s.ds.close()
-        if ahead is not None:
-            ahead.stop()
-        if hasattr(self, "_join"):
-            self._join.drain()
-        for s in getattr(self, "_sources", []):
-            s.drop()
 
     def __repr__(self) -> str:
         return (f"Mixture({list(self.sources)}, batch_size={self.batch_size}, weights={self.weights}, "
@@ -349,11 +313,31 @@ class Mixture(LoaderProtocols, Closing):
         position saved for another source."""
         if not isinstance(state, Mapping):
             raise TypeError(f"a mixture state must be a dict from Mixture.state_dict(), found {type(state).__name__}")
-        self._rewind()  # the sources where the batches yielded leave them, whether the state is taken or not
+        self._halt()  # what was read ahead is dropped, whether the state is taken or not
         checked = check_state(state, self._sources, self.seed, self.batch_size, self.whole_batches)
-        for s, (gds_state, skip, stretch) in zip(self._sources, checked.sources):
-            s.drop()
-            s.ds.load_state_dict(gds_state)
-            s.stretch, s.skip = stretch, skip
+        self._placed = [(gds_state, skip) for gds_state, skip, _ in checked.sources]
+        self._at = tuple(stretch for _, _, stretch in checked.sources)
         self._schedule, self._step = checked.schedule, checked.step
-        self._at, self._made_to = tuple(s.stretch for s in self._sources), (self._step, self._schedule)
+
+
+def _maker(schedule: Schedule, fn: Callable[[int], Any] | None, names: tuple[str, ...], seed: int, whole: bool,
+           batch_size: int, sizes: tuple[int, ...]) -> Callable[[int], Step]:
+    """The schedule's steps from ``schedule`` on, one call per step, in order (gdsload.pipeline.steps). It holds
+    nothing of the mixture's, so an abandoned mixture is collected while its pipeline's threads run."""
+    at = [schedule]
+
+    def make(step: int) -> Step:
+        current = at[0]
+        if fn is not None:
+            current = current.reweighted(exact_weights(fn(step), names), step)
+        counts, after = next_counts(current, 1 if whole else batch_size, seed)
+        if whole:
+            counts = tuple(c * b for c, b in zip(counts, sizes))
+        at[0] = after
+        return Step(counts, after)
+    return make
+
+
+def _fixed_fields(ds: GDSDataset) -> list[Any]:
+    """The metadata of a dataset's fixed-size fields it reads."""
+    return [ds.meta.fields[f] for f in ds.fields if f in ds.meta.fields]

@@ -1,24 +1,16 @@
-"""One source of a mixture.
-
-A :class:`SourceStream` reads its dataset pass after pass (set to the next epoch as each one ends), and hands
-out its samples in order as slices of the batches the dataset gives (:class:`Piece`), keeping the source's
-position (a :class:`Stretch`, the same on every rank) and a host copy of each batch's variable-length
-offsets, by which the slices are cut (gdsload/mixture/assemble.py puts them together).
-"""
+"""One source of a mixture: its dataset, its position (a :class:`Stretch`, the same on every rank) and its
+counters; :meth:`SourceStream.locate` turns a position into where this rank's dataset stands. The pipeline that
+reads every source is gdsload/pipeline/mixed.py."""
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..pipeline import resume
-from ..errors import GDSLoadError
-from .assemble import Key, Piece, batch_len, cut_keys
 from .schedule import Stretch
 from ..pipeline.plan import MAX_INT
 from ..pipeline.resume import StateError
@@ -32,9 +24,9 @@ FINGERPRINT_KEYS = ("num_samples", "samples_per_block", "shuffle", "seed", "fiel
 
 @dataclass
 class SourceStats:
-    """One source, over the mixture's passes: samples and bytes it gave (in batches yielded), bytes its dataset
-    read (passes ended so far), seconds the mixture waited for its dataset's batches (on the thread making
-    batches ahead, where one does), passes its dataset began."""
+    """One source, over the mixture's passes: samples and bytes it gave (in batches yielded), bytes read from
+    it (windows read so far, ahead of the batches), passes of its dataset begun (the mixture waits for batches,
+    not for a source: ``wait_s`` stays 0, the mixture's own counts it)."""
 
     samples: int = 0
     bytes: int = 0
@@ -44,67 +36,14 @@ class SourceStats:
 
 
 class SourceStream:
-    """One source: its dataset, the pass being read, the batch being cut, its position and its counters."""
+    """One source: its dataset, its position and its counters."""
 
     def __init__(self, name: str, ds: GDSDataset, rename: dict[str, str]):
         self.name, self.ds, self.rename = name, ds, rename
-        self.passing: Iterator[dict[str, Any]] | None = None
-        self.batch: dict[str, Any] = {}
-        self.keys: tuple[Key, ...] = ()  # the batch's, prepared for cutting
-        self.used = self.length = self.skip = 0
         self.fingerprint = record_digest(dataset_record(ds))  # whose positions this stream's are, with its name
         c = ds.config
         self.stretch = Stretch(0, (), c.world_size, c.window_blocks, 0, name, self.fingerprint)
         self.stats = SourceStats()
-
-    def take(self, n: int) -> list[Piece]:
-        """The next ``n`` samples, as slices of one batch or more (into the next epoch where one ends)."""
-        pieces = []
-        while n:
-            if self.used == self.length:
-                self._next_batch()
-            k = min(n, self.length - self.used)
-            pieces.append(Piece(self.batch, self.keys, self.used, self.used + k, self.length))
-            self.used, n = self.used + k, n - k
-            self.stretch = self.stretch.taken(k)  # a rank's epochs follow from it (Stretch.rank_position)
-        return pieces
-
-    def _next_batch(self) -> None:
-        for _ in range(3):  # a resumed pass may be empty (saved at its end); the next one is not
-            if self.passing is None:
-                self.passing = iter(self.ds)
-                self.stats.passes += 1
-            started = time.perf_counter()
-            try:
-                batch = next(self.passing)
-            except StopIteration:
-                self.stats.bytes_read += self.ds.stats.bytes_read if self.ds.stats is not None else 0
-                self.passing = None
-                self.ds.set_epoch(self.ds.epoch + 1)
-                continue
-            finally:
-                self.stats.wait_s += time.perf_counter() - started
-            self.batch, self.length, self.keys = batch, batch_len(batch), cut_keys(batch, self.out_key)
-            self.used, self.skip = min(self.skip, self.length), 0
-            if self.used < self.length:
-                return
-        raise GDSLoadError(f"{self.ds.meta.path}: source {self.name!r} yielded no sample in three passes")
-
-    def drop(self) -> None:
-        """End the pass being read and forget the batch being cut (the position is set anew after this)."""
-        if self.passing is not None:
-            self.passing.close()
-        self.passing, self.batch, self.keys, self.used, self.length = None, {}, (), 0, 0
-
-    def park(self, at: Stretch | None = None) -> None:
-        """End the pass being read (its reader threads stop); the next pass starts at ``at`` (a stretch this
-        stream passed through; default: where it stands)."""
-        at = self.stretch if at is None else at
-        if self.passing is not None or at != self.stretch:
-            state, skip, _ = self.locate(at, check=False)
-            self.drop()
-            self.ds.load_state_dict(state)
-            self.stretch, self.skip = at, skip
 
     def locate(self, stretch: Stretch, check: bool = True) -> tuple[dict[str, Any], int, Stretch]:
         """Where this rank's dataset stands at ``stretch``: the GDSDataset state to load, the samples of its
@@ -152,13 +91,6 @@ class SourceStream:
                                     "world_size": stretch.world_size, "window_blocks": stretch.window_blocks},
                                    c.num_blocks)
         resume.leg_plans(cfg, stretch.epoch, saved.hops)
-
-    def out_key(self, key: str) -> str:
-        for suffix in ("", "/offsets", "/lengths"):
-            base = key[:len(key) - len(suffix)]
-            if key.endswith(suffix) and base in self.rename:
-                return self.rename[base] + suffix
-        return key
 
 
 def _check_epoch(epoch: int, stretch: Stretch) -> None:

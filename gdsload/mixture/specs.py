@@ -8,10 +8,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..backends import info
-from ..backends.base import Backend
 from ..backends.registry import NAMES
 from ..options import field_names
-from .assemble import SOURCE_KEY
+from ..pipeline.mixed import SOURCE_KEY
 
 if TYPE_CHECKING:
     from .source import SourceStream
@@ -71,16 +70,6 @@ def share_threads(specs: dict[str, tuple[Any, Any, dict[str, str], dict]]) -> No
         kwargs["backend_options"] = {**(kwargs.get("backend_options") or {}), "num_threads": share}
 
 
-def source_batches(kwargs: Mapping[str, Any]) -> int:
-    """How many of the mixture's batches a source with these options gathers at once (mixing by sample):
-    its named backend's ``mixture_source_batches`` hint, the general one under ``auto`` (picked at the open,
-    after the dataset's batch size is set)."""
-    backend = kwargs.get("backend", "auto")
-    if isinstance(backend, str) and backend in NAMES:
-        return int(info(backend).defaults["mixture_source_batches"])
-    return Backend.mixture_source_batches_hint
-
-
 def named(error: BaseException, message: str) -> BaseException:
     """``error`` again, its message prefixed (the same type, so ``except`` clauses keep working)."""
     try:
@@ -91,9 +80,8 @@ def named(error: BaseException, message: str) -> BaseException:
 
 def check_fields(sources: list[SourceStream], specs: dict[str, tuple[Any, Any, dict[str, str], dict]],
                  whole_batches: bool) -> None:
-    """Sources mixed by sample give the same fields (after renaming), padded alike, on the same device."""
-    if whole_batches:
-        return
+    """Sources mixed by sample give the same fields (after renaming), padded alike; every source gives arrays of
+    one output on one device (one pipeline serves them all)."""
     first = None
     for s in sources:
         kwargs, described = specs[s.name][3], s.ds.state_dict()["fields"]
@@ -101,7 +89,7 @@ def check_fields(sources: list[SourceStream], specs: dict[str, tuple[Any, Any, d
         for f in s.ds.fields:
             what = described[f]
             width = pad_to.get(f) if isinstance(pad_to, Mapping) else pad_to
-            if what.startswith("ragged") and width == "max":
+            if what.startswith("ragged") and width == "max" and not whole_batches:
                 raise ValueError(f"source {s.name!r}: pad_to='max' pads field {f!r} to each batch's longest "
                                  "sample, which differs from source to source (expected an int, or None)")
             if what.startswith("ragged") and width is not None:
@@ -113,11 +101,12 @@ def check_fields(sources: list[SourceStream], specs: dict[str, tuple[Any, Any, d
             first = (s.name, fields, where)
             continue
         name, fields0, where0 = first
-        for f in sorted(fields0.keys() | fields.keys()):
+        if where != where0:
+            raise ValueError(f"source {s.name!r} gives {where}, source {name!r} {where0} (one pipeline reads every "
+                             "source: they need the same output and device)")
+        for f in sorted(fields0.keys() | fields.keys()) if not whole_batches else ():
             if fields0.get(f) != fields.get(f):
                 raise ValueError(f"source {s.name!r}: field {f!r} is {fields.get(f, 'absent')}, in source "
                                  f"{name!r} {fields0.get(f, 'absent')} (sources mixed by sample read the same "
                                  "fields; rename with fields={...}, or pass whole_batches=True)")
-        if where != where0:
-            raise ValueError(f"source {s.name!r} gives {where}, source {name!r} {where0} (sources mixed by "
-                             "sample need the same output and device; or pass whole_batches=True)")
+

@@ -161,19 +161,55 @@ class Assembler:
             for name in self.mapped:
                 ops.take(views[w][name], dev["rows", name][start:stop], out[name][part])
 
-    def _ragged_outputs(self, name: str, lo: int, hi: int, lengths_host: np.ndarray, out: dict[str, Any]) -> None:
-        """Allocate a variable-length field's outputs: values back to back plus (B + 1) offsets, or
-        (B, width, ...) padded values plus (B,) lengths."""
+    def gather_part(self, index: EpochIndex, rows: list[tuple[int, int, int, int]], views: dict[Any, dict[str, Any]],
+                    out: dict[str, Any], at: int, value_at: dict[str, int]) -> None:
+        """Queue the gathers of stream rows ``rows[0].start .. rows[-1].stop`` of ``index``'s pass (segments as
+        :meth:`EpochPlan.segment_table`'s, keyed in ``views`` by their window) into rows ``at ..`` of ``out``
+        (keyed by this assembler's field names, as :meth:`ragged_outputs` and ``ops.empty`` made them, for a batch
+        that other parts fill too): a variable-length field's values go from ``value_at[name]`` on, its offsets
+        (``out[name + "/offsets"][0]`` being the caller's) counting on from there, or padded rows and lengths."""
+        xp, lo, hi = self.ops.xp, rows[0][1], rows[-1][2]
+        fixed = {n: a[at:at + hi - lo] for n, a in out.items() if n in self.shapes}
+        self._gather(rows, views, lo, fixed, index.dev)
+        for name in self.ragged:
+            f = self.wl.ragged[name].values
+            starts, lengths = index.dev["starts", name], index.dev["lengths", name]
+            lengths_host = index.value_index[name][1]
+            total = int(lengths_host[lo:hi].sum())
+            padded = name in self.pad
+            flat = xp.empty((total, *f.sample_shape), f.dtype) if padded else \
+                out[name][value_at[name]:value_at[name] + total]
+            pos = 0
+            for w, start, stop, _ in rows:
+                n = int(lengths_host[start:stop].sum())
+                gather(xp, self.ops.take, views[w][name], starts[start:stop], lengths[start:stop], flat[pos:pos + n])
+                pos += n
+            if padded:
+                rows_out = out[name][at:at + hi - lo]
+                pad_values(xp, flat, lengths[lo:hi], self.pad[name][1], rows_out)
+                xp.minimum(lengths[lo:hi], rows_out.shape[1], out=out[f"{name}/lengths"][at:at + hi - lo])
+            else:
+                offsets = out[f"{name}/offsets"][at + 1:at + 1 + hi - lo]
+                xp.cumsum(lengths[lo:hi], out=offsets)
+                offsets += value_at[name]
+
+    def ragged_outputs(self, name: str, lengths: np.ndarray, out: dict[str, Any]) -> None:
+        """Allocate a variable-length field's outputs for a batch whose samples have value ``lengths`` (host;
+        from every source's parts, in order), as :meth:`_ragged_outputs` does for a batch of one pass."""
         ops, f = self.ops, self.wl.ragged[name].values
-        lengths = lengths_host[lo:hi]
         if name in self.pad:
             width, _ = self.pad[name]
             width = int(lengths.max(initial=0)) if width is None else width
-            out[name] = ops.empty((hi - lo, width, *f.sample_shape), f.dtype)
-            out[f"{name}/lengths"] = ops.empty((hi - lo,), np.dtype(np.int64))
+            out[name] = ops.empty((len(lengths), width, *f.sample_shape), f.dtype)
+            out[f"{name}/lengths"] = ops.empty((len(lengths),), np.dtype(np.int64))
         else:
             out[name] = ops.empty((int(lengths.sum()), *f.sample_shape), f.dtype)
-            out[f"{name}/offsets"] = ops.empty((hi - lo + 1,), np.dtype(np.int64))
+            out[f"{name}/offsets"] = ops.empty((len(lengths) + 1,), np.dtype(np.int64))
+
+    def _ragged_outputs(self, name: str, lo: int, hi: int, lengths_host: np.ndarray, out: dict[str, Any]) -> None:
+        """Allocate a variable-length field's outputs: values back to back plus (B + 1) offsets, or
+        (B, width, ...) padded values plus (B,) lengths."""
+        self.ragged_outputs(name, lengths_host[lo:hi], out)
 
     def _gather_ragged(self, name: str, rows: list[tuple[int, int, int, int]], views: dict[int, dict[str, Any]],
                        lengths_host: np.ndarray, index_dev: tuple[Any, Any], out: dict[str, Any]) -> None:

@@ -1,0 +1,430 @@
+"""One pipeline serving several sources (a mixture's): three threads, whatever the number of sources.
+
+The sources' streams (feeds.py) are read as the steps ask: a :class:`Steps` says how many samples each source
+gives to each batch (the mixture's schedule, made once per step, in order, by whichever thread asks first).
+The *submitter* walks the steps a group at a time and submits, in the order the batches need them, the
+windows they touch, each through its source's reader into one of that source's window buffers; the
+*completer* finishes them in that order (reads, decode, the start of the checks); the *assembler* walks the
+same steps and gathers each batch's samples straight from the windows into the batch's arrays, source after
+source, with each sample's source index beside them, then releases the windows it is done with. Each sample is
+gathered once. Finished batches go to the consumer as in the single pipeline (pipeline.py: events, hand-off,
+stopping). A source's buffers are its dataset's; a group that touches more of a source's windows than it has
+buffers gets more (so no wait can deadlock), else reading waits for one to be released.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ..backends.handoff import POLL_S, Handoff, get
+from ..codecs.verify import Verdict
+from ..cuda.ops import Ops
+from ..errors import GDSLoadError, ReadError, with_context
+from .assembler import Assembler
+from .feeds import Feed, FeedPass, Part, Passes, Walk
+from .pacing import Pacer
+from .steps import Step, Steps
+from .reader import InFlight
+from .window import WindowBuffer
+
+_END = object()
+_CLOSED = "this iterator was closed (the mixture was closed or a new pass over it started)"
+#: Steps the submitter walks ahead of the assembler at most (it also waits for window buffers): the schedule
+#: is made that far ahead.
+LEAD_STEPS = 512
+#: Steps gathered together at most (small samples): a group holds every window it touches until it is gathered.
+MAX_GROUP = 32
+SOURCE_KEY = "source"
+Key = tuple[int, int, int]  # (feed, pass, window)
+
+
+class _Failure(NamedTuple):
+    error: BaseException
+    feed: int = -1
+    where: str = ""
+
+
+class _Submitted(NamedTuple):
+    feed: int
+    p: FeedPass
+    window: int
+    buffer: WindowBuffer
+    inflight: InFlight
+
+
+class _Filled(NamedTuple):
+    key: Key
+    buffer: WindowBuffer
+    event: Any
+    verdict: Verdict | None
+
+
+class Mixed(NamedTuple):
+    """A batch: step ``step``, each source's ``counts`` and ``nbytes``, the schedule after it (``after``)."""
+
+    step: int
+    arrays: dict[str, Any]
+    counts: tuple[int, ...]
+    nbytes: tuple[int, ...]
+    after: Any
+    ready: Any
+
+
+class MixedPipeline:
+    """Batches of ``steps`` from ``start`` on, read from ``feeds`` (see the module's docstring); ``ahead``
+    batches are assembled before the consumer takes them, ``group`` steps at a time (one allocation and one
+    gather per field and part for the group; 1 where a field has variable length)."""
+
+    def __init__(self, ops: Ops, feeds: Sequence[Feed], steps: Steps, start: int, ahead: int = 2, group: int = 1):
+        self.ops, self.feeds, self.steps, self.start = ops, list(feeds), steps, start
+        self.group = max(1, group)
+        self.asm = [Assembler(ops, f.reader.window_map, f.reader.layout.offsets, f.fields, dict(f.resident), f.pad)
+                    for f in self.feeds]
+        self._threads: list[threading.Thread] = []
+        self.passes = [Passes(f, a, lambda: threading.current_thread() in self._threads)
+                       for f, a in zip(self.feeds, self.asm)]
+        self.bytes_read = [0] * len(self.feeds)  # per source, by the completer
+        self.passes_begun = [0] * len(self.feeds)  # per source, as the assembler enters them
+        self._stop, self._halt = threading.Event(), threading.Event()
+        self._free: list[queue.Queue[WindowBuffer | None]] = [queue.Queue() for _ in self.feeds]
+        for q, f in zip(self._free, self.feeds):
+            for b in f.buffers:
+                q.put(b)
+        self._inflight: queue.Queue[Any] = queue.Queue()
+        self._ready: queue.Queue[Any] = queue.Queue()
+        self._assembled = Handoff(max(1, ahead))
+        self._progress = threading.Condition()
+        self._assembled_to = start  # the first step the assembler has not gathered
+        self._sub_pass = [0] * len(self.feeds)  # the pass each source's submitter walk is in
+        self._closed = False
+        self._threads += [threading.Thread(target=self._submit_loop, name="gdsload-reader-submit", daemon=True),
+                          threading.Thread(target=self._complete_loop, name="gdsload-reader-complete", daemon=True),
+                          threading.Thread(target=self._assemble_loop, name="gdsload-reader-assemble", daemon=True)]
+        ops.begin()
+        for t in self._threads:
+            t.start()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- reader threads ------------------------------------------------------------------------------
+    def _group(self, walks: list[Walk], step: int) -> list[tuple[int, Step, list[list[Part]]]]:
+        """Steps ``step .. step + group - 1``: each with its schedule step and every source's parts."""
+        out = []
+        for s in range(step, step + self.group):
+            st = self.steps.get(s)
+            out.append((s, st, [w.take(c) for w, c in zip(walks, st.counts)]))
+        return out
+
+    def _submit_loop(self) -> None:
+        walks = [Walk(p) for p in self.passes]
+        last: list[tuple[int, int]] = [(-1, -1)] * len(walks)  # per source, the last window submitted
+        expected = [-1] * len(walks)
+        pace, step, where = Pacer(), self.start, (-1, "")
+        try:
+            while self._may_walk(step):
+                touched: list[dict[tuple[int, int], FeedPass]] = [{} for _ in walks]
+                for _, _, parts in self._group(walks, step):
+                    for i, ps in enumerate(parts):
+                        for part in ps:
+                            for w in part.windows():
+                                touched[i][(part.p.k, w)] = part.p
+                for i, windows in enumerate(touched):
+                    self._sub_pass[i] = walks[i].k
+                    for (k, w), p in windows.items():
+                        if (k, w) <= last[i]:
+                            continue
+                        where = (i, p.describe(w))
+                        if expected[i] != k:  # a remote dataset's shards: fetched ahead of this pass's windows
+                            self.feeds[i].reader.expect(p.plan.windows[w:])
+                            expected[i] = k
+                        buf = self._next_free(i, len(windows) + 1)
+                        if buf is None:
+                            return
+                        self.ops.synchronize(buf.released)  # the last gather from it is done
+                        pace.start()
+                        inflight = self.feeds[i].reader.submit(buf, p.plan.windows[w], self._halt, pace)
+                        self._inflight.put(_Submitted(i, p, w, buf, inflight))
+                        last[i] = (k, w)
+                step += self.group
+        except BaseException as e:
+            self._inflight.put(_Failure(e, *where))
+        finally:
+            self._inflight.put(_END)
+
+    def _may_walk(self, step: int) -> bool:
+        """Wait until ``step`` is at most :data:`LEAD_STEPS` ahead of the assembler; False once reading stops."""
+        with self._progress:
+            while step - self._assembled_to > LEAD_STEPS:
+                if self._halt.is_set():
+                    return False
+                self._progress.wait(POLL_S)
+        return not self._halt.is_set()
+
+    def _next_free(self, i: int, need: int) -> WindowBuffer | None:
+        """A free window buffer of source ``i``: a new one where the group being submitted touches ``need``
+        of its windows (one more for a window partly taken) and it has fewer, since the assembler holds every
+        window of a group at once; else one the assembler releases. None once reading stops."""
+        f, free = self.feeds[i], self._free[i]
+        while not self._halt.is_set():
+            try:
+                return free.get_nowait()
+            except queue.Empty:
+                pass
+            if len(f.buffers) < need:
+                buf = f.allocate()
+                f.buffers.append(buf)
+                return buf
+            try:
+                return free.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+        return None
+
+    def _complete_loop(self) -> None:
+        """Finish submitted windows in order; after an error or a stop, keep draining until the submitter is
+        done, so no read still writes into a buffer once this thread has ended."""
+        while True:
+            item = self._inflight.get()
+            if item is _END:
+                if not self._halt.is_set():
+                    self._ready.put(_END)
+                return
+            if isinstance(item, _Failure):
+                self._halt.set()
+                self._ready.put(item)
+                continue
+            try:
+                filled = item.inflight.finish(self._halt)  # no read writes into the buffer after it
+            except BaseException as e:
+                if not self._halt.is_set():
+                    self._halt.set()
+                    self._ready.put(_Failure(e, item.feed, item.p.describe(item.window)))
+                continue
+            if not self._halt.is_set():
+                self.bytes_read[item.feed] += item.inflight.read_bytes
+                self._ready.put(_Filled((item.feed, item.p.k, item.window), item.buffer, filled.event,
+                                        filled.verdict))
+
+    # -- assembler thread ----------------------------------------------------------------------------
+    def _take_ready(self) -> _Filled | None:
+        """The next filled window, or None once the pipeline stops; a reader's error raised with its context."""
+        item = get(self._ready, self._stop)
+        if item is None:
+            return None
+        if item is _END:
+            raise ReadError("internal error: the readers finished before the batches did")
+        if isinstance(item, _Failure):
+            e = item.error
+            feed = self.feeds[item.feed] if item.feed >= 0 else self.feeds[0]
+            where = f"source {feed.name!r}" + (f", {item.where}" if item.where else "")
+            if isinstance(e, GDSLoadError):
+                e2 = feed.reader.named(e)
+                raise with_context(e2, f"reading {where}") from e
+            raise ReadError(f"{feed.reader.meta.path}: reading {where} failed ({type(e).__name__}: {e})") from e
+        return item
+
+    def _assemble_loop(self) -> None:
+        held: dict[Key, WindowBuffer] = {}
+        verdicts: dict[Key, Verdict] = {}
+        waited: set[tuple[int, int]] = set()
+        walks = [Walk(p) for p in self.passes]
+        step, first = self.start, True
+
+        def confirm(key: Key) -> None:
+            verdict = verdicts.pop(key, None)
+            if verdict is not None:
+                try:
+                    verdict.confirm()
+                except GDSLoadError as e:
+                    raise with_context(e, f"reading source {self.feeds[key[0]].name!r}") from e
+        try:
+            while not self._stop.is_set():
+                batches = self._group(walks, step)
+                for key in [(i, part.p.k, w) for _, _, parts in batches for i, ps in enumerate(parts)
+                            for part in ps for w in part.windows()]:
+                    while key not in held:  # windows arrive in the order the batches need them
+                        got = self._take_ready()
+                        if got is None:
+                            return
+                        self.ops.wait(got.event)
+                        held[got.key] = got.buffer
+                        if got.verdict is not None and not got.verdict.confirmed:
+                            verdicts[got.key] = got.verdict
+                with self.ops.scope():
+                    outs = self._gather(batches, held, waited)
+                    for i, walk in enumerate(walks):  # windows wholly taken go back to their source's readers
+                        for key in [k for k in held if k[0] == i and _done(k, walk)]:
+                            confirm(key)
+                            buf = held.pop(key)
+                            buf.released = self.ops.record()
+                            self._free[i].put(buf)
+                for key in list(verdicts):
+                    confirm(key)
+                ready = self.ops.record()
+                for s, st, arrays, nbytes in outs:
+                    if not self._assembled.put(Mixed(s, arrays, st.counts, nbytes, st.after, ready), self._stop):
+                        return
+                if first:  # what a backend kept back (mmap's bulk load) no longer competes with the first batch
+                    for f in self.feeds:
+                        f.reader.started()
+                    first = False
+                step += self.group
+                self._passed(step, walks)
+        except BaseException as e:
+            self._halt.set()
+            self._assembled.put(_Failure(e), self._stop)
+
+    def _passed(self, step: int, walks: list[Walk]) -> None:
+        """The assembler is done with the steps before ``step``: the submitter may walk on, and passes and
+        steps no thread asks for again are dropped."""
+        with self._progress:
+            self._assembled_to = step
+            self._progress.notify_all()
+        self.steps.forget(step)
+        for i, (walk, passes) in enumerate(zip(walks, self.passes)):
+            self.passes_begun[i] = walk.entered + 1
+            passes.forget(min(walk.k, self._sub_pass[i]))
+
+    def _gather(self, batches: list[tuple[int, Step, list[list[Part]]]], held: dict[Key, WindowBuffer],
+                waited: set[tuple[int, int]]) -> list[tuple[int, Step, dict[str, Any], tuple[int, ...]]]:
+        """Queue the gathers of a group of steps into fresh arrays (inside the ops' scope); each step's arrays
+        (views of the group's) with its bytes per source."""
+        ops = self.ops
+        sizes = [sum(st.counts) for _, st, _ in batches]
+        present = [i for _, _, parts in batches for i, ps in enumerate(parts) if ps]
+        lead = self.asm[present[0] if present else 0]
+        for _, _, parts in batches:
+            for i, ps in enumerate(parts):
+                for part in ps:
+                    if (i, part.p.k) not in waited:  # the pass's index arrays are uploaded
+                        ops.wait(part.p.index.ready)
+                        waited.add((i, part.p.k))
+        rows = sum(sizes)
+        f0 = self.feeds[present[0] if present else 0]
+        out = {f0.out_name(n): ops.empty((rows, *m.sample_shape), m.dtype) for n, m in lead.shapes.items()}
+        ragged = {f0.out_name(n): n for n in lead.ragged}
+        for name, src in ragged.items():
+            lengths = [_lengths(src, part) for _, _, parts in batches
+                       for i, ps in enumerate(parts) for part in ps]
+            lead.ragged_outputs(src, np.concatenate(lengths) if lengths else np.zeros(0, np.int64),
+                                _Renamed(out, f0, src))
+        out[SOURCE_KEY] = ops.empty((rows,), np.dtype(np.int64))
+        ops.fence()
+        for name in ragged:
+            if f"{name}/offsets" in out:
+                out[f"{name}/offsets"][:1] = 0
+        made, at = [], 0
+        for (s, st, parts), size in zip(batches, sizes):
+            lo, nbytes = at, []
+            value_at = dict.fromkeys(ragged, 0)
+            for i, ps in enumerate(parts):
+                got = 0
+                for part in ps:
+                    got += self._gather_part(i, part, held, out, at, value_at)
+                    at += part.b - part.a
+                nbytes.append(got)
+            arrays = out if len(batches) == 1 else {n: a[lo:lo + size] for n, a in out.items()}
+            made.append((s, st, arrays, tuple(nbytes)))
+        return made
+
+    def _gather_part(self, i: int, part: Part, held: dict[Key, WindowBuffer], out: dict[str, Any], at: int,
+                     value_at: dict[str, int]) -> int:
+        """Queue one part's gathers into rows ``at ..`` of ``out`` (and its source index); its bytes."""
+        f, asm = self.feeds[i], self.asm[i]
+        segments = part.p.segments(part.a, part.b)
+        views = {w: held[(i, part.p.k, w)].views(f.reader.window_map) for w, _, _, _ in segments}
+        mine = {n: out[f.out_name(n)] for n in (*asm.shapes, *_ragged_keys(asm, out, f))}
+        asm.gather_part(part.p.index, segments, views, mine, at, {n: value_at[f.out_name(n)] for n in asm.ragged})
+        n = part.b - part.a
+        out[SOURCE_KEY][at:at + n].fill(i)
+        got = n * sum(m.sample_bytes for m in asm.shapes.values())
+        for name in asm.ragged:
+            values = int(_lengths(name, part).sum())
+            value_at[f.out_name(name)] += values
+            got += values * asm.wl.ragged[name].values.sample_bytes
+        return got
+
+    # -- consumer ------------------------------------------------------------------------------------
+    def next(self) -> tuple[Mixed, dict[str, Any], float]:
+        """The next batch (its arrays ready on the consumer's current stream) and the seconds waited for it."""
+        if self._closed:
+            raise GDSLoadError(_CLOSED)
+        waited = 0.0
+        try:
+            item = self._assembled.take_ready()
+        except queue.Empty:
+            t0 = time.perf_counter()
+            item = self._assembled.get(self._stop)
+            waited = time.perf_counter() - t0
+        if item is None or self._closed:
+            raise GDSLoadError(_CLOSED)
+        if isinstance(item, _Failure):
+            raise item.error
+        self.ops.hand_over(item.ready)
+        batch = self.ops.export(item.arrays)
+        self._assembled.release()  # last: the assembler wakes as the consumer's step starts
+        return item, batch, waited
+
+    def close(self) -> None:
+        """Stop the threads and wait for them; idempotent, safe from any thread but the pipeline's own."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._halt.set()
+        for q in self._free:
+            q.put(None)  # the submitter, for a window buffer
+        self._ready.put(None)  # the assembler, for a window
+        self._assembled.clear()  # the assembler, to hand a batch to a full queue
+        for t in self._threads:
+            if t.is_alive() and t is not threading.current_thread():
+                t.join()
+        for f in self.feeds:
+            f.reader.stop_fetching()
+        try:
+            self.ops.quiesce()
+            for f in self.feeds:
+                f.reader.quiesce()
+        except Exception:  # interpreter or CUDA context shutting down: nothing left to order against
+            return
+        for f in self.feeds:
+            for b in f.buffers:
+                b.released = None
+
+
+def _done(key: Key, walk: Walk) -> bool:
+    """Whether a walk has taken every sample of window ``key``."""
+    _, k, w = key
+    if k != walk.k:
+        return k < walk.k
+    p = walk.passes.get(k)
+    return int(p.starts[w + 1]) <= walk.pos
+
+
+def _lengths(name: str, part: Part) -> np.ndarray:
+    """The value lengths of a variable-length field's samples in ``part`` (host)."""
+    return part.p.index.value_index[name][1][part.a:part.b]
+
+
+def _ragged_keys(asm: Assembler, out: dict[str, Any], f: Feed) -> list[str]:
+    return [f"{n}{suffix}" for n in asm.ragged for suffix in ("", "/offsets", "/lengths")
+            if f.out_name(f"{n}{suffix}") in out]
+
+
+class _Renamed(dict):
+    """Writes through to ``out`` under the feed's output names (ragged_outputs allocates by the source's)."""
+
+    def __init__(self, out: dict[str, Any], feed: Feed, name: str):
+        super().__init__()
+        self._out, self._feed = out, feed
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._out[self._feed.out_name(key)] = value
