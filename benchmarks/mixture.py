@@ -1,19 +1,23 @@
-"""A mixture of three datasets against one dataset of the same total bytes, warm, in one run.
+"""A mixture of three datasets against one dataset of the same total bytes, warm, each run a fresh process.
 
     python -m benchmarks.mixture [--size-gib 4] [--backends mmap,pinned,kvikio] [--rounds 3]
 
 The three sources hold 1/2, 1/3 and 1/6 of ``--size-gib`` of the suite's images and are mixed in those
-proportions (every source with the same backend); the single dataset holds ``--size-gib``. Each is timed as
-a stretch of back-to-back batches for at least ``--min-seconds`` from rest (the suite's warm method; the
-mixture's stretch is whole passes of ``num_batches`` = the single dataset's batches per epoch), the two in
-alternating order round by round, the device synchronised at the end of each stretch. GB/s counts the bytes
-of the batches delivered. Then each waits beside a simulated step of ``--step-factor`` times a batch's read
-time (the suite's method, ``time_passes``: steps timed alone, passes with a step per batch, the median of
-the later passes' time beyond them).
+proportions (every source with the same backend); the single dataset holds ``--size-gib``. Every figure comes
+from ``--rounds`` fresh processes per contender, the two alternating (A B, B A, ...), the data warm in the page
+cache: each process opens, reads one pass (kernels, buffers), then times back-to-back batches for at least
+``--min-seconds`` (the mixture's stretch is whole passes of ``num_batches`` = the single dataset's batches per
+epoch), the device synchronised at the end; GB/s counts the bytes of the batches delivered. It then waits beside
+a simulated step of ``--step-factor`` times a batch's read time at the single dataset's rate of the first round
+(the suite's method, ``time_passes``), and reports the device memory it holds (``memGetInfo``, after the pass).
 
-Rows (``results``, one per backend, and per ``--read-ahead`` value where given: ``Mixture(read_ahead=...)``):
-``gdsload <backend>`` with its io mode, the GB/s of one dataset and of the mixture (every round kept, the best
-reported), the mixture's share of one, and the waiting beside the step; a backend that cannot run here is a row
+Rows (``results``, one per backend): ``gdsload <backend>`` with its io mode, every run's GB/s of one dataset and
+of the mixture, their medians, the mixture's share of one (median over median) with the spread of the rounds'
+shares, the waiting beside the step and the device memory, medians of the runs. ``first_epoch`` rows: a fresh
+open of the single dataset per backend (``auto`` too), its first and second epoch's GB/s, the median of the runs
+with ``pinned``'s beside it. ``continuous`` rows: a fresh open, a 10 ms step per batch over 3 epochs without a sync
+(the suite's ``stall_10ms_continuous``). ``summary`` gathers them: ``mixture``, ``first_epoch``,
+``stall_10ms_continuous``, per backend, with ``runs`` and ``spread``. A backend that cannot run here is a row
 without figures whose ``note`` says why (``not run: ...``).
 
 Ceilings (``ceilings``, measured in the same run on the single dataset's files, before the backends, each the best of
@@ -31,6 +35,7 @@ backend, one dataset and mixture as bars, the ceilings as lines; where matplotli
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import time
@@ -38,14 +43,17 @@ from collections.abc import Callable
 from typing import Any
 
 from gdsload import GDSDataset, Mixture
+from gdsload.backends import info
+from gdsload.backends.registry import NAMES
 from gdsload.errors import BackendUnavailable
 from gdsload.system.env import gpu_available, kvikio_installed
 from gdsload.tools.measure import (THREADS, PassResult, block_locations, device_sync, pinned_h2d_gbps,
                                    raw_kvikio_blocks, read_files, shard_paths, time_pass, time_passes)
 from gdsload.tools.steps import Step, make_step
 
-from .common import BATCH, Rows, free_device_memory, make_dataset, parse_probe_args, probe_parser, write_probe_table
+from .common import BATCH, SAMPLE_BYTES, Rows, free_device_memory, make_dataset, parse_probe_args, probe_parser, write_probe_table
 from .plots import gbps_plot, line_label
+from .summary_rows import ROOT
 
 SHARES = {"half": 3, "third": 2, "sixth": 1}  # sixths of the total
 PAGE_CACHE = "ceiling: page cache -> host memory"
@@ -92,45 +100,138 @@ def single_waiting(ds: GDSDataset, step: Step, passes: int = 3) -> float:
     return statistics.median(r.wait_s for r in later) / later[0].alone_s  # type: ignore[operator]
 
 
-def measure(backend: str, single_path: str, sources: dict[str, str], rounds: int, min_seconds: float,
-            batch_size: int, step_factor: float = 0.0, read_ahead: int | None = None) -> dict[str, Any]:
+CHILD = """
+import json, sys
+sys.path.insert(0, {root!r})
+from benchmarks.mixture import child
+print(json.dumps(child({kind!r}, {backend!r}, {single!r}, {sources!r}, {batch_size}, {min_seconds}, {step_ms})))
+"""
+
+
+def device_used() -> int:
+    """Bytes of device memory in use (0 without a GPU)."""
+    if not gpu_available():
+        return 0
+    import cupy
+
+    cupy.cuda.runtime.deviceSynchronize()
+    free, total = cupy.cuda.runtime.memGetInfo()
+    return int(total - free)
+
+
+def child(kind: str, backend: str, single_path: str, sources: dict[str, str], batch_size: int, min_seconds: float,
+          step_ms: float) -> dict[str, Any]:
+    """One measurement, in a fresh process (module docstring): ``kind`` is ``single``, ``mixture``, ``first``
+    (a fresh open's first two epochs) or ``continuous``."""
+    if kind == "continuous":
+        from .summary_rows import continuous_child
+
+        return continuous_child(single_path, backend, batch_size, {}, backend != "cpu", 3)
+    base = device_used()
     options = {"backend": backend, "shuffle": True, "seed": 0}
+    started = time.perf_counter()
     single = GDSDataset(single_path, batch_size, **options)
-    mix = Mixture(sources, {name: SHARES[name] for name in sources}, batch_size=batch_size,
-                  num_batches=len(single), read_ahead=read_ahead, **options)
-    try:
-        sync = device_sync(single)
-        time_pass(single)  # warm-up: page cache, kernels, buffers
-        single.stop()
+    out: dict[str, Any] = {"io_mode": single.io_mode, "backend": single.backend_name,
+                           "open_s": round(time.perf_counter() - started, 3)}
+    sync = device_sync(single)
+    if kind == "first":
+        with single:
+            out["epochs_gbps"] = [round(time_pass(single, from_rest=False).gb_per_s, 3) for _ in range(2)]
+        return out
+    if kind == "single":
+        with single:
+            time_pass(single)
+            out["memory_bytes"] = device_used() - base
+            out["gbps"] = time_pass(single, min_seconds=min_seconds).gb_per_s
+            if step_ms:
+                out["waiting_pct"] = 100 * single_waiting(single, make_step(step_ms, gpu=backend != "cpu"))
+        return out
+    num_batches = len(single)
+    single.close()
+    with Mixture(sources, {name: SHARES[name] for name in sources}, batch_size=batch_size, num_batches=num_batches,
+                 **options) as mix:
         time_mixture(mix, sync, 0.0)
-        rates: dict[str, list[float]] = {"single": [], "mixture": []}
-        for r in range(rounds):
-            for what in ("single", "mixture") if r % 2 == 0 else ("mixture", "single"):
-                if what == "single":
-                    rates[what].append(time_pass(single, min_seconds=min_seconds).gb_per_s)
-                    single.stop()
-                else:
-                    rates[what].append(time_mixture(mix, sync, min_seconds))
-        best = {k: max(v) for k, v in rates.items()}
-        waiting: dict[str, float | None] = {"single": None, "mixture": None}
-        if step_factor > 0:
-            batch_bytes = sum(a.nbytes for a in next(iter(single)).values())
-            single.stop()
-            step = make_step(step_factor * batch_bytes / (best["single"] * 1e9) * 1e3,
-                             gpu=single.describe()["backend"] != "cpu")
-            waiting = {"single": round(100 * single_waiting(single, step), 2),
-                       "mixture": round(100 * mixture_waiting(mix, step, sync), 2)}
-        return {"what": f"gdsload {backend}" + ("" if read_ahead is None else f", read_ahead={read_ahead}"),
-                "read_ahead": mix.read_ahead, "io_mode": single.io_mode, "regime": "warm", "shuffle": True,
-                "gb_per_s_single": [round(x, 2) for x in rates["single"]],
-                "gb_per_s_mixture": [round(x, 2) for x in rates["mixture"]],
-                "best_single": round(best["single"], 2), "best_mixture": round(best["mixture"], 2),
-                "mixture_of_single_pct": round(100 * best["mixture"] / best["single"], 1),
-                "step_factor": step_factor, "waiting_pct_single": waiting["single"],
-                "waiting_pct_mixture": waiting["mixture"]}
-    finally:
-        mix.close()
-        single.close()
+        out["memory_bytes"] = device_used() - base
+        out["gbps"] = time_mixture(mix, sync, min_seconds)
+        if step_ms:
+            out["waiting_pct"] = 100 * mixture_waiting(mix, make_step(step_ms, gpu=backend != "cpu"), sync)
+    return out
+
+
+def fresh(kind: str, backend: str, single: str, sources: dict[str, str], batch_size: int, min_seconds: float,
+          step_ms: float = 0.0) -> dict[str, Any]:
+    from .diagnostics.probe_startup import run_fresh
+
+    return run_fresh(CHILD.format(root=ROOT, kind=kind, backend=backend, single=single, sources=sources,
+                                  batch_size=batch_size, min_seconds=min_seconds, step_ms=step_ms),
+                     f"{kind} run of {backend} in a fresh process")
+
+
+def spread(values: list[float]) -> list[float]:
+    return [round(min(values), 3), round(max(values), 3)] if values else []
+
+
+def measure(backend: str, single_path: str, sources: dict[str, str], rounds: int, min_seconds: float,
+            batch_size: int, step_factor: float = 0.0) -> dict[str, Any]:
+    """The backend's row: ``rounds`` fresh processes each of one dataset and of the mixture, alternating."""
+    ok, why = info(backend).available() if backend in NAMES else (True, "")
+    if not ok:
+        raise BackendUnavailable(f"backend {backend!r} cannot run here: {why}")
+    runs: dict[str, list[dict[str, Any]]] = {"single": [], "mixture": []}
+    step_ms = 0.0
+    for r in range(rounds):
+        for what in ("single", "mixture") if r % 2 == 0 else ("mixture", "single"):
+            got = fresh(what, backend, single_path, sources, batch_size, min_seconds, step_ms)
+            runs[what].append(got)
+            if what == "single" and not step_ms and step_factor > 0:
+                batch = batch_size * SAMPLE_BYTES
+                step_ms = step_factor * batch / (got["gbps"] * 1e9) * 1e3
+                runs[what][-1]["waiting_pct"] = None  # timed without the step: the step was not yet known
+    gb = {k: [x["gbps"] for x in v] for k, v in runs.items()}
+    med = {k: statistics.median(v) for k, v in gb.items()}
+    shares = [100 * m / s for s, m in zip(gb["single"], gb["mixture"])]
+
+    def median_of(what: str, key: str) -> float | None:
+        values = [x[key] for x in runs[what] if x.get(key) is not None]
+        return round(statistics.median(values), 2) if values else None
+    return {"what": f"gdsload {backend}", "io_mode": runs["single"][0]["io_mode"], "regime": "warm-fresh",
+            "shuffle": True, "runs": rounds,
+            "gb_per_s_single": [round(x, 2) for x in gb["single"]],
+            "gb_per_s_mixture": [round(x, 2) for x in gb["mixture"]],
+            "best_single": round(med["single"], 2), "best_mixture": round(med["mixture"], 2),
+            "mixture_of_single_pct": round(100 * med["mixture"] / med["single"], 1), "spread_pct": spread(shares),
+            "step_factor": step_factor, "waiting_pct_single": median_of("single", "waiting_pct"),
+            "waiting_pct_mixture": median_of("mixture", "waiting_pct"),
+            "memory_bytes_single": median_of("single", "memory_bytes"),
+            "memory_bytes_mixture": median_of("mixture", "memory_bytes")}
+
+
+def first_epochs(backends: list[str], single: str, rounds: int, batch_size: int) -> dict[str, dict[str, Any]]:
+    """Per backend (``pinned`` among them), a fresh open's epochs 1 and 2 over ``rounds`` alternating runs."""
+    got: dict[str, list[dict[str, Any]]] = {b: [] for b in backends}
+    for r in range(rounds):
+        for b in backends if r % 2 == 0 else backends[::-1]:
+            got[b].append(fresh("first", b, single, {}, batch_size, 0.0))
+    out = {}
+    for b, runs in got.items():
+        first = [x["epochs_gbps"][0] for x in runs]
+        out[b] = {"io_mode": runs[0]["io_mode"], "chose": runs[0]["backend"],
+                  "gbps": round(statistics.median(first), 2), "runs": first, "spread": spread(first),
+                  "epoch2_gbps": round(statistics.median(x["epochs_gbps"][1] for x in runs), 2),
+                  "open_s": round(statistics.median(x["open_s"] for x in runs), 3)}
+    for b in out:
+        out[b]["pinned_gbps"] = out.get("pinned", {}).get("gbps")
+    return out
+
+
+def continuous(backends: list[str], single: str, rounds: int, batch_size: int) -> dict[str, dict[str, Any]]:
+    """Per backend, waiting beside a 10 ms step over 3 epochs without a sync, fresh processes, alternating."""
+    got: dict[str, list[float]] = {b: [] for b in backends}
+    for r in range(rounds):
+        for b in backends if r % 2 == 0 else backends[::-1]:
+            got[b].append(100 * fresh("continuous", b, single, {}, batch_size, 0.0)["wait_fraction"])
+    return {b: {"waiting_pct": round(statistics.median(v), 3), "runs": [round(x, 3) for x in v],
+                "spread": spread(v)} for b, v in got.items()}
 
 
 def ceiling_row(what: str, config: str, runs: list[PassResult]) -> dict[str, Any]:
@@ -197,11 +298,12 @@ def ceilings(single_path: str, rounds: int, min_seconds: float) -> Rows:
 
 def markdown(rows: list[dict[str, Any]], ceiling_rows: list[dict[str, Any]] | None = None) -> str:
     """The backends' table, then the ceilings' (same run, same data) where given."""
-    lines = ["| backend | io mode | GB/s one dataset | GB/s mixture of 3 | mixture / one | waiting, one | "
-             "waiting, mixture | note |", "|---|---|---:|---:|---:|---:|---:|---|"]
+    lines = ["| backend | io mode | GB/s one dataset | GB/s mixture of 3 | mixture / one (spread) | waiting, one | "
+             "waiting, mixture | device GB, one / mixture | note |", "|---|---|---:|---:|---:|---:|---:|---|---|"]
     lines += [f"| {r['what']} | {r['io_mode'] or '-'} | {_v(r['best_single'])} | {_v(r['best_mixture'])} | "
-              f"{_pct(r['mixture_of_single_pct'])} | {_pct(r['waiting_pct_single'])} | "
-              f"{_pct(r['waiting_pct_mixture'])} | {r.get('note', '')} |" for r in rows]
+              f"{_pct(r['mixture_of_single_pct'])} {r.get('spread_pct') or ''} | {_pct(r['waiting_pct_single'])} | "
+              f"{_pct(r['waiting_pct_mixture'])} | {_gb(r.get('memory_bytes_single'))} / "
+              f"{_gb(r.get('memory_bytes_mixture'))} | {r.get('note', '')} |" for r in rows]
     if ceiling_rows:
         lines += ["", "Ceilings, same run, on the single dataset's files (warm, best of the runs):", "",
                   "| ceiling | io mode | config | GB/s | runs | CPU s/GB | note |", "|---|---|---|---:|---|---:|---|"]
@@ -223,14 +325,17 @@ def _pct(value: float | None) -> str:
     return "" if value is None else f"{value} %"
 
 
+def _gb(value: float | None) -> str:
+    return "-" if value is None else f"{value / 1e9:.2f}"
+
+
 def _v(value: float | None) -> str:
     return "-" if value is None else str(value)
 
 
-def backend_not_run(backend: str, read_ahead: int | None, why: str) -> dict[str, Any]:
+def backend_not_run(backend: str, why: str) -> dict[str, Any]:
     """A backend that cannot run here: the row, without figures, says why."""
-    return {"what": f"gdsload {backend}" + ("" if read_ahead is None else f", read_ahead={read_ahead}"),
-            "read_ahead": read_ahead, "io_mode": None, "best_single": None, "best_mixture": None,
+    return {"what": f"gdsload {backend}", "io_mode": None, "best_single": None, "best_mixture": None,
             "mixture_of_single_pct": None, "waiting_pct_single": None, "waiting_pct_mixture": None,
             "note": f"not run: {why}"}
 
@@ -244,27 +349,48 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-factor", type=float, default=1.5,
                     help="waiting beside a simulated step of this many times a batch's read time at the single "
                          "dataset's rate (0: not measured)")
-    ap.add_argument("--read-ahead", default="",
-                    help="comma list of Mixture(read_ahead=...) values, a row each per backend (default: the "
-                         "library's default alone)")
+    ap.add_argument("--first-epoch", action="store_true", help="also the first-epoch and continuous rows")
     args = parse_probe_args(ap, argv)
     single = make_dataset(args.data, args.size_gib)
     sources = {name: make_dataset(args.data, args.size_gib * n / 6) for name, n in SHARES.items()}
     limits = ceilings(single, args.rounds, args.min_seconds)
     rows = Rows()
-    aheads = [int(a) for a in args.read_ahead.split(",") if a.strip()] or [None]
-    for backend in args.backends.split(","):
-        for ahead in aheads:
-            try:
-                row = measure(backend, single, sources, args.rounds, args.min_seconds, args.batch_size,
-                              args.step_factor, ahead)
-            except BackendUnavailable as e:
-                row = backend_not_run(backend, ahead, " ".join(str(e).split())[:300])
-            rows.emit(row)
-    out = write_probe_table(args, "mixture", rows, markdown(rows, limits), rounds=args.rounds,
-                            method=__doc__.split("\n\n")[2], ceilings=limits)
+    backends = args.backends.split(",")
+    summary: dict[str, Any] = {"mixture": {}}
+    for backend in backends:
+        try:
+            row = measure(backend, single, sources, args.rounds, args.min_seconds, args.batch_size, args.step_factor)
+            summary["mixture"][backend] = {k: row[k] for k in (
+                "mixture_of_single_pct", "spread_pct", "runs", "best_single", "best_mixture", "waiting_pct_single",
+                "waiting_pct_mixture", "memory_bytes_single", "memory_bytes_mixture", "io_mode")}
+        except (BackendUnavailable, RuntimeError) as e:
+            row = backend_not_run(backend, " ".join(str(e).split())[:300])
+        rows.emit(row)
+    if args.first_epoch:
+        summary["first_epoch"] = first_epochs(sorted({*backends, "pinned", "auto"}), single, args.rounds,
+                                              args.batch_size)
+        summary["stall_10ms_continuous"] = continuous(sorted({*backends, "auto"}), single, args.rounds,
+                                                      args.batch_size)
+        print(json.dumps(summary, indent=1), flush=True)
+    out = write_probe_table(args, "mixture", rows, markdown(rows, limits) + _summary_md(summary), rounds=args.rounds,
+                            method=__doc__.split("\n\n")[2], ceilings=limits, summary=summary)
     plot(out, rows, limits)
     return 0
+
+
+def _summary_md(summary: dict[str, Any]) -> str:
+    lines = []
+    if "first_epoch" in summary:
+        lines += ["", "First epoch of a fresh open (median GB/s of the runs, spread, pinned's beside it):", "",
+                  "| backend | chose | io mode | epoch 1 GB/s | spread | epoch 2 GB/s | pinned epoch 1 | open s |",
+                  "|---|---|---|---:|---|---:|---:|---:|"]
+        lines += [f"| {b} | {r['chose']} | {r['io_mode']} | {r['gbps']} | {r['spread']} | {r['epoch2_gbps']} | "
+                  f"{r['pinned_gbps']} | {r['open_s']} |" for b, r in summary["first_epoch"].items()]
+    if "stall_10ms_continuous" in summary:
+        lines += ["", "Waiting beside a 10 ms step, 3 epochs, no sync, fresh process (median, spread):", "",
+                  "| backend | waiting % | spread |", "|---|---:|---|"]
+        lines += [f"| {b} | {r['waiting_pct']} | {r['spread']} |" for b, r in summary["stall_10ms_continuous"].items()]
+    return "\n".join(lines) + ("\n" if lines else "")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""A mixture's batches put together on the GPU (gdsload/mixture/joiners.py's DeviceJoiner) are the batches the
-cpu backend gives, byte for byte: fixed and variable-length fields, CuPy and torch outputs, the consumer on
-the default stream or on a stream of its own, every batch kept to the end (no memory handed out twice)."""
+"""A mixture's batches gathered on the GPU by its one pipeline (gdsload/pipeline/mixed.py) are the batches the
+cpu backend gives, byte for byte: every source on each GPU backend and on two or three backends at once, fixed
+(gathered several batches at a time), resident and variable-length fields, CuPy and torch outputs, the consumer
+on the default stream or on a stream of its own, every batch kept to the end (no memory handed out twice)."""
 
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ def paths(tmp_path_factory) -> dict[str, str]:
 
 def batches(paths, backends, output, batches=25, **kw):
     sources = {n: {"path": p, "backend": b} for (n, p), b in zip(paths.items(), backends)}
-    with Mixture(sources, WEIGHTS, batch_size=9, seed=3, shuffle=True, resident_bytes=0, output=output,
-                 **kw) as mix:
+    kw = {"resident_bytes": 0, **kw}
+    with Mixture(sources, WEIGHTS, batch_size=9, seed=3, shuffle=True, output=output, **kw) as mix:
         return [b for _, b in zip(range(batches), mix)]
 
 
@@ -41,11 +42,32 @@ def host(batch) -> dict[str, np.ndarray]:
             for k, a in batch.items()}
 
 
+BACKENDS = [["mmap"] * 3, ["pinned"] * 3, ["kvikio"] * 3, ["mmap", "pinned", "pinned"], ["mmap", "pinned", "kvikio"]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backends", BACKENDS, ids="-".join)
+@pytest.mark.parametrize("fields", [None, ["idx", "x"]], ids=["ragged", "fixed"])
+@pytest.mark.parametrize("resident_bytes", [0, 1 << 20], ids=["windowed", "resident"])
+def test_every_sample_on_each_backend_and_mixed_equals_the_cpu_backends(paths, backends, fields, resident_bytes):
+    """Three sources on one GPU backend, or on two or three: every batch (so every sample, its source index and
+    a variable-length field's offsets) equals the cpu backend's; fixed fields alone are gathered several batches
+    at a time, resident ones (``idx``, with ``resident_bytes``) from each source's own resident array."""
+    kw = {"fields": fields, "resident_bytes": resident_bytes}
+    expected = [host(b) for b in batches(paths, ["cpu"] * 3, "numpy", 40, **kw)]
+    got = [host(b) for b in batches(paths, backends, "cupy", 40, **kw)]
+    assert len(got) == len(expected) == 40
+    for g, e in zip(got, expected):
+        assert g.keys() == e.keys()
+        for k in e:
+            np.testing.assert_array_equal(g[k], e[k], err_msg=k)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("read_ahead", [0, 3])
 @pytest.mark.parametrize("output", ["cupy", "torch"])
 @pytest.mark.parametrize("own_stream", [False, True])
-def test_device_joined_batches_equal_the_cpu_backends(paths, output, own_stream, read_ahead):
+def test_batches_on_three_gpu_backends_equal_the_cpu_backends_on_any_stream(paths, output, own_stream, read_ahead):
     import cupy
 
     if output == "torch":
@@ -101,17 +123,16 @@ def test_sources_with_reader_pools_of_their_own_share_the_default_threads():
 
 
 @pytest.mark.gpu
-def test_device_arrays_are_made_ahead_where_of_one_kind(paths):
+def test_sources_of_other_kinds_are_refused_naming_them(paths):
+    """One pipeline reads every source: host and device arrays in one mixture are refused, whole batches too."""
     sources = {n: {"path": p, "backend": "pinned"} for n, p in paths.items()}
     with Mixture(sources, WEIGHTS, batch_size=9) as mix:
-        assert mix.read_ahead == 2, "made ahead by default: every source gives CuPy arrays on one device"
-    with Mixture(sources, WEIGHTS, batch_size=9, read_ahead=0) as mix:
-        assert mix.read_ahead == 0
+        assert mix.read_ahead == mix.datasets["a"].batches_ahead
     mixed = {**sources, "a": {"path": paths["a"], "backend": "cpu"}}
-    with Mixture(mixed, WEIGHTS, batch_size=9, whole_batches=True) as mix:
-        assert mix.read_ahead == 0, "one device source is enough"
-    with pytest.raises(ValueError, match="read_ahead=2: batches of device arrays are made ahead where every"):
-        Mixture(mixed, WEIGHTS, batch_size=9, whole_batches=True, read_ahead=2)
+    for whole in (False, True):
+        with pytest.raises(ValueError, match="source 'b' gives cupy arrays on device 0, source 'a' numpy arrays on "
+                                             "the host .one pipeline reads every source"):
+            Mixture(mixed, WEIGHTS, batch_size=9, whole_batches=whole)
 
 
 @pytest.mark.gpu

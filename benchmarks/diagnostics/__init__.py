@@ -5,7 +5,6 @@
     python -m benchmarks.diagnostics.probe_startup       # open and first batch per backend (--fresh: new processes)
     python -m benchmarks.diagnostics.verify_cost         # what verify and zarr's crc32c codec cost each backend
     python -m benchmarks.diagnostics.probe_copy_engines  # does a device copy wait behind host-to-device copies
-    python -m benchmarks.diagnostics.probe_mixture       # what a mixture loses against one dataset, and to which source
 
 They use gdsload's public API only (``from gdsload import ...``, ``describe()``, ``stats``, constructor
 options) and the measuring tools that ``benchmarks.common`` imports; none reads a private name of the library
