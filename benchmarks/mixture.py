@@ -126,7 +126,7 @@ def child(kind: str, backend: str, single_path: str, sources: dict[str, str], ba
     if kind == "continuous":
         from .summary_rows import continuous_child
 
-        return continuous_child(single_path, backend, batch_size, {}, backend != "cpu", 3)
+        return continuous_child(single_path, backend, batch_size, {}, backend != "cpu" and gpu_available(), 3)
     base = device_used()
     options = {"backend": backend, "shuffle": True, "seed": 0}
     started = time.perf_counter()
@@ -367,10 +367,9 @@ def main(argv: list[str] | None = None) -> int:
             row = backend_not_run(backend, " ".join(str(e).split())[:300])
         rows.emit(row)
     if args.first_epoch:
-        summary["first_epoch"] = first_epochs(sorted({*backends, "pinned", "auto"}), single, args.rounds,
-                                              args.batch_size)
-        summary["stall_10ms_continuous"] = continuous(sorted({*backends, "auto"}), single, args.rounds,
-                                                      args.batch_size)
+        here = [b for b in sorted({*backends, "pinned", "auto"}) if b not in NAMES or info(b).available()[0]]
+        summary["first_epoch"] = first_epochs(here, single, args.rounds, args.batch_size)
+        summary["stall_10ms_continuous"] = continuous(here, single, args.rounds, args.batch_size)
         print(json.dumps(summary, indent=1), flush=True)
     out = write_probe_table(args, "mixture", rows, markdown(rows, limits) + _summary_md(summary), rounds=args.rounds,
                             method=__doc__.split("\n\n")[2], ceilings=limits, summary=summary)
