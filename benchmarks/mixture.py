@@ -51,7 +51,8 @@ from gdsload.tools.measure import (THREADS, PassResult, block_locations, device_
                                    raw_kvikio_blocks, read_files, shard_paths, time_pass, time_passes)
 from gdsload.tools.steps import Step, make_step
 
-from .common import BATCH, SAMPLE_BYTES, Rows, free_device_memory, make_dataset, parse_probe_args, probe_parser, write_probe_table
+from .common import (BATCH, SAMPLE_BYTES, Rows, free_device_memory, make_dataset, parse_probe_args, probe_parser,
+                     write_probe_table)
 from .plots import gbps_plot, line_label
 from .summary_rows import ROOT
 

@@ -66,7 +66,8 @@ class Mixture(LoaderProtocols, Closing):
     ----------
     sources : dict of name -> path, or name -> dict of options with ``"path"`` (and any GDSDataset option:
         ``backend``, ``window_blocks``, ``pad_to``, ...; ``batch_size``: with ``whole_batches``, the
-        samples of its batches, default the mixture's). ``"fields"``: names to read, or a dict {field: name in the mixture}
+        samples of its batches, default the mixture's). ``"fields"``: names to read, or a dict
+        {field: name in the mixture}
         to rename.
         The order sets each source's index in ``batch["source"]``.
     weights : dict of name -> number >= 0 (any scale; a float counts as the decimal it prints as), or a
