@@ -217,7 +217,7 @@ class HostOps:
     def close(self):
         pass
 
-    def quiesce(self):
+    def quiesce(self, timeout_s=None):
         pass
 
 def _device_windows(path: str, device: list[str], host: list[str], fake: FakeZstd, ops: HostOps,
@@ -445,7 +445,7 @@ def test_a_closed_decoder_lets_its_scratch_memory_go_after_its_stream_is_drained
     events: list[str] = []
 
     class Ops(HostOps):
-        def quiesce(self):
+        def quiesce(self, timeout_s=None):
             events.append(f"drained, scratch held: {decoder.scratch_bytes > 0}")
 
         def close(self):
@@ -468,7 +468,7 @@ def test_successive_windows_take_turns_on_the_lanes_each_with_its_own_scratch_me
     events: list[str] = []
 
     class Ops(HostOps):
-        def quiesce(self):
+        def quiesce(self, timeout_s=None):
             events.append(f"drained {self.stream_ptr:#x}")
 
         def close(self):

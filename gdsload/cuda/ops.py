@@ -13,8 +13,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..errors import warn
-from .runtime import D2D, new_event, record_event
+from ..errors import DecodeError, warn
+from .runtime import D2D, decode_wait_s, new_event, record_event, wait_stream
 from .gather import Gather, word_bytes
 
 _WORD_DTYPES = {16: np.complex128, 8: np.uint64, 4: np.uint32, 2: np.uint16, 1: np.uint8}
@@ -279,9 +279,19 @@ class CudaOps:
         """The pipeline stops and drops this object, its streams and the arrays it holds (uploads, retired
         ones, batches nobody took): CuPy's pool hands freed memory out again at once, keyed by a stream
         handle the driver may give a new stream, so work still queued could read or write memory already
-        someone else's. No kernel or copy of this pipeline runs after this returns."""
-        for s in (self.work, self.uploads):
-            s.synchronize()
+        someone else's. No kernel or copy of this pipeline runs after this returns. Bounded by
+        :func:`gdsload.cuda.runtime.decode_wait_s`: gathers wait on their window's decode, and one that does not
+        end is a :class:`DecodeError` (the arrays are then never handed on)."""
+        bound = decode_wait_s()
+        with self.device:
+            for s in (self.work, self.uploads):
+                try:
+                    wait_stream(s, bound)
+                except TimeoutError:
+                    raise DecodeError(f"the GPU work of a pipeline is still queued after {bound:g} s "
+                                      f"(GDSLOAD_DECODE_WAIT_S): its gathers wait on a decode that does not end "
+                                      f"(a damaged frame can hang nvCOMP); the GPU may stay busy with it, so the "
+                                      f"process may have to exit") from None
 
     def upload(self, arrays: dict[Any, np.ndarray]) -> tuple[dict[Any, Any], Any]:
         """Copied to the device on a stream of their own (any thread): the assembler's stream waits on the
