@@ -15,7 +15,8 @@ decode run on without end, so a chunk that fails is not handed to it. After the 
 status and decoded size come back to the host with the window's other checks (:class:`DecodeCheck`, confirmed
 before a sample of the window is handed on): a chunk that failed its checks, that nvCOMP fails on, or that
 decodes to another size than its cell's, is a ReadError naming it; a decode still running after
-:func:`decode_wait_s` is a :class:`gdsload.errors.DecodeError` (the host never waits on it without end).
+:func:`decode_wait_s` is a :class:`gdsload.errors.DecodeError` (the host never waits on it without end; nor does
+:meth:`DecodeDevice.quiesce` when given the bound, as the decoder gives it).
 
 :class:`NvcompBatch` does the batching and the mapping of chunks to cells through an ``ops`` object
 (:class:`DecodeDevice` here; tests pass host stand-ins and a library that decodes host memory, so this logic
