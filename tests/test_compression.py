@@ -654,7 +654,8 @@ def test_a_converted_chunk_damaged_inside_is_found_before_it_is_decoded(tmp_path
 def test_converter_compress_options_are_checked(tmp_path):
     np.save(tmp_path / "x.npy", np.zeros((10, 4), np.float32))
     x, out = str(tmp_path / "x.npy"), str(tmp_path / "o.gds")
-    for args, message in ((["--compress", "lz4"], "--compress takes zstd or zstd:LEVEL (found 'lz4')"),
+    for args, message in ((["--compress", "lz4"], "--compress takes zstd, zstd:LEVEL, auto or auto:LEVEL "
+                                                  "(found 'lz4')"),
                           (["--compress", "zstd:23"], "zstd level must be at most 22"),
                           (["--chunk-bytes", "64KiB"], "--chunk-bytes) sets the inner chunks of compressed fields"),
                           (["--compress", "zstd", "--block-bytes", "1MiB"], "--block-bytes does not apply with "
