@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import DecodeError, warn
-from .runtime import D2D, decode_wait_s, new_event, record_event, wait_stream
+from .runtime import D2D, decode_wait_s, new_event, record_event, wait_event, wait_stream
 from .gather import Gather, word_bytes
 
 _WORD_DTYPES = {16: np.complex128, 8: np.uint64, 4: np.uint32, 2: np.uint16, 1: np.uint8}
@@ -272,8 +272,15 @@ class CudaOps:
             self.work.wait_event(event)
 
     def synchronize(self, event: Any) -> None:
-        if event is not None:
-            event.synchronize()
+        """Wait for ``event`` (a window buffer's last gather), within :func:`gdsload.cuda.runtime.decode_wait_s`:
+        gathers wait on their window's decode, and one that does not end is a :class:`DecodeError`, not a
+        submitter blocked for good. A polling wait, only when the event has not passed yet."""
+        if event is not None and not event.done:
+            bound = decode_wait_s()
+            try:
+                wait_event(event, bound)
+            except TimeoutError:
+                raise _stuck("a window buffer's last gather", bound) from None
 
     def quiesce(self) -> None:
         """The pipeline stops and drops this object, its streams and the arrays it holds (uploads, retired
@@ -288,10 +295,7 @@ class CudaOps:
                 try:
                     wait_stream(s, bound)
                 except TimeoutError:
-                    raise DecodeError(f"the GPU work of a pipeline is still queued after {bound:g} s "
-                                      f"(GDSLOAD_DECODE_WAIT_S): its gathers wait on a decode that does not end "
-                                      f"(a damaged frame can hang nvCOMP); the GPU may stay busy with it, so the "
-                                      f"process may have to exit") from None
+                    raise _stuck("the GPU work of a pipeline", bound) from None
 
     def upload(self, arrays: dict[Any, np.ndarray]) -> tuple[dict[Any, Any], Any]:
         """Copied to the device on a stream of their own (any thread): the assembler's stream waits on the
@@ -344,3 +348,10 @@ class CudaOps:
         # For torch, CuPy's current stream is torch's, so DLPack adds no synchronization of its own.
         with self.device, self.stream:
             return {name: self.from_dlpack(a) for name, a in batch.items()}
+
+
+def _stuck(what: str, bound: float) -> DecodeError:
+    """The DecodeError of ``what`` (gathers, which wait on their window's decode) still queued after ``bound``."""
+    return DecodeError(f"{what} is still queued after {bound:g} s (GDSLOAD_DECODE_WAIT_S): gathers wait on their "
+                       f"window's decode, and one has not ended (a damaged frame can hang nvCOMP); the GPU may stay "
+                       f"busy with it, so the process may have to exit")

@@ -74,7 +74,7 @@ def wait_event(event: Any, timeout_s: float | None) -> None:
         if time.monotonic() >= deadline:
             raise TimeoutError(f"not done after {timeout_s:g} s")
         time.sleep(nap)
-        nap = min(nap * 2, 0.002)
+        nap = min(nap * 2, 0.001)
 
 
 def wait_stream(stream: Any, timeout_s: float | None) -> None:
