@@ -326,6 +326,7 @@ def compressed(rec: Recorder, backends: tuple[str, ...], data_dir: str, mib: int
     each (:func:`runs_figures`); cold GB/s of the zstd and of the raw store where the page cache can be dropped
     (else None); and nvCOMP's batch decode alone on the same chunks with the decode step's lanes, measured in
     this run (None, with the reason, where it cannot run)."""
+    from .common import free_device_memory
     from .compression import gdsload_pass, make_kind, nvcomp_decode_gbps, stored_ratio, write_pair
     from .diagnostics.probe_startup import run_fresh
     from gdsload.codecs.decode import DECODE_LANES
@@ -341,6 +342,7 @@ def compressed(rec: Recorder, backends: tuple[str, ...], data_dir: str, mib: int
                 why = None if ceiling is not None else "nvCOMP (libnvcomp) does not load here"
             except Exception as e:
                 why = f"{type(e).__name__}: {e}"[:300]
+            free_device_memory()  # the fresh processes' GPU memory figures count the whole device's
         code = {b: FRESH_COMPRESSED.format(root=ROOT, path=paths["zstd"], backend=b, batch_size=batch_size,
                                            options=options, gpu=gpu, epochs=epochs) for b in backends}
         for backend in backends:
