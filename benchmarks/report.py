@@ -69,14 +69,17 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
             "stall_10ms_continuous_fresh": per_backend("wait_fraction", kind="step", continuous=True, step_ms=10.0,
                                                        fresh_process=True),
             "stall_1p5x_unslowed": per_backend("wait_fraction_unslowed", kind="step", step_factor=1.5, sync_every=1),
-            "compressed": [{k: r.get(k) for k in COMPRESSED_KEYS} for r in compressed] if compressed else None,
+            "compressed": [{k: r.get(k) for k in COMPRESSED_KEYS + (RUNS_KEYS if "runs" in r else ())}
+                           for r in compressed] if compressed else None,
             **({"cut_short": doc["cut_short"]} if doc.get("cut_short") else {})}
 
 
 #: What the summary keeps of each compressed row.
-COMPRESSED_KEYS = ("store", "backend", "ratio", "gb_per_s", "runs_spread", "warm_epochs_gbps", "epoch_spread",
-                   "first_batch_s", "cold_gbps", "raw_cold_gbps", "decoder_ceiling_gbps", "decoder_ceiling_why",
-                   "decoder_lanes", "device_used_bytes_before", "device_used_bytes_after", "runs")
+COMPRESSED_KEYS = ("store", "backend", "ratio", "warm_epochs_gbps", "first_batch_s", "cold_gbps", "raw_cold_gbps",
+                   "decoder_ceiling_gbps", "decoder_ceiling_why", "decoder_lanes", "device_used_bytes_before",
+                   "device_used_bytes_after")
+#: ... and of a row measured in fresh processes (``runs``; rows of earlier runs have none).
+RUNS_KEYS = ("gb_per_s", "runs_spread", "epoch_spread", "runs")
 #: The warm target, as a share of nvCOMP's ceiling: ``kvikio`` (compat mode) is held to less.
 CEILING_SHARE = {"kvikio": 0.6}
 
