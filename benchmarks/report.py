@@ -69,7 +69,8 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
             "stall_10ms_continuous_fresh": per_backend("wait_fraction", kind="step", continuous=True, step_ms=10.0,
                                                        fresh_process=True),
             "stall_1p5x_unslowed": per_backend("wait_fraction_unslowed", kind="step", step_factor=1.5, sync_every=1),
-            "compressed": [{k: r.get(k) for k in COMPRESSED_KEYS} for r in compressed] if compressed else None,
+            "compressed": [{k: r.get(k) for k in COMPRESSED_KEYS + (RUNS_KEYS if "runs" in r else ())}
+                           for r in compressed] if compressed else None,
             **({"cut_short": doc["cut_short"]} if doc.get("cut_short") else {})}
 
 
@@ -77,6 +78,10 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
 COMPRESSED_KEYS = ("store", "backend", "ratio", "warm_epochs_gbps", "first_batch_s", "cold_gbps", "raw_cold_gbps",
                    "decoder_ceiling_gbps", "decoder_ceiling_why", "decoder_lanes", "device_used_bytes_before",
                    "device_used_bytes_after")
+#: ... and of a row measured in fresh processes (``runs``; rows of earlier runs have none).
+RUNS_KEYS = ("gb_per_s", "runs_spread", "epoch_spread", "runs")
+#: The warm target, as a share of nvCOMP's ceiling: ``kvikio`` (compat mode) is held to less.
+CEILING_SHARE = {"kvikio": 0.6}
 
 
 def fresh_startup(row: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -163,19 +168,26 @@ def _unslowed(ds: str, backend: str, r: dict[str, Any], auto: str | None) -> str
 
 
 def _compressed(r: dict[str, Any]) -> list[str]:
-    """The compressed store's targets: every epoch within 10 % of the best, warm at least 80 % of nvCOMP's
-    batch-decode ceiling, cold at least 0.8 x the raw store's cold rate / ratio (stored over decoded bytes)."""
+    """A compressed store's targets: every epoch within 10 % of the best; warm (the median of the fresh-process
+    runs' best epochs, where the row has runs) at least 80 % of nvCOMP's batch-decode ceiling (``kvikio``: 60 %);
+    cold at least 0.8 x the raw store's cold rate / ratio (stored over decoded bytes)."""
     warm, head = r["warm_epochs_gbps"], f"{r['dataset']} {r['backend']} compressed (ratio {r['ratio']})"
-    best = max(warm)
+    best, runs = max(warm), r.get("runs") or []
     first = r.get("first_batch_s")
     start = f" (the first from rest, its first batch after {first * 1e3:.1f} ms)" if first is not None else ""
     out = [f"{head}: epochs {', '.join(map(str, warm))} GB/s{start}, slowest {min(warm) / best:.0%} of the best "
            f"(target >= 90 %) -> " + ("met" if min(warm) >= 0.9 * best else "MISSED")]
-    ceiling = r.get("decoder_ceiling_gbps")
-    out.append(f"{head}: warm {best} GB/s against nvCOMP's batch decode of the same chunks, "
+    if runs:
+        best = r["gb_per_s"]
+        each = ", ".join(str(x["gb_per_s"]) for x in runs)
+        what = f"the median of {len(runs)} fresh processes' best epochs ({each}; spread {r['runs_spread']:.0%})"
+    else:
+        what = "its best epoch"
+    ceiling, share = r.get("decoder_ceiling_gbps"), CEILING_SHARE.get(r["backend"], 0.8)
+    out.append(f"{head}: warm {best} GB/s, {what}, against nvCOMP's batch decode of the same chunks, "
                f"{r.get('decoder_lanes') or 1} window(s) at once as the decode step runs them, "
-               + (f"{ceiling} GB/s = {best / ceiling:.0%} (target >= 80 %) -> "
-                  + ("met" if best >= 0.8 * ceiling else "MISSED") if ceiling
+               + (f"{ceiling} GB/s = {best / ceiling:.0%} (target >= {share:.0%}) -> "
+                  + ("met" if best >= share * ceiling else "MISSED") if ceiling
                   else f"not measured ({r.get('decoder_ceiling_why')})"))
     cold, raw = r.get("cold_gbps"), r.get("raw_cold_gbps")
     if cold is not None and raw:
@@ -250,9 +262,10 @@ def summary_table(summary: dict[str, Any]) -> list[str]:
                      f"{v(fresh.get('first_batch_s'))} | {' / '.join('n/a' if c is None else f'{c:.2%}' for c in cont)}"
                      f" | {_pct(unslowed) or 'n/a'} |")
     for c in summary["compressed"] or []:
-        lines += ["", f"Compressed {c['store']} on {c['backend']}: ratio {c['ratio']}, warm epochs "
-                     f"{c['warm_epochs_gbps']} GB/s, cold {v(c['cold_gbps'])}, nvCOMP decode "
-                     f"{v(c['decoder_ceiling_gbps'])} GB/s."]
+        lines += ["", f"Compressed {c['store']} on {c['backend']}: ratio {c['ratio']}, warm {v(c.get('gb_per_s'))} "
+                     f"GB/s (runs spread {v(c.get('runs_spread'))}), epochs {c['warm_epochs_gbps']} GB/s (spread "
+                     f"{v(c.get('epoch_spread'))}), cold {v(c['cold_gbps'])}, nvCOMP decode "
+                     f"{v(c['decoder_ceiling_gbps'])} GB/s ({c.get('decoder_lanes')} lanes)."]
     return lines
 
 
@@ -297,15 +310,17 @@ def markdown(doc: dict[str, Any]) -> str:
             if "open_s" in r else f"failed: {r.get('error') or r.get('skipped')} | | | | |") for r in startup]
     packed = [r for r in rows if r.get("kind") == "compressed"]
     if packed:
-        lines += ["", "## Compressed", "", "The tokens store of `benchmarks.compression`, zstd: ratio (stored / "
-                  "decoded bytes), decoded GB/s of every warm epoch in a row, cold (raw store's cold beside it), "
-                  "nvCOMP's batch decode alone on the same chunks.", "",
-                  "| store | backend | ratio | warm GB/s per epoch | cold GB/s | raw cold GB/s | nvCOMP decode GB/s |",
-                  "|---|---|---:|---|---:|---:|---:|"]
+        lines += ["", "## Compressed", "", "The stores of `benchmarks.compression`, zstd: ratio (stored / decoded "
+                  "bytes); warm: the median of fresh processes' best epochs (each run's best beside it), then the "
+                  "median run's every epoch in a row; cold (raw store's cold beside it); nvCOMP's batch decode "
+                  "alone on the same chunks.", "",
+                  "| store | backend | ratio | warm GB/s (runs) | warm GB/s per epoch | cold GB/s | raw cold GB/s | "
+                  "nvCOMP decode GB/s |", "|---|---|---:|---|---|---:|---:|---:|"]
         lines += [f"| {r['dataset']} | {r['backend']} | " + (
-            f"{r['ratio']} | {', '.join(map(str, r['warm_epochs_gbps']))} | {r['cold_gbps']} | {r['raw_cold_gbps']} "
+            f"{r['ratio']} | {r.get('gb_per_s')} ({', '.join(str(x['gb_per_s']) for x in r.get('runs') or [])}) | "
+            f"{', '.join(map(str, r['warm_epochs_gbps']))} | {r['cold_gbps']} | {r['raw_cold_gbps']} "
             f"| {r['decoder_ceiling_gbps'] or 'n/a: ' + str(r['decoder_ceiling_why'])} |" if "warm_epochs_gbps" in r
-            else f"failed: {r.get('error') or r.get('skipped')} | | | | |") for r in packed]
+            else f"failed: {r.get('error') or r.get('skipped')} | | | | | |") for r in packed]
     lines += ["", "## Summary (summary.json)", ""] + summary_table(summarize(doc))
     lines += ["", "## Targets", ""] + [f"- {t}" for t in targets(doc)]
     return "\n".join(lines) + "\n"

@@ -13,10 +13,10 @@ be dropped), contenders (torch DataLoader, zarr-python, naive np.fromfile, DALI 
 regime, and with a simulated training step the share of the pass spent waiting for data (also with a 10 ms
 step over epochs in one continuous loop, in the suite's process and in a fresh one, and, where canaries run,
 without the passes the machine slowed down); each backend's start in fresh processes, and with ``--full`` (or
-``--compressed``) the compressed tokens store (``benchmarks/summary_rows.py`` builds these). Writes
-``results/<machine>/suite.json`` first (after every stage, with each stage's seconds), then ``suite.md``,
-``suite.png`` (with matplotlib) and ``summary.json`` (``benchmarks.report``); ``--stall-only`` writes
-``stall.json`` / ``.md``. A run stopped by SIGTERM (a time limit's kill) or SIGINT writes them all from what
+``--compressed``) the compressed tokens, images and float16 stores (``benchmarks/summary_rows.py`` builds
+these). Writes ``results/<machine>/suite.json`` first (after every stage, with each stage's seconds), then
+``suite.md``, ``suite.png`` (with matplotlib) and ``summary.json`` (``benchmarks.report``); ``--stall-only``
+writes ``stall.json`` / ``.md``. A run stopped by SIGTERM (a time limit's kill) or SIGINT writes them all from what
 it measured, marked ``cut_short``, and exits with 128 + the signal's number.
 """
 
@@ -84,8 +84,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--canary-threshold", type=float, default=summary_rows.CANARY_THRESHOLD,
                     help="a pass is the machine's when every canary ran this much slower than its median")
     ap.add_argument("--compressed", action="store_true", help="the compressed rows (on with --full)")
-    ap.add_argument("--compressed-mib", type=int, default=4096, help="decoded MiB of the compressed tokens store "
+    ap.add_argument("--compressed-mib", type=int, default=4096, help="decoded MiB of each compressed store "
                     "(epochs long enough that the first one's start does not decide its rate)")
+    ap.add_argument("--compressed-runs", type=int, default=3, help="fresh processes per compressed row (median)")
+    ap.add_argument("--compressed-kinds", default=",".join(summary_rows.COMPRESSED_KINDS),
+                    help="the compressed stores (of benchmarks.compression's kinds)")
     ap.add_argument("--data", default=DATA_DIR, help="directory on the disk under test (datasets are kept)")
     ap.add_argument("--shm", default="/dev/shm/gdsload-bench", help="tmpfs copy for the /dev/shm regime")
     ap.add_argument("--out", default=RESULTS_DIR, help="results root: files go to OUT/<machine>/")
@@ -126,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
                      "from_rest": args.timing.from_rest, "fresh_starts": args.fresh_starts,
                      "continuous_epochs": args.continuous_epochs, "canary_cores": args.canary_cores,
                      "canary_threshold": args.canary_threshold, "contender_seconds": args.contender_s,
-                     "compressed_mib": args.compressed_mib if args.compressed else None},
+                     "compressed_mib": args.compressed_mib if args.compressed else None,
+                     "compressed_runs": args.compressed_runs if args.compressed else None},
         "results": rec.rows}
 
     def save() -> None:
@@ -211,7 +215,8 @@ def run_stages(args: argparse.Namespace, rec: Recorder, doc: dict[str, Any],
                 stage(f"{tag} steps", stall, args, rec, path, tag, paths)
     if args.compressed:
         stage("compressed", summary_rows.compressed, rec, args.backends, args.data, args.compressed_mib,
-              args.batch_size, args.options, args.gpu)
+              args.batch_size, args.options, args.gpu, 8, 3, args.compressed_runs,
+              tuple(args.compressed_kinds.split(",")))
 
 
 def auto_backend(path: str, batch_size: int) -> dict[str, Any]:

@@ -9,10 +9,10 @@ summarises them):
 - the canaries of :mod:`benchmarks.diagnostics.probe_bursts` around the 1.5x step rows: passes the machine
   slowed down (every canary's units longer than ``threshold`` x their median) are left out of
   ``wait_fraction_unslowed``.
-- ``compressed`` rows: the tokens store of :mod:`benchmarks.compression`, per backend: ratio, every epoch's
-  warm GB/s, cold GB/s (raw and compressed, where the page cache can be dropped) and nvCOMP's batch-decode
-  ceiling on the same chunks (None on the CPU, with the reason), and the GPU memory in use before and after
-  the warm epochs.
+- ``compressed`` rows: the tokens, images and float16 stores of :mod:`benchmarks.compression`, per backend:
+  ratio, warm epochs in fresh processes (the median of the runs, their spread, each epoch's GB/s), cold GB/s
+  (raw and compressed, where the page cache can be dropped), nvCOMP's batch-decode ceiling on the same chunks
+  with the same lanes (None on the CPU, with the reason), and the GPU memory in use around the warm epochs.
 """
 
 from __future__ import annotations
@@ -268,54 +268,104 @@ def unslowed(waits: list[float], windows: list[tuple[float, float]], units: list
     return (round(float(np.median(kept)), 4) if kept else None), least
 
 
+#: The stores of the compressed rows (:func:`benchmarks.compression.make_kind`): Zipf-like tokens, images
+#: (about 1.1x) and float16 signals.
+COMPRESSED_KINDS = ("tokens", "images", "float16")
+
+#: One fresh process's warm epochs of a compressed store (:func:`compressed_child`).
+FRESH_COMPRESSED = """
+import json, sys
+sys.path.insert(0, {root!r})
+from benchmarks.summary_rows import compressed_child
+print(json.dumps(compressed_child({path!r}, {backend!r}, {batch_size}, {options!r}, {gpu}, {epochs})))
+"""
+
+
+def compressed_child(path: str, backend: str, batch_size: int, options: dict[str, Any], gpu: bool,
+                     epochs: int) -> dict[str, Any]:
+    """In the fresh process: the store opened (shuffled), a pass to set up the page cache and the device, then
+    ``epochs`` warm epochs in a row (the first from rest): decoded GB/s each, and the GPU memory in use around
+    them."""
+    with GDSDataset(path, batch_size=batch_size, backend=backend, shuffle=True, **options) as ds:
+        decode = ds.describe()["decode"]
+        time_pass(ds)
+        before = device_used_bytes(gpu)
+        runs = time_passes(ds, None, epochs - 1)
+        after = device_used_bytes(gpu)
+    return {"epochs": [round(r.gb_per_s, 3) for r in runs], "first_batch_s": runs[0].first_batch_s,
+            "io_mode": runs[0].io_mode, "decode": decode, "decoded_bytes": runs[0].bytes,
+            "device_used_bytes_before": before, "device_used_bytes_after": after}
+
+
+def spread(values: list[float], of: float | None = None) -> float:
+    """(max - min) / ``of`` (the best by default), to 4 places: how far the worst falls behind."""
+    return round((max(values) - min(values)) / (of or max(values)), 4)
+
+
+def runs_figures(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A compressed row's figures from its fresh-process runs (:func:`compressed_child`): ``gb_per_s`` the median
+    of each run's best epoch, ``runs_spread`` their spread over that median; the median run's epochs
+    (``warm_epochs_gbps``, its ``epoch_spread``), first batch and GPU memory; and each run, in order."""
+    best = [max(r["epochs"]) for r in runs]
+    median = float(np.median(best))
+    mid = runs[int(np.argmin([abs(b - median) for b in best]))]
+    first = mid["first_batch_s"]
+    kept = ("io_mode", "decode", "decoded_bytes", "device_used_bytes_before", "device_used_bytes_after")
+    return {"gb_per_s": round(median, 3), "runs_spread": spread(best, median), "warm_epochs_gbps": mid["epochs"],
+            "epoch_spread": spread(mid["epochs"]), "first_batch_s": None if first is None else round(first, 4),
+            **{k: mid[k] for k in kept},
+            "runs": [{"gb_per_s": b, "epoch_spread": spread(r["epochs"]), "epochs": r["epochs"]}
+                     for b, r in zip(best, runs)]}
+
+
 def compressed(rec: Recorder, backends: tuple[str, ...], data_dir: str, mib: int, batch_size: int,
-               options: dict[str, Any], gpu: bool, epochs: int = 8, level: int = 3) -> None:
-    """The tokens store of :mod:`benchmarks.compression` (``mib`` MiB decoded, raw and zstd), per backend a
-    ``compressed`` row: its ratio (stored / decoded bytes), ``epochs`` warm epochs in a row (one list of
-    decoded GB/s, the first from rest), cold GB/s of the zstd and of the raw store where the page cache can
-    be dropped (else None), and nvCOMP's batch decode alone on the same chunks (None, with the reason, where
-    it cannot run)."""
+               options: dict[str, Any], gpu: bool, epochs: int = 8, level: int = 3, runs: int = 3,
+               kinds: tuple[str, ...] = COMPRESSED_KINDS) -> None:
+    """Per store of ``kinds`` (:mod:`benchmarks.compression`, ``mib`` MiB decoded, raw and zstd) and backend, a
+    ``compressed`` row: the ratio (stored / decoded bytes); ``runs`` fresh processes of ``epochs`` warm epochs
+    each (:func:`runs_figures`); cold GB/s of the zstd and of the raw store where the page cache can be dropped
+    (else None); and nvCOMP's batch decode alone on the same chunks with the decode step's lanes, measured in
+    this run (None, with the reason, where it cannot run)."""
+    from .common import free_device_memory
     from .compression import gdsload_pass, make_kind, nvcomp_decode_gbps, stored_ratio, write_pair
+    from .diagnostics.probe_startup import run_fresh
     from gdsload.codecs.decode import DECODE_LANES
 
-    paths = write_pair(os.path.join(data_dir, "compressed"), "tokens", make_kind("tokens", mib << 20), level)
-    ratio = round(stored_ratio(paths["zstd"], "tokens"), 4)
-    ceiling, why = None, "no GPU: nvCOMP's batch decode runs on the device"
-    if gpu:
-        try:
-            ceiling = nvcomp_decode_gbps(paths["zstd"], "tokens")
-            why = None if ceiling is not None else "nvCOMP (nv.nvcomp) does not import here"
-        except Exception as e:
-            why = f"{type(e).__name__}: {e}"[:300]
     resident = options.get("resident_bytes")
-    for backend in backends:
-        where = {"kind": "compressed", "dataset": f"tokens-{mib}MiB-zstd", "regime": "warm", "backend": backend,
-                 "name": f"gdsload {backend} compressed", "config": f"zstd:{level}, shuffle, {epochs} epochs"}
-        try:
-            with GDSDataset(paths["zstd"], batch_size=batch_size, backend=backend, shuffle=True, **options) as ds:
-                decode = ds.describe()["decode"]
-                time_pass(ds)  # the page cache and the device set up
-                before = device_used_bytes(gpu)
-                runs = time_passes(ds, None, epochs - 1)
-                after = device_used_bytes(gpu)
-            cold = raw_cold = None
-            if rec.can_drop:
-                cold = gdsload_pass(paths["zstd"], backend, batch_size, 0.0, True, resident_bytes=resident)["cold_gbps"]
-                raw_cold = gdsload_pass(paths["raw"], backend, batch_size, 0.0, True,
-                                        resident_bytes=resident)["cold_gbps"]
-        except Exception as e:
-            rec.failed(where, e)
-            continue
-        warm = [round(r.gb_per_s, 3) for r in runs]
+    for kind in kinds:
+        paths = write_pair(os.path.join(data_dir, "compressed"), kind, make_kind(kind, mib << 20), level)
+        ratio = round(stored_ratio(paths["zstd"], kind), 4)
+        ceiling, why = None, "no GPU: nvCOMP's batch decode runs on the device"
+        if gpu:
+            try:
+                ceiling = nvcomp_decode_gbps(paths["zstd"], kind, lanes=DECODE_LANES)
+                why = None if ceiling is not None else "nvCOMP (libnvcomp) does not load here"
+            except Exception as e:
+                why = f"{type(e).__name__}: {e}"[:300]
+            free_device_memory()  # the fresh processes' GPU memory figures count the whole device's
+        code = {b: FRESH_COMPRESSED.format(root=ROOT, path=paths["zstd"], backend=b, batch_size=batch_size,
+                                           options=options, gpu=gpu, epochs=epochs) for b in backends}
+        for backend in backends:
+            where = {"kind": "compressed", "dataset": f"{kind}-{mib}MiB-zstd", "regime": "warm", "backend": backend,
+                     "name": f"gdsload {backend} compressed", "config": f"zstd:{level}, shuffle, {epochs} epochs, "
+                     f"{runs} fresh processes"}
+            try:
+                figures = runs_figures([run_fresh(code[backend], f"compressed {kind} on {backend}")
+                                        for _ in range(runs)])
+                cold = raw_cold = None
+                if rec.can_drop:
+                    cold, raw_cold = (gdsload_pass(paths[m], backend, batch_size, 0.0, True,
+                                                   resident_bytes=resident)["cold_gbps"] for m in ("zstd", "raw"))
+            except Exception as e:
+                rec.failed(where, e)
+                continue
 
-        def rnd(v: float | None) -> float | None:
-            return None if v is None else round(v, 3)
+            def rnd(v: float | None) -> float | None:
+                return None if v is None else round(v, 3)
 
-        rec.emit({**where, "store": "tokens", "io_mode": runs[0].io_mode, "ratio": ratio, "decode": decode,
-                  "gb_per_s": max(warm), "warm_epochs_gbps": warm, "first_batch_s": rnd(runs[0].first_batch_s),
-                  "cold_gbps": rnd(cold), "raw_cold_gbps": rnd(raw_cold), "decoder_ceiling_gbps": rnd(ceiling),
-                  "decoder_ceiling_why": why, "decoder_lanes": DECODE_LANES, "decoded_bytes": runs[0].bytes,
-                  "device_used_bytes_before": before, "device_used_bytes_after": after})
+            rec.emit({**where, "store": kind, "ratio": ratio, **figures, "cold_gbps": rnd(cold),
+                      "raw_cold_gbps": rnd(raw_cold), "decoder_ceiling_gbps": rnd(ceiling),
+                      "decoder_ceiling_why": why, "decoder_lanes": DECODE_LANES})
 
 
 def device_used_bytes(gpu: bool) -> int | None:

@@ -219,6 +219,7 @@ class GDSDataset(LoaderProtocols, Closing):
             self._buffers.append(self._reader.allocate())
         resident, read_before = self._reader.resident(self._closing)  # read whole on the first pass, then kept
         ops = CudaOps(self.device, self.output) if self._reader.on_device else host_ops(self.output)
+        ops.decodes = bool(self._reader.device_decoded)
         # Nothing the pipeline holds may refer to the dataset: an abandoned dataset must be collectable.
         pipeline = Pipeline(self._reader, ops, self._buffers, start, plan, self.fields, resident, self._pad,
                             ahead=self.batches_ahead, bytes_before=read_before,

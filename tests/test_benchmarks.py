@@ -301,17 +301,31 @@ def test_summary_stall_10ms_continuous(suite_run: str, fresh: bool) -> None:
 
 
 def test_summary_compressed(suite_run: str) -> None:
+    """A row per store (tokens, images, float16) and backend, each from three fresh processes: the median of
+    their best epochs and its spread, the median run's epochs and their spread, the ceiling and its lanes."""
     doc, summary = _suite(suite_run)
-    (c,) = summary["compressed"]
-    assert c["store"] == "tokens" and c["backend"] == "cpu" and 0 < c["ratio"] < 1  # tokens compress
-    assert len(c["warm_epochs_gbps"]) == 8 and all(g > 0 for g in c["warm_epochs_gbps"])
-    assert c["cold_gbps"] is None and c["raw_cold_gbps"] is None  # --no-cold
-    assert c["decoder_ceiling_gbps"] is None and "no GPU" in c["decoder_ceiling_why"] and c["decoder_lanes"] >= 1
-    assert c["first_batch_s"] > 0  # the first epoch's, from rest
+    rows = {c["store"]: c for c in summary["compressed"]}
+    assert set(rows) == {"tokens", "images", "float16"} and all(c["backend"] == "cpu" for c in rows.values())
+    assert rows["tokens"]["ratio"] < rows["images"]["ratio"] < 1  # tokens compress most; images about 1.1x
+    for c in rows.values():
+        assert len(c["warm_epochs_gbps"]) == 8 and all(g > 0 for g in c["warm_epochs_gbps"])
+        assert len(c["runs"]) == 3 and all(len(r["epochs"]) == 8 for r in c["runs"])
+        best = sorted(max(r["epochs"]) for r in c["runs"])
+        assert c["gb_per_s"] == round(best[1], 3) and [r["gb_per_s"] for r in c["runs"]] == [
+            max(r["epochs"]) for r in c["runs"]]
+        assert c["runs_spread"] == round((best[2] - best[0]) / best[1], 4)
+        warm = c["warm_epochs_gbps"]
+        assert c["epoch_spread"] == round((max(warm) - min(warm)) / max(warm), 4) and warm in [r["epochs"] for r in
+                                                                                               c["runs"]]
+        assert c["cold_gbps"] is None and c["raw_cold_gbps"] is None  # --no-cold
+        assert c["decoder_ceiling_gbps"] is None and "no GPU" in c["decoder_ceiling_why"] and c["decoder_lanes"] >= 1
+        assert c["first_batch_s"] > 0  # the first epoch's, from rest
+        assert c["device_used_bytes_before"] is None  # no GPU
     with open(os.path.join(suite_run, "suite.md")) as f:
         md = f.read()
     assert "## Compressed" in md and "compressed (ratio " in md and "| warm-fresh | cpu | cpu |" in md
     assert re.search(r"GB/s \(the first from rest, its first batch after \d+\.\d ms\), slowest", md)
+    assert re.search(r"the median of 3 fresh processes' best epochs \([\d.]+, [\d.]+, [\d.]+; spread \d+%\)", md)
 
 
 def test_targets_of_the_new_rows(suite_run: str) -> None:
@@ -325,7 +339,7 @@ def test_targets_of_the_new_rows(suite_run: str) -> None:
         if r.get("continuous"):
             r["wait_fraction"] = 0.001
         if r.get("kind") == "compressed":
-            r.update(warm_epochs_gbps=[1.0, 0.95, 0.91], decoder_ceiling_gbps=1.2, cold_gbps=1.0,
+            r.update(warm_epochs_gbps=[1.0, 0.95, 0.91], gb_per_s=1.0, decoder_ceiling_gbps=1.2, cold_gbps=1.0,
                      raw_cold_gbps=0.2)
     lines = targets(doc)
     fresh = [t for t in lines if "start in a fresh process" in t]
@@ -334,7 +348,7 @@ def test_targets_of_the_new_rows(suite_run: str) -> None:
     assert len(cont) == 2 and sum("in a fresh process" in t for t in cont) == 1  # the suite's process, a fresh one
     assert all("0.10% over the epochs after the first" in t and t.endswith("-> met") for t in cont)
     packed = [t for t in lines if "compressed" in t]
-    assert [t.rsplit("-> ", 1)[-1] for t in packed] == ["met", "met", "met"]  # 0.91 >= 0.9; 1.0 >= 0.8 x 1.2
+    assert [t.rsplit("-> ", 1)[-1] for t in packed] == ["met", "met", "met"] * 3  # 0.91 >= 0.9; 1.0 >= 0.8 x 1.2
     for r in doc["results"]:
         if r.get("regime") == "warm-fresh":
             r["first_batch_s"] = 0.03
@@ -344,7 +358,20 @@ def test_targets_of_the_new_rows(suite_run: str) -> None:
             r.update(warm_epochs_gbps=[1.0, 0.85], decoder_ceiling_gbps=1.5)
     lines = targets(doc)
     assert all(t.endswith("MISSED") for t in lines if "fresh process" in t or "one loop" in t)
-    assert [t.rsplit("-> ", 1)[-1] for t in lines if "compressed" in t] == ["MISSED", "MISSED", "met"]
+    assert [t.rsplit("-> ", 1)[-1] for t in lines if "compressed" in t] == ["MISSED", "MISSED", "met"] * 3
+
+
+def test_kvikio_is_held_to_sixty_percent_of_the_decoders_ceiling() -> None:
+    """The issue's decision: kvikio (compat mode) at >= 60 % of the ceiling, mmap and pinned at >= 80 %; judged
+    on the median of the fresh-process runs, not the best epoch of one."""
+    from benchmarks.report import _compressed
+
+    row = {"dataset": "tokens", "ratio": 0.3, "warm_epochs_gbps": [7.0, 6.5], "decoder_ceiling_gbps": 10.0,
+           "gb_per_s": 6.5, "runs_spread": 0.08, "runs": [{"gb_per_s": g} for g in (6.0, 6.5, 7.0)]}
+    assert _compressed({**row, "backend": "kvikio"})[1].endswith("= 65% (target >= 60%) -> met")
+    line = _compressed({**row, "backend": "pinned"})[1]
+    assert "the median of 3 fresh processes' best epochs (6.0, 6.5, 7.0; spread 8%)" in line
+    assert line.endswith("= 65% (target >= 80%) -> MISSED")
 
 
 def test_the_cold_compressed_target_is_capped_by_the_decoders_ceiling() -> None:

@@ -217,7 +217,7 @@ class HostOps:
     def close(self):
         pass
 
-    def quiesce(self):
+    def quiesce(self, timeout_s=None):
         pass
 
 def _device_windows(path: str, device: list[str], host: list[str], fake: FakeZstd, ops: HostOps,
@@ -445,7 +445,7 @@ def test_a_closed_decoder_lets_its_scratch_memory_go_after_its_stream_is_drained
     events: list[str] = []
 
     class Ops(HostOps):
-        def quiesce(self):
+        def quiesce(self, timeout_s=None):
             events.append(f"drained, scratch held: {decoder.scratch_bytes > 0}")
 
         def close(self):
@@ -468,7 +468,7 @@ def test_successive_windows_take_turns_on_the_lanes_each_with_its_own_scratch_me
     events: list[str] = []
 
     class Ops(HostOps):
-        def quiesce(self):
+        def quiesce(self, timeout_s=None):
             events.append(f"drained {self.stream_ptr:#x}")
 
         def close(self):
@@ -654,7 +654,8 @@ def test_a_converted_chunk_damaged_inside_is_found_before_it_is_decoded(tmp_path
 def test_converter_compress_options_are_checked(tmp_path):
     np.save(tmp_path / "x.npy", np.zeros((10, 4), np.float32))
     x, out = str(tmp_path / "x.npy"), str(tmp_path / "o.gds")
-    for args, message in ((["--compress", "lz4"], "--compress takes zstd or zstd:LEVEL (found 'lz4')"),
+    for args, message in ((["--compress", "lz4"], "--compress takes zstd, zstd:LEVEL, auto or auto:LEVEL "
+                                                  "(found 'lz4')"),
                           (["--compress", "zstd:23"], "zstd level must be at most 22"),
                           (["--chunk-bytes", "64KiB"], "--chunk-bytes) sets the inner chunks of compressed fields"),
                           (["--compress", "zstd", "--block-bytes", "1MiB"], "--block-bytes does not apply with "

@@ -29,6 +29,7 @@ raises :class:`ReadError` naming the file, offset, array, chunk and codec; a cod
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
@@ -36,6 +37,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 import numpy as np
 
 from .._tasks import TaskGroup
+from ..cuda.runtime import decode_wait_s
+from ..errors import DecodeError
 from .chunks import DECODE_THREADS, Chain, CrcMismatch, chunk_error, load_nvcomp
 
 if TYPE_CHECKING:
@@ -93,7 +96,8 @@ class Decoder:
             if ops is None:
                 ops = [DecodeDevice(device_id) for _ in range(max(1, lanes) if device else 1)]
             lib = (nvcomp if nvcomp is not None else load_nvcomp()) if device else None
-            self.lanes = [Lane(gpu, NvcompBatch(lib, gpu) if device else None) for gpu in ops]
+            self.lanes = [Lane(gpu, NvcompBatch(lib, gpu) if device else None, deque(maxlen=QUEUED_KEPT))
+                          for gpu in ops]
 
     @property
     def scratch_bytes(self) -> int:
@@ -127,7 +131,11 @@ class Decoder:
                 checks = [lane.batch.decode(wb.buffer, j, self.layout)  # type: ignore[union-attr]
                           for j in work.jobs if j.name not in self.chains]
                 checks = [c for c in checks if c is not None]
-                return gpu.done([c.keep for c in checks]), all_of(checks)
+                event = gpu.done([c.keep for c in checks])
+                lane.queued.append((event, work))
+                while lane.queued and getattr(lane.queued[0][0], "done", False):
+                    lane.queued.popleft()  # its decode has ended
+                return event, all_of(checks)
 
     def _decode_host(self, wb: Any, jobs: list[Any], stop: threading.Event) -> None:
         tasks: list[Callable[[], None]] = []
@@ -151,11 +159,36 @@ class Decoder:
         return run
 
     def quiesce(self) -> None:
-        """Wait until no device work of this decoder still writes into a window buffer (a pipeline stops)."""
-        for lane in self.lanes:
-            lane.gpu.quiesce()
+        """Wait until no device work of this decoder still writes into a window buffer (a pipeline stops), each
+        lane for at most :func:`gdsload.cuda.runtime.decode_wait_s`: a lane still busy after that raises the
+        :class:`DecodeError` of the oldest window it may still decode (:meth:`_hung`)."""
+        bound = decode_wait_s()
+        for i, lane in enumerate(self.lanes):
+            try:
+                lane.gpu.quiesce(bound)
+            except TimeoutError:
+                raise self._hung(i, lane, bound) from None
+
+    def _hung(self, i: int, lane: Lane, bound: float) -> DecodeError:
+        """The DecodeError of lane ``i`` still busy after ``bound`` s: the file, the first chunk and the chunks of
+        the oldest window queued on it whose decode is not known to have ended (else the dataset's path)."""
+        tail = (f"still running after {bound:g} s (GDSLOAD_DECODE_WAIT_S) as the decoder stops: a damaged frame can "
+                f"hang nvCOMP; the GPU may stay busy with it, so the process may have to exit")
+        with self._lock:
+            queued = [w for e, w in lane.queued if not getattr(e, "done", False)]
+        jobs = [j for w in queued[:1] for j in w.jobs if len(j.chunks)]
+        if not jobs:
+            return DecodeError(f"{self.layout.meta.path}: the device work of decode lane {i} is {tail}")
+        job = next((j for j in jobs if j.name not in self.chains), jobs[0])
+        chunks = [int(c) for c in job.chunks[:8]]
+        more = ", ..." if len(job.chunks) > 8 else ""
+        names = [n for n, _ in self.metas[job.name].codecs]
+        return chunk_error(self.layout, job.name, chunks[0], names, f"the decode of its window (chunks "
+                           f"{str(chunks)[1:-1]}{more}) on decode lane {i} is {tail}", error=DecodeError)
 
     def close(self) -> None:
+        """Stop the threads, drain every lane (a DecodeError when one stays busy past the bound: then its scratch
+        memory and streams are kept, never handed on while the device may still write them), then free them."""
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.quiesce()
         for lane in self.lanes:
@@ -166,10 +199,16 @@ class Decoder:
 
 class Lane(NamedTuple):
     """One stream of a GPU decoder (its device side) and the nvCOMP batch that decodes on it, with its own
-    scratch memory (None where no field decodes on the device)."""
+    scratch memory (None where no field decodes on the device); ``queued``: (event, work) of the last windows
+    queued on it, those whose event has passed dropped, to name a window whose decode does not end."""
 
     gpu: DecodeOps
     batch: NvcompBatch | None
+    queued: deque[tuple[Any, Any]]
+
+
+#: Windows a lane remembers (a pipeline has a few in flight; older ones have been confirmed).
+QUEUED_KEPT = 16
 
 
 class AllOf:

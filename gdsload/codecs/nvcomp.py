@@ -15,7 +15,8 @@ decode run on without end, so a chunk that fails is not handed to it. After the 
 status and decoded size come back to the host with the window's other checks (:class:`DecodeCheck`, confirmed
 before a sample of the window is handed on): a chunk that failed its checks, that nvCOMP fails on, or that
 decodes to another size than its cell's, is a ReadError naming it; a decode still running after
-:func:`decode_wait_s` is a :class:`gdsload.errors.DecodeError` (the host never waits on it without end).
+:func:`decode_wait_s` is a :class:`gdsload.errors.DecodeError` (the host never waits on it without end; nor does
+:meth:`DecodeDevice.quiesce` when given the bound, as the decoder gives it).
 
 :class:`NvcompBatch` does the batching and the mapping of chunks to cells through an ``ops`` object
 (:class:`DecodeDevice` here; tests pass host stand-ins and a library that decodes host memory, so this logic
@@ -25,15 +26,13 @@ runs without a GPU).
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any, ContextManager, Protocol
 
 import numpy as np
 
-from ..cuda.runtime import D2H, H2D, record_event
+from ..cuda.runtime import D2H, H2D, decode_wait_s, record_event, wait_event, wait_stream
 from ..errors import DecodeError
 from ..format.arrays import CRC_BYTES
 from . import screen
@@ -62,27 +61,8 @@ class DecodeOps(Protocol):
     def upload(self, data: np.ndarray, extra: int) -> tuple[Any, Any]: ...
     def download(self, arr: Any, lo: int, hi: int) -> Readback: ...
     def screen(self, buffer: Any, tab: Any, lo: np.ndarray, hi: np.ndarray, crc: bool) -> Any: ...
-    def quiesce(self) -> None: ...
+    def quiesce(self, timeout_s: float | None = None) -> None: ...
     def close(self) -> None: ...
-
-
-#: How long the host waits for a window's decode (its readback, queued after it) before the decode counts as
-#: hung: far beyond any sound decode of a call (at most :data:`CALL_BYTES`); ``GDSLOAD_DECODE_WAIT_S`` sets it.
-DECODE_WAIT_S = 60.0
-
-
-def decode_wait_s() -> float:
-    """:data:`DECODE_WAIT_S`, or ``GDSLOAD_DECODE_WAIT_S`` (seconds, > 0) where set."""
-    text = os.environ.get("GDSLOAD_DECODE_WAIT_S")
-    if text is None:
-        return DECODE_WAIT_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value < float("inf"):
-        raise ValueError(f"GDSLOAD_DECODE_WAIT_S must be a number of seconds above 0 (found {text!r})")
-    return value
 
 
 class Readback:
@@ -94,19 +74,9 @@ class Readback:
 
     def get(self, timeout_s: float | None = None) -> np.ndarray:
         """The bytes, once copied; a ``TimeoutError`` when the copy is not done after ``timeout_s`` (None: no
-        bound). The bounded wait polls the event (CuPy's ``Event.done``): a blocking ``synchronize`` cannot be
-        left."""
-        if self.event is None:
-            return self.host
-        if timeout_s is None:
-            self.event.synchronize()
-            return self.host
-        deadline, nap = time.monotonic() + timeout_s, 0.0001
-        while not self.event.done:
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"not done after {timeout_s:g} s")
-            time.sleep(nap)
-            nap = min(nap * 2, 0.002)
+        bound; :func:`gdsload.cuda.runtime.wait_event`)."""
+        if self.event is not None:
+            wait_event(self.event, timeout_s)
         return self.host
 
 
@@ -332,12 +302,16 @@ class DecodeDevice:
             self._screen = screen.DeviceScreen(self.device.id)
         return self._screen.launch(buffer, tab, lo, hi, crc, self.stream)
 
-    def quiesce(self) -> None:
-        """Wait for every copy and decode queued so far (they write into window buffers)."""
-        self.stream.synchronize()
+    def quiesce(self, timeout_s: float | None = None) -> None:
+        """Wait for every copy and decode queued so far (they write into window buffers); a ``TimeoutError``
+        when they still run after ``timeout_s`` (None: no bound)."""
+        with self.device:
+            wait_stream(self.stream, timeout_s)
 
     def close(self) -> None:
-        self.quiesce()
+        """Drain the stream (within :func:`decode_wait_s`: a ``TimeoutError`` leaves everything held), then let
+        the pool's blocks of its stream go."""
+        self.quiesce(decode_wait_s())
         with self._lock:
             self._held.clear()  # the stream has passed every use
         pool = self.cupy.get_default_memory_pool()

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .checksum import Checks, concat, device_expected, host_crcs
-from ..errors import ChecksumError
+from ..errors import ChecksumError, DecodeError
 from ..format.files import pread_exact
 from ..format.layout import DatasetLayout
 from ..format.arrays import CRC_BYTES
@@ -259,8 +259,19 @@ class DeviceVerifier:
         return Verdict(self.layout, checks._replace(expected=expected), collect)
 
     def quiesce(self) -> None:
-        with self._lock:
-            self.stream.synchronize()
+        """Wait for the checks queued so far, within :func:`gdsload.cuda.runtime.decode_wait_s`: they follow
+        their window's decode in stream order, and a decode that does not end is a :class:`DecodeError`."""
+        from ..cuda.runtime import decode_wait_s, wait_stream
+
+        bound = decode_wait_s()
+        with self._lock, self.crc.device:
+            try:
+                wait_stream(self.stream, bound)
+            except TimeoutError:
+                raise DecodeError(f"{self.layout.meta.path}: the checks queued after a window's decode are still "
+                                  f"waiting after {bound:g} s (GDSLOAD_DECODE_WAIT_S): a decode that does not end (a "
+                                  f"damaged frame can hang nvCOMP) holds them; the GPU may stay busy with it, so "
+                                  f"the process may have to exit") from None
             self._queued.clear()
 
     def close(self) -> None:

@@ -4,7 +4,8 @@ A single conversion (:mod:`gdsload.conversion.writer`) and a conversion in parts
 both follow it, so N processes that plan the same inputs with the same options agree on the sample count,
 samples per block, and every array's rows per chunk, chunks per shard and shard boundaries; each shard file
 is then a function of its rows alone, and the same bytes whichever process writes it. Planning reads no
-sample (a variable-length field's offsets excepted), so it is cheap to repeat in every process.
+sample (a variable-length field's offsets excepted; with ``--compress auto``, a few chunks of each fixed field),
+so it is cheap to repeat in every process.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 
 from .._units import ALIGN
 from ..errors import ConversionError
+from .auto_compress import worth_compressing
 from .checks import check_dtype, check_sources
 from .source_types import RaggedSource, Source
 
@@ -43,16 +45,21 @@ def choose_samples_per_block(sample_bytes: Sequence[int], block_bytes: int, num_
 
 
 def parse_compress(text: str | None) -> int | None:
-    """``"zstd"`` or ``"zstd:LEVEL"`` -> the zstd level (3 by default); None -> None. ValueError otherwise."""
+    """``"zstd"`` or ``"zstd:LEVEL"`` (or ``"auto"``, ``"auto:LEVEL"``) -> the zstd level (3 by default); None ->
+    None. ValueError otherwise."""
     if text is None:
         return None
     name, _, level = text.partition(":")
-    if name != "zstd" or (level and not level.lstrip("-").isdigit()):
-        raise ValueError(f"--compress takes zstd or zstd:LEVEL (found {text!r})")
+    if name not in ("zstd", AUTO) or (level and not level.lstrip("-").isdigit()):
+        raise ValueError(f"--compress takes zstd, zstd:LEVEL, auto or auto:LEVEL (found {text!r})")
     value = int(level) if level else 3
     if not -131072 <= value <= 22:
         raise ValueError(f"zstd level must be at most 22 (found {value})")
     return value
+
+
+#: ``--compress auto``: each fixed field zstd-compressed only where that saves enough (:mod:`.auto_compress`).
+AUTO = "auto"
 
 
 @dataclass(frozen=True, eq=False)
@@ -142,11 +149,15 @@ def plan_dataset(out: str, sources: Mapping[str, Source], ragged: Mapping[str, R
                  shard_bytes: int = DEFAULT_SHARD_BYTES, compress: str | None = None,
                  chunk_bytes: int | None = None) -> ConversionPlan:
     """The plan of converting ``sources`` and ``ragged`` to ``out`` with these options, every source checked
-    first (:mod:`gdsload.conversion.checks`); ConversionError naming the input or option that is wrong."""
+    first (:mod:`gdsload.conversion.checks`); ConversionError naming the input or option that is wrong. With
+    ``compress="auto[:LEVEL]"``, a few chunks of each fixed field are read and compressed to decide whether it
+    is stored compressed (:func:`gdsload.conversion.auto_compress.worth_compressing`: the same decision in
+    every process)."""
     if not sources and not ragged:
         raise ConversionError(f"{out}: no input arrays (empty input)")
     block_bytes, shard_bytes = _size(out, "block_bytes", block_bytes), _size(out, "shard_bytes", shard_bytes)
     chunk_bytes = None if chunk_bytes is None else _size(out, "chunk_bytes", chunk_bytes)
+    auto = compress is not None and compress.partition(":")[0] == AUTO
     try:
         level = parse_compress(compress)
     except ValueError as e:
@@ -183,8 +194,10 @@ def plan_dataset(out: str, sources: Mapping[str, Source], ragged: Mapping[str, R
             bounds = ragged[key.rsplit("/", 1)[0]].offsets[first_samples] * row_bytes[key]
         num_chunks = -(-rows // per_chunk)
         cps = max(1, min(shard_bytes // (row_bytes[key] * per_chunk), num_chunks))
+        chosen = level if fixed and (not auto or level is None or
+                                     worth_compressing(src, dtypes[key], rows, per_chunk, level)) else None
         plans.append(ArrayPlan(key, key if fixed else key.rsplit("/", 1)[0], not fixed, rows, tuple(src.shape[1:]),
-                               dtypes[key], row_bytes[key], per_chunk, cps, level if fixed else None, bounds))
+                               dtypes[key], row_bytes[key], per_chunk, cps, chosen, bounds))
     _check_shard_bytes(out, shard_bytes, plans)
     return ConversionPlan(tuple(sources), tuple(ragged), num_samples, spb, level, tuple(plans))
 

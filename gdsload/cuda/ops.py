@@ -13,8 +13,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..errors import warn
-from .runtime import D2D, new_event, record_event
+from ..errors import DecodeError, warn
+from .runtime import D2D, decode_wait_s, new_event, record_event, wait_event, wait_stream
 from .gather import Gather, word_bytes
 
 _WORD_DTYPES = {16: np.complex128, 8: np.uint64, 4: np.uint32, 2: np.uint16, 1: np.uint8}
@@ -36,6 +36,7 @@ class Ops(Protocol):
     :class:`CudaOps` (a CUDA stream of the assembler's own) keep it."""
 
     xp: Any  # numpy or cupy: the array module of that memory
+    decodes: bool  # a reader decodes on the device: the waits behind gathers are bounded (CudaOps.synchronize)
 
     def begin(self) -> None: ...
     def hand_over(self, ready: Any) -> None: ...
@@ -57,6 +58,7 @@ class HostOps:
     """numpy outputs: work is done when the call returns."""
 
     xp = np
+    decodes = False
 
     # Called from the consumer's thread.
     def begin(self) -> None:
@@ -204,6 +206,7 @@ class CudaOps:
             self.from_dlpack = jax.dlpack.from_dlpack  # onto the jax device of the array's own GPU
         self.checked = output != "jax"  # whether a batch was checked for fields JAX narrows (warn_jax_narrowed)
         self.stream: Any = None  # the consumer's current stream, as of its latest batch
+        self.decodes = False  # set where a reader decodes on the device: waits behind gathers are then bounded
         with self.device:
             self.work = cupy.cuda.Stream(non_blocking=True)  # the assembler's
             # Never given work: CuPy's pool keeps freed memory per stream it was allocated on, so arrays
@@ -272,16 +275,33 @@ class CudaOps:
             self.work.wait_event(event)
 
     def synchronize(self, event: Any) -> None:
-        if event is not None:
-            event.synchronize()
+        """Wait for ``event`` (a window buffer's last gather). Where the device decodes (``decodes``), within
+        :func:`gdsload.cuda.runtime.decode_wait_s`: gathers wait on their window's decode, and one that does not
+        end is a :class:`DecodeError`, not a submitter blocked for good (a polling wait, only when the event has
+        not passed yet)."""
+        if event is not None and not self.decodes:
+            event.synchronize()  # nothing queued waits on a decode: a blocking wait, no poll on this path
+        elif event is not None and not event.done:
+            bound = decode_wait_s()
+            try:
+                wait_event(event, bound)
+            except TimeoutError:
+                raise _stuck("a window buffer's last gather", bound) from None
 
     def quiesce(self) -> None:
         """The pipeline stops and drops this object, its streams and the arrays it holds (uploads, retired
         ones, batches nobody took): CuPy's pool hands freed memory out again at once, keyed by a stream
         handle the driver may give a new stream, so work still queued could read or write memory already
-        someone else's. No kernel or copy of this pipeline runs after this returns."""
-        for s in (self.work, self.uploads):
-            s.synchronize()
+        someone else's. No kernel or copy of this pipeline runs after this returns. Bounded by
+        :func:`gdsload.cuda.runtime.decode_wait_s`: gathers wait on their window's decode, and one that does not
+        end is a :class:`DecodeError` (the arrays are then never handed on)."""
+        bound = decode_wait_s()
+        with self.device:
+            for s in (self.work, self.uploads):
+                try:
+                    wait_stream(s, bound)
+                except TimeoutError:
+                    raise _stuck("the GPU work of a pipeline", bound) from None
 
     def upload(self, arrays: dict[Any, np.ndarray]) -> tuple[dict[Any, Any], Any]:
         """Copied to the device on a stream of their own (any thread): the assembler's stream waits on the
@@ -334,3 +354,10 @@ class CudaOps:
         # For torch, CuPy's current stream is torch's, so DLPack adds no synchronization of its own.
         with self.device, self.stream:
             return {name: self.from_dlpack(a) for name, a in batch.items()}
+
+
+def _stuck(what: str, bound: float) -> DecodeError:
+    """The DecodeError of ``what`` (gathers, which wait on their window's decode) still queued after ``bound``."""
+    return DecodeError(f"{what} is still queued after {bound:g} s (GDSLOAD_DECODE_WAIT_S): gathers wait on their "
+                       f"window's decode, and one has not ended (a damaged frame can hang nvCOMP); the GPU may stay "
+                       f"busy with it, so the process may have to exit")

@@ -4,6 +4,8 @@ and the runtime's enum values. CuPy is imported inside the functions.
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 H2D = 1  # cudaMemcpyHostToDevice
@@ -38,6 +40,49 @@ def pinned_array(count: int, dtype: Any) -> Any:
 def record_event(stream: Any) -> Any:
     """A :func:`new_event` recorded on ``stream``."""
     return stream.record(new_event())
+
+
+#: How long the host waits for device work that follows a decode before the decode counts as hung: far beyond
+#: any sound decode of one call (at most 512 MiB decoded); ``GDSLOAD_DECODE_WAIT_S`` sets it.
+DECODE_WAIT_S = 60.0
+DECODE_WAIT_ENV = "GDSLOAD_DECODE_WAIT_S"
+
+
+def decode_wait_s() -> float:
+    """:data:`DECODE_WAIT_S`, or ``GDSLOAD_DECODE_WAIT_S`` (seconds, > 0) where set; a ValueError otherwise."""
+    text = os.environ.get(DECODE_WAIT_ENV)
+    if text is None:
+        return DECODE_WAIT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{DECODE_WAIT_ENV} must be a number of seconds above 0 (found {text!r})")
+    return value
+
+
+def wait_event(event: Any, timeout_s: float | None) -> None:
+    """Return once ``event``'s work is done; a ``TimeoutError`` when it is not after ``timeout_s`` (None: no
+    bound). The bounded wait polls ``event.done`` (CuPy's query): a blocking ``synchronize`` cannot be left,
+    and a decode nvCOMP never ends would hold the thread for good."""
+    if timeout_s is None:
+        event.synchronize()
+        return
+    deadline, nap = time.monotonic() + timeout_s, 0.0001
+    while not event.done:
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"not done after {timeout_s:g} s")
+        time.sleep(nap)
+        nap = min(nap * 2, 0.001)
+
+
+def wait_stream(stream: Any, timeout_s: float | None) -> None:
+    """:func:`wait_event` for everything queued on ``stream`` so far (its device made current by the caller)."""
+    if timeout_s is None:
+        stream.synchronize()
+    else:
+        wait_event(record_event(stream), timeout_s)
 
 
 class PinnedHost:

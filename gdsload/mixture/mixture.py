@@ -233,6 +233,7 @@ class Mixture(LoaderProtocols, Closing):
             feeds.append(s.ds.feed(s.name, skip, s.rename))
         first = self._sources[0].ds
         ops = CudaOps(first.device, first.output) if info(first.backend_name).on_device else host_ops(first.output)
+        ops.decodes = any(f.reader.device_decoded for f in feeds)
         make = _maker(self._schedule, self._weights_fn, self.sources, self.seed, self.whole_batches,
                       self.batch_size, tuple(s.ds.config.batch_size for s in self._sources))
         group = 1

@@ -279,10 +279,11 @@ def shard_parser(prog: str = "shard.py") -> argparse.ArgumentParser:
                       help="target block size (default 4MiB); whole samples, 4 KiB aligned where possible")
     size.add_argument("--samples-per-block", type=int, default=None,
                       help="samples per block, exactly (default: from --block-bytes)")
-    p.add_argument("--compress", default=None, metavar="zstd[:LEVEL]",
+    p.add_argument("--compress", default=None, metavar="zstd[:LEVEL]|auto[:LEVEL]",
                    help="store every fixed field's blocks as zstd inner chunks (level 3 by default), which zarr "
                         "reads and gdsload decodes on the GPU with nvCOMP (gdsload[nvcomp]) or on CPU threads; "
-                        "default: raw")
+                        "auto: only fields where zstd saves at least 10%% on a sample of their chunks, the rest "
+                        "raw; default: raw")
     p.add_argument("--chunk-bytes", type=parse_bytes, default=None,
                    help="with --compress: target inner chunk (= block) size (default 512KiB, provisional: smaller "
                         "chunks keep a GPU decoder busy)")
