@@ -17,10 +17,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-import numpy as np
 
 from ..backends.handoff import POLL_S, Handoff, get
 from ..codecs.verify import Verdict
@@ -28,6 +27,7 @@ from ..cuda.ops import Ops
 from ..errors import GDSLoadError, ReadError, with_context
 from .assembler import Assembler
 from .feeds import Feed, FeedPass, Part, Passes, Walk
+from .mixed_gather import SOURCE_KEY, GroupGather, Key  # noqa: F401 - SOURCE_KEY: the mixture's too
 from .pacing import Pacer
 from .steps import Step, Steps
 from .reader import InFlight
@@ -37,11 +37,9 @@ _END = object()
 _CLOSED = "this iterator was closed (the mixture was closed or a new pass over it started)"
 #: Steps the submitter walks ahead of the assembler at most (it also waits for window buffers): the schedule
 #: is made that far ahead.
-LEAD_STEPS = 512
+LEAD_STEPS = 128
 #: Steps gathered together at most (small samples): a group holds every window it touches until it is gathered.
 MAX_GROUP = 32
-SOURCE_KEY = "source"
-Key = tuple[int, int, int]  # (feed, pass, window)
 
 
 class _Failure(NamedTuple):
@@ -101,8 +99,11 @@ class MixedPipeline:
         self._assembled = Handoff(max(1, ahead))
         self._progress = threading.Condition()
         self._assembled_to = start  # the first step the assembler has not gathered
+        self._resume_at: int | None = None  # the step the submitter waits for the assembler to reach
+        self._forgot = [0] * len(self.feeds)  # per source, the passes before it are forgotten
         self._sub_pass = [0] * len(self.feeds)  # the pass each source's submitter walk is in
         self._closed = False
+        self._gather = GroupGather(ops, self.feeds, self.asm)
         self._threads += [threading.Thread(target=self._submit_loop, name="gdsload-reader-submit", daemon=True),
                           threading.Thread(target=self._complete_loop, name="gdsload-reader-complete", daemon=True),
                           threading.Thread(target=self._assemble_loop, name="gdsload-reader-assemble", daemon=True)]
@@ -115,10 +116,14 @@ class MixedPipeline:
         return self._closed
 
     # -- reader threads ------------------------------------------------------------------------------
-    def _group(self, walks: list[Walk], step: int) -> list[tuple[int, Step, list[list[Part]]]]:
-        """Steps ``step .. step + group - 1``: each with its schedule step and every source's parts."""
+    def _group(self, walks: list[Walk], step: int, pace: Pacer | None = None
+               ) -> list[tuple[int, Step, list[list[Part]]]]:
+        """Steps ``step .. step + group - 1``: each with its schedule step and every source's parts (``pace``
+        called after each: the submitter makes the schedule ahead beside the consumer's steps)."""
         out = []
         for s in range(step, step + self.group):
+            if pace is not None:
+                pace()
             st = self.steps.get(s)
             out.append((s, st, [w.take(c) for w, c in zip(walks, st.counts)]))
         return out
@@ -131,7 +136,8 @@ class MixedPipeline:
         try:
             while self._may_walk(step):
                 touched: list[dict[tuple[int, int], FeedPass]] = [{} for _ in walks]
-                for _, _, parts in self._group(walks, step):
+                pace.start()
+                for _, _, parts in self._group(walks, step, pace):
                     for i, ps in enumerate(parts):
                         for part in ps:
                             for w in part.windows():
@@ -145,7 +151,7 @@ class MixedPipeline:
                         if expected[i] != k:  # a remote dataset's shards: fetched ahead of this pass's windows
                             self.feeds[i].reader.expect(p.plan.windows[w:])
                             expected[i] = k
-                        buf = self._next_free(i, len(windows) + 1)
+                        buf = self._next_free(i, len(windows))
                         if buf is None:
                             return
                         self.ops.synchronize(buf.released)  # the last gather from it is done
@@ -160,18 +166,24 @@ class MixedPipeline:
             self._inflight.put(_END)
 
     def _may_walk(self, step: int) -> bool:
-        """Wait until ``step`` is at most :data:`LEAD_STEPS` ahead of the assembler; False once reading stops."""
+        """Wait, once ``step`` is :data:`LEAD_STEPS` ahead of the assembler, until it is half that (the
+        assembler wakes this thread once then, not every step); False once reading stops."""
+        if step - self._assembled_to <= LEAD_STEPS:
+            return not self._halt.is_set()
         with self._progress:
-            while step - self._assembled_to > LEAD_STEPS:
+            self._resume_at = step - LEAD_STEPS // 2
+            while self._assembled_to < self._resume_at:
                 if self._halt.is_set():
                     return False
                 self._progress.wait(POLL_S)
+            self._resume_at = None
         return not self._halt.is_set()
 
     def _next_free(self, i: int, need: int) -> WindowBuffer | None:
-        """A free window buffer of source ``i``: a new one where the group being submitted touches ``need``
-        of its windows (one more for a window partly taken) and it has fewer, since the assembler holds every
-        window of a group at once; else one the assembler releases. None once reading stops."""
+        """A free window buffer of source ``i``: a new one where the group being submitted touches ``need`` of its
+        windows (the one it starts in, partly taken, among them) and it has fewer, since the assembler holds every
+        window of a group at once; else one the assembler releases (any other it holds is done with before this
+        group). None once reading stops."""
         f, free = self.feeds[i], self._free[i]
         while not self._halt.is_set():
             try:
@@ -259,7 +271,7 @@ class MixedPipeline:
                         if got.verdict is not None and not got.verdict.confirmed:
                             verdicts[got.key] = got.verdict
                 with self.ops.scope():
-                    outs = self._gather(batches, held, waited)
+                    outs = self._gather.gather(batches, held, waited)
                     for i, walk in enumerate(walks):  # windows wholly taken go back to their source's readers
                         for key in [k for k in held if k[0] == i and _done(k, walk)]:
                             confirm(key)
@@ -285,72 +297,17 @@ class MixedPipeline:
     def _passed(self, step: int, walks: list[Walk]) -> None:
         """The assembler is done with the steps before ``step``: the submitter may walk on, and passes and
         steps no thread asks for again are dropped."""
-        with self._progress:
-            self._assembled_to = step
-            self._progress.notify_all()
+        self._assembled_to = step
+        if self._resume_at is not None and step >= self._resume_at:
+            with self._progress:
+                self._progress.notify_all()
         self.steps.forget(step)
         for i, (walk, passes) in enumerate(zip(walks, self.passes)):
             self.passes_begun[i] = walk.entered + 1
-            passes.forget(min(walk.k, self._sub_pass[i]))
-
-    def _gather(self, batches: list[tuple[int, Step, list[list[Part]]]], held: dict[Key, WindowBuffer],
-                waited: set[tuple[int, int]]) -> list[tuple[int, Step, dict[str, Any], tuple[int, ...]]]:
-        """Queue the gathers of a group of steps into fresh arrays (inside the ops' scope); each step's arrays
-        (views of the group's) with its bytes per source."""
-        ops = self.ops
-        sizes = [sum(st.counts) for _, st, _ in batches]
-        present = [i for _, _, parts in batches for i, ps in enumerate(parts) if ps]
-        lead = self.asm[present[0] if present else 0]
-        for _, _, parts in batches:
-            for i, ps in enumerate(parts):
-                for part in ps:
-                    if (i, part.p.k) not in waited:  # the pass's index arrays are uploaded
-                        ops.wait(part.p.index.ready)
-                        waited.add((i, part.p.k))
-        rows = sum(sizes)
-        f0 = self.feeds[present[0] if present else 0]
-        out = {f0.out_name(n): ops.empty((rows, *m.sample_shape), m.dtype) for n, m in lead.shapes.items()}
-        ragged = {f0.out_name(n): n for n in lead.ragged}
-        for name, src in ragged.items():
-            lengths = [_lengths(src, part) for _, _, parts in batches
-                       for i, ps in enumerate(parts) for part in ps]
-            lead.ragged_outputs(src, np.concatenate(lengths) if lengths else np.zeros(0, np.int64),
-                                _Renamed(out, f0, src))
-        out[SOURCE_KEY] = ops.empty((rows,), np.dtype(np.int64))
-        ops.fence()
-        for name in ragged:
-            if f"{name}/offsets" in out:
-                out[f"{name}/offsets"][:1] = 0
-        made, at = [], 0
-        for (s, st, parts), size in zip(batches, sizes):
-            lo, nbytes = at, []
-            value_at = dict.fromkeys(ragged, 0)
-            for i, ps in enumerate(parts):
-                got = 0
-                for part in ps:
-                    got += self._gather_part(i, part, held, out, at, value_at)
-                    at += part.b - part.a
-                nbytes.append(got)
-            arrays = out if len(batches) == 1 else {n: a[lo:lo + size] for n, a in out.items()}
-            made.append((s, st, arrays, tuple(nbytes)))
-        return made
-
-    def _gather_part(self, i: int, part: Part, held: dict[Key, WindowBuffer], out: dict[str, Any], at: int,
-                     value_at: dict[str, int]) -> int:
-        """Queue one part's gathers into rows ``at ..`` of ``out`` (and its source index); its bytes."""
-        f, asm = self.feeds[i], self.asm[i]
-        segments = part.p.segments(part.a, part.b)
-        views = {w: held[(i, part.p.k, w)].views(f.reader.window_map) for w, _, _, _ in segments}
-        mine = {n: out[f.out_name(n)] for n in (*asm.shapes, *_ragged_keys(asm, out, f))}
-        asm.gather_part(part.p.index, segments, views, mine, at, {n: value_at[f.out_name(n)] for n in asm.ragged})
-        n = part.b - part.a
-        out[SOURCE_KEY][at:at + n].fill(i)
-        got = n * sum(m.sample_bytes for m in asm.shapes.values())
-        for name in asm.ragged:
-            values = int(_lengths(name, part).sum())
-            value_at[f.out_name(name)] += values
-            got += values * asm.wl.ragged[name].values.sample_bytes
-        return got
+            low = min(walk.k, self._sub_pass[i])
+            if low > self._forgot[i]:
+                passes.forget(low)
+                self._forgot[i] = low
 
     # -- consumer ------------------------------------------------------------------------------------
     def next(self) -> tuple[Mixed, dict[str, Any], float]:
@@ -409,22 +366,3 @@ def _done(key: Key, walk: Walk) -> bool:
     return int(p.starts[w + 1]) <= walk.pos
 
 
-def _lengths(name: str, part: Part) -> np.ndarray:
-    """The value lengths of a variable-length field's samples in ``part`` (host)."""
-    return part.p.index.value_index[name][1][part.a:part.b]
-
-
-def _ragged_keys(asm: Assembler, out: dict[str, Any], f: Feed) -> list[str]:
-    return [f"{n}{suffix}" for n in asm.ragged for suffix in ("", "/offsets", "/lengths")
-            if f.out_name(f"{n}{suffix}") in out]
-
-
-class _Renamed(dict):
-    """Writes through to ``out`` under the feed's output names (ragged_outputs allocates by the source's)."""
-
-    def __init__(self, out: dict[str, Any], feed: Feed, name: str):
-        super().__init__()
-        self._out, self._feed = out, feed
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        self._out[self._feed.out_name(key)] = value

@@ -23,6 +23,7 @@ class Steps:
     def __init__(self, make: Callable[[int], Step], start: int):
         self._make, self._next = make, start
         self._made: dict[int, Step] = {}
+        self._low = start  # every step below it is forgotten
         self._lock = threading.Lock()
 
     def get(self, step: int) -> Step:
@@ -37,5 +38,6 @@ class Steps:
 
     def forget(self, below: int) -> None:
         with self._lock:
-            for s in [s for s in self._made if s < below]:
-                del self._made[s]
+            while self._low < min(below, self._next):
+                del self._made[self._low]
+                self._low += 1
