@@ -120,7 +120,7 @@ def test_every_sample_exact_under_a_bound_smaller_than_the_dataset_with_eviction
         assert _present_bytes(cache) <= bound
     _same(got, want)
     fetched = _data_gets(srv.requests)
-    assert stats["evicted_shards"] > 0 and stats["cache_bytes"] == bound
+    assert stats["evicted_pieces"] > 0 and stats["cache_bytes"] == bound
     assert len(fetched) > len(set(fetched)), "shards evicted in the first epoch are fetched again in the second"
     assert len(set(fetched)) <= len(shards)
 
@@ -233,7 +233,8 @@ def test_a_full_disk_is_a_clear_error_and_leaves_nothing_that_looks_complete(loc
 
 def test_a_bound_below_one_shard_is_a_clear_error_naming_cache_bytes(local, srv, tmp_path):
     url = upload(srv, local)
-    with pytest.raises(ReadError, match=r"cache_bytes=100 is smaller than one shard: .* \(raise cache_bytes to "
+    with pytest.raises(ReadError, match=r"cache_bytes=100 is smaller than one piece of a shard: .* \(\d+ bytes; "
+                                        r"raise cache_bytes to "
                                         r"at least \d+\)"):
         _open(url, str(tmp_path / "c"), cache_bytes=100)
     with pytest.raises(ValueError, match="cache_bytes must be a positive int"):
