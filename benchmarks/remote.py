@@ -16,7 +16,8 @@ summary gives each one's median with its spread (lowest, highest) printed:
   ``task_size``). A client that cannot run here says why and is left out. ``ceiling_gbps`` is the best
   client's median, ``ceiling_client`` its name.
 - ``direct_gbps``: ``GDSDataset(url, backend=--backend)`` with no cache (the direct route; GPU only), a few
-  batches untimed, then a pass of at least ``--seconds``.
+  batches untimed, then a pass of at least ``--seconds``; ``direct_tuned_gbps`` the same with the
+  ``backend_options`` of ``--direct-options`` (e.g. KvikIO's threads and task size), where given.
 - ``cached_cold_gbps``, ``cached_warm_gbps``: the cached route into an empty cache folder: the open and the
   first pass timed together, then a warm pass; ``cached_open_s`` the open alone (it fetches the skeleton and
   the first window's pieces).
@@ -102,6 +103,8 @@ def run_case(name: str, base: dict[str, Any], work: str, dataset_bytes: int, tim
             return result(spawn({**base, "case": "client", "client": name}), timeout)
         if name in ("direct", "cached"):
             return result(spawn({**base, "case": name, "cache": cache}), timeout)
+        if name == "direct_tuned":
+            return result(spawn({**base, "case": "direct", "backend_options": base["direct_options"]}), timeout)
         world = 4 if name == "nodes4" else 1
         procs = [spawn({**base, "case": "node", "cache": os.path.join(cache, f"node{rank}")},
                        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0") for rank in range(world)]
@@ -128,8 +131,8 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     spread: dict[str, list[float]] = {}
     clients: dict[str, float | None] = {}
     notes: dict[str, str] = {}
-    for name in CLIENTS:
-        clients[name], rates = median_of(runs.get(name, []))
+    for name in (c for c in CLIENTS if c in runs):
+        clients[name], rates = median_of(runs[name])
         if rates:
             spread[name] = [min(rates), max(rates)]
         elif runs.get(name):
@@ -140,7 +143,8 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                            "clients": clients, "client_notes": notes,
                            "client_settings": {n: [r.get("best") for r in runs.get(n, []) if r.get("best")]
                                                for n in measured}}
-    for key, case, field in (("direct_gbps", "direct", "gbps"), ("cached_cold_gbps", "cached", "cold_gbps"),
+    for key, case, field in (("direct_gbps", "direct", "gbps"), ("direct_tuned_gbps", "direct_tuned", "gbps"),
+                             ("cached_cold_gbps", "cached", "cold_gbps"),
                              ("cached_warm_gbps", "cached", "warm_gbps"), ("cached_open_s", "cached", "open_s"),
                              ("one_process_gbps", "one_process", "gbps"), ("nodes4_gbps", "nodes4", "gbps"),
                              ("nodes4_fetched_ratio", "nodes4", "fetched_ratio")):
@@ -150,8 +154,9 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         elif runs.get(case):
             notes[key] = runs[case][0].get("skip") or runs[case][0].get("error") or "no figure"
     ceiling = out["ceiling_gbps"]
-    out["of_ceiling"] = {k: round(out[k] / ceiling, 3) for k in ("direct_gbps", "cached_cold_gbps",
-                                                                 "cached_warm_gbps") if out[k] and ceiling}
+    out["of_ceiling"] = {k: round(out[k] / ceiling, 3) for k in ("direct_gbps", "direct_tuned_gbps",
+                                                                 "cached_cold_gbps", "cached_warm_gbps")
+                         if out[k] and ceiling}
     if out["one_process_gbps"] and out["nodes4_gbps"]:
         out["nodes4_of_4x_one_process"] = round(out["nodes4_gbps"] / (4 * out["one_process_gbps"]), 3)
     out["spread"] = spread
@@ -175,7 +180,7 @@ def markdown(summary: dict[str, Any], runs: int, backend: str) -> str:
     for name, value in summary["clients"].items():
         best = summary["client_settings"].get(name) or [""]
         line(f"client {name}", name, value, summary["client_notes"].get(name, f"best: {best[-1]}"))
-    for key in ("direct_gbps", "cached_cold_gbps", "cached_warm_gbps", "cached_open_s", "one_process_gbps",
+    for key in ("direct_gbps", "direct_tuned_gbps", "cached_cold_gbps", "cached_warm_gbps", "cached_open_s", "one_process_gbps",
                 "nodes4_gbps", "nodes4_fetched_ratio"):
         line(key, key, summary.get(key), summary["client_notes"].get(key, ""))
     return "\n".join(out) + "\n"
@@ -198,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", default="8,32,64", help="the threaded clients' sweep")
     ap.add_argument("--clients", default=",".join(CLIENTS), help="which plain clients to measure")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds a measurement may take")
+    ap.add_argument("--direct-options", default=None,
+                    help="JSON backend_options of a second direct case, direct_tuned (e.g. num_threads, task_bytes)")
     ap.add_argument("--resident-bytes", type=int, default=None, help="gdsload's resident_bytes (default: its own)")
     args = parse_probe_args(ap, argv)
     backend = args.backend or ("kvikio" if gpu_available() else "cpu")
@@ -207,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     dataset_bytes = sum(os.path.getsize(f) for f in files)
     work = tempfile.mkdtemp(prefix="remote-bench-", dir=args.data)
     names = [c for c in args.clients.split(",") if c] + list(ROUTES)
+    names += ["direct_tuned"] if args.direct_options else []
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     try:
         os.symlink(os.path.dirname(os.path.abspath(path)), os.path.join(work, "bench"))
@@ -215,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"serving {path} ({dataset_bytes / 1e9:.3f} GB) at {url}", flush=True)
             base = {"url": url, "skeleton": os.path.join(work, "skeleton"), "backend": backend,
                     "seconds": args.seconds, "batch_size": args.batch_size, "resident_bytes": args.resident_bytes,
+                    "direct_options": json.loads(args.direct_options) if args.direct_options else None,
                     "concurrency": [int(c) for c in args.concurrency.split(",")]}
             for run in range(max(1, args.runs)):
                 print(f"run {run + 1} of {args.runs}", flush=True)

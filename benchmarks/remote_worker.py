@@ -7,8 +7,8 @@ warm, KvikIO's pool or a client's connections, carries into the next).
 
 - ``{"case": "client", "client": NAME, "url", "skeleton", "concurrency"}``: a plain client's sweep
   (benchmarks/remote_ceiling.py) over every block of the dataset, shuffled;
-- ``{"case": "direct", "url", "backend", "seconds", "batch_size"}``: the direct route, a few batches untimed,
-  then a pass of at least ``seconds``;
+- ``{"case": "direct", "url", "backend", "seconds", "batch_size"}``: the direct route (with ``backend_options``
+  where given), a few batches untimed, then a pass of at least ``seconds``;
 - ``{"case": "cached", ...,  "cache"}``: the cached route into the empty folder ``cache``: the open and first pass
   (cold), then a warm pass of at least ``seconds``;
 - ``{"case": "node", ..., "cache"}``: one node of many (``RANK`` and ``WORLD_SIZE`` from the environment): the open
@@ -29,6 +29,8 @@ from typing import Any
 def _dataset(url: str, c: dict[str, Any], **options: Any) -> Any:
     from gdsload import GDSDataset
 
+    if c.get("backend_options"):
+        options["backend_options"] = c["backend_options"]
     if c.get("resident_bytes") is not None:
         options["resident_bytes"] = c["resident_bytes"]
     return GDSDataset(url, batch_size=c["batch_size"], backend=c["backend"], shuffle=True, seed=0, **options)
