@@ -180,8 +180,8 @@ def markdown(summary: dict[str, Any], runs: int, backend: str) -> str:
     for name, value in summary["clients"].items():
         best = summary["client_settings"].get(name) or [""]
         line(f"client {name}", name, value, summary["client_notes"].get(name, f"best: {best[-1]}"))
-    for key in ("direct_gbps", "direct_tuned_gbps", "cached_cold_gbps", "cached_warm_gbps", "cached_open_s", "one_process_gbps",
-                "nodes4_gbps", "nodes4_fetched_ratio"):
+    for key in ("direct_gbps", "direct_tuned_gbps", "cached_cold_gbps", "cached_warm_gbps", "cached_open_s",
+                "one_process_gbps", "nodes4_gbps", "nodes4_fetched_ratio"):
         line(key, key, summary.get(key), summary["client_notes"].get(key, ""))
     return "\n".join(out) + "\n"
 
