@@ -125,6 +125,23 @@ def test_every_sample_exact_under_a_bound_smaller_than_the_dataset_with_eviction
     assert len(set(fetched)) <= len(shards)
 
 
+def test_a_bound_that_holds_everything_scans_the_cache_folder_once_not_per_piece(local, srv, tmp_path, monkeypatch):
+    from gdsload.format import shard_cache
+
+    scans = []
+    real = shard_cache._scan
+    monkeypatch.setattr(shard_cache, "_scan", lambda cache_dir: scans.append(cache_dir) or real(cache_dir))
+    url, cache = upload(srv, local), str(tmp_path / "c")
+    with _open(local, None) as ref:
+        want = _batches(ref)
+    with _open(url, cache, cache_bytes=1 << 30) as ds:
+        _same(_batches(ds), want)
+        fetched = ds.describe()["remote"]["fetched_pieces"]
+    assert fetched >= 10 and len(scans) == 1, "the ledger decides while it leaves room; the first fetch scans"
+    with open(os.path.join(cache, shard_cache.LEDGER)) as f:
+        assert json.load(f)["bytes"] == _present_bytes(cache)
+
+
 def test_a_rank_fetches_only_the_shards_of_its_share(local, srv, tmp_path):
     url = upload(srv, local)
     num_blocks = -(-N // SPB)

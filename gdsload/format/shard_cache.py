@@ -50,6 +50,11 @@ from .pieces import Piece
 
 #: The lock a process holds while it decides what to evict to make room (the whole cache folder's).
 CACHE_LOCK = ".gdsload-cache.lock"
+#: The cache folder's ledger: the bytes of pieces present and reserved, at least (changed under ``CACHE_LOCK``).
+LEDGER = ".gdsload-cache.used"
+#: A scan that must evict frees this share of ``cache_bytes`` beyond the need, so the next fetches find room by
+#: the ledger alone (a scan reads every marker of the folder).
+SLACK = 16
 #: How often a wait for another's lock looks again.
 POLL_S = 0.01
 _PUNCH = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
@@ -186,11 +191,10 @@ class ShardCache:
         and write its marker. On any failure the bytes written are punched out again and no marker is written;
         a ReadError is also left in ``<id>.failed`` for the ranks that waited on this fetch."""
         base, need, entry = self._id(piece), piece.nbytes, piece.entry
-        fd = -1
+        fd, reserved = -1, False
         try:
             self._make_room(piece, need)
-            if self.cache_bytes is None:  # no reservation to make: the .fill only shows the fetch moving
-                _write_marker(base + ".fill", {"size": need, "pid": os.getpid()})
+            reserved = True
             fd = os.open(entry.path, os.O_RDWR | os.O_CLOEXEC)
             for offset in range(piece.lo, piece.hi, PIECE_BYTES):
                 if stop.is_set():
@@ -216,6 +220,9 @@ class ShardCache:
                     _punch(fd, piece.lo, piece.hi)
                 except OSError:
                     pass  # no marker: it reads as absent whatever the file holds
+            if reserved:
+                with contextlib.suppress(OSError), self._room():
+                    self._account(-need)
             if isinstance(e, OSError) and not isinstance(e, GDSLoadError):  # writing the cache failed
                 raise ReadError(f"{self.cache_dir}: cannot write {redact(entry.info.url)} into the shard cache "
                                 f"({errno.errorcode.get(e.errno or 0, 'OSError')}: {e.strerror or e}); free space "
@@ -231,35 +238,43 @@ class ShardCache:
             _remove(base + ".fill")
 
     def _make_room(self, piece: Piece, need: int) -> None:
-        """Reserve ``need`` bytes under the bound (a ``.fill`` file), evicting least recently used pieces that
-        no one pins; CacheFull when the pinned ones leave too little."""
-        if self.cache_bytes is None:
-            return
-        url = piece.entry.info.url
-        if need > self.cache_bytes:
-            raise CacheFull(redact(f"cache_bytes={self.cache_bytes} is smaller than one piece of a shard: {url} "
+        """Reserve ``need`` bytes (a ``.fill`` file, and the ledger), under the bound evicting least recently used
+        pieces that no one pins; CacheFull when the pinned ones leave too little. The ledger (the bytes present
+        and reserved, never fewer) decides without a scan while it leaves room; a scan (every marker read, stale
+        reservations dropped) sets it right again whenever it does not, or is missing."""
+        bound, url = self.cache_bytes, piece.entry.info.url
+        if bound is not None and need > bound:
+            raise CacheFull(redact(f"cache_bytes={bound} is smaller than one piece of a shard: {url} "
                                    f"bytes {piece.name} ({need} bytes; raise cache_bytes to at least {need})"),
                             need, 0)
         with self._room():
-            present, used = _scan(self.cache_dir)
-            for when, size, lock_path, marker in sorted(present):
-                if used + need <= self.cache_bytes:
-                    break
-                if self._evict(lock_path, marker):
-                    used -= size
-            if used + need > self.cache_bytes:
-                raise CacheFull(redact(f"cache_bytes={self.cache_bytes} is too small: {url} needs {need} "
-                                       f"bytes and {used} bytes of shards are in use by the open datasets' windows "
-                                       f"(at least {used + need} bytes needed at once)"), need, used)
+            used = _read_ledger(self.cache_dir)
+            if bound is not None and (used is None or used + need > bound):
+                present, used = _scan(self.cache_dir)
+                for when, size, lock_path, marker in sorted(present):
+                    if used + need <= bound - bound // SLACK:  # some room beyond the need: no scan next time
+                        break
+                    if self._evict(lock_path, marker):
+                        used -= size
+                if used + need > bound:
+                    _write_ledger(self.cache_dir, used)
+                    raise CacheFull(redact(f"cache_bytes={bound} is too small: {url} needs {need} bytes and {used} "
+                                           f"bytes of shards are in use by the open datasets' windows (at least "
+                                           f"{used + need} bytes needed at once)"), need, used)
             _write_marker(self._id(piece) + ".fill", {"size": need, "pid": os.getpid()})
+            if used is not None:  # without a bound and a ledger, nothing to keep: a bound's first fetch scans
+                _write_ledger(self.cache_dir, used + need)
+
+    def _account(self, delta: int) -> None:
+        """Add ``delta`` bytes to the ledger, if there is one (hold :meth:`_room`)."""
+        used = _read_ledger(self.cache_dir)
+        if used is not None:
+            _write_ledger(self.cache_dir, max(0, used + delta))
 
     @contextlib.contextmanager
     def _room(self) -> Iterator[None]:
-        """The cache folder's lock, held while room is reckoned and while a fetch's reservation becomes its
-        marker (a listing that runs beside a rename may see neither name); no-op without a bound."""
-        if self.cache_bytes is None:
-            yield
-            return
+        """The cache folder's lock, held while room is reckoned, the ledger changed, and while a fetch's
+        reservation becomes its marker (a listing that runs beside a rename may see neither name)."""
         lock = os.open(os.path.join(self.cache_dir, CACHE_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)  # held for a scan or a rename: no fetch waits on it long
@@ -327,6 +342,20 @@ def _scan(cache_dir: str) -> tuple[list[tuple[float, int, str, dict]], int]:
             if kind == "ok":
                 present.append((when, size, lock_path, marker))
     return present, used
+
+
+def _read_ledger(cache_dir: str) -> int | None:
+    """The ledger's bytes, or None where it is missing or unreadable (a scan then counts them)."""
+    try:
+        with open(os.path.join(cache_dir, LEDGER)) as f:
+            used = json.load(f)["bytes"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return used if type(used) is int and used >= 0 else None
+
+
+def _write_ledger(cache_dir: str, used: int) -> None:
+    _write_marker(os.path.join(cache_dir, LEDGER), {"bytes": used})
 
 
 def _stale(lock_path: str) -> bool:
