@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=1.0, help="least seconds of each warm measurement")
     ap.add_argument("--batch-size", type=int, default=BATCH)
     ap.add_argument("--backend", default=None, help="gdsload's backend (default: kvikio with a GPU, else cpu)")
-    ap.add_argument("--concurrency", default="8,32,64", help="the threaded clients' sweep")
+    ap.add_argument("--concurrency", default="16,64", help="the threaded clients' sweep")
     ap.add_argument("--clients", default=",".join(CLIENTS), help="which plain clients to measure")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds a measurement may take")
     ap.add_argument("--direct-options", default=None,

@@ -201,8 +201,9 @@ def kvikio_rate(ranges: Sequence[Range], threads: int, task_bytes: int, pieces: 
                 at += k
     dest = cupy.empty(sum(r.nbytes for r in reads), dtype=cupy.uint8)
     KvikioPool.acquire(threads, task_bytes, exact=True)
+    handles: dict[str, Any] = {}
     try:
-        handles = {r.url: kvikio.RemoteFile.open_http(r.url, r.size) for r in reads}
+        handles.update({r.url: kvikio.RemoteFile.open_http(r.url, r.size) for r in reads})
 
         def run() -> None:
             futures = [handles[r.url].pread(dest[r.dest:r.dest + r.nbytes], r.nbytes, r.offset) for r in reads]
@@ -213,6 +214,8 @@ def kvikio_rate(ranges: Sequence[Range], threads: int, task_bytes: int, pieces: 
         handles[reads[0].url].pread(dest[:reads[0].nbytes], reads[0].nbytes, reads[0].offset).get()
         return _timed(run, dest.nbytes)
     finally:
+        for h in handles.values():
+            getattr(h, "close", lambda: None)()
         KvikioPool.release()
 
 
