@@ -1,254 +1,248 @@
-"""Remote datasets' throughput against a server that is not the bottleneck (issue 45): each route beside raw
-KvikIO RemoteFile reads of the same byte ranges, in one run.
+"""Remote datasets' throughput against a ceiling that means something (issue 61): plain clients and gdsload's
+routes reading the same objects from the same server, in one run.
 
-    python -m benchmarks.remote [--size-gib 2] [--out DIR] [--workers 4] [--seconds 1] [--repeats 2]
+    python -m benchmarks.remote [--size-gib 2] [--runs 3] [--backend kvikio] [--out DIR]
 
-The synthetic dataset (``make_dataset``) is read once into the page cache, then its folder is served over HTTP by
-``--workers`` aiohttp processes sharing one port (``web.FileResponse``: sendfile, Range, ETag; the server code
-of benchmarks/remote_clients.py), so the server copies from memory into sockets and is not what is measured.
-Every row is GB/s of dataset bytes delivered (GB = 1e9), with its io mode and route:
+The synthetic dataset (``make_dataset``) is read once into the page cache, then served over HTTP by
+benchmarks/sendfile_server.py (a threaded server in a process of its own that sends every range with
+``sendfile`` from the files, with ETags; not gdsload's test server). Every figure is GB/s of dataset bytes
+delivered (GB = 1e9), and every measurement is a fresh process (benchmarks/remote_worker.py). The cases run
+``--runs`` times, in an order rotated each run (alternating, so drift of the machine falls on all), and the
+summary gives each one's median with its spread (lowest, highest) printed:
 
-- ``ceiling: pinned H2D copy``: ``pinned_h2d_gbps`` (256 MiB, best of 5 copies): the host-to-device copy's ceiling
-  of the routes that land in host memory first (GPU only).
-- ``raw RemoteFile -> device``: KvikIO ``RemoteFile.open_http`` per shard object, one ``pread`` per block of the
-  dataset (the ranges the direct route reads; shuffled, seed 0) into one device buffer, all futures in flight,
-  on KvikIO's pool as the direct route sets it. The ceiling of the direct route, and a lower bound on the
-  server's own ceiling. ``raw RemoteFile -> host``: the same into host memory (no device copy): the server
-  and libcurl alone.
-- ``gdsload direct``: ``GDSDataset(url, backend=kvikio|pinned, shuffle=True)``, route checked ``direct``; a few
-  batches untimed, then ``time_pass`` for at least ``--seconds``. ``% of raw``: its share of the raw device row.
-- ``gdsload cached``: ``GDSDataset(url, ..., cache_dir=fresh folder)``: the open and first pass (cold: fetching every
-  shard) and a warm stretch (from the cache), beside ``local path``: the dataset opened from its folder with
-  the same backend, the warm cache's reference.
-- ``CPU route``: gdsload's ``HttpClient`` reading the same ranges into host memory on 16 threads, and the cpu
-  backend's cached route (cold, warm) and local path.
+- ``clients``: plain clients on every block of the dataset, shuffled, each at the best setting of a small
+  sweep (benchmarks/remote_ceiling.py: http.client, urllib3, botocore, obstore, fsspec into a host buffer,
+  pinned where there is a GPU; KvikIO ``RemoteFile`` into device memory over ``num_threads`` and
+  ``task_size``). A client that cannot run here says why and is left out. ``ceiling_gbps`` is the best
+  client's median, ``ceiling_client`` its name.
+- ``direct_gbps``: ``GDSDataset(url, backend=--backend)`` with no cache (the direct route; GPU only), a few
+  batches untimed, then a pass of at least ``--seconds``; ``direct_tuned_gbps`` the same with the
+  ``backend_options`` of ``--direct-options`` (e.g. KvikIO's threads and task size), where given.
+- ``cached_cold_gbps``, ``cached_warm_gbps``: the cached route into an empty cache folder: the open and the
+  first pass timed together, then a warm pass; ``cached_open_s`` the open alone (it fetches the skeleton and
+  the first window's pieces).
+- ``one_process_gbps`` and ``nodes4_gbps``: one process (``WORLD_SIZE=1``), then 4 at once (``WORLD_SIZE=4``,
+  ranks 0-3), each with its own empty cache folder, the open and one epoch (no reading on into the next):
+  the dataset's bytes over the wall time from the first open to the last end. ``nodes4_fetched_ratio``: the
+  bytes the 4 fetched (``describe()["remote"]["fetched_bytes"]``) over the dataset's shard bytes.
 
-The raw and direct rows are taken ``--repeats`` times, alternating, and the best is reported (every run kept).
-A row that cannot run here (no GPU, no KvikIO) says ``not run: <reason>``; one that fails says ``error: ...``;
-the run goes on. Writes ``results/<machine>/remote[-TAG].json``, a markdown table beside it and ``remote[-TAG].png``
-(every measured row's GB/s as a bar, the ceilings, raw RemoteFile and H2D, as lines; where matplotlib imports).
+Writes ``results/<machine>/remote[-TAG].json`` (``summary`` and every run), a markdown table beside it and
+``remote[-TAG].png`` where matplotlib imports.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import json
 import os
 import shutil
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
-import numpy as np
-
-from gdsload.tools.bench_remote import (CPU_THREADS, client_blocks, device_buffer, direct_why_not, raw_remote_file,
-                                        remote_blocks)
 from gdsload.system.env import gpu_available
-from gdsload.tools.measure import PassResult, pinned_h2d_gbps, read_files, shard_paths, take_batches, time_pass
+from gdsload.tools.measure import read_files, shard_paths
 
-from .common import BATCH, Rows, free_device_memory, make_dataset, parse_probe_args, probe_parser, write_probe_table
-from .plots import gbps_plot, line_label
-from .remote_clients import serve_files_on, servers
+from .common import BATCH, make_dataset, parse_probe_args, probe_parser, write_probe_table
+from .plots import gbps_plot
+from .remote_ceiling import CLIENTS
 
-RAW = "raw RemoteFile -> device"
-H2D = "ceiling: pinned H2D copy"
-#: The rows drawn as lines on the plot (the others are bars).
-CEILINGS = (H2D, RAW, "raw RemoteFile -> host")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: The routes' cases, beside one per client.
+ROUTES = ("direct", "cached", "one_process", "nodes4")
 Row = dict[str, Any]
 
 
-def figures(runs: list[PassResult]) -> Row:
-    """The best of ``runs`` (highest rate) as a row's figures, every run's GB/s kept."""
-    r = max(runs, key=lambda x: x.gb_per_s)
-    return {"io_mode": r.io_mode, "gbps": round(r.gb_per_s, 3), "runs": [round(x.gb_per_s, 3) for x in runs],
-            "seconds": round(r.seconds, 3), "bytes": r.bytes,
-            "cpu_s_per_gb": round(r.cpu_core_s_per_gb, 3) if r.cpu_s and r.cpu_core_s_per_gb else None}
-
-
-def not_run(what: str, route: str, why: str) -> Row:
-    return {"what": what, "route": route, "io_mode": None, "gbps": None, "note": f"not run: {why}"}
-
-
-def warm_pass(source: str, backend: str, batch: int, seconds: float, route: str | None, **options: Any
-              ) -> tuple[PassResult, str]:
-    """``source`` read by ``backend``, shuffled: a few batches untimed, then ``time_pass`` for ``seconds``; the
-    route the dataset took (``"local"`` for a folder), checked against ``route`` where given (ValueError)."""
-    from gdsload import GDSDataset
-
-    with GDSDataset(source, batch_size=batch, backend=backend, shuffle=True, seed=0, **options) as ds:
-        took = ds.describe().get("remote", {}).get("route", "local")
-        if route is not None and took != route:
-            raise ValueError(f"took the {took} route, not {route}: {ds.describe()['remote']['route_reason']}")
-        take_batches(ds)
-        return time_pass(ds, min_seconds=seconds), took
-
-
-def cached_passes(url: str, backend: str, batch: int, seconds: float, cache_dir: str) -> tuple[PassResult, ...]:
-    """The cached route of ``url`` into the empty ``cache_dir``: the open and its first pass timed together (cold:
-    every shard fetched, the first window's already by the open), then a warm stretch of at least ``seconds``
-    (every shard present)."""
-    from gdsload import GDSDataset
-
-    started = time.perf_counter()
-    with GDSDataset(url, batch_size=batch, backend=backend, shuffle=True, seed=0, cache_dir=cache_dir) as ds:
-        cold = time_pass(ds, from_rest=False)  # what the open's fetch threads began counts: the clock runs since
-        cold = dataclasses.replace(cold, seconds=time.perf_counter() - started)
-        route = ds.describe()["remote"]["route"]
-        if route != "cached":
-            raise ValueError(f"took the {route} route with cache_dir given")
-        return cold, time_pass(ds, min_seconds=seconds)
-
-
-class Runner:
-    """The rows of one run: each measurement attempted, a failure a row saying why."""
-
-    def __init__(self, rows: Rows):
-        self.rows = rows
-
-    def emit(self, what: str, route: str, runs: list[PassResult], **extra: Any) -> None:
-        self.rows.emit({"what": what, "route": route, **figures(runs), **extra})
-
-    def error(self, what: str, route: str, e: BaseException) -> None:
-        msg = " ".join(f"{type(e).__name__}: {e}".split())[:400]
-        self.rows.emit({"what": what, "route": route, "io_mode": None, "gbps": None, "note": f"error: {msg}"})
-
-    def repeated(self, cases: dict[str, tuple[str, Callable[[], tuple[PassResult, str]]]], repeats: int) -> None:
-        """Each case (name -> (route, measure)) ``repeats`` times, in a rotated order each time; a row each (best)."""
-        names, runs, failed = list(cases), {n: [] for n in cases}, {}
-        routes = {n: cases[n][0] for n in cases}
-        for rep in range(max(1, repeats)):
-            for name in names[rep % len(names):] + names[:rep % len(names)]:
-                if name in failed:
-                    continue
-                try:
-                    r, routes[name] = cases[name][1]()
-                    runs[name].append(r)
-                except Exception as e:  # noqa: BLE001 - the row says why; the others go on
-                    failed[name] = e
-                finally:
-                    free_device_memory()
-        for name in names:
-            if name in failed:
-                self.error(name, routes[name], failed[name])
-            else:
-                self.emit(name, routes[name], runs[name])
-
-    def cached(self, url: str, backend: str, batch: int, seconds: float, cache_dir: str) -> None:
-        try:
-            cold, warm = cached_passes(url, backend, batch, seconds, cache_dir)
-        except Exception as e:  # noqa: BLE001
-            self.error(f"gdsload cached {backend}, cold cache", "cached", e)
-            return
-        finally:
-            free_device_memory()
-        self.emit(f"gdsload cached {backend}, cold cache", "cached", [cold])
-        self.emit(f"gdsload cached {backend}, warm cache", "cached", [warm])
-
-
-def h2d_row(run: Runner) -> None:
-    """The pinned H2D copy ceiling's row: ``not run`` without a GPU, ``error`` where it fails."""
-    if not gpu_available():
-        run.rows.emit(not_run(H2D, "-", "no GPU here"))
-        return
+@contextmanager
+def sendfile_server(root: str) -> Iterator[str]:
+    """benchmarks/sendfile_server.py serving ``root`` in a process of its own; yields its base URL."""
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.sendfile_server", root], stdout=subprocess.PIPE,
+                            text=True, cwd=ROOT, env=_env())
     try:
-        rate = pinned_h2d_gbps()  # best of 5 copies of 256 MiB
-    except Exception as e:  # noqa: BLE001 - the row says why; the others go on
-        run.error(H2D, "-", e)
-        return
+        port = int(proc.stdout.readline())  # type: ignore[union-attr]
+        yield f"http://127.0.0.1:{port}"
     finally:
-        free_device_memory()
-    run.rows.emit({"what": H2D, "route": "-", "io_mode": "cuda-memcpy", "gbps": round(rate, 3),
-                   "runs": [round(rate, 3)], "note": "256 MiB, best of 5"})
+        proc.kill()
+        proc.wait(10)
 
 
-def measure(url: str, path: str, args: Any, work: str, rows: Rows) -> None:
-    """Every row of the run, against the server at ``url`` serving the dataset at ``path``."""
-    run = Runner(rows)
-    h2d_row(run)
-    gpu_why = direct_why_not(url)
-    blocks = remote_blocks(url, os.path.join(work, "skeleton"))
-    nbytes = sum(b.nbytes for b in blocks)
-    print(f"{len(blocks)} blocks, {nbytes / 1e9:.3f} GB in {len({b.info.url for b in blocks})} objects", flush=True)
-    gpu_rows = [(RAW, "-"), ("raw RemoteFile -> host", "-"), ("gdsload direct kvikio", "direct"),
-                ("gdsload direct pinned", "direct"), ("gdsload cached kvikio, cold cache", "cached"),
-                ("gdsload cached kvikio, warm cache", "cached"), ("local path kvikio", "local")]
-    if gpu_why is not None:
-        for what, route in gpu_rows:
-            rows.emit(not_run(what, route, gpu_why))
-    else:
-        dest, dev_blocks = device_buffer(blocks)
-        host = np.empty(nbytes, dtype=np.uint8)
-        s, bs = args.seconds, args.batch_size
-        run.repeated({
-            RAW: ("-", lambda: (raw_remote_file(dev_blocks, dest, min_seconds=s), "-")),
-            "raw RemoteFile -> host": ("-", lambda: (raw_remote_file(blocks, host, min_seconds=s), "-")),
-            "gdsload direct kvikio": ("direct", lambda: warm_pass(url, "kvikio", bs, s, "direct")),
-            "gdsload direct pinned": ("direct", lambda: warm_pass(url, "pinned", bs, s, "direct")),
-        }, args.repeats)
-        del dest, host
-        free_device_memory()
-        run.cached(url, "kvikio", bs, s, os.path.join(work, "cache-kvikio"))
-        run.repeated({"local path kvikio": ("local", lambda: warm_pass(path, "kvikio", bs, s, None))}, 1)
-    host = np.empty(nbytes, dtype=np.uint8)
-    run.repeated({f"CPU route: HttpClient, same ranges, {CPU_THREADS} threads":
-                  ("cpu client", lambda: (client_blocks(blocks, host, min_seconds=args.seconds), "cpu client"))},
-                 args.repeats)
-    del host
-    run.cached(url, "cpu", args.batch_size, args.seconds, os.path.join(work, "cache-cpu"))
-    run.repeated({"local path cpu": ("local", lambda: warm_pass(path, "cpu", args.batch_size, args.seconds, None))},
-                 1)
+def _env(**extra: str) -> dict[str, str]:
+    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **extra}
 
 
-def markdown(rows: list[Row], workers: int) -> str:
-    """The rows as a table: GB/s, its share of the raw RemoteFile -> device row, the runs, CPU s/GB, notes."""
-    raw = next((r["gbps"] for r in rows if r["what"] == RAW and r.get("gbps")), None)
-    out = [f"GB/s of dataset bytes delivered (best of the runs listed), from a local aiohttp sendfile server of "
-           f"{workers} processes; % of raw: share of the `{RAW}` row. `{H2D}`: bytes copied from pinned host "
-           "memory to the device, no server (the copy's ceiling).", "",
-           "| what | io mode | route | GB/s | % of raw | runs | CPU s/GB | note |",
-           "|---|---|---|---:|---:|---|---:|---|"]
-    for r in rows:
-        g = r.get("gbps")
-        pct = f"{100 * g / raw:.0f}" if g and raw and r["what"] != H2D else "-"
-        cells = [r["what"], r.get("io_mode") or "-", r.get("route") or "-", "-" if g is None else f"{g:.2f}", pct,
-                 " ".join(f"{x:.2f}" for x in r.get("runs", [])) or "-",
-                 "-" if r.get("cpu_s_per_gb") is None else f"{r['cpu_s_per_gb']:.2f}", r.get("note", "")]
-        out.append("| " + " | ".join(cells) + " |")
+def spawn(case: dict[str, Any], **env: str) -> subprocess.Popen:
+    """benchmarks/remote_worker.py measuring ``case`` in a fresh process (``env`` added to the environment)."""
+    return subprocess.Popen([sys.executable, "-m", "benchmarks.remote_worker", json.dumps(case)], cwd=ROOT,
+                            env=_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def result(proc: subprocess.Popen, timeout: float) -> dict[str, Any]:
+    """The worker's ``RESULT`` line, or an error saying why there is none."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return {"error": f"no result within {timeout:g} s"}
+    lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+    if not lines:
+        return {"error": f"exit {proc.returncode}: " + " ".join(err.split())[-400:]}
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def run_case(name: str, base: dict[str, Any], work: str, dataset_bytes: int, timeout: float) -> dict[str, Any]:
+    """One run of case ``name`` (a client's name or one of :data:`ROUTES`) in fresh processes."""
+    cache = tempfile.mkdtemp(prefix=f"{name}-", dir=work)
+    try:
+        if name in CLIENTS:
+            return result(spawn({**base, "case": "client", "client": name}), timeout)
+        if name in ("direct", "cached"):
+            return result(spawn({**base, "case": name, "cache": cache}), timeout)
+        if name == "direct_tuned":
+            return result(spawn({**base, "case": "direct", "backend_options": base["direct_options"]}), timeout)
+        world = 4 if name == "nodes4" else 1
+        procs = [spawn({**base, "case": "node", "cache": os.path.join(cache, f"node{rank}")},
+                       RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0") for rank in range(world)]
+        got = [result(p, timeout) for p in procs]
+        bad = next((g for g in got if "error" in g), None)
+        if bad is not None:
+            return bad
+        seconds = max(g["end"] for g in got) - min(g["start"] for g in got)
+        fetched = sum(g["fetched_bytes"] for g in got)
+        return {"gbps": round(sum(g["bytes"] for g in got) / seconds / 1e9, 3), "seconds": round(seconds, 3),
+                "fetched_ratio": round(fetched / dataset_bytes, 3), "routes": sorted({g["route"] for g in got})}
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def median_of(runs: list[dict[str, Any]], key: str = "gbps") -> tuple[float | None, list[float]]:
+    """The median of ``key`` over the runs that have it, and those values."""
+    rates = [float(r[key]) for r in runs if isinstance(r.get(key), (int, float))]
+    return (round(statistics.median(rates), 3) if rates else None), rates
+
+
+def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """The summary: each client's median and the ceiling, the routes' medians, every median's spread."""
+    spread: dict[str, list[float]] = {}
+    clients: dict[str, float | None] = {}
+    notes: dict[str, str] = {}
+    for name in (c for c in CLIENTS if c in runs):
+        clients[name], rates = median_of(runs[name])
+        if rates:
+            spread[name] = [min(rates), max(rates)]
+        elif runs.get(name):
+            notes[name] = runs[name][0].get("skip") or runs[name][0].get("error") or "no figure"
+    measured = {k: v for k, v in clients.items() if v is not None}
+    best = max(measured, key=measured.__getitem__) if measured else None
+    out: dict[str, Any] = {"ceiling_gbps": measured.get(best) if best else None, "ceiling_client": best,
+                           "clients": clients, "client_notes": notes,
+                           "client_settings": {n: [r.get("best") for r in runs.get(n, []) if r.get("best")]
+                                               for n in measured}}
+    for key, case, field in (("direct_gbps", "direct", "gbps"), ("direct_tuned_gbps", "direct_tuned", "gbps"),
+                             ("cached_cold_gbps", "cached", "cold_gbps"),
+                             ("cached_warm_gbps", "cached", "warm_gbps"), ("cached_open_s", "cached", "open_s"),
+                             ("one_process_gbps", "one_process", "gbps"), ("nodes4_gbps", "nodes4", "gbps"),
+                             ("nodes4_fetched_ratio", "nodes4", "fetched_ratio")):
+        out[key], rates = median_of(runs.get(case, []), field)
+        if rates:
+            spread[key] = [min(rates), max(rates)]
+        elif runs.get(case):
+            notes[key] = runs[case][0].get("skip") or runs[case][0].get("error") or "no figure"
+    ceiling = out["ceiling_gbps"]
+    out["of_ceiling"] = {k: round(out[k] / ceiling, 3) for k in ("direct_gbps", "direct_tuned_gbps",
+                                                                 "cached_cold_gbps", "cached_warm_gbps")
+                         if out[k] and ceiling}
+    if out["one_process_gbps"] and out["nodes4_gbps"]:
+        out["nodes4_of_4x_one_process"] = round(out["nodes4_gbps"] / (4 * out["one_process_gbps"]), 3)
+    out["spread"] = spread
+    return out
+
+
+def markdown(summary: dict[str, Any], runs: int, backend: str) -> str:
+    """The summary as a table: each figure's median, its spread over the runs, and its share of the ceiling."""
+    ceiling, spread = summary["ceiling_gbps"], summary["spread"]
+    out = [f"GB/s of dataset bytes, median of {runs} fresh-process run(s), alternating (spread: lowest-highest), "
+           f"from benchmarks/sendfile_server.py (sendfile, threaded). gdsload backend: `{backend}`. Ceiling: "
+           f"`{summary['ceiling_client']}`.", "", "| what | GB/s | spread | % of ceiling | note |",
+           "|---|---:|---|---:|---|"]
+
+    def line(what: str, key: str, value: float | None, note: str = "") -> None:
+        lo_hi = spread.get(key)
+        pct = f"{100 * value / ceiling:.0f}" if value and ceiling and not key.endswith(("_s", "ratio")) else "-"
+        out.append(f"| {what} | {'-' if value is None else f'{value:.3f}'} | "
+                   f"{'-' if not lo_hi else f'{lo_hi[0]:.3f}-{lo_hi[1]:.3f}'} | {pct} | {note} |")
+
+    for name, value in summary["clients"].items():
+        best = summary["client_settings"].get(name) or [""]
+        line(f"client {name}", name, value, summary["client_notes"].get(name, f"best: {best[-1]}"))
+    for key in ("direct_gbps", "direct_tuned_gbps", "cached_cold_gbps", "cached_warm_gbps", "cached_open_s",
+                "one_process_gbps", "nodes4_gbps", "nodes4_fetched_ratio"):
+        line(key, key, summary.get(key), summary["client_notes"].get(key, ""))
     return "\n".join(out) + "\n"
 
 
-def plot(json_path: str, rows: list[Row]) -> str | None:
-    """Every measured row's GB/s as a bar, the :data:`CEILINGS` as lines, beside ``json_path``."""
-    bars = {f"{r['what']} ({r['io_mode']})": {"GB/s": r["gbps"]} for r in rows
-            if r["what"] not in CEILINGS and r.get("gbps") is not None}
-    lines = {line_label(r["what"], r.get("io_mode")): r.get("gbps") for r in rows if r["what"] in CEILINGS}
-    return gbps_plot(json_path, "remote dataset over HTTP from a local aiohttp server", bars, lines)
+def print_run(name: str, r: dict[str, Any]) -> None:
+    figures = {k: v for k, v in r.items() if k not in ("sweep",)}
+    print(f"  {name}: {json.dumps(figures)}", flush=True)
+    if r.get("sweep"):
+        print("    sweep: " + ", ".join(f"{k} {v}" for k, v in r["sweep"].items()), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = probe_parser(__doc__.splitlines()[0], size_gib=2.0)
-    ap.add_argument("--workers", type=int, default=4, help="aiohttp server processes sharing the port")
+    ap.add_argument("--block-kib", type=int, default=4096, help="the dataset's block size (KiB)")
+    ap.add_argument("--runs", type=int, default=3, help="fresh-process runs of every case (median reported)")
     ap.add_argument("--seconds", type=float, default=1.0, help="least seconds of each warm measurement")
-    ap.add_argument("--repeats", type=int, default=2, help="runs of each raw and direct row (best reported)")
     ap.add_argument("--batch-size", type=int, default=BATCH)
+    ap.add_argument("--backend", default=None, help="gdsload's backend (default: kvikio with a GPU, else cpu)")
+    ap.add_argument("--concurrency", default="16,64", help="the threaded clients' sweep")
+    ap.add_argument("--clients", default=",".join(CLIENTS), help="which plain clients to measure")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds a measurement may take")
+    ap.add_argument("--direct-options", default=None,
+                    help="JSON backend_options of a second direct case, direct_tuned (e.g. num_threads, task_bytes)")
+    ap.add_argument("--resident-bytes", type=int, default=None, help="gdsload's resident_bytes (default: its own)")
     args = parse_probe_args(ap, argv)
-    path = make_dataset(args.data, args.size_gib)
-    read_files(shard_paths(path))  # the server sends from the page cache: no disk in the measured path
-    rows = Rows()
+    backend = args.backend or ("kvikio" if gpu_available() else "cpu")
+    path = make_dataset(args.data, args.size_gib, args.block_kib << 10)
+    files = shard_paths(path)
+    read_files(files)  # the server sends from the page cache: no disk in the measured path
+    dataset_bytes = sum(os.path.getsize(f) for f in files)
     work = tempfile.mkdtemp(prefix="remote-bench-", dir=args.data)
+    names = [c for c in args.clients.split(",") if c] + list(ROUTES)
+    names += ["direct_tuned"] if args.direct_options else []
+    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     try:
-        with servers(serve_files_on, args.workers, os.path.dirname(path)) as endpoint:
-            url = f"{endpoint}/{os.path.basename(path)}"
-            print(f"serving {path} at {url} ({args.workers} aiohttp processes)", flush=True)
-            measure(url, path, args, work, rows)
+        os.symlink(os.path.dirname(os.path.abspath(path)), os.path.join(work, "bench"))
+        with sendfile_server(work) as base_url:
+            url = f"{base_url}/bench/{os.path.basename(path)}"
+            print(f"serving {path} ({dataset_bytes / 1e9:.3f} GB) at {url}", flush=True)
+            base = {"url": url, "skeleton": os.path.join(work, "skeleton"), "backend": backend,
+                    "seconds": args.seconds, "batch_size": args.batch_size, "resident_bytes": args.resident_bytes,
+                    "direct_options": json.loads(args.direct_options) if args.direct_options else None,
+                    "concurrency": [int(c) for c in args.concurrency.split(",")]}
+            for run in range(max(1, args.runs)):
+                print(f"run {run + 1} of {args.runs}", flush=True)
+                for name in names[run % len(names):] + names[:run % len(names)]:
+                    t0 = time.perf_counter()
+                    runs[name].append(run_case(name, base, work, dataset_bytes, args.timeout))
+                    print_run(f"{name} ({time.perf_counter() - t0:.1f} s)", runs[name][-1])
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    out = write_probe_table(args, "remote", rows, markdown(rows, args.workers), dataset=path,
-                            dataset_bytes=sum(os.path.getsize(f) for f in shard_paths(path)), workers=args.workers,
-                            seconds=args.seconds, repeats=args.repeats, batch_size=args.batch_size,
-                            method=__doc__.split("\n\n", 2)[2])
-    plot(out, rows)
+    summary = summarize(runs)
+    print("summary: " + json.dumps({k: v for k, v in summary.items() if k != "client_settings"}), flush=True)
+    rows = [{"what": n, "runs": runs[n]} for n in names]
+    out = write_probe_table(args, "remote", rows, markdown(summary, args.runs, backend), summary=summary,
+                            dataset=path, dataset_bytes=dataset_bytes, backend=backend, runs=args.runs,
+                            seconds=args.seconds, batch_size=args.batch_size, method=__doc__.split("\n\n", 2)[2])
+    bars = {k: {"GB/s": summary.get(k)} for k in ("direct_gbps", "cached_cold_gbps", "cached_warm_gbps",
+                                                   "one_process_gbps", "nodes4_gbps")}
+    gbps_plot(out, "remote dataset over HTTP (sendfile server)", bars,
+              {f"ceiling: {summary['ceiling_client']}": summary["ceiling_gbps"]})
     return 0
 
 

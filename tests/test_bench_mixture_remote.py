@@ -1,6 +1,7 @@
-"""benchmarks/mixture.py and benchmarks/remote.py carry their ceilings in the same run (measured, or ``not run`` with
-the reason where they need a GPU), list them in the markdown, and draw the PNG beside the JSON when matplotlib
-imports (say so when it does not). Run in-process on tiny datasets with the cpu backend."""
+"""benchmarks/mixture.py carries its ceilings in the same run (measured, or ``not run`` with the reason where they
+need a GPU), lists them in the markdown, and draws the PNG beside the JSON when matplotlib imports (says so when
+it does not); benchmarks/remote.py is tested in tests/test_bench_remote.py. Run in-process on tiny datasets with the
+cpu backend."""
 
 from __future__ import annotations
 
@@ -50,19 +51,6 @@ def mixture_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
                 out, "mixture")
 
 
-@pytest.fixture(scope="module")
-def remote_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    pytest.importorskip("aiohttp")
-    from benchmarks import remote
-
-    tmp = tmp_path_factory.mktemp("remote")
-    out = str(tmp / "results")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("GDSLOAD_CACHE_DIR", str(tmp / "gdsload-cache"))
-        return _run(remote.main, ["--size-gib", "0.004", "--data", str(tmp / "data"), "--out", out, "--seconds", "0.1",
-                                  "--repeats", "1", "--workers", "2"], out, "remote")
-
-
 def _gpu_row_ok(row: dict[str, Any], needs_kvikio: bool = False) -> None:
     """A GPU ceiling: measured where it can run here, else no figures and a reason."""
     if gpu_available() and (kvikio_installed() or not needs_kvikio):
@@ -103,27 +91,6 @@ def test_mixture_png(mixture_run: Run) -> None:
         assert "no plot" in mixture_run["stdout"] and not os.path.exists(mixture_run["png"])
     pytest.importorskip("matplotlib")
     assert os.path.getsize(mixture_run["png"]) > 0
-
-
-def test_remote_h2d_ceiling_row(remote_run: Run) -> None:
-    from benchmarks.remote import H2D
-
-    rows = {r["what"]: r for r in remote_run["doc"]["results"]}
-    h2d = rows[H2D]
-    assert h2d["route"] == "-"
-    _gpu_row_ok(h2d)
-    if h2d["gbps"] is not None:
-        assert h2d["io_mode"] == "cuda-memcpy"
-    assert rows["local path cpu"]["gbps"] > 0  # the run went on after it
-    line = next(x for x in remote_run["md"].splitlines() if x.startswith(f"| {H2D} |"))
-    assert h2d["note"] in line
-
-
-def test_remote_png(remote_run: Run) -> None:
-    if not _has_matplotlib():
-        assert "no plot" in remote_run["stdout"] and not os.path.exists(remote_run["png"])
-    pytest.importorskip("matplotlib")
-    assert os.path.getsize(remote_run["png"]) > 0
 
 
 def test_plot_without_matplotlib_says_so(tmp_path: Any, monkeypatch: pytest.MonkeyPatch,

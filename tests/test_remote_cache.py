@@ -120,9 +120,26 @@ def test_every_sample_exact_under_a_bound_smaller_than_the_dataset_with_eviction
         assert _present_bytes(cache) <= bound
     _same(got, want)
     fetched = _data_gets(srv.requests)
-    assert stats["evicted_shards"] > 0 and stats["cache_bytes"] == bound
+    assert stats["evicted_pieces"] > 0 and stats["cache_bytes"] == bound
     assert len(fetched) > len(set(fetched)), "shards evicted in the first epoch are fetched again in the second"
     assert len(set(fetched)) <= len(shards)
+
+
+def test_a_bound_that_holds_everything_scans_the_cache_folder_once_not_per_piece(local, srv, tmp_path, monkeypatch):
+    from gdsload.format import shard_cache
+
+    scans = []
+    real = shard_cache._scan
+    monkeypatch.setattr(shard_cache, "_scan", lambda cache_dir: scans.append(cache_dir) or real(cache_dir))
+    url, cache = upload(srv, local), str(tmp_path / "c")
+    with _open(local, None) as ref:
+        want = _batches(ref)
+    with _open(url, cache, cache_bytes=1 << 30) as ds:
+        _same(_batches(ds), want)
+        fetched = ds.describe()["remote"]["fetched_pieces"]
+    assert fetched >= 10 and len(scans) == 1, "the ledger decides while it leaves room; the first fetch scans"
+    with open(os.path.join(cache, shard_cache.LEDGER)) as f:
+        assert json.load(f)["bytes"] == _present_bytes(cache)
 
 
 def test_a_rank_fetches_only_the_shards_of_its_share(local, srv, tmp_path):
@@ -233,7 +250,8 @@ def test_a_full_disk_is_a_clear_error_and_leaves_nothing_that_looks_complete(loc
 
 def test_a_bound_below_one_shard_is_a_clear_error_naming_cache_bytes(local, srv, tmp_path):
     url = upload(srv, local)
-    with pytest.raises(ReadError, match=r"cache_bytes=100 is smaller than one shard: .* \(raise cache_bytes to "
+    with pytest.raises(ReadError, match=r"cache_bytes=100 is smaller than one piece of a shard: .* \(\d+ bytes; "
+                                        r"raise cache_bytes to "
                                         r"at least \d+\)"):
         _open(url, str(tmp_path / "c"), cache_bytes=100)
     with pytest.raises(ValueError, match="cache_bytes must be a positive int"):

@@ -318,8 +318,8 @@ def test_a_bound_too_small_for_one_window_is_cache_full_at_open(local, tmp_path)
         biggest = max(e.data_bytes for e in shards.values())
         t0 = time.monotonic()
         with pytest.raises(CacheFull, match=rf"cache_bytes={biggest} is too small: one read of this dataset pins "
-                                            r"\d+ shards at once \((\d+) bytes of data, e\.g\. http://.*\); raise "
-                                            r"cache_bytes to at least \1") as e:
+                                            r"\d+ pieces of shards at once \((\d+) bytes of data, e\.g\. "
+                                            r"http://.*\); raise cache_bytes to at least \1") as e:
             _open(url, str(tmp_path / "c"), window_blocks=8, cache_bytes=biggest)
         assert time.monotonic() - t0 < 5 and e.value.need > biggest
         assert not _fetch_threads(1.0)

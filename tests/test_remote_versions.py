@@ -237,7 +237,7 @@ def test_cache_ls_and_clear_keep_a_version_a_live_dataset_has_open(two, srv, tmp
         lines = {line.rsplit("(", 1)[1].rstrip(")"): line for line in rows}
         assert re.fullmatch(rf"{re.escape(cache)}: 2 folder\(s\), \d+\.\d (KiB|MiB) on disk", summary)
         assert set(lines) == {v1, v2}
-        assert lines[v1].startswith(f"{url}  version ") and "14/14 shards present" in lines[v1]
+        assert lines[v1].startswith(f"{url}  version ") and "14/14 shards with data" in lines[v1]
         assert lines[v1].endswith(f"not in use  ({v1})") and lines[v2].endswith(f"  in use  ({v2})")
         assert " KiB" in lines[v1] or " MiB" in lines[v1]
         cleared = _cli("cache", "clear", cache)

@@ -107,7 +107,7 @@ def _cached(root: str, kind: str, ident: str, marker: dict) -> Cached:
     objects = marker.get("objects") if isinstance(marker.get("objects"), dict) else {}
     shards = sum(1 for v in objects.values() if isinstance(v, list) and len(v) == 4 and (v[2], v[3]) != (0, v[0]))
     try:
-        present = sum(1 for f in os.listdir(root + STATE) if f.endswith(".ok"))
+        present = len({f.split(".", 1)[0] for f in os.listdir(root + STATE) if f.endswith(".ok")})  # by shard
     except OSError:
         present = 0
     url = marker.get("url")

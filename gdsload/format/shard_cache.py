@@ -1,21 +1,24 @@
-"""The node's shard cache: a remote dataset's shards fetched into their sparse files as ranks need them, held
+"""The node's shard cache: a remote dataset's shards fetched into their sparse files as ranks need them, piece by
+piece (:mod:`gdsload.format.pieces`: a rank fetches the byte ranges its windows read, not whole shards), held
 (pinned) while a window reads them, and the least recently used evicted when ``cache_bytes`` would be exceeded.
 
 On disk, beside each version's folder (:mod:`gdsload.format.mirror`) a folder of state, ``<version>.shards``:
-per shard ``<id>.lock`` (a file lock, ``flock``) and ``<id>.ok``, the *present* marker (JSON: the shard's
-path, its data's byte range, size and ETag; its mtime is the shard's last use), written (renamed into place)
-only after the shard's data is written in place and synced; ``<id>.fill`` while it is fetched (the bytes it
-will take: counted against the bound before they are written). ``open.lock`` is held shared while a dataset
-is open on the version. ``<cache_dir>/.gdsload-cache.lock`` serialises the decisions that make room.
+per piece (``<id>``: a digest of its shard's key, then its byte range) ``<id>.lock`` (a file lock, ``flock``)
+and ``<id>.ok``, the *present* marker (JSON: the shard's path, the piece's byte range, the shard's size and
+ETag; its mtime is the piece's last use), written (renamed into place) only after the piece's bytes are
+written in place and synced; ``<id>.fill`` while it is fetched (the bytes it will take: counted against the
+bound before they are written). Pieces of a shard never overlap, so what one eviction frees no other piece
+holds. ``open.lock`` is held shared while a dataset is open on the version. ``<cache_dir>/.gdsload-cache.lock``
+serialises the decisions that make room.
 
 Locks, all ``flock`` (one per open file description, so two datasets of one process exclude each other as two
-processes do): a shard's lock held *shared* is a pin (a window reads it, or will soon); held *exclusive*, its
-fetch or its eviction. A reader reads a shard only while it holds a pin and the marker is there, so it never
+processes do): a piece's lock held *shared* is a pin (a window reads it, or will soon); held *exclusive*, its
+fetch or its eviction. A reader reads a piece only while it holds a pin and the marker is there, so it never
 reads a byte not fully fetched and checked (length; the ETag pinned at open, by ``If-Match``); a rank that
-finds another fetching waits for the lock, then uses the shard: no shard is fetched twice. Eviction takes
-the lock exclusively without waiting (a pinned shard is passed over), removes the marker, then punches the
-data out of the file (``fallocate(PUNCH_HOLE)``; without it, the file is cut and re-extended around its
-index). A crash mid-fetch leaves no marker: the shard reads as absent and is fetched again.
+finds another fetching waits for the lock, then uses the piece: no piece is fetched twice. Eviction takes
+the lock exclusively without waiting (a pinned piece is passed over), removes the marker, then punches the
+piece out of the file (``fallocate(PUNCH_HOLE)``; without it, the piece is overwritten with zeros). A crash
+mid-fetch leaves no marker: the piece reads as absent and is fetched again.
 
 Waits are bounded by ``timeout_s``. A fetch touches its ``.fill`` (which names its pid) after each ranged read,
 each of which ends within ``timeout_s``; a rank waiting for another's fetch watches it and gives up with a
@@ -42,10 +45,16 @@ from collections.abc import Iterator
 from ..errors import GDSLoadError, ReadError
 from ..remote import client_for
 from ..remote.objects import DEFAULT_TIMEOUT_S, ObjectChanged, Stopped, redact
-from .mirror import PIECE_BYTES, STATE, Entry, Version
+from .mirror import PIECE_BYTES, STATE, Version
+from .pieces import Piece
 
 #: The lock a process holds while it decides what to evict to make room (the whole cache folder's).
 CACHE_LOCK = ".gdsload-cache.lock"
+#: The cache folder's ledger: the bytes of pieces present and reserved, at least (changed under ``CACHE_LOCK``).
+LEDGER = ".gdsload-cache.used"
+#: A scan that must evict frees this share of ``cache_bytes`` beyond the need, so the next fetches find room by
+#: the ledger alone (a scan reads every marker of the folder).
+SLACK = 16
 #: How often a wait for another's lock looks again.
 POLL_S = 0.01
 _PUNCH = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
@@ -53,7 +62,7 @@ _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 
 
 class CacheFull(ReadError):
-    """No room for a shard under ``cache_bytes``: every shard that could make room is pinned."""
+    """No room for a piece under ``cache_bytes``: every piece that could make room is pinned."""
 
     def __init__(self, message: str, need: int, pinned: int):
         super().__init__(message)
@@ -61,7 +70,7 @@ class CacheFull(ReadError):
 
 
 class ShardCache:
-    """Pins of one version's shards for one open dataset (thread-safe; :meth:`pin` blocks, on a fetcher
+    """Pins of one version's pieces for one open dataset (thread-safe; :meth:`pin` blocks, on a fetcher
     thread). ``cache_bytes`` (None: no bound) bounds the bytes of shard data the whole cache folder holds."""
 
     def __init__(self, version: Version, cache_dir: str, cache_bytes: int | None,
@@ -76,55 +85,52 @@ class ShardCache:
             version.hold.close()  # the open's own lock, held from the skeleton's lock until this one
         self._lock = threading.Lock()
         self.fetched_bytes = self.fetched = self.hits = self.evicted = 0
+        self.fetched_from: set[str] = set()  # the shards (keys) some piece of which this dataset fetched
 
     # -- pins ----------------------------------------------------------------------------------------------
-    def entry(self, path: str) -> Entry | None:
-        return self.version.shards.get(path)
-
-    def pin(self, path: str, stop: threading.Event) -> int:
-        """Pin the shard file ``path``, fetching it first unless present: the descriptor of the pin (pass it to
+    def pin(self, piece: Piece, stop: threading.Event) -> int:
+        """Pin ``piece``, fetching it first unless present: the descriptor of the pin (pass it to
         :meth:`unpin`). Waits for another's fetch or eviction while it moves (a ReadError once it has not for
         ``timeout_s``, or the error the fetch it waited on ended with); :class:`Stopped` once ``stop`` is set;
         the fetch's ReadError naming the URL, CacheFull without room."""
-        entry = self.version.shards[path]
-        fd = os.open(self._lock_path(entry), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(self._lock_path(piece), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         waited, seen, moved = 0.0, None, 0.0  # since when (wall clock) it waited; the owner's progress, when
         try:
             while True:
                 if stop.is_set():
                     raise Stopped()
                 if _try(fd, fcntl.LOCK_SH):
-                    if self._present(entry):
-                        self._touch(entry)
+                    if self._present(piece):
+                        self._touch(piece)
                         with self._lock:
                             self.hits += 1
                         return fd
                     fcntl.flock(fd, fcntl.LOCK_UN)
                 if _try(fd, fcntl.LOCK_EX):  # none holds it: this one fetches (or finds it fetched meanwhile)
-                    if not self._present(entry):
+                    if not self._present(piece):
                         if waited:
-                            self._raise_failed(entry, waited)  # the fetch waited on failed: its error, not another try
-                        self._fetch(entry, stop)
-                    if _try(fd, fcntl.LOCK_SH) and self._present(entry):  # EX -> SH: no evictor comes between
+                            self._raise_failed(piece, waited)  # the fetch waited on failed: its error, not another try
+                        self._fetch(piece, stop)
+                    if _try(fd, fcntl.LOCK_SH) and self._present(piece):  # EX -> SH: no evictor comes between
                         return fd
                     fcntl.flock(fd, fcntl.LOCK_UN)
                     continue
-                now, state = time.monotonic(), _progress(self._id(entry) + ".fill")
+                now, state = time.monotonic(), _progress(self._id(piece) + ".fill")
                 if not waited or state != seen:
                     waited, seen, moved = waited or time.time(), state, now
                 elif now - moved > self.timeout_s:
                     owner = f"process {state[1]}" if state is not None else "another process"
-                    raise ReadError(redact(f"{entry.info.url}: no response for {self.timeout_s:g} s: its fetch by "
-                                           f"{owner} has not moved (lock {self._lock_path(entry)})"))
+                    raise ReadError(redact(f"{piece.entry.info.url}: no response for {self.timeout_s:g} s: its fetch "
+                                           f"by {owner} has not moved (lock {self._lock_path(piece)})"))
                 time.sleep(POLL_S * (0.5 + random.random()))  # two waiters do not keep meeting
         except BaseException:
             os.close(fd)  # closing the descriptor drops its lock
             raise
 
-    def _raise_failed(self, entry: Entry, since: float) -> None:
-        """Raise the error another's fetch of ``entry`` ended with at or after ``since`` (wall clock), if any."""
+    def _raise_failed(self, piece: Piece, since: float) -> None:
+        """Raise the error another's fetch of ``piece`` ended with at or after ``since`` (wall clock), if any."""
         try:
-            with open(self._id(entry) + ".failed") as f:
+            with open(self._id(piece) + ".failed") as f:
                 doc = json.load(f)
             if float(doc["time"]) < since:
                 return
@@ -152,54 +158,56 @@ class ShardCache:
         self._open = -1
 
     def stats(self) -> dict[str, int]:
-        return {"fetched_bytes": self.fetched_bytes, "fetched_shards": self.fetched, "hits": self.hits,
-                "evicted_shards": self.evicted}
+        return {"fetched_bytes": self.fetched_bytes, "fetched_shards": len(self.fetched_from),
+                "fetched_pieces": self.fetched, "hits": self.hits, "evicted_pieces": self.evicted}
 
     # -- markers -------------------------------------------------------------------------------------------
-    def _id(self, entry: Entry) -> str:
-        return os.path.join(self.state, hashlib.sha256(entry.key.encode()).hexdigest()[:24])
+    def _id(self, piece: Piece) -> str:
+        shard = hashlib.sha256(piece.entry.key.encode()).hexdigest()[:24]
+        return os.path.join(self.state, f"{shard}.{piece.name}")
 
-    def _lock_path(self, entry: Entry) -> str:
-        return self._id(entry) + ".lock"
+    def _lock_path(self, piece: Piece) -> str:
+        return self._id(piece) + ".lock"
 
-    def _present(self, entry: Entry) -> bool:
+    def _present(self, piece: Piece) -> bool:
         try:
-            with open(self._id(entry) + ".ok") as f:
+            with open(self._id(piece) + ".ok") as f:
                 marker = json.load(f)
         except (OSError, ValueError):
             return False
-        return marker.get("size") == entry.info.size and marker.get("etag") == entry.info.etag
+        info = piece.entry.info
+        return (marker.get("size") == info.size and marker.get("etag") == info.etag
+                and marker.get("range") == [piece.lo, piece.hi])
 
-    def _touch(self, entry: Entry) -> None:
+    def _touch(self, piece: Piece) -> None:
         try:
-            os.utime(self._id(entry) + ".ok")  # its last use, for the least-recently-used order
+            os.utime(self._id(piece) + ".ok")  # its last use, for the least-recently-used order
         except OSError:
             pass
 
     # -- fetch ---------------------------------------------------------------------------------------------
-    def _fetch(self, entry: Entry, stop: threading.Event) -> None:
-        """Fetch the data of ``entry`` into its file, in place (holding its lock exclusively), then sync it and
-        write its marker. On any failure the data written is punched out again and no marker is written; a
-        ReadError is also left in ``<id>.failed`` for the ranks that waited on this fetch."""
-        base, need = self._id(entry), entry.data_bytes
-        fd = -1
+    def _fetch(self, piece: Piece, stop: threading.Event) -> None:
+        """Fetch the bytes of ``piece`` into its file, in place (holding its lock exclusively), then sync them
+        and write its marker. On any failure the bytes written are punched out again and no marker is written;
+        a ReadError is also left in ``<id>.failed`` for the ranks that waited on this fetch."""
+        base, need, entry = self._id(piece), piece.nbytes, piece.entry
+        fd, reserved = -1, False
         try:
-            self._make_room(entry, need)
-            if self.cache_bytes is None:  # no reservation to make: the .fill only shows the fetch moving
-                _write_marker(base + ".fill", {"size": need, "pid": os.getpid()})
+            self._make_room(piece, need)
+            reserved = True
             fd = os.open(entry.path, os.O_RDWR | os.O_CLOEXEC)
-            for lo, hi in _data_ranges(entry):
-                for offset in range(lo, hi, PIECE_BYTES):
-                    if stop.is_set():
-                        raise Stopped()
-                    data = self.client.read(entry.info, offset, min(PIECE_BYTES, hi - offset), stop)  # If-Match
-                    _pwrite_all(fd, data, offset)
-                    _moved(base + ".fill")
-                    with self._lock:
-                        self.fetched_bytes += len(data)
+            for offset in range(piece.lo, piece.hi, PIECE_BYTES):
+                if stop.is_set():
+                    raise Stopped()
+                data = self.client.read(entry.info, offset, min(PIECE_BYTES, piece.hi - offset), stop)  # If-Match
+                _pwrite_all(fd, data, offset)
+                _moved(base + ".fill")
+                with self._lock:
+                    self.fetched_bytes += len(data)
+                    self.fetched_from.add(entry.key)
             os.fdatasync(fd)
             marker = {"key": entry.key, "path": entry.path, "size": entry.info.size, "etag": entry.info.etag,
-                      "data_bytes": need, "keep": [entry.keep_lo, entry.keep_hi]}
+                      "data_bytes": need, "range": [piece.lo, piece.hi]}
             with self._room():  # the reservation becomes the marker at once for a scan (which reads no folder whole)
                 _write_marker(base + ".ok", marker)
                 _remove(base + ".fill")
@@ -209,9 +217,12 @@ class ShardCache:
         except BaseException as e:
             if fd >= 0:
                 try:
-                    _punch(fd, entry.keep_lo, entry.keep_hi, entry.info.size)
+                    _punch(fd, piece.lo, piece.hi)
                 except OSError:
                     pass  # no marker: it reads as absent whatever the file holds
+            if reserved:
+                with contextlib.suppress(OSError), self._room():
+                    self._account(-need)
             if isinstance(e, OSError) and not isinstance(e, GDSLoadError):  # writing the cache failed
                 raise ReadError(f"{self.cache_dir}: cannot write {redact(entry.info.url)} into the shard cache "
                                 f"({errno.errorcode.get(e.errno or 0, 'OSError')}: {e.strerror or e}); free space "
@@ -226,34 +237,44 @@ class ShardCache:
                 os.close(fd)
             _remove(base + ".fill")
 
-    def _make_room(self, entry: Entry, need: int) -> None:
-        """Reserve ``need`` bytes under the bound (a ``.fill`` file), evicting least recently used shards that
-        no one pins; CacheFull when the pinned ones leave too little."""
-        if self.cache_bytes is None:
-            return
-        if need > self.cache_bytes:
-            raise CacheFull(redact(f"cache_bytes={self.cache_bytes} is smaller than one shard: {entry.info.url} holds "
-                                   f"{need} bytes of data (raise cache_bytes to at least {need})"), need, 0)
+    def _make_room(self, piece: Piece, need: int) -> None:
+        """Reserve ``need`` bytes (a ``.fill`` file, and the ledger), under the bound evicting least recently used
+        pieces that no one pins; CacheFull when the pinned ones leave too little. The ledger (the bytes present
+        and reserved, never fewer) decides without a scan while it leaves room; a scan (every marker read, stale
+        reservations dropped) sets it right again whenever it does not, or is missing."""
+        bound, url = self.cache_bytes, piece.entry.info.url
+        if bound is not None and need > bound:
+            raise CacheFull(redact(f"cache_bytes={bound} is smaller than one piece of a shard: {url} "
+                                   f"bytes {piece.name} ({need} bytes; raise cache_bytes to at least {need})"),
+                            need, 0)
         with self._room():
-            present, used = _scan(self.cache_dir)
-            for when, size, lock_path, marker in sorted(present):
-                if used + need <= self.cache_bytes:
-                    break
-                if self._evict(lock_path, marker):
-                    used -= size
-            if used + need > self.cache_bytes:
-                raise CacheFull(redact(f"cache_bytes={self.cache_bytes} is too small: {entry.info.url} needs {need} "
-                                       f"bytes and {used} bytes of shards are in use by the open datasets' windows "
-                                       f"(at least {used + need} bytes needed at once)"), need, used)
-            _write_marker(self._id(entry) + ".fill", {"size": need, "pid": os.getpid()})
+            used = _read_ledger(self.cache_dir)
+            if bound is not None and (used is None or used + need > bound):
+                present, used = _scan(self.cache_dir)
+                for when, size, lock_path, marker in sorted(present):
+                    if used + need <= bound - bound // SLACK:  # some room beyond the need: no scan next time
+                        break
+                    if self._evict(lock_path, marker):
+                        used -= size
+                if used + need > bound:
+                    _write_ledger(self.cache_dir, used)
+                    raise CacheFull(redact(f"cache_bytes={bound} is too small: {url} needs {need} bytes and {used} "
+                                           f"bytes of shards are in use by the open datasets' windows (at least "
+                                           f"{used + need} bytes needed at once)"), need, used)
+            _write_marker(self._id(piece) + ".fill", {"size": need, "pid": os.getpid()})
+            if used is not None:  # without a bound and a ledger, nothing to keep: a bound's first fetch scans
+                _write_ledger(self.cache_dir, used + need)
+
+    def _account(self, delta: int) -> None:
+        """Add ``delta`` bytes to the ledger, if there is one (hold :meth:`_room`)."""
+        used = _read_ledger(self.cache_dir)
+        if used is not None:
+            _write_ledger(self.cache_dir, max(0, used + delta))
 
     @contextlib.contextmanager
     def _room(self) -> Iterator[None]:
-        """The cache folder's lock, held while room is reckoned and while a fetch's reservation becomes its
-        marker (a listing that runs beside a rename may see neither name); no-op without a bound."""
-        if self.cache_bytes is None:
-            yield
-            return
+        """The cache folder's lock, held while room is reckoned, the ledger changed, and while a fetch's
+        reservation becomes its marker (a listing that runs beside a rename may see neither name)."""
         lock = os.open(os.path.join(self.cache_dir, CACHE_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)  # held for a scan or a rename: no fetch waits on it long
@@ -262,7 +283,7 @@ class ShardCache:
             os.close(lock)
 
     def _evict(self, lock_path: str, marker: dict) -> bool:
-        """Evict one shard if no one holds its lock; whether it was."""
+        """Evict one piece if no one holds its lock; whether it was."""
         try:
             fd = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC)
         except OSError:
@@ -276,8 +297,10 @@ class ShardCache:
             except (OSError, KeyError, TypeError):
                 return True  # its file is gone with its version
             try:
-                lo, hi = marker["keep"]
-                _punch(data, lo, hi, marker["size"])
+                lo, hi = marker["range"]
+                _punch(data, lo, hi)
+            except (KeyError, TypeError, ValueError):
+                pass  # a marker of no piece (another format): its bytes read as absent, its version is not served
             finally:
                 os.close(data)
             with self._lock:
@@ -321,6 +344,20 @@ def _scan(cache_dir: str) -> tuple[list[tuple[float, int, str, dict]], int]:
     return present, used
 
 
+def _read_ledger(cache_dir: str) -> int | None:
+    """The ledger's bytes, or None where it is missing or unreadable (a scan then counts them)."""
+    try:
+        with open(os.path.join(cache_dir, LEDGER)) as f:
+            used = json.load(f)["bytes"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return used if type(used) is int and used >= 0 else None
+
+
+def _write_ledger(cache_dir: str, used: int) -> None:
+    _write_marker(os.path.join(cache_dir, LEDGER), {"bytes": used})
+
+
 def _stale(lock_path: str) -> bool:
     """Whether no one holds the lock (a fetch's reservation left by a process that died)."""
     try:
@@ -359,11 +396,6 @@ def _try(fd: int, kind: int) -> bool:
         return False
 
 
-def _data_ranges(entry: Entry) -> list[tuple[int, int]]:
-    """The byte ranges of a shard file that are its data: all but what the skeleton kept (its index)."""
-    return [(a, b) for a, b in ((0, entry.keep_lo), (entry.keep_hi, entry.info.size)) if b > a]
-
-
 def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
     view = memoryview(data)
     while view:
@@ -371,15 +403,12 @@ def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def _punch(fd: int, keep_lo: int, keep_hi: int, size: int) -> None:
-    """Free the data of a shard file, keeping ``keep_lo .. keep_hi`` (its index) and its size."""
-    for lo, hi in ((0, keep_lo), (keep_hi, size)):
-        if hi > lo and _libc.fallocate(fd, _PUNCH, ctypes.c_long(lo), ctypes.c_long(hi - lo)) != 0:
-            kept = os.pread(fd, keep_hi - keep_lo, keep_lo) if keep_hi > keep_lo else b""
-            os.ftruncate(fd, 0)  # no hole punching here: cut the file and make it whole again around its index
-            os.ftruncate(fd, size)
-            _pwrite_all(fd, kept, keep_lo)
-            return
+def _punch(fd: int, lo: int, hi: int) -> None:
+    """Free bytes ``lo .. hi`` of a shard file (a piece), keeping its size; zeros where it cannot punch holes."""
+    if hi > lo and _libc.fallocate(fd, _PUNCH, ctypes.c_long(lo), ctypes.c_long(hi - lo)) != 0:
+        zeros = bytes(min(hi - lo, PIECE_BYTES))
+        for offset in range(lo, hi, len(zeros)):
+            _pwrite_all(fd, zeros[:min(len(zeros), hi - offset)], offset)
 
 
 def _write_marker(path: str, doc: dict) -> None:

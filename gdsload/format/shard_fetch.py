@@ -2,13 +2,15 @@
 
 Threads. :class:`RemoteShards` runs up to :data:`FETCH_THREADS` ``gdsload-fetch`` threads. They take the
 windows the pipeline will submit, in plan order (:meth:`RemoteShards.expect`: block arrays, turned into the
-shard files they read by the reader's ``paths_of``, at most :data:`AHEAD_WINDOWS` ahead of the reads), and
-the shards of windows the reader waits for now (:meth:`RemoteShards.acquire`, first); each pins a shard in
-the node's cache (:class:`gdsload.format.shard_cache.ShardCache`: fetched unless present, ranged GETs of a few
-MiB) and hands the pin back here, where it is held while a window that reads the shard is ahead or in flight;
-:meth:`RemoteShards.release` (the window's reads are over) unpins what no window needs any more. A fetch error
-is kept for the shard and raised, naming the URL, by the ``acquire`` of a window that reads it. The threads
-stop with :meth:`RemoteShards.stop` (the pipeline stops: a break, an error, ``stop()``, ``close()``), which
+byte ranges they read by the reader's ``paths_of``, at most :data:`AHEAD_WINDOWS` ahead of the reads), and
+the pieces of windows the reader waits for now (:meth:`RemoteShards.acquire`, first). The ranges are the
+pieces of shards they touch (:mod:`gdsload.format.pieces`, cut at the chunks' starts the reader gives once,
+:meth:`RemoteShards.divide`), so a rank fetches its share, not every shard it touches whole. Each thread pins
+a piece in the node's cache (:class:`gdsload.format.shard_cache.ShardCache`: fetched unless present, ranged
+GETs of a few MiB) and hands the pin back here, where it is held while a window that reads the piece is ahead
+or in flight; :meth:`RemoteShards.release` (the window's reads are over) unpins what no window needs any more.
+A fetch error is kept for the piece and raised, naming the URL, by the ``acquire`` of a window that reads it.
+The threads stop with :meth:`RemoteShards.stop` (the pipeline stops: a break, an error, ``stop()``, ``close()``), which
 wakes them, waits for them (a ranged read in flight ends at once: the client's stop) and unpins everything;
 they start again with the next ``expect`` or ``acquire``. No wait is unbounded, and each is bounded by
 ``timeout_s``: a stalled server is the client's ReadError (``no response for N s``), a fetch by another
@@ -23,18 +25,23 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Union
 
 from ..errors import ReadError
 from ..remote.objects import DEFAULT_TIMEOUT_S, redact
 from .mirror import Version, open_version
+from .layout import DatasetLayout
+from .pieces import Piece, chunk_starts, covering, cut, pieces_of
 from .shard_cache import CacheFull, ShardCache, Stopped
+
+#: What a read names: a shard file (all of it) or bytes of one, ``(path, offset, nbytes)``.
+Item = Union[str, tuple[str, int, int]]
 
 #: Windows fetched ahead of the one submitted.
 AHEAD_WINDOWS = 4
-#: Shards fetched at once.
-FETCH_THREADS = 4
+#: Pieces fetched at once.
+FETCH_THREADS = 8
 #: A reader's last resort: how many ``timeout_s`` it waits for a window's shards while no fetch of them moves
 #: (the client's, the cache's and the room's bounds end every wait first).
 STALL_TIMEOUTS = 4
@@ -45,10 +52,10 @@ POLL_S = 0.05
 
 
 class Ticket:
-    """The shards one window reads, pinned until :meth:`RemoteShards.release`; ``stopped``: the wait ended
+    """The pieces one window reads, pinned until :meth:`RemoteShards.release`; ``stopped``: the wait ended
     because reading stops (nothing was pinned, nothing may be read)."""
 
-    def __init__(self, seq: int, paths: tuple[str, ...], stopped: bool = False):
+    def __init__(self, seq: int, paths: tuple[Piece, ...], stopped: bool = False):
         self.seq, self.paths, self.stopped = seq, paths, stopped
 
 
@@ -59,15 +66,16 @@ class RemoteShards:
         self.version, self.cache, self.timeout_s = version, cache, cache.timeout_s
         self._cv = threading.Condition()
         self._queue: deque[tuple[int, Any]] = deque()  # windows expected, not yet acquired: (seq, blocks)
-        self._paths: dict[int, tuple[str, ...]] = {}  # of queued windows, computed as they come in reach
-        self._paths_of: Callable[[Any], tuple[str, ...]] | None = None
-        self._need: dict[str, set[int]] = {}  # shard -> the windows (seqs) ahead or in flight that read it
+        self._paths: dict[int, tuple[Piece, ...]] = {}  # of queued windows, computed as they come in reach
+        self._paths_of: Callable[[Any], Sequence[Item]] | None = None
+        self._cut = {p: pieces_of(e, cut(e, None)) for p, e in version.shards.items()}  # shard -> its pieces
+        self._need: dict[Piece, set[int]] = {}  # piece -> the windows (seqs) ahead or in flight that read it
         self._acquired: set[int] = set()
-        self._pins: dict[str, int] = {}  # shard -> descriptor of its pin
-        self._busy: set[str] = set()
-        self._errors: dict[str, BaseException] = {}
+        self._pins: dict[Piece, int] = {}  # piece -> descriptor of its pin
+        self._busy: set[Piece] = set()
+        self._errors: dict[Piece, BaseException] = {}
         self._full_at = -1  # the seq no room was found for: windows past it are not fetched until a release
-        self._full_since: dict[str, tuple[float, int]] = {}  # shard waited for -> (since when, pinned) no room
+        self._full_since: dict[Piece, tuple[float, int]] = {}  # piece waited for -> (since when, pinned) no room
         self._seq = 0
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -91,32 +99,54 @@ class RemoteShards:
                 "cache_bytes": self.cache.cache_bytes, "ahead_windows": AHEAD_WINDOWS, "timeout_s": self.timeout_s,
                 **self.cache.stats()}
 
-    def check_room(self, reads: Sequence[Sequence[str]]) -> None:
-        """CacheFull now, where ``cache_bytes`` cannot hold the shards of the largest of ``reads`` (each the files
-        one read pins together: a window, a resident field, every shard for a backend that locks them): that
-        read would wait for room its own pins hold. (What the node's other ranks pin beside it is not known
-        here: a wait for that room ends once nothing on the node has moved for ``timeout_s``.)"""
+    def divide(self, layout: DatasetLayout) -> None:
+        """Cut each shard file of ``layout`` at its chunks' offsets (:func:`gdsload.format.pieces.cut`); before
+        any read. A shard it does not hold stays one piece."""
+        starts = chunk_starts(layout.block_offsets, layout.chunk_files, {k: layout.paths(k) for k in layout.keys})
+        with self._cv:
+            for path, offsets in starts.items():
+                entry = self.version.shards.get(path)
+                if entry is not None:
+                    self._cut[path] = pieces_of(entry, cut(entry, offsets))
+
+    def pieces(self, items: Iterable[Item]) -> tuple[Piece, ...]:
+        """The pieces that ``items`` (shard files, whole, or ``(path, offset, nbytes)``) read, each once, in
+        order; files that are not shards of the version (metadata, kept whole) have none."""
+        out: set[Piece] = set()
+        for item in items:
+            if isinstance(item, str):
+                out.update(self._cut.get(item, ()))
+            elif item[0] in self._cut:
+                out.update(covering(self._cut[item[0]], item[1], item[2]))
+        return tuple(sorted(out, key=lambda p: (p.entry.path, p.lo)))
+
+    def check_room(self, reads: Sequence[Sequence[Item]]) -> None:
+        """CacheFull now, where ``cache_bytes`` cannot hold the pieces of the largest of ``reads`` (each what one
+        read pins together: a window, a resident field, every shard for a backend that locks them): that read
+        would wait for room its own pins hold. (What the node's other ranks pin beside it is not known here: a
+        wait for that room ends once nothing on the node has moved for ``timeout_s``.)"""
         bound = self.cache.cache_bytes
         if bound is None:
             return
-        most, largest, one = 0, [], None  # the most one read pins, its shards; the largest shard
-        for paths in reads:
-            shards = [e for e in {p: self.cache.entry(p) for p in paths}.values() if e is not None]
-            if sum(e.data_bytes for e in shards) > most:
-                most, largest = sum(e.data_bytes for e in shards), shards
-            for e in shards:
-                one = e if one is None or e.data_bytes > one.data_bytes else one
-        if one is not None and one.data_bytes > bound:
-            raise CacheFull(redact(f"cache_bytes={bound} is smaller than one shard: {one.info.url} holds "
-                                   f"{one.data_bytes} bytes of data (raise cache_bytes to at least {one.data_bytes})"),
-                            one.data_bytes, 0)
+        most, largest, one = 0, (), None  # the most one read pins, its pieces; the largest piece
+        for items in reads:
+            pieces = self.pieces(items)
+            if sum(p.nbytes for p in pieces) > most:
+                most, largest = sum(p.nbytes for p in pieces), pieces
+            for p in pieces:
+                one = p if one is None or p.nbytes > one.nbytes else one
+        if one is not None and one.nbytes > bound:
+            raise CacheFull(redact(f"cache_bytes={bound} is smaller than one piece of a shard: {one.entry.info.url} "
+                                   f"bytes {one.name} ({one.nbytes} bytes; raise cache_bytes to at least "
+                                   f"{one.nbytes})"), one.nbytes, 0)
         if most > bound:
             raise CacheFull(redact(f"cache_bytes={bound} is too small: one read of this dataset pins {len(largest)} "
-                                   f"shards at once ({most} bytes of data, e.g. {largest[0].info.url}); raise "
-                                   f"cache_bytes to at least {most} (or read smaller windows: window_blocks)"), most, 0)
+                                   f"pieces of shards at once ({most} bytes of data, e.g. "
+                                   f"{largest[0].entry.info.url}); raise cache_bytes to at least {most} (or read "
+                                   f"smaller windows: window_blocks)"), most, 0)
 
     # -- the reader's side ---------------------------------------------------------------------------------
-    def expect(self, windows: Sequence[Any], paths_of: Callable[[Any], tuple[str, ...]]) -> None:
+    def expect(self, windows: Sequence[Any], paths_of: Callable[[Any], Sequence[Item]]) -> None:
         """The windows (block arrays) submitted next, in order: fetched ahead, replacing any expected before."""
         with self._cv:
             for seq, _ in self._queue:
@@ -129,10 +159,10 @@ class RemoteShards:
             self._start()
             self._cv.notify_all()
 
-    def acquire(self, paths: Sequence[str], stop: threading.Event) -> Ticket:
-        """Wait until the shards among ``paths`` are pinned (the next expected window's, or any: the first
-        window, the resident fields). A fetch's ReadError is raised here; a stop returns a stopped ticket."""
-        shards = tuple(sorted({p for p in paths if self.cache.entry(p) is not None}))
+    def acquire(self, paths: Sequence[Item], stop: threading.Event) -> Ticket:
+        """Wait until the pieces ``paths`` read are pinned (the next expected window's, or any: the first window,
+        the resident fields). A fetch's ReadError is raised here; a stop returns a stopped ticket."""
+        shards = self.pieces(paths)
         with self._cv:
             if self._queue and self._window_paths(self._queue[0][0]) == shards:
                 seq = self._queue.popleft()[0]
@@ -164,14 +194,14 @@ class RemoteShards:
                     deadline, seen = time.monotonic() + limit, moved
                 if time.monotonic() > deadline:
                     self._release(ticket)
-                    missing = [self.cache.entry(p).info.url for p in shards if p not in self._pins]  # type: ignore
+                    missing = [p.entry.info.url for p in shards if p not in self._pins]
                     raise ReadError(redact(f"{missing[0]}: not in the shard cache after {limit:g} s in which no fetch "
                                            f"of the window's shards moved (timeout_s={self.timeout_s:g})"))
                 self._cv.wait(POLL_S)
 
-    def passed(self, paths: Sequence[str]) -> None:
+    def passed(self, paths: Sequence[Item]) -> None:
         """The next expected window is not read after all (its buffer holds it since the open)."""
-        shards = tuple(sorted({p for p in paths if self.cache.entry(p) is not None}))
+        shards = self.pieces(paths)
         with self._cv:
             if self._queue and self._window_paths(self._queue[0][0]) == shards:
                 self._forget(self._queue.popleft()[0])
@@ -221,11 +251,10 @@ class RemoteShards:
             t.start()
             self._threads.append(t)
 
-    def _window_paths(self, seq: int) -> tuple[str, ...]:
+    def _window_paths(self, seq: int) -> tuple[Piece, ...]:
         if seq not in self._paths:
             blocks = next(b for s, b in self._queue if s == seq)
-            got = self._paths_of(blocks) if self._paths_of is not None else ()
-            self._paths[seq] = tuple(sorted({p for p in got if self.cache.entry(p) is not None}))
+            self._paths[seq] = self.pieces(self._paths_of(blocks) if self._paths_of is not None else ())
         return self._paths[seq]
 
     def _forget(self, seq: int) -> None:
@@ -241,7 +270,7 @@ class RemoteShards:
         self._full_at = -1  # room may have come: fetching ahead goes on
         self._cv.notify_all()
 
-    def _drop_need(self, path: str, seq: int) -> None:
+    def _drop_need(self, path: Piece, seq: int) -> None:
         users = self._need.get(path)
         if users is None:
             return
@@ -253,10 +282,10 @@ class RemoteShards:
                 self.cache.unpin(fd)
             self._errors.pop(path, None)
 
-    def _next(self) -> tuple[str, int] | None:
+    def _next(self) -> tuple[Piece, int] | None:
         """The next shard to pin and the first window that needs it: those waited for first, then the
         windows ahead in order (not past one no room was found for)."""
-        def todo(p: str) -> bool:
+        def todo(p: Piece) -> bool:
             return p not in self._pins and p not in self._busy and p not in self._errors
 
         for p, users in self._need.items():
@@ -309,7 +338,7 @@ class RemoteShards:
                     self.cache.unpin(fd)
                 self._cv.notify_all()
 
-    def _room(self, path: str, seq: int, urgent: bool, e: CacheFull) -> bool:
+    def _room(self, path: Piece, seq: int, urgent: bool, e: CacheFull) -> bool:
         """No room under ``cache_bytes`` for ``path`` (first needed by window ``seq``): unpin what only windows
         after it need, and stop fetching ahead past it until a release. For a window waited for now, once the
         bytes pinned on the node have not changed for ``timeout_s``, the CacheFull is its error. Whether to wait

@@ -20,7 +20,7 @@ import numpy as np
 
 from .._tasks import Pending, Queued, drain
 from ..backends import info, make_backend, resolve
-from ..backends.base import Backend
+from ..backends.base import Backend, ReadRequest
 from ..backends.cpu import CpuBackend
 from ..codecs.decode import WindowDecoder, all_of
 from ..codecs.verify import Verdict, Verification, carries_trailers, unchecked_fields
@@ -190,6 +190,8 @@ class Reader:
             reader = cls(meta, layout, resident, name, reason, device, verify)
             reader.route, reader._skeleton = route, remote
             reader.remote = None if direct else remote  # the direct route fetches nothing into the cache
+            if reader.remote is not None:  # shards cut into pieces at their chunks: a rank fetches what it reads
+                reader.remote.divide(layout)
             reader.on_device = info(name).on_device
             reader.backend = make_backend(name, device, **(backend_options or {}))
         except BaseException:
@@ -319,7 +321,7 @@ class Reader:
         requests = self.window_map.first_requests(self.layout, plan)  # type: ignore[union-attr]
         if requests:
             try:
-                ticket = self._pinned([getattr(r, "path", "") for r in requests], threading.Event())
+                ticket = self._pinned(_paths(requests), threading.Event())
                 try:
                     filled = self.backend.load(buf.buffer, requests, threading.Event())
                     if filled is not None:
@@ -441,6 +443,7 @@ class Reader:
             self._skeleton.close()  # its threads end, its pins (the whole dataset's too) are dropped
 
 
-def _paths(work: Work) -> list[str]:
-    """The files a window's reads read."""
-    return [r.path for r in (*work.requests, *work.host_requests) if hasattr(r, "path")]
+def _paths(work: Work | Sequence[Any]) -> list[tuple[str, int, int]]:
+    """The byte ranges a window's reads (or a list of requests) read from files: (path, offset, nbytes)."""
+    requests = [*work.requests, *work.host_requests] if isinstance(work, Work) else work
+    return [(r.path, r.offset, r.nbytes) for r in requests if isinstance(r, ReadRequest)]

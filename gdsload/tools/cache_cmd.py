@@ -45,7 +45,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _line(c: Cached) -> str:
     what = {"version": "version", "unfinished": "unfinished fetch", "stale": "older or damaged version"}[c.kind]
-    shards = f"{c.present}/{c.shards} shards present" if c.kind == "version" else "no shards served"
+    shards = f"{c.present}/{c.shards} shards with data" if c.kind == "version" else "no shards served"
     return (f"{c.url}  {what} {c.ident}  {human_bytes(c.disk_bytes)}  {shards}  "
             f"{'in use' if c.in_use else 'not in use'}  ({c.root})")
 
