@@ -1,0 +1,176 @@
+"""Image fields decoded on the device with nvImageCodec: a batch's images in one batched call, on the
+assembler's stream, then cropped, resized, flipped and laid out by one kernel into the batch tensor.
+
+The encoded bytes are gathered on the device like any variable-length field; nvImageCodec's Python API
+takes host buffers, so each batch's bytes (tens of kB per image) are copied to the host first. Each
+image's size comes from its header (:mod:`gdsload.format.image_header`), the crop and flip from
+:func:`~gdsload.codecs.image_params.transform_params`, and the resize taps from
+:func:`~gdsload.codecs.image_params.resize_taps`: the same as the ``cpu`` backend's, so the two differ only
+by their decoders. Only the rows and columns the taps read are decoded (nvImageCodec's region of interest);
+an image the decoder cannot decode by region is decoded whole (the taps are then taken from the whole
+image). The decoded images are kept until an event after the kernel has passed.
+
+Without nvImageCodec (``gdsload[gpu]`` installs ``nvidia-nvimgcodec-cu13``), the batch is decoded by the
+host path (Pillow) and copied to the device, with one warning.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..errors import warn
+from ..format.image_header import ImageHeaderError, probe
+from .image_params import ImageSpec, resize_taps, transform_params
+from .image_host import decode_error, decode_host, output_shape
+
+_KERNEL = r"""
+extern "C" __global__ void resize_images(
+    const unsigned long long* srcs, const long long* pitches, const int* ry, const float* wy, int ky,
+    const int* rx, const float* wx, int kx, const unsigned char* flips, int B, int OH, int OW,
+    const float* mean, const float* inv_std, int to_float, void* out) {
+  long long n = (long long)B * OH * OW;
+  for (long long t = blockIdx.x * (long long)blockDim.x + threadIdx.x; t < n;
+       t += (long long)gridDim.x * blockDim.x) {
+    int x = (int)(t % OW);
+    int y = (int)((t / OW) % OH);
+    int b = (int)(t / ((long long)OW * OH));
+    int xs = flips[b] ? OW - 1 - x : x;
+    const unsigned char* src = (const unsigned char*)srcs[b];
+    long long pitch = pitches[b];
+    float a0 = 0.f, a1 = 0.f, a2 = 0.f;
+    for (int i = 0; i < ky; i++) {
+      float w1 = wy[((long long)b * OH + y) * ky + i];
+      if (w1 == 0.f) continue;
+      const unsigned char* row = src + (long long)ry[((long long)b * OH + y) * ky + i] * pitch;
+      for (int j = 0; j < kx; j++) {
+        float w = w1 * wx[((long long)b * OW + xs) * kx + j];
+        if (w == 0.f) continue;
+        const unsigned char* p = row + 3LL * rx[((long long)b * OW + xs) * kx + j];
+        a0 += w * p[0]; a1 += w * p[1]; a2 += w * p[2];
+      }
+    }
+    if (to_float) {
+      long long plane = (long long)OH * OW;
+      float* o = (float*)out + (long long)b * 3 * plane + (long long)y * OW + x;
+      o[0] = (a0 / 255.f - mean[0]) * inv_std[0];
+      o[plane] = (a1 / 255.f - mean[1]) * inv_std[1];
+      o[2 * plane] = (a2 / 255.f - mean[2]) * inv_std[2];
+    } else {
+      unsigned char* o = (unsigned char*)out + t * 3;
+      o[0] = (unsigned char)fminf(fmaxf(rintf(a0), 0.f), 255.f);
+      o[1] = (unsigned char)fminf(fmaxf(rintf(a1), 0.f), 255.f);
+      o[2] = (unsigned char)fminf(fmaxf(rintf(a2), 0.f), 255.f);
+    }
+  }
+}
+"""
+
+
+def _padded(tables: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, int]:
+    """Per-image taps ``(out, K_i)`` stacked as ``(B, out, K)`` with K the largest (extra taps weigh 0)."""
+    k = max(idx.shape[1] for idx, _ in tables)
+    idx = np.zeros((len(tables), tables[0][0].shape[0], k), np.int32)
+    wgt = np.zeros(idx.shape, np.float32)
+    for b, (i, w) in enumerate(tables):
+        idx[b, :, :i.shape[1]], wgt[b, :, :w.shape[1]] = i, w
+    return idx, wgt, k
+
+
+class DeviceImageDecoder:
+    """nvImageCodec's batched decode and the resize kernel, for one dataset (``path`` names it in errors)."""
+
+    def __init__(self, path: str):
+        import cupy
+
+        self.path, self.cupy = path, cupy
+        self.kernel = cupy.RawKernel(_KERNEL, "resize_images")
+        self._held: list[tuple[Any, Any]] = []  # (event, what the kernel reads) until the event has passed
+        try:
+            from nvidia import nvimgcodec
+        except ImportError as e:
+            self.codec = None
+            warn(f"{path}: nvImageCodec is not installed ({e}): image fields are decoded with Pillow on the CPU and "
+                 f"copied to the device (pip install nvidia-nvimgcodec-cu13, or gdsload[gpu])", UserWarning)
+            return
+        self.codec = nvimgcodec
+        self.decoder = nvimgcodec.Decoder(device_id=cupy.cuda.Device().id, options=":fancy_upsampling=1")
+        # EXIF orientation is not applied: Pillow's decode on the cpu backend does not apply it either.
+        self.params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.RGB)
+
+    def decode(self, name: str, spec: ImageSpec, values: Any, offsets: Any, seed: int, epoch: int,
+               samples: np.ndarray, out: Any) -> None:
+        """Decode and transform a batch's images into ``out`` (device memory) on the current stream."""
+        cupy = self.cupy
+        self._held = [(e, kept) for e, kept in self._held if not e.done]
+        host, off = values.get(), offsets.get()  # waits for the gathers on this stream
+        blobs = [host[int(off[i]):int(off[i + 1])] for i in range(len(samples))]
+        if self.codec is None:
+            staged = np.empty(*output_shape(spec, len(samples)))
+            decode_host(self.path, name, spec, host, off, seed, epoch, samples, staged)
+            out.set(staged)
+            return
+        sizes = np.zeros((len(blobs), 2), np.int64)
+        for i, blob in enumerate(blobs):
+            try:
+                info = probe(lambda o, n, blob=blob: blob[o:o + n].tobytes(), len(blob))
+            except ImageHeaderError as e:
+                raise decode_error(self.path, name, int(samples[i]), str(e)) from e
+            sizes[i] = info.height, info.width
+        boxes, flips = transform_params(spec, seed, epoch, samples, sizes[:, 0], sizes[:, 1])
+        (oh, ow), rows, cols = spec.shape, [], []
+        for i in range(len(blobs)):
+            top, left, h, w = (int(v) for v in boxes[i])
+            rows.append(resize_taps(int(sizes[i, 0]), oh, top, h))
+            cols.append(resize_taps(int(sizes[i, 1]), ow, left, w))
+        images = self._decode(name, samples, blobs, sizes, rows, cols)
+        for i, (img, y0, x0) in enumerate(images):
+            rows[i] = (rows[i][0] - y0, rows[i][1])
+            cols[i] = (cols[i][0] - x0, cols[i][1])
+        ry, wy, ky = _padded(rows)
+        rx, wx, kx = _padded(cols)
+        ptrs = np.array([img.__cuda_array_interface__["data"][0] for img, _, _ in images], np.uint64)
+        pitches = np.array([_pitch(img) for img, _, _ in images], np.int64)
+        mean, std = spec.normalize if spec.normalize is not None else ((0, 0, 0), (1, 1, 1))
+        dev = [cupy.asarray(a) for a in (ptrs, pitches, ry, wy, rx, wx, flips.astype(np.uint8),
+                                          np.asarray(mean, np.float32), 1 / np.asarray(std, np.float32))]
+        n = len(blobs) * oh * ow
+        self.kernel((min(4096, -(-n // 256)),), (256,),
+                    (dev[0], dev[1], dev[2], dev[3], np.int32(ky), dev[4], dev[5], np.int32(kx), dev[6],
+                     np.int32(len(blobs)), np.int32(oh), np.int32(ow), dev[7], dev[8],
+                     np.int32(spec.normalize is not None), out))
+        event = cupy.cuda.Event(block=True, disable_timing=True)
+        event.record()
+        self._held.append((event, (images, dev)))
+
+    def _decode(self, name: str, samples: np.ndarray, blobs: list[np.ndarray], sizes: np.ndarray,
+                rows: list[tuple[np.ndarray, np.ndarray]], cols: list[tuple[np.ndarray, np.ndarray]]
+                ) -> list[tuple[Any, int, int]]:
+        """Each image decoded on the current stream, with the offset of its first decoded row and column:
+        by region (the rows and columns its taps read), else whole; a ReadError naming the sample else."""
+        nv, stream = self.codec, self.cupy.cuda.get_current_stream().ptr
+        regions = [(int(r[0].min()), int(c[0].min()), int(r[0].max()) + 1, int(c[0].max()) + 1)
+                   for r, c in zip(rows, cols)]
+        sources = [nv.DecodeSource(b, nv.Region(*reg)) for b, reg in zip(blobs, regions)]
+        got = self.decoder.decode(sources, params=self.params, cuda_stream=stream)
+        out: list[tuple[Any, int, int]] = []
+        for i, img in enumerate(got):
+            (y0, x0, y1, x1), whole = regions[i], (int(sizes[i, 0]), int(sizes[i, 1]), 3)
+            if img is not None and tuple(img.shape) == (y1 - y0, x1 - x0, 3):
+                out.append((img, y0, x0))
+                continue
+            if img is None or tuple(img.shape) != whole:
+                img = self.decoder.decode(nv.DecodeSource(blobs[i]), params=self.params, cuda_stream=stream)
+            if img is None or tuple(img.shape) != whole:
+                shape = None if img is None else tuple(img.shape)
+                why = "nvImageCodec returned nothing" if img is None else f"decoded shape {shape}, expected {whole}"
+                raise decode_error(self.path, name, int(samples[i]), why)
+            out.append((img, 0, 0))
+        return out
+
+
+def _pitch(img: Any) -> int:
+    """Bytes from one row of a decoded HWC image to the next."""
+    strides = img.__cuda_array_interface__.get("strides")
+    return int(strides[0]) if strides else int(img.shape[1]) * int(img.shape[2])
