@@ -212,3 +212,42 @@ def test_an_image_entry_on_a_fixed_field_is_refused(tmp_path):
     where.write_text(json.dumps(doc))
     with pytest.raises(FormatError, match="only a variable-length field holds encoded images"):
         GDSDataset(str(tmp_path / "o.gds"), batch_size=1, backend="cpu")
+
+
+_PEAK = """
+import resource, sys
+from gdsload.conversion.images import convert_images
+convert_images([sys.argv[1]], sys.argv[2], block_bytes=1 << 20, shard_bytes=64 << 20, slice_bytes=8 << 20,
+               progress=False)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+"""
+
+
+def _fake_jpegs(root, count: int, nbytes: int) -> None:
+    """Files the header reader takes as JPEGs (SOI, a frame header, filler, EOI): the converter never decodes."""
+    head = b"\xff\xd8\xff\xc0\x00\x11\x08\x01\x00\x01\x40\x03\x01\x22\x00\x02\x11\x01\x03\x11\x01"
+    filler = np.random.default_rng(0).integers(0, 255, nbytes - len(head) - 2, dtype=np.uint8).tobytes()
+    for i in range(count):
+        put(root / f"c{i % 2}" / f"{i:04d}.jpg", head + filler + b"\xff\xd9")
+
+
+def test_peak_memory_is_bounded_by_the_slice_not_the_images(tmp_path):
+    """Converting 256 MiB of images in 8 MiB slices costs about what converting 8 MiB does."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _fake_jpegs(tmp_path / "small", 2, 4 << 20)
+    _fake_jpegs(tmp_path / "big", 64, 4 << 20)
+
+    def peak(src: str, out: str) -> int:
+        res = subprocess.run([sys.executable, "-c", _PEAK, src, out], capture_output=True, text=True, cwd=root,
+                             check=True)
+        return int(res.stdout.strip())
+
+    baseline = peak(str(tmp_path / "small"), str(tmp_path / "s.gds"))
+    big = peak(str(tmp_path / "big"), str(tmp_path / "b.gds"))
+    assert big - baseline < 48, (baseline, big)
+    g = zarr.open_group(str(tmp_path / "b.gds"), mode="r")
+    assert g["height"][:].tolist() == [256] * 64 and g["width"][:].tolist() == [320] * 64
+    assert int(g["image/offsets"][-1]) == 64 * (4 << 20)

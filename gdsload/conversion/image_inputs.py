@@ -36,7 +36,7 @@ TAR_IMAGE_KEYS = ("jpg", "jpeg", "png")
 MAX_CLS_BYTES = 4096
 
 
-@dataclass
+@dataclass(slots=True)
 class ImageItem:
     """One sample: ``origin`` names it in messages; its bytes are ``size`` bytes of ``file`` from ``offset``
     (``size`` None: the whole file, its size read when scanned); ``problem`` says why it cannot be used."""

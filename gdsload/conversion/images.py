@@ -6,7 +6,7 @@ nothing is decoded. The dataset holds a variable-length uint8 field (``image`` b
 bytes, its formats recorded in the field's entry of the metadata (``"image": {"formats": [...]}``), and
 fixed fields ``label`` (int64), ``height`` and ``width`` (int32). The bytes are written by the converter's
 own writer (:func:`gdsload.conversion.writer.write_dataset`), streamed from the files a slice at a time, so
-memory is bounded by the slice plus a few numbers per image, and published atomically.
+memory is bounded by the slice plus each image's path and a few numbers, and published atomically.
 
 An image that cannot be read or whose header is wrong is *skipped*: listed (file and why) in the result,
 each on a ``log`` line, and counted in a warning; with ``strict`` the conversion is refused instead, naming
@@ -15,6 +15,7 @@ the first such file. None is dropped silently.
 
 from __future__ import annotations
 
+import array
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from typing import BinaryIO
 import numpy as np
 
 from ..errors import ConversionError, warn
-from ..format.image_header import ImageHeaderError, ImageInfo, probe
+from ..format.image_header import ImageHeaderError, probe
 from ..format.meta import DatasetMeta
 from .image_inputs import ImageItem, list_images
 from .publish import check_output
@@ -78,12 +79,13 @@ class _Files:
         self.f = self.path = None
 
 
-def scan(items: Sequence[ImageItem], strict: bool) -> tuple[list[ImageItem], list[ImageInfo], list[Skipped]]:
-    """The items whose header reads (each with its size set) and their infos, and those skipped; with
-    ``strict`` the first bad one is a ConversionError naming it."""
+def scan(items: Sequence[ImageItem], strict: bool) -> tuple[list[ImageItem], np.ndarray, set[str], list[Skipped]]:
+    """The items whose header reads (each with its size set), their (height, width) as int32 ``(n, 2)`` and
+    the formats seen, and the items skipped; with ``strict`` the first bad one is a ConversionError naming it."""
     files = _Files()
     good: list[ImageItem] = []
-    infos: list[ImageInfo] = []
+    sizes = array.array("i")
+    formats: set[str] = set()
     skipped: list[Skipped] = []
     try:
         for item in items:
@@ -93,7 +95,9 @@ def scan(items: Sequence[ImageItem], strict: bool) -> tuple[list[ImageItem], lis
                     if item.size is None:
                         item.size = os.stat(item.file).st_size
                     end, base = item.size, item.offset
-                    infos.append(probe(lambda o, n: files.read(item.file, base + o, max(0, min(n, end - o))), end))
+                    info = probe(lambda o, n: files.read(item.file, base + o, max(0, min(n, end - o))), end)
+                    sizes.extend((info.height, info.width))
+                    formats.add(info.format)
                     good.append(item)
                     continue
                 except ImageHeaderError as e:
@@ -105,7 +109,7 @@ def scan(items: Sequence[ImageItem], strict: bool) -> tuple[list[ImageItem], lis
             skipped.append(Skipped(item.origin, why))
     finally:
         files.close()
-    return good, infos, skipped
+    return good, np.frombuffer(sizes, np.int32).reshape(-1, 2), formats, skipped
 
 
 @dataclass
@@ -156,9 +160,10 @@ def convert_images(inputs: Sequence[str], out: str | os.PathLike[str], *, strict
     out = os.fspath(out)
     if field_name in ("label", "height", "width"):
         raise ConversionError(f"{out}: image field name {field_name!r} is taken by another field")
+    inputs = [os.fspath(inputs)] if isinstance(inputs, (str, os.PathLike)) else [os.fspath(p) for p in inputs]
     listing = list_images(inputs)
     check_output(os.path.abspath(out), bool(options.get("overwrite", False)), list(inputs))
-    good, infos, skipped = scan(listing.items, strict)
+    good, hw, formats, skipped = scan(listing.items, strict)
     if not good:
         raise ConversionError(f"{out}: no readable image among the {len(listing.items)} input(s) "
                               f"(first: {skipped[0] if skipped else inputs[0]})")
@@ -166,13 +171,11 @@ def convert_images(inputs: Sequence[str], out: str | os.PathLike[str], *, strict
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     values = ImageBytesSource(f"{inputs[0]}:{field_name}", good, offsets)
     fixed = {"label": np.array([item.label for item in good], dtype=np.int64),
-             "height": np.array([i.height for i in infos], dtype=np.int32),
-             "width": np.array([i.width for i in infos], dtype=np.int32)}
-    formats = sorted({i.format for i in infos})
+             "height": np.ascontiguousarray(hw[:, 0]), "width": np.ascontiguousarray(hw[:, 1])}
     try:
         meta = write_dataset(out, {n: ArraySource(f"{inputs[0]}:{n}", a) for n, a in fixed.items()},
                              ragged={field_name: RaggedSource(values.origin, values, offsets)},
-                             field_attrs={field_name: {"image": {"formats": formats}}},
+                             field_attrs={field_name: {"image": {"formats": sorted(formats)}}},
                              **options)  # type: ignore[arg-type]
     finally:
         values.close()
