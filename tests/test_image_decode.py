@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from gdsload import GDSDataset, ImageSpec, ReadError, convert_images, write_dataset
-from gdsload.codecs.image_params import crop_boxes, resize_hwc, resize_taps, transform_params, uniforms
+from gdsload.codecs.image_host import decode_host
+from gdsload.codecs.image_params import (batch_taps, crop_boxes, resize_hwc, resize_taps, transform_params,
+                                        uniforms)
 from gdsload.conversion.source_types import ArraySource, RaggedSource
 
 Image = pytest.importorskip("PIL.Image")
@@ -200,3 +202,50 @@ def test_images_must_name_an_image_field_read_and_unpadded(images_ds):
         GDSDataset(path, batch_size=2, backend="cpu", pad_to="max", images={"image": ImageSpec(8)})
     with pytest.raises(TypeError, match="must be a gdsload.ImageSpec"):
         GDSDataset(path, batch_size=2, backend="cpu", images={"image": 224})
+
+
+def _kernel(images: list[np.ndarray], taps, normalize) -> np.ndarray:
+    """The GPU kernel's arithmetic (gdsload/codecs/image_cuda.py), in numpy: each output pixel the sum over
+    its row and column taps of the weighted pixels of the decoded region, the column mirrored if flipped."""
+    b, oh, _ = taps.ry.shape
+    ow = taps.rx.shape[1]
+    out = np.zeros((b, oh, ow, 3), np.float32)
+    for i, img in enumerate(images):
+        cols = np.arange(ow)[::-1] if taps.flips[i] else np.arange(ow)
+        w = taps.wy[i][:, None, :, None] * taps.wx[i][cols][None, :, None, :]  # (oh, ow, ky, kx)
+        px = img[taps.ry[i][:, None, :, None], taps.rx[i][cols][None, :, None, :]].astype(np.float32)
+        out[i] = (w[..., None] * px).sum(axis=(2, 3))
+    if normalize is None:
+        return np.clip(np.rint(out), 0, 255).astype(np.uint8)
+    mean, std = (np.asarray(v, np.float32) for v in normalize)
+    return ((out / 255 - mean) / std).transpose(0, 3, 1, 2)
+
+
+@pytest.mark.parametrize("spec", [ImageSpec(24, crop=(0.08, 1.0), flip=True), ImageSpec((20, 36), flip=True),
+                                  ImageSpec(16, crop=(0.3, 0.9), normalize=((0.5, 0.4, 0.3), (0.2, 0.25, 0.3)))])
+@pytest.mark.parametrize("by_region", [True, False])
+def test_the_gpu_paths_tables_give_the_cpu_paths_batch(spec, by_region):
+    """The device path's tables (regions, relative taps; whole images when a region is not decoded) run through
+    the kernel's arithmetic give what the host path gives, from lossless images."""
+    data = [encode(40 + 7 * i, 50 + 5 * i, i, "PNG") for i in range(6)]
+    offsets = np.concatenate([[0], np.cumsum([len(d) for d in data])])
+    values = np.frombuffer(b"".join(data), np.uint8)
+    samples = np.array([11, 3, 7, 0, 42, 5])
+    shape, dtype = ((6, *spec.shape, 3), np.uint8) if spec.normalize is None else ((6, 3, *spec.shape), np.float32)
+    host = np.empty(shape, dtype)
+    decode_host("d.gds", "image", spec, values, offsets, 9, 2, samples, host)
+    full = [pillow(d) for d in data]
+    taps = batch_taps(spec, 9, 2, samples, np.array([f.shape[0] for f in full]), np.array([f.shape[1] for f in full]))
+    images = []
+    for i, img in enumerate(full):
+        y0, x0, y1, x1 = taps.regions[i]
+        if by_region:
+            images.append(img[y0:y1, x0:x1])
+        else:
+            taps.whole(i)
+            images.append(img)
+    got = _kernel(images, taps, spec.normalize)
+    if spec.normalize is None:
+        assert np.abs(got.astype(np.int16) - host).max() <= 1
+    else:
+        assert np.abs(got - host).max() < 1e-4

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import warn
 from ..format.image_header import ImageHeaderError, probe
-from .image_params import ImageSpec, resize_taps, transform_params
+from .image_params import BatchTaps, ImageSpec, batch_taps
 from .image_host import decode_error, decode_host, output_shape
 
 _KERNEL = r"""
@@ -68,16 +68,6 @@ extern "C" __global__ void resize_images(
 """
 
 
-def _padded(tables: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, int]:
-    """Per-image taps ``(out, K_i)`` stacked as ``(B, out, K)`` with K the largest (extra taps weigh 0)."""
-    k = max(idx.shape[1] for idx, _ in tables)
-    idx = np.zeros((len(tables), tables[0][0].shape[0], k), np.int32)
-    wgt = np.zeros(idx.shape, np.float32)
-    for b, (i, w) in enumerate(tables):
-        idx[b, :, :i.shape[1]], wgt[b, :, :w.shape[1]] = i, w
-    return idx, wgt, k
-
-
 class DeviceImageDecoder:
     """nvImageCodec's batched decode and the resize kernel, for one dataset (``path`` names it in errors)."""
 
@@ -97,7 +87,8 @@ class DeviceImageDecoder:
         self.codec = nvimgcodec
         self.decoder = nvimgcodec.Decoder(device_id=cupy.cuda.Device().id, options=":fancy_upsampling=1")
         # EXIF orientation is not applied: Pillow's decode on the cpu backend does not apply it either.
-        self.params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.RGB)
+        rgb = getattr(nvimgcodec.ColorSpec, "SRGB", None) or nvimgcodec.ColorSpec.RGB  # RGB before 0.6
+        self.params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=rgb)
 
     def decode(self, name: str, spec: ImageSpec, values: Any, offsets: Any, seed: int, epoch: int,
                samples: np.ndarray, out: Any) -> None:
@@ -118,23 +109,15 @@ class DeviceImageDecoder:
             except ImageHeaderError as e:
                 raise decode_error(self.path, name, int(samples[i]), str(e)) from e
             sizes[i] = info.height, info.width
-        boxes, flips = transform_params(spec, seed, epoch, samples, sizes[:, 0], sizes[:, 1])
-        (oh, ow), rows, cols = spec.shape, [], []
-        for i in range(len(blobs)):
-            top, left, h, w = (int(v) for v in boxes[i])
-            rows.append(resize_taps(int(sizes[i, 0]), oh, top, h))
-            cols.append(resize_taps(int(sizes[i, 1]), ow, left, w))
-        images = self._decode(name, samples, blobs, sizes, rows, cols)
-        for i, (img, y0, x0) in enumerate(images):
-            rows[i] = (rows[i][0] - y0, rows[i][1])
-            cols[i] = (cols[i][0] - x0, cols[i][1])
-        ry, wy, ky = _padded(rows)
-        rx, wx, kx = _padded(cols)
-        ptrs = np.array([img.__cuda_array_interface__["data"][0] for img, _, _ in images], np.uint64)
-        pitches = np.array([_pitch(img) for img, _, _ in images], np.int64)
+        taps = batch_taps(spec, seed, epoch, samples, sizes[:, 0], sizes[:, 1])
+        images = self._decode(name, samples, blobs, sizes, taps)
+        (oh, ow), ky, kx = spec.shape, taps.ry.shape[2], taps.rx.shape[2]
+        ptrs = np.array([img.__cuda_array_interface__["data"][0] for img in images], np.uint64)
+        pitches = np.array([_pitch(img) for img in images], np.int64)
         mean, std = spec.normalize if spec.normalize is not None else ((0, 0, 0), (1, 1, 1))
-        dev = [cupy.asarray(a) for a in (ptrs, pitches, ry, wy, rx, wx, flips.astype(np.uint8),
-                                          np.asarray(mean, np.float32), 1 / np.asarray(std, np.float32))]
+        dev = [cupy.asarray(a) for a in (ptrs, pitches, taps.ry, taps.wy, taps.rx, taps.wx,
+                                          taps.flips.astype(np.uint8), np.asarray(mean, np.float32),
+                                          1 / np.asarray(std, np.float32))]
         n = len(blobs) * oh * ow
         self.kernel((min(4096, -(-n // 256)),), (256,),
                     (dev[0], dev[1], dev[2], dev[3], np.int32(ky), dev[4], dev[5], np.int32(kx), dev[6],
@@ -145,29 +128,36 @@ class DeviceImageDecoder:
         self._held.append((event, (images, dev)))
 
     def _decode(self, name: str, samples: np.ndarray, blobs: list[np.ndarray], sizes: np.ndarray,
-                rows: list[tuple[np.ndarray, np.ndarray]], cols: list[tuple[np.ndarray, np.ndarray]]
-                ) -> list[tuple[Any, int, int]]:
-        """Each image decoded on the current stream, with the offset of its first decoded row and column:
-        by region (the rows and columns its taps read), else whole; a ReadError naming the sample else."""
+                taps: BatchTaps) -> list[Any]:
+        """Each image decoded on the current stream: by region (the rows and columns its taps read), else
+        whole (its taps then made relative to the whole image); a ReadError naming the sample else."""
         nv, stream = self.codec, self.cupy.cuda.get_current_stream().ptr
-        regions = [(int(r[0].min()), int(c[0].min()), int(r[0].max()) + 1, int(c[0].max()) + 1)
-                   for r, c in zip(rows, cols)]
-        sources = [nv.DecodeSource(b, nv.Region(*reg)) for b, reg in zip(blobs, regions)]
+        regions = [tuple(int(v) for v in reg) for reg in taps.regions]
+        sources = [self._source(b, nv.Region(*reg)) for b, reg in zip(blobs, regions)]
         got = self.decoder.decode(sources, params=self.params, cuda_stream=stream)
-        out: list[tuple[Any, int, int]] = []
+        out: list[Any] = []
         for i, img in enumerate(got):
             (y0, x0, y1, x1), whole = regions[i], (int(sizes[i, 0]), int(sizes[i, 1]), 3)
             if img is not None and tuple(img.shape) == (y1 - y0, x1 - x0, 3):
-                out.append((img, y0, x0))
+                out.append(img)
                 continue
             if img is None or tuple(img.shape) != whole:
-                img = self.decoder.decode(nv.DecodeSource(blobs[i]), params=self.params, cuda_stream=stream)
+                img = self.decoder.decode(self._source(blobs[i]), params=self.params, cuda_stream=stream)
             if img is None or tuple(img.shape) != whole:
                 shape = None if img is None else tuple(img.shape)
                 why = "nvImageCodec returned nothing" if img is None else f"decoded shape {shape}, expected {whole}"
                 raise decode_error(self.path, name, int(samples[i]), why)
-            out.append((img, 0, 0))
+            taps.whole(i)
+            out.append(img)
         return out
+
+    def _source(self, blob: np.ndarray, region: Any = None) -> Any:
+        """What the decoder takes: a CodeStream (cut to ``region``), or before nvImageCodec 0.6 a DecodeSource."""
+        nv = self.codec
+        if hasattr(nv, "DecodeSource"):
+            return nv.DecodeSource(blob, region)
+        stream = nv.CodeStream(blob)
+        return stream if region is None else stream.get_sub_code_stream(region=region)
 
 
 def _pitch(img: Any) -> int:

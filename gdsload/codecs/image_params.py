@@ -156,3 +156,52 @@ def resize_hwc(image: np.ndarray, box: Sequence[int], shape: tuple[int, int], fl
     rows = np.einsum("ok,okwc->owc", wy, image[ry].astype(np.float32))
     out = np.einsum("pk,opkc->opc", wx, rows[:, rx])
     return out[:, ::-1] if flip else out
+
+
+@dataclass(frozen=True)
+class BatchTaps:
+    """A batch's resize as tables (the GPU kernel's input): per image its decode region ``(y0, x0, y1, x1)``,
+    the rows and columns its taps read; the taps ``(B, out, K)`` as indices relative to that region (unused
+    taps: index 0, weight 0); and whether it is flipped."""
+
+    regions: np.ndarray
+    ry: np.ndarray
+    wy: np.ndarray
+    rx: np.ndarray
+    wx: np.ndarray
+    flips: np.ndarray
+
+    def whole(self, i: int) -> None:
+        """Image ``i`` was decoded whole, not by region: its taps become relative to the image's origin."""
+        y0, x0 = int(self.regions[i, 0]), int(self.regions[i, 1])
+        used_y, used_x = self.wy[i] != 0, self.wx[i] != 0
+        self.ry[i][used_y] += y0
+        self.rx[i][used_x] += x0
+        self.regions[i, :2] = 0
+
+
+def batch_taps(spec: ImageSpec, seed: int, epoch: int, samples: np.ndarray, heights: np.ndarray,
+               widths: np.ndarray) -> BatchTaps:
+    """The tables of :class:`BatchTaps` for images of these sizes: the same boxes, flips and taps as
+    :func:`resize_hwc` on the host, the region being the rows and columns the taps read."""
+    boxes, flips = transform_params(spec, seed, epoch, samples, heights, widths)
+    (oh, ow), rows, cols = spec.shape, [], []
+    for i in range(len(samples)):
+        top, left, h, w = (int(v) for v in boxes[i])
+        rows.append(resize_taps(int(heights[i]), oh, top, h))
+        cols.append(resize_taps(int(widths[i]), ow, left, w))
+    regions = np.array([(r[wr > 0].min(), c[wc > 0].min(), r[wr > 0].max() + 1, c[wc > 0].max() + 1)
+                        for (r, wr), (c, wc) in zip(rows, cols)], np.int64).reshape(-1, 4)
+    ry, wy = _stack([(np.where(w > 0, r - regions[i, 0], 0), w) for i, (r, w) in enumerate(rows)])
+    rx, wx = _stack([(np.where(w > 0, c - regions[i, 1], 0), w) for i, (c, w) in enumerate(cols)])
+    return BatchTaps(regions, ry, wy, rx, wx, flips)
+
+
+def _stack(tables: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-image taps ``(out, K_i)`` as ``(B, out, K)``, K the largest (extra taps: index 0, weight 0)."""
+    k = max(idx.shape[1] for idx, _ in tables)
+    idx = np.zeros((len(tables), tables[0][0].shape[0], k), np.int32)
+    wgt = np.zeros(idx.shape, np.float32)
+    for b, (i, w) in enumerate(tables):
+        idx[b, :, :i.shape[1]], wgt[b, :, :w.shape[1]] = i, w
+    return idx, wgt
