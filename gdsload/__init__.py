@@ -9,11 +9,13 @@ from .conversion.source_types import ArraySource, RaggedSource, Source
 from .pipeline.resume import merge_states
 from .pipeline.stats import EpochStats
 from .conversion.writer import convert, write_dataset
+from .conversion.images import convert_images
+from .codecs.image_params import ImageSpec
 
 __version__ = "0.1.0"
 
 __all__ = [
     "GDSDataset", "EpochStats", "GDSLoadError", "FormatError", "ConversionError", "ReadError", "ChecksumError",
     "DecodeError", "BackendUnavailable", "Mixture", "merge_states",
-    "convert", "write_dataset", "Source", "ArraySource", "RaggedSource", "__version__",
+    "convert", "write_dataset", "convert_images", "ImageSpec", "Source", "ArraySource", "RaggedSource", "__version__",
 ]

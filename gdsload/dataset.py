@@ -18,7 +18,9 @@ from .format.missing import check_missing_chunks
 from .integrations import LoaderProtocols, refuse_collation, refuse_worker
 from .cuda.ops import CudaOps, host_ops
 from .options import check_choices, check_int, device_id, field_names, output_kind, pad_spec, rank_and_world
-from .options import check_bool
+from .options import check_bool, image_specs
+from .codecs.image_params import ImageSpec
+from .codecs.images import ImageStep
 from .pipeline import resume
 from .pipeline.cursor import Cursor
 from .pipeline.feeds import Feed
@@ -51,6 +53,7 @@ class GDSDataset(LoaderProtocols, Closing):
         RANK / WORLD_SIZE); with ``exact_shares`` every sample once, none repeated or dropped.
     device : CUDA device id (default: LOCAL_RANK, else 0).
     pad_to, pad_value : how variable-length fields come out (values + offsets, or padded).
+    images : image field -> ``ImageSpec``: decoded in the pipeline to one batch tensor (docs/images.md).
     resident_bytes : fields of at most this size are read once, whole, and kept.
     backend_options : passed to the backend (e.g. ``num_threads``, ``pool_bytes``, ``max_bytes``).
     verify : check every block against the converter's crc32c before a sample of it is served (default: on
@@ -74,7 +77,8 @@ class GDSDataset(LoaderProtocols, Closing):
                  pad_to: int | str | dict[str, int | str] | None = None, pad_value: Any = 0,
                  backend_options: dict[str, Any] | None = None, verify: bool | None = None, exact_shares: bool = False,
                  cache_dir: str | os.PathLike[str] | None = None, cache_bytes: int | None = None,
-                 missing_chunks: str = "error", timeout_s: float = DEFAULT_TIMEOUT_S):
+                 missing_chunks: str = "error", timeout_s: float = DEFAULT_TIMEOUT_S,
+                 images: dict[str, ImageSpec] | None = None):
         started = time.perf_counter()
         # Integers become Python ints here, RANK / WORLD_SIZE / LOCAL_RANK are read here: no numpy scalar goes on.
         batch_size, prefetch = check_int("batch_size", batch_size, 1), check_int("prefetch", prefetch, 1)
@@ -112,6 +116,8 @@ class GDSDataset(LoaderProtocols, Closing):
                                      exact_shares=exact_shares)
             check_yields(self.config)
             self._pad = pad_spec(pad_to, pad_value, self.ragged_fields)
+            specs = image_specs(images, self.meta, self.fields, self._pad)
+            self._images = ImageStep(self.meta.path, specs, seed) if specs else None
             self.prefetch, self.prefetch_next_epoch = prefetch, prefetch_next_epoch
             self.batches_ahead = reader.backend.batches_ahead_hint if batches_ahead is None else batches_ahead
             reader.start(self.config.window_blocks)
@@ -222,7 +228,7 @@ class GDSDataset(LoaderProtocols, Closing):
         ops.decodes = bool(self._reader.device_decoded)
         # Nothing the pipeline holds may refer to the dataset: an abandoned dataset must be collectable.
         pipeline = Pipeline(self._reader, ops, self._buffers, start, plan, self.fields, resident, self._pad,
-                            ahead=self.batches_ahead, bytes_before=read_before,
+                            ahead=self.batches_ahead, bytes_before=read_before, step=self._images,
                             plans=functools.partial(epoch_plan, self.config) if self.prefetch_next_epoch else None)
         self._active.append(pipeline)
         return pipeline

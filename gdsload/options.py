@@ -5,7 +5,7 @@ from __future__ import annotations
 import operator
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -216,3 +216,27 @@ def rank_and_world(rank: Any, world_size: Any) -> tuple[int, int]:
                                                     "WORLD_SIZE)"
         raise ValueError(f"rank must be below world_size (found rank {rank}, world_size {world_size}){src}")
     return rank, world_size
+
+
+def image_specs(images: Any, meta: Any, fields: Sequence[str], pad: dict[str, Any]) -> dict[str, Any]:
+    """``images`` as given (field -> :class:`~gdsload.codecs.image_params.ImageSpec`, or None) -> the specs,
+    checked: each names an image field read here (its entry records image formats: ``gdsload shard
+    --images``), not padded; a ValueError or TypeError naming it otherwise."""
+    from .codecs.image_params import ImageSpec
+
+    if images is None:
+        return {}
+    if not isinstance(images, dict):
+        raise TypeError(f"images must be a dict of field name -> ImageSpec (found {type(images).__name__})")
+    for name, spec in images.items():
+        if not isinstance(spec, ImageSpec):
+            raise TypeError(f"images[{name!r}] must be a gdsload.ImageSpec (found {type(spec).__name__})")
+        ragged = meta.ragged.get(name)
+        if name not in fields or ragged is None or not ragged.image_formats:
+            raise ValueError(f"images names {name!r}, which is not an image field read here (image fields: "
+                             f"{[n for n, r in meta.ragged.items() if r.image_formats and n in fields]}; "
+                             f"'gdsload shard --images' writes them)")
+        if name in pad:
+            raise ValueError(f"images[{name!r}]: an image field decoded to one shape is not padded (pad_to)")
+        spec.check(name)
+    return dict(images)

@@ -175,6 +175,17 @@ def test_mixture_benchmark_cpu(tmp_path: str) -> None:
     assert row["step_factor"] == 1.5 and row["waiting_pct_single"] >= 0 and row["waiting_pct_mixture"] >= 0
 
 
+def test_images_benchmark_cpu(tmp_path: str) -> None:
+    pytest.importorskip("PIL")
+    out = str(tmp_path / "results")
+    bench("benchmarks.images", "--tiny", "--images", "40", "--backends", "cpu", "--batch", "8", "--min-seconds", "0",
+          "--data-dir", str(tmp_path / "data"), "--out", out)
+    (path,) = glob.glob(os.path.join(out, "*", "images.json"))
+    with open(path) as f:
+        doc = json.load(f)
+    assert doc["images"] == 40 and doc["jpeg_bytes"] > 40 * 10_000 and doc["summary"]["gdsload_cpu_warm"] > 0
+
+
 def test_shuffle_quality(tmp_path: str) -> None:
     bench("benchmarks.shuffle_quality", "--samples", "4000", "--samples-per-block", "16", "--batch-size", "64",
           "--classes", "10", "--windows", "1,16", "--out", str(tmp_path))

@@ -36,6 +36,10 @@ NOT_RUN = {
                                             "docs/shuffling.md's command, with --out, runs",
     "python -m benchmarks.check_ranks --elastic 3,2,4 --cut 5 --backend cpu --data /tmp/ranks --out results/":
         "30,011 samples over 9 rank processes take half a minute; tests/test_resume.py runs it on a tiny dataset",
+    "gdsload shard --images train/ -o train.gds": "needs an image tree: tests/test_image_convert.py converts each "
+                                                  "input kind through the command line and Python",
+    "gdsload shard --images train.txt -o train.gds": "needs a list file of images: tests/test_image_convert.py",
+    "gdsload shard --images shards/*.tar -o train.gds": "needs WebDataset tars: tests/test_image_convert.py",
 }
 #: Python blocks not run (keyed by their first line), and why.
 PYTHON_NOT_RUN = {
@@ -43,6 +47,8 @@ PYTHON_NOT_RUN = {
         "needs a bucket: tests/test_remote_dataset.py reads the same way from a local S3 server (moto)",
     "state = ds.state_dict()       # a small dict of ints, bools and strings: json.dump or torch.save it":
         "a fragment: ds is a GDSDataset opened as above",
+    "from gdsload import GDSDataset, ImageSpec": "reads the train.gds of the image commands above, not run here: "
+                                                "tests/test_image_decode.py reads image datasets the same way",
     "import json, os": "GPU-only: NCCL under torchrun; train_step, global_batch, epochs and save_atomically stand "
                        "for the user's own",
 }

@@ -253,7 +253,8 @@ CASES: dict[str, tuple[Callable[[str], None], str, str, type]] = {
     "unknown top-level key": (gds(lambda a: a.update(shuffle_hint=1)), G,
                               "attribute 'gdsload' has unknown key 'shuffle_hint'", FormatError),
     "field entry unknown key": (gds(lambda a: a["fields"]["x"].update(knd="ragged")), G,
-                                "gdsload.fields.x has unknown key 'knd' (expected keys among ['kind']", FormatError),
+                                "gdsload.fields.x has unknown key 'knd' (expected keys among ['kind', 'image']",
+                                FormatError),
     "checksums unknown key": (gds(lambda a: a["checksums"].update(array={"x": "_checksums/x"})), G,
                               "gdsload.checksums has unknown key 'array' (expected keys among ['algorithm', "
                               "'arrays']", FormatError),

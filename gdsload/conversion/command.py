@@ -15,6 +15,7 @@ The command line (:mod:`gdsload.tools.cli`) parses and prints; this module picks
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import signal
@@ -53,8 +54,15 @@ def run_shard(inputs: Sequence[str], out: str, named: Mapping[str, str], ragged:
 
 def _run(inputs: Sequence[str], out: str, named: Mapping[str, str], ragged: Mapping[str, str], *,
          part: str | None, publish: bool, staging: str | None, overwrite: bool, progress: bool | None,
-         log: Callable[[str], None], **options: Any) -> DatasetMeta | None:
+         log: Callable[[str], None], images: bool = False, strict: bool = False,
+         **options: Any) -> DatasetMeta | None:
     remote = _remote(out)
+    conv = convert
+    if images:
+        if part is not None or publish or named or ragged:
+            raise ConversionError(f"{out}: --images converts its inputs alone, in one process (without --part, "
+                                  f"--publish-parts, --field or --ragged)")
+        conv = functools.partial(_convert_images, strict=strict)
     if part is not None and publish:
         raise ConversionError(f"{out}: --part writes one part and --publish-parts publishes them all: give one")
     if part is not None:
@@ -79,11 +87,19 @@ def _run(inputs: Sequence[str], out: str, named: Mapping[str, str], ragged: Mapp
     if remote:
         name = out.rstrip("/").rsplit("/", 1)[-1] or "dataset"
         with _local_folder(os.path.abspath(staging) if staging else tempfile.gettempdir(), name) as tmp:
-            meta = convert(inputs, os.path.join(tmp, name), named, ragged, progress=progress, log=log, **options)
+            meta = conv(inputs, os.path.join(tmp, name), named, ragged, progress=progress, log=log, **options)
             nbytes = upload_dataset(meta.path, out, overwrite=overwrite, progress=progress)
         log(f"{out}: {meta.num_samples} samples, {nbytes} bytes uploaded (the root zarr.json last)")
         return None
-    return convert(inputs, out, named, ragged, overwrite=overwrite, progress=progress, log=log, **options)
+    return conv(inputs, out, named, ragged, overwrite=overwrite, progress=progress, log=log, **options)
+
+
+def _convert_images(inputs: Sequence[str], out: str, named: Mapping[str, str], ragged: Mapping[str, str], *,
+                    strict: bool, **options: Any) -> DatasetMeta:
+    """:func:`gdsload.conversion.images.convert_images`, called as :func:`convert` is."""
+    from .images import convert_images
+
+    return convert_images(inputs, out, strict=strict, **options).meta
 
 
 _STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))

@@ -155,14 +155,18 @@ def close_all(sources: Mapping[str, object]) -> None:
         src.close()  # type: ignore[attr-defined]
 
 
-def write_metadata(root: str, plan: ConversionPlan, ragged: Mapping[str, RaggedSource]):
+def write_metadata(root: str, plan: ConversionPlan, ragged: Mapping[str, RaggedSource],
+                   field_attrs: Mapping[str, Mapping[str, object]] | None = None):
     """Every ``zarr.json`` of the dataset planned, and the variable-length fields' offsets, through zarr at
-    ``root``; returns the zarr group (the checksums follow once the blocks are written). OSError passes."""
+    ``root``; returns the zarr group (the checksums follow once the blocks are written). ``field_attrs``:
+    more keys of a field's entry in the metadata (an image field's formats). OSError passes."""
     import zarr
     from zarr.codecs import Crc32cCodec, ZstdCodec
 
     fields_attr = {n: {"kind": "fixed"} for n in plan.fixed}
     fields_attr.update({n: {"kind": "ragged"} for n in plan.ragged})
+    for n, extra in (field_attrs or {}).items():
+        fields_attr[n].update(extra)
     checksums_attr = {"algorithm": CHECKSUM_ALGORITHM, "arrays": {n: f"{CHECKSUMS_GROUP}/{n}" for n in fields_attr}}
     group = zarr.open_group(root, mode="w", zarr_format=3)
     group.attrs[ATTRS_KEY] = {"format": FORMAT_VERSION, "num_samples": plan.num_samples,
@@ -211,6 +215,7 @@ def write_dataset(
     progress: bool | None = None,
     compress: str | None = None,
     chunk_bytes: int | None = None,
+    field_attrs: Mapping[str, Mapping[str, object]] | None = None,
 ) -> DatasetMeta:
     """Write ``sources`` (field name -> array source) as a gdsload dataset at ``out``, atomically.
 
@@ -222,7 +227,8 @@ def write_dataset(
     ``"auto:LEVEL"`` only those of fields where zstd saves at least 10 % on a sample of their chunks (the rest
     raw, :mod:`gdsload.conversion.auto_compress`); a block is then an
     inner chunk of about ``chunk_bytes`` (:data:`DEFAULT_CHUNK_BYTES`) instead of ``block_bytes``. Block
-    checksums cover the decoded blocks. Failures of the inputs and of the output raise
+    checksums cover the decoded blocks. ``field_attrs`` adds keys to fields' entries in the metadata (an
+    image field's ``{"image": {"formats": [...]}}``). Failures of the inputs and of the output raise
     ConversionError naming the file; an error raised by a caller's own source passes through as it is.
     """
     from tqdm import tqdm
@@ -249,7 +255,7 @@ def write_dataset(
             tmp = target.tmp
             with protected():
                 try:
-                    group = write_metadata(tmp, plan, ragged)
+                    group = write_metadata(tmp, plan, ragged, field_attrs)
                 except OSError as e:
                     raise target.error(e) from e
             checksums: dict[str, np.ndarray] = {}

@@ -49,7 +49,7 @@ CHECKSUMS_GROUP = "_checksums"
 #: :mod:`gdsload.conversion.writer` writes): any other key is refused, since a misspelled one would otherwise be
 #: ignored (a garbled ``checksums`` would make a dataset look as if it had no checksums).
 ATTRS_KEYS = ("format", "num_samples", "samples_per_block", "fields", "checksums")
-FIELD_ENTRY_KEYS = ("kind",)
+FIELD_ENTRY_KEYS = ("kind", "image")
 CHECKSUMS_KEYS = ("algorithm", "arrays")
 
 
@@ -60,6 +60,9 @@ class RaggedMeta:
 
     name: str
     values: FieldMeta
+    #: An image field's formats (``"image": {"formats": [...]}`` in its entry): each sample is one encoded
+    #: image file of one of them. Empty for other fields.
+    image_formats: tuple[str, ...] = ()
 
     @property
     def offsets_key(self) -> str:
@@ -209,6 +212,7 @@ def read_metadata(path: str | os.PathLike[str], fields: list[str] | tuple[str, .
     if not listed:
         raise fail(where, f"{ATTRS_KEY}.fields is empty (expected at least one field)")
     kinds: dict[str, str] = {}
+    images: dict[str, tuple[str, ...]] = {}
     for name, entry in listed.items():
         if not valid_name(name):
             raise fail(where, f"invalid field name {show(name)} (expected a name without '/', not '.' or '..')")
@@ -218,6 +222,8 @@ def read_metadata(path: str | os.PathLike[str], fields: list[str] | tuple[str, .
         if kind not in ("fixed", "ragged"):
             raise fail(where, f"field '{name}' has unknown kind {show(kind)} (expected 'fixed' or 'ragged')")
         kinds[name] = kind
+        if entry.get("image") is not None:
+            images[name] = _image_formats(where, name, kind, entry["image"])
     checksums = _checksums_attr(where, attrs.get("checksums"), kinds)
     unnamed_checksums(path, where, list(kinds), checksums)
     fixed, ragged = {}, {}
@@ -227,7 +233,12 @@ def read_metadata(path: str | os.PathLike[str], fields: list[str] | tuple[str, .
             fixed[name] = read_array(os.path.join(path, name), name, missing + name, True, num_samples, spb)
             continue
         key = f"{name}/values"
-        ragged[name] = RaggedMeta(name, read_array(os.path.join(path, name, "values"), key, missing + key, True))
+        ragged[name] = RaggedMeta(name, read_array(os.path.join(path, name, "values"), key, missing + key, True),
+                                  images.get(name, ()))
+        values = ragged[name].values
+        if name in images and (values.dtype != "uint8" or values.sample_shape != ()):
+            raise fail(os.path.join(path, name, "values", "zarr.json"), f"image field '{name}' must hold bytes "
+                       f"(expected uint8 values of shape (), found {values.dtype} {values.sample_shape})")
         if ragged[name].values.compressed:  # read by rows, not whole chunks: they must stay raw
             raise fail(os.path.join(path, name, "values", "zarr.json"), f"the values of variable-length field "
                                                                        f"'{name}' must be raw (found codecs "
@@ -237,3 +248,18 @@ def read_metadata(path: str | os.PathLike[str], fields: list[str] | tuple[str, .
                           f"{num_samples + 1} integer offsets", num_samples + 1, INT_DTYPES)
     return DatasetMeta(path=path, num_samples=num_samples, samples_per_block=spb, fields=fixed, ragged=ragged,
                        checksums=checksums)
+
+
+def _image_formats(where: str, name: str, kind: str, value: Any) -> tuple[str, ...]:
+    """A field entry's ``image``: ``{"formats": [FORMAT, ...]}``, on a variable-length field only."""
+    from .image_header import FORMATS
+
+    what = f"{ATTRS_KEY}.fields.{name}.image"
+    value = as_object(where, what, value)
+    _known_keys(where, what, value, ("formats",))
+    formats = value.get("formats")
+    if kind != "ragged":
+        raise fail(where, f"{what}: only a variable-length field holds encoded images (field '{name}' is {kind})")
+    if not isinstance(formats, list) or not formats or any(f not in FORMATS for f in formats):
+        raise fail(where, f"{what}.formats must be a non-empty list of {list(FORMATS)} (found {show(formats)})")
+    return tuple(formats)

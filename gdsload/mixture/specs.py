@@ -33,6 +33,9 @@ def source_specs(sources: Any, options: dict[str, Any]) -> dict[str, tuple[Any, 
             raise TypeError(f"source {name!r}: expected a path or a dict with a 'path' (found {spec.get('path')!r})")
         kwargs = {**options, **spec}
         path, fields = kwargs.pop("path"), kwargs.pop("fields", None)
+        if kwargs.get("images"):
+            raise ValueError(f"source {name!r}: images are not decoded in a Mixture yet (read the encoded field, or "
+                             "decode them with a GDSDataset of their own)")
         fixed = [k for k in MIXTURE_OPTIONS if k in kwargs and not (k == "drop_last" and kwargs[k] is False)]
         if fixed:
             raise ValueError(f"source {name!r}: {fixed} are the mixture's (rank and world_size: pass them to "

@@ -26,6 +26,9 @@ from .ragged import pad as pad_values
 from .window import WindowMap
 
 
+#: A step run on each batch last: (ops, epoch, global sample ids of the batch, arrays) -> arrays.
+BatchStep = Callable[[Ops, int, np.ndarray, dict[str, Any]], dict[str, Any]]
+
 #: Batches are gathered together up to this many output bytes. Each batch of a group is a view of the group's
 #: arrays, so memory the consumer drops returns to the pool once every batch of its group is dropped: this
 #: bounds what that holds back.
@@ -45,11 +48,12 @@ class Assembler:
 
     def __init__(self, ops: Ops, window_map: WindowMap, ragged_offsets: dict[str, np.ndarray],
                  output_fields: Sequence[str], resident: dict[str, ResidentField],
-                 pad: dict[str, tuple[int | None, Any]], group_bytes: int | None = None):
+                 pad: dict[str, tuple[int | None, Any]], group_bytes: int | None = None, step: BatchStep | None = None):
         """``ragged_offsets``: each variable-length field's offsets array; ``pad``: variable-length field ->
         (width, or None for the batch's longest; pad value); ``group_bytes``: batches smaller than this are
-        gathered several at a time, up to this many bytes (1: one at a time; None: :data:`GROUP_BYTES`)."""
-        self.ops, self.wl = ops, window_map
+        gathered several at a time, up to this many bytes (1: one at a time; None: :data:`GROUP_BYTES`);
+        ``step``: run on each batch last, inside its scope (image fields decoded: gdsload.codecs.images)."""
+        self.ops, self.wl, self.step = ops, window_map, step
         self.ragged_offsets = ragged_offsets
         self.resident = resident
         self.pad = pad
@@ -129,6 +133,10 @@ class Assembler:
                     for w, _, _, _ in rows:
                         if first <= last_batch[w] < stop:
                             release(w)
+                    if self.step is not None:  # variable-length fields: one batch per group
+                        ids = index.ids if index.ids is not None else plan.sample_ids()
+                        index.ids = ids
+                        out = self.step(ops, plan.epoch, ids[lo:hi], out)
                 if stop - first == 1:
                     yield first, out, hi - lo
                     continue
@@ -252,6 +260,7 @@ class EpochIndex:
     value_index: dict[str, tuple[np.ndarray, np.ndarray]]
     dev: dict[Any, Any]
     ready: Any
+    ids: np.ndarray | None = None  # global sample ids of the stream, made at the first batch step
 
 
 def batch_groups(table: Sequence[Sequence[tuple[int, int, int, int]]], last_batch: np.ndarray, start: int,

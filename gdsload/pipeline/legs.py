@@ -192,7 +192,8 @@ def _deal(rest: _Rest, cfg: PlanConfig, epoch: int) -> list[RankPlan]:
                 s = int(rest.ids[-1])
                 windows = (np.array([s // k], dtype=np.int64),)
                 window_of, positions = np.zeros(target, np.int64), np.full(target, s % k, dtype=np.int64)
-        out.append(RankPlan(EpochPlan(dataclasses.replace(cfg, rank=r), windows, window_of, positions), hi - lo))
+        out.append(RankPlan(EpochPlan(dataclasses.replace(cfg, rank=r), windows, window_of, positions,
+                                        epoch), hi - lo))
     return out
 
 

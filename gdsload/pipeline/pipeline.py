@@ -36,7 +36,7 @@ from ..backends.handoff import POLL_S, Handoff, get
 from ..codecs.verify import Verdict
 from ..cuda.ops import Ops
 from ..errors import GDSLoadError, ReadError, with_context
-from .assembler import Assembler, EpochIndex, ResidentField
+from .assembler import Assembler, BatchStep, EpochIndex, ResidentField
 from .cursor import Cursor
 from .pacing import Pacer
 from .plan import EpochPlan
@@ -112,12 +112,12 @@ class Pipeline:
 
     def __init__(self, reader: Reader, ops: Ops, buffers: Sequence[WindowBuffer], first: Cursor, plan: EpochPlan,
                  output_fields: Sequence[str], resident: dict[str, ResidentField] | None = None,
-                 pad: dict[str, tuple[int | None, Any]] | None = None, ahead: int = 2,
+                 pad: dict[str, tuple[int | None, Any]] | None = None, ahead: int = 2, step: BatchStep | None = None,
                  plans: Callable[[int, Pacer | None], EpochPlan] | None = None, bytes_before: int = 0):
         self.reader, self.ops, self.layout, self.wl = reader, ops, reader.layout, reader.window_map
         # A copy of the resident fields: the dataset empties its own on close.
         self.assembler = Assembler(ops, self.wl, self.layout.offsets, output_fields, dict(resident or {}),
-                                   pad or {})
+                                   pad or {}, step=step)
         self.buffers = list(buffers)
         self._first, self._plan0, self._plans = first, plan, plans
         self.follow = plans is not None

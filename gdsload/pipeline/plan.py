@@ -71,6 +71,7 @@ class EpochPlan:
     windows: tuple[np.ndarray, ...]  # block ids of each window
     window_of: np.ndarray  # window index of each stream position (non-decreasing)
     positions: np.ndarray  # of each sample of the epoch's stream: its row in its window (block * K + sample)
+    epoch: int = 0  # the epoch planned (what seeds per-sample transforms)
 
     @property
     def num_batches(self) -> int:
@@ -218,7 +219,7 @@ def epoch_plan(cfg: PlanConfig, epoch: int, pace: Callable[[], None] | None = No
         extra = last[np.arange(target - total) % len(last)]
         window_of_a = np.concatenate([window_of_a, np.full(len(extra), len(windows) - 1, dtype=np.int64)])
         positions_a = np.concatenate([positions_a, extra])
-    return EpochPlan(cfg, tuple(windows), window_of_a, positions_a)
+    return EpochPlan(cfg, tuple(windows), window_of_a, positions_a, epoch)
 
 
 def share_bounds(num_samples: int, world_size: int, epoch: int) -> list[int]:
@@ -259,7 +260,7 @@ def _exact_share_plan(cfg: PlanConfig, epoch: int, pace: Callable[[], None] | No
             positions[starts[i]:starts[i + 1]] = rng.permutation(positions[starts[i]:starts[i + 1]])
         if pace is not None:
             pace()
-    return EpochPlan(cfg, windows, window_of, positions)
+    return EpochPlan(cfg, windows, window_of, positions, epoch)
 
 
 def blocks_per_rank(num_blocks: int, world_size: int) -> int:

@@ -270,6 +270,9 @@ def shard_parser(prog: str = "shard.py") -> argparse.ArgumentParser:
                    "and of an s3:// output before upload (default: system temp)")
     p.add_argument("--field", action="append", default=[], metavar="NAME=PATH",
                    help="add a field with an explicit name (PATH may be FILE.npz:KEY)")
+    p.add_argument("--images", action="store_true", help="inputs are JPEG/PNG images, kept encoded: one ImageFolder "
+                   "folder, one list file ('PATH LABEL' lines) or WebDataset .tar shards (docs/images.md)")
+    p.add_argument("--strict", action="store_true", help="with --images: refuse a damaged image (default: skip it)")
     p.add_argument("--ragged", action="append", default=[], metavar="NAME=PATH",
                    help="add a variable-length field: a directory of per-sample .npy files (in natural order "
                         "of their names: 2.npy before 10.npy), "
@@ -324,6 +327,9 @@ def shard_main(argv: Sequence[str] | None = None, prog: str = "shard.py") -> int
     done = False
     try:
         with conversion_signals():
+            if args.strict and not args.images:
+                raise ValueError("--strict applies to --images only")
+            options.update({"images": True, "strict": args.strict} if args.images else {})
             meta = run_shard(args.inputs, args.output, named["--field"], named["--ragged"], part=args.part,
                              publish=args.publish_parts, staging=args.staging, overwrite=args.overwrite,
                              progress=False if args.quiet else None, log=notes.append, **options)

@@ -1,0 +1,207 @@
+"""The transforms of decoded images, as pure numpy: what to crop, whether to flip, and the resize's taps.
+
+Every random choice is a function of ``(seed, epoch, global sample index)`` alone (a counter-based hash,
+:func:`uniforms`), never of a generator's state: the crop and flip of a sample are the same whichever rank
+reads it, in whatever batch, after any resume, on the CPU or the GPU path. Both paths resize with the same
+taps (:func:`resize_taps`), so they differ only by their JPEG decoders.
+
+- **Random-resized-crop** (:func:`crop_boxes`) follows torchvision's ``RandomResizedCrop.get_params``: up to
+  10 tries of an area fraction drawn from ``scale`` and an aspect ratio drawn log-uniformly from ``ratio``;
+  the first box that fits is placed uniformly; if none fits, the centre crop of the image clamped to
+  ``ratio``.
+- **Resize** is antialiased bilinear (a triangle filter widened by the downscale factor, as Pillow's
+  ``BILINEAR``), separable, on a box of the image: output pixel ``i`` samples around ``start + (i + 0.5) *
+  length / out``, reading pixels of the whole image near the box's edges.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+#: Tries of torchvision's random-resized-crop before its fallback.
+CROP_TRIES = 10
+#: Draws per sample: two per try (area, log ratio), two for the place, one for the flip.
+DRAWS = 2 * CROP_TRIES + 3
+_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+@dataclass(frozen=True)
+class ImageSpec:
+    """How an image field comes out of the pipeline: every image decoded to RGB, then
+
+    - ``size``: output height and width (an int: square). Without ``crop`` the whole image is resized to it
+      (the aspect ratio is not kept); with ``crop=(lo, hi)``, a random-resized-crop of area fraction in
+      ``[lo, hi]`` and aspect ratio in ``ratio`` is resized to it.
+    - ``flip``: a horizontal flip with probability 0.5.
+    - ``normalize=(mean, std)``: per channel, in units of 0..1 (``(0.485, 0.456, 0.406), (0.229, 0.224, 0.225)``
+      for ImageNet): the batch is float32 ``(B, 3, H, W)`` of ``(x / 255 - mean) / std``. Without it, uint8
+      ``(B, H, W, 3)``.
+    """
+
+    size: int | tuple[int, int]
+    crop: tuple[float, float] | None = None
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    flip: bool = False
+    normalize: tuple[Sequence[float], Sequence[float]] | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """Output (height, width)."""
+        return (self.size, self.size) if isinstance(self.size, int) else (int(self.size[0]), int(self.size[1]))
+
+    def check(self, name: str) -> ImageSpec:
+        """The spec, checked: a ValueError naming the field and the value otherwise."""
+        h, w = self.shape
+        if not (0 < h <= 65535 and 0 < w <= 65535):
+            raise ValueError(f"images[{name!r}].size must be 1 to 65535 (found {self.size!r})")
+        if self.crop is not None and not (0 < self.crop[0] <= self.crop[1] <= 1):
+            raise ValueError(f"images[{name!r}].crop must be (lo, hi) with 0 < lo <= hi <= 1 (found {self.crop!r})")
+        if not (0 < self.ratio[0] <= self.ratio[1]):
+            raise ValueError(f"images[{name!r}].ratio must be (lo, hi) with 0 < lo <= hi (found {self.ratio!r})")
+        if self.normalize is not None:
+            mean, std = self.normalize
+            if len(mean) != 3 or len(std) != 3 or any(s <= 0 for s in std):
+                raise ValueError(f"images[{name!r}].normalize must be (mean, std) of 3 values each, std > 0 "
+                                 f"(found {self.normalize!r})")
+        return self
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a bijection of uint64 that spreads every input bit over the output."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def uniforms(seed: int, epoch: int, samples: np.ndarray, draws: int = DRAWS) -> np.ndarray:
+    """``(len(samples), draws)`` floats in [0, 1): a pure function of (seed, epoch, sample, draw)."""
+    with np.errstate(over="ignore"):
+        key = _mix(_mix(np.array([seed], np.uint64) & _M64) ^ np.uint64(epoch & 0xFFFFFFFFFFFFFFFF))
+        per = _mix(key ^ np.asarray(samples, dtype=np.int64).astype(np.uint64))[:, None]
+        x = _mix(per ^ np.arange(1, draws + 1, dtype=np.uint64)[None, :] * np.uint64(0x9E3779B97F4A7C15))
+    return (x >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+def crop_boxes(heights: np.ndarray, widths: np.ndarray, u: np.ndarray, scale: tuple[float, float],
+               ratio: tuple[float, float]) -> np.ndarray:
+    """``(B, 4)`` int64 boxes ``(top, left, height, width)`` of a random-resized-crop of each image, from its
+    draws ``u`` (:func:`uniforms`)."""
+    H, W = np.asarray(heights, np.int64), np.asarray(widths, np.int64)
+    area = (H * W).astype(np.float64)
+    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
+    boxes = np.zeros((len(H), 4), np.int64)
+    done = np.zeros(len(H), bool)
+    for t in range(CROP_TRIES):
+        target = area * (scale[0] + (scale[1] - scale[0]) * u[:, 2 * t])
+        aspect = np.exp(log_lo + (log_hi - log_lo) * u[:, 2 * t + 1])
+        w = np.round(np.sqrt(target * aspect)).astype(np.int64)
+        h = np.round(np.sqrt(target / aspect)).astype(np.int64)
+        ok = ~done & (w > 0) & (h > 0) & (w <= W) & (h <= H)
+        top = np.floor(u[:, -3] * (H - h + 1)).astype(np.int64)
+        left = np.floor(u[:, -2] * (W - w + 1)).astype(np.int64)
+        boxes[ok] = np.stack([top, left, h, w], axis=1)[ok]
+        done |= ok
+    # torchvision's fallback: the centre crop, its aspect ratio clamped to ``ratio``
+    in_ratio = W / np.maximum(H, 1)
+    w = np.where(in_ratio < ratio[0], W, np.where(in_ratio > ratio[1], np.round(H * ratio[1]), W)).astype(np.int64)
+    h = np.where(in_ratio < ratio[0], np.round(W / ratio[0]), H).astype(np.int64)
+    h = np.minimum(np.maximum(h, 1), H)
+    w = np.minimum(np.maximum(w, 1), W)
+    fallback = np.stack([(H - h) // 2, (W - w) // 2, h, w], axis=1)
+    boxes[~done] = fallback[~done]
+    return boxes
+
+
+def transform_params(spec: ImageSpec, seed: int, epoch: int, samples: np.ndarray, heights: np.ndarray,
+                     widths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each image's box ``(top, left, height, width)`` (the whole image without ``spec.crop``) and whether it
+    is flipped, for global sample indices ``samples`` of ``epoch``."""
+    H, W = np.asarray(heights, np.int64), np.asarray(widths, np.int64)
+    u = uniforms(seed, epoch, samples)
+    if spec.crop is None:
+        boxes = np.stack([np.zeros_like(H), np.zeros_like(W), H, W], axis=1)
+    else:
+        boxes = crop_boxes(H, W, u, spec.crop, spec.ratio)
+    flips = (u[:, -1] < 0.5) if spec.flip else np.zeros(len(H), bool)
+    return boxes, flips
+
+
+def resize_taps(size: int, out: int, start: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """Antialiased bilinear taps of one axis: ``(out, K)`` int32 input indices and float32 weights (rows
+    summing to 1; unused taps weigh 0 and point at a valid index) resizing ``[start, start + length)`` of an
+    axis of ``size`` pixels to ``out`` pixels."""
+    scale = length / out
+    support = max(scale, 1.0)
+    centers = start + (np.arange(out, dtype=np.float64) + 0.5) * scale
+    lo = np.clip(np.floor(centers - support + 0.5).astype(np.int64), 0, size - 1)
+    hi = np.clip(np.floor(centers + support + 0.5).astype(np.int64), lo + 1, size)
+    k = int((hi - lo).max())
+    idx = lo[:, None] + np.arange(k)[None, :]
+    valid = idx < hi[:, None]
+    weight = np.where(valid, np.maximum(0.0, 1.0 - np.abs((idx + 0.5 - centers[:, None]) / support)), 0.0)
+    weight = weight / np.maximum(weight.sum(axis=1, keepdims=True), 1e-12)  # the nearest pixel always weighs > 0
+    return np.minimum(idx, size - 1).astype(np.int32), weight.astype(np.float32)
+
+
+def resize_hwc(image: np.ndarray, box: Sequence[int], shape: tuple[int, int], flip: bool) -> np.ndarray:
+    """``image`` (H, W, C) uint8: the box ``(top, left, height, width)`` resized to ``shape`` (float32, HWC),
+    flipped left-right if ``flip``; rows first, then columns, with :func:`resize_taps`."""
+    top, left, h, w = (int(v) for v in box)
+    ry, wy = resize_taps(image.shape[0], shape[0], top, h)
+    rx, wx = resize_taps(image.shape[1], shape[1], left, w)
+    rows = np.einsum("ok,okwc->owc", wy, image[ry].astype(np.float32))
+    out = np.einsum("pk,opkc->opc", wx, rows[:, rx])
+    return out[:, ::-1] if flip else out
+
+
+@dataclass(frozen=True)
+class BatchTaps:
+    """A batch's resize as tables (the GPU kernel's input): per image its decode region ``(y0, x0, y1, x1)``,
+    the rows and columns its taps read; the taps ``(B, out, K)`` as indices relative to that region (unused
+    taps: index 0, weight 0); and whether it is flipped."""
+
+    regions: np.ndarray
+    ry: np.ndarray
+    wy: np.ndarray
+    rx: np.ndarray
+    wx: np.ndarray
+    flips: np.ndarray
+
+    def whole(self, i: int) -> None:
+        """Image ``i`` was decoded whole, not by region: its taps become relative to the image's origin."""
+        y0, x0 = int(self.regions[i, 0]), int(self.regions[i, 1])
+        used_y, used_x = self.wy[i] != 0, self.wx[i] != 0
+        self.ry[i][used_y] += y0
+        self.rx[i][used_x] += x0
+        self.regions[i, :2] = 0
+
+
+def batch_taps(spec: ImageSpec, seed: int, epoch: int, samples: np.ndarray, heights: np.ndarray,
+               widths: np.ndarray) -> BatchTaps:
+    """The tables of :class:`BatchTaps` for images of these sizes: the same boxes, flips and taps as
+    :func:`resize_hwc` on the host, the region being the rows and columns the taps read."""
+    boxes, flips = transform_params(spec, seed, epoch, samples, heights, widths)
+    (oh, ow), rows, cols = spec.shape, [], []
+    for i in range(len(samples)):
+        top, left, h, w = (int(v) for v in boxes[i])
+        rows.append(resize_taps(int(heights[i]), oh, top, h))
+        cols.append(resize_taps(int(widths[i]), ow, left, w))
+    regions = np.array([(r[wr > 0].min(), c[wc > 0].min(), r[wr > 0].max() + 1, c[wc > 0].max() + 1)
+                        for (r, wr), (c, wc) in zip(rows, cols)], np.int64).reshape(-1, 4)
+    ry, wy = _stack([(np.where(w > 0, r - regions[i, 0], 0), w) for i, (r, w) in enumerate(rows)])
+    rx, wx = _stack([(np.where(w > 0, c - regions[i, 1], 0), w) for i, (c, w) in enumerate(cols)])
+    return BatchTaps(regions, ry, wy, rx, wx, flips)
+
+
+def _stack(tables: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-image taps ``(out, K_i)`` as ``(B, out, K)``, K the largest (extra taps: index 0, weight 0)."""
+    k = max(idx.shape[1] for idx, _ in tables)
+    idx = np.zeros((len(tables), tables[0][0].shape[0], k), np.int32)
+    wgt = np.zeros(idx.shape, np.float32)
+    for b, (i, w) in enumerate(tables):
+        idx[b, :, :i.shape[1]], wgt[b, :, :w.shape[1]] = i, w
+    return idx, wgt
