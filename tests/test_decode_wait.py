@@ -210,7 +210,7 @@ def _read_in_child(path: str, backend: str, bound_s: float) -> dict:
 
     tests = os.path.dirname(os.path.abspath(__file__))
     env = {**os.environ, "GDSLOAD_DECODE_WAIT_S": str(bound_s), "GDSLOAD_NVCOMP": "1",
-           "PYTHONPATH": os.path.dirname(tests)}
+           "PYTHONPATH": os.pathsep.join(p for p in (os.path.dirname(tests), os.environ.get("PYTHONPATH")) if p)}
     done = subprocess.run([sys.executable, "-c", CHILD.format(tests=tests, path=path, backend=backend)], env=env,
                           capture_output=True, text=True, timeout=4 * bound_s + 60)
     assert done.returncode == 0, done.stderr[-3000:]
