@@ -16,6 +16,8 @@ host path (Pillow) and copied to the device, with one warning.
 
 from __future__ import annotations
 
+import os
+
 from typing import Any
 
 import numpy as np
@@ -68,6 +70,10 @@ extern "C" __global__ void resize_images(
 """
 
 
+#: ``1`` turns on nvImageCodec's decode (experimental: docs/images.md); else Pillow on the CPU, copied over.
+NVIMGCODEC_ENV = "GDSLOAD_NVIMGCODEC"
+
+
 class DeviceImageDecoder:
     """nvImageCodec's batched decode and the resize kernel, for one dataset (``path`` names it in errors)."""
 
@@ -77,6 +83,12 @@ class DeviceImageDecoder:
         self.path, self.cupy = path, cupy
         self.kernel = cupy.RawKernel(_KERNEL, "resize_images")
         self._held: list[tuple[Any, Any]] = []  # (event, what the kernel reads) until the event has passed
+        if os.environ.get(NVIMGCODEC_ENV) != "1":
+            self.codec = None
+            warn(f"{path}: image fields are decoded with Pillow on the CPU and copied to the device: the nvImageCodec "
+                 f"path is experimental (it crashed the process on an H200; {NVIMGCODEC_ENV}=1 turns it on)",
+                 UserWarning)
+            return
         try:
             from nvidia import nvimgcodec
         except ImportError as e:
