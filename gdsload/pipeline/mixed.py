@@ -26,6 +26,7 @@ from ..codecs.verify import Verdict
 from ..cuda.ops import Ops
 from ..errors import GDSLoadError, ReadError, with_context
 from .assembler import Assembler
+from .complete import complete
 from .feeds import Feed, FeedPass, Part, Passes, Walk
 from .mixed_gather import SOURCE_KEY, GroupGather, Key  # noqa: F401 - SOURCE_KEY: the mixture's too
 from .pacing import Pacer
@@ -201,29 +202,11 @@ class MixedPipeline:
         return None
 
     def _complete_loop(self) -> None:
-        """Finish submitted windows in order; after an error or a stop, keep draining until the submitter is
-        done, so no read still writes into a buffer once this thread has ended."""
-        while True:
-            item = self._inflight.get()
-            if item is _END:
-                if not self._halt.is_set():
-                    self._ready.put(_END)
-                return
-            if isinstance(item, _Failure):
-                self._halt.set()
-                self._ready.put(item)
-                continue
-            try:
-                filled = item.inflight.finish(self._halt)  # no read writes into the buffer after it
-            except BaseException as e:
-                if not self._halt.is_set():
-                    self._halt.set()
-                    self._ready.put(_Failure(e, item.feed, item.p.describe(item.window)))
-                continue
-            if not self._halt.is_set():
-                self.bytes_read[item.feed] += item.inflight.read_bytes
-                self._ready.put(_Filled((item.feed, item.p.k, item.window), item.buffer, filled.event,
-                                        filled.verdict))
+        def filled(item: _Submitted, done: Any) -> _Filled:
+            self.bytes_read[item.feed] += item.inflight.read_bytes
+            return _Filled((item.feed, item.p.k, item.window), item.buffer, done.event, done.verdict)
+        complete(self._inflight, self._ready, self._halt, _END, _Failure,
+                 lambda item, e: _Failure(e, item.feed, item.p.describe(item.window)), filled)
 
     # -- assembler thread ----------------------------------------------------------------------------
     def _take_ready(self) -> _Filled | None:

@@ -36,6 +36,7 @@ from ..backends.handoff import POLL_S, Handoff, get
 from ..codecs.verify import Verdict
 from ..cuda.ops import Ops
 from ..errors import GDSLoadError, ReadError, with_context
+from .complete import complete
 from .assembler import Assembler, BatchStep, EpochIndex, ResidentField
 from .cursor import Cursor
 from .pacing import Pacer
@@ -261,29 +262,12 @@ class Pipeline:
         return True
 
     def _complete_loop(self) -> None:
-        """Finish submitted windows in order; after an error or a stop, keep draining until the submitter
-        is done, so no read still writes into a buffer once this thread has ended."""
-        while True:
-            item = self._inflight.get()
-            if item is _END:
-                if not self._halt.is_set():
-                    self._ready.put(_END)
-                return
-            if isinstance(item, _Failure):
-                self._halt.set()
-                self._ready.put(item)
-                continue
-            p, w = item.pass_, item.window
-            try:
-                filled = item.inflight.finish(self._halt)  # no read writes into the buffer after it, whatever happened
-            except BaseException as e:
-                if not self._halt.is_set():
-                    self._halt.set()
-                    self._ready.put(_Failure(e, p.describe(w)))
-                continue
-            if not self._halt.is_set():
-                p.stats.bytes_read += item.inflight.read_bytes
-                self._ready.put(_Filled(p.index, w, item.buffer, filled.event, filled.verdict))
+        """Finish submitted windows in order, draining after an error or a stop (gdsload.pipeline.complete)."""
+        def filled(item: _Submitted, done: Any) -> _Filled:
+            item.pass_.stats.bytes_read += item.inflight.read_bytes
+            return _Filled(item.pass_.index, item.window, item.buffer, done.event, done.verdict)
+        complete(self._inflight, self._ready, self._halt, _END, _Failure,
+                 lambda item, e: _Failure(e, item.pass_.describe(item.window)), filled)
 
     # -- assembler thread ----------------------------------------------------------------------------
     def _take_ready(self) -> _Filled | None:

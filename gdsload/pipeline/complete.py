@@ -1,0 +1,37 @@
+"""The completer thread's loop, one for the pipelines of one source and of several: submitted windows finished in
+order, each handed on with its data's event and its check, and, after an error or a stop, everything still
+submitted drained, so that no read writes into a buffer once the thread has ended."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+
+def complete(submitted: queue.Queue[Any], ready: queue.Queue[Any], halt: threading.Event, end: object,
+             failed: type, on_error: Callable[[Any, BaseException], Any], on_filled: Callable[[Any, Any], Any]) -> None:
+    """Take items from ``submitted`` until ``end``: a ``failed`` item (the submitter's error) stops reading and goes
+    on to ``ready`` as it is; any other is finished (``item.inflight.finish(halt)``) and ``on_filled(item, filled)``
+    goes on, or ``on_error(item, error)`` where finishing failed. After ``halt`` nothing more goes on, but every
+    item is still finished or drained (``finish`` leaves no read in flight either way)."""
+    while True:
+        item = submitted.get()
+        if item is end:
+            if not halt.is_set():
+                ready.put(end)
+            return
+        if isinstance(item, failed):
+            halt.set()
+            ready.put(item)
+            continue
+        try:
+            filled = item.inflight.finish(halt)
+        except BaseException as e:
+            if not halt.is_set():
+                halt.set()
+                ready.put(on_error(item, e))
+            continue
+        if not halt.is_set():
+            ready.put(on_filled(item, filled))
