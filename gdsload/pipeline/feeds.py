@@ -151,10 +151,15 @@ class Walk:
         self.passes = passes
         self.k, self.pos = 0, passes.feed.start
         self.entered = 0  # passes this walk has entered (its first included)
+        self._current: FeedPass | None = None
 
     @property
     def current(self) -> FeedPass:
-        return self.passes.get(self.k)
+        """The pass the walk is in (kept: asked for once per pass)."""
+        p = self._current
+        if p is None or p.k != self.k:
+            p = self._current = self.passes.get(self.k)
+        return p
 
     def take(self, n: int) -> list[Part]:
         """The next ``n`` samples, as parts of one pass or more (a source that runs out begins its next
@@ -176,10 +181,3 @@ class Walk:
             parts.append(Part(p, self.pos, self.pos + got))
             self.pos, n = self.pos + got, n - got
         return parts
-
-    def live_window(self) -> tuple[int, int] | None:
-        """The window (pass, window) the walk stands inside, partly taken (None at a window's start)."""
-        p = self.passes.get(self.k)
-        if self.pos >= len(p) or self.pos == 0 or p.starts[int(p.plan.window_of[self.pos])] == self.pos:
-            return None
-        return self.k, int(p.plan.window_of[self.pos])

@@ -345,7 +345,6 @@ def _done(key: Key, walk: Walk) -> bool:
     _, k, w = key
     if k != walk.k:
         return k < walk.k
-    p = walk.passes.get(k)
-    return int(p.starts[w + 1]) <= walk.pos
+    return int(walk.current.starts[w + 1]) <= walk.pos
 
 
