@@ -86,7 +86,7 @@ class DeviceImageDecoder:
         if os.environ.get(NVIMGCODEC_ENV) != "1":
             self.codec = None
             warn(f"{path}: image fields are decoded with Pillow on the CPU and copied to the device: the nvImageCodec "
-                 f"path is experimental (it crashed the process on an H200; {NVIMGCODEC_ENV}=1 turns it on)",
+                 f"path is experimental (docs/images.md; {NVIMGCODEC_ENV}=1 turns it on)",
                  UserWarning)
             return
         try:

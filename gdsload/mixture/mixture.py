@@ -71,7 +71,7 @@ class Mixture(LoaderProtocols, Closing):
         to rename.
         The order sets each source's index in ``batch["source"]``.
     weights : dict of name -> number >= 0 (any scale; a float counts as the decimal it prints as), or a
-        function of the step returning one (called once per step, in order, up to a few hundred steps ahead of
+        function of the step returning one (called once per step, in order, up to 128 steps ahead of
         the batch being yielded: it must depend on the step alone; a change starts a new segment). Default: in
         proportion to the sources' sizes.
     batch_size : samples per batch.

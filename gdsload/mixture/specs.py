@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from ..backends import info
 from ..backends.registry import NAMES
 from ..options import field_names
-from ..pipeline.mixed import SOURCE_KEY
+from ..pipeline.mixed_gather import SOURCE_KEY
 
 if TYPE_CHECKING:
     from .source import SourceStream

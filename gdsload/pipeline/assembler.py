@@ -124,7 +124,7 @@ class Assembler:
                         waited = True
                     out = {n: ops.empty((hi - lo, *f.sample_shape), f.dtype) for n, f in self.shapes.items()}
                     for name in self.ragged:
-                        self._ragged_outputs(name, lo, hi, index.value_index[name][1], out)
+                        out.update(self.ragged_outputs(name, index.value_index[name][1][lo:hi]))
                     ops.fence()
                     self._gather(rows, views, lo, out, index.dev)
                     for name in self.ragged:
@@ -201,27 +201,21 @@ class Assembler:
                 xp.cumsum(lengths[lo:hi], out=offsets)
                 offsets += value_at[name]
 
-    def ragged_outputs(self, name: str, lengths: np.ndarray, out: dict[str, Any]) -> None:
-        """Allocate a variable-length field's outputs for a batch whose samples have value ``lengths`` (host;
-        from every source's parts, in order), as :meth:`_ragged_outputs` does for a batch of one pass."""
+    def ragged_outputs(self, name: str, lengths: np.ndarray) -> dict[str, Any]:
+        """A variable-length field's outputs for a batch whose samples have value ``lengths`` (host, in batch
+        order): values back to back plus (B + 1) offsets, or (B, width, ...) padded values plus (B,) lengths."""
         ops, f = self.ops, self.wl.ragged[name].values
         if name in self.pad:
             width, _ = self.pad[name]
             width = int(lengths.max(initial=0)) if width is None else width
-            out[name] = ops.empty((len(lengths), width, *f.sample_shape), f.dtype)
-            out[f"{name}/lengths"] = ops.empty((len(lengths),), np.dtype(np.int64))
-        else:
-            out[name] = ops.empty((int(lengths.sum()), *f.sample_shape), f.dtype)
-            out[f"{name}/offsets"] = ops.empty((len(lengths) + 1,), np.dtype(np.int64))
-
-    def _ragged_outputs(self, name: str, lo: int, hi: int, lengths_host: np.ndarray, out: dict[str, Any]) -> None:
-        """Allocate a variable-length field's outputs: values back to back plus (B + 1) offsets, or
-        (B, width, ...) padded values plus (B,) lengths."""
-        self.ragged_outputs(name, lengths_host[lo:hi], out)
+            return {name: ops.empty((len(lengths), width, *f.sample_shape), f.dtype),
+                    f"{name}/lengths": ops.empty((len(lengths),), np.dtype(np.int64))}
+        return {name: ops.empty((int(lengths.sum()), *f.sample_shape), f.dtype),
+                f"{name}/offsets": ops.empty((len(lengths) + 1,), np.dtype(np.int64))}
 
     def _gather_ragged(self, name: str, rows: list[tuple[int, int, int, int]], views: dict[int, dict[str, Any]],
                        lengths_host: np.ndarray, index_dev: tuple[Any, Any], out: dict[str, Any]) -> None:
-        """Fill a variable-length field's outputs (see _ragged_outputs). Runs inside the batch's scope; the
+        """Fill a variable-length field's outputs (see ragged_outputs). Runs inside the batch's scope; the
         concatenated values of a padded field are scratch of the assembler's own."""
         ops, xp = self.ops, self.ops.xp
         f = self.wl.ragged[name].values

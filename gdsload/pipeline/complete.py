@@ -7,7 +7,9 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
+
+from ..errors import GDSLoadError, ReadError, with_context
 
 
 def complete(submitted: queue.Queue[Any], ready: queue.Queue[Any], halt: threading.Event, end: object,
@@ -35,3 +37,12 @@ def complete(submitted: queue.Queue[Any], ready: queue.Queue[Any], halt: threadi
             continue
         if not halt.is_set():
             ready.put(on_filled(item, filled))
+
+
+def raise_failure(error: BaseException, path: str, where: str, cause: BaseException | None = None) -> NoReturn:
+    """Raise a reader's ``error`` in the assembler, saying what was read (``where``): a GDSLoadError (its message
+    starts with its file) with that context added, anything else as a ReadError naming ``path``; chained to
+    ``cause`` (default: ``error``; the error as the reader raised it, where ``error`` is it renamed)."""
+    if isinstance(error, GDSLoadError):
+        raise with_context(error, f"reading {where}") from (cause or error)
+    raise ReadError(f"{path}: reading {where} failed ({type(error).__name__}: {error})") from (cause or error)

@@ -26,9 +26,9 @@ from ..codecs.verify import Verdict
 from ..cuda.ops import Ops
 from ..errors import GDSLoadError, ReadError, with_context
 from .assembler import Assembler
-from .complete import complete
+from .complete import complete, raise_failure
 from .feeds import Feed, FeedPass, Part, Passes, Walk
-from .mixed_gather import SOURCE_KEY, GroupGather, Key  # noqa: F401 - SOURCE_KEY: the mixture's too
+from .mixed_gather import GroupGather, Key
 from .pacing import Pacer
 from .steps import Step, Steps
 from .reader import InFlight
@@ -217,13 +217,10 @@ class MixedPipeline:
         if item is _END:
             raise ReadError("internal error: the readers finished before the batches did")
         if isinstance(item, _Failure):
-            e = item.error
             feed = self.feeds[item.feed] if item.feed >= 0 else self.feeds[0]
-            where = f"source {feed.name!r}" + (f", {item.where}" if item.where else "")
-            if isinstance(e, GDSLoadError):
-                e2 = feed.reader.named(e)
-                raise with_context(e2, f"reading {where}") from e
-            raise ReadError(f"{feed.reader.meta.path}: reading {where} failed ({type(e).__name__}: {e})") from e
+            e = item.error
+            raise_failure(feed.reader.named(e) if isinstance(e, GDSLoadError) else e, feed.reader.meta.path,
+                          f"source {feed.name!r}" + (f", {item.where}" if item.where else ""), e)
         return item
 
     def _assemble_loop(self) -> None:

@@ -51,8 +51,8 @@ class GroupGather:
         for name, src in ragged.items():
             lengths = [_lengths(src, part) for _, _, parts in batches
                        for i, ps in enumerate(parts) for part in ps]
-            lead.ragged_outputs(src, np.concatenate(lengths) if lengths else np.zeros(0, np.int64),
-                                _Renamed(out, f0, src))
+            made = lead.ragged_outputs(src, np.concatenate(lengths) if lengths else np.zeros(0, np.int64))
+            out.update({f0.out_name(k): a for k, a in made.items()})
         out[SOURCE_KEY] = ops.empty((rows,), np.dtype(np.int64))
         ops.fence()
         self.source_ids(batches, out[SOURCE_KEY])
@@ -114,14 +114,3 @@ class GroupGather:
 def _lengths(name: str, part: Part) -> np.ndarray:
     """The value lengths of a variable-length field's samples in ``part`` (host)."""
     return part.p.index.value_index[name][1][part.a:part.b]
-
-
-class _Renamed(dict):
-    """Writes through to ``out`` under the feed's output names (ragged_outputs allocates by the source's)."""
-
-    def __init__(self, out: dict[str, Any], feed: Feed, name: str):
-        super().__init__()
-        self._out, self._feed = out, feed
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        self._out[self._feed.out_name(key)] = value

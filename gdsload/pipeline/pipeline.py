@@ -36,7 +36,7 @@ from ..backends.handoff import POLL_S, Handoff, get
 from ..codecs.verify import Verdict
 from ..cuda.ops import Ops
 from ..errors import GDSLoadError, ReadError, with_context
-from .complete import complete
+from .complete import complete, raise_failure
 from .assembler import Assembler, BatchStep, EpochIndex, ResidentField
 from .cursor import Cursor
 from .pacing import Pacer
@@ -278,10 +278,7 @@ class Pipeline:
         if item is _END:
             raise ReadError("internal error: the reader finished before the plan did")
         if isinstance(item, _Failure):
-            e = item.error
-            if isinstance(e, GDSLoadError):  # its message starts with the file it is about
-                raise with_context(e, f"reading {item.where}") from e
-            raise ReadError(f"{self.layout.meta.path}: reading {item.where} failed ({type(e).__name__}: {e})") from e
+            raise_failure(item.error, self.layout.meta.path, item.where)
         return item
 
     def _assemble_loop(self) -> None:
