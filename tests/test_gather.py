@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gdsload.cuda.gather import BLOCKS_PER_SM, THREADS, WIDE_ROW_WORDS, launch_shape, word_bytes
+from gdsload.cuda.gather import BLOCKS_PER_SM, THREADS, WIDE_ROW_WORDS, launch_shape, row_pointers, word_bytes
+from gdsload.cuda.ops import HostOps
 
 
 @pytest.mark.parametrize("row_bytes, pointers, expected", [
@@ -28,6 +29,50 @@ def test_the_grid_is_bounded_per_multiprocessor_and_never_larger_than_the_work()
     for rows, words in [(1, 1), (3, 64), (10**6, 10**4), (7, 5)]:
         _, blocks = launch_shape(rows, words, sms)
         assert 1 <= blocks <= BLOCKS_PER_SM * sms
+
+
+def test_row_pointers_list_every_row_of_every_part_in_order():
+    table = np.full(8, 7, np.uint64)
+    n = row_pointers([(1 << 40, np.array([3, 0], np.int32)), (4096, np.array([], np.int64)),
+                      (1 << 20, np.array([5, 1, 2], np.int64))], 24, table)
+    assert n == 5
+    assert table.tolist() == [(1 << 40) + 72, 1 << 40, (1 << 20) + 120, (1 << 20) + 24, (1 << 20) + 48, 7, 7, 7]
+
+
+def test_host_take_rows_takes_each_part_in_turn_and_refuses_a_short_fill():
+    a, b = np.arange(12).reshape(6, 2), np.arange(100, 108).reshape(4, 2)
+    out = np.empty((5, 2), a.dtype)
+    HostOps().take_rows([(a, np.array([5, 0])), (b, np.array([3, 3, 1]))], out)
+    assert out.tolist() == [[10, 11], [0, 1], [106, 107], [106, 107], [102, 103]]
+    with pytest.raises(ValueError, match="2 rows taken into 5"):
+        HostOps().take_rows([(a, np.array([1, 2]))], out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("row_shape, dtype", [((), np.int64), ((3,), np.uint8), ((7, 9), np.float32),
+                                              ((3, 224, 224), np.uint8), ((5,), np.uint16)])
+def test_rows_of_several_arrays_taken_by_pointers_exactly(row_shape, dtype):
+    """One launch reading its row addresses from a pinned host table, over many calls (the table ring reused)."""
+    import cupy
+
+    from gdsload.cuda.ops import TABLES, CudaOps
+
+    rng = np.random.default_rng(1)
+    hosts = [rng.integers(0, 250, size=(n, *row_shape)).astype(dtype) for n in (50, 1, 300)]
+    devs = [cupy.asarray(h) for h in hosts]
+    cupy.cuda.Device().synchronize()
+    ops = CudaOps(0, "cupy")
+    outs, expected = [], []
+    for _ in range(2 * TABLES + 3):
+        parts = [(i, rng.integers(0, len(hosts[i]), size=int(rng.integers(0, 90)))) for i in (2, 0, 1, 2)]
+        out = cupy.empty((sum(len(r) for _, r in parts), *row_shape), dtype=dtype)
+        with ops.scope():
+            ops.take_rows([(devs[i], r) for i, r in parts], out)
+        outs.append(out)
+        expected.append(np.concatenate([hosts[i][r] for i, r in parts]))
+    ops.work.synchronize()
+    for out, want in zip(outs, expected):
+        np.testing.assert_array_equal(cupy.asnumpy(out), want)
 
 
 @pytest.mark.gpu

@@ -105,21 +105,28 @@ def test_whole_batches_and_padded_fields_on_the_device(paths, read_ahead):
 
 
 def test_sources_with_reader_pools_of_their_own_share_the_default_threads():
-    """Three pinned sources would each start a pool sized for the process alone; they split it instead (one
-    pool's worth in all), unless a source sets num_threads; backends without a pool of their own are left be."""
+    """Three pinned sources reading through Python threads would each start a pool sized for the process alone;
+    they split it instead (one pool's worth in all), unless a source sets num_threads. Readers the process shares
+    (the native stager, KvikIO's pool) and backends without a pool of their own are left be."""
     from gdsload.backends import info
+    from gdsload.backends.native import DEFAULT_THREADS
     from gdsload.mixture.specs import MIN_THREADS, source_specs
 
-    full = info("pinned").threads()
-    specs = source_specs({"a": "a.gds", "b": {"path": "b.gds", "backend_options": {"pool_bytes": 1 << 26}},
-                           "c": {"path": "c.gds", "backend_options": {"num_threads": 7}}}, {"backend": "pinned"})
+    own = {"reader": "threads"}
+    assert info("pinned").threads(own) == DEFAULT_THREADS
+    specs = source_specs({"a": {"path": "a.gds", "backend_options": own},
+                          "b": {"path": "b.gds", "backend_options": {**own, "pool_bytes": 1 << 26}},
+                          "c": {"path": "c.gds", "backend_options": {**own, "num_threads": 7}}}, {"backend": "pinned"})
     got = {n: kw["backend_options"] for n, (_, _, _, kw) in specs.items()}
-    share = max(MIN_THREADS, full // 2)
-    assert got == {"a": {"num_threads": share}, "b": {"pool_bytes": 1 << 26, "num_threads": share},
-                   "c": {"num_threads": 7}}
+    share = max(MIN_THREADS, DEFAULT_THREADS // 2)
+    assert got == {"a": {**own, "num_threads": share}, "b": {**own, "pool_bytes": 1 << 26, "num_threads": share},
+                   "c": {**own, "num_threads": 7}}
     for backend in ("kvikio", "mmap", "cpu", "auto"):
         specs = source_specs({"a": "a.gds", "b": "b.gds"}, {"backend": backend})
         assert all("backend_options" not in kw for (_, _, _, kw) in specs.values()), backend
+    assert info("pinned").threads({"reader": "native"}) is None  # one stager per process, shared
+    specs = source_specs({"a": "a.gds", "b": "b.gds"}, {"backend": "pinned", "backend_options": {"reader": "native"}})
+    assert all(kw["backend_options"] == {"reader": "native"} for (_, _, _, kw) in specs.values())
 
 
 @pytest.mark.gpu

@@ -19,7 +19,8 @@ from gdsload.backends import stager
 from gdsload.backends.base import FileHandles, ReadRequest, coalesce
 from gdsload.backends.kvikio import default_threads
 from gdsload.backends.native import (DEFAULT_THREADS, NATIVE_BUF_BYTES, NATIVE_BUFS_PER_THREAD, NATIVE_SHARED_BUF_BYTES,
-                                     PIPELINE_THREADS, NativeReader, native_buf_bytes, native_threads)
+                                     PIPELINE_THREADS, NativeReader, native_buf_bytes, native_threads,
+                                     release_stager, shared_stager)
 from gdsload.backends.staging import STATS_KEYS
 from gdsload.system.env import local_ranks, rank_cores, usable_cores
 from gdsload.errors import ReadError
@@ -96,6 +97,34 @@ def test_stop_cancels_and_nothing_is_written_after_finish(backend):
     dest[:] = 0
     time.sleep(0.2)
     assert not dest.any()  # no read still wrote into the buffer after finish() returned
+
+
+def test_readers_share_one_stager_and_closing_one_leaves_the_others_reading(backend):
+    """Pinned backends of one process share a stager (one thread pool for every dataset): a reader that closes
+    cancels and waits for its own jobs only; the stager closes with its last user."""
+    _, paths, datas = backend
+    files = ShardFiles.open(paths)
+    handles = FileHandles()
+    handles.bind(files)
+    st = shared_stager(0, 3, 64 << 10, 2, mode="host")
+    assert shared_stager(0, 3, 64 << 10, 2, mode="host") is st
+    one = NativeReader(st, handles, contextlib.nullcontext(), None)
+    two = NativeReader(shared_stager(0, 3, 64 << 10, 2, mode="host"), handles, contextlib.nullcontext(), None)
+    reads = [ReadRequest(paths[i % 3], (i * 7919) % 4096, 1 << 16, i << 16) for i in range(32)]
+    dest1, dest2 = np.zeros(32 << 16, np.uint8), np.zeros(32 << 16, np.uint8)
+    pending = one.submit(int(dest1.ctypes.data), reads, threading.Event(), FILLS)
+    two.close()  # another user's jobs are not touched
+    assert not st.closed
+    assert pending.finish() is FILLS
+    expected = np.concatenate([datas[i % 3][r.offset:r.offset + r.nbytes] for i, r in enumerate(reads)])
+    np.testing.assert_array_equal(dest1, expected)
+    assert one.submit(int(dest2.ctypes.data), reads, threading.Event(), FILLS).finish() is FILLS
+    np.testing.assert_array_equal(dest2, expected)
+    release_stager(st)  # the third asker
+    assert not st.closed
+    one.close()  # the last user
+    assert st.closed
+    files.close()
 
 
 def test_the_native_readers_stats_have_the_common_keys(backend):

@@ -21,7 +21,8 @@ from typing import Any
 from .._tasks import Pending
 from .base import FileHandles, ReadRequest, Request, coalesce
 from .cuda import CudaBackend
-from .native import DEFAULT_THREADS, NATIVE_BUFS_PER_THREAD, NativeReader, native_buf_bytes, native_threads
+from .native import (DEFAULT_THREADS, NATIVE_BUFS_PER_THREAD, NativeReader, native_buf_bytes, native_threads,
+                     shared_stager)
 from .slot_readers import KvikioReader, ThreadReader
 from .staging import StagingPool, StagingReader, pack
 
@@ -83,14 +84,13 @@ class PinnedBackend(CudaBackend):
         staging: StagingReader | None = None
         if reader in ("auto", "native") and not direct:
             from ..errors import BackendUnavailable
-            from .stager import Stager
 
             try:
                 buf = native_buf_bytes(local_ranks()) if buf_bytes is None else buf_bytes
                 # Its C threads inherit this thread's mask and its buffers are faulted in here (MAP_POPULATE).
                 with placer.around("native stager threads and buffers"):
-                    stager = Stager("cuda", device_id, num_threads or native_threads(rank_cores()), buf,
-                                    bufs_per_thread)
+                    stager = shared_stager(device_id, num_threads or native_threads(rank_cores()), buf,
+                                           bufs_per_thread)
                 staging = NativeReader(stager, self._files, self.device, self.stream)
                 reader = "native"
             except BackendUnavailable as e:

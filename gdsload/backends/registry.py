@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,11 +40,16 @@ def _mmap_budget() -> int | None:
     return default_budget()
 
 
-def _pinned_threads() -> int:
-    from ..system.env import rank_cores
-    from .native import native_threads
+def _pinned_threads(options: Mapping[str, Any]) -> int | None:
+    """The pinned backend's own reader threads with ``options``: none where its reader is the native stager (one
+    per process and device, shared by every dataset) or KvikIO's process-wide pool; else its Python threads."""
+    from .native import DEFAULT_THREADS
+    from .stager import load
 
-    return native_threads(rank_cores())
+    reader, direct = options.get("reader", "auto"), options.get("direct", False)
+    if direct or reader == "threads" or (reader == "auto" and load() is None and not kvikio_installed()):
+        return DEFAULT_THREADS
+    return None
 
 
 @dataclass(frozen=True)
@@ -53,10 +58,10 @@ class BackendInfo:
     ``io_modes``: the ``io_mode`` strings its instances report.
     ``needs_kvikio``: it reads through KvikIO. ``locks_dataset``: opening it locks the dataset's files in RAM
     (every read then copies from there). ``capacity``: the most dataset bytes it holds with default options
-    (None: no limit). ``threads``: the reader threads an instance starts of its own by default, sized for the
-    process alone (None: none, or a process-wide pool); a process opening several datasets at once (a
-    Mixture) gives each a share as the ``num_threads`` option. The class (``module``, ``class_name``) is
-    imported only when asked for."""
+    (None: no limit). ``threads``: the reader threads an instance with these backend options starts of its own
+    by default, sized for the process alone (None, or no hook: none, or a pool the process shares); a process
+    opening several datasets at once (a Mixture) gives each a share as the ``num_threads`` option. The class
+    (``module``, ``class_name``) is imported only when asked for."""
 
     name: str
     on_device: bool
@@ -66,7 +71,7 @@ class BackendInfo:
     needs_kvikio: bool = False
     locks_dataset: bool = False
     capacity: Callable[[], int | None] = _no_limit
-    threads: Callable[[], int] | None = None
+    threads: Callable[[Mapping[str, Any]], int | None] | None = None
 
     @property
     def backend_class(self) -> type[Backend]:

@@ -8,6 +8,10 @@ grid (:func:`launch_shape`: a few blocks per multiprocessor, each looping over i
 at once and leaves every multiprocessor room for other kernels' blocks: a gather runs beside the step
 instead of in front of it. Rows move as whole words of up to 16 bytes (:func:`word_bytes`).
 
+A gather by pointers (:meth:`Gather.by_pointers`) takes each output row from an address of its own, read from a
+table in pinned host memory that the kernel reads where it lies (no copy queued behind a window's host-to-device
+copies): rows of several arrays (a mixture's sources, several windows) in one launch.
+
 The launch arithmetic is pure and tested on the CPU; only :class:`Gather` touches the device.
 """
 
@@ -50,16 +54,47 @@ __device__ __forceinline__ void narrow(const WORD* __restrict__ src, const INDEX
         out[t] = src[(long long)idx[r] * words + (t - r * words)];
     }
 }
+template <typename WORD>
+__device__ __forceinline__ void wide_ptr(const unsigned long long* __restrict__ ptrs, WORD* __restrict__ out,
+                                         long long rows, long long words) {
+    __shared__ const WORD* row;
+    for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
+        if (threadIdx.x == 0) row = reinterpret_cast<const WORD*>(ptrs[r]);
+        __syncthreads();
+        const WORD* s = row;
+        WORD* o = out + r * words;
+        #pragma unroll 4
+        for (long long c = threadIdx.x; c < words; c += blockDim.x) o[c] = s[c];
+        __syncthreads();
+    }
+}
+template <typename WORD>
+__device__ __forceinline__ void narrow_ptr(const unsigned long long* __restrict__ ptrs, WORD* __restrict__ out,
+                                           long long rows, long long words) {
+    const long long total = rows * words;
+    for (long long t = blockIdx.x * (long long)blockDim.x + threadIdx.x; t < total;
+         t += (long long)gridDim.x * blockDim.x) {
+        const long long r = t / words;
+        out[t] = reinterpret_cast<const WORD*>(ptrs[r])[t - r * words];
+    }
+}
 """
 _ENTRY = """extern "C" __global__ void gather_{kind}_{word}_{index}(const {w}* __restrict__ src,
     const {i}* __restrict__ idx, {w}* __restrict__ out, long long rows, long long words) {{
     {kind}<{w}, {i}>(src, idx, out, rows, words);
 }}
 """
-#: Every kernel in one module (``gather_<wide|narrow>_<word bytes>_<index bytes>``): one file to load.
+_PTR_ENTRY = """extern "C" __global__ void gather_{kind}_ptr_{word}_8(const unsigned long long* __restrict__ ptrs,
+    {w}* __restrict__ out, long long rows, long long words) {{
+    {kind}_ptr<{w}>(ptrs, out, rows, words);
+}}
+"""
+#: Every kernel in one module (``gather_<wide|narrow>_<word bytes>_<index bytes>``, and by pointers
+#: ``gather_<wide|narrow>_ptr_<word bytes>_8``): one file to load.
 SOURCE = _TEMPLATES + "".join(_ENTRY.format(kind=k, word=word, index=index, w=w, i=i)
                               for k in ("wide", "narrow") for word, w in _CTYPES.items()
-                              for index, i in _ITYPES.items())
+                              for index, i in _ITYPES.items()) + \
+    "".join(_PTR_ENTRY.format(kind=k, word=word, w=w) for k in ("wide", "narrow") for word, w in _CTYPES.items())
 
 
 def word_bytes(row_bytes: int, *pointers: int) -> int:
@@ -68,6 +103,20 @@ def word_bytes(row_bytes: int, *pointers: int) -> int:
         if row_bytes % size == 0 and all(p % size == 0 for p in pointers):
             return size
     return 1
+
+
+def row_pointers(parts: list[tuple[int, np.ndarray]], row_bytes: int, out: np.ndarray) -> int:
+    """Fill ``out[:n]`` with the address of every row of ``parts`` in order (part = (address of the array's row
+    0, the rows taken, host int array)): ``address + row * row_bytes``; returns n. Pure: the table a gather by
+    pointers reads."""
+    at = 0
+    for base, rows in parts:
+        n = len(rows)
+        view = out[at:at + n]
+        np.multiply(rows, row_bytes, out=view, casting="unsafe")
+        view += np.uint64(base)
+        at += n
+    return at
 
 
 def launch_shape(rows: int, words: int, sm_count: int) -> tuple[str, int]:
@@ -120,3 +169,16 @@ class Gather:
         kernel = self._kernel(name, word, idx.dtype.itemsize)
         kernel((blocks,), (THREADS,), (src, idx, out, np.int64(rows), np.int64(words)))
         return True
+
+    def by_pointers(self, table: int, align: int, out: Any) -> None:
+        """Queue ``out[r] = row at table[r]`` on the current stream: ``table`` the address of a host table of
+        ``len(out)`` row addresses (uint64, in pinned memory the device reads where it lies), ``align`` every
+        address of it OR-ed together (the word size follows from it). The table must stay until the kernel ran."""
+        rows = int(out.shape[0])
+        if rows == 0:
+            return
+        row_bytes = out.nbytes // rows
+        word = word_bytes(row_bytes, out.data.ptr, align)
+        name, blocks = launch_shape(rows, row_bytes // word, self.sm_count)
+        kernel = self._kernel(name + "_ptr", word, 8)
+        kernel((blocks,), (THREADS,), (np.uint64(table), out, np.int64(rows), np.int64(row_bytes // word)))

@@ -15,8 +15,10 @@ import numpy as np
 
 from ..errors import DecodeError, warn
 from .runtime import D2D, decode_wait_s, new_event, record_event, wait_event, wait_stream
-from .gather import Gather, word_bytes
+from .gather import Gather, row_pointers, word_bytes
 
+#: take_rows' row tables in flight at most (a launch of each may still be queued).
+TABLES = 32
 _WORD_DTYPES = {16: np.complex128, 8: np.uint64, 4: np.uint32, 2: np.uint16, 1: np.uint8}
 
 
@@ -50,6 +52,7 @@ class Ops(Protocol):
     def retire(self, arrays: dict[Any, Any]) -> None: ...
     def copy_rows(self, src: Any, first: int, out: Any) -> None: ...
     def take(self, src: Any, idx: Any, out: Any) -> None: ...
+    def take_rows(self, parts: list[tuple[Any, np.ndarray]], out: Any) -> None: ...
     def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> Any: ...
     def export(self, batch: dict[str, Any]) -> dict[str, Any]: ...
 
@@ -102,6 +105,15 @@ class HostOps:
     def take(self, src: Any, idx: Any, out: Any) -> None:
         """``out[:] = src[idx]`` along axis 0."""
         np.take(src, idx, axis=0, out=out)
+
+    def take_rows(self, parts: list[tuple[Any, np.ndarray]], out: Any) -> None:
+        """``out`` = the rows ``rows`` (host ints) of each ``(src, rows)`` of ``parts``, part after part."""
+        at = 0
+        for src, rows in parts:
+            np.take(src, rows, axis=0, out=out[at:at + len(rows)])
+            at += len(rows)
+        if at != len(out):
+            raise ValueError(f"internal error: {at} rows taken into {len(out)}")
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
         return np.empty(shape, dtype=dtype)
@@ -218,6 +230,8 @@ class CudaOps:
         self._retired: list[tuple[Any, dict[Any, Any]]] = []
         self._retired_lock = threading.Lock()
         self.gather = Gather(cupy, self.device)
+        self._tables: list[list[Any]] = []  # take_rows' pinned row tables: [memory, uint64 view, event after use]
+        self._table_at = 0
 
     def _current_stream(self) -> Any:
         if self.torch is not None:
@@ -335,6 +349,39 @@ class CudaOps:
         contiguous) go through CuPy's ``take``, also by words."""
         if not self.gather(src, idx, out):
             self.cupy.take(_as_words(src), idx, axis=0, out=_as_words(out))
+
+    def take_rows(self, parts: list[tuple[Any, np.ndarray]], out: Any) -> None:
+        """One launch for rows of several arrays (:meth:`Gather.by_pointers`): their addresses in a pinned host
+        table of a small ring, each reused once the launch that read it has run. Every ``src`` has ``out``'s
+        row size."""
+        rows = int(out.shape[0])
+        if rows == 0:
+            return
+        row = out.nbytes // rows
+        for src, _ in parts:
+            if src.shape[0] and src.nbytes // src.shape[0] != row:
+                raise ValueError(f"internal error: rows of {src.nbytes // src.shape[0]} bytes taken into rows "
+                                 f"of {row}")
+        slot = self._table(rows)
+        table = slot[1]
+        if row_pointers([(src.data.ptr, r) for src, r in parts], row, table) != rows:
+            raise ValueError(f"internal error: rows taken do not fill {rows} rows")
+        self.gather.by_pointers(slot[0].ptr, int(np.bitwise_or.reduce(table[:rows])), out)
+        slot[2] = record_event(self.work)
+
+    def _table(self, rows: int) -> list[Any]:
+        """The ring's next table, once the launch that last read it has run, grown to ``rows`` rows."""
+        if len(self._tables) < TABLES:
+            self._tables.append([None, np.zeros(0, np.uint64), None])
+        slot = self._tables[self._table_at % len(self._tables)]
+        self._table_at += 1
+        self.synchronize(slot[2])
+        if len(slot[1]) < rows:
+            size = max(rows, 2 * len(slot[1]), 1024)
+            cuda = self.cupy.cuda  # mapped: the kernel reads it where it lies (the same address, under UVA)
+            slot[0] = cuda.PinnedMemory(size * 8, cuda.runtime.hostAllocMapped | cuda.runtime.hostAllocPortable)
+            slot[1] = np.frombuffer(cuda.PinnedMemoryPointer(slot[0], 0), np.uint64, size)
+        return slot
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
         """An array for the consumer (call fence() after allocating, before writing)."""

@@ -240,7 +240,9 @@ class Mixture(LoaderProtocols, Closing):
         if not self.whole_batches and not any(s.ds.ragged_fields for s in self._sources):
             row = sum(f.sample_bytes for f in _fixed_fields(first))
             group = max(1, min(MAX_GROUP, GROUP_BYTES // max(1, row * self.batch_size)))
-        self._pipe = MixedPipeline(ops, feeds, Steps(make, self._step), self._step, self.read_ahead, group)
+        # Each source reads ahead prefetch - 1 windows beyond those a group touches (its next one among them).
+        extra = [max(0, s.ds.prefetch - 1) for s in self._sources]
+        self._pipe = MixedPipeline(ops, feeds, Steps(make, self._step), self._step, self.read_ahead, group, extra)
         for s in self._sources:
             s.ds.lend(self._pipe)  # closing a source's dataset closes the pipeline first
         return self._pipe

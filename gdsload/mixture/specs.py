@@ -62,14 +62,16 @@ def share_threads(specs: dict[str, tuple[Any, Any, dict[str, str], dict]]) -> No
     own = {}
     for name, (_, _, _, kwargs) in specs.items():
         backend, options = kwargs.get("backend", "auto"), kwargs.get("backend_options") or {}
-        if isinstance(backend, str) and backend in NAMES and isinstance(options, Mapping) \
-                and info(backend).threads is not None and "num_threads" not in options:
-            own[name] = backend
+        threads = info(backend).threads if isinstance(backend, str) and backend in NAMES else None
+        if threads is not None and isinstance(options, Mapping) and "num_threads" not in options:
+            count = threads(options)
+            if count is not None:
+                own[name] = count
     if len(own) < 2:
         return
-    for name, backend in own.items():
+    for name, count in own.items():
         kwargs = specs[name][3]
-        share = max(MIN_THREADS, info(backend).threads() // len(own))  # type: ignore[misc]
+        share = max(MIN_THREADS, count // len(own))
         kwargs["backend_options"] = {**(kwargs.get("backend_options") or {}), "num_threads": share}
 
 

@@ -78,10 +78,14 @@ class Mixed(NamedTuple):
 class MixedPipeline:
     """Batches of ``steps`` from ``start`` on, read from ``feeds`` (see the module's docstring); ``ahead``
     batches are assembled before the consumer takes them, ``group`` steps at a time (one allocation and one
-    gather per field and part for the group; 1 where a field has variable length)."""
+    gather per field for the group where every field is fixed; 1 where a field has variable length); ``extra``:
+    per source, window buffers beyond those a group needs (default none)."""
 
-    def __init__(self, ops: Ops, feeds: Sequence[Feed], steps: Steps, start: int, ahead: int = 2, group: int = 1):
+    def __init__(self, ops: Ops, feeds: Sequence[Feed], steps: Steps, start: int, ahead: int = 2, group: int = 1,
+                 extra: Sequence[int] = ()):
         self.ops, self.feeds, self.steps, self.start = ops, list(feeds), steps, start
+        #: Per source, window buffers beyond those a group needs: windows read ahead while its others are gathered.
+        self.extra = list(extra) or [0] * len(self.feeds)
         self.group = max(1, group)
         self.asm = [Assembler(ops, f.reader.window_map, f.reader.layout.offsets, f.fields, dict(f.resident), f.pad)
                     for f in self.feeds]
@@ -182,16 +186,16 @@ class MixedPipeline:
 
     def _next_free(self, i: int, need: int) -> WindowBuffer | None:
         """A free window buffer of source ``i``: a new one where the group being submitted touches ``need`` of its
-        windows (the one it starts in, partly taken, among them) and it has fewer, since the assembler holds every
-        window of a group at once; else one the assembler releases (any other it holds is done with before this
-        group). None once reading stops."""
+        windows (the one it starts in, partly taken, among them) and it has fewer than that plus its ``extra``
+        (the assembler holds every window of a group at once: fewer could deadlock); else one the assembler
+        releases (any other it holds is done with before this group). None once reading stops."""
         f, free = self.feeds[i], self._free[i]
         while not self._halt.is_set():
             try:
                 return free.get_nowait()
             except queue.Empty:
                 pass
-            if len(f.buffers) < need:
+            if len(f.buffers) < need + self.extra[i]:
                 buf = f.allocate()
                 f.buffers.append(buf)
                 return buf

@@ -25,6 +25,10 @@ class GroupGather:
     def __init__(self, ops: Any, feeds: list[Feed], asm: list[Assembler]):
         self.ops, self.feeds, self.asm = ops, feeds, asm
         self._ids: dict[tuple[tuple[int, ...], ...], Any] = {}  # source_ids
+        #: Every field of every source sits at its plan position or is resident (no variable-length or own-row
+        #: field, no step after): a group is then one launch per output field (:meth:`gather_by_rows`).
+        self.by_rows = all(not a.ragged and not a.mapped and a.step is None for a in asm)
+        self._sources: Any = None  # by_rows: each source's index, a row each, where the source column is taken
         # Per source: (its keys, with their names in the output) and the bytes of a sample of its fixed fields.
         self._names = [([(n, f.out_name(n)) for n in (*a.shapes, *(f"{r}{x}" for r in a.ragged
                                                                   for x in ("", "/offsets", "/lengths")))],
@@ -34,6 +38,8 @@ class GroupGather:
                 waited: set[tuple[int, int]]) -> list[tuple[int, Step, dict[str, Any], tuple[int, ...]]]:
         """Queue the gathers of a group of steps into fresh arrays (inside the ops' scope); each step's arrays
         (views of the group's) with its bytes per source."""
+        if self.by_rows:
+            return self.gather_by_rows(batches, held)
         ops = self.ops
         sizes = [sum(st.counts) for _, st, _ in batches]
         present = [i for _, _, parts in batches for i, ps in enumerate(parts) if ps]
@@ -71,6 +77,55 @@ class GroupGather:
                 nbytes.append(got)
             arrays = out if len(batches) == 1 else {n: a[lo:lo + size] for n, a in out.items()}
             made.append((s, st, arrays, tuple(nbytes)))
+        return made
+
+    def gather_by_rows(self, batches: list[tuple[int, Step, list[list[Part]]]], held: dict[Key, WindowBuffer]
+                       ) -> list[tuple[int, Step, dict[str, Any], tuple[int, ...]]]:
+        """:meth:`gather` where every field sits at its plan position: each output field (the source index too)
+        taken in one ``ops.take_rows`` for the whole group, its rows listed on the host from the plans."""
+        ops = self.ops
+        sizes = [sum(st.counts) for _, st, _ in batches]
+        first = next((i for _, _, parts in batches for i, ps in enumerate(parts) if ps), 0)  # whole batches: its own
+        rows = sum(sizes)
+        out = {self.feeds[first].out_name(n): ops.empty((rows, *m.sample_shape), m.dtype)
+               for n, m in self.asm[first].shapes.items()}
+        out[SOURCE_KEY] = ops.empty((rows,), np.dtype(np.int64))
+        if self._sources is None:
+            ids = ops.xp.asarray(np.arange(len(self.feeds), dtype=np.int64))
+            self._sources = [ids[i:i + 1] for i in range(len(self.feeds))]
+        ops.fence()
+        taken: dict[str, list[tuple[Any, np.ndarray]]] = {o: [] for o in out}
+        made, at = [], 0
+        for (s, st, parts), size in zip(batches, sizes):
+            lo, nbytes = at, []
+            for i, ps in enumerate(parts):
+                names, row_bytes = self._names[i]
+                resident = self.asm[i].resident
+                windowed = [(n, o) for n, o in names if o in taken and n not in resident]
+                n_source = 0
+                for part in ps:
+                    plan, k, index = part.p.plan, part.p.k, part.p.index
+                    starts, positions = part.p.starts, plan.positions
+                    for w in part.windows():
+                        a, b = max(part.a, int(starts[w])), min(part.b, int(starts[w + 1]))
+                        views = held[(i, k, w)].views(self.feeds[i].reader.window_map)
+                        for n, o in windowed:
+                            taken[o].append((views[n], positions[a:b]))
+                    if resident:
+                        if index.ids is None:  # resident fields: rows by global sample id
+                            index.ids = plan.sample_ids()
+                        for n, o in names:
+                            if n in resident and o in taken:
+                                taken[o].append((resident[n].array, index.ids[part.a:part.b]))
+                    n_source += part.b - part.a
+                if n_source:
+                    taken[SOURCE_KEY].append((self._sources[i], np.zeros(n_source, np.int64)))
+                at += n_source
+                nbytes.append(n_source * row_bytes)
+            arrays = out if len(batches) == 1 else {n: a[lo:lo + size] for n, a in out.items()}
+            made.append((s, st, arrays, tuple(nbytes)))
+        for o, parts_of in taken.items():
+            ops.take_rows(parts_of, out[o])
         return made
 
     def source_ids(self, batches: list[tuple[int, Step, list[list[Part]]]], out: Any) -> None:
