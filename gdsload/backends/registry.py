@@ -35,14 +35,14 @@ def _no_limit() -> int | None:
 
 
 def _mmap_budget() -> int | None:
-    from .mmap import default_budget
+    from .mmap.backend import default_budget
 
     return default_budget()
 
 
 def _pinned_threads() -> int:
     from ..system.env import rank_cores
-    from .native import native_threads
+    from .sizing import native_threads
 
     return native_threads(rank_cores())
 
@@ -116,9 +116,10 @@ class BackendInfo:
 
 _INFOS: dict[str, BackendInfo] = {i.name: i for i in (
     BackendInfo("cpu", False, ("cpu",), "cpu", "CpuBackend"),
-    BackendInfo("pinned", True, ("pinned", "pinned-odirect"), "pinned", "PinnedBackend", threads=_pinned_threads),
+    BackendInfo("pinned", True, ("pinned", "pinned-odirect"), "pinned.backend", "PinnedBackend",
+                threads=_pinned_threads),
     BackendInfo("kvikio", True, (_GDS_MODE, "kvikio-compat"), "kvikio", "KvikioBackend", needs_kvikio=True),
-    BackendInfo("mmap", True, ("mmap",), "mmap", "MmapBackend", locks_dataset=True, capacity=_mmap_budget),
+    BackendInfo("mmap", True, ("mmap",), "mmap.backend", "MmapBackend", locks_dataset=True, capacity=_mmap_budget),
 )}
 
 #: Backends a remote dataset's route picks (gdsload/backends/remote_direct.py), never named by ``backend=``:
