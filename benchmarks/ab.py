@@ -1,9 +1,11 @@
 """Same-run A/B of two source trees of gdsload (before and after a change) on the same data: warm and cold
 GB/s per backend, and waiting beside a training step. Each measurement is a fresh process that imports
 gdsload from one tree; the trees alternate (A B B A ...) so drift of the machine falls on both. Only the
-public API is used, so any two versions of the package compare.
+public API is used, so any two versions of the package compare. With ``--readers`` the arms are the pinned
+backend's readers on one tree instead, alternating the same way (A B C C B A ...).
 
     python -m benchmarks.ab --trees BEFORE_DIR . --out DIR          # GPU machine; root for the cold rows
+    python -m benchmarks.ab --readers native,kvikio,threads --out DIR
 """
 
 from __future__ import annotations
@@ -59,22 +61,24 @@ def _pass(ds: Any, step: Any = None) -> tuple[float, Any]:
     return time.perf_counter() - t0, ds.stats
 
 
-def worker(path: str, backend: str, mode: str) -> dict[str, Any]:
+def worker(path: str, backend: str, mode: str, options: str = "{}") -> dict[str, Any]:
+    """One measurement; ``options``: the backend's options as JSON (passed only when not empty)."""
     global GPU
     from gdsload import GDSDataset
 
     GPU = backend != "cpu"
+    opts = {"backend_options": json.loads(options)} if json.loads(options) else {}
 
     if mode == "cold":
         subprocess.run(["sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches"], check=True)
         t0 = time.perf_counter()
-        with GDSDataset(path, BATCH, backend=backend, shuffle=True) as ds:
+        with GDSDataset(path, BATCH, backend=backend, shuffle=True, **opts) as ds:
             nbytes = 0
             for b in ds:
                 nbytes += sum(a.nbytes for a in b.values())
             _sync()
             return {"gbps": nbytes / (time.perf_counter() - t0) / 1e9, "io_mode": ds.io_mode}
-    with GDSDataset(path, BATCH, backend=backend, shuffle=True) as ds:
+    with GDSDataset(path, BATCH, backend=backend, shuffle=True, **opts) as ds:
         _pass(ds)  # warm-up: pages, pools, kernels
         runs = [_pass(ds) for _ in range(3)]
         rates = [s.bytes_delivered / t / 1e9 for t, s in runs]
@@ -110,9 +114,10 @@ def _env(tree: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([*site, os.path.abspath(tree)])}
 
 
-def measure(tree: str, path: str, backend: str, mode: str) -> dict[str, Any]:
+def measure(tree: str, path: str, backend: str, mode: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
     # Run as a script from /: neither the working directory nor this file's folder holds a gdsload package.
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", path, backend, mode],
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", path, backend, mode,
+                           json.dumps(options or {})],
                           capture_output=True, text=True, env=_env(tree), cwd="/")
     if done.returncode != 0:
         return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"rc {done.returncode}"}
@@ -121,8 +126,10 @@ def measure(tree: str, path: str, backend: str, mode: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--worker", nargs=3, metavar=("PATH", "BACKEND", "MODE"), help=argparse.SUPPRESS)
+    ap.add_argument("--worker", nargs=4, metavar=("PATH", "BACKEND", "MODE", "OPTIONS"), help=argparse.SUPPRESS)
     ap.add_argument("--trees", nargs=2, metavar=("A", "B"), default=None, help="two source trees (A: before)")
+    ap.add_argument("--readers", default=None, help="the pinned backend's readers to compare on one tree (the "
+                    "second of --trees, else .), e.g. native,kvikio,threads; replaces the two trees' arms")
     ap.add_argument("--backends", default="kvikio,pinned,mmap")
     ap.add_argument("--gib", type=float, default=8.0)
     ap.add_argument("--rounds", type=int, default=2, help="A-B then B-A pairs per row")
@@ -136,23 +143,34 @@ def main(argv: list[str] | None = None) -> int:
 
         print(json.dumps({**worker(*args.worker), "gdsload": os.path.dirname(gdsload.__file__)}))
         return 0
-    if not args.trees:
-        ap.error("--trees A B is required")
+    # An arm: its tree, and the backend options it adds (a reader of pinned's, with --readers).
+    arms: dict[str, tuple[str, dict[str, Any]]]
+    if args.readers:
+        tree = args.trees[1] if args.trees else "."
+        arms = {r: (tree, {"reader": r}) for r in args.readers.split(",")}
+        backends = ["pinned"]
+    elif not args.trees:
+        ap.error("--trees A B (or --readers) is required")
+    else:
+        arms = {"A": (args.trees[0], {}), "B": (args.trees[1], {})}
+        backends = args.backends.split(",")
     os.makedirs(args.data, exist_ok=True)
-    path = make_data(args.trees[1], args.data, args.gib)
+    path = make_data(list(arms.values())[-1][0], args.data, args.gib)
     modes = ["warm", *(["cold"] if not args.no_cold else []), *([] if args.no_steps else STEPS)]
     rows = []
-    for backend in args.backends.split(","):
+    for backend in backends:
         for mode in modes:
             if mode in STEPS and backend == "kvikio":
                 continue  # waiting is judged on auto's backends here (pinned, mmap)
-            got: dict[str, list[dict[str, Any]]] = {t: [] for t in ("A", "B")}
+            got: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
             for r in range(args.rounds):
-                for t in (("A", "B") if r % 2 == 0 else ("B", "A")):
-                    got[t].append(measure(args.trees[0 if t == "A" else 1], path, backend, mode))
-            rows.append({"backend": backend, "mode": mode, "A": got["A"], "B": got["B"]})
+                for a in (list(arms) if r % 2 == 0 else list(arms)[::-1]):
+                    got[a].append(measure(arms[a][0], path, backend, mode, arms[a][1]))
+            rows.append({"backend": backend, "mode": mode, **got})
             print(json.dumps(rows[-1]), flush=True)
-    doc = {"trees": args.trees, "gib": args.gib, "batch": BATCH, "rows": rows}
+    doc = {"trees": args.trees or [arms[next(iter(arms))][0]], "arms": list(arms),
+           "labels": [f"`{t}`" + (f" reader={o['reader']}" if o else "") for t, o in arms.values()],
+           "gib": args.gib, "batch": BATCH, "rows": rows}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "ab.json"), "w") as f:
         json.dump(doc, f, indent=1)
@@ -173,13 +191,14 @@ def plot(doc: dict[str, Any], png: str) -> None:
     except ImportError:
         return
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    arms, width = _arms(doc), 0.8 / len(_arms(doc))
     for ax, waiting in zip(axes, (False, True)):
         rows = [r for r in doc["rows"] if (r["mode"] in STEPS) == waiting]
         key = "waiting_pct" if waiting else "gbps"
         labels = [f"{r['backend']}\n{r['mode']}" for r in rows]
-        for i, side in enumerate(("A", "B")):
+        for i, (side, label) in enumerate(arms.items()):
             vals = [statistics.median([x[key] for x in r[side] if key in x] or [0]) for r in rows]
-            ax.bar(np.arange(len(rows)) + (i - 0.5) * 0.4, vals, 0.4, label=f"{side}: {doc['trees'][i]}")
+            ax.bar(np.arange(len(rows)) + (i - (len(arms) - 1) / 2) * width, vals, width, label=f"{side}: {label}")
         ax.set_xticks(np.arange(len(rows)), labels, fontsize=7)
         ax.set_ylabel("waiting % (median of 3)" if waiting else "GB/s (best of 3)")
         ax.legend(fontsize=7)
@@ -192,19 +211,29 @@ def _figure(runs: list[dict[str, Any]], key: str) -> str:
     return " / ".join(f"{v:.2f}" for v in vals) if vals else "error: " + "; ".join(r.get("error", "") for r in runs)
 
 
+def _arms(doc: dict[str, Any]) -> dict[str, str]:
+    """Each arm's column name and what it ran (a doc written before ``arms`` has the two trees A and B)."""
+    names = doc.get("arms", ["A", "B"])
+    return dict(zip(names, doc.get("labels", [f"`{t}`" for t in doc["trees"]])))
+
+
 def table(doc: dict[str, Any]) -> str:
-    """Markdown: each row's figures for A and B (every run, in order), and B's median against A's."""
-    lines = [f"A: `{doc['trees'][0]}`, B: `{doc['trees'][1]}`; {doc['gib']:g} GiB, batch {doc['batch']}, shuffled",
-             "", "| backend | io mode | row | figure | A | B | B / A |", "|---|---|---|---|---|---|---:|"]
+    """Markdown: each row's figures for every arm (every run, in order), and each later arm's median against
+    the first's (B / A)."""
+    arms = _arms(doc)
+    first, rest = next(iter(arms)), list(arms)[1:]
+    lines = [", ".join(f"{a}: {label}" for a, label in arms.items())
+             + f"; {doc['gib']:g} GiB, batch {doc['batch']}, shuffled", "",
+             "| backend | io mode | row | figure | " + " | ".join([*arms, *(f"{a} / {first}" for a in rest)]) + " |",
+             "|---|---|---|---|" + "---|" * len(arms) + "---:|" * len(rest)]
     for row in doc["rows"]:
         key = "waiting_pct" if row["mode"] in STEPS else "gbps"
-        a = [r[key] for r in row["A"] if key in r]
-        b = [r[key] for r in row["B"] if key in r]
-        ratio = f"{statistics.median(b) / statistics.median(a):.3f}" if a and b and statistics.median(a) else "–"
-        io = next((r["io_mode"] for r in row["A"] + row["B"] if "io_mode" in r), "?")
+        med = {a: statistics.median(v) if (v := [r[key] for r in row[a] if key in r]) else None for a in arms}
+        ratios = [f"{med[a] / med[first]:.3f}" if med[a] is not None and med[first] else "–" for a in rest]
+        io = next((r["io_mode"] for a in arms for r in row[a] if "io_mode" in r), "?")
         what = "waiting %" if key == "waiting_pct" else "GB/s"
-        lines.append(f"| {row['backend']} | {io} | {row['mode']} | {what} | {_figure(row['A'], key)} | "
-                     f"{_figure(row['B'], key)} | {ratio} |")
+        lines.append(f"| {row['backend']} | {io} | {row['mode']} | {what} | "
+                     + " | ".join([*(_figure(row[a], key) for a in arms), *ratios]) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -291,7 +291,7 @@ def test_gdsload_backend_names_the_variable(path, monkeypatch):
 def test_a_malformed_cc_is_named_with_its_value(tmp_path, monkeypatch, cc, message):
     """The native stager's runtime build reads CC: a value shlex cannot split was a ValueError naming nothing,
     which escaped the build's fallback; it is now the build's RuntimeError (the fallback's reason) naming CC."""
-    from gdsload.backends import stager
+    from gdsload.backends.native import stager
 
     monkeypatch.setenv("CC", cc)
     monkeypatch.setattr(stager, "SOURCE", str(tmp_path / "broken.c"))

@@ -238,6 +238,24 @@ def test_ab_compares_two_trees_each_from_its_own_process(tmp_path: str) -> None:
     assert "| cpu | cpu | warm | GB/s |" in open(os.path.join(out, "ab.md")).read()
 
 
+
+def test_ab_sets_each_arm_against_the_first_as_with_the_pinned_readers() -> None:
+    """benchmarks.ab --readers: one column per reader, each later one's median against the first's; a reader
+    whose runs failed shows its error and no ratio."""
+    from benchmarks.ab import table
+
+    runs = {"native": [{"gbps": 40.0, "io_mode": "pinned"}, {"gbps": 42.0, "io_mode": "pinned"}],
+            "kvikio": [{"gbps": 20.5, "io_mode": "pinned"}, {"gbps": 20.5, "io_mode": "pinned"}],
+            "threads": [{"error": "BackendUnavailable: no GPU"}]}
+    doc = {"trees": ["."], "arms": list(runs), "labels": [f"`.` reader={r}" for r in runs], "gib": 1.0,
+           "batch": 256, "rows": [{"backend": "pinned", "mode": "warm", **runs}]}
+    md = table(doc)
+    assert md.startswith("native: `.` reader=native, kvikio: `.` reader=kvikio, threads: `.` reader=threads;")
+    assert "| figure | native | kvikio | threads | kvikio / native | threads / native |" in md
+    assert ("| pinned | pinned | warm | GB/s | 40.00 / 42.00 | 20.50 / 20.50 | error: BackendUnavailable: no GPU "
+            "| 0.500 | – |") in md
+
+
 def test_remote_clients_benchmark(tmp_path: str) -> None:
     """benchmarks.remote_clients on a tiny object: every installed client read the same ranges from both local
     servers, and the packages not installed are rows that say so, never figures."""

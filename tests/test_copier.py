@@ -1,4 +1,4 @@
-"""The native copier (gdsload/copier.py, ``gds_copier_*`` in gdsload/_stage.c) on the CPU: host mode, its
+"""The native copier (backends/mmap/copier.py, ``gds_copier_*`` in backends/native/_stage.c) on the CPU: host mode, its
 errors, and its CUDA mode against the fake driver (tests/fixtures/fake_libcuda.c), whose copies run only
 when a stream is synchronized: the data arrives only if the copier made the caller's stream wait for every
 stream it queued copies on."""
@@ -13,8 +13,8 @@ import sys
 import numpy as np
 import pytest
 
-from gdsload.backends import stager
-from gdsload.backends.copier import Copier
+from gdsload.backends.native import stager
+from gdsload.backends.mmap.copier import Copier
 from gdsload.errors import BackendUnavailable, ReadError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,7 +70,7 @@ def test_switched_off_or_without_libcuda_is_unavailable_with_the_reason(monkeypa
 
 
 def test_the_mmap_backend_refuses_an_unknown_copier_before_touching_cuda():
-    from gdsload.backends.mmap import MmapBackend
+    from gdsload.backends.mmap.backend import MmapBackend
 
     with pytest.raises(ValueError, match="copier must be 'auto', 'native' or 'cupy'"):
         MmapBackend(copier="fast")
@@ -79,7 +79,7 @@ def test_the_mmap_backend_refuses_an_unknown_copier_before_touching_cuda():
 CUDA_SCRIPT = r"""
 import ctypes, json, sys
 import numpy as np
-from gdsload.backends.copier import Copier
+from gdsload.backends.mmap.copier import Copier
 from gdsload.errors import ReadError
 fake = ctypes.CDLL("libcuda.so.1")
 fake.fake_stream.restype = ctypes.c_void_p
@@ -145,8 +145,8 @@ def test_a_copy_that_fails_is_reported_with_the_file_it_reads():
     """The copier knows addresses only: the mmap backend turns the failed copy's index into its file, offset
     and size, so the error begins with the shard's path as every read error does."""
     from gdsload.backends.base import ReadRequest
-    from gdsload.backends.mmap import copy_error, plan_copies
-    from gdsload.backends.copier import CopyFailed
+    from gdsload.backends.mmap.backend import copy_error, plan_copies
+    from gdsload.backends.mmap.copier import CopyFailed
 
     copies = plan_copies([ReadRequest("/d/a.shard", 0, 64, 0), ReadRequest("/d/b.shard", 4096, 128, 64)],
                          {"/d/a.shard": 64, "/d/b.shard": 8192}, 1 << 20)

@@ -15,7 +15,7 @@ import pytest
 
 from _helpers import break_then_close, labelled, wait_no_readers, zarr_dataset_with_missing_block
 from gdsload import GDSDataset, ReadError
-from gdsload.backends.native import native_threads
+from gdsload.backends.sizing import native_threads
 from gdsload.system.env import rank_cores
 from gdsload.pipeline.plan import epoch_plan
 from gdsload.conversion.source_types import ArraySource
@@ -290,8 +290,8 @@ def test_the_open_reads_the_first_window_and_the_first_pass_does_not_read_it_aga
     import cupy
 
     from gdsload.backends.kvikio import KvikioBackend
-    from gdsload.backends.mmap import MmapBackend
-    from gdsload.backends.pinned import PinnedBackend
+    from gdsload.backends.mmap.backend import MmapBackend
+    from gdsload.backends.pinned.backend import PinnedBackend
 
     path, data = small
     kind = {"kvikio": KvikioBackend, "pinned": PinnedBackend, "mmap": MmapBackend}[backend]
@@ -419,7 +419,7 @@ def test_a_copy_the_native_copier_cannot_queue_names_the_shard_it_reads(small, m
     """A failed copy reaches the consumer as a ReadError beginning with the shard file the copy reads (the
     copier reports the copy's index; the backend knows its file), with what was being read; also when the
     copies are queued a piece at a time (the index then counts from the piece's first copy)."""
-    from gdsload.backends.copier import Copier, CopyFailed
+    from gdsload.backends.mmap.copier import Copier, CopyFailed
     from gdsload.errors import ReadError
 
     def fail(self, dst, src, nbytes, after):

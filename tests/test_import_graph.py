@@ -101,6 +101,25 @@ def test_the_check_sees_imports_of_every_kind(tmp_path):
     assert sum(len(v) for v in GRAPH.values()) > 150
 
 
+#: The backend families' rooms inside the backends layer (a subfolder is in its top folder's layer): the
+#: native stager lies below the pinned and mmap backends, which both use it and never import each other.
+FAMILIES: dict[str, int] = {"native": 0, "pinned": 1, "mmap": 1}
+
+
+def test_the_backend_families_import_only_rooms_below_them():
+    def family(name: str) -> str | None:
+        parts = name.split(".")
+        if parts[0] != "backends" or len(parts) < 3:
+            return None
+        assert parts[1] in FAMILIES, f"gdsload/backends/{parts[1]}/: not a family of tests/test_import_graph.py"
+        return parts[1]
+
+    sideways = [f"{m} imports {n}" for m in GRAPH for n in GRAPH[m]
+                if family(m) and family(n) not in (None, family(m)) and FAMILIES[family(n)] >= FAMILIES[family(m)]]
+    assert not sideways, sideways
+    assert "backends.native.stager" in GRAPH["backends.mmap.copier"], "the check sees imports between rooms"
+
+
 #: Imported anywhere in gdsload, these would cost a fresh process a fraction of a second on the path of its
 #: first batch (``import cupyx`` imports SciPy); the library has what it needs from them elsewhere.
 SLOW_IMPORTS = ("cupyx", "scipy")

@@ -109,7 +109,7 @@ def test_sources_with_reader_pools_of_their_own_share_the_default_threads():
     they split it instead (one pool's worth in all), unless a source sets num_threads. Readers the process shares
     (the native stager, KvikIO's pool) and backends without a pool of their own are left be."""
     from gdsload.backends import info
-    from gdsload.backends.native import DEFAULT_THREADS
+    from gdsload.backends.sizing import DEFAULT_THREADS
     from gdsload.mixture.specs import MIN_THREADS, source_specs
 
     own = {"reader": "threads"}

@@ -1,4 +1,4 @@
-"""The mmap backend's background load (gdsload.backends.preload, backends/mmap.py) on the CPU: ranges read once and
+"""The mmap backend's background load (backends/mmap/: preload.py, backend.py) on the CPU: ranges read once and
 locked in order, the ranges a window needs first; a copy waits for its ranges and never spans two; errors
 reach whoever waits, naming the file; close() stops the threads and unlocks everything. CUDA is a stand-in
 that copies host memory and refuses a copy from memory not registered in one piece."""
@@ -18,7 +18,7 @@ import pytest
 
 from _helpers import FakeStream
 from gdsload.errors import BackendUnavailable, ReadError
-from gdsload.backends.preload import Preloader
+from gdsload.backends.mmap.preload import Preloader
 
 MiB = 1 << 20
 
@@ -222,7 +222,7 @@ class _Dest:
 
 
 def test_mmap_backend_copies_wait_for_their_ranges_and_never_span_two(tmp_path, fake_cupy, monkeypatch):
-    from gdsload.backends import mmap as mmap_backend
+    from gdsload.backends.mmap import backend as mmap_backend
     from gdsload.backends.base import ReadRequest
     from gdsload.format.files import ShardFiles
 
@@ -260,7 +260,7 @@ def test_mmap_backend_copies_wait_for_their_ranges_and_never_span_two(tmp_path, 
 
 def test_mmap_backend_locks_only_a_windows_ranges_until_the_pipeline_started(tmp_path, fake_cupy, monkeypatch):
     """The first window's ranges load alone (nothing else queued before them); started() loads the rest."""
-    from gdsload.backends import mmap as mmap_backend
+    from gdsload.backends.mmap import backend as mmap_backend
     from gdsload.backends.base import ReadRequest
     from gdsload.format.files import ShardFiles
 
@@ -284,7 +284,7 @@ def test_mmap_backend_locks_only_a_windows_ranges_until_the_pipeline_started(tmp
 
 
 def test_mmap_backend_checks_budget_and_locking_at_open(tmp_path, fake_cupy):
-    from gdsload.backends.mmap import MmapBackend
+    from gdsload.backends.mmap.backend import MmapBackend
     from gdsload.format.files import ShardFiles
 
     paths, _ = _files(tmp_path, [8192])
@@ -307,7 +307,7 @@ def test_mmap_backend_read_error_names_the_file(tmp_path, fake_cupy, monkeypatch
     """A file cut short after the dataset opened: the window that needs the lost bytes fails, naming the file
     and where; cut short before the backend maps it, the open fails, naming it."""
     from gdsload.backends.base import ReadRequest
-    from gdsload.backends.mmap import MmapBackend
+    from gdsload.backends.mmap.backend import MmapBackend
     from gdsload.format.files import ShardFiles
 
     paths, _ = _files(tmp_path, [1 << 20])
@@ -331,7 +331,7 @@ def test_with_few_cuda_queues_a_windows_copies_are_queued_two_pieces_ahead(tmp_p
     before it: the backend then queues a window's copies a piece at a time (each at most half of
     ``queue_bytes``), waiting for the piece two before before queuing the next, so at most two are ahead;
     the bytes are the same, and a stop between pieces queues no more. Elsewhere a window goes at once."""
-    from gdsload.backends import mmap as mmap_backend
+    from gdsload.backends.mmap import backend as mmap_backend
     from gdsload.backends.base import ReadRequest
     from gdsload.format.files import ShardFiles
 

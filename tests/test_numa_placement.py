@@ -172,7 +172,7 @@ def test_a_python_thread_binds_itself_and_the_creator_is_untouched(two_nodes):
 
 @needs_two_cpus
 def test_stager_threads_inherit_the_mask_and_the_creator_gets_its_own_back(two_nodes):
-    from gdsload.backends.stager import Stager, load
+    from gdsload.backends.native.stager import Stager, load
 
     if load() is None:
         pytest.skip("the native stager does not build here")
@@ -192,7 +192,7 @@ def test_stager_threads_inherit_the_mask_and_the_creator_gets_its_own_back(two_n
 
 @needs_two_cpus
 def test_switched_off_places_nothing(two_nodes, monkeypatch):
-    from gdsload.backends.stager import Stager, load
+    from gdsload.backends.native.stager import Stager, load
 
     monkeypatch.setenv(ENV_NUMA, "0")
     placer = Placer(for_process("0000:c1:00.0"))
@@ -264,7 +264,7 @@ def fake_cupy(monkeypatch):
 
 @needs_two_cpus
 def test_pinned_backend_places_its_pool_and_reader_threads(two_nodes, fake_cupy):
-    from gdsload.backends.pinned import PinnedBackend
+    from gdsload.backends.pinned.backend import PinnedBackend
 
     b = PinnedBackend(reader="threads", num_threads=2, slot_bytes=64 << 10, pool_bytes=128 << 10)
     try:
@@ -287,7 +287,7 @@ def test_pinned_backend_places_its_pool_and_reader_threads(two_nodes, fake_cupy)
 
 @needs_two_cpus
 def test_mmap_backend_loader_threads_run_on_the_node(two_nodes, fake_cupy, tmp_path):
-    from gdsload.backends.mmap import MmapBackend
+    from gdsload.backends.mmap.backend import MmapBackend
     from gdsload.format.files import ShardFiles
 
     path = str(tmp_path / "f0")

@@ -15,13 +15,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from gdsload.backends import stager
+from gdsload.backends.native import stager
 from gdsload.backends.base import FileHandles, ReadRequest, coalesce
 from gdsload.backends.kvikio import default_threads
-from gdsload.backends.native import (DEFAULT_THREADS, NATIVE_BUF_BYTES, NATIVE_BUFS_PER_THREAD, NATIVE_SHARED_BUF_BYTES,
-                                     PIPELINE_THREADS, NativeReader, native_buf_bytes, native_threads,
-                                     release_stager, shared_stager)
-from gdsload.backends.staging import STATS_KEYS
+from gdsload.backends.pinned.native_reader import NativeReader, release_stager, shared_stager
+from gdsload.backends.pinned.staging_pool import STATS_KEYS
+from gdsload.backends.sizing import (DEFAULT_THREADS, NATIVE_BUF_BYTES, NATIVE_BUFS_PER_THREAD, NATIVE_SHARED_BUF_BYTES,
+                                     PIPELINE_THREADS, native_buf_bytes, native_threads)
 from gdsload.system.env import local_ranks, rank_cores, usable_cores
 from gdsload.errors import ReadError
 from gdsload.format.files import ShardFiles
@@ -224,7 +224,7 @@ def fake_gpu(monkeypatch):
 @pytest.mark.parametrize("reader,direct", [("threads", False), ("threads", True), ("kvikio", False)])
 def test_the_slot_readers_land_a_window_exactly_and_report_the_common_stats(backend, fake_gpu, reader, direct):
     """The pinned backend's Python-thread and KvikIO readers, through the backend, on the CPU stand-ins."""
-    from gdsload.backends.pinned import PinnedBackend
+    from gdsload.backends.pinned.backend import PinnedBackend
 
     _, paths, datas = backend
     files = ShardFiles.open(paths)

@@ -108,7 +108,7 @@ def test_segments_and_window_release():
 
 def test_coalesce_split_and_pack():
     from gdsload.backends.base import ReadRequest, coalesce, split
-    from gdsload.backends.pinned import pack
+    from gdsload.backends.pinned.staging_pool import pack
 
     reads = [ReadRequest("a", 0, 100, 0), ReadRequest("a", 100, 100, 100), ReadRequest("b", 200, 100, 200),
              ReadRequest("b", 300, 50, 300), ReadRequest("b", 350, 50, 400)]  # last: file-adjacent, not in dest
@@ -124,7 +124,7 @@ def test_coalesce_split_and_pack():
 
 def test_mmap_copies_merge_split_and_stop_at_the_file_end():
     from gdsload.backends.base import ReadRequest
-    from gdsload.backends.mmap import plan_copies
+    from gdsload.backends.mmap.backend import plan_copies
     from gdsload.errors import ReadError
 
     def listed(c):
@@ -152,7 +152,7 @@ def test_mmap_copies_move_every_byte_of_the_reads_and_nothing_else(seed):
     """Random reads (some continuing one another, across range ends): the copies carry exactly the bytes the
     reads ask for, to the same places, none longer than max_bytes nor across a range end."""
     from gdsload.backends.base import ReadRequest
-    from gdsload.backends.mmap import plan_copies
+    from gdsload.backends.mmap.backend import plan_copies
 
     rng = np.random.default_rng(seed)
     reads, dest = [], 0
@@ -179,7 +179,7 @@ def test_mmap_copies_move_every_byte_of_the_reads_and_nothing_else(seed):
 
 
 def test_mmap_budget_is_checked_before_anything_is_locked():
-    from gdsload.backends.mmap import check_budget, default_budget
+    from gdsload.backends.mmap.backend import check_budget, default_budget
     from gdsload.errors import BackendUnavailable
 
     check_budget({"/d/x/c/0": 3 << 30, "/d/x/c/1": 1 << 30}, 4 << 30)

@@ -53,7 +53,7 @@ def test_io_modes_are_the_ones_instances_report():
 
 def test_defaults_are_read_from_the_classes():
     from gdsload.backends.cpu import DEFAULT_THREADS, CpuBackend
-    from gdsload.backends.pinned import DEFAULT_POOL_BYTES, PinnedBackend
+    from gdsload.backends.pinned.backend import DEFAULT_POOL_BYTES, PinnedBackend
 
     cpu, pinned = registry.info("cpu").defaults, registry.info("pinned").defaults
     assert cpu["batches_ahead"] == CpuBackend.batches_ahead_hint and cpu["window_bytes"] == CpuBackend.window_bytes_hint

@@ -1,4 +1,4 @@
-"""The native stager (gdsload/stager.py, gdsload/_stage.c) on the CPU: host mode, the runtime build and
+"""The native stager (gdsload/backends/native/stager.py, _stage.c) on the CPU: host mode, the runtime build and
 its cache, and the CUDA mode's code paths against a fake libcuda.so.1 whose copies happen only when their
 event or stream is synchronized (so a missing wait, or a staging buffer reused too early, shows in the data)."""
 
@@ -17,9 +17,9 @@ import time
 import numpy as np
 import pytest
 
-from gdsload.backends import stager
+from gdsload.backends.native import stager
 from gdsload.errors import BackendUnavailable, ReadError
-from gdsload.backends.stager import JobCancelled, Stager
+from gdsload.backends.native.stager import JobCancelled, Stager
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUF = 64 << 10
@@ -462,7 +462,8 @@ def python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.skipif(stager.installed_path() is not None, reason="an installed library is used before any build")
 def test_the_runtime_build_is_cached_and_reused_without_compiling(tmp_path):
-    code = "from gdsload.backends import stager; print(stager.library_path()); print(stager.unavailable_reason())"
+    code = ("from gdsload.backends.native import stager; print(stager.library_path()); "
+            "print(stager.unavailable_reason())")
     first = python(code, XDG_CACHE_HOME=str(tmp_path))
     path = first.stdout.splitlines()[0]
     assert first.returncode == 0 and path.startswith(str(tmp_path / "gdsload")) and os.path.isfile(path), first
@@ -482,7 +483,7 @@ CUDA_SCRIPT = r"""
 import ctypes, json, os, sys
 import numpy as np
 from gdsload.errors import BackendUnavailable, ReadError
-from gdsload.backends.stager import Stager
+from gdsload.backends.native.stager import Stager
 fake = ctypes.CDLL("libcuda.so.1")
 def counts():
     out = (ctypes.c_long * 6)()

@@ -17,7 +17,7 @@ from .._tasks import Pending
 from .base import FileHandles, ReadRequest, Request, coalesce
 from ..format.files import read_error
 from .cuda import CudaBackend, KvikioPool
-from .native import reader_threads
+from .sizing import reader_threads
 
 #: Cores left to the consumer and the pipeline's busy threads beside KvikIO's (its submitter and completer
 #: mostly wait on KvikIO).

@@ -35,7 +35,7 @@ def _no_limit() -> int | None:
 
 
 def _mmap_budget() -> int | None:
-    from .mmap import default_budget
+    from .mmap.backend import default_budget
 
     return default_budget()
 
@@ -43,8 +43,8 @@ def _mmap_budget() -> int | None:
 def _pinned_threads(options: Mapping[str, Any]) -> int | None:
     """The pinned backend's own reader threads with ``options``: none where its reader is the native stager (one
     per process and device, shared by every dataset) or KvikIO's process-wide pool; else its Python threads."""
-    from .native import DEFAULT_THREADS
-    from .stager import load
+    from .sizing import DEFAULT_THREADS
+    from .native.stager import load
 
     reader, direct = options.get("reader", "auto"), options.get("direct", False)
     if direct or reader == "threads" or (reader == "auto" and load() is None and not kvikio_installed()):
@@ -121,9 +121,10 @@ class BackendInfo:
 
 _INFOS: dict[str, BackendInfo] = {i.name: i for i in (
     BackendInfo("cpu", False, ("cpu",), "cpu", "CpuBackend"),
-    BackendInfo("pinned", True, ("pinned", "pinned-odirect"), "pinned", "PinnedBackend", threads=_pinned_threads),
+    BackendInfo("pinned", True, ("pinned", "pinned-odirect"), "pinned.backend", "PinnedBackend",
+                threads=_pinned_threads),
     BackendInfo("kvikio", True, (_GDS_MODE, "kvikio-compat"), "kvikio", "KvikioBackend", needs_kvikio=True),
-    BackendInfo("mmap", True, ("mmap",), "mmap", "MmapBackend", locks_dataset=True, capacity=_mmap_budget),
+    BackendInfo("mmap", True, ("mmap",), "mmap.backend", "MmapBackend", locks_dataset=True, capacity=_mmap_budget),
 )}
 
 #: Backends a remote dataset's route picks (gdsload/backends/remote_direct.py), never named by ``backend=``:

@@ -161,7 +161,7 @@ def connections_note(environ: Mapping[str, str | None] = os.environ) -> str | No
     it is unset, not a count (CUDA then keeps its default), or at least :data:`MIN_CONNECTIONS`. With few
     queues, the loader's streams share the training step's queue, so a step queued after a window's copies
     and gathers starts only once they are done (the mmap backend paces its copies then:
-    ``backends.mmap.queue_bytes_for``)."""
+    ``backends.mmap.backend.queue_bytes_for``)."""
     raw = (environ.get(CONNECTIONS_ENV) or "").strip()
     if not raw.isdigit() or int(raw) >= MIN_CONNECTIONS:
         return None

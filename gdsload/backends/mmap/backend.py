@@ -6,7 +6,7 @@ read-only flag), so every later "read" is a host-to-device DMA copy, with no pag
 The price is memory: the dataset's pages stay locked in RAM for the dataset's life (shared with other
 processes that map the same files), and a cold dataset is read once, all of it. The budget and the
 ability to lock are checked when the dataset opens, so a dataset too large fails there, never mid-epoch;
-the files are then read and locked in ranges of ``RANGE_BYTES`` on background threads (gdsload.backends.preload),
+the files are then read and locked in ranges of ``RANGE_BYTES`` on background threads (gdsload.backends.mmap.preload),
 the ranges a window needs first (only those until the first batch is assembled), so the first pass runs
 while the rest loads: a copy waits only for the ranges it reads, and never spans two of them (each is
 registered on its own).
@@ -29,15 +29,15 @@ from typing import Any
 
 import numpy as np
 
-from ..cuda.runtime import H2D, HOST_REGISTER_PORTABLE, HOST_REGISTER_READ_ONLY, record_event
-from ..errors import BackendUnavailable, ReadError
+from ...cuda.runtime import H2D, HOST_REGISTER_PORTABLE, HOST_REGISTER_READ_ONLY, record_event
+from ...errors import BackendUnavailable, ReadError
 from .copier import Copier, CopyFailed
 from .preload import Preloader
-from .._tasks import Pending, Queued
-from .base import ReadRequest, Request
-from ..format.files import read_error
-from .cuda import CudaBackend
-from ..system.placement import for_device
+from ..._tasks import Pending, Queued
+from ..base import ReadRequest, Request
+from ...format.files import read_error
+from ..cuda import CudaBackend
+from ...system.placement import for_device
 
 DEFAULT_COPY_BYTES = 64 << 20
 DEFAULT_STREAMS = 2
@@ -139,7 +139,7 @@ def _cut(start: np.ndarray, end: np.ndarray, unit: int, origin: np.ndarray) -> t
 def queue_bytes_for(environ: Any = os.environ) -> int:
     """The mmap backend's default ``queue_bytes``: :data:`PACED_QUEUE_BYTES` where the process has few CUDA
     hardware queues, else 0 (a window's copies queued at once)."""
-    from ..system.env import connections_note
+    from ...system.env import connections_note
 
     return PACED_QUEUE_BYTES if connections_note(environ) else 0
 
@@ -215,7 +215,7 @@ class MmapBackend(CudaBackend):
         never across two locked ranges) go round robin over ``num_streams`` non-blocking streams;
         ``register_threads`` read and lock the files in the background (a window's ranges when it is
         submitted, everything once the first batch is assembled). ``copier``: "native"
-        queues a window's copies in one call (gdsload.backends.copier), "cupy" one CuPy call per copy, "auto" the
+        queues a window's copies in one call (gdsload.backends.mmap.copier), "cupy" one CuPy call per copy, "auto" the
         native one where the library loads (``copier_reason`` says why not). ``queue_bytes``: when positive,
         a window's copies (then at most half of it each) are queued a piece at a time, at most that many bytes
         ahead; 0 queues them at once; default :func:`queue_bytes_for`."""

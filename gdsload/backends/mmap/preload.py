@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from .base import pread_full
-from ..errors import GDSLoadError, ReadError
-from .handoff import POLL_S
+from ..base import pread_full
+from ...errors import GDSLoadError, ReadError
+from ..handoff import POLL_S
 
 CHUNK_BYTES = 8 << 20
 

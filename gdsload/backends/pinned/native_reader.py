@@ -1,5 +1,5 @@
-"""The native stager (gdsload.backends.stager) as the pinned backend's reader: its default size for this rank, and a
-window's reads through it (:class:`NativeReader`)."""
+"""The native stager (:mod:`gdsload.backends.native.stager`) as the pinned backend's reader: a window's reads
+through it (:class:`NativeReader`); its default size for this rank is in :mod:`gdsload.backends.sizing`."""
 
 from __future__ import annotations
 
@@ -8,41 +8,12 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from ..cuda.runtime import record_event
-from ..errors import ReadError
-from .handoff import POLL_S
-from .._tasks import Pending
-from .base import FileHandles, ReadRequest
-from .staging import StagingReader
-
-#: The readers' default where cores allow, as KvikIO's pool by default (the pinned backend's other readers too).
-DEFAULT_THREADS = 16
-#: Threads of the pipeline busy beside the native readers (submitter, completer, assembler, the consumer):
-#: the native reader's default leaves them their cores, since its workers spin while their copies run and
-#: readers on every core starve those threads (docs/design.md, "pinned and the staging pool").
-PIPELINE_THREADS = 4
-# The native stager's buffers: two per thread, smaller where other ranks of the job stage on the same
-# machine, whose staging shares the host's caches and memory bandwidth (docs/benchmarks.md, "Multi-GPU").
-NATIVE_BUF_BYTES = 4 << 20
-NATIVE_SHARED_BUF_BYTES = 2 << 20
-NATIVE_BUFS_PER_THREAD = 2
-
-
-def reader_threads(cores: int, reserved: int) -> int:
-    """Reader threads by default on ``cores`` cores (this rank's share, :func:`gdsload.system.env.rank_cores`):
-    ``DEFAULT_THREADS`` at most, ``reserved`` cores left to the pipeline's own threads, two readers at least."""
-    return max(2, min(DEFAULT_THREADS, cores - reserved))
-
-
-def native_threads(cores: int) -> int:
-    """The native reader's default thread count on ``cores`` cores: the pipeline's busy threads
-    (``PIPELINE_THREADS``) keep their cores."""
-    return reader_threads(cores, PIPELINE_THREADS)
-
-
-def native_buf_bytes(ranks: int) -> int:
-    """The native reader's default buffer size with ``ranks`` processes of the job on this machine."""
-    return NATIVE_BUF_BYTES if ranks <= 1 else NATIVE_SHARED_BUF_BYTES
+from ...cuda.runtime import record_event
+from ...errors import ReadError
+from ..handoff import POLL_S
+from ..._tasks import Pending
+from ..base import FileHandles, ReadRequest
+from .staging_pool import StagingReader
 
 
 class NativeReader(StagingReader):
@@ -86,7 +57,7 @@ class NativeReader(StagingReader):
     def close(self) -> None:
         """Cancel this reader's jobs and wait until none is in flight (no copy of theirs writes after this), then
         give the stager back (closed by its last user)."""
-        from .stager import JobCancelled
+        from ..native.stager import JobCancelled
 
         with self._jobs_lock:
             jobs, self._jobs = sorted(self._jobs), set()
@@ -104,7 +75,7 @@ def shared_stager(device_id: int, num_threads: int, buf_bytes: int, bufs_per_thr
     """The native stager of this process for these settings, made by the first pinned backend that asks and shared
     by the others (one thread pool for every dataset a process reads, a mixture's sources among them); each asker
     gives it back with :func:`release_stager`."""
-    from .stager import Stager
+    from ..native.stager import Stager
 
     key = (os.getpid(), mode, device_id, num_threads, buf_bytes, bufs_per_thread)  # a forked child makes its own
     with _SHARED_LOCK:
@@ -142,7 +113,7 @@ class _NativeJob(Pending):
         self.fills, self.device, self.stream = fills, reader._device, reader._stream
 
     def finish(self) -> Any:
-        from .stager import JobCancelled
+        from ..native.stager import JobCancelled
 
         cancelled = False
         try:

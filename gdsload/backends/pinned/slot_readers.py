@@ -1,7 +1,8 @@
-"""The pinned backend's readers that fill the staging pool's slots (:class:`gdsload.backends.staging.StagingPool`):
-Python threads (:class:`ThreadReader`) and KvikIO's C++ thread pool driven by one Python thread
-(:class:`KvikioReader`). Both copy a slot to the device with :meth:`StagingPool.copy_out` on non-blocking
-streams of their own, so the copies never serialize with work on the legacy default stream.
+"""The pinned backend's readers that fill the staging pool's slots
+(:class:`gdsload.backends.pinned.staging_pool.StagingPool`): Python threads (:class:`ThreadReader`) and KvikIO's C++
+thread pool driven by one Python thread (:class:`KvikioReader`). Both copy a slot to the device with
+:meth:`StagingPool.copy_out` on non-blocking streams of their own, so the copies never serialize with work on the
+legacy default stream.
 """
 
 from __future__ import annotations
@@ -14,15 +15,15 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..cuda.runtime import record_event
-from .._units import ALIGN
-from ..errors import ReadError
-from .._tasks import Pending, TaskGroup
-from ..system.placement import Placer, inactive
-from .base import FileHandles, ReadRequest, pread_full, split
-from ..format.files import read_error
-from .cuda import KvikioPool
-from .staging import SlotGroup, StagingPool, StagingReader, pack
+from ...cuda.runtime import record_event
+from ..._units import ALIGN
+from ...errors import ReadError
+from ..._tasks import Pending, TaskGroup
+from ...system.placement import Placer, inactive
+from ..base import FileHandles, ReadRequest, pread_full, split
+from ...format.files import read_error
+from ..cuda import KvikioPool
+from .staging_pool import SlotGroup, StagingPool, StagingReader, pack
 
 TASK_BYTES = 4 << 20  # KvikIO's task size for the staging reads
 

@@ -47,10 +47,10 @@ from typing import Any
 
 import numpy as np
 
-from .._tasks import Closing
-from ..system.env import cache_dir
-from ..errors import BackendUnavailable, ReadError, one_line
-from ..format.files import read_error
+from ..._tasks import Closing
+from ...system.env import cache_dir
+from ...errors import BackendUnavailable, ReadError, one_line
+from ...format.files import read_error
 
 ENV_NATIVE = "GDSLOAD_NATIVE"
 ABI = 5  # GDS_STAGER_ABI in _stage.c: a library of another version is not used

@@ -1,6 +1,6 @@
 """The pinned backend: reads land in a small pool of pinned host slots, copies go async to the device.
 
-Three readers. The default, where the native stager builds (:mod:`gdsload.backends.stager`; a C compiler at
+Three readers. The default, where the native stager builds (:mod:`gdsload.backends.native.stager`; a C compiler at
 install or first use): C threads read each piece into a small pinned buffer of their own and copy it on a
 non-blocking stream of their own, with no Python per piece, so nothing on the consumer's path competes for
 the GIL; its buffers (``num_threads`` x 2 x 4 MiB) replace the staging pool. Otherwise two readers fill the
@@ -18,13 +18,13 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from .._tasks import Pending
-from .base import FileHandles, ReadRequest, Request, coalesce
-from .cuda import CudaBackend
-from .native import (DEFAULT_THREADS, NATIVE_BUFS_PER_THREAD, NativeReader, native_buf_bytes, native_threads,
-                     shared_stager)
+from ..._tasks import Pending
+from ..base import FileHandles, ReadRequest, Request, coalesce
+from ..cuda import CudaBackend
+from ..sizing import DEFAULT_THREADS, NATIVE_BUFS_PER_THREAD, native_buf_bytes, native_threads
+from .native_reader import NativeReader, shared_stager
 from .slot_readers import KvikioReader, ThreadReader
-from .staging import StagingPool, StagingReader, pack
+from .staging_pool import StagingPool, StagingReader, pack
 
 __all__ = ["PinnedBackend", "pack", "DEFAULT_SLOT_BYTES", "DEFAULT_POOL_BYTES", "DEFAULT_COPY_SHARE"]
 
@@ -39,7 +39,7 @@ DEFAULT_COPY_SHARE = 4
 
 class PinnedBackend(CudaBackend):
     """Pinned host staging, then asynchronous copies to the device, through one of three readers
-    (:class:`gdsload.backends.staging.StagingReader`) picked at construction."""
+    (:class:`gdsload.backends.pinned.staging_pool.StagingReader`) picked at construction."""
 
     name = "pinned"
     window_bytes_hint = 256 << 20
@@ -60,8 +60,8 @@ class PinnedBackend(CudaBackend):
         ``buf_bytes`` and ``bufs_per_thread``: the native reader's own pinned buffers per thread (default
         :func:`native_buf_bytes`). ``num_threads`` (reader threads) defaults to :func:`native_threads` of this
         rank's cores for the native reader, ``DEFAULT_THREADS`` for the others."""
-        from ..system.env import kvikio_installed, local_ranks, rank_cores
-        from ..system.placement import for_device
+        from ...system.env import kvikio_installed, local_ranks, rank_cores
+        from ...system.placement import for_device
 
         if num_threads is not None and num_threads < 1:
             raise ValueError(f"num_threads must be positive (found {num_threads})")
@@ -83,7 +83,7 @@ class PinnedBackend(CudaBackend):
         self._files = FileHandles()
         staging: StagingReader | None = None
         if reader in ("auto", "native") and not direct:
-            from ..errors import BackendUnavailable
+            from ...errors import BackendUnavailable
 
             try:
                 buf = native_buf_bytes(local_ranks()) if buf_bytes is None else buf_bytes
@@ -116,8 +116,8 @@ class PinnedBackend(CudaBackend):
         return self._staging.pinned_bytes
 
     def stats(self) -> dict[str, Any]:
-        """The reader's stats (:data:`gdsload.backends.staging.STATS_KEYS`), ``native``: why ``auto`` did not
-        get the native reader (None when it did, or was not asked), and ``numa``: what was placed on the GPU's
+        """The reader's stats (:data:`gdsload.backends.pinned.staging_pool.STATS_KEYS`), ``native``: why ``auto``
+        did not get the native reader (None when it did, or was not asked), and ``numa``: what was placed on the GPU's
         node (:meth:`gdsload.system.placement.Placer.describe`)."""
         return {**self._staging.stats(), "native": self.native_reason, "numa": self.placer.describe()}
 

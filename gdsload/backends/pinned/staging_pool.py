@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from ..cuda.runtime import H2D, PinnedHost, new_event
-from .._tasks import Pending
-from .._units import ALIGN, align_up
-from .base import FileHandles, ReadRequest
+from ...cuda.runtime import H2D, PinnedHost, new_event
+from ..._tasks import Pending
+from ..._units import ALIGN, align_up
+from ..base import FileHandles, ReadRequest
 
 _POLL_S = 0.05
 
