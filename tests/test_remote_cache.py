@@ -1,4 +1,4 @@
-"""The node-local shard cache of a remote dataset (gdsload/format/shard_cache.py, shard_fetch.py): only the skeleton
+"""The node-local shard cache of a remote dataset (gdsload/remote/shard_cache.py, shard_fetch.py): only the skeleton
 at open, each rank's shards fetched ahead of its reads, a bound with least-recently-used eviction, ranks of a node
 sharing the cache, and the faults. Real servers only, started here (tests/remote_servers.py)."""
 
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from gdsload import GDSDataset, ReadError
-from gdsload.format.mirror import open_version
+from gdsload.remote.mirror import open_version
 
 from remote_servers import Seen, client_for_server, upload
 
@@ -126,7 +126,7 @@ def test_every_sample_exact_under_a_bound_smaller_than_the_dataset_with_eviction
 
 
 def test_a_bound_that_holds_everything_scans_the_cache_folder_once_not_per_piece(local, srv, tmp_path, monkeypatch):
-    from gdsload.format import shard_cache
+    from gdsload.remote import shard_cache
 
     scans = []
     real = shard_cache._scan

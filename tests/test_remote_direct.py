@@ -21,7 +21,7 @@ from gdsload.backends import BACKENDS, info, resolve
 from gdsload.backends import remote_direct as rd
 from gdsload.backends.base import FillRequest, ReadRequest, fill_pattern
 from gdsload.backends.cpu import CpuBackend
-from gdsload.format.mirror import open_version
+from gdsload.remote.mirror import open_version
 from gdsload.remote.objects import ObjectChanged, ObjectInfo, join
 
 from _helpers import ragged_source

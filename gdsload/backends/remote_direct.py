@@ -2,7 +2,7 @@
 ``RemoteFile``, in parallel ranged GETs, straight into the window buffer (docs/remote.md, "Routes").
 
 The route. :func:`choose_route` (pure) decides between ``"direct"`` and ``"cached"`` (the node's shard cache,
-gdsload/format/shard_fetch.py): direct for a GPU backend when neither ``cache_dir`` nor ``cache_bytes`` is given,
+gdsload/remote/shard_fetch.py): direct for a GPU backend when neither ``cache_dir`` nor ``cache_bytes`` is given,
 ``mmap`` was not asked for by name (it locks every file in RAM: its data must be local) and KvikIO's RemoteFile
 can read the URL (:func:`direct_usable`, pure; :func:`route_for` gathers the facts). The reader then makes the
 ``remote`` backend (:class:`RemoteDirectBackend`) in place of the one ``auto`` or the user chose.
@@ -132,7 +132,7 @@ def route_for(url: str, backend: str, named: bool, cache_option: str | None) -> 
 
 def routed(remote: Any, backend: str, name: str, reason: str, backend_options: dict[str, Any] | None,
            cache_option: str | None) -> tuple[str, str, dict[str, Any] | None, Route]:
-    """The backend a remote dataset (``remote``: its :class:`gdsload.format.shard_fetch.RemoteShards`) reads
+    """The backend a remote dataset (``remote``: its :class:`gdsload.remote.shard_fetch.RemoteShards`) reads
     with, its reason and options, and the route: ``name`` (what ``backend`` resolved to) on the cached route,
     :data:`BACKEND` with the objects' options on the direct route."""
     from . import ENV_BACKEND
@@ -146,7 +146,7 @@ def routed(remote: Any, backend: str, name: str, reason: str, backend_options: d
 
 
 def object_map(shards: Mapping[str, Any]) -> dict[str, ObjectInfo]:
-    """A version's shard files (local path -> :class:`gdsload.format.mirror.Entry`) as the objects to read: local
+    """A version's shard files (local path -> :class:`gdsload.remote.mirror.Entry`) as the objects to read: local
     path -> the object's URL, size and ETag pinned when the skeleton was made."""
     return {path: entry.info for path, entry in shards.items()}
 

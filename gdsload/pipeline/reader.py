@@ -27,7 +27,7 @@ from ..codecs.verify import Verdict, Verification, carries_trailers, unchecked_f
 from ..errors import GDSLoadError, ReadError, with_context
 from ..format.layout import DatasetLayout
 from ..format.meta import DatasetMeta, read_metadata
-from ..format.mirror import named
+from ..remote.mirror import named
 from ..remote.objects import DEFAULT_TIMEOUT_S, is_remote
 from ..system.env import cache_dir as env_cache_dir
 from ..system.env import warn_few_connections
@@ -37,7 +37,7 @@ from .ragged import capacity_rows
 from .window import WindowBuffer, WindowMap, Work, cell_rows
 
 if TYPE_CHECKING:
-    from ..format.shard_fetch import RemoteShards, Ticket
+    from ..remote.shard_fetch import RemoteShards, Ticket
 
 class Filled(NamedTuple):
     """A window read, decoded and its check started: its data is there after ``event`` (None: already),
@@ -135,7 +135,7 @@ class Reader:
         :class:`~gdsload.format.layout.DatasetLayout`. Nothing is left open on an error."""
         remote = None
         if is_remote(path):
-            from ..format.shard_fetch import RemoteShards
+            from ..remote.shard_fetch import RemoteShards
 
             remote = RemoteShards.open(str(path), os.fspath(cache_dir) if cache_dir else
                                        os.path.join(env_cache_dir(), "datasets"), cache_bytes, timeout_s)
@@ -337,7 +337,7 @@ class Reader:
 
     def _pinned_at_once(self, plan: EpochPlan) -> list[list[str]]:
         """The files each read pins together: the first windows of ``plan``, and each resident field whole."""
-        from ..format.shard_fetch import ROOM_WINDOWS
+        from ..remote.shard_fetch import ROOM_WINDOWS
 
         reads = [_paths(self.window_map.work(self.layout, b)) for b in plan.windows[:ROOM_WINDOWS]]  # type: ignore
         return reads + [_paths(self._whole_field(n).work(self.layout, np.arange(self.meta.fields[n].num_chunks)))

@@ -4,9 +4,9 @@ Threads. :class:`RemoteShards` runs up to :data:`FETCH_THREADS` ``gdsload-fetch`
 windows the pipeline will submit, in plan order (:meth:`RemoteShards.expect`: block arrays, turned into the
 byte ranges they read by the reader's ``paths_of``, at most :data:`AHEAD_WINDOWS` ahead of the reads), and
 the pieces of windows the reader waits for now (:meth:`RemoteShards.acquire`, first). The ranges are the
-pieces of shards they touch (:mod:`gdsload.format.pieces`, cut at the chunks' starts the reader gives once,
+pieces of shards they touch (:mod:`gdsload.remote.pieces`, cut at the chunks' starts the reader gives once,
 :meth:`RemoteShards.divide`), so a rank fetches its share, not every shard it touches whole. Each thread pins
-a piece in the node's cache (:class:`gdsload.format.shard_cache.ShardCache`: fetched unless present, ranged
+a piece in the node's cache (:class:`gdsload.remote.shard_cache.ShardCache`: fetched unless present, ranged
 GETs of a few MiB) and hands the pin back here, where it is held while a window that reads the piece is ahead
 or in flight; :meth:`RemoteShards.release` (the window's reads are over) unpins what no window needs any more.
 A fetch error is kept for the piece and raised, naming the URL, by the ``acquire`` of a window that reads it.
@@ -29,9 +29,9 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Union
 
 from ..errors import ReadError
-from ..remote.objects import DEFAULT_TIMEOUT_S, redact
+from .objects import DEFAULT_TIMEOUT_S, redact
 from .mirror import Version, open_version
-from .layout import DatasetLayout
+from ..format.layout import DatasetLayout
 from .pieces import Piece, chunk_starts, covering, cut, pieces_of
 from .shard_cache import CacheFull, ShardCache, Stopped
 
@@ -100,7 +100,7 @@ class RemoteShards:
                 **self.cache.stats()}
 
     def divide(self, layout: DatasetLayout) -> None:
-        """Cut each shard file of ``layout`` at its chunks' offsets (:func:`gdsload.format.pieces.cut`); before
+        """Cut each shard file of ``layout`` at its chunks' offsets (:func:`gdsload.remote.pieces.cut`); before
         any read. A shard it does not hold stays one piece."""
         starts = chunk_starts(layout.block_offsets, layout.chunk_files, {k: layout.paths(k) for k in layout.keys})
         with self._cv:
