@@ -177,7 +177,7 @@ def device_buffer(blocks: Sequence[RemoteBlock]) -> tuple[Any, list[RemoteBlock]
 
 def direct_why_not(url: str) -> str | None:
     """Why raw KvikIO RemoteFile reads of ``url`` into device memory cannot run here (None: they can)."""
-    from ..backends.remote_direct import direct_usable, kvikio_remote
+    from ..remote.route import direct_usable, kvikio_remote
     from ..system.env import gpu_available
 
     if not gpu_available():
