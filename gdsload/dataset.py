@@ -28,6 +28,7 @@ from .pipeline.position import Position
 from .pipeline.pipeline import Pipeline
 from .pipeline.plan import PlanConfig, check_yields, epoch_plan, window_buffers_for
 from .pipeline.reader import DEFAULT_RESIDENT_BYTES, Reader
+from .backends.source import open_source
 from .pipeline.stats import EpochStats
 from .remote.objects import DEFAULT_TIMEOUT_S, check_timeout
 from .pipeline.window import WindowBuffer
@@ -97,21 +98,22 @@ class GDSDataset(LoaderProtocols, Closing):
         def chosen(name: str) -> None:
             self.output = output_kind(output, name)  # before the backend is made: a bad output costs nothing
 
-        self._reader = reader = Reader.open(path, fields, backend, device, resident_bytes, verify, backend_options,
-                                            chosen, cache_dir, cache_bytes, missing_chunks, timeout_s)
+        source = open_source(path, cache_dir, cache_bytes, timeout_s)  # a remote one: its skeleton in the cache
+        opened = Reader.open(source, fields, backend, device, resident_bytes, verify, backend_options, chosen,
+                             missing_chunks)
         for name in ("meta", "fields", "resident_fields", "ragged_fields", "windowed_fields", "backend_name",
                      "backend_reason", "device", "verify"):
-            setattr(self, name, getattr(reader, name))
+            setattr(self, name, getattr(opened, name))
         try:
             if window_blocks is None:
-                window_blocks = reader.window_blocks(batch_size, world_size)
+                window_blocks = opened.window_blocks(batch_size, world_size)
             elif window_blocks > self.meta.num_blocks:  # no window of this dataset can be that: say what it is
                 warn(f"{self.meta.path}: window_blocks={window_blocks} is more than the dataset's "
                      f"{self.meta.num_blocks} blocks; a window holds at most a rank's share, so windows of "
-                     f"{reader.max_window_blocks(world_size)} blocks are read", UserWarning)
+                     f"{opened.max_window_blocks(world_size)} blocks are read", UserWarning)
             self.config = PlanConfig(num_samples=self.meta.num_samples, samples_per_block=self.meta.samples_per_block,
                                      batch_size=batch_size, window_blocks=min(window_blocks,  # no window holds more
-                                                                              reader.max_window_blocks(world_size)),
+                                                                              opened.max_window_blocks(world_size)),
                                      shuffle=shuffle, seed=seed, drop_last=drop_last, rank=rank, world_size=world_size,
                                      exact_shares=exact_shares)
             check_yields(self.config)
@@ -119,12 +121,12 @@ class GDSDataset(LoaderProtocols, Closing):
             specs = image_specs(images, self.meta, self.fields, self._pad)
             self._images = ImageStep(self.meta.path, specs, seed) if specs else None
             self.prefetch, self.prefetch_next_epoch = prefetch, prefetch_next_epoch
-            self.batches_ahead = reader.backend.batches_ahead_hint if batches_ahead is None else batches_ahead
-            reader.start(self.config.window_blocks)
+            self.batches_ahead = opened.backend.batches_ahead_hint if batches_ahead is None else batches_ahead
+            self._reader = reader = opened.start(self.config.window_blocks)
             first_plan = epoch_plan(self.config, 0)
             self._buffers: list[WindowBuffer] = [reader.load_first(first_plan)]
         except BaseException:
-            reader.close()  # a bad argument must not leave pinned memory or threads behind
+            getattr(self, "_reader", opened).close()  # a bad argument must leave no pinned memory or threads behind
             raise
         self._position = Position(self.config, first_plan, lambda: resume.fingerprint(reader.meta, reader.layout))
         self.stats: EpochStats | None = None

@@ -246,7 +246,7 @@ def flip_byte(path: str, at: int, mask: int = 0xFF) -> None:
 
 def window_map(ds, layout: DatasetLayout | None = None) -> WindowMap:
     """The window map of an open dataset without variable-length fields, made as its reader makes it
-    (gdsload/pipeline/reader.py, ``Reader.start``; ``layout``'s chunk lengths size the compressed fields); its
+    (gdsload/pipeline/reader.py, ``Reader``; ``layout``'s chunk lengths size the compressed fields); its
     window is the one the dataset reports, so it is the map the dataset reads with."""
     wm = WindowMap([ds.meta.fields[f] for f in ds.windowed_fields], ds.config.window_blocks,
                    samples_per_block=ds.meta.samples_per_block,

@@ -703,9 +703,13 @@ def test_compressed_variable_length_values_are_refused(tmp_path):
 def dataset_reader(path: str, batch_size: int, resident_bytes: int) -> Iterator[Reader]:
     """What ``GDSDataset(path, batch_size, backend="cpu", resident_bytes=resident_bytes)`` reads with (its
     decoder, window map, layout and backend), opened and started as the dataset does; closed at the end."""
-    reader = Reader.open(path, None, "cpu", 0, resident_bytes, None, None)
+    opened = Reader.open(path, None, "cpu", 0, resident_bytes, None, None)
     try:
-        reader.start(min(reader.window_blocks(batch_size, 1), reader.max_window_blocks(1)))
+        reader = opened.start(min(opened.window_blocks(batch_size, 1), opened.max_window_blocks(1)))
+    except BaseException:
+        opened.close()
+        raise
+    try:
         yield reader
     finally:
         reader.close()

@@ -15,7 +15,7 @@ from _helpers import labelled, wait_no_readers
 from gdsload import GDSDataset, GDSLoadError
 from gdsload.backends.cpu import CpuBackend
 from gdsload.errors import with_context
-from gdsload.format.shard_cache import CacheFull
+from gdsload.remote.shard_cache import CacheFull
 
 
 def _all_subclasses(cls: type) -> set[type]:

@@ -14,13 +14,14 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 #: Each layer may import its own and lower ones. A folder is one layer; top-level modules are named.
 LAYERS: dict[str, int] = {
     "errors": 0, "_units": 0, "_tasks": 0,
-    "system": 1, "remote": 1,
+    "system": 1,
     "format": 2, "cuda": 2,
-    "codecs": 3, "backends": 3,
-    "pipeline": 4, "conversion": 4,
-    "options": 5, "integrations": 5, "_fork": 5, "dataset": 5,
-    "mixture": 6,
-    "tools": 7, "__init__": 7, "__main__": 7,
+    "remote": 3,
+    "codecs": 4, "backends": 4,
+    "pipeline": 5, "conversion": 5,
+    "options": 6, "integrations": 6, "_fork": 6, "dataset": 6,
+    "mixture": 7,
+    "tools": 8, "__init__": 8, "__main__": 8,
 }
 
 

@@ -1,4 +1,4 @@
-"""The node-local shard cache of a remote dataset (gdsload/format/shard_cache.py, shard_fetch.py): only the skeleton
+"""The node-local shard cache of a remote dataset (gdsload/remote/shard_cache.py, shard_fetch.py): only the skeleton
 at open, each rank's shards fetched ahead of its reads, a bound with least-recently-used eviction, ranks of a node
 sharing the cache, and the faults. Real servers only, started here (tests/remote_servers.py)."""
 
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from gdsload import GDSDataset, ReadError
-from gdsload.format.mirror import open_version
+from gdsload.remote.mirror import open_version
 
 from remote_servers import Seen, client_for_server, upload
 
@@ -126,7 +126,7 @@ def test_every_sample_exact_under_a_bound_smaller_than_the_dataset_with_eviction
 
 
 def test_a_bound_that_holds_everything_scans_the_cache_folder_once_not_per_piece(local, srv, tmp_path, monkeypatch):
-    from gdsload.format import shard_cache
+    from gdsload.remote import shard_cache
 
     scans = []
     real = shard_cache._scan
@@ -153,6 +153,59 @@ def test_a_rank_fetches_only_the_shards_of_its_share(local, srv, tmp_path):
         want = {f"/d.gds/x/c/{b // 4}/0" for b in blocks} | {f"/d.gds/idx/c/{b // 12}" for b in blocks}
         fetched = _data_gets(srv.requests)
         assert set(fetched) == want and len(fetched) == len(want), f"rank {rank}: each of its shards, once"
+
+
+def test_a_window_read_in_two_parts_leaves_the_queue_so_the_fetch_goes_on_ahead(local, srv, tmp_path):
+    """A window's reads through the backend and through its host reader (compressed chunks that CPU threads
+    decode, on a GPU backend) pin apart: once both parts are read, or one is passed over (its buffer held it
+    since the open), the window leaves the queue and the fetch threads go on to the windows after it."""
+    from gdsload.backends.base import ReadRequest
+    from gdsload.backends.cpu import CpuBackend
+    from gdsload.backends.remote_cached import CachedBackend
+    from gdsload.backends.source import RemoteSource, open_source
+    from gdsload.format.files import ShardFiles
+    from gdsload.remote.shard_fetch import AHEAD_WINDOWS
+
+    url = upload(srv, local)
+    source = open_source(url, str(tmp_path / "c"))
+    assert isinstance(source, RemoteSource)
+    shards = source.shards
+    x = sorted(p for p in shards.version.shards if f"{os.sep}x{os.sep}" in p)
+    n = AHEAD_WINDOWS + 1  # window w reads x shard w through the backend and shard w + n through its host reader
+    assert len(x) >= 2 * n
+
+    def read(path: str) -> ReadRequest:
+        return ReadRequest(path, 0, shards.version.shards[path].info.size, 0)
+
+    files = ShardFiles.open(x)
+    backend = CachedBackend(CpuBackend(), shards)
+    host = backend.host_reader()
+    stop = threading.Event()
+    try:
+        backend.prepare(files)
+        host.prepare(files)
+        srv.reset_log()
+        backend.expect(range(n), lambda w: [read(x[w]), read(x[w + n])])
+        got = {}
+        for reader, path in ((backend, x[0]), (host, x[n])):
+            got[path] = np.empty(read(path).nbytes, np.uint8)
+            reader.submit(got[path], [read(path)], stop).finish()
+        last = {f"/d.gds/x/c/{n - 1}/0", f"/d.gds/x/c/{2 * n - 1}/0"}  # the window past the first ones in reach
+        deadline = time.monotonic() + 10
+        while not last <= set(_data_gets(srv.requests)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert last <= set(_data_gets(srv.requests)), "window 0 left the queue: the last window was fetched ahead"
+        backend.passed([read(x[1])])  # window 1's first part: its buffer holds it
+        got[x[n + 1]] = np.empty(read(x[n + 1]).nbytes, np.uint8)
+        host.submit(got[x[n + 1]], [read(x[n + 1])], stop).finish()
+        for path, data in got.items():  # the shard's bytes as served, read from the cache while pinned
+            with open(os.path.join(local, os.path.relpath(path, shards.root))) as f:
+                assert data.tobytes() == np.fromfile(f, np.uint8).tobytes()
+    finally:
+        backend.idle()
+        for part in (host, backend, files, source):
+            part.close()
+    assert _no_fetch_threads()
 
 
 _CHILD = """

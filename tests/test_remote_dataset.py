@@ -13,7 +13,7 @@ import pytest
 
 from gdsload import GDSDataset, ReadError
 from gdsload.errors import FormatError
-from gdsload.format.mirror import MARKER, mirror, mirror_path
+from gdsload.remote.mirror import MARKER, mirror, mirror_path
 
 from remote_servers import client_for_server, upload
 

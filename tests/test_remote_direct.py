@@ -1,6 +1,7 @@
-"""The direct route of a remote dataset (gdsload/backends/remote_direct.py): the route's rule and facts, the map
-from a skeleton's shard files to their objects, the reads and their pinning, on the CPU; on a GPU, whole datasets
-read by KvikIO's RemoteFile straight into device memory and the faults. Real servers only, started here:
+"""The direct route of a remote dataset (gdsload/backends/remote_direct.py): the route's rule and facts
+(gdsload/remote/route.py, gdsload/backends/source.py), the map from a skeleton's shard files to their objects,
+the reads and their pinning, on the CPU; on a GPU, whole datasets read by KvikIO's RemoteFile straight into
+device memory and the faults. Real servers only, started here:
 tests/remote_servers.py's HTTP server, and moto's S3 server where moto is installed (carried to the GPU machine
 in a wheel folder of its own)."""
 
@@ -19,9 +20,11 @@ import pytest
 from gdsload import GDSDataset, ReadError
 from gdsload.backends import BACKENDS, info, resolve
 from gdsload.backends import remote_direct as rd
+from gdsload.backends import source as sources
 from gdsload.backends.base import FillRequest, ReadRequest, fill_pattern
 from gdsload.backends.cpu import CpuBackend
-from gdsload.format.mirror import open_version
+from gdsload.remote.mirror import open_version
+from gdsload.remote import route as rules
 from gdsload.remote.objects import ObjectChanged, ObjectInfo, join
 
 from _helpers import ragged_source
@@ -64,7 +67,7 @@ def local(make_dataset) -> str:
     ("mmap", True, False, None, (True, ""), "direct", "a GPU backend and no cache_dir"),  # auto chose mmap
 ])
 def test_the_route_rule(backend, on_device, locks_named, cache_option, usable, route, why):
-    got = rd.choose_route(backend, on_device, locks_named, cache_option, usable)
+    got = rules.choose_route(backend, on_device, locks_named, cache_option, usable)
     assert got.name == route and why in got.reason, got
 
 
@@ -84,20 +87,20 @@ def test_the_route_rule(backend, on_device, locks_named, cache_option, usable, r
     ("s3://b/d.gds", S3_ENV, (True, True), True, ""),
 ])
 def test_whether_kvikio_can_read_the_url(url, env, kvikio, ok, why):
-    got_ok, got_why = rd.direct_usable(url, env, kvikio)
+    got_ok, got_why = rules.direct_usable(url, env, kvikio)
     assert got_ok is ok and why in got_why and (got_why == "") is ok, got_why
 
 
-@pytest.mark.skipif(rd.kvikio_remote()[0], reason="KvikIO is installed here")
+@pytest.mark.skipif(rules.kvikio_remote()[0], reason="KvikIO is installed here")
 def test_the_facts_here_without_kvikio_give_the_cached_route_with_the_reason():
-    assert rd.kvikio_remote() == (False, False)
+    assert rules.kvikio_remote() == (False, False)
     for backend in ("kvikio", "pinned"):
-        got = rd.route_for("http://h/d.gds", backend, True, None)
-        assert got == (rd.CACHED, "the direct route is not usable here (KvikIO is not installed (pip install "
+        got = sources.route_for("http://h/d.gds", backend, True, None)
+        assert got == (rules.CACHED, "the direct route is not usable here (KvikIO is not installed (pip install "
                                   "'gdsload[gpu]')): shards come through the node's cache")
-    assert rd.route_for("http://h/d.gds", "mmap", True, None).reason.startswith("the mmap backend was asked for")
-    assert rd.route_for("http://h/d.gds", "mmap", False, "cache_dir").reason.startswith("cache_dir was given")
-    assert rd.route_for("http://h/d.gds", "cpu", True, None).reason.startswith("the cpu backend reads into host")
+    assert sources.route_for("http://h/d.gds", "mmap", True, None).reason.startswith("the mmap backend was asked for")
+    assert sources.route_for("http://h/d.gds", "mmap", False, "cache_dir").reason.startswith("cache_dir was given")
+    assert sources.route_for("http://h/d.gds", "cpu", True, None).reason.startswith("the cpu backend reads into host")
 
 
 def test_the_direct_backend_is_in_the_registry_but_not_a_name_users_pass(local):
@@ -308,10 +311,10 @@ def test_the_reader_on_the_direct_route_fetches_no_shard_and_stops_at_an_object_
 
     import gdsload.pipeline.reader as reader_module
 
-    made = reader_module.make_backend
-    monkeypatch.setattr(rd, "route_for", lambda url, backend, named, cache: rd.choose_route(backend, True, False,
-                                                                                             cache, (True, "")))
-    monkeypatch.setattr(reader_module, "make_backend", lambda name, device, **o: _HostDirect(**o)
+    made = sources.make_backend
+    monkeypatch.setattr(sources, "route_for", lambda url, backend, named, cache: rules.choose_route(
+        backend, True, False, cache, (True, "")))
+    monkeypatch.setattr(sources, "make_backend", lambda name, device, **o: _HostDirect(**o)
                         if name == rd.BACKEND else made(name, device, **o))
     monkeypatch.setattr(reader_module, "info", lambda name: dataclasses.replace(info(name), on_device=False))
     monkeypatch.setenv("GDSLOAD_CACHE_DIR", str(tmp_path / "gdsload-cache"))

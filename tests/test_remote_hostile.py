@@ -1,4 +1,4 @@
-"""A server's metadata is hostile input (gdsload/format/skeleton.py, mirror.py): types checked, sizes capped and
+"""A server's metadata is hostile input (gdsload/remote/skeleton.py, mirror.py): types checked, sizes capped and
 shapes bounded before anything is built from them, each refused as a FormatError naming the URL and the key;
 a failed request while the skeleton is fetched says what failed (the URL and the HTTP status), the disk only for
 a disk error; no password in a URL is ever printed. Real servers serving doctored documents
@@ -17,7 +17,7 @@ import pytest
 
 from gdsload import GDSDataset, ReadError
 from gdsload.errors import FormatError
-from gdsload.format.mirror import Version, named, open_version
+from gdsload.remote.mirror import Version, named, open_version
 
 from remote_servers import client_for_server, upload
 

@@ -1,4 +1,4 @@
-"""Many nodes reading one remote dataset (gdsload/format/pieces.py, shard_cache.py, shard_fetch.py): 4 processes
+"""Many nodes reading one remote dataset (gdsload/remote/pieces.py, shard_cache.py, shard_fetch.py): 4 processes
 stand in for 4 nodes, each with a cache folder of its own and ``WORLD_SIZE=4``, ranks 0-3. Every sample is read
 once per epoch across them (checked by content), and each fetches only its share: byte ranges of the blocks its
 plan reads, not the shards they lie in whole. Real servers, started here; real processes."""

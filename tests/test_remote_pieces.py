@@ -1,11 +1,11 @@
-"""The pieces of a remote dataset's shard files (gdsload/format/pieces.py): pure, no server."""
+"""The pieces of a remote dataset's shard files (gdsload/remote/pieces.py): pure, no server."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from gdsload.format.mirror import Entry
-from gdsload.format.pieces import MIN_PIECE_BYTES, chunk_starts, covering, cut, pieces_of
+from gdsload.remote.mirror import Entry
+from gdsload.remote.pieces import MIN_PIECE_BYTES, chunk_starts, covering, cut, pieces_of
 from gdsload.remote.objects import ObjectInfo
 
 K = MIN_PIECE_BYTES

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from gdsload import FormatError, GDSDataset, GDSLoadError, ReadError
-from gdsload.format.shard_cache import CacheFull
+from gdsload.remote.shard_cache import CacheFull
 from gdsload.remote import client_for
 from gdsload.remote.http import HttpClient
 
@@ -175,7 +175,7 @@ def test_an_open_from_a_server_that_trickles_or_never_answers_fails_within_the_b
     with server(root, mode) as srv:
         url = srv.url(name)
         e, _ = _raises_within(lambda: _open(url, str(tmp_path / "c")), BOUND)
-        # (in the message of the skeleton's fetch: gdsload/format/mirror.py words that)
+        # (in the message of the skeleton's fetch: gdsload/remote/mirror.py words that)
         assert f"{url}/zarr.json: {words} {T:g} s" in str(e), e
 
 
@@ -311,7 +311,7 @@ def test_a_bound_too_small_for_one_window_is_cache_full_at_open(local, tmp_path)
         url = upload(srv, local)
         with _open(url, str(tmp_path / "probe"), window_blocks=8) as probe:
             version = probe.describe()["remote"]["version"]
-        from gdsload.format.mirror import open_version
+        from gdsload.remote.mirror import open_version
 
         shards = open_version(url, str(tmp_path / "probe")).shards
         assert version
@@ -495,7 +495,7 @@ class _Urllib:
 def test_direct_reads_that_do_not_move_are_no_response_for_timeout_s_naming_the_url(local, tmp_path):
     from gdsload.backends import remote_direct as rd
     from gdsload.backends.base import ReadRequest
-    from gdsload.format.mirror import open_version
+    from gdsload.remote.mirror import open_version
 
     root, name = os.path.split(local)
     with server(root) as srv:

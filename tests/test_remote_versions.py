@@ -1,4 +1,4 @@
-"""Versions of a remote dataset in the node's cache (gdsload/format/mirror.py, skeleton.py, cache_folder.py): a
+"""Versions of a remote dataset in the node's cache (gdsload/remote/mirror.py, skeleton.py, cache_folder.py): a
 version is identified by every object it serves, so a republished dataset is never served from the cache in its
 old version, even where its root zarr.json came out byte-identical; a shard missing, truncated or replaced on the
 server is an error naming its URL, and nothing filled from it is served once it is restored; ``gdsload cache
@@ -18,7 +18,7 @@ import pytest
 
 from gdsload import GDSDataset, ReadError
 from gdsload.errors import FormatError
-from gdsload.format.mirror import open_version
+from gdsload.remote.mirror import open_version
 
 from _helpers import files_below
 from remote_servers import client_for_server, upload

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 from .._tasks import Pending
@@ -187,6 +187,23 @@ class Backend(ABC):
     def load(self, dest: Any, requests: Sequence[Request], stop: threading.Event) -> Any:
         """Submit and finish: the data is in ``dest``, or queued behind the returned event."""
         return self.submit(dest, requests, stop).finish()
+
+    def expect(self, windows: Sequence[Any], reads_of: Callable[[Any], Sequence[Request]]) -> None:
+        """The windows (block arrays) a pass submits next, in order, and the requests each makes through this
+        backend and its host reader (``reads_of``, called as they come in reach): a backend that works ahead of
+        its reads (the cached route's fetch, gdsload/backends/remote_cached.py) starts on them. Nothing here."""
+
+    def passed(self, requests: Sequence[Request]) -> None:
+        """The next window expected is not read through this backend after all (its buffer holds it since the
+        open): work done ahead for it is dropped. Nothing here."""
+
+    def idle(self) -> None:
+        """No pass runs and no read is in flight (a pipeline stopped, or a read outside one is over): work done
+        ahead of the reads stops. Nothing here."""
+
+    def check_room(self, reads: Iterable[Sequence[Request]]) -> None:
+        """Before any read: raise now (a ReadError) where one of ``reads`` (each what one read holds at once)
+        could never be carried out, rather than after waits (the cached route: ``cache_bytes``). Nothing here."""
 
     def quiesce(self) -> None:
         """Wait until no device work the backend queued (copies, fills) still writes into a window buffer:

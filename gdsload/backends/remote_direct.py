@@ -1,11 +1,9 @@
 """The direct route of a remote dataset: each window's byte ranges read from the shard objects by KvikIO's
 ``RemoteFile``, in parallel ranged GETs, straight into the window buffer (docs/remote.md, "Routes").
 
-The route. :func:`choose_route` (pure) decides between ``"direct"`` and ``"cached"`` (the node's shard cache,
-gdsload/format/shard_fetch.py): direct for a GPU backend when neither ``cache_dir`` nor ``cache_bytes`` is given,
-``mmap`` was not asked for by name (it locks every file in RAM: its data must be local) and KvikIO's RemoteFile
-can read the URL (:func:`direct_usable`, pure; :func:`route_for` gathers the facts). The reader then makes the
-``remote`` backend (:class:`RemoteDirectBackend`) in place of the one ``auto`` or the user chose.
+The route. :mod:`gdsload.remote.route` decides between ``"direct"`` and ``"cached"`` (the node's shard cache,
+:mod:`gdsload.remote.shard_fetch`); on the direct route the dataset's source (gdsload/backends/source.py) makes
+the ``remote`` backend (:class:`RemoteDirectBackend`) in place of the one ``auto`` or the user chose.
 
 Reads. One RemoteFile per shard object, opened with the size pinned at open (no request is made) on first use
 and kept for the dataset's life; ``pread`` splits a read into KvikIO's tasks, run on its process-wide thread pool
@@ -30,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -43,110 +41,21 @@ from .base import Backend, FileHandles, FillRequest, ReadRequest, Request, coale
 from .cuda import CudaBackend, KvikioPool
 from .kvikio import DEFAULT_MAX_READ_BYTES, DEFAULT_TASK_BYTES, default_threads
 
-DIRECT, CACHED = "direct", "cached"
-#: The registry's name of the direct route's backend (chosen by the reader's route, never by ``backend=``).
+#: The registry's name of the direct route's backend (chosen by a remote dataset's route, never by ``backend=``).
 BACKEND = "remote"
 IO_MODE = "remote-kvikio"
 #: Threads that confirm, after a window's reads, that the objects read are still the ones pinned at open.
 CHECK_THREADS = 16
 #: The backend options the direct backend takes from those given for the backend it replaces.
 OPTIONS = ("num_threads", "task_bytes", "max_read_bytes", "check_threads")
-_KVIKIO_MISSING = "KvikIO is not installed (pip install 'gdsload[gpu]')"
 #: KvikIO's pauses between the tries of a request (0.5 s, doubling up to 4 s), which its tries' time includes.
 KVIKIO_BACKOFF_S = (0.5, 1.0, 2.0, 4.0)
 _SOURCE = re.compile(r"(KvikIO failure at: )?\S*[/\\][\w.+-]+\.(?:cpp|hpp|cu|cuh|h|pyx):\d+: ")
 _attempts: list[int] = []  # KvikIO's http_max_attempts before gdsload set it, and what gdsload set
 
 
-class Route(NamedTuple):
-    """``name``: ``"direct"`` or ``"cached"``; ``reason``: why, in words (``describe()["remote"]``)."""
-
-    name: str
-    reason: str
-
-
-def choose_route(backend: str, on_device: bool, locks_named: bool, cache_option: str | None,
-                 usable: tuple[bool, str]) -> Route:
-    """The route of a remote dataset read by ``backend`` (pure: the rule, tested without a GPU).
-    ``locks_named``: the backend locks every file in RAM and was asked for by name; ``cache_option``: the
-    cache option given (``"cache_dir"``, ``"cache_bytes"``), else None; ``usable``: :func:`direct_usable`."""
-    if not on_device:
-        return Route(CACHED, f"the {backend} backend reads into host memory: shards come through the node's cache")
-    if cache_option is not None:
-        return Route(CACHED, f"{cache_option} was given: shards are fetched into the node's cache ahead of the reads")
-    if locks_named:
-        return Route(CACHED, f"the {backend} backend was asked for by name: the shard files it locks in memory "
-                             f"are fetched into the node's cache")
-    ok, why = usable
-    if not ok:
-        return Route(CACHED, f"the direct route is not usable here ({why}): shards come through the node's cache")
-    return Route(DIRECT, "a GPU backend and no cache_dir: KvikIO's RemoteFile reads each window's byte ranges in "
-                         "parallel straight into device memory")
-
-
-def direct_usable(url: str, env: Mapping[str, str], kvikio: tuple[bool, bool]) -> tuple[bool, str]:
-    """Whether KvikIO's RemoteFile can read ``url`` into device memory, and why not (pure). ``kvikio``: (installed,
-    built with remote file support). KvikIO's S3 takes region and keys from the environment only (not from
-    ``~/.aws`` or an instance role), and its multi-poll remote backend reads into host memory only."""
-    installed, remote = kvikio
-    if not installed:
-        return False, _KVIKIO_MISSING
-    if not remote:
-        return False, "this KvikIO was built without remote file support (libcurl)"
-    io = env.get("KVIKIO_REMOTE_IO_BACKEND", "").strip().lower()
-    if io not in ("", "easy_threadpool"):
-        return False, f"KVIKIO_REMOTE_IO_BACKEND={io} reads into host memory only"
-    if url.lower().startswith("s3://"):
-        missing = [k for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY") if not env.get(k)]
-        if not (env.get("AWS_DEFAULT_REGION") or env.get("AWS_REGION")):
-            missing.append("AWS_DEFAULT_REGION")
-        if missing:
-            return False, f"KvikIO's S3 takes credentials from the environment only: {', '.join(missing)} not set"
-        if env["AWS_ACCESS_KEY_ID"].startswith("ASIA") and not env.get("AWS_SESSION_TOKEN"):
-            return False, "temporary AWS credentials (ASIA...) without AWS_SESSION_TOKEN"
-    return True, ""
-
-
-def kvikio_remote() -> tuple[bool, bool]:
-    """(KvikIO is installed, it was built with remote file support); needs no GPU."""
-    try:
-        import kvikio  # noqa: F401
-    except Exception:
-        return False, False
-    try:
-        from kvikio.remote_file import is_remote_file_available
-
-        return True, bool(is_remote_file_available())
-    except Exception:
-        return True, False
-
-
-def route_for(url: str, backend: str, named: bool, cache_option: str | None) -> Route:
-    """The route of ``url`` read by the concrete ``backend`` (``named``: asked for by name, not chosen by auto)."""
-    from .registry import info
-
-    i = info(backend)
-    usable = direct_usable(url, os.environ, kvikio_remote()) if i.on_device and cache_option is None else (False, "")
-    return choose_route(backend, i.on_device, i.locks_dataset and named, cache_option, usable)
-
-
-def routed(remote: Any, backend: str, name: str, reason: str, backend_options: dict[str, Any] | None,
-           cache_option: str | None) -> tuple[str, str, dict[str, Any] | None, Route]:
-    """The backend a remote dataset (``remote``: its :class:`gdsload.format.shard_fetch.RemoteShards`) reads
-    with, its reason and options, and the route: ``name`` (what ``backend`` resolved to) on the cached route,
-    :data:`BACKEND` with the objects' options on the direct route."""
-    from . import ENV_BACKEND
-
-    named = backend != "auto" or bool(os.environ.get(ENV_BACKEND, "").strip())
-    route = route_for(remote.version.url, name, named, cache_option)
-    if route[0] != DIRECT:
-        return name, reason, backend_options, route
-    options = direct_options(backend_options, object_map(remote.version.shards), remote.timeout_s)
-    return BACKEND, f"a remote dataset's direct route, in place of {name!r} ({reason})", options, route
-
-
 def object_map(shards: Mapping[str, Any]) -> dict[str, ObjectInfo]:
-    """A version's shard files (local path -> :class:`gdsload.format.mirror.Entry`) as the objects to read: local
+    """A version's shard files (local path -> :class:`gdsload.remote.mirror.Entry`) as the objects to read: local
     path -> the object's URL, size and ETag pinned when the skeleton was made."""
     return {path: entry.info for path, entry in shards.items()}
 

@@ -1,6 +1,6 @@
 """Uploading a finished local dataset to ``s3://BUCKET/PREFIX/NAME``, published only once complete.
 
-Readers know a remote dataset's version by the size and ETag of every object under it (:mod:`gdsload.format.mirror`)
+Readers know a remote dataset's version by the size and ETag of every object under it (:mod:`gdsload.remote.mirror`)
 and fetch nothing without its root ``zarr.json``, so that is uploaded last, after every other file and after
 the objects of an older version that the new one lacks are deleted. An upload cut short leaves no root
 ``zarr.json`` and so no dataset a reader opens; a marker object (:data:`MARKER`) says the prefix holds an

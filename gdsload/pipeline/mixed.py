@@ -329,7 +329,7 @@ class MixedPipeline:
             if t.is_alive() and t is not threading.current_thread():
                 t.join()
         for f in self.feeds:
-            f.reader.stop_fetching()
+            f.reader.idle()
         try:
             self.ops.quiesce()
             for f in self.feeds:

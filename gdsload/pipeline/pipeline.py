@@ -234,7 +234,7 @@ class Pipeline:
         try:
             while self._may_read(k):
                 p, w = self._pass(k), -1
-                self.reader.expect(p.plan.windows[p.first_window:])  # a remote dataset's shards: fetched ahead
+                self.reader.expect(p.plan.windows[p.first_window:])  # e.g. a remote dataset's shards: fetched ahead
                 for w in range(p.first_window, len(p.plan.windows)):
                     if w > p.first_window and opened and not self._wait_first_out():
                         return
@@ -418,7 +418,7 @@ class Pipeline:
         for t in self._threads:
             if t.is_alive() and t is not threading.current_thread():
                 t.join()
-        self.reader.stop_fetching()  # no read is in flight any more: a remote dataset's fetcher threads end
+        self.reader.idle()  # no read is in flight any more: what the backend does ahead of them ends
         try:
             # The GPU work this pipeline queued ends before anything it used changes hands: its gathers and
             # uploads (memory freed with this pipeline is handed out again at once), and copies still

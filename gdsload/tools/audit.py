@@ -55,14 +55,14 @@ class Report(NamedTuple):
 @contextlib.contextmanager
 def local_copy(path: str) -> Iterator[tuple[str, Reads | None, Callable[[str], str]]]:
     """``(root, reads, name)`` of the dataset at ``path``: a local one as it is (``reads`` None: its files);
-    a remote one's skeleton in a temporary folder (:func:`gdsload.format.mirror.open_version`), removed on
+    a remote one's skeleton in a temporary folder (:func:`gdsload.remote.mirror.open_version`), removed on
     exit, with ``reads`` of its shards' bytes from the objects and ``name`` turning a message's local paths
     back into the URL's (its password redacted). A temporary folder, not the node's cache: what is shown and
     checked is what the server holds now, and nothing is left behind."""
     if not is_remote(path):
         yield path, None, lambda text: text
         return
-    from ..format.mirror import as_urls, open_version
+    from ..remote.mirror import as_urls, open_version
     from ..remote import client_for
 
     with tempfile.TemporaryDirectory(prefix="gdsload-remote-") as tmp:

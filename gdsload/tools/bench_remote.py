@@ -63,7 +63,7 @@ def remote_blocks(url: str, cache_dir: str | None = None, shuffle: bool = True, 
     located through its skeleton (fetched into ``cache_dir``, default gdsload's ``datasets`` cache folder, unless
     there), shuffled with ``seed`` unless ``shuffle`` is False. Blocks in objects the skeleton holds whole (small
     arrays read at open) are left out: no route reads them per pass."""
-    from ..format.mirror import open_version
+    from ..remote.mirror import open_version
     from ..system.env import cache_dir as env_cache_dir
 
     version = open_version(url, os.fspath(cache_dir) if cache_dir else os.path.join(env_cache_dir(), "datasets"))
@@ -177,7 +177,7 @@ def device_buffer(blocks: Sequence[RemoteBlock]) -> tuple[Any, list[RemoteBlock]
 
 def direct_why_not(url: str) -> str | None:
     """Why raw KvikIO RemoteFile reads of ``url`` into device memory cannot run here (None: they can)."""
-    from ..backends.remote_direct import direct_usable, kvikio_remote
+    from ..remote.route import direct_usable, kvikio_remote
     from ..system.env import gpu_available
 
     if not gpu_available():

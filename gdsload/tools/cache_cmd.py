@@ -1,5 +1,5 @@
 """``gdsload cache ls|clear [CACHE_DIR] [URL]``: the versions of remote datasets a node's cache folder holds,
-and the removal of those no dataset has open (:mod:`gdsload.format.cache_folder`)."""
+and the removal of those no dataset has open (:mod:`gdsload.remote.cache_folder`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 import os
 
 from .._units import human_bytes
-from ..format.cache_folder import Cached, clear, versions
+from ..remote.cache_folder import Cached, clear, versions
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

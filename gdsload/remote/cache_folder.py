@@ -1,7 +1,7 @@
 """The node's cache folder of remote datasets as a whole (``gdsload cache ls|clear``): the versions it holds
-(:mod:`gdsload.format.mirror`), what each takes on disk, and the removal of those no dataset has open.
+(:mod:`gdsload.remote.mirror`), what each takes on disk, and the removal of those no dataset has open.
 
-A version is in use while a dataset holds the shared lock on its ``open.lock`` (:mod:`gdsload.format.shard_cache`;
+A version is in use while a dataset holds the shared lock on its ``open.lock`` (:mod:`gdsload.remote.shard_cache`;
 an open in progress holds it from the moment the version is chosen). :func:`clear` takes the URL's lock
 (without waiting: an open in progress is passed over), then the version's ``open.lock`` exclusively (without
 waiting: a version in use is kept), and only then removes the folder and its state; an open that comes
@@ -16,7 +16,7 @@ import json
 import os
 from typing import NamedTuple
 
-from ..remote.objects import redact
+from .objects import redact
 from .mirror import MARKER, STATE, mirror_path, read_marker, remove, unused
 
 

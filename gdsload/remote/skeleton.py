@@ -1,4 +1,4 @@
-"""Fetching a remote dataset's skeleton into a folder (:mod:`gdsload.format.mirror` names it, keeps it and
+"""Fetching a remote dataset's skeleton into a folder (:mod:`gdsload.remote.mirror` names it, keeps it and
 decides when a new one is needed): every metadata file and every small array read whole at open in full,
 and every shard file as a sparse file of its full size holding only its index, written in place.
 
@@ -14,7 +14,7 @@ array's shape bounded before its shard keys are made (what a local dataset's ope
 folder holds, the descriptors the process may open, the machine's memory for its tables). Every shard index
 fetched is checked as the local open checks it (its crc32c; for a dataset the converter wrote, that its chunks
 tile the file), so a shard missing, truncated or replaced on the server is an error naming its URL while the
-skeleton is made, and nothing of it is kept. Messages name URLs as given: :func:`gdsload.format.mirror.open_version`
+skeleton is made, and nothing of it is kept. Messages name URLs as given: :func:`gdsload.remote.mirror.open_version`
 redacts them.
 """
 
@@ -28,11 +28,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO, NamedTuple
 
 from ..errors import FormatError, with_context
-from ..remote.objects import NotFound, ObjectClient, ObjectInfo, join
-from .arrays import FieldMeta, read_array
-from .meta import ATTRS_KEY, CHECKSUMS_GROUP
-from .shard_index import chunk_table, parse_shard_index
-from .zarr_json import MAX_METADATA_BYTES, as_object, exc_text, fail, show, valid_key, valid_name
+from .objects import NotFound, ObjectClient, ObjectInfo, join
+from ..format.arrays import FieldMeta, read_array
+from ..format.meta import ATTRS_KEY, CHECKSUMS_GROUP
+from ..format.shard_index import chunk_table, parse_shard_index
+from ..format.zarr_json import MAX_METADATA_BYTES, as_object, exc_text, fail, show, valid_key, valid_name
 
 #: The marker a complete version holds (the URL, its identity, every object as first seen).
 MARKER = ".gdsload-mirror.json"

@@ -1,5 +1,5 @@
 """The pieces of a remote dataset's shard files: the unit the node's shard cache fetches, pins, marks present and
-evicts (:mod:`gdsload.format.shard_cache`), so that a rank fetches the byte ranges its plan reads, not whole
+evicts (:mod:`gdsload.remote.shard_cache`), so that a rank fetches the byte ranges its plan reads, not whole
 shards (every shard holds blocks of every rank). Pure: no I/O.
 
 A shard file's data (all but the bytes the skeleton kept: its index) is cut at its chunks' starts, as the shard
@@ -25,7 +25,7 @@ MIN_PIECE_BYTES = 64 << 10
 
 
 class Piece(NamedTuple):
-    """Bytes ``lo .. hi`` of a shard file (its :class:`~gdsload.format.mirror.Entry`), fetched whole."""
+    """Bytes ``lo .. hi`` of a shard file (its :class:`~gdsload.remote.mirror.Entry`), fetched whole."""
 
     entry: Entry
     lo: int

@@ -1,6 +1,6 @@
 """The skeleton of a remote dataset (``s3://`` or ``http(s)://``) in a node-local cache: what opening it needs,
-fetched once per node (:mod:`gdsload.format.skeleton`); the shards' data is fetched later, as ranks read it
-(:mod:`gdsload.format.shard_cache`).
+fetched once per node (:mod:`gdsload.remote.skeleton`); the shards' data is fetched later, as ranks read it
+(:mod:`gdsload.remote.shard_cache`).
 
 A *version* of a URL is a folder of the cache named after the URL and the version's *identity*: a digest of
 the size and ETag of every object it serves (and of the objects its metadata names that the server lacks).
@@ -14,7 +14,7 @@ S3, one listing (its sizes and ETags are the identity, so the version's folder i
 HTTP, which has no listing, a HEAD of every object the newest version of the URL holds (and of the ones it
 found missing), in parallel. Any object changed, added or removed: a new version is fetched beside the old
 one, which a dataset still open keeps reading and ``gdsload cache clear`` removes once none is
-(:mod:`gdsload.format.cache_folder`). A republished dataset whose root ``zarr.json`` came out byte-identical
+(:mod:`gdsload.remote.cache_folder`). A republished dataset whose root ``zarr.json`` came out byte-identical
 is so a new version too.
 
 The skeleton is made once per node under the URL's file lock (the node's other ranks wait, then find it
@@ -40,19 +40,19 @@ import uuid
 from typing import NamedTuple
 
 from ..errors import FormatError, GDSLoadError, ReadError, reworded
-from ..remote import client_for
-from ..remote.objects import NotFound, ObjectClient, ObjectInfo, join, redact
+from . import client_for
+from .objects import NotFound, ObjectClient, ObjectInfo, join, redact
 from .skeleton import FETCH_THREADS, MARKER, PIECE_BYTES, Skeleton, fetch, listing, parallel
 
 __all__ = ["FETCH_THREADS", "MARKER", "PIECE_BYTES", "PRIVATE", "STATE", "Entry", "Hold", "Version", "mirror",
            "mirror_path", "open_version", "read_marker", "named"]
 
-#: Suffix of a version's folder of cache state (locks, present markers; :mod:`gdsload.format.shard_cache`).
+#: Suffix of a version's folder of cache state (locks, present markers; :mod:`gdsload.remote.shard_cache`).
 STATE = ".shards"
 #: The version name of an open on a server that sends no ETag (followed by a unique token).
 PRIVATE = "@private-"
 #: The marker's format (a marker of another is not a version this code serves).
-MARKER_FORMAT = 3  # 3: the shard cache marks pieces of shards present (gdsload.format.pieces)
+MARKER_FORMAT = 3  # 3: the shard cache marks pieces of shards present (gdsload.remote.pieces)
 
 
 class Entry(NamedTuple):
@@ -72,7 +72,7 @@ class Entry(NamedTuple):
 
 class Hold:
     """A shared lock on a version's ``open.lock``, taken at open under the URL's lock: no ``cache clear``
-    removes the version before the dataset holds its own (:class:`gdsload.format.shard_cache.ShardCache`
+    removes the version before the dataset holds its own (:class:`gdsload.remote.shard_cache.ShardCache`
     then closes this). Closed when collected, if nothing did before."""
 
     def __init__(self, fd: int):

@@ -1,8 +1,8 @@
 """The node's shard cache: a remote dataset's shards fetched into their sparse files as ranks need them, piece by
-piece (:mod:`gdsload.format.pieces`: a rank fetches the byte ranges its windows read, not whole shards), held
+piece (:mod:`gdsload.remote.pieces`: a rank fetches the byte ranges its windows read, not whole shards), held
 (pinned) while a window reads them, and the least recently used evicted when ``cache_bytes`` would be exceeded.
 
-On disk, beside each version's folder (:mod:`gdsload.format.mirror`) a folder of state, ``<version>.shards``:
+On disk, beside each version's folder (:mod:`gdsload.remote.mirror`) a folder of state, ``<version>.shards``:
 per piece (``<id>``: a digest of its shard's key, then its byte range) ``<id>.lock`` (a file lock, ``flock``)
 and ``<id>.ok``, the *present* marker (JSON: the shard's path, the piece's byte range, the shard's size and
 ETag; its mtime is the piece's last use), written (renamed into place) only after the piece's bytes are
@@ -43,8 +43,8 @@ import time
 from collections.abc import Iterator
 
 from ..errors import GDSLoadError, ReadError
-from ..remote import client_for
-from ..remote.objects import DEFAULT_TIMEOUT_S, ObjectChanged, Stopped, redact
+from . import client_for
+from .objects import DEFAULT_TIMEOUT_S, ObjectChanged, Stopped, redact
 from .mirror import PIECE_BYTES, STATE, Version
 from .pieces import Piece
 

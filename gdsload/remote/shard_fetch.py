@@ -1,12 +1,13 @@
-"""A remote dataset's shards fetched ahead of this rank's reads: the fetcher threads, and the waits of the reader.
+"""A remote dataset's shards fetched ahead of this rank's reads: the fetcher threads, and the waits of the reads
+(the cached route's backend, gdsload/backends/remote_cached.py).
 
 Threads. :class:`RemoteShards` runs up to :data:`FETCH_THREADS` ``gdsload-fetch`` threads. They take the
 windows the pipeline will submit, in plan order (:meth:`RemoteShards.expect`: block arrays, turned into the
-byte ranges they read by the reader's ``paths_of``, at most :data:`AHEAD_WINDOWS` ahead of the reads), and
-the pieces of windows the reader waits for now (:meth:`RemoteShards.acquire`, first). The ranges are the
-pieces of shards they touch (:mod:`gdsload.format.pieces`, cut at the chunks' starts the reader gives once,
+byte ranges they read by ``paths_of``, at most :data:`AHEAD_WINDOWS` ahead of the reads), and
+the pieces of windows a read waits for now (:meth:`RemoteShards.acquire`, first). The ranges are the
+pieces of shards they touch (:mod:`gdsload.remote.pieces`, cut at the chunks' starts of the dataset's layout, once,
 :meth:`RemoteShards.divide`), so a rank fetches its share, not every shard it touches whole. Each thread pins
-a piece in the node's cache (:class:`gdsload.format.shard_cache.ShardCache`: fetched unless present, ranged
+a piece in the node's cache (:class:`gdsload.remote.shard_cache.ShardCache`: fetched unless present, ranged
 GETs of a few MiB) and hands the pin back here, where it is held while a window that reads the piece is ahead
 or in flight; :meth:`RemoteShards.release` (the window's reads are over) unpins what no window needs any more.
 A fetch error is kept for the piece and raised, naming the URL, by the ``acquire`` of a window that reads it.
@@ -24,14 +25,14 @@ import itertools
 import os
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Union
 
 from ..errors import ReadError
-from ..remote.objects import DEFAULT_TIMEOUT_S, redact
+from .objects import DEFAULT_TIMEOUT_S, redact
 from .mirror import Version, open_version
-from .layout import DatasetLayout
+from ..format.layout import DatasetLayout
 from .pieces import Piece, chunk_starts, covering, cut, pieces_of
 from .shard_cache import CacheFull, ShardCache, Stopped
 
@@ -45,8 +46,6 @@ FETCH_THREADS = 8
 #: A reader's last resort: how many ``timeout_s`` it waits for a window's shards while no fetch of them moves
 #: (the client's, the cache's and the room's bounds end every wait first).
 STALL_TIMEOUTS = 4
-#: Windows of the first epoch whose shards :meth:`RemoteShards.check_room` measures at open.
-ROOM_WINDOWS = 256
 #: How often a wait looks again at the stop event and the clock.
 POLL_S = 0.05
 
@@ -70,7 +69,7 @@ class RemoteShards:
         self._paths_of: Callable[[Any], Sequence[Item]] | None = None
         self._cut = {p: pieces_of(e, cut(e, None)) for p, e in version.shards.items()}  # shard -> its pieces
         self._need: dict[Piece, set[int]] = {}  # piece -> the windows (seqs) ahead or in flight that read it
-        self._acquired: set[int] = set()
+        self._acquired: Counter[int] = Counter()  # window (seq) -> its parts acquired and not released
         self._pins: dict[Piece, int] = {}  # piece -> descriptor of its pin
         self._busy: set[Piece] = set()
         self._errors: dict[Piece, BaseException] = {}
@@ -100,7 +99,7 @@ class RemoteShards:
                 **self.cache.stats()}
 
     def divide(self, layout: DatasetLayout) -> None:
-        """Cut each shard file of ``layout`` at its chunks' offsets (:func:`gdsload.format.pieces.cut`); before
+        """Cut each shard file of ``layout`` at its chunks' offsets (:func:`gdsload.remote.pieces.cut`); before
         any read. A shard it does not hold stays one piece."""
         starts = chunk_starts(layout.block_offsets, layout.chunk_files, {k: layout.paths(k) for k in layout.keys})
         with self._cv:
@@ -145,7 +144,7 @@ class RemoteShards:
                                    f"{largest[0].entry.info.url}); raise cache_bytes to at least {most} (or read "
                                    f"smaller windows: window_blocks)"), most, 0)
 
-    # -- the reader's side ---------------------------------------------------------------------------------
+    # -- the reads' side ------------------------------------------------------------------------------------
     def expect(self, windows: Sequence[Any], paths_of: Callable[[Any], Sequence[Item]]) -> None:
         """The windows (block arrays) submitted next, in order: fetched ahead, replacing any expected before."""
         with self._cv:
@@ -164,13 +163,8 @@ class RemoteShards:
         the resident fields). A fetch's ReadError is raised here; a stop returns a stopped ticket."""
         shards = self.pieces(paths)
         with self._cv:
-            if self._queue and self._window_paths(self._queue[0][0]) == shards:
-                seq = self._queue.popleft()[0]
-                self._paths.pop(seq, None)
-            else:
-                self._seq += 1
-                seq = self._seq
-            self._acquired.add(seq)
+            seq = self._take(shards, passed=False)
+            self._acquired[seq] += 1
             for p in shards:
                 self._need.setdefault(p, set()).add(seq)
             ticket = Ticket(seq, shards)
@@ -200,11 +194,9 @@ class RemoteShards:
                 self._cv.wait(POLL_S)
 
     def passed(self, paths: Sequence[Item]) -> None:
-        """The next expected window is not read after all (its buffer holds it since the open)."""
-        shards = self.pieces(paths)
+        """The next expected window's ``paths`` are not read after all (its buffer holds them since the open)."""
         with self._cv:
-            if self._queue and self._window_paths(self._queue[0][0]) == shards:
-                self._forget(self._queue.popleft()[0])
+            self._take(self.pieces(paths), passed=True)
 
     def release(self, ticket: Ticket) -> None:
         """The window's reads are over: its shards are unpinned where no other window needs them."""
@@ -222,12 +214,12 @@ class RemoteShards:
             if t is not threading.current_thread():
                 t.join()
         with self._cv:
-            held = set() if everything else self._acquired
+            held = Counter() if everything else self._acquired
             for p in list(self._pins):
-                if everything or not self._need.get(p, set()) & held:
+                if everything or not self._need.get(p, set()) & held.keys():
                     self.cache.unpin(self._pins.pop(p))
-            self._need = {p: users & held for p, users in self._need.items() if users & held}
-            self._acquired = set(held)
+            self._need = {p: users & held.keys() for p, users in self._need.items() if users & held.keys()}
+            self._acquired = Counter(held)
             self._queue.clear()
             self._paths.clear()
             self._errors.clear()
@@ -257,14 +249,35 @@ class RemoteShards:
             self._paths[seq] = self.pieces(self._paths_of(blocks) if self._paths_of is not None else ())
         return self._paths[seq]
 
+    def _take(self, shards: tuple[Piece, ...], passed: bool) -> int:
+        """The window of a read of ``shards`` (its seq): the next window expected where they are among the pieces
+        it still needs (a window may be read in parts that pin apart: its reads through the backend, and through
+        its host reader), else a window of its own. ``passed``: they are not read after all (its buffer holds
+        them since the open). A window expected leaves the queue once every piece of it was taken."""
+        rest = self._window_paths(self._queue[0][0]) if self._queue else ()
+        if not self._queue or not set(shards) <= set(rest):
+            self._seq += 1
+            return self._seq
+        head = self._queue[0][0]
+        if passed:
+            for p in shards:
+                self._drop_need(p, head)
+        self._paths[head] = tuple(p for p in rest if p not in set(shards))
+        if not self._paths[head]:
+            self._queue.popleft()
+            self._paths.pop(head)
+        return head
+
     def _forget(self, seq: int) -> None:
         """Window ``seq`` no longer reads anything: unpin the shards no other window needs."""
-        self._acquired.discard(seq)
+        self._acquired.pop(seq, None)
         for p in self._paths.pop(seq, ()):
             self._drop_need(p, seq)
 
     def _release(self, ticket: Ticket) -> None:
-        self._acquired.discard(ticket.seq)
+        self._acquired[ticket.seq] -= 1
+        if self._acquired[ticket.seq] <= 0:
+            del self._acquired[ticket.seq]
         for p in ticket.paths:
             self._drop_need(p, ticket.seq)
         self._full_at = -1  # room may have come: fetching ahead goes on
@@ -289,8 +302,8 @@ class RemoteShards:
             return p not in self._pins and p not in self._busy and p not in self._errors
 
         for p, users in self._need.items():
-            if todo(p) and users & self._acquired:
-                return p, min(users & self._acquired)
+            if todo(p) and users & self._acquired.keys():
+                return p, min(users & self._acquired.keys())
         for seq, _ in list(itertools.islice(self._queue, AHEAD_WINDOWS)):
             if 0 <= self._full_at < seq:
                 return None
@@ -344,7 +357,7 @@ class RemoteShards:
         bytes pinned on the node have not changed for ``timeout_s``, the CacheFull is its error. Whether to wait
         before trying again."""
         later = [p for p, users in self._need.items() if p in self._pins and min(users) > seq
-                 and not users & self._acquired]
+                 and not users & self._acquired.keys()]
         for p in later:
             self.cache.unpin(self._pins.pop(p))
         if not urgent:
