@@ -228,7 +228,7 @@ class Mixture(LoaderProtocols, Closing):
         feeds = []
         for i, (s, at) in enumerate(zip(self._sources, self._at)):
             placed, self._placed[i] = self._placed[i], None
-            s.ds.place(*(placed or s.locate(at, check=False)[0]))
+            s.ds.place(*(placed if placed is not None else s.locate(at, check=False)[0]))
             feeds.append(s.ds.feed(s.name, s.rename))
         first = self._sources[0].ds
         ops = CudaOps(first.device, first.output) if info(first.backend_name).on_device else host_ops(first.output)

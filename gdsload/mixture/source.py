@@ -62,8 +62,9 @@ class SourceStream:
         stretch begins there. StateError for a stretch the dataset cannot be at (its hops checked unless
         ``check`` is False: a stretch this stream made itself).
 
-        Derived, never the dataset's own ``state_dict()``: that counts the batch being cut, and under exact
-        shares a rank may hold one more batch than rank 0, by which a GDSDataset state is bounded."""
+        Derived from the stretch, never from the dataset's own ``state_dict()``: that counts whole batches and
+        differs from rank to rank under exact shares, where a stretch is exact to the sample and the same on
+        every rank."""
         c = self.ds.config
         stretch = dataclasses.replace(stretch, source=self.name, fingerprint=self.fingerprint)  # this stream's now
         if stretch.world_size > c.num_blocks:
