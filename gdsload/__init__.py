@@ -6,7 +6,7 @@ from .mixture.mixture import Mixture
 from .errors import (BackendUnavailable, ChecksumError, ConversionError, DecodeError, FormatError, GDSLoadError,
                      ReadError)
 from .conversion.source_types import ArraySource, RaggedSource, Source
-from .pipeline.resume import merge_states
+from .pipeline.resume import merge_states  # a GDSDataset's states and a Mixture's
 from .pipeline.stats import EpochStats
 from .conversion.writer import convert, write_dataset
 from .conversion.images import convert_images

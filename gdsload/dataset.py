@@ -22,9 +22,8 @@ from .options import check_bool, image_specs
 from .codecs.image_params import ImageSpec
 from .codecs.images import ImageStep
 from .pipeline import resume
-from .pipeline.cursor import Cursor
 from .pipeline.feeds import Feed
-from .pipeline.position import Position
+from .pipeline.position import Cursor, Position
 from .pipeline.pipeline import Pipeline
 from .pipeline.plan import PlanConfig, check_yields, epoch_plan, window_buffers_for
 from .pipeline.reader import DEFAULT_RESIDENT_BYTES, Reader
@@ -65,7 +64,8 @@ class GDSDataset(LoaderProtocols, Closing):
     timeout_s : the bound of every remote wait (30 s): a request with its retries, a wait for another's fetch.
 
     Epochs: without ``set_epoch``, every new pass is the next epoch; with it, a pass reads the epoch set.
-    ``state_dict()`` / ``load_state_dict()`` save and restore the position, also under another world size.
+    ``state_dict()`` / ``load_state_dict()`` save and restore the position, also under another world size;
+    ``place(epoch, legs, samples)`` puts it at a position given in counts.
     Yielded arrays are fresh allocations, ready on the consumer's current stream. With torch installed this
     is a torch IterableDataset (:mod:`gdsload.integrations`). Bad arguments are ValueErrors naming them.
     """
@@ -187,13 +187,27 @@ class GDSDataset(LoaderProtocols, Closing):
         return self._position.state()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state``, saved by any rank (all ranks' agree; ``resume.merge_states`` checks it):
+        """Continue from ``state``, saved by any rank (all ranks' agree; ``gdsload.merge_states`` checks it):
         the next pass yields exactly the batches not yet yielded. Under another world_size, batch_size or
         window_blocks the ranks share out the rest of the epoch, every sample once (docs/multi-gpu.md); another
         batch_size is warned about, saying what changes. Raises TypeError for a non-dict and ValueError naming
         the key for a malformed state or one of another dataset, seed, shuffle or drop_last; nothing changes
         then."""
         self._position.load(state)
+
+    def place(self, epoch: int, legs: Sequence[dict[str, int]] = (), samples: int = 0) -> None:
+        """Put the position at ``samples`` of this rank's share of epoch ``epoch``: of its current leg, the one
+        read under this dataset's world_size, batch_size and window_blocks after ``legs``, the legs the epoch
+        was read in before (hop dicts as a state's ``hops`` holds them, docs/multi-gpu.md; none: the epoch's
+        ordinary plan). The next pass (or a mixture's feed) starts exactly there, as after ``load_state_dict``
+        of the state saying so; ``place(e)`` is epoch e from its start. A pass of the dataset's own yields whole
+        batches, so it refuses a position inside one (``samples`` not a multiple of batch_size), as
+        ``state_dict()`` does; a mixture's feed reads from any sample. A StateError (a ValueError) names what is
+        out of range (hops the epoch cannot have been read in, samples beyond the share); nothing changes then."""
+        try:
+            self._position.place(epoch, legs, samples)
+        except resume.StateError as e:
+            raise resume.StateError(f"{self.meta.path}: place(epoch={epoch!r}, samples={samples!r}): {e}") from None
 
     # -- iteration -------------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -211,6 +225,11 @@ class GDSDataset(LoaderProtocols, Closing):
         with self._lock:
             if not self._finalizer.alive:
                 raise GDSLoadError(f"{self.meta.path}: the dataset was closed (open a new GDSDataset)")
+            placed = self._position.cursor
+            if placed.fixed and placed.skip:
+                raise resume.StateError(f"{self.meta.path}: placed {placed.skip} samples into batch {placed.batch} "
+                                        f"of epoch {placed.epoch}; a pass yields whole batches (place it at a "
+                                        f"multiple of batch_size={self.config.batch_size})")
             start = self._position.begin()
             ahead = self._active[0].upcoming() if self._active else None
             read_ahead = ahead is not None and ahead.reads_as(start, self.config.shuffle)
@@ -253,11 +272,10 @@ class GDSDataset(LoaderProtocols, Closing):
                 except ValueError:  # close() from another thread took it meanwhile
                     pass
 
-    def feed(self, name: str, skip: int, names: dict[str, str]) -> Feed:
-        """This dataset's stream for a pipeline serving several sources (a Mixture's): from the position loaded
-        last (``load_state_dict``), ``skip`` samples into its batch, with its reader, window buffers (borrowed;
-        the pipeline may add to them), resident fields and padding; ``names`` renames fields in the output.
-        Any pipeline of its own is stopped first."""
+    def feed(self, name: str, names: dict[str, str]) -> Feed:
+        """This dataset's stream for a pipeline serving several sources (a Mixture's): from where it was placed
+        (:meth:`place`), with its reader, window buffers (borrowed; the pipeline may add to them), resident fields
+        and padding; ``names`` renames fields in the output. Any pipeline of its own is stopped first."""
         with self._lock:
             if not self._finalizer.alive:
                 raise GDSLoadError(f"{self.meta.path}: the dataset was closed (open a new GDSDataset)")
@@ -265,7 +283,7 @@ class GDSDataset(LoaderProtocols, Closing):
             start = self._position.begin()
             resident, _ = self._reader.resident(self._closing)
             return Feed(name, self._reader, self._buffers, self._reader.allocate, start,
-                        self._position.plan(start.epoch), skip, functools.partial(epoch_plan, self.config),
+                        self._position.plan(start.epoch), functools.partial(epoch_plan, self.config),
                         self.fields, dict(names), resident, self._pad)
 
     def lend(self, pipeline: Any, gone: Any = None) -> None:

@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from _helpers import labelled, ragged_source, sequences, threads_left_since, wait_no_readers
-from gdsload import GDSLoadError, ReadError
-from gdsload.mixture.mixture import Mixture, merge_states
+from gdsload import GDSLoadError, ReadError, merge_states
+from gdsload.mixture.mixture import Mixture
 from gdsload.mixture.schedule import Stretch
 from gdsload.pipeline.plan import share_bounds
 from gdsload.pipeline.resume import StateError

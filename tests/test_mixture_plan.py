@@ -15,10 +15,11 @@ from hypothesis import strategies as st
 
 from gdsload.mixture.schedule import (Schedule, Stretch, exact_weights, next_counts, parse_schedule, parse_stretch,
                                       schedule_state)
-from gdsload.mixture.source import SourceStream
+from gdsload.mixture.source import Placement, SourceStream
 from gdsload.pipeline.legs import Hop, leg_taken, rest_shares
 from gdsload.pipeline.plan import PlanConfig, epoch_plan, share_bounds
-from gdsload.pipeline.resume import Fingerprint, StateError, make_state, resume
+from gdsload.pipeline.position import Position
+from gdsload.pipeline.resume import Fingerprint, StateError, make_state
 
 NAMES = tuple("abcdef")
 weight_lists = st.lists(st.integers(0, 40), min_size=1, max_size=6).filter(any)
@@ -270,12 +271,14 @@ class FakeDataset:
         return make_state(self.config, FP, 0, 0)
 
 
-def read(config: PlanConfig, state: dict, skip: int, count: int) -> list[int]:
-    """The next ``count`` samples a GDSDataset of ``config`` yields after ``load_state_dict(state)``, the first
-    ``skip`` of its first batch left out, pass after pass (each pass the next epoch), as a mixture reads it."""
-    cursor = resume(json.loads(json.dumps(state)), config, FP)
-    plan = cursor.plan or epoch_plan(config, cursor.epoch)
-    ids, epoch = plan.sample_ids()[cursor.batch * config.batch_size + skip:].tolist(), cursor.epoch
+def read(config: PlanConfig, placement: Placement, count: int) -> list[int]:
+    """The next ``count`` samples a GDSDataset of ``config`` yields after ``place(*placement)``, pass after pass
+    (each pass the next epoch), as a mixture's feed reads it (from any sample of a batch)."""
+    position = Position(config, epoch_plan(config, 0), lambda: FP)
+    position.place(*json.loads(json.dumps(placement)))
+    cursor = position.begin()
+    plan = position.plan(cursor.epoch)
+    ids, epoch = plan.sample_ids()[cursor.batch * config.batch_size + cursor.skip:].tolist(), cursor.epoch
     while len(ids) < count:
         epoch += 1
         ids += epoch_plan(config, epoch).sample_ids().tolist()
@@ -321,9 +324,9 @@ def test_an_elastic_resume_of_a_source_reads_every_sample_once_per_epoch(case):
             cfg = PlanConfig(num_samples=n, samples_per_block=k, batch_size=batch, window_blocks=window,
                              shuffle=shuffle, seed=seed, rank=r, world_size=world, exact_shares=True)
             source = SourceStream("s", FakeDataset(cfg), {})
-            state, skip, start = ((make_state(cfg, FP, 0, 0), 0, source.stretch) if stretch is None
-                                  else source.locate(parse_stretch(json.loads(json.dumps(stretch.as_dict())), "p")))
-            for i, sample in enumerate(read(cfg, state, skip, taken)):
+            placement, start = ((Placement(0, (), 0), source.stretch) if stretch is None
+                                else source.locate(parse_stretch(json.loads(json.dumps(stretch.as_dict())), "p")))
+            for i, sample in enumerate(read(cfg, placement, taken)):
                 reads.setdefault(start.taken(i).rank_position(r, n)[0], []).append(sample)
             starts.append(start)
         assert all(s == starts[0] for s in starts), "every rank makes the same stretch of it"

@@ -22,10 +22,10 @@ from hypothesis import strategies as st
 from _helpers import labelled
 from gdsload import GDSDataset
 from gdsload.pipeline.plan import PlanConfig, epoch_plan
-from gdsload.pipeline.cursor import Cursor
+from gdsload.pipeline.position import Cursor, resume
 from gdsload.pipeline.legs import rest_shares
 from gdsload.pipeline.resume import (HOP_KEYS, MAX_HOPS, Fingerprint, Hop, StateError, leg_plans, make_state,
-                                     merge_states, resume)
+                                     merge_states)
 
 Dataset = functools.partial(GDSDataset, backend="cpu", resident_bytes=32 << 10)  # "idx" resident, "x" windowed
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -13,7 +13,7 @@ import pytest
 
 import gdsload
 from gdsload import GDSDataset
-from gdsload.pipeline.cursor import Cursor
+from gdsload.pipeline.position import Cursor
 
 from _helpers import labelled
 

@@ -27,10 +27,10 @@ from ..integrations import LoaderProtocols, refuse_collation, refuse_worker
 from ..pipeline.assembler import GROUP_BYTES
 from ..pipeline.mixed import MAX_GROUP, Mixed, MixedPipeline
 from ..pipeline.steps import Step, Steps
-from .source import SourceStats, SourceStream
+from .source import Placement, SourceStats, SourceStream
 from .specs import check_fields, named, source_specs
 from .schedule import Schedule, exact_weights, next_counts, schedule_state
-from .state import MIXTURE_FORMAT, check_state, dataset_record, merge_states  # noqa: F401 - merge_states: here too
+from .state import MIXTURE_FORMAT, check_state, dataset_record
 from ..options import check_int, rank_and_world
 
 
@@ -140,7 +140,7 @@ class Mixture(LoaderProtocols, Closing):
         self.datasets = {s.name: s.ds for s in self._sources}
         self._step = 0
         self._at = tuple(s.stretch for s in self._sources)  # every source's position after the batches yielded
-        self._placed: list[tuple[dict[str, Any], int] | None] = [None] * len(self._sources)  # a loaded state's
+        self._placed: list[Placement | None] = [None] * len(self._sources)  # a loaded state's
         self._counted = [(0, 0)] * len(self._sources)  # per source, bytes read and passes of pipelines stopped
         self._stats = MixtureStats(sources={s.name: s.stats for s in self._sources})
 
@@ -228,9 +228,8 @@ class Mixture(LoaderProtocols, Closing):
         feeds = []
         for i, (s, at) in enumerate(zip(self._sources, self._at)):
             placed, self._placed[i] = self._placed[i], None
-            state, skip = placed if placed is not None else s.locate(at, check=False)[:2]
-            s.ds.load_state_dict(state)
-            feeds.append(s.ds.feed(s.name, skip, s.rename))
+            s.ds.place(*(placed if placed is not None else s.locate(at, check=False)[0]))
+            feeds.append(s.ds.feed(s.name, s.rename))
         first = self._sources[0].ds
         ops = CudaOps(first.device, first.output) if info(first.backend_name).on_device else host_ops(first.output)
         ops.decodes = any(f.reader.device_decoded for f in feeds)
@@ -319,8 +318,8 @@ class Mixture(LoaderProtocols, Closing):
             raise TypeError(f"a mixture state must be a dict from Mixture.state_dict(), found {type(state).__name__}")
         self._halt()  # what was read ahead is dropped, whether the state is taken or not
         checked = check_state(state, self._sources, self.seed, self.batch_size, self.whole_batches)
-        self._placed = [(gds_state, skip) for gds_state, skip, _ in checked.sources]
-        self._at = tuple(stretch for _, _, stretch in checked.sources)
+        self._placed = [placement for placement, _ in checked.sources]
+        self._at = tuple(stretch for _, stretch in checked.sources)
         self._schedule, self._step = checked.schedule, checked.step
 
 

@@ -8,12 +8,12 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..pipeline import resume
 from .schedule import Stretch
 from ..pipeline.plan import MAX_INT
-from ..pipeline.resume import StateError
+from ..pipeline.resume import EXACT_HOP_KEYS, StateError
 
 if TYPE_CHECKING:
     from ..dataset import GDSDataset
@@ -35,6 +35,15 @@ class SourceStats:
     passes: int = 0
 
 
+class Placement(NamedTuple):
+    """Where one rank's dataset stands, as :meth:`GDSDataset.place` takes it: ``samples`` of its share of the leg
+    of ``epoch`` after ``legs`` (hop dicts)."""
+
+    epoch: int
+    legs: tuple[dict[str, int], ...]
+    samples: int
+
+
 class SourceStream:
     """One source: its dataset, its position and its counters."""
 
@@ -45,16 +54,17 @@ class SourceStream:
         self.stretch = Stretch(0, (), c.world_size, c.window_blocks, 0, name, self.fingerprint)
         self.stats = SourceStats()
 
-    def locate(self, stretch: Stretch, check: bool = True) -> tuple[dict[str, Any], int, Stretch]:
-        """Where this rank's dataset stands at ``stretch``: the GDSDataset state to load, the samples of its
-        first batch already taken, and the stretch from there. Under the stretch's world size and window that
-        is this rank's own position in it (:meth:`Stretch.rank_position`); under others, the leg the old ranks
-        read is closed exactly where each of them stood (:meth:`Stretch.end_hop`), the rest of that epoch is
-        dealt out to the new ranks, and a new stretch begins there. StateError for a stretch the dataset
-        cannot be at (its hops checked unless ``check`` is False: a stretch this stream made itself).
+    def locate(self, stretch: Stretch, check: bool = True) -> tuple[Placement, Stretch]:
+        """Where this rank's dataset stands at ``stretch`` (what :meth:`GDSDataset.place` takes), and the stretch
+        from there. Under the stretch's world size and window that is this rank's own position in it
+        (:meth:`Stretch.rank_position`); under others, the leg the old ranks read is closed exactly where each
+        of them stood (:meth:`Stretch.end_hop`), the rest of that epoch is dealt out to the new ranks, and a new
+        stretch begins there. StateError for a stretch the dataset cannot be at (its hops checked unless
+        ``check`` is False: a stretch this stream made itself).
 
-        Derived, never the dataset's own ``state_dict()``: that counts the batch being cut, and under exact
-        shares a rank may hold one more batch than rank 0, by which a GDSDataset state is bounded."""
+        Derived from the stretch, never from the dataset's own ``state_dict()``: that counts whole batches and
+        differs from rank to rank under exact shares, where a stretch is exact to the sample and the same on
+        every rank."""
         c = self.ds.config
         stretch = dataclasses.replace(stretch, source=self.name, fingerprint=self.fingerprint)  # this stream's now
         if stretch.world_size > c.num_blocks:
@@ -66,18 +76,14 @@ class SourceStream:
             epoch, taken = stretch.rank_position(c.rank, c.num_samples)
             _check_epoch(epoch, stretch)
             hops = stretch.hops if epoch == stretch.epoch else ()
-            return self._state(epoch, hops, taken // c.batch_size), taken % c.batch_size, stretch
+            return Placement(epoch, hops, taken), stretch
         epoch, hops = stretch.end_hop(c.num_samples)
         _check_epoch(epoch, stretch)
         if len(hops) > resume.MAX_HOPS:
             raise StateError(f"state key 'hops': epoch {epoch} was already read in {resume.MAX_HOPS + 1} legs, the "
                              "most a state records; finish it under the world size and window it was saved with")
-        return self._state(epoch, hops, 0), 0, Stretch(epoch, hops, c.world_size, c.window_blocks, 0, self.name,
-                                                       self.fingerprint)
-
-    def _state(self, epoch: int, hops: tuple[dict[str, int], ...], batches: int) -> dict[str, Any]:
-        """This rank's GDSDataset state at batch ``batches`` of the leg of ``epoch`` after ``hops``."""
-        return {**self.ds.state_dict(), "epoch": epoch, "batches_yielded": batches, "hops": [dict(h) for h in hops]}
+        return Placement(epoch, hops, 0), Stretch(epoch, hops, c.world_size, c.window_blocks, 0, self.name,
+                                                  self.fingerprint)
 
     def _check_hops(self, stretch: Stretch) -> None:
         """StateError naming the key for hops the dataset cannot have read (checked before anything changes)."""
@@ -86,11 +92,7 @@ class SourceStream:
         c = self.ds.config
         cfg = dataclasses.replace(c, world_size=stretch.world_size, window_blocks=stretch.window_blocks,
                                   batch_size=1, rank=0)
-        saved = resume.parse_state({**self.ds.state_dict(), "epoch": stretch.epoch, "batches_yielded": 0,
-                                    "hops": [dict(h) for h in stretch.hops], "batch_size": 1, "rank": 0,
-                                    "world_size": stretch.world_size, "window_blocks": stretch.window_blocks},
-                                   c.num_blocks)
-        resume.leg_plans(cfg, stretch.epoch, saved.hops)
+        resume.leg_plans(cfg, stretch.epoch, resume.parse_hops(stretch.hops, EXACT_HOP_KEYS, c.num_blocks))
 
 
 def _check_epoch(epoch: int, stretch: Stretch) -> None:

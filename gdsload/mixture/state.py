@@ -19,7 +19,7 @@ from typing import Any
 from ..errors import warn
 from ..pipeline.resume import StateError, state_int
 from .schedule import Schedule, Stretch, parse_schedule, parse_stretch
-from .source import FINGERPRINT_KEYS, SourceStream, dataset_record, record_digest
+from .source import FINGERPRINT_KEYS, Placement, SourceStream, dataset_record, record_digest
 
 MIXTURE_FORMAT = 3  # bumped when the state's keys or the schedule change meaning
 UNBOUND_FORMAT = 2  # before positions named their source: resumed, warning that whose they are goes unchecked
@@ -30,12 +30,12 @@ STATE_KEYS = ("mixture_format", "step", "seed", "batch_size", "whole_batches", "
 
 @dataclass(frozen=True)
 class Resumed:
-    """A state checked against a mixture: its step and segment, and per source (in order) the GDSDataset state
-    to load, the samples of its first batch already taken, and its position from there."""
+    """A state checked against a mixture: its step and segment, and per source (in order) where its dataset is
+    placed and its position from there."""
 
     step: int
     schedule: Schedule
-    sources: tuple[tuple[dict[str, Any], int, Stretch], ...]
+    sources: tuple[tuple[Placement, Stretch], ...]
 
 
 def check_state(state: Mapping[str, Any], sources: Sequence[SourceStream], seed: int, batch_size: int,
@@ -90,7 +90,7 @@ def check_state(state: Mapping[str, Any], sources: Sequence[SourceStream], seed:
 
 
 def _locate(s: SourceStream, state: Mapping[str, Any], records: dict[str, dict[str, Any]],
-            fmt: int) -> tuple[dict[str, Any], int, Stretch]:
+            fmt: int) -> tuple[Placement, Stretch]:
     """Source ``s``'s part of the state, checked: its dataset, its position and whose that is; then where its
     dataset resumes (:meth:`SourceStream.locate`)."""
     where = f"datasets[{s.name!r}]"
@@ -131,21 +131,3 @@ def _check_owner(stretch: Stretch, name: str, state: Mapping[str, Any], key: str
         raise StateError(f"state key '{key}.fingerprint': {stretch.fingerprint[:16]!r}... is the fingerprint of "
                          f"{whose}, not of source {name!r}'s (datasets[{name!r}]: {digest[:16]}...): the position "
                          "was saved for another dataset (a state put together from others?)"[:400])
-
-
-def merge_states(states: list[Any]) -> dict[str, Any]:
-    """One state from every rank's: checks there is one per rank and that they agree on all but ``rank``."""
-    if isinstance(states, Mapping) or not isinstance(states, (list, tuple)) or not states:
-        raise TypeError("merge_states takes a non-empty list of mixture states, one per rank")
-    world = states[0].get("world_size") if isinstance(states[0], Mapping) else None
-    ranks = sorted(s.get("rank") for s in states if isinstance(s, Mapping))
-    if world != len(states) or ranks != list(range(len(states))):  # never a list of `world` ranks: it may be huge
-        last = world - 1 if isinstance(world, int) and world else "?"
-        raise StateError(f"state key 'rank': expected one state per rank 0..{last}, found ranks {ranks}"[:300])
-    ref = next(s for s in states if s["rank"] == 0)
-    for s in states:
-        differ = [k for k in dict.fromkeys([*ref, *s]) if k != "rank" and s.get(k) != ref.get(k)]
-        if differ:
-            raise StateError(f"rank {s['rank']}'s mixture state differs from rank 0's in {differ} (checkpoint "
-                             "every rank after the same step)")
-    return dict(ref)

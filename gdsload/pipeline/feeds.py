@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import GDSLoadError
 from .assembler import Assembler, EpochIndex, ResidentField
-from .cursor import Cursor
+from .position import Cursor
 from .pacing import Pacer
 from .plan import EpochPlan
 from .reader import Reader
@@ -29,8 +29,8 @@ from .window import WindowBuffer
 @dataclass
 class Feed:
     """A source as the pipeline reads it: ``reader`` and ``buffers`` (the dataset's own, which the pipeline
-    borrows and may add to with ``allocate``), ``first`` (the cursor of the epoch it stands in) with its plan,
-    ``skip`` (samples of that batch already taken), ``plans`` (epoch -> plan, for the epochs after it), the
+    borrows and may add to with ``allocate``), ``first`` (the cursor of the epoch it stands in, with the samples
+    of its batch already taken) with its plan, ``plans`` (epoch -> plan, for the epochs after it), the
     fields it gives with their names in the output (``names``), its resident fields and padding."""
 
     name: str
@@ -39,7 +39,6 @@ class Feed:
     allocate: Callable[[], WindowBuffer]
     first: Cursor
     first_plan: EpochPlan
-    skip: int
     plans: Callable[[int, Pacer | None], EpochPlan]
     fields: Sequence[str]
     names: dict[str, str] = field(default_factory=dict)
@@ -49,7 +48,7 @@ class Feed:
     @property
     def start(self) -> int:
         """Where the first pass's stream starts."""
-        return self.first.batch * self.first_plan.config.batch_size + self.skip
+        return self.first.batch * self.first_plan.config.batch_size + self.first.skip
 
     def out_name(self, key: str) -> str:
         """``key`` of this source's batch (a field, or its ``/offsets`` or ``/lengths``) in the output."""

@@ -38,7 +38,7 @@ from ..cuda.ops import Ops
 from ..errors import GDSLoadError, ReadError, with_context
 from .complete import complete, raise_failure
 from .assembler import Assembler, BatchStep, EpochIndex, ResidentField
-from .cursor import Cursor
+from .position import Cursor
 from .pacing import Pacer
 from .plan import EpochPlan
 from .reader import InFlight, Reader

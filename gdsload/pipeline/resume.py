@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .cursor import Cursor
-from ..errors import GDSLoadError, warn
+from ..errors import GDSLoadError
 from .legs import Hop, RankPlan, first_leg, most_batches, next_leg
 from .plan import MAX_INT, EpochPlan, PlanConfig, epoch_plan
 
@@ -176,25 +175,9 @@ def parse_state(state: Any, num_blocks: int | None = None) -> SavedState:
         raise StateError(f"state key 'state_format': expected {STATE_FORMAT} (or {CONTENT_FREE_FORMAT}), found "
                          f"{fmt!r} (saved by another gdsload version, whose plans may differ)")
     hop_keys = EXACT_HOP_KEYS if exact and fmt == EXACT_FORMAT else HOP_KEYS
-    max_world = num_blocks if num_blocks is not None else None
-    world_why = "the dataset's blocks" if max_world is not None else ""
-    world_size = state_int(state["world_size"], "world_size", 1, max_world, world_why)
-    raw_hops = state["hops"]
-    if not isinstance(raw_hops, (list, tuple)) or len(raw_hops) > MAX_HOPS:
-        raise StateError(f"state key 'hops': expected a list of at most {MAX_HOPS} dicts with keys {list(hop_keys)}, "
-                         f"found {raw_hops!r}"[:400])
-    hops = []
-    for i, h in enumerate(raw_hops):
-        where = f"hops[{i}]"
-        if not isinstance(h, Mapping):
-            raise StateError(f"state key '{where}': expected a dict with keys {list(hop_keys)}, found {h!r}")
-        _keys(h, hop_keys, f"state key '{where}'")
-        hop_world = state_int(h["world_size"], f"{where}.world_size", 1, max_world, world_why)
-        shift = (state_int(h["shift"], f"{where}.shift", 0, hop_world - 1, "below that leg's world_size")
-                 if "shift" in hop_keys else 0)
-        hops.append(Hop(hop_world, state_int(h["batch_size"], f"{where}.batch_size", 1),
-                        state_int(h["window_blocks"], f"{where}.window_blocks", 1),
-                        state_int(h["batches"], f"{where}.batches", 1, None, "batches taken in that leg"), shift))
+    world_why = "the dataset's blocks" if num_blocks is not None else ""
+    world_size = state_int(state["world_size"], "world_size", 1, num_blocks, world_why)
+    hops = parse_hops(state["hops"], hop_keys, num_blocks)
     fields = _str_dict(state["fields"], "fields")
     hashes = {}
     for key in ("index_sha256",) if content_free else ("index_sha256", "content_sha256"):
@@ -205,7 +188,7 @@ def parse_state(state: Any, num_blocks: int | None = None) -> SavedState:
     return SavedState(
         epoch=state_int(state["epoch"], "epoch", 0),
         batches_yielded=state_int(state["batches_yielded"], "batches_yielded", 0, None, "batches yielded in the epoch"),
-        hops=tuple(hops),
+        hops=hops,
         num_samples=state_int(state["num_samples"], "num_samples", 1),
         samples_per_block=state_int(state["samples_per_block"], "samples_per_block", 1),
         batch_size=state_int(state["batch_size"], "batch_size", 1),
@@ -220,6 +203,28 @@ def parse_state(state: Any, num_blocks: int | None = None) -> SavedState:
         index_sha256=hashes["index_sha256"],
         content_sha256=hashes.get("content_sha256"),
     )
+
+
+def parse_hops(raw: Any, hop_keys: Sequence[str] = HOP_KEYS, num_blocks: int | None = None) -> tuple[Hop, ...]:
+    """A state's ``hops`` checked: at most :data:`MAX_HOPS` dicts of exactly ``hop_keys`` (:data:`EXACT_HOP_KEYS`
+    under exact shares), each entry in its range, world sizes at most ``num_blocks``; StateError naming the key."""
+    world_why = "the dataset's blocks" if num_blocks is not None else ""
+    if not isinstance(raw, (list, tuple)) or len(raw) > MAX_HOPS:
+        raise StateError(f"state key 'hops': expected a list of at most {MAX_HOPS} dicts with keys {list(hop_keys)}, "
+                         f"found {raw!r}"[:400])
+    hops = []
+    for i, h in enumerate(raw):
+        where = f"hops[{i}]"
+        if not isinstance(h, Mapping):
+            raise StateError(f"state key '{where}': expected a dict with keys {list(hop_keys)}, found {h!r}")
+        _keys(h, hop_keys, f"state key '{where}'")
+        hop_world = state_int(h["world_size"], f"{where}.world_size", 1, num_blocks, world_why)
+        shift = (state_int(h["shift"], f"{where}.shift", 0, hop_world - 1, "below that leg's world_size")
+                 if "shift" in hop_keys else 0)
+        hops.append(Hop(hop_world, state_int(h["batch_size"], f"{where}.batch_size", 1),
+                        state_int(h["window_blocks"], f"{where}.window_blocks", 1),
+                        state_int(h["batches"], f"{where}.batches", 1, None, "batches taken in that leg"), shift))
+    return tuple(hops)
 
 
 def check_matches(saved: SavedState, config: PlanConfig, fp: Fingerprint) -> None:
@@ -245,28 +250,6 @@ def check_matches(saved: SavedState, config: PlanConfig, fp: Fingerprint) -> Non
                          "mid-epoch (world_size, batch_size and window_blocks can)")
 
 
-def resume(state: Any, config: PlanConfig, fp: Fingerprint) -> Cursor:
-    """Where ``config``'s rank continues from ``state``: the epoch, its earlier legs and the batch to start
-    at, as a fixed cursor (the next pass starts exactly there).
-
-    Under the state's own world_size, batch_size and window_blocks this continues the current leg (the plain
-    resume: the same plan, from the next batch). Under others, the leg is closed as a hop and the next one
-    starts at batch 0 of its own plan, made from what the state's ranks left; a leg in which nothing was
-    yielded is simply replaced, so a state taken at an epoch's start resumes as that epoch, fresh. Under
-    another batch_size it warns saying what changes (:func:`batch_size_change`).
-    """
-    saved = parse_state(state, config.num_blocks)
-    check_matches(saved, config, fp)
-    cursor = _cursor(saved, config)
-    if saved.content_sha256 is None:
-        warn(f"resume state of state_format {CONTENT_FREE_FORMAT} (saved before gdsload fingerprinted a "
-             "dataset's content): its dataset's shapes and shard layout match, its content cannot be "
-             "checked; resuming. States saved from now on carry 'content_sha256'", UserWarning)
-    if saved.batch_size != config.batch_size:
-        warn(batch_size_change(saved, config), UserWarning)
-    return cursor
-
-
 def batch_size_change(saved: SavedState, config: PlanConfig) -> str:
     """What a resume under another batch_size changes, said in a warning: the resume is exact (every sample of
     the epoch once), but the batches, and with another window size the order, are not the saved run's."""
@@ -282,49 +265,35 @@ def batch_size_change(saved: SavedState, config: PlanConfig) -> str:
             f"{what}")
 
 
-def _cursor(saved: SavedState, config: PlanConfig) -> Cursor:
-    legs = _legs(config, saved.epoch, saved.hops, saved.leg)
-    batches = max(leg.plan.num_batches for leg in legs)  # ranks' exact shares may differ by a batch
-    if saved.batches_yielded > batches:
-        raise StateError(f"state key 'batches_yielded': expected an int from 0 to {batches}, the batches of epoch "
-                         f"{saved.epoch}'s current leg (world_size, batch_size, window_blocks = {saved.leg}), found "
-                         f"{saved.batches_yielded}")
-    now = (config.world_size, config.batch_size, config.window_blocks)
-    if now == saved.leg:
-        plan = legs[config.rank].plan if saved.hops else None
-        return Cursor(saved.epoch, saved.batches_yielded, saved.hops, plan, fixed=True)
-    if saved.batches_yielded == 0:  # nothing read in that leg: the new one replaces it
-        plan = resumed_plan(config, saved.epoch, saved.hops) if saved.hops else None
-        return Cursor(saved.epoch, 0, saved.hops, plan, fixed=True)
-    if len(saved.hops) == MAX_HOPS:
-        raise StateError(f"state key 'hops': epoch {saved.epoch} was already read in {MAX_HOPS + 1} legs, the most "
-                         "a state records; finish it under the settings it was saved with "
-                         f"(world_size, batch_size, window_blocks = {saved.leg})")
-    hop = Hop(*saved.leg, saved.batches_yielded)
-    plans = next_leg(config, saved.epoch, legs, hop, now)
-    return Cursor(saved.epoch, 0, (*saved.hops, hop), plans[config.rank].plan, fixed=True)
-
-
 def merge_states(states: Sequence[Any]) -> dict[str, Any]:
-    """One state from every rank's: checks there is one per rank and that they agree on everything but the
-    rank (with synchronous training every rank has yielded the same batches), and returns it. Any one
-    rank's state resumes the whole job; this is the check that they really are the same."""
+    """One state from every rank's, of a GDSDataset or of a Mixture: checks there is one per rank and that they
+    agree on everything but the rank (with synchronous training every rank has yielded the same batches), and
+    returns it. Any one rank's state resumes the whole job; this is the check that they really are the same. A
+    GDSDataset's states are checked entry by entry first (:func:`parse_state`); a Mixture's (keyed
+    ``mixture_format``) are checked whole when loaded."""
     if isinstance(states, Mapping) or not isinstance(states, Sequence) or not states:
         raise TypeError("merge_states takes a non-empty list of states, one per rank")
-    parsed = [parse_state(s) for s in states]
-    world = parsed[0].world_size
-    ranks = sorted(p.rank for p in parsed)
-    if world != len(parsed) or ranks != list(range(world)):  # no list of `world` ranks before it is known small
+    if not all(isinstance(s, Mapping) for s in states):
+        raise TypeError("merge_states takes a list of state dicts (from state_dict()), one per rank")
+    ranks = []
+    for s in states:
+        if "mixture_format" in s:  # a Mixture's: its rank and world size are all this needs of it
+            world = state_int(s.get("world_size"), "world_size", 1)
+            ranks.append(state_int(s.get("rank"), "rank", 0, world - 1, "below the state's world_size"))
+        else:
+            ranks.append(parse_state(s).rank)
+    world = int(states[0]["world_size"])  # checked above
+    ranks.sort()
+    if world != len(states) or ranks != list(range(world)):  # no list of `world` ranks before it is known small
         raise StateError(f"state key 'rank': expected one state per rank 0..{world - 1}, found ranks {ranks}")
-    first = min(range(len(parsed)), key=lambda i: parsed[i].rank)
-    ref = states[first]
-    for s, p in zip(states, parsed):
+    ref = next(s for s in states if s["rank"] == 0)
+    for s in states:
         differ = [k for k in dict.fromkeys([*ref, *s]) if k != "rank" and s.get(k) != ref.get(k)]
         if differ:
             detail = ", ".join(f"{k}: {ref.get(k, 'absent')!r} against {s.get(k, 'absent')!r}" for k in differ)
             hint = (" (the ranks stopped at different batches; checkpoint every rank after the same step)"
-                    if "batches_yielded" in differ else "")
-            raise StateError(f"rank {p.rank}'s state differs from rank 0's ({detail}){hint}")
+                    if "batches_yielded" in differ or "step" in differ else "")
+            raise StateError(f"rank {s['rank']}'s state differs from rank 0's ({detail[:600]}){hint}")
     return {**ref, "rank": 0}
 
 
@@ -339,11 +308,11 @@ def resumed_plan(config: PlanConfig, epoch: int, hops: Sequence[Hop] = ()) -> Ep
 def leg_plans(config: PlanConfig, epoch: int, hops: Sequence[Hop] = ()) -> list[EpochPlan]:
     """Every rank's plan of the leg of ``epoch`` that follows ``hops``, under ``config``'s world_size,
     batch_size and window_blocks (``config.rank`` is ignored)."""
-    return [leg.plan for leg in _legs(config, epoch, tuple(hops), (config.world_size, config.batch_size,
+    return [leg.plan for leg in legs_after(config, epoch, tuple(hops), (config.world_size, config.batch_size,
                                                                    config.window_blocks))]
 
 
-def _legs(base: PlanConfig, epoch: int, hops: tuple[Hop, ...], last: tuple[int, int, int]) -> list[RankPlan]:
+def legs_after(base: PlanConfig, epoch: int, hops: tuple[Hop, ...], last: tuple[int, int, int]) -> list[RankPlan]:
     """Every rank's plan of the leg after ``hops``, run under ``last`` = (world_size, batch_size, W). StateError
     for a hop that took more batches than its leg holds."""
     settings = [(h.world_size, h.batch_size, h.window_blocks) for h in hops] + [last]
