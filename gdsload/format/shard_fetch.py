@@ -28,6 +28,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Union
 
+from .._tasks import POLL_S
 from ..errors import ReadError
 from ..remote.objects import DEFAULT_TIMEOUT_S, redact
 from .mirror import Version, open_version
@@ -47,8 +48,6 @@ FETCH_THREADS = 8
 STALL_TIMEOUTS = 4
 #: Windows of the first epoch whose shards :meth:`RemoteShards.check_room` measures at open.
 ROOM_WINDOWS = 256
-#: How often a wait looks again at the stop event and the clock.
-POLL_S = 0.05
 
 
 class Ticket:
