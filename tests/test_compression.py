@@ -665,24 +665,6 @@ def test_converter_compress_options_are_checked(tmp_path):
         assert not os.path.exists(out)
 
 
-def test_compression_benchmark_runs_on_cpu(tmp_path):
-    """``python -m benchmarks.compression --backends cpu --tiny``: every kind of row, and the note saying where
-    the token ids come from."""
-    done = subprocess.run([sys.executable, "-m", "benchmarks.compression", "--backends", "cpu", "--tiny", "--no-cold",
-                           "--data", str(tmp_path / "data"), "--out", str(tmp_path / "out")], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    with open(tmp_path / "out" / "cpu-only" / "compression.json") as f:
-        doc = json.load(f)
-    assert "standard library's text" in doc["notes"][0] and "standard library's text" in done.stdout
-    rows = doc["results"]
-    passes = {(r["data"], r["stored"]) for r in rows if r["kind"] == "pass"}
-    assert passes == {(k, m) for k in ("tokens", "images", "float16") for m in ("raw", "zstd")}
-    assert all(r["warm_gbps"] > 0 and 0 < r["ratio"] <= 1 for r in rows if r["kind"] == "pass")
-    assert [r["chunk_bytes"] for r in rows if r["kind"] == "chunk"] == [64 << 10, 256 << 10]
-    assert {r["mode"] for r in rows if r["kind"] == "zarr"} == {"numpy"}
-
-
 def test_compressed_variable_length_values_are_refused(tmp_path):
     out = str(tmp_path / "r.gds")
     values = np.arange(40, dtype=np.int32)
