@@ -29,7 +29,7 @@ from gdsload import FormatError, GDSDataset, GDSLoadError, ReadError, write_data
 from gdsload.backends.cpu import CpuBackend
 from gdsload.codecs.chunks import load_nvcomp
 from gdsload.codecs.decode import Decoder
-from gdsload.codecs.checksum import pieces, reference_device_crcs
+from gdsload.codecs.checksum import reference_device_crcs, tiles
 from gdsload.codecs.nvcomp import NvcompBatch, Readback
 from gdsload.codecs.screen import STAND_IN, ZSTD_MAGIC, heads, screen_host
 from gdsload.format.layout import DatasetLayout
@@ -209,7 +209,7 @@ class HostOps:
     def screen(self, buffer, tab, lo, hi, crc):
         """As DecodeDevice screens: the crc kernel's algorithm (its numpy reference), then the screening kernel's
         (its numpy twin), the stand-in frame in host memory."""
-        got = reference_device_crcs(buffer, pieces(lo, hi)) if crc else None
+        got = reference_device_crcs(buffer, tiles(lo, hi)) if crc else None
         stand_in = np.frombuffer(STAND_IN, np.uint8).copy()
         screen_host(buffer, tab, lo, hi, crc, got, stand_in.ctypes.data)
         return stand_in
@@ -364,7 +364,7 @@ def test_the_screening_kernels_crc_step_turns_a_stored_crc32c_into_what_the_crc_
         for _ in range(pad):
             v, key = (v >> 8) ^ int(T0[v & 0xFF]), (key >> 8) ^ int(T0[key & 0xFF])
         turned.append(v ^ key)
-    np.testing.assert_array_equal(np.array(turned, np.uint32), reference_device_crcs(buf, pieces(lo, hi)))
+    np.testing.assert_array_equal(np.array(turned, np.uint32), reference_device_crcs(buf, tiles(lo, hi)))
 
 
 def test_the_screening_kernel_is_written_with_the_tables_layout():

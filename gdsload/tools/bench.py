@@ -21,9 +21,9 @@ Contract:
 - **Ceilings** (same files: the shard files of every field the measured datasets read): the pinned
   host-to-device copy (GPU); the page cache into pinned memory (GPU) or host memory (warm); raw KvikIO of
   the same blocks in shuffled order (GPU with KvikIO; warm, and cold with ``--cold`` as root); the disk
-  through O_DIRECT (``--cold``; no root needed). Each reads a first piece, whose rate then picks what is
+  through O_DIRECT (``--cold``; no root needed). Each makes a first read, whose rate then picks what is
   measured: warm, the files or blocks from the first on that it reads in about ``seconds`` (the whole
-  dataset when it is that small); cold, the ones after the first piece (:func:`sized`). Except a cold
+  dataset when it is that small); cold, the ones after the first read (:func:`sized`). Except a cold
   KvikIO read, a measurement repeats its passes over those bytes for at least :data:`MIN_TIMED_S`.
 - **Duration.** About ``seconds`` per measurement, plus opening each backend (``mmap`` locks the
   dataset) and, warm, reading the dataset once into the page cache; a progress bar (stderr, on a
@@ -57,7 +57,7 @@ from .measure import (PassResult, best, block_locations, cold_pass, cpu_seconds,
 
 DEFAULT_SECONDS = 2.0
 DEFAULT_BATCH = 256
-PROBE_BYTES = 64 << 20  # a ceiling's first piece: at least this much, to time a rate rather than a latency
+PROBE_BYTES = 64 << 20  # a ceiling's first read: at least this much, to time a rate rather than a latency
 #: A ceiling's timed stretch lasts at least this long (passes over the same bytes back to back: warm, or through
 #: O_DIRECT, which the page cache does not serve), so a small dataset is timed at its rate, not at the cost
 #: of starting the reads.

@@ -19,7 +19,7 @@ Contract:
 - **CPU client** (:func:`client_blocks`): the process's client of the URL (gdsload's ``HttpClient``, or
   ``S3Client`` for ``s3://``), one ranged GET per block pinned to the ETag, copied into a host buffer, on
   :data:`CPU_THREADS` threads.
-- **Timing.** Each ceiling reads a first piece (:data:`PROBE_BYTES`) whose rate picks how many blocks fill
+- **Timing.** Each ceiling makes a first read (:data:`PROBE_BYTES`) whose rate picks how many blocks fill
   ``seconds`` (:func:`budgeted`); passes over them repeat for at least 0.2 s. The dataset rows take a few batches
   untimed, then :func:`gdsload.tools.measure.time_pass` over a pass cut after ``seconds`` (``bounded``: bench.py's
   ``Bounded``, passed in because bench.py imports this module, so this one cannot import it back).
@@ -44,7 +44,7 @@ from .measure import PassResult, best, block_locations, cpu_seconds, figures, ta
 
 #: Threads of the CPU client rows (gdsload's own default reader threads).
 CPU_THREADS = 16
-#: A ceiling's first piece: enough to time a rate rather than a latency.
+#: A ceiling's first read: enough to time a rate rather than a latency.
 PROBE_BYTES = 64 << 20
 MIN_TIMED_S = 0.2
 Row = dict[str, Any]
@@ -153,7 +153,7 @@ def client_blocks(blocks: Sequence[RemoteBlock], dest: np.ndarray, threads: int 
 
 def budgeted(blocks: Sequence[RemoteBlock], seconds: float,
              measure: Callable[[Sequence[RemoteBlock], float], PassResult]) -> PassResult:
-    """``measure(blocks, min_seconds)`` of the first blocks that it reads in about ``seconds``: a first piece of
+    """``measure(blocks, min_seconds)`` of the first blocks that it reads in about ``seconds``: a first read of
     :data:`PROBE_BYTES` (or one block) times the rate; then, if more blocks remain, as many as that rate reads in
     ``seconds``, passes over them repeated for at least :data:`MIN_TIMED_S`. The better of the two is reported."""
     total = np.cumsum([b.nbytes for b in blocks])

@@ -37,7 +37,7 @@ from .steps import Step
 if TYPE_CHECKING:
     from ..format.layout import BlockLocation
 
-#: Reader threads and piece size of the POSIX ceilings and raw KvikIO reads (gdsload's own default threads).
+#: Reader threads and read size of the POSIX ceilings and raw KvikIO reads (gdsload's own default threads).
 THREADS = 16
 CHUNK_BYTES = 8 << 20
 
@@ -268,7 +268,7 @@ def _pieces(paths: Sequence[str], chunk: int) -> list[tuple[str, int, int]]:
 
 def read_files(paths: Sequence[str], direct: bool = False, pinned: bool = False, threads: int = THREADS,
                chunk: int = CHUNK_BYTES, min_seconds: float = 0.0) -> PassResult:
-    """``threads`` threads reading whole files in ``chunk`` pieces into per-thread buffers: with ``direct``
+    """``threads`` threads reading whole files in reads of ``chunk`` bytes into per-thread buffers: with ``direct``
     through O_DIRECT (the disk's ceiling: run it cold), else buffered (warm: the page cache's). ``pinned``
     reads into pinned host memory (needs CuPy): the pinned path's first stage alone. Buffers are allocated
     and files opened before the timing starts. Passes over all of ``paths`` follow each other until
