@@ -15,6 +15,7 @@ so rather than report a warm one.
 from __future__ import annotations
 
 import contextlib
+import json
 import mmap
 import os
 import resource
@@ -402,6 +403,19 @@ def best(results: Sequence[PassResult]) -> PassResult:
     """The fastest of several passes of the same thing (the steady state of a warm regime): the highest
     rate, which is the shortest time where they read the same bytes (a stretch of passes may read more)."""
     return max(results, key=lambda r: (r.gb_per_s, -r.seconds))
+
+
+def save_report(path: str, doc: dict[str, Any]) -> None:
+    """``gdsload bench --json PATH``: the run's document as indented JSON, and a line saying so."""
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    print(f"wrote {path}")
+
+
+def num(v: float | None, fmt: str) -> str:
+    """A table's figure: ``v`` in ``fmt``, ``-`` where not measured."""
+    return "-" if v is None else format(v, fmt)
 
 
 def figures(r: PassResult) -> dict[str, Any]:
