@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
 import os
 import subprocess
@@ -16,9 +15,6 @@ from typing import Any, Callable
 import numpy as np
 
 from gdsload.system.env import system_info
-# The library's measuring tools (gdsload bench's), imported here once for the diagnostics.
-from gdsload.tools.measure import best, cold_pass, drop_page_cache, pinned_h2d_gbps, read_files, shard_paths, time_pass
-from gdsload.tools.steps import Spin
 
 #: Samples of the synthetic image dataset: 224x224x3 uint8 (JPEG-decoded ImageNet size) and an int64 label.
 IMAGE_SHAPE = (224, 224, 3)
@@ -26,6 +22,7 @@ SAMPLE_BYTES = int(np.prod(IMAGE_SHAPE))
 BATCH = 256
 DATA_DIR = "/root/gdsload-bench"
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class RandomImages:
@@ -131,57 +128,21 @@ def load_result(path: str, refusal: Callable[[Any], str | None]) -> dict[str, An
     return doc
 
 
-class GcRuns:
-    """The garbage collector's runs (any thread) while in a ``with`` block: (generation, start, end) each, on
-    ``time.perf_counter_ns``'s clock."""
-
-    def __init__(self) -> None:
-        self.runs: list[tuple[int, int, int]] = []
-        self._started: list[int] = []
-
-    def _callback(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._started.append(time.perf_counter_ns())
-        elif self._started:
-            self.runs.append((info["generation"], self._started.pop(), time.perf_counter_ns()))
-
-    def __enter__(self) -> GcRuns:
-        gc.callbacks.append(self._callback)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        gc.callbacks.remove(self._callback)
+def run_fresh(code: str, what: str) -> Any:
+    """Run ``code`` in a new interpreter and return its last line of output, as JSON; a RuntimeError naming
+    ``what`` and ending with the process's last lines of stderr when it fails."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    if out.returncode:
+        raise RuntimeError(f"{what}: {out.stderr.strip().splitlines()[-3:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def stamped_steps(step: Any, batches: Any, capacity: int) -> tuple[np.ndarray, np.ndarray]:
-    """A step per item of the iterable ``batches`` (at most ``capacity``), each timed on the host (when
-    ``next()`` was called and returned, when the launch returned, when the sync returned; perf_counter_ns)
-    and on the GPU (the step's start and end on its nanosecond timer, written by ``step.launch(pointer)``,
-    as :class:`gdsload.tools.steps.Spin` does): int64 arrays of shape (steps, 4) and (steps, 2), in ns."""
-    import cupy
-
-    stream = cupy.cuda.get_current_stream()
-    stamps = cupy.zeros(2 * capacity, dtype=cupy.uint64)
-    base = stamps.data.ptr
-    host = np.zeros((capacity, 4), dtype=np.int64)
-    stream.synchronize()
-    pc = time.perf_counter_ns
-    it = iter(batches)
-    done = 0
-    for i in range(capacity):
-        t0 = pc()
-        try:
-            next(it)
-        except StopIteration:
-            break
-        t1 = pc()
-        step.launch(np.uint64(base + 16 * i))
-        t2 = pc()
-        stream.synchronize()
-        host[i] = t0, t1, t2, pc()
-        done += 1
-    getattr(it, "close", lambda: None)()
-    return host[:done], stamps.get().astype(np.int64).reshape(capacity, 2)[:done]
+def run_child(what: str, module: str, function: str, *args: Any) -> Any:
+    """``module.function(*args)`` in a new interpreter that has opened and read nothing before, as a training
+    script starts (:func:`run_fresh`; ``args`` as their ``repr``); its JSON result."""
+    code = (f"import json, sys\nsys.path.insert(0, {ROOT!r})\nfrom {module} import {function}\n"
+            f"print(json.dumps({function}(*{args!r})))\n")
+    return run_fresh(code, what)
 
 
 class Rows(list):
@@ -213,21 +174,6 @@ def probe_parser(description: str, size_gib: float = 4.0) -> argparse.ArgumentPa
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for this run (seconds; Python's default is 0.005)")
     return ap
-
-
-def step_ms(rate: Any, factor: float) -> float:
-    """A simulated training step of ``factor`` times one batch's read time, in ms, from a timed pass
-    ``rate`` (a :class:`gdsload.tools.measure.PassResult` of ``BATCH``-sample batches)."""
-    return rate.seconds / -(-rate.samples // BATCH) * 1e3 * factor
-
-
-def add_step_options(ap: argparse.ArgumentParser) -> None:
-    """The options of the probes that time a training step beside a backend: which backend, the step as a
-    multiple of a batch's read time, passes per variant and repeats."""
-    ap.add_argument("--backend", default="mmap")
-    ap.add_argument("--factor", type=float, default=1.5)
-    ap.add_argument("--passes", type=int, default=5)
-    ap.add_argument("--repeats", type=int, default=2)
 
 
 def parse_probe_args(ap: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:

@@ -1,27 +1,16 @@
-"""Compressed against raw on the same data: what zstd inner chunks cost and give back.
+"""The compressed stores of the suite's ``compressed`` rows (``python -m benchmarks.suite --compressed``): the
+data, written raw and with zstd by the converter, a gdsload pass over them, and nvCOMP's batch decode alone on
+the same chunks (the decoder's ceiling).
 
-    python -m benchmarks.compression                        # GPU machine: every GPU backend
-    python -m benchmarks.compression --backends cpu --tiny  # anywhere (the CPU smoke test runs this)
-
-Data, per kind, written twice by the converter (raw, and ``--compress zstd:LEVEL``): ``tokens`` int32 ids of
-real text (the Python standard library's source and documentation files, split into words and punctuation,
-ids by frequency rank in a 50,000-word vocabulary, the stream repeated to size: no corpus or tokenizer is on
-the benchmark machine, and the output says so), ``images`` uint8 (smooth gradients plus noise), ``float16``
-(smooth signals plus noise). Rows:
-
-- ``pass``: gdsload, raw and compressed, per backend, warm (and cold when the page cache can be dropped):
-  GB/s of *decompressed* data delivered, CPU core-seconds per GB, the compression ratio, where it decoded.
-- ``chunk``: GPU decode GB/s against inner chunk size (64 KiB to 4 MiB): nvCOMP's batched decode alone on
-  one window's chunks in device memory, and a warm gdsload pass over the tokens written with that chunk.
-- ``zarr``: zarr-python reading the same compressed store (into numpy, then ``cupy.asarray``), and in its
-  GPU mode (``zarr.config.enable_gpu()``) when that works.
-
-Writes ``results/<machine>/compression[-TAG].json``.
+Data, per kind: ``tokens`` int32 ids of real text (the Python standard library's source and documentation files,
+split into words and punctuation, ids by frequency rank in a 50,000-word vocabulary, the stream repeated to size:
+no corpus or tokenizer is on the benchmark machine), ``images`` uint8 (smooth gradients plus noise), ``float16``
+(smooth signals plus noise). The standalone benchmark that also swept chunk sizes and timed zarr-python on the
+same stores (its last run: ``results/H200/compression.*``) is in git history.
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import functools
 import os
@@ -35,19 +24,12 @@ import numpy as np
 
 from gdsload import GDSDataset, write_dataset
 from gdsload.codecs import screen
-from gdsload.codecs.chunks import NVCOMP_ENV
 from gdsload.codecs.decode import DECODE_LANES
-from gdsload.tools.measure import (cold_pass, cpu_seconds, drop_page_cache, pinned_h2d_gbps, read_files, shard_paths,
-                                   time_pass)
-from gdsload.conversion.writer import DEFAULT_CHUNK_BYTES
 from gdsload.conversion.source_types import ArraySource
+from gdsload.tools.measure import cold_pass, cpu_seconds, drop_page_cache, time_pass
 
-from .common import DATA_DIR, RESULTS_DIR, Rows, describe_machine, free_device_memory, results_dir, today, write_json
+from .common import free_device_memory
 
-KINDS = ("tokens", "images", "float16")
-CHUNKS = (64 << 10, 256 << 10, 512 << 10, 1 << 20, 4 << 20)
-TOKENS_NOTE = ("tokens: int32 word-level ids (by frequency rank, 50,000-word vocabulary) of the Python standard "
-               "library's text, repeated to size (no corpus or tokenizer on this machine)")
 VOCAB = 50_000
 _WORD = re.compile(r"\w+|([^\w\s])\1*")
 
@@ -114,66 +96,39 @@ def stored_ratio(path: str, field: str) -> float:
         return 1.0 if lengths is None else float(lengths.sum()) / (f.block_bytes * f.num_chunks)
 
 
-def gdsload_pass(path: str, backend: str, batch: int, warm_s: float, cold: bool, nvcomp: bool = True,
+def gdsload_pass(path: str, backend: str, batch: int, warm_s: float, cold: bool,
                  resident_bytes: int | None = None) -> dict[str, Any]:
     """Cold (from a dropped page cache; for mmap, which reads its files at open, open + pass) and warm GB/s of
-    decoded data delivered, CPU core-s/GB, where each field decodes. ``nvcomp=False``: zstd decoded by CPU
-    threads (``GDSLOAD_NVCOMP=0``); ``resident_bytes``: GDSDataset's (None: its default, as users get it)."""
+    decoded data delivered, CPU core-s/GB, where each field decodes. ``resident_bytes``: GDSDataset's (None:
+    its default, as users get it)."""
     out: dict[str, Any] = {}
     opts: dict[str, Any] = {} if resident_bytes is None else {"resident_bytes": resident_bytes}
-    saved = os.environ.get(NVCOMP_ENV)
-    if not nvcomp:
-        os.environ[NVCOMP_ENV] = "0"
-    try:
-        if cold and backend == "mmap":
-            if drop_page_cache():
-                c0, t0 = cpu_seconds(), time.perf_counter()
-                with GDSDataset(path, batch_size=batch, backend=backend, shuffle=True, **opts) as ds:
-                    opened = time.perf_counter() - t0
-                    r = time_pass(ds)
-                seconds = time.perf_counter() - t0
-                out["cold_gbps"] = r.bytes / seconds / 1e9
-                out["cold_cpu_core_s_per_gb"] = (cpu_seconds() - c0) / (r.bytes / 1e9)
-                out["cold_open_s"], out["cold_pass_s"] = opened, r.seconds
-            else:
-                out["cold_gbps"] = None
-        with GDSDataset(path, batch_size=batch, backend=backend, shuffle=True, **opts) as ds:
-            out["decode"] = ds.describe()["decode"]
-            if cold and backend != "mmap":
-                next(iter(ds), None)  # buffers, streams, kernels set up outside the timed pass (cold_pass stops it)
-                try:
-                    c = cold_pass(ds)
-                    out["cold_gbps"], out["cold_cpu_core_s_per_gb"] = c.gb_per_s, c.cpu_core_s_per_gb
-                except PermissionError:
-                    out["cold_gbps"] = None
-            time_pass(ds)  # warm the page cache and CUDA
-            r = time_pass(ds, min_seconds=warm_s)
-            out.update(warm_gbps=r.gb_per_s, warm_cpu_core_s_per_gb=r.cpu_core_s_per_gb, io_mode=r.io_mode)
-    finally:
-        if saved is None:
-            os.environ.pop(NVCOMP_ENV, None)
+    if cold and backend == "mmap":
+        if drop_page_cache():
+            c0, t0 = cpu_seconds(), time.perf_counter()
+            with GDSDataset(path, batch_size=batch, backend=backend, shuffle=True, **opts) as ds:
+                opened = time.perf_counter() - t0
+                r = time_pass(ds)
+            seconds = time.perf_counter() - t0
+            out["cold_gbps"] = r.bytes / seconds / 1e9
+            out["cold_cpu_core_s_per_gb"] = (cpu_seconds() - c0) / (r.bytes / 1e9)
+            out["cold_open_s"], out["cold_pass_s"] = opened, r.seconds
         else:
-            os.environ[NVCOMP_ENV] = saved
+            out["cold_gbps"] = None
+    with GDSDataset(path, batch_size=batch, backend=backend, shuffle=True, **opts) as ds:
+        out["decode"] = ds.describe()["decode"]
+        if cold and backend != "mmap":
+            next(iter(ds), None)  # buffers, streams, kernels set up outside the timed pass (cold_pass stops it)
+            try:
+                c = cold_pass(ds)
+                out["cold_gbps"], out["cold_cpu_core_s_per_gb"] = c.gb_per_s, c.cpu_core_s_per_gb
+            except PermissionError:
+                out["cold_gbps"] = None
+        time_pass(ds)  # warm the page cache and CUDA
+        r = time_pass(ds, min_seconds=warm_s)
+        out.update(warm_gbps=r.gb_per_s, warm_cpu_core_s_per_gb=r.cpu_core_s_per_gb, io_mode=r.io_mode)
     free_device_memory()
     return out
-
-
-def ceilings(paths: dict[str, str], kind: str) -> list[dict[str, Any]]:
-    """The ceilings beside a kind's passes: each store's files read cold with O_DIRECT (the disk; GB/s of
-    stored bytes, and of decoded bytes for the zstd store: what a decoder keeping up would deliver)."""
-    rows = []
-    for mode, path in paths.items():
-        row: dict[str, Any] = {"kind": "ceiling", "data": kind, "what": "disk", "stored": mode}
-        if not drop_page_cache():
-            row["error"] = "page cache could not be dropped"
-        else:
-            try:
-                r = read_files(shard_paths(path), direct=True)
-                row.update(stored_gbps=r.gb_per_s, stored_bytes=r.bytes, io_mode=r.io_mode)
-            except OSError as e:
-                row["error"] = f"{type(e).__name__}: {e}"
-        rows.append(row)
-    return rows
 
 
 def nvcomp_decode_gbps(path: str, field: str, window_bytes: int = 256 << 20, repeats: int = 3,
@@ -239,126 +194,3 @@ def nvcomp_decode_gbps(path: str, field: str, window_bytes: int = 256 << 20, rep
                 raise RuntimeError(f"{path}: nvCOMP failed on '{field}'")
         best = min(best, max(cupy.cuda.get_elapsed_time(start, end) for end in ends) / 1e3)
     return lanes * m * bb / best / 1e9
-
-
-def zarr_reads(path: str, field: str, gpu: bool) -> list[dict[str, Any]]:
-    """zarr-python reading the whole field: into numpy (then to the device with ``cupy.asarray`` when ``gpu``),
-    and with ``zarr.config.enable_gpu()``."""
-    import zarr
-
-    rows = []
-    modes = ["numpy+asarray", "enable_gpu"] if gpu else ["numpy"]
-    for mode in modes:
-        row: dict[str, Any] = {"kind": "zarr", "mode": mode}
-        try:
-            ctx = zarr.config.enable_gpu() if mode == "enable_gpu" else None
-            if ctx is not None:
-                ctx.__enter__()
-            try:
-                arr = zarr.open_group(path, mode="r")[field]
-                c0, t0 = cpu_seconds(), time.perf_counter()
-                data = arr[:]
-                if mode == "numpy+asarray":
-                    import cupy
-
-                    data = cupy.asarray(data)
-                    cupy.cuda.Device().synchronize()
-                elif mode == "enable_gpu":
-                    import cupy
-
-                    cupy.cuda.Device().synchronize()
-                seconds = time.perf_counter() - t0
-                row.update(gbps=data.nbytes / seconds / 1e9,
-                           cpu_core_s_per_gb=(cpu_seconds() - c0) / (data.nbytes / 1e9),
-                           array_type=type(data).__module__.split(".")[0])
-            finally:
-                if ctx is not None:
-                    ctx.__exit__(None, None, None)
-        except Exception as e:  # zarr's GPU mode needs its own GPU packages: say why it did not run
-            row["error"] = f"{type(e).__name__}: {e}"
-        rows.append(row)
-    free_device_memory()
-    return rows
-
-
-def main(argv: list[str] | None = None) -> str:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--backends", default="kvikio,pinned,mmap")
-    ap.add_argument("--kinds", default=",".join(KINDS))
-    ap.add_argument("--size-mib", type=int, default=1024, help="decoded size of each kind's dataset")
-    ap.add_argument("--level", type=int, default=3)
-    ap.add_argument("--chunk-sizes", default=",".join(str(c) for c in CHUNKS), help="bytes, for the chunk rows")
-    ap.add_argument("--cpu-decode-backend", default="mmap", help="GPU backend also run with zstd decoded by CPU "
-                                                                  "threads (GDSLOAD_NVCOMP=0), for comparison")
-    ap.add_argument("--chunk-backends", default=None, help="backends of the chunk rows' warm passes (default: "
-                                                           "--backends)")
-    ap.add_argument("--warm-seconds", type=float, default=5.0)
-    ap.add_argument("--batch-size", type=int, default=256)
-    ap.add_argument("--no-cold", action="store_true")
-    ap.add_argument("--tiny", action="store_true", help="4 MiB per kind, two chunk sizes, short passes")
-    ap.add_argument("--data", default=os.path.join(DATA_DIR, "compression"))
-    ap.add_argument("--out", default=RESULTS_DIR)
-    ap.add_argument("--tag", default="")
-    args = ap.parse_args(argv)
-    backends = [b for b in args.backends.split(",") if b]
-    size = (4 if args.tiny else args.size_mib) << 20
-    chunk_sizes = [64 << 10, 256 << 10] if args.tiny else [int(c) for c in args.chunk_sizes.split(",")]
-    warm_s = 0.0 if args.tiny else args.warm_seconds
-    # Small fields (the labels) stay resident, as GDSDataset's default keeps them; --tiny's data would be
-    # resident whole, so there every field is read block by block.
-    resident = 0 if args.tiny else None
-    gpu = any(b != "cpu" for b in backends)
-    os.makedirs(args.data, exist_ok=True)
-    rows = Rows()
-    for kind in args.kinds.split(","):
-        data = make_kind(kind, size)
-        paths = write_pair(args.data, kind, data, args.level)
-        ratio = stored_ratio(paths["zstd"], kind)
-        for backend in backends:
-            for mode, path in paths.items():
-                result = gdsload_pass(path, backend, args.batch_size, warm_s, not args.no_cold,
-                                      resident_bytes=resident)
-                rows.emit({"kind": "pass", "data": kind, "backend": backend, "stored": mode, "ratio": ratio if
-                           mode == "zstd" else 1.0, "decoded_bytes": int(data.nbytes), **result})
-        if gpu and args.cpu_decode_backend in backends:  # the same zstd store, decoded by CPU threads
-            result = gdsload_pass(paths["zstd"], args.cpu_decode_backend, args.batch_size, warm_s, not args.no_cold,
-                                  nvcomp=False, resident_bytes=resident)
-            rows.emit({"kind": "pass", "data": kind, "backend": args.cpu_decode_backend, "stored": "zstd",
-                       "ratio": ratio, "decoded_bytes": int(data.nbytes), "nvcomp": False, **result})
-        for r in zarr_reads(paths["zstd"], kind, gpu):
-            rows.emit({**r, "data": kind, "ratio": ratio})
-        if not args.no_cold:
-            for r in ceilings(paths, kind):
-                rows.emit({**r, "ratio": ratio if r["stored"] == "zstd" else 1.0})
-    if gpu:
-        rows.emit({"kind": "ceiling", "what": "h2d", "gbps": pinned_h2d_gbps(), "io_mode": "cuda-memcpy"})
-    tokens = make_kind("tokens", size)
-    for chunk in chunk_sizes:
-        path = write_pair(args.data, "tokens", tokens, args.level, chunk, raw=False)["zstd"]
-        row: dict[str, Any] = {"kind": "chunk", "data": "tokens", "chunk_bytes": chunk,
-                               "ratio": stored_ratio(path, "tokens")}
-        if gpu:
-            row["nvcomp_decode_gbps"] = nvcomp_decode_gbps(path, "tokens")
-        chunk_backends = args.chunk_backends.split(",") if args.chunk_backends else backends
-        row["warm_gbps"] = {
-            b: gdsload_pass(path, b, args.batch_size, warm_s, False, resident_bytes=resident)["warm_gbps"]
-            for b in chunk_backends}
-        rows.emit(row)
-    info = describe_machine(args.data)
-    out = os.path.join(results_dir(args.out, info), "compression" + (f"-{args.tag}" if args.tag else "") + ".json")
-    write_json(out, {"benchmark": "compression", "date": today(), "machine": info, "notes": [TOKENS_NOTE],
-                     "settings": {"backends": backends, "size_bytes": size, "level": args.level, "tiny": args.tiny,
-                                  "chunk_sizes": chunk_sizes, "default_chunk_bytes": DEFAULT_CHUNK_BYTES,
-                                  "decode_lanes": DECODE_LANES,
-                                  "resident_bytes": "0" if resident == 0 else "GDSDataset's default"}, "results": rows})
-    print(TOKENS_NOTE)
-    print(f"wrote {out}")
-    from .compression_report import render
-
-    for written in render(out):
-        print(f"wrote {written}")
-    return out
-
-
-if __name__ == "__main__":
-    main()

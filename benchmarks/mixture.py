@@ -161,7 +161,7 @@ def child(kind: str, backend: str, single_path: str, sources: dict[str, str], ba
 
 def fresh(kind: str, backend: str, single: str, sources: dict[str, str], batch_size: int, min_seconds: float,
           step_ms: float = 0.0) -> dict[str, Any]:
-    from .diagnostics.probe_startup import run_fresh
+    from .common import run_fresh
 
     return run_fresh(CHILD.format(root=ROOT, kind=kind, backend=backend, single=single, sources=sources,
                                   batch_size=batch_size, min_seconds=min_seconds, step_ms=step_ms),

@@ -11,10 +11,8 @@ delivered (GB = 1e9), and every measurement is a fresh process (benchmarks/remot
 summary gives each one's median with its spread (lowest, highest) printed:
 
 - ``clients``: plain clients on every block of the dataset, shuffled, each at the best setting of a small
-  sweep (benchmarks/remote_ceiling.py: http.client, urllib3, botocore, obstore, fsspec into a host buffer,
-  pinned where there is a GPU; KvikIO ``RemoteFile`` into device memory over ``num_threads`` and
-  ``task_size``). A client that cannot run here says why and is left out. ``ceiling_gbps`` is the best
-  client's median, ``ceiling_client`` its name.
+  sweep (benchmarks/remote_worker.py lists them). ``ceiling_gbps`` is the best client's median,
+  ``ceiling_client`` its name.
 - ``direct_gbps``: ``GDSDataset(url, backend=--backend)`` with no cache (the direct route; GPU only), a few
   batches untimed, then a pass of at least ``--seconds``; ``direct_tuned_gbps`` the same with the
   ``backend_options`` of ``--direct-options`` (e.g. KvikIO's threads and task size), where given.
@@ -49,7 +47,7 @@ from gdsload.tools.measure import read_files, shard_paths
 
 from .common import BATCH, make_dataset, parse_probe_args, probe_parser, write_probe_table
 from .plots import gbps_plot
-from .remote_ceiling import CLIENTS
+from .remote_worker import CLIENTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: The routes' cases, beside one per client.

@@ -1,12 +1,16 @@
-"""One measurement of benchmarks/remote.py in a process of its own (a fresh process per run: nothing one leaves
-warm, KvikIO's pool or a client's connections, carries into the next).
+"""One measurement of benchmarks/remote.py in a process of its own (nothing one leaves warm, KvikIO's pool or a
+client's connections, carries into the next): a plain client's sweep, the ceiling, or one of gdsload's routes.
 
-    python -m benchmarks.remote_worker JSON
+    python -m benchmarks.remote_worker JSON    # the last line printed is ``RESULT {...}``
 
-``JSON`` names the case and its settings; the last line printed is ``RESULT {...}``:
+``JSON`` names the case and its settings:
 
-- ``{"case": "client", "client": NAME, "url", "skeleton", "concurrency"}``: a plain client's sweep
-  (benchmarks/remote_ceiling.py) over every block of the dataset, shuffled;
+- ``{"case": "client", "client": NAME, "url", "skeleton", "concurrency"}``: a plain client reading every block of
+  the dataset, shuffled, at its best setting of a small sweep. ``http.client`` and ``urllib3``: a thread per
+  request slot, kept-alive connections, each body read straight into its place in one host buffer (pinned where
+  CuPy has a GPU); ``botocore`` (path-style, signature ignored), ``obstore`` and ``fsspec`` (``cat_ranges``),
+  where importable; ``kvikio``: ``RemoteFile`` into device memory, one ``pread`` per range or per 64 MiB piece,
+  over ``num_threads`` and ``task_size`` (GPU only). A client that cannot run says why (``skip``).
 - ``{"case": "direct", "url", "backend", "seconds", "batch_size"}``: the direct route (with ``backend_options``
   where given), a few batches untimed, then a pass of at least ``seconds``;
 - ``{"case": "cached", ...,  "cache"}``: the cached route into the empty folder ``cache``: the open and first pass
@@ -19,11 +23,238 @@ warm, KvikIO's pool or a client's connections, carries into the next).
 from __future__ import annotations
 
 import dataclasses
+import http.client
 import json
 import sys
+import threading
 import time
 import traceback
-from typing import Any
+import urllib.parse
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+import numpy as np
+
+#: KvikIO's sweep: (num_threads, task_size) pairs.
+KVIKIO_SETTINGS = ((16, 4 << 20), (32, 4 << 20), (64, 4 << 20), (32, 16 << 20), (64, 16 << 20))
+#: KvikIO ``pread`` sizes tried: per range, and 64 MiB pieces of each object (KvikIO splits them in tasks).
+KVIKIO_PIECE_BYTES = 64 << 20
+
+
+class Range(NamedTuple):
+    """Bytes ``offset .. offset + nbytes`` of the object at ``url`` (of ``size`` bytes), read into ``dest``."""
+
+    url: str
+    size: int
+    offset: int
+    nbytes: int
+    dest: int
+
+
+def ranges_of(blocks: Sequence[Any]) -> list[Range]:
+    """The ranges of gdsload's ``RemoteBlock`` list, back to back in one buffer."""
+    out, at = [], 0
+    for b in blocks:
+        out.append(Range(b.info.url, b.info.size, b.offset, b.nbytes, at))
+        at += b.nbytes
+    return out
+
+
+def host_buffer(nbytes: int) -> tuple[np.ndarray, str]:
+    """A host buffer of ``nbytes`` (uint8): pinned where CuPy has a GPU; and what it is."""
+    try:
+        import cupy
+        import cupyx
+
+        cupy.cuda.runtime.getDeviceCount()
+        return cupyx.empty_pinned((nbytes,), dtype=np.uint8), "pinned host"
+    except Exception:  # noqa: BLE001 - no GPU here: pageable memory
+        return np.empty(nbytes, dtype=np.uint8), "host"
+
+
+def _fill(view: memoryview, read_into: Callable[[memoryview], int]) -> None:
+    got = 0
+    while got < len(view):
+        n = read_into(view[got:])
+        if not n:
+            raise OSError(f"the body ended after {got} of {len(view)} bytes")
+        got += n
+
+
+def _http_client(ranges: Sequence[Range], buf: np.ndarray, threads: int) -> Callable[[int], None]:
+    local, mv = threading.local(), memoryview(buf).cast("B")
+
+    def one(i: int) -> None:
+        r = ranges[i]
+        parts = urllib.parse.urlsplit(r.url)
+        conn = getattr(local, "conn", None)
+        if conn is None:
+            conn = local.conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+        conn.request("GET", parts.path, headers={"Range": f"bytes={r.offset}-{r.offset + r.nbytes - 1}"})
+        resp = conn.getresponse()
+        if resp.status != 206:
+            raise OSError(f"{r.url}: HTTP {resp.status}")
+        _fill(mv[r.dest:r.dest + r.nbytes], resp.readinto)
+        resp.read()
+    return one
+
+
+def _urllib3(ranges: Sequence[Range], buf: np.ndarray, threads: int) -> Callable[[int], None]:
+    import urllib3
+
+    pool, mv = urllib3.PoolManager(maxsize=threads, block=True, retries=False), memoryview(buf).cast("B")
+
+    def one(i: int) -> None:
+        r = ranges[i]
+        resp = pool.request("GET", r.url, headers={"Range": f"bytes={r.offset}-{r.offset + r.nbytes - 1}"},
+                            preload_content=False)
+        try:
+            if resp.status != 206:
+                raise OSError(f"{r.url}: HTTP {resp.status}")
+            _fill(mv[r.dest:r.dest + r.nbytes], resp.readinto)
+        finally:
+            resp.release_conn()
+    return one
+
+
+def _botocore(ranges: Sequence[Range], buf: np.ndarray, threads: int) -> Callable[[int], None]:
+    import botocore.session
+    from botocore.config import Config
+
+    endpoint = "{0.scheme}://{0.netloc}".format(urllib.parse.urlsplit(ranges[0].url))
+    s3 = botocore.session.get_session().create_client(
+        "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="bench",
+        aws_secret_access_key="bench",
+        config=Config(max_pool_connections=threads, s3={"addressing_style": "path"}, retries={"max_attempts": 1}))
+
+    def one(i: int) -> None:
+        r = ranges[i]
+        bucket, key = urllib.parse.urlsplit(r.url).path.lstrip("/").split("/", 1)
+        body = s3.get_object(Bucket=bucket, Key=key, Range=f"bytes={r.offset}-{r.offset + r.nbytes - 1}")["Body"]
+        buf[r.dest:r.dest + r.nbytes] = np.frombuffer(body.read(), dtype=np.uint8)
+    return one
+
+
+def _obstore(ranges: Sequence[Range], buf: np.ndarray, threads: int) -> Callable[[int], None]:
+    import obstore
+    from obstore.store import HTTPStore
+
+    parts = urllib.parse.urlsplit(ranges[0].url)
+    store = HTTPStore.from_url(f"{parts.scheme}://{parts.netloc}", client_options={"allow_http": True})
+
+    def one(i: int) -> None:
+        r = ranges[i]
+        data = obstore.get_range(store, urllib.parse.urlsplit(r.url).path.lstrip("/"), start=r.offset,
+                                 end=r.offset + r.nbytes)
+        buf[r.dest:r.dest + r.nbytes] = np.frombuffer(memoryview(data), dtype=np.uint8)
+    return one
+
+
+#: name -> the maker of one request's reader (threads: the concurrency).
+THREADED: dict[str, Callable[[Sequence[Range], np.ndarray, int], Callable[[int], None]]] = {
+    "http.client": _http_client, "urllib3": _urllib3, "botocore": _botocore, "obstore": _obstore}
+#: Every client's name, in the order measured.
+CLIENTS = (*THREADED, "fsspec", "kvikio")
+
+
+def _timed(run: Callable[[], None], nbytes: int) -> float:
+    t0 = time.perf_counter()
+    run()
+    return nbytes / (time.perf_counter() - t0) / 1e9
+
+
+def threaded_rate(name: str, ranges: Sequence[Range], buf: np.ndarray, threads: int) -> float:
+    """GB/s of client ``name`` reading every range once on ``threads`` threads (after one untimed request)."""
+    one = THREADED[name](ranges, buf, threads)
+    one(0)
+    with ThreadPoolExecutor(threads) as pool:
+        return _timed(lambda: list(pool.map(one, range(len(ranges)))), sum(r.nbytes for r in ranges))
+
+
+def fsspec_rate(ranges: Sequence[Range], buf: np.ndarray, batch: int) -> float:
+    """GB/s of fsspec's http filesystem reading every range by ``cat_ranges`` with ``batch`` in flight."""
+    import fsspec
+
+    fs = fsspec.filesystem("http", skip_instance_cache=True)
+    urls, starts = [r.url for r in ranges], [r.offset for r in ranges]
+    ends = [r.offset + r.nbytes for r in ranges]
+
+    def run() -> None:
+        for r, data in zip(ranges, fs.cat_ranges(urls, starts, ends, batch_size=batch)):
+            buf[r.dest:r.dest + r.nbytes] = np.frombuffer(data, dtype=np.uint8)
+
+    fs.cat_file(urls[0], start=starts[0], end=ends[0])
+    return _timed(run, sum(r.nbytes for r in ranges))
+
+
+def kvikio_rate(ranges: Sequence[Range], threads: int, task_bytes: int, pieces: bool) -> float:
+    """GB/s of KvikIO ``RemoteFile`` into device memory: one ``pread`` per range, or (``pieces``) per 64 MiB piece
+    of each object's bytes that the ranges cover (as many bytes), all in flight, on KvikIO's pool held with
+    ``threads`` and ``task_bytes``."""
+    import cupy
+    import kvikio
+
+    from gdsload.backends.cuda import KvikioPool
+
+    reads = list(ranges)
+    if pieces:
+        per: dict[tuple[str, int], int] = {}
+        for r in ranges:
+            per[(r.url, r.size)] = per.get((r.url, r.size), 0) + r.nbytes
+        reads, at = [], 0
+        for (url, size), n in per.items():
+            for off in range(0, min(n, size), KVIKIO_PIECE_BYTES):
+                k = min(KVIKIO_PIECE_BYTES, min(n, size) - off)
+                reads.append(Range(url, size, off, k, at))
+                at += k
+    dest = cupy.empty(sum(r.nbytes for r in reads), dtype=cupy.uint8)
+    KvikioPool.acquire(threads, task_bytes, exact=True)
+    handles: dict[str, Any] = {}
+    try:
+        handles.update({r.url: kvikio.RemoteFile.open_http(r.url, r.size) for r in reads})
+
+        def run() -> None:
+            futures = [handles[r.url].pread(dest[r.dest:r.dest + r.nbytes], r.nbytes, r.offset) for r in reads]
+            if sum(f.get() for f in futures) != dest.nbytes:
+                raise OSError("a short read")
+            cupy.cuda.runtime.deviceSynchronize()
+
+        handles[reads[0].url].pread(dest[:reads[0].nbytes], reads[0].nbytes, reads[0].offset).get()
+        return _timed(run, dest.nbytes)
+    finally:
+        for h in handles.values():
+            getattr(h, "close", lambda: None)()
+        KvikioPool.release()
+
+
+def sweep(name: str, ranges: Sequence[Range], concurrency: Sequence[int]) -> dict[str, Any]:
+    """Client ``name`` over its sweep: ``{"gbps": best, "best": setting, "sweep": {setting: GB/s}, "memory"}``, or
+    ``{"skip": why}`` where it cannot run here."""
+    results: dict[str, float] = {}
+    try:
+        if name == "kvikio":
+            from gdsload.system.env import gpu_available
+
+            if not gpu_available():
+                return {"skip": "no GPU here"}
+            import kvikio  # noqa: F401
+
+            for threads, task in KVIKIO_SETTINGS:
+                for pieces in (False, True):
+                    setting = f"num_threads={threads} task_size={task >> 20}MiB pread={'64MiB' if pieces else 'range'}"
+                    results[setting] = kvikio_rate(ranges, threads, task, pieces)
+            memory = "device"
+        else:
+            buf, memory = host_buffer(sum(r.nbytes for r in ranges))
+            for c in concurrency:
+                rate = fsspec_rate(ranges, buf, c) if name == "fsspec" else threaded_rate(name, ranges, buf, c)
+                results[f"concurrency={c}"] = rate
+    except ImportError as e:
+        return {"skip": f"{e.name or e} is not importable"}
+    best = max(results, key=results.__getitem__)
+    return {"gbps": round(results[best], 3), "best": best, "memory": memory,
+            "sweep": {k: round(v, 3) for k, v in results.items()}}
 
 
 def _dataset(url: str, c: dict[str, Any], **options: Any) -> Any:
@@ -38,8 +269,6 @@ def _dataset(url: str, c: dict[str, Any], **options: Any) -> Any:
 
 def client(c: dict[str, Any]) -> dict[str, Any]:
     from gdsload.tools.bench_remote import remote_blocks
-
-    from .remote_ceiling import ranges_of, sweep
 
     ranges = ranges_of(remote_blocks(c["url"], c["skeleton"]))
     return {"bytes": sum(r.nbytes for r in ranges), **sweep(c["client"], ranges, c["concurrency"])}

@@ -37,7 +37,7 @@ from gdsload.tools.measure import (PassResult, block_locations, drop_page_cache,
                                    raw_kvikio_files, read_files, shard_paths)
 from gdsload.tools.steps import make_step
 
-from . import report, summary_rows
+from . import canaries, report, summary_rows
 from .common import BATCH, DATA_DIR, RESULTS_DIR, SAMPLE_BYTES, describe_machine, free_device_memory, \
     make_dataset, dataset_tag, results_dir, today, write_json
 from .contenders import dali_run, naive_run, torch_run, zarr_run
@@ -79,9 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "passes)")
     ap.add_argument("--continuous-epochs", type=int, default=6,
                     help="epochs of the continuous 10 ms step row, in one loop (0: no such row)")
-    ap.add_argument("--canaries", default="auto", help="cores for probe_bursts' canaries around the 1.5x step "
-                                                       "rows ('auto': 3 where 8 or more cores; '': none)")
-    ap.add_argument("--canary-threshold", type=float, default=summary_rows.CANARY_THRESHOLD,
+    ap.add_argument("--canaries", default="auto", help="cores for the canaries (benchmarks.canaries) around the "
+                                                       "1.5x step rows ('auto': 3 where 8 or more cores; '': none)")
+    ap.add_argument("--canary-threshold", type=float, default=canaries.CANARY_THRESHOLD,
                     help="a pass is the machine's when every canary ran this much slower than its median")
     ap.add_argument("--compressed", action="store_true", help="the compressed rows (on with --full)")
     ap.add_argument("--compressed-mib", type=int, default=4096, help="decoded MiB of each compressed store "
@@ -105,7 +105,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.timing = Timing(0.0, False) if args.keep_read_ahead else Timing(args.warm_seconds, True)
     args.name = args.name or ("stall" if args.stall_only else "suite")
     args.compressed = (args.compressed or args.full) and not args.stall_only
-    args.canary_cores = summary_rows.canary_cores(args.canaries)
+    args.canary_cores = canaries.canary_cores(args.canaries)
     return args
 
 
@@ -397,7 +397,7 @@ def stall(args: argparse.Namespace, rec: Recorder, path: str, tag: str, paths: l
             synced = "" if sync_every == 1 else f", host syncs every {sync_every} steps"
             cores = args.canary_cores if (factor, sync_every) == (1.5, 1) else []
             seconds = (args.stall_repeats + 3) * len(run.ds) * ms / 1e3 * 2 + 2  # the passes, their steps alone
-            with summary_rows.judged_by_canaries(cores, seconds, run.step, args.stall_repeats,
+            with canaries.judged_by_canaries(cores, seconds, run.step, args.stall_repeats,
                                                  args.canary_threshold) as judge:
                 rec.steps(tag, f"gdsload {backend} + training step",
                           f"step = {factor} x batch read time ({ms:.2f} ms){synced}", run, args.stall_repeats,

@@ -2,13 +2,10 @@
 summarises them):
 
 - ``startup`` rows of regime ``warm-fresh``: per backend, pages warm, each measurement a new interpreter
-  (:func:`benchmarks.diagnostics.probe_startup.run_fresh`) timing its imports, CUDA's start (GPU), the open
+  (:func:`benchmarks.common.run_fresh`) timing its imports, CUDA's start (GPU), the open
   and the first batch (synchronised); the row holds the medians and every process's figures.
 - a ``step`` row with ``continuous: True``: a 10 ms step after every batch, epochs in one loop as training
   runs them (``set_epoch`` each, ``prefetch_next_epoch`` on, nothing stopped between them).
-- the canaries of :mod:`benchmarks.diagnostics.probe_bursts` around the 1.5x step rows: passes the machine
-  slowed down (every canary's units longer than ``threshold`` x their median) are left out of
-  ``wait_fraction_unslowed``.
 - ``compressed`` rows: the tokens, images and float16 stores of :mod:`benchmarks.compression`, per backend:
   ratio, warm epochs in fresh processes (the median of the runs, their spread, each epoch's GB/s), cold GB/s
   (raw and compressed, where the page cache can be dropped), nvCOMP's batch-decode ceiling on the same chunks
@@ -17,10 +14,8 @@ summarises them):
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -29,12 +24,10 @@ from gdsload import GDSDataset
 from gdsload.tools.measure import PassResult, cpu_seconds, device_sync, read_files, shard_paths, time_pass, time_passes
 from gdsload.tools.steps import Step
 
+from .common import ROOT, run_child, run_fresh
 from .rows import GdsRun, Recorder, figures
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONTINUOUS_STEP_MS = 10.0
-#: A pass is the machine's when every canary's units ran this much longer than their median (probe_bursts).
-CANARY_THRESHOLD = 1.15
 
 #: One fresh process: its clock starts before ``import gdsload`` (and ``import cupy`` on GPU runs).
 FRESH = """
@@ -79,8 +72,6 @@ def fresh_startup(rec: Recorder, tag: str, path: str, backends: tuple[str, ...],
     """Per backend, ``processes`` fresh processes with the dataset's pages warm: a ``startup`` row of regime
     ``warm-fresh`` with the medians of ``import_s``, ``cuda_start_s``, ``open_s``, ``first_batch_s`` (and
     ``seconds``: open + first batch) and every process's figures in ``runs``."""
-    from .diagnostics.probe_startup import run_fresh
-
     imports = "gdsload, cupy" if gpu else "gdsload"
     for backend in backends:
         where = {"kind": "startup", "dataset": tag, "regime": "warm-fresh", "name": f"gdsload {backend} startup",
@@ -176,15 +167,6 @@ def continuous_row(rec: Recorder, tag: str, run: GdsRun, epochs: int, **labels: 
                      "pipeline_restarts": restarts, **run.extra()})
 
 
-#: The continuous row in a new interpreter, as a training script runs it: nothing opened or read before.
-FRESH_CONTINUOUS = """
-import json, sys
-sys.path.insert(0, {root!r})
-from benchmarks.summary_rows import continuous_child
-print(json.dumps(continuous_child({path!r}, {backend!r}, {batch_size}, {options!r}, {gpu}, {epochs})))
-"""
-
-
 def continuous_child(path: str, backend: str, batch_size: int, options: dict[str, Any], gpu: bool,
                      epochs: int) -> dict[str, Any]:
     """In the fresh process: the dataset opened as the suite's continuous row opens it, one epoch with the
@@ -205,14 +187,11 @@ def fresh_continuous(rec: Recorder, tag: str, path: str, backend: str, batch_siz
                      gpu: bool, epochs: int, **labels: Any) -> dict[str, Any] | None:
     """The continuous row measured in a new interpreter (the dataset's pages warm first): ``fresh_process``
     rows, regime ``warm-fresh``; ``benchmarks.report`` takes ``stall_10ms_continuous_fresh`` from them."""
-    from .diagnostics.probe_startup import run_fresh
-
     where = _continuous_where(tag, epochs, backend, fresh=True)
-    code = FRESH_CONTINUOUS.format(root=ROOT, path=path, backend=backend, batch_size=batch_size, options=options,
-                                   gpu=gpu, epochs=epochs)
     try:
         read_files(shard_paths(path))
-        row = run_fresh(code, f"continuous run of {backend} in a fresh process")
+        row = run_child(f"continuous run of {backend} in a fresh process", "benchmarks.summary_rows",
+                        "continuous_child", path, backend, batch_size, options, gpu, epochs)
     except Exception as e:
         rec.failed({**where, "backend": backend, **labels}, e)
         return None
@@ -220,66 +199,9 @@ def fresh_continuous(rec: Recorder, tag: str, path: str, backend: str, batch_siz
                      "epochs": epochs, **row})
 
 
-def canary_cores(spec: str) -> list[int]:
-    """The cores to pin canaries on: ``auto`` gives three spread over this process's cores where it has at
-    least 8 (3, 9 and 15 of 16, as probe_bursts), none with fewer; else a comma list ('' none)."""
-    if spec != "auto":
-        return [int(c) for c in spec.split(",") if c.strip()]
-    cores = sorted(os.sched_getaffinity(0))
-    n = len(cores)
-    return [cores[n * 3 // 16], cores[n * 9 // 16], cores[n * 15 // 16]] if n >= 8 else []
-
-
-def stamp_finishes(step: Step) -> list[float]:
-    """The times (perf_counter) at which ``step.finish()`` returns from now on: :func:`time_passes` finishes
-    its steps at the end of each pass, and the steps alone twice each time they are timed."""
-    stamps: list[float] = []
-    finish = step.finish
-
-    def stamped() -> None:
-        finish()
-        stamps.append(time.perf_counter())
-
-    step.finish = stamped  # type: ignore[method-assign]
-    return stamps
-
-
-def pass_windows(stamps: list[float], passes: int) -> list[tuple[float, float]] | None:
-    """Each pass's (start, end) from :func:`stamp_finishes`'s stamps over ``time_passes(ds, step, passes)``
-    (two finishes of the steps alone, one per pass, two again); None when the stamps are not that shape."""
-    if len(stamps) != 1 + passes + 4:
-        return None
-    bounds = stamps[1:3 + passes]
-    return list(zip(bounds[:-1], bounds[1:]))
-
-
-def unslowed(waits: list[float], windows: list[tuple[float, float]], units: list[np.ndarray],
-             threshold: float = CANARY_THRESHOLD) -> tuple[float | None, list[float | None]]:
-    """The median of ``waits`` over the passes the machine did not slow down (None: none left), and every
-    pass's least canary slowdown (probe_bursts' :func:`slowdowns`; None: no canary unit in it, and the pass
-    left out, being unjudged). A pass is the machine's when even its least slowed canary ran slow."""
-    from .diagnostics.probe_bursts import slowdowns
-
-    least: list[float | None] = []
-    for t0, t1 in windows:
-        known = [s for s in slowdowns(units, t0, t1) if s is not None]
-        least.append(min(known) if known else None)
-    kept = [w for w, s in zip(waits, least) if s is not None and s <= threshold]
-    return (round(float(np.median(kept)), 4) if kept else None), least
-
-
 #: The stores of the compressed rows (:func:`benchmarks.compression.make_kind`): Zipf-like tokens, images
 #: (about 1.1x) and float16 signals.
 COMPRESSED_KINDS = ("tokens", "images", "float16")
-
-#: One fresh process's warm epochs of a compressed store (:func:`compressed_child`).
-FRESH_COMPRESSED = """
-import json, sys
-sys.path.insert(0, {root!r})
-from benchmarks.summary_rows import compressed_child
-print(json.dumps(compressed_child({path!r}, {backend!r}, {batch_size}, {options!r}, {gpu}, {epochs})))
-"""
-
 
 def compressed_child(path: str, backend: str, batch_size: int, options: dict[str, Any], gpu: bool,
                      epochs: int) -> dict[str, Any]:
@@ -328,7 +250,6 @@ def compressed(rec: Recorder, backends: tuple[str, ...], data_dir: str, mib: int
     this run (None, with the reason, where it cannot run)."""
     from .common import free_device_memory
     from .compression import gdsload_pass, make_kind, nvcomp_decode_gbps, stored_ratio, write_pair
-    from .diagnostics.probe_startup import run_fresh
     from gdsload.codecs.decode import DECODE_LANES
 
     resident = options.get("resident_bytes")
@@ -343,15 +264,14 @@ def compressed(rec: Recorder, backends: tuple[str, ...], data_dir: str, mib: int
             except Exception as e:
                 why = f"{type(e).__name__}: {e}"[:300]
             free_device_memory()  # the fresh processes' GPU memory figures count the whole device's
-        code = {b: FRESH_COMPRESSED.format(root=ROOT, path=paths["zstd"], backend=b, batch_size=batch_size,
-                                           options=options, gpu=gpu, epochs=epochs) for b in backends}
         for backend in backends:
             where = {"kind": "compressed", "dataset": f"{kind}-{mib}MiB-zstd", "regime": "warm", "backend": backend,
                      "name": f"gdsload {backend} compressed", "config": f"zstd:{level}, shuffle, {epochs} epochs, "
                      f"{runs} fresh processes"}
             try:
-                figures = runs_figures([run_fresh(code[backend], f"compressed {kind} on {backend}")
-                                        for _ in range(runs)])
+                figures = runs_figures([run_child(f"compressed {kind} on {backend}", "benchmarks.summary_rows",
+                                                  "compressed_child", paths["zstd"], backend, batch_size, options,
+                                                  gpu, epochs) for _ in range(runs)])
                 cold = raw_cold = None
                 if rec.can_drop:
                     cold, raw_cold = (gdsload_pass(paths[m], backend, batch_size, 0.0, True,
@@ -378,36 +298,3 @@ def device_used_bytes(gpu: bool) -> int | None:
     cupy.cuda.Device().synchronize()
     free, total = cupy.cuda.runtime.memGetInfo()
     return int(total - free)
-
-
-@contextlib.contextmanager
-def judged_by_canaries(cores: list[int], seconds: float, step: Step, passes: int,
-                       threshold: float = CANARY_THRESHOLD) -> Iterator[Callable[[list[float]], dict[str, Any]] | None]:
-    """Canaries on ``cores`` for ``seconds`` around ``time_passes(ds, step, passes)``
-    (:class:`benchmarks.diagnostics.probe_bursts.Canaries`, :func:`stamp_finishes`): yields the ``judge`` of
-    :meth:`benchmarks.rows.Recorder.steps`, or None without cores or where the canaries do not start (said on
-    stdout)."""
-    from .diagnostics.probe_bursts import Canaries
-
-    canaries = None
-    if cores:
-        stamps = stamp_finishes(step)
-        try:
-            canaries = Canaries(cores, seconds)
-        except (OSError, RuntimeError) as e:
-            print(f"no canaries: {e}", flush=True)
-
-    def judge(waits: list[float]) -> dict[str, Any]:
-        assert canaries is not None
-        windows = pass_windows(stamps, passes)
-        out: dict[str, Any] = {"canary_cores": cores, "canary_threshold": threshold}
-        if windows is None:
-            return {**out, "wait_fraction_unslowed": None, "canary_note": "the passes' ends were not stamped"}
-        median, least = unslowed(waits, windows[1:], canaries.units(), threshold)
-        return {**out, "wait_fraction_unslowed": median, "canary_least_slowdown_runs": least}
-
-    try:
-        yield judge if canaries is not None else None
-    finally:
-        if canaries is not None:
-            canaries.close()

@@ -10,6 +10,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Self
 
+#: How often a thread that waits (on a queue, an event, a condition) looks again at its stop event and the clock.
+POLL_S = 0.05
+
 
 class Pending(ABC):
     """Reads submitted for one window."""

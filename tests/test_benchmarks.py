@@ -256,37 +256,6 @@ def test_ab_sets_each_arm_against_the_first_as_with_the_pinned_readers() -> None
             "| 0.500 | – |") in md
 
 
-def test_remote_clients_benchmark(tmp_path: str) -> None:
-    """benchmarks.remote_clients on a tiny object: every installed client read the same ranges from both local
-    servers, and the packages not installed are rows that say so, never figures."""
-    import importlib.util
-
-    out = str(tmp_path / "results")
-    bench("benchmarks.remote_clients", "--data", str(tmp_path / "data"), "--out", out, "--size-gib", "0.004",
-          "--ranges", "1MiB", "--threads", "1,2", "--repeats", "1", "--bytes-per-case", "2MiB", "--moto-bytes", "2MiB")
-    (path,) = glob.glob(os.path.join(out, "*", "remote-clients.json"))
-    with open(path) as f:
-        doc = json.load(f)
-    rows = doc["results"]
-    timed = {(r["server"], r["client"], r["threads"]) for r in rows if "gb_per_s" in r}
-    for server in ("aiohttp (sendfile)", "moto (S3 server)"):
-        for client in ("gdsload S3Client (botocore)", "botocore get_object"):
-            assert {(server, client, 1), (server, client, 2)} <= timed
-    assert {("aiohttp (sendfile)", c, 2) for c in ("gdsload HttpClient", "fsspec http")} <= timed
-    for r in rows:
-        assert "gb_per_s" in r or "skipped" in r, r  # no client failed
-        if "gb_per_s" in r:
-            assert r["bytes"] == r["requests"] * r["range_bytes"] == 2 << 20 and r["gb_per_s"] > 0
-    for module, client in (("obstore", "obstore s3"), ("s3fs", "s3fs")):
-        if importlib.util.find_spec(module) is None:
-            assert {"server": "moto (S3 server)", "client": client,
-                    "skipped": f"{module} is not installed: not measured"} in rows
-    assert doc["versions"]["botocore"] and doc["cases"] == [{"range_bytes": 1 << 20, "threads": t} for t in (1, 2)]
-    with open(path[:-5] + ".md") as f:
-        md = f.read()
-    assert "### aiohttp (sendfile)" in md and "| gdsload HttpClient | " in md
-
-
 # -- issue 46's summary keys: fresh-process start-up, the continuous 10 ms step, canaries, compressed ------------
 def _suite(suite_run: str) -> tuple[dict, dict]:
     with open(os.path.join(suite_run, "suite.json")) as f, open(os.path.join(suite_run, "summary.json")) as g:

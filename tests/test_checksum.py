@@ -40,15 +40,15 @@ def test_byte_tables_apply_the_operator():
 
 @pytest.mark.parametrize("segments", [
     [(0, 16)], [(3, 4)], [(17, 70000)], [(1000, 1500)], [(5000, 5001)], [(100003, 299999)],
-    [(0, 16), (16, 4096 * 16 * 3 + 5)],  # several pieces in one segment, back to back with another
+    [(0, 16), (16, 4096 * 16 * 3 + 5)],  # several tiles in one segment, back to back with another
 ])
 def test_device_algorithm_in_numpy_matches_crc32c(segments):
     rng = np.random.default_rng(len(segments))
     buf = rng.integers(0, 256, 300000, dtype=np.uint8)
     buf[1000:2000] = 0
     lo, hi = (np.array(x) for x in zip(*segments))
-    p = C.pieces(lo, hi)
-    assert (p.table[:, 1] <= C.PIECE_WORDS).all() and (p.table[:, 1] > 0).all()
+    p = C.tiles(lo, hi)
+    assert (p.table[:, 1] <= C.TILE_WORDS).all() and (p.table[:, 1] > 0).all()
     got = C.reference_device_crcs(buf, p)
     want = C.device_expected(C.host_crcs(buf, lo, hi), lo, hi)
     np.testing.assert_array_equal(got, want)
@@ -56,7 +56,7 @@ def test_device_algorithm_in_numpy_matches_crc32c(segments):
 
 def test_pieces_cover_each_segment_once():
     lo, hi = np.array([5, 70000]), np.array([70000 + 17, 70001])
-    p = C.pieces(lo, hi)
+    p = C.tiles(lo, hi)
     for seg in range(2):
         rows = p.table[p.table[:, 2] == seg]
         words = np.concatenate([np.arange(f, f + n) for f, n, _ in rows])
@@ -68,7 +68,7 @@ def test_device_expected_detects_a_flipped_bit():
     lo, hi = np.array([7]), np.array([4000])
     good = C.host_crcs(buf, lo, hi)
     buf[100] ^= 4
-    p = C.pieces(lo, hi)
+    p = C.tiles(lo, hi)
     assert C.reference_device_crcs(buf, p)[0] != C.device_expected(good, lo, hi)[0]
 
 
@@ -79,7 +79,7 @@ def test_device_expected_for_segments_of_many_lengths_and_alignments():
     hi = np.cumsum(sizes + rng.integers(0, 40, 300))
     lo = hi - sizes
     buf = rng.integers(0, 256, int(hi[-1]) + 16, dtype=np.uint8)
-    got = C.reference_device_crcs(buf, C.pieces(lo, hi))
+    got = C.reference_device_crcs(buf, C.tiles(lo, hi))
     np.testing.assert_array_equal(got, C.device_expected(C.host_crcs(buf, lo, hi), lo, hi))
 
 

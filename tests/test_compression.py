@@ -29,7 +29,7 @@ from gdsload import FormatError, GDSDataset, GDSLoadError, ReadError, write_data
 from gdsload.backends.cpu import CpuBackend
 from gdsload.codecs.chunks import load_nvcomp
 from gdsload.codecs.decode import Decoder
-from gdsload.codecs.checksum import pieces, reference_device_crcs
+from gdsload.codecs.checksum import reference_device_crcs, tiles
 from gdsload.codecs.nvcomp import NvcompBatch, Readback
 from gdsload.codecs.screen import STAND_IN, ZSTD_MAGIC, heads, screen_host
 from gdsload.format.layout import DatasetLayout
@@ -209,7 +209,7 @@ class HostOps:
     def screen(self, buffer, tab, lo, hi, crc):
         """As DecodeDevice screens: the crc kernel's algorithm (its numpy reference), then the screening kernel's
         (its numpy twin), the stand-in frame in host memory."""
-        got = reference_device_crcs(buffer, pieces(lo, hi)) if crc else None
+        got = reference_device_crcs(buffer, tiles(lo, hi)) if crc else None
         stand_in = np.frombuffer(STAND_IN, np.uint8).copy()
         screen_host(buffer, tab, lo, hi, crc, got, stand_in.ctypes.data)
         return stand_in
@@ -364,7 +364,7 @@ def test_the_screening_kernels_crc_step_turns_a_stored_crc32c_into_what_the_crc_
         for _ in range(pad):
             v, key = (v >> 8) ^ int(T0[v & 0xFF]), (key >> 8) ^ int(T0[key & 0xFF])
         turned.append(v ^ key)
-    np.testing.assert_array_equal(np.array(turned, np.uint32), reference_device_crcs(buf, pieces(lo, hi)))
+    np.testing.assert_array_equal(np.array(turned, np.uint32), reference_device_crcs(buf, tiles(lo, hi)))
 
 
 def test_the_screening_kernel_is_written_with_the_tables_layout():
@@ -663,24 +663,6 @@ def test_converter_compress_options_are_checked(tmp_path):
         done = cli("shard", x, "-o", out, "--quiet", *args)
         assert done.returncode == 2 and message in done.stderr, done.stderr
         assert not os.path.exists(out)
-
-
-def test_compression_benchmark_runs_on_cpu(tmp_path):
-    """``python -m benchmarks.compression --backends cpu --tiny``: every kind of row, and the note saying where
-    the token ids come from."""
-    done = subprocess.run([sys.executable, "-m", "benchmarks.compression", "--backends", "cpu", "--tiny", "--no-cold",
-                           "--data", str(tmp_path / "data"), "--out", str(tmp_path / "out")], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    with open(tmp_path / "out" / "cpu-only" / "compression.json") as f:
-        doc = json.load(f)
-    assert "standard library's text" in doc["notes"][0] and "standard library's text" in done.stdout
-    rows = doc["results"]
-    passes = {(r["data"], r["stored"]) for r in rows if r["kind"] == "pass"}
-    assert passes == {(k, m) for k in ("tokens", "images", "float16") for m in ("raw", "zstd")}
-    assert all(r["warm_gbps"] > 0 and 0 < r["ratio"] <= 1 for r in rows if r["kind"] == "pass")
-    assert [r["chunk_bytes"] for r in rows if r["kind"] == "chunk"] == [64 << 10, 256 << 10]
-    assert {r["mode"] for r in rows if r["kind"] == "zarr"} == {"numpy"}
 
 
 def test_compressed_variable_length_values_are_refused(tmp_path):

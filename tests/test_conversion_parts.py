@@ -17,7 +17,7 @@ import pytest
 from _helpers import files_below
 from gdsload import GDSDataset
 from gdsload.conversion.parts import parse_part
-from gdsload.conversion.pieces import crc32c_combine
+from gdsload.conversion.spans import crc32c_combine
 from gdsload.tools.cli import shard_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -105,7 +105,7 @@ def test_three_processes_publish_the_bytes_of_one_conversion(inputs, tmp_path, o
 
 def test_a_variable_length_block_straddles_shards_written_by_two_processes(inputs, tmp_path):
     """The tokens' blocks (samples_per_block samples) do not follow the values' shards: the crc32c of a block
-    cut between two parts is joined from the two pieces, and equals the one-process value."""
+    cut between two parts is joined from the two spans, and equals the one-process value."""
     out, one = tmp_path / "many.gds", tmp_path / "one.gds"
     three_parts(inputs, out, RAW)
     assert shard("--publish-parts", "-o", str(out))[0] == 0

@@ -1,5 +1,5 @@
 """gdsload.tools.measure's primitives checked against what they measure, and the suite's canaries
-(benchmarks.summary_rows, around a training-step row's passes), on the cpu backend."""
+(benchmarks.canaries, around a training-step row's passes), on the cpu backend."""
 
 from __future__ import annotations
 
@@ -174,9 +174,9 @@ def test_read_files_closes_what_it_opened_when_an_open_fails(tmp_path) -> None:
     assert len(os.listdir("/proc/self/fd")) == before
 
 
-# -- the canaries of the 1.5x step rows (benchmarks.summary_rows) -----------------------------------------------
+# -- the canaries of the 1.5x step rows (benchmarks.canaries) ---------------------------------------------------
 def test_unslowed_leaves_out_the_passes_every_canary_saw_slow() -> None:
-    from benchmarks.summary_rows import pass_windows, unslowed
+    from benchmarks.canaries import pass_windows, unslowed
 
     stamps = [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]  # alone (2), passes 1 + 3 (4), alone again (2)
     windows = pass_windows(stamps, 3)
@@ -193,10 +193,10 @@ def test_unslowed_leaves_out_the_passes_every_canary_saw_slow() -> None:
 
 
 def test_canaries_judge_the_passes_of_a_step_row(small: str) -> None:
-    """probe_bursts' canary process, pinned to one core, around a training-step row's passes: each pass gets
+    """A canary process, pinned to one core, around a training-step row's passes: each pass gets
     its least slowdown, and with a threshold nothing reaches the median of the kept passes is the row's."""
     from benchmarks.rows import GdsRun, Recorder
-    from benchmarks.summary_rows import judged_by_canaries
+    from benchmarks.canaries import judged_by_canaries
 
     run = GdsRun(small, "cpu", 50, step=HostStep(5.0), resident_bytes=0)
     try:

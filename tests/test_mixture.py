@@ -607,7 +607,7 @@ def test_a_weight_change_drops_what_was_read_ahead(paths):
     assert wait_no_readers() == [], "the pipeline reading under the old weights stopped"
     assert all(s == 2 for s in next(it)["source"].tolist()), "the next batch follows the new weights"
     assert mix.stats.batches == 4 and mix.stats.samples == 32 == sum(s.samples for s in mix.stats.sources.values())
-    assert mix.state_dict()["step"] == 4 and mix.stats.wait_s >= 0 and len(first) == 3
+    assert mix.state_dict()["step"] == 4 and mix.stats.stall_s >= 0 and len(first) == 3
     mix.close()
     assert wait_no_readers() == []
 

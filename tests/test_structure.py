@@ -50,6 +50,20 @@ def test_benchmark_docs_and_results_stay_within_bounds():
     assert 0 < len(results) <= 20, f"benchmarks/results: {len(results)} files (at most 20): {sorted(results)}"
 
 
+@pytest.mark.xfail(strict=True, reason="benchmarks/ holds about 4,600 lines: reaching 4,000 retires benchmarks the "
+                   "docs cite (issue 60); strict, so this marker goes once the bound holds")
+def test_benchmarks_stay_within_4000_lines():
+    """benchmarks/ is at most 4,000 lines of Python (it had grown to 6,200): measurements whose question is
+    answered leave with their code to git history, and what the benchmarks share lives in benchmarks/common.py."""
+    lines = 0
+    for folder, _, files in os.walk(os.path.join(ROOT, "benchmarks")):
+        for f in files:
+            if f.endswith(".py"):
+                with open(os.path.join(folder, f), encoding="utf-8") as fh:
+                    lines += sum(1 for _ in fh)
+    assert 0 < lines <= 4000, f"benchmarks/: {lines} lines of Python (at most 4,000)"
+
+
 def test_no_code_line_is_over_120_characters():
     """The project's line limit for its Python: 120 characters, in the library, its benchmarks and its tests
     (long lines had crept into docstrings and argument lists)."""

@@ -7,7 +7,7 @@ import queue
 import threading
 from typing import Any
 
-POLL_S = 0.05
+from .._tasks import POLL_S  # noqa: F401 - the waits here and of the threads that import it
 
 
 def get(q: queue.Queue[Any] | queue.SimpleQueue[Any], stop: threading.Event) -> Any:

@@ -4,7 +4,7 @@ Every block a dataset stores has a crc32c (the standard Castagnoli CRC, as ``crc
 in a small per-field array written by the converter. Verifying a window means recomputing the CRC of each
 block's bytes where they landed in the window buffer. On the host that is ``crc32c.crc32c`` per block (the
 package uses the CPU's CRC instruction and releases the GIL). On the device the kernel in
-:mod:`gdsload.codecs.checksum_cuda` splits blocks into pieces that many thread blocks work on at once, which only
+:mod:`gdsload.codecs.checksum_cuda` splits blocks into tiles that many thread blocks work on at once, which only
 works because a CRC without initial value or final xor ("raw") is linear over GF(2):
 
     raw(A || B) = shift(raw(A), len(B)) ^ raw(B)        raw(zeros || X) = raw(X)
@@ -27,7 +27,7 @@ import numpy as np
 POLY = 0x82F63B78  # Castagnoli, bit-reflected
 WORD_BYTES = 16  # the kernel reads 16-byte words
 THREADS = 256  # threads per kernel block: consecutive words go to consecutive threads
-PIECE_WORDS = 4096  # words per kernel block (64 KiB): pieces of one block run on many SMs at once
+TILE_WORDS = 4096  # words per kernel block (64 KiB): tiles of one block run on many SMs at once
 SHIFT_LEVELS = 40  # shifts by up to 2**40 - 1 bytes
 
 
@@ -103,27 +103,27 @@ def device_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return slice_tables(), stride, powers
 
 
-class Pieces(NamedTuple):
+class Tiles(NamedTuple):
     """The kernel's work list: segment ``i`` is bytes [lo[i], hi[i]) of the buffer, read as the 16-byte
-    words from ``lo // 16`` to ``ceil(hi / 16)`` (bytes outside the segment count as zero), cut into pieces
-    of at most PIECE_WORDS words. ``table`` has one row per piece: first word, words, segment."""
+    words from ``lo // 16`` to ``ceil(hi / 16)`` (bytes outside the segment count as zero), cut into tiles
+    of at most TILE_WORDS words. ``table`` has one row per tile: first word, words, segment."""
 
     lo: np.ndarray
     hi: np.ndarray
     end: np.ndarray  # ceil(hi / 16) * 16: where the raw CRC the kernel computes ends
-    table: np.ndarray  # (pieces, 3) int64
+    table: np.ndarray  # (tiles, 3) int64
 
 
-def pieces(lo: np.ndarray, hi: np.ndarray) -> Pieces:
-    """Cut segments (non-empty, ``lo < hi``) into the kernel's pieces."""
+def tiles(lo: np.ndarray, hi: np.ndarray) -> Tiles:
+    """Cut segments (non-empty, ``lo < hi``) into the kernel's tiles."""
     lo, hi = np.asarray(lo, np.int64), np.asarray(hi, np.int64)
     w0, w1 = lo // WORD_BYTES, -(-hi // WORD_BYTES)
-    count = -(-(w1 - w0) // PIECE_WORDS)
+    count = -(-(w1 - w0) // TILE_WORDS)
     seg = np.repeat(np.arange(len(lo), dtype=np.int64), count)
     k = np.arange(len(seg), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
-    first = w0[seg] + k * PIECE_WORDS
-    nwords = np.minimum(PIECE_WORDS, w1[seg] - first)
-    return Pieces(lo, hi, w1 * WORD_BYTES, np.stack([first, nwords, seg], axis=1))
+    first = w0[seg] + k * TILE_WORDS
+    nwords = np.minimum(TILE_WORDS, w1[seg] - first)
+    return Tiles(lo, hi, w1 * WORD_BYTES, np.stack([first, nwords, seg], axis=1))
 
 
 def shift_each(c: np.ndarray, n: np.ndarray) -> np.ndarray:
@@ -151,7 +151,7 @@ def device_expected(std: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarr
     return shift_each(raw, -hi % WORD_BYTES)
 
 
-def reference_device_crcs(buf: np.ndarray, p: Pieces) -> np.ndarray:
+def reference_device_crcs(buf: np.ndarray, p: Tiles) -> np.ndarray:
     """The device kernel's algorithm, step for step, in numpy (for tests; slow)."""
     slices, stride, powers = device_tables()
     words = np.asarray(buf, np.uint8)

@@ -1,7 +1,7 @@
 """crc32c of segments of a device buffer, computed by a CuPy kernel (no copy back of the data).
 
 The algorithm and its algebra are in :mod:`gdsload.codecs.checksum`; this module is only its device half: one
-kernel block per piece of at most ``PIECE_WORDS`` 16-byte words, consecutive words on consecutive threads
+kernel block per tile of at most ``TILE_WORDS`` 16-byte words, consecutive words on consecutive threads
 (coalesced loads), each thread folding its words with one table shift per round (Horner), then moving its
 sum to the segment's end and XORing it into the segment's result with one atomic per kernel block.
 """
@@ -92,10 +92,10 @@ class DeviceCrc:
         """Queue the CRCs of non-empty segments [lo, hi) of ``buf`` (a device uint8 array) on ``stream``;
         returns a device uint32 array comparable with :func:`gdsload.codecs.checksum.device_expected`."""
         cp = self.cupy
-        p = host.pieces(lo, hi)
+        p = host.tiles(lo, hi)
         n, m = len(lo), p.table.size
         with self.device, stream:
-            # One upload of the work list: the piece table, then lo, hi and end of every segment.
+            # One upload of the work list: the tile table, then lo, hi and end of every segment.
             packed = cp.asarray(np.concatenate([p.table.reshape(-1), p.lo, p.hi, p.end]))
             out = cp.zeros(n, dtype=cp.uint32)
             if len(p.table):

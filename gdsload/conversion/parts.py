@@ -4,7 +4,7 @@ Every part plans the whole dataset from the inputs' metadata (:mod:`gdsload.conv
 on every shard's rows, and writes the shards :func:`assign` gives it (whole shard files, contiguous runs
 balanced by bytes) into ``STAGING/part-I-of-N/data/`` with the writer's own code, so each file is the bytes a
 single conversion writes. Part 0 also writes the metadata (every ``zarr.json``, the offsets arrays). Beside
-the data: ``pieces.npy`` (the crc32c of the pieces of blocks its shards cover, :mod:`gdsload.conversion.pieces`)
+the data: ``pieces.npy`` (the crc32c of the spans of blocks its shards cover, :mod:`gdsload.conversion.spans`)
 and ``part.json`` (the part's shards and files, and a fingerprint of the plan, the inputs' names, sizes and
 modification times, and the zarr and numcodecs versions). A part is written into a temporary sibling and
 renamed into place once complete, so a part directory is complete or absent.
@@ -32,14 +32,15 @@ import numpy as np
 
 from ..errors import ConversionError
 from ..format.meta import DatasetMeta, read_metadata
-from .pieces import PieceCrc, join_pieces
+from .spans import SpanCrc, join_spans
 from .plan import DEFAULT_SLICE_BYTES, ConversionPlan, plan_dataset
 from .publish import (Target, check_output, make_temp, protected, remove_empty, remove_stale_temps, rename_exchange,
                       rename_noreplace, staged_output, sync_tree)
 from .spelling import overwrite_option
 from .writer import close_all, open_inputs, input_list, write_checksums, write_metadata, write_shards
 
-RECORD, PIECES, DATA = "part.json", "pieces.npy", "data"
+#: A part's files. The spans' file keeps its earlier name, so that parts already written still read.
+RECORD, SPANS, DATA = "part.json", "pieces.npy", "data"
 RECORD_FORMAT = 1
 _PART = re.compile(r"part-([0-9]+)-of-([0-9]+)")
 
@@ -178,23 +179,23 @@ def write_part(inputs: Sequence[str], out: str, named: Mapping[str, str], ragged
                         raise target.error(e) from e
             mine = assign(plan, count)[index]
             arrays = {**sources, **{f"{n}/values": r.values for n, r in rag.items()}}
-            pieces: list[list[int]] = []
+            spans: list[list[int]] = []
             total = sum((a.shard_rows(s)[1] - a.shard_rows(s)[0]) * a.row_bytes
                         for a in plan.arrays for k, s in mine if k == a.key)
             with tqdm(total=total, unit="B", unit_scale=True, desc=f"{os.path.basename(out)} part {index}/{count}",
                       disable=None if progress is None else not progress) as bar:
                 for f, a in enumerate(plan.arrays):
-                    crcs: list[PieceCrc] = []
+                    crcs: list[SpanCrc] = []
 
-                    def crc_for(shard: int, a=a, crcs=crcs) -> PieceCrc:
-                        crcs.append(PieceCrc(a.bounds, a.shard_rows(shard)[0] * a.row_bytes))
+                    def crc_for(shard: int, a=a, crcs=crcs) -> SpanCrc:
+                        crcs.append(SpanCrc(a.bounds, a.shard_rows(shard)[0] * a.row_bytes))
                         return crcs[-1]
 
                     write_shards(target, a, arrays[a.key], [s for k, s in mine if k == a.key], slice_bytes,
                                  bar.update, crc_for)
-                    pieces += [[f, *row] for c in crcs for row in c.rows()]
+                    spans += [[f, *row] for c in crcs for row in c.rows()]
             with protected():
-                _finish(tmp, final, index, count, doc, mine, pieces, overwrite)
+                _finish(tmp, final, index, count, doc, mine, spans, overwrite)
         except BaseException:
             with protected():
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -207,15 +208,15 @@ def write_part(inputs: Sequence[str], out: str, named: Mapping[str, str], ragged
 
 
 def _finish(tmp: str, final: str, index: int, count: int, doc: dict[str, Any], mine: list[tuple[str, int]],
-            pieces: list[list[int]], overwrite: bool) -> None:
-    """The part's pieces and record beside its data, flushed, then the part renamed into place."""
+            spans: list[list[int]], overwrite: bool) -> None:
+    """The part's spans and record beside its data, flushed, then the part renamed into place."""
     data = os.path.join(tmp, DATA)
     files = {}
     for folder, _, names in os.walk(data):
         for n in names:
             path = os.path.join(folder, n)
             files[os.path.relpath(path, data).replace(os.sep, "/")] = os.path.getsize(path)
-    np.save(os.path.join(tmp, PIECES), np.array(pieces, dtype=np.uint64).reshape(-1, 5))
+    np.save(os.path.join(tmp, SPANS), np.array(spans, dtype=np.uint64).reshape(-1, 5))
     record = {"format": RECORD_FORMAT, "part": index, "parts": count, **doc, "shards": mine, "files": files}
     with open(os.path.join(tmp, RECORD), "w") as f:
         json.dump(record, f)
@@ -312,12 +313,12 @@ def _record(where: str, index: int, count: int) -> dict[str, Any]:
     try:
         with open(os.path.join(folder, RECORD)) as f:
             record = json.load(f)
-        pieces = np.load(os.path.join(folder, PIECES), allow_pickle=False)
+        spans = np.load(os.path.join(folder, SPANS), allow_pickle=False)
     except (OSError, ValueError) as e:
         raise ConversionError(f"{folder}: part {index}/{count} is damaged (cannot read its record: {e}); "
                               f"write it again with {overwrite_option()}") from None
     if (not isinstance(record, dict) or record.get("format") != RECORD_FORMAT or record.get("part") != index
-            or record.get("parts") != count or pieces.ndim != 2 or pieces.shape[1] != 5):
+            or record.get("parts") != count or spans.ndim != 2 or spans.shape[1] != 5):
         raise ConversionError(f"{folder}: not the record of part {index}/{count} of this gdsload (format "
                               f"{RECORD_FORMAT}); write it again with {overwrite_option()}")
     for rel, size in record["files"].items():
@@ -330,7 +331,7 @@ def _record(where: str, index: int, count: int) -> dict[str, Any]:
             raise ConversionError(f"{path}: {'missing' if got is None else f'{got} bytes'} (part {index}/{count} "
                                   f"recorded {size} bytes): the part is damaged; write it again with "
                                   f"{overwrite_option()}")
-    record["pieces"] = pieces
+    record["spans"] = spans
     return record
 
 
@@ -352,8 +353,8 @@ def assemble(parts: Parts, dest: str) -> None:
     num_blocks = -(-plan["num_samples"] // plan["samples_per_block"])
     checksums = {}
     for f, a in enumerate(plan["arrays"]):
-        rows = [r["pieces"][r["pieces"][:, 0] == f][:, 1:] for r in parts.records]
-        checksums[a["field"]] = join_pieces(parts.where, a["field"], rows, num_blocks, a["stream_bytes"])
+        rows = [r["spans"][r["spans"][:, 0] == f][:, 1:] for r in parts.records]
+        checksums[a["field"]] = join_spans(parts.where, a["field"], rows, num_blocks, a["stream_bytes"])
     write_checksums(zarr.open_group(dest, mode="r+"), checksums, num_blocks)
     read_metadata(dest)  # the result must parse before it may replace anything
 

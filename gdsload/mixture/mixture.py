@@ -45,7 +45,7 @@ class MixtureStats:
     samples: int = 0
     bytes: int = 0
     wall_s: float = 0.0
-    wait_s: float = 0.0
+    stall_s: float = 0.0
     sources: dict[str, SourceStats] = field(default_factory=dict)
 
     def gb_per_s(self, source: str | None = None) -> float:
@@ -54,7 +54,7 @@ class MixtureStats:
 
     def as_dict(self) -> dict[str, Any]:
         return {"batches": self.batches, "samples": self.samples, "bytes": self.bytes, "wall_s": self.wall_s,
-                "wait_s": self.wait_s, "gb_per_s": self.gb_per_s(),
+                "stall_s": self.stall_s, "gb_per_s": self.gb_per_s(),
                 "sources": {n: {**dataclasses.asdict(s), "gb_per_s": self.gb_per_s(n)}
                             for n, s in self.sources.items()}}
 
@@ -261,7 +261,7 @@ class Mixture(LoaderProtocols, Closing):
         self._stats.bytes += sum(item.nbytes)
         self._stats.batches += 1
         self._stats.samples += sum(item.counts)
-        self._stats.wait_s += waited
+        self._stats.stall_s += waited
 
     def _halt(self) -> None:
         """Stop the pipeline (what it read ahead is dropped); the next batch starts a new one from the position

@@ -26,12 +26,12 @@ FINGERPRINT_KEYS = ("num_samples", "samples_per_block", "shuffle", "seed", "fiel
 class SourceStats:
     """One source, over the mixture's passes: samples and bytes it gave (in batches yielded), bytes read from
     it (windows read so far, ahead of the batches), passes of its dataset begun (the mixture waits for batches,
-    not for a source: ``wait_s`` stays 0, the mixture's own counts it)."""
+    not for a source: ``stall_s`` stays 0, the mixture's own counts it)."""
 
     samples: int = 0
     bytes: int = 0
     bytes_read: int = 0
-    wait_s: float = 0.0
+    stall_s: float = 0.0
     passes: int = 0
 
 

@@ -56,7 +56,7 @@ LEDGER = ".gdsload-cache.used"
 #: the ledger alone (a scan reads every marker of the folder).
 SLACK = 16
 #: How often a wait for another's lock looks again.
-POLL_S = 0.01
+RETRY_S = 0.01
 _PUNCH = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 
@@ -122,7 +122,7 @@ class ShardCache:
                     owner = f"process {state[1]}" if state is not None else "another process"
                     raise ReadError(redact(f"{piece.entry.info.url}: no response for {self.timeout_s:g} s: its fetch "
                                            f"by {owner} has not moved (lock {self._lock_path(piece)})"))
-                time.sleep(POLL_S * (0.5 + random.random()))  # two waiters do not keep meeting
+                time.sleep(RETRY_S * (0.5 + random.random()))  # two waiters do not keep meeting
         except BaseException:
             os.close(fd)  # closing the descriptor drops its lock
             raise

@@ -29,6 +29,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Union
 
+from .._tasks import POLL_S
 from ..errors import ReadError
 from .objects import DEFAULT_TIMEOUT_S, redact
 from .mirror import Version, open_version
@@ -46,8 +47,6 @@ FETCH_THREADS = 8
 #: A reader's last resort: how many ``timeout_s`` it waits for a window's shards while no fetch of them moves
 #: (the client's, the cache's and the room's bounds end every wait first).
 STALL_TIMEOUTS = 4
-#: How often a wait looks again at the stop event and the clock.
-POLL_S = 0.05
 
 
 class Ticket:

@@ -168,7 +168,7 @@ def connections_note(environ: Mapping[str, str | None] = os.environ) -> str | No
     n = int(raw)
     return (f"{CONNECTIONS_ENV}={n}: CUDA gives this process {n} hardware work queue{'s' if n > 1 else ''} "
             "for all its streams, so the training step's kernels queue behind gdsload's copies and wait for them "
-            "(the mmap backend then queues a window's copies a piece at a time, which shortens the waits)")
+            "(the mmap backend then queues a window's copies a few at a time, which shortens the waits)")
 
 
 def warn_few_connections(environ: Mapping[str, str | None] = os.environ) -> bool:

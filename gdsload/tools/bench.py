@@ -21,9 +21,9 @@ Contract:
 - **Ceilings** (same files: the shard files of every field the measured datasets read): the pinned
   host-to-device copy (GPU); the page cache into pinned memory (GPU) or host memory (warm); raw KvikIO of
   the same blocks in shuffled order (GPU with KvikIO; warm, and cold with ``--cold`` as root); the disk
-  through O_DIRECT (``--cold``; no root needed). Each reads a first piece, whose rate then picks what is
+  through O_DIRECT (``--cold``; no root needed). Each makes a first read, whose rate then picks what is
   measured: warm, the files or blocks from the first on that it reads in about ``seconds`` (the whole
-  dataset when it is that small); cold, the ones after the first piece (:func:`sized`). Except a cold
+  dataset when it is that small); cold, the ones after the first read (:func:`sized`). Except a cold
   KvikIO read, a measurement repeats its passes over those bytes for at least :data:`MIN_TIMED_S`.
 - **Duration.** About ``seconds`` per measurement, plus opening each backend (``mmap`` locks the
   dataset) and, warm, reading the dataset once into the page cache; a progress bar (stderr, on a
@@ -37,7 +37,6 @@ Every figure printed is measured in the run; none is kept here.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -52,12 +51,13 @@ from ..backends.registry import runnable
 from ..system.env import gpu_available, kvikio_installed, memory_available, system_info
 from ..errors import GDSLoadError, one_line
 from ..remote.objects import is_remote
-from .measure import (PassResult, best, block_locations, cold_pass, cpu_seconds, drop_page_cache, figures,
-                      pinned_h2d_gbps, raw_kvikio_blocks, read_files, shard_paths, take_batches, time_pass)
+from .measure import (PassResult, best, block_locations, cold_pass, cpu_seconds, drop_page_cache, figures, num,
+                      pinned_h2d_gbps, raw_kvikio_blocks, read_files, save_report, shard_paths, take_batches,
+                      time_pass)
 
 DEFAULT_SECONDS = 2.0
 DEFAULT_BATCH = 256
-PROBE_BYTES = 64 << 20  # a ceiling's first piece: at least this much, to time a rate rather than a latency
+PROBE_BYTES = 64 << 20  # a ceiling's first read: at least this much, to time a rate rather than a latency
 #: A ceiling's timed stretch lasts at least this long (passes over the same bytes back to back: warm, or through
 #: O_DIRECT, which the page cache does not serve), so a small dataset is timed at its rate, not at the cost
 #: of starting the reads.
@@ -356,8 +356,8 @@ def render(bench: Bench, rows: list[Row]) -> str:
         what = f"ceiling: {r['ceiling']}" if r.get("ceiling") else (
             f"gdsload {r['backend']}" + (" (auto)" if r.get("auto") else "") if r.get("backend") else r["regime"])
         shuffle = "-" if r.get("shuffle") is None else "yes" if r["shuffle"] else "no"
-        table.append((what, r.get("io_mode") or "-", r.get("regime") or "-", shuffle, _num(r.get("gbps"), ".2f"),
-                      _num(r.get("samples_per_s"), ",.0f"), _num(r.get("cpu_s_per_gb"), ".3f"), r.get("error", "")))
+        table.append((what, r.get("io_mode") or "-", r.get("regime") or "-", shuffle, num(r.get("gbps"), ".2f"),
+                      num(r.get("samples_per_s"), ",.0f"), num(r.get("cpu_s_per_gb"), ".3f"), r.get("error", "")))
     widths = [max(len(line[i]) for line in table) for i in range(len(table[0]) - 1)]
     lines = ["  ".join(c.rjust(w) if 3 < i < 7 else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths)))
              + ("  " + line[-1] if line[-1] else "") for line in table]
@@ -385,15 +385,8 @@ def main(args: argparse.Namespace) -> int:
                "settings": {"backends": args.backends or "default", "cold": args.cold, "seconds": args.seconds,
                             "batch_size": args.batch_size},
                "auto": {"backend": bench.auto[0], "reason": bench.auto[1]}, "machine": system_info(), "rows": rows}
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
-        print(f"wrote {args.json}")
+        save_report(args.json, doc)
     return 0
-
-
-def _num(v: float | None, fmt: str) -> str:
-    return "-" if v is None else format(v, fmt)
 
 
 def _raise(e: BaseException) -> None:

@@ -19,7 +19,7 @@ Contract:
 - **CPU client** (:func:`client_blocks`): the process's client of the URL (gdsload's ``HttpClient``, or
   ``S3Client`` for ``s3://``), one ranged GET per block pinned to the ETag, copied into a host buffer, on
   :data:`CPU_THREADS` threads.
-- **Timing.** Each ceiling reads a first piece (:data:`PROBE_BYTES`) whose rate picks how many blocks fill
+- **Timing.** Each ceiling makes a first read (:data:`PROBE_BYTES`) whose rate picks how many blocks fill
   ``seconds`` (:func:`budgeted`); passes over them repeat for at least 0.2 s. The dataset rows take a few batches
   untimed, then :func:`gdsload.tools.measure.time_pass` over a pass cut after ``seconds`` (``bounded``: bench.py's
   ``Bounded``, passed in because bench.py imports this module, so this one cannot import it back).
@@ -28,7 +28,6 @@ Contract:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -40,11 +39,12 @@ import numpy as np
 
 from ..errors import GDSLoadError, ReadError, one_line
 from ..remote.objects import ObjectInfo
-from .measure import PassResult, best, block_locations, cpu_seconds, figures, take_batches, time_pass
+from .measure import (PassResult, best, block_locations, cpu_seconds, figures, num, save_report, take_batches,
+                      time_pass)
 
 #: Threads of the CPU client rows (gdsload's own default reader threads).
 CPU_THREADS = 16
-#: A ceiling's first piece: enough to time a rate rather than a latency.
+#: A ceiling's first read: enough to time a rate rather than a latency.
 PROBE_BYTES = 64 << 20
 MIN_TIMED_S = 0.2
 Row = dict[str, Any]
@@ -153,7 +153,7 @@ def client_blocks(blocks: Sequence[RemoteBlock], dest: np.ndarray, threads: int 
 
 def budgeted(blocks: Sequence[RemoteBlock], seconds: float,
              measure: Callable[[Sequence[RemoteBlock], float], PassResult]) -> PassResult:
-    """``measure(blocks, min_seconds)`` of the first blocks that it reads in about ``seconds``: a first piece of
+    """``measure(blocks, min_seconds)`` of the first blocks that it reads in about ``seconds``: a first read of
     :data:`PROBE_BYTES` (or one block) times the rate; then, if more blocks remain, as many as that rate reads in
     ``seconds``, passes over them repeated for at least :data:`MIN_TIMED_S`. The better of the two is reported."""
     total = np.cumsum([b.nbytes for b in blocks])
@@ -253,8 +253,8 @@ def render(url: str, rows: Sequence[Row], seconds: float, batch_size: int) -> st
     for r in rows:
         what = f"ceiling: {r['ceiling']}" if r.get("ceiling") else f"gdsload {r['backend']}"
         share = f"{100 * r['gbps'] / raw:.0f}" if raw and r.get("gbps") and not r.get("ceiling") else "-"
-        table.append((what, r.get("io_mode") or "-", r.get("route") or "-", _num(r.get("gbps"), ".2f"),
-                      _num(r.get("samples_per_s"), ",.0f"), _num(r.get("cpu_s_per_gb"), ".3f"), share,
+        table.append((what, r.get("io_mode") or "-", r.get("route") or "-", num(r.get("gbps"), ".2f"),
+                      num(r.get("samples_per_s"), ",.0f"), num(r.get("cpu_s_per_gb"), ".3f"), share,
                       r.get("error", "")))
     widths = [max(len(line[i]) for line in table) for i in range(len(table[0]) - 1)]
     lines = ["  ".join(c.rjust(w) if 2 < i < 7 else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths)))
@@ -279,12 +279,9 @@ def main(args: argparse.Namespace, bounded: Callable[[Any, float], Any]) -> int:
         doc = {"command": "gdsload bench", "dataset": args.path, "remote": True,
                "settings": {"backends": backends, "seconds": args.seconds, "batch_size": args.batch_size},
                "machine": system_info(), "rows": rows}
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
-        print(f"wrote {args.json}")
+        save_report(args.json, doc)
     return 0
 
 
-def _num(v: float | None, fmt: str) -> str:
+def num(v: float | None, fmt: str) -> str:
     return "-" if v is None else format(v, fmt)

@@ -15,6 +15,7 @@ so rather than report a warm one.
 from __future__ import annotations
 
 import contextlib
+import json
 import mmap
 import os
 import resource
@@ -37,7 +38,7 @@ from .steps import Step
 if TYPE_CHECKING:
     from ..format.layout import BlockLocation
 
-#: Reader threads and piece size of the POSIX ceilings and raw KvikIO reads (gdsload's own default threads).
+#: Reader threads and read size of the POSIX ceilings and raw KvikIO reads (gdsload's own default threads).
 THREADS = 16
 CHUNK_BYTES = 8 << 20
 
@@ -268,7 +269,7 @@ def _pieces(paths: Sequence[str], chunk: int) -> list[tuple[str, int, int]]:
 
 def read_files(paths: Sequence[str], direct: bool = False, pinned: bool = False, threads: int = THREADS,
                chunk: int = CHUNK_BYTES, min_seconds: float = 0.0) -> PassResult:
-    """``threads`` threads reading whole files in ``chunk`` pieces into per-thread buffers: with ``direct``
+    """``threads`` threads reading whole files in reads of ``chunk`` bytes into per-thread buffers: with ``direct``
     through O_DIRECT (the disk's ceiling: run it cold), else buffered (warm: the page cache's). ``pinned``
     reads into pinned host memory (needs CuPy): the pinned path's first stage alone. Buffers are allocated
     and files opened before the timing starts. Passes over all of ``paths`` follow each other until
@@ -402,6 +403,19 @@ def best(results: Sequence[PassResult]) -> PassResult:
     """The fastest of several passes of the same thing (the steady state of a warm regime): the highest
     rate, which is the shortest time where they read the same bytes (a stretch of passes may read more)."""
     return max(results, key=lambda r: (r.gb_per_s, -r.seconds))
+
+
+def save_report(path: str, doc: dict[str, Any]) -> None:
+    """``gdsload bench --json PATH``: the run's document as indented JSON, and a line saying so."""
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    print(f"wrote {path}")
+
+
+def num(v: float | None, fmt: str) -> str:
+    """A table's figure: ``v`` in ``fmt``, ``-`` where not measured."""
+    return "-" if v is None else format(v, fmt)
 
 
 def figures(r: PassResult) -> dict[str, Any]:

@@ -18,11 +18,10 @@ from typing import Any
 import numpy as np
 
 from ...cuda.runtime import H2D, PinnedHost, new_event
-from ..._tasks import Pending
+from ..._tasks import POLL_S, Pending
 from ..._units import ALIGN, align_up
 from ..base import FileHandles, ReadRequest
 
-_POLL_S = 0.05
 
 #: The keys of every reader's :meth:`StagingReader.stats`: ``reader`` (its name), ``num_threads`` (reading
 #: threads), ``slot_bytes`` and ``slots`` (its staging buffers: size and count), ``pool_bytes`` (staging bytes
@@ -128,7 +127,7 @@ class StagingPool:
         """A free slot whose last copy has finished, or None once ``stop`` is set."""
         while not stop.is_set():
             try:
-                i = self._free.get(timeout=_POLL_S)
+                i = self._free.get(timeout=POLL_S)
             except queue.Empty:
                 continue
             if self._recorded[i]:

@@ -1,10 +1,10 @@
-"""Block checksums of a dataset written in parts: each part records the crc32c of the pieces of blocks its
+"""Block checksums of a dataset written in parts: each part records the crc32c of the spans of blocks its
 shard files cover, and the publishing step joins them into the crc32c of every whole block.
 
-A fixed field's block is one inner chunk, always inside one shard file, so it is one piece. A variable-length
+A fixed field's block is one inner chunk, always inside one shard file, so it is one span. A variable-length
 field's block is its samples' value rows, which may straddle shard files written by different processes:
-its pieces are joined with :func:`crc32c_combine` (zlib's ``crc32_combine`` for the Castagnoli polynomial),
-which needs only the pieces' checksums and lengths, never their bytes again. The result equals, bit for bit,
+its spans are joined with :func:`crc32c_combine` (zlib's ``crc32_combine`` for the Castagnoli polynomial),
+which needs only the spans' checksums and lengths, never their bytes again. The result equals, bit for bit,
 the crc32c a single conversion computes from the bytes as they stream past.
 """
 
@@ -21,15 +21,15 @@ from ..errors import ConversionError
 _POLY = 0x82F63B78
 
 
-class PieceCrc:
-    """crc32c of the pieces of blocks that one shard's bytes cover. The shard's bytes start at byte ``start``
+class SpanCrc:
+    """crc32c of the spans of blocks that one shard's bytes cover. The shard's bytes start at byte ``start``
     of its array's stream, where block ``b`` covers ``[bounds[b], bounds[b + 1])``; bytes past the last block
     (a variable-length field's padding) are ignored. Fed in order through :meth:`update`, as the writer's
     block checksums are."""
 
     def __init__(self, bounds: np.ndarray, start: int):
         self.bounds, self.pos = bounds, start
-        self.pieces: dict[int, list[int]] = {}  # block -> [first byte, bytes, crc32c]
+        self.spans: dict[int, list[int]] = {}  # block -> [first byte, bytes, crc32c]
 
     def update(self, buf: memoryview) -> None:
         start, end = self.pos, self.pos + len(buf)
@@ -37,15 +37,15 @@ class PieceCrc:
         while 0 <= b < len(self.bounds) - 1 and int(self.bounds[b]) < end:
             lo, hi = max(start, int(self.bounds[b])), min(end, int(self.bounds[b + 1]))
             if hi > lo:
-                piece = self.pieces.setdefault(b, [lo, 0, 0])
-                piece[2] = crc32c.crc32c(buf[lo - start:hi - start], piece[2])
-                piece[1] += hi - lo
+                span = self.spans.setdefault(b, [lo, 0, 0])
+                span[2] = crc32c.crc32c(buf[lo - start:hi - start], span[2])
+                span[1] += hi - lo
             b += 1
         self.pos = end
 
     def rows(self) -> list[list[int]]:
-        """The pieces as rows ``[block, first byte, bytes, crc32c]``."""
-        return [[b, *p] for b, p in sorted(self.pieces.items())]
+        """The spans as rows ``[block, first byte, bytes, crc32c]``."""
+        return [[b, *p] for b, p in sorted(self.spans.items())]
 
 
 def _times(matrix: list[int], vector: int) -> int:
@@ -86,24 +86,24 @@ def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
     return crc1 ^ crc2
 
 
-def join_pieces(where: str, field: str, pieces: Iterable[np.ndarray], num_blocks: int, stream_bytes: int
+def join_spans(where: str, field: str, spans: Iterable[np.ndarray], num_blocks: int, stream_bytes: int
                 ) -> np.ndarray:
-    """The crc32c of every block of ``field`` from the pieces every part recorded (rows ``[block, first byte,
+    """The crc32c of every block of ``field`` from the spans every part recorded (rows ``[block, first byte,
     bytes, crc32c]``): they must tile the field's stream, 0 to ``stream_bytes``, with no gap or overlap, else a
     ConversionError naming ``where`` and the block. A block of no bytes (samples of no elements) is 0."""
-    rows = [p.reshape(-1, 4) for p in pieces]
+    rows = [p.reshape(-1, 4) for p in spans]
     table = np.concatenate(rows) if rows else np.zeros((0, 4), np.uint64)
     table = table[np.lexsort((table[:, 1], table[:, 0]))] if len(table) else table
     crcs = np.zeros(num_blocks, dtype=np.uint32)
     end, last = 0, -1
     for block, first, nbytes, crc in table.tolist():
         if first != end or block < last or block >= num_blocks:
-            raise ConversionError(f"{where}: checksum pieces of field {field!r} do not tile its bytes at block "
+            raise ConversionError(f"{where}: checksum spans of field {field!r} do not tile its bytes at block "
                                   f"{block} (byte {first}, expected {end}): a part is damaged or from another "
                                   f"conversion")
         crcs[block] = crc if block != last else crc32c_combine(int(crcs[block]), crc, nbytes)
         end, last = first + nbytes, block
     if end != stream_bytes:
-        raise ConversionError(f"{where}: checksum pieces of field {field!r} cover {end} bytes (expected "
+        raise ConversionError(f"{where}: checksum spans of field {field!r} cover {end} bytes (expected "
                               f"{stream_bytes}): a part is missing some")
     return crcs

@@ -1,7 +1,7 @@
 """What ``verify`` (crc32c of every block read, on the GPU beside the gathers) costs each backend, warm and
 cold, in one run on the same data.
 
-    python -m benchmarks.diagnostics.verify_cost [--size-gib 8] [--cold-gib 2] [--backends mmap,pinned,kvikio]
+    python -m benchmarks.verify_cost [--size-gib 8] [--cold-gib 2] [--backends mmap,pinned,kvikio]
 
 Warm: shuffled stretches of back-to-back passes for at least ``--min-seconds`` from rest (the suite's warm
 method), verify off and on interleaved round by round, in alternating order, per backend (each dataset
@@ -27,8 +27,9 @@ import numpy as np
 
 from gdsload import GDSDataset
 
-from ..common import (BATCH, Rows, cold_pass, drop_page_cache, make_dataset, parse_probe_args, pinned_h2d_gbps,
-                      probe_parser, time_pass, write_probe_table)
+from gdsload.tools.measure import cold_pass, drop_page_cache, pinned_h2d_gbps, time_pass
+
+from .common import BATCH, Rows, make_dataset, parse_probe_args, probe_parser, write_probe_table
 
 
 def order(r: int) -> tuple[bool, bool]:
