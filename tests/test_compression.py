@@ -736,25 +736,24 @@ def test_a_stop_skips_the_chunks_not_yet_decoded(tmp_path):
         assert len(calls) == wl.window_blocks
 
 
-def test_a_failing_decode_setup_waits_for_the_windows_reads(tmp_path, monkeypatch):
+def test_a_failing_decode_setup_waits_for_the_windows_reads(tmp_path, monkeypatch, plug):
     """When the decode step cannot be set up for a window, the reads already submitted into its buffer are
     waited for before the error goes on (they were left running, writing into a buffer about to change
     hands), and the error reaches the consumer."""
-    from gdsload.backends.cpu import CpuBackend
+    from gdsload.backends import info
 
     finished = []
-    submit = CpuBackend.submit
 
-    def spy(self, dest, requests, stop):
-        pending = submit(self, dest, requests, stop)
-        finish = pending.finish
-        pending.finish = lambda: (finished.append(1), finish())[1]
-        return pending
+    class Waited(info("cpu").backend_class):  # type: ignore[misc,valid-type]
+        def submit(self, dest, requests, stop):
+            pending = super().submit(dest, requests, stop)
+            finish = pending.finish
+            pending.finish = lambda: (finished.append(1), finish())[1]
+            return pending
 
-    monkeypatch.setattr(CpuBackend, "submit", spy)
     monkeypatch.setattr(Reader, "_submit_host", lambda *a: (_ for _ in ()).throw(MemoryError("no host buffer")))
     path = store(tmp_path, z=(10, 40, ZstdCodec(level=1)))
-    with GDSDataset(path, batch_size=16, backend="cpu", resident_bytes=0) as ds:
+    with GDSDataset(path, batch_size=16, backend=plug(Waited), resident_bytes=0) as ds:
         with pytest.raises(Exception, match="no host buffer"):
             list(ds)
     assert finished, "the submitted reads were waited for"
