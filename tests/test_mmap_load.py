@@ -360,10 +360,9 @@ def test_with_few_cuda_queues_a_windows_copies_are_queued_two_pieces_ahead(tmp_p
             stop.set()
         real_copy(*a)
 
-    monkeypatch.setattr(fake_cupy, "memcpyAsync", copy)
+    fake_cupy.memcpyAsync = copy  # this test's fake driver, made by its fixture
     cuda = sys.modules["cupy"].cuda
-    monkeypatch.setattr(cuda, "Stream", Stream)
-    monkeypatch.setattr(cuda, "Event", Event)
+    cuda.Stream, cuda.Event = Stream, Event
     monkeypatch.setattr(mmap_backend, "RANGE_BYTES", 64 << 10)
     assert mmap_backend.queue_bytes_for({"CUDA_DEVICE_MAX_CONNECTIONS": "1"}) == mmap_backend.PACED_QUEUE_BYTES
     assert mmap_backend.queue_bytes_for({"CUDA_DEVICE_MAX_CONNECTIONS": "8"}) == 0 == mmap_backend.queue_bytes_for({})
