@@ -387,20 +387,27 @@ def test_bad_arguments_name_the_argument(data_path, kwargs, error, match):
         Dataset(path, **kwargs)
 
 
-def test_torch_output_without_torch_names_the_extra(data_path, monkeypatch):
-    import builtins
+def test_torch_output_without_torch_names_the_extra(data_path, tmp_path):
+    """In a process where ``import torch`` fails (a torch package that cannot be imported comes first on its
+    path), output="torch" is refused at open, naming the extra to install."""
+    import subprocess
+    import sys
 
-    real_import = builtins.__import__
-
-    def no_torch(name, *args, **kwargs):
-        if name == "torch" or name.startswith("torch."):
-            raise ModuleNotFoundError("No module named 'torch'")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_torch)
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'torch'\")\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path, _ = data_path
-    with pytest.raises(BackendUnavailable, match=r"gdsload\[torch\]"):
-        Dataset(path, batch_size=8, output="torch")
+    script = f"""
+from gdsload import BackendUnavailable, GDSDataset
+try:
+    GDSDataset({path!r}, batch_size=8, backend="cpu", output="torch")
+except BackendUnavailable as e:
+    print(e)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), root])})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "gdsload[torch]" in done.stdout, done.stdout
 
 
 def test_a_single_field_name_as_a_string(data_path):
