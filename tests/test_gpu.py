@@ -67,7 +67,7 @@ def registered_host_memory(ptr: int) -> bool:
 
 def o_direct_files(under: str) -> list[str]:
     """Files below ``under`` this process holds open with O_DIRECT (/proc/self/fdinfo's flags)."""
-    found = []
+    found, under = [], os.path.realpath(under)
     for fd in os.listdir("/proc/self/fd"):
         try:
             target = os.readlink(f"/proc/self/fd/{fd}")
