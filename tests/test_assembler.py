@@ -86,9 +86,8 @@ def test_grouped_epochs_equal_batch_by_batch(data_path, monkeypatch, options):
             np.testing.assert_array_equal(b["x"], data["x"][b["idx"]])
 
 
-def test_a_batch_kept_alone_outlives_its_group(data_path, monkeypatch):
-    path, data = data_path
-    monkeypatch.setattr(assembler, "GROUP_BYTES", 1 << 30)
+def test_a_batch_kept_alone_outlives_its_group(data_path):
+    path, data = data_path  # small batches: gathered in groups of several at the default group size
     with Dataset(path, backend="cpu", batch_size=16, shuffle=True) as ds:
         kept = None
         for i, b in enumerate(ds):
