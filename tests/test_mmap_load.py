@@ -373,8 +373,9 @@ def test_with_few_cuda_queues_a_windows_copies_are_queued_two_pieces_ahead(tmp_p
             monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
         else:
             monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", env)
-        monkeypatch.setattr(mmap_backend, "PACED_QUEUE_BYTES", 32 << 10)  # pieces of 16 KiB here
-        backend = mmap_backend.MmapBackend(register_threads=2)
+        # Paced where the environment asks for it (queue_bytes_for, the default), here 32 KiB: pieces of 16 KiB
+        backend = mmap_backend.MmapBackend(register_threads=2,
+                                           queue_bytes=(32 << 10) if mmap_backend.queue_bytes_for() else None)
         backend.range_bytes = 64 << 10
         backend.prepare(files)
         ahead.clear(), events.clear(), fake_cupy.copies.clear()
