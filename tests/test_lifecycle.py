@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from _helpers import labelled, open_fds, threads_left_after_use, wait_no_readers, window_map
-from gdsload import BackendUnavailable, ChecksumError, GDSDataset, GDSLoadError, ReadError
+from gdsload import ChecksumError, GDSDataset, GDSLoadError, ReadError
 from gdsload.backends import info
 from gdsload.tools.cli import main as cli_main
 from gdsload.format.layout import DatasetLayout
