@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from .backends import BACKENDS, info
+from .backends import BACKENDS, info, known
 from .errors import BackendUnavailable, one_line
 from .pipeline.plan import MAX_INT  # the largest integer argument (why: there)
 
@@ -134,7 +134,7 @@ def check_choices(backend: Any, output: Any, verify: Any, backend_options: Any) 
         raise TypeError(f"verify must be True, False or None (found {verify!r})")
     if backend_options is not None and not isinstance(backend_options, dict):
         raise TypeError(f"backend_options must be a dict (found {type(backend_options).__name__})")
-    if backend not in BACKENDS:
+    if not isinstance(backend, str) or not known(backend):
         raise ValueError(f"unknown backend {backend!r} (expected one of {BACKENDS})")
     check_output(output)
 

@@ -85,3 +85,21 @@ def s3(moto_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[MotoS3]:
     """A fresh bucket on the session's moto server, with AWS_ENDPOINT_URL, fake keys and region in the env."""
     with moto_server(monkeypatch, endpoint=moto_url) as bucket:
         yield bucket
+
+
+@pytest.fixture
+def plug() -> Iterator[Callable[..., str]]:
+    """``plug(cls, on_device=False)`` registers a backend class (gdsload.backends.register) under a name of this
+    test's, returned for ``backend=``; forgotten when the test ends."""
+    from gdsload.backends import register, unregister
+
+    names: list[str] = []
+
+    def add(cls: type, on_device: bool = False) -> str:
+        names.append(f"test-{cls.__name__.lower()}-{len(names)}")
+        register(names[-1], cls, on_device)
+        return names[-1]
+
+    yield add
+    for name in names:
+        unregister(name)

@@ -86,9 +86,8 @@ def test_grouped_epochs_equal_batch_by_batch(data_path, monkeypatch, options):
             np.testing.assert_array_equal(b["x"], data["x"][b["idx"]])
 
 
-def test_a_batch_kept_alone_outlives_its_group(data_path, monkeypatch):
-    path, data = data_path
-    monkeypatch.setattr(assembler, "GROUP_BYTES", 1 << 30)
+def test_a_batch_kept_alone_outlives_its_group(data_path):
+    path, data = data_path  # small batches: gathered in groups of several at the default group size
     with Dataset(path, backend="cpu", batch_size=16, shuffle=True) as ds:
         kept = None
         for i, b in enumerate(ds):
@@ -99,19 +98,19 @@ def test_a_batch_kept_alone_outlives_its_group(data_path, monkeypatch):
         assert kept["x"].shape[0] == 16 and kept["x"].flags.c_contiguous
 
 
-def test_a_pass_index_arrays_go_up_before_its_first_read(data_path, monkeypatch):
+def test_a_pass_index_arrays_go_up_before_its_first_read(data_path, monkeypatch, plug):
     """An upload queued behind a window's copies waits for them (the copy engine serves them in order), and
     the pass's first batch with it: each pass's index arrays are uploaded before its first read is
     submitted, the next pass's (read ahead) included. Its windows, in order: uploads counted per pass."""
     import threading
 
-    from gdsload.backends.cpu import CpuBackend
+    from gdsload.backends import info
     from gdsload.cuda.ops import HostOps
 
     path, data = data_path
     log: list[str] = []
     lock = threading.Lock()
-    upload, submit = HostOps.upload, CpuBackend.submit
+    upload = HostOps.upload
 
     def logged(name, fn):
         def f(*a, **kw):
@@ -120,9 +119,12 @@ def test_a_pass_index_arrays_go_up_before_its_first_read(data_path, monkeypatch)
             return fn(*a, **kw)
         return f
 
+    class Logged(info("cpu").backend_class):  # type: ignore[misc,valid-type]
+        def submit(self, *a, **kw):
+            return logged("submit", super().submit)(*a, **kw)
+
     monkeypatch.setattr(HostOps, "upload", logged("upload", upload))
-    monkeypatch.setattr(CpuBackend, "submit", logged("submit", submit))
-    with Dataset(path, backend="cpu", batch_size=16, window_blocks=5, shuffle=True) as ds:
+    with Dataset(path, backend=plug(Logged), batch_size=16, window_blocks=5, shuffle=True) as ds:
         windows, resident = len(epoch_plan(ds.config, 0).windows), len(ds.resident_fields)
         with lock:
             assert log == ["submit"], "the open reads the first window"

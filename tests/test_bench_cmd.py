@@ -3,6 +3,7 @@ cannot run, cold without root; and the pieces that bound its measurements (Bound
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -14,7 +15,6 @@ import pytest
 
 from gdsload.tools import bench, cli
 from gdsload.system.env import gpu_available
-from gdsload.errors import BackendUnavailable
 from gdsload.tools.measure import PassResult
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,9 +29,9 @@ def tiny(make_dataset) -> str:
                          "labels": np.arange(n, dtype=np.int64) % 10}, block_bytes=64 << 10)
 
 
-def gdsload(*args: str) -> subprocess.CompletedProcess[str]:
+def gdsload(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "gdsload", *args], capture_output=True, text=True, cwd=ROOT,
-                          env=ENV, timeout=300)
+                          env={**ENV, **env}, timeout=300)
 
 
 def test_bench_prints_a_table_and_writes_json_rows(tiny, tmp_path):
@@ -72,20 +72,14 @@ def test_bad_json_folder_and_bad_backend_exit_2(tiny, tmp_path):
     assert gdsload("bench", tiny, "--seconds", "0").returncode == 2
 
 
-def test_a_backend_that_cannot_run_gives_a_row_with_the_reason(tiny, tmp_path, monkeypatch, capsys):
-    """Opening pinned fails (as without a GPU): one row says why, it is not tried again, the rest runs."""
-    real = bench.Bench.open
-
-    def open_(self, backend, shuffle):
-        if backend == "pinned":
-            raise BackendUnavailable("backend 'pinned' needs a CUDA GPU and CuPy")
-        return real(self, backend, shuffle)
-
-    monkeypatch.setattr(bench.Bench, "open", open_)
+def test_a_backend_that_cannot_run_gives_a_row_with_the_reason(tiny, tmp_path):
+    """Opening pinned fails (no GPU visible to the process): one row says why, it is not tried again, the rest
+    runs."""
     out = tmp_path / "b.json"
-    assert cli.main(["bench", tiny, "--backends", "cpu,pinned", "--seconds", "0.2", "--json", str(out)]) == 0
-    printed = capsys.readouterr().out
-    assert "BackendUnavailable: backend 'pinned' needs a CUDA GPU and CuPy" in printed
+    done = gdsload("bench", tiny, "--backends", "cpu,pinned", "--seconds", "0.2", "--json", str(out),
+                   CUDA_VISIBLE_DEVICES="")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "BackendUnavailable: backend 'pinned' needs a CUDA GPU and CuPy" in done.stdout
     rows = json.loads(out.read_text())["rows"]
     pinned = [r for r in rows if r["backend"] == "pinned"]
     assert len(pinned) == 1 and pinned[0]["gbps"] is None and "needs a CUDA GPU" in pinned[0]["error"]
@@ -102,11 +96,10 @@ def test_without_a_gpu_the_defaults_are_auto_and_cpu_and_gpu_backends_say_why(ti
     assert "gdsload mmap" in (out := capsys.readouterr().out) and "needs a CUDA GPU" in out
 
 
-def test_cold_without_root_says_so(tiny, tmp_path, monkeypatch):
-    monkeypatch.setattr(bench.os, "geteuid", lambda: 1000)
-    out = tmp_path / "b.json"
-    assert cli.main(["bench", tiny, "--backends", "cpu", "--cold", "--seconds", "0.2", "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
+def test_cold_without_root_says_so(tiny):
+    target = bench.Target.open(tiny)
+    no_root = dataclasses.replace(bench.Machine.here(target), can_drop=False)
+    rows = bench.Bench(target, ["cpu"], cold=True, seconds=0.2, batch_size=bench.DEFAULT_BATCH, machine=no_root).run()
     cold = [r for r in rows if r["regime"] == "cold"]
     assert any(r["backend"] is None and "needs root" in (r.get("error") or "") for r in cold)
     assert not any(r["backend"] == "cpu" for r in cold), "no cold figure without a dropped cache"
@@ -188,29 +181,27 @@ def test_sized_cold_keeps_the_probe_when_fewer_bytes_follow_it():
     assert calls == [[0]] and r.bytes == bench.PROBE_BYTES, "82 KB read cold is a latency, not a rate"
 
 
-def test_file_ceiling_reads_the_files_the_dataset_reads_for_long_enough(tiny, monkeypatch):
+def test_file_ceiling_reads_the_files_the_dataset_reads_for_long_enough(make_dataset):
     """The page-cache ceiling reads every shard file of the fields the dataset reads, back to back for at
-    least MIN_TIMED_S (a tiny dataset read once is timed at the cost of starting the reads)."""
+    least MIN_TIMED_S (a tiny dataset read once is timed at the cost of starting the reads). Its first files
+    hold more than a probe (as a large image field's do): the probe is a part, the measurement all of them."""
     from gdsload.format.layout import DatasetLayout
 
-    monkeypatch.setattr(bench, "PROBE_BYTES", 1)  # the probe is the first file alone, as for a large image file
-    read = []
-    real = bench.read_files
-
-    def spy(paths, **kw):
-        read.append(list(paths))
-        return real(paths, **kw)
-
-    b = bench.Bench(bench.Target.open(tiny), ["cpu"], cold=False, seconds=0.3, batch_size=64)
+    n = bench.PROBE_BYTES // 1024
+    path = make_dataset({"a": np.zeros((n, 1024), np.uint8), "labels": np.arange(n, dtype=np.int64)},
+                        samples_per_block=4096)
+    b = bench.Bench(bench.Target.open(path), ["cpu"], cold=False, seconds=0.3, batch_size=64)
     with b.open("cpu", False) as ds:  # the files of the dataset the bench measures, through its public face
         with DatasetLayout(ds.meta, ds.fields) as layout:
             files = layout.shard_paths()
+    assert sorted(b.target.files) == sorted(files) and len(files) >= 2
+    sizes = [os.path.getsize(f) for f in b.target.files]
+    assert sizes[0] >= bench.PROBE_BYTES, "the probe is the first file alone: a part"
     b.warm_cache()
-    monkeypatch.setattr(bench, "read_files", spy)
     r = b.files()
-    assert len(files) >= 2 and sorted(read[0]) != sorted(files), "the probe is a part"
-    assert sorted(read[-1]) == sorted(files), read
-    assert r.seconds >= bench.MIN_TIMED_S and r.bytes >= 2 * sum(os.path.getsize(f) for f in files)
+    total = sum(sizes)
+    assert r.seconds >= bench.MIN_TIMED_S and r.bytes >= 2 * total
+    assert r.bytes % total == 0, "passes over every file: none left out"
 
 
 def test_read_files_fills_min_seconds_with_passes(tiny):
@@ -224,18 +215,12 @@ def test_read_files_fills_min_seconds_with_passes(tiny):
     assert r.seconds >= 0.1 and r.bytes % size == 0 and r.bytes > size
 
 
-def test_the_plan_on_a_gpu_machine(tiny, monkeypatch):
+def test_the_plan_on_a_gpu_machine(tiny):
     """What a GPU machine with KvikIO would measure, planned without running it: ceilings first, auto's pick
     measured once and marked, each backend warm then cold, in order and shuffled."""
-    monkeypatch.setattr(bench, "gpu_available", lambda: True)
-    monkeypatch.setattr(bench, "kvikio_installed", lambda: True)
-    monkeypatch.setattr("gdsload.backends.registry.gpu_available", lambda: True)
-    monkeypatch.setattr("gdsload.backends.registry.kvikio_installed", lambda: True)
-    monkeypatch.setattr(bench, "resolve", lambda name, nbytes=None, path=None: ("mmap", "the dataset fits"))
-    monkeypatch.setattr(bench, "memory_available", lambda: 1 << 40)
-    monkeypatch.setattr(bench.os, "geteuid", lambda: 0)
-    monkeypatch.setattr(bench.os, "access", lambda path, mode: True)
-    b = bench.Bench(bench.Target.open(tiny), None, cold=True, seconds=1.0, batch_size=64)
+    gpu = bench.Machine(gpu=True, kvikio=True, memory=1 << 40, can_drop=True, auto=("mmap", "the dataset fits"),
+                        runnable=("kvikio", "pinned", "mmap", "cpu"))
+    b = bench.Bench(bench.Target.open(tiny), None, cold=True, seconds=1.0, batch_size=64, machine=gpu)
     assert b.backends == ["mmap", "kvikio", "pinned", "cpu"], "auto's pick once, then the others that can run"
     plan = b.tasks()
     ceilings = [t.where["ceiling"] + " " + t.where["regime"] for t in plan if t.where.get("ceiling")]

@@ -75,12 +75,12 @@ def test_system_info_names_this_ranks_share_of_the_cores():
             assert f"(readers count on {want}: one of 2 ranks on this machine)" in res.stdout
 
 
-def test_few_cuda_queues_are_warned_once(monkeypatch, make_dataset):
+def test_few_cuda_queues_are_warned_once(make_dataset):
     """CUDA_DEVICE_MAX_CONNECTIONS below 4 puts the loader's streams in the training step's hardware queue:
     the note names it, the warning comes once per process, and other values (or none, or what CUDA would not
     read as a count) say nothing; the cpu backend queues nothing on a GPU and opens without a warning.
     (A GPU dataset's open and gdsload info: test_gpu.py.)"""
-    import warnings
+    import json
 
     from gdsload.system import env
 
@@ -90,21 +90,26 @@ def test_few_cuda_queues_are_warned_once(monkeypatch, make_dataset):
         assert (note is not None) is said, value
         if said:
             assert note.startswith(f"CUDA_DEVICE_MAX_CONNECTIONS={value}: CUDA gives this process {value} hardware")
-    monkeypatch.setattr(env, "_connections_warned", type(env._connections_warned)())
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert env.warn_few_connections({env.CONNECTIONS_ENV: "8"}) is False
-        assert env.warn_few_connections({env.CONNECTIONS_ENV: "1"}) is True
-        assert env.warn_few_connections({env.CONNECTIONS_ENV: "1"}) is False  # once per process
-    assert [str(w.message) for w in caught] == [f"{env.connections_note({env.CONNECTIONS_ENV: '1'})}; "
-                                                f"{env.CONNECTIONS_FIX}"]
-    assert caught[0].category is RuntimeWarning
-    monkeypatch.setattr(env, "_connections_warned", type(env._connections_warned)())
-    monkeypatch.setenv(env.CONNECTIONS_ENV, "1")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        GDSDataset(make_dataset({"x": np.arange(100)}), batch_size=10, backend="cpu").close()
-    assert not env._connections_warned.is_set()
+    # Once per process: each check in a fresh one (the cpu dataset's open with the variable set warns of nothing,
+    # and leaves the warning to the first GPU dataset).
+    script = f"""
+import json, warnings
+import numpy as np
+from gdsload import GDSDataset
+from gdsload.system import env
+with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    GDSDataset({make_dataset({"x": np.arange(100)})!r}, batch_size=10, backend="cpu").close()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    said = [env.warn_few_connections({{env.CONNECTIONS_ENV: v}}) for v in ("8", "1", "1")]
+print(json.dumps([said, [(str(w.message), w.category.__name__) for w in caught]]))
+"""
+    done = run("-c", script, env={**ENV, env.CONNECTIONS_ENV: "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    said, caught = json.loads(done.stdout)
+    assert said == [False, True, False], "warned by the second call alone: once per process"
+    assert caught == [[f"{env.connections_note({env.CONNECTIONS_ENV: '1'})}; {env.CONNECTIONS_FIX}", "RuntimeWarning"]]
 
 
 def test_the_issues_three_commands_print_one_line_and_exit_2(tmp_path):
@@ -284,36 +289,35 @@ def _flip(data: bytes, at: int) -> bytes:
     return data[:at] + bytes([data[at] ^ 0x04]) + data[at + 1:]
 
 
-def test_info_and_verify_of_an_http_url(make_dataset, srv, tmp_path, monkeypatch, capsys):
+def test_info_and_verify_of_an_http_url(make_dataset, srv, tmp_path):
     """``gdsload info URL`` and ``gdsload verify URL`` open a remote dataset as GDSDataset does (its skeleton, in
     a temporary folder removed after); verify reads every block from the objects, so a bit flipped on the
     server is BAD, named by its object's URL; a shard object gone is named too."""
-    import tempfile
-
-    from gdsload.tools import cli
-
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     os.mkdir(tmp_path / "tmp")
+    env = {**ENV, "TMPDIR": str(tmp_path / "tmp")}  # where the skeletons' temporary folders go
     path = make_dataset({"x": np.arange(400 * 4, dtype=np.float32).reshape(400, 4), "idx": np.arange(400)},
                         samples_per_block=16, shard_bytes=16 * 16 * 4 * 4)
     url = upload(srv, path, "d.gds")
-    assert cli.main(["info", url]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith(f"dataset: {url}\nsamples: 400 ") and "  x: dtype <f4 (float32), sample shape (4,)" in out
+    done = run("-m", "gdsload", "info", url, env=env)
+    out = done.stdout
+    assert done.returncode == 0 and out.startswith(f"dataset: {url}\nsamples: 400 "), done.stderr
+    assert "  x: dtype <f4 (float32), sample shape (4,)" in out
     assert path not in out and str(tmp_path / "tmp") not in out, out
-    assert cli.main(["verify", url, "--quiet"]) == 0
-    assert capsys.readouterr().out == f"{url}: 50 block(s) checked, 0 bad\n"
+    done = run("-m", "gdsload", "verify", url, "--quiet", env=env)
+    assert done.returncode == 0 and done.stdout == f"{url}: 50 block(s) checked, 0 bad\n"
     shard = "d.gds/x/c/1/0"
     srv.put(shard, _flip(srv.objects["/" + shard], 100))  # block 16's data: the first of shard 1
-    assert cli.main(["verify", url, "--quiet"]) == 1
-    out = capsys.readouterr().out.splitlines()
+    done = run("-m", "gdsload", "verify", url, "--quiet", env=env)
+    assert done.returncode == 1
+    out = done.stdout.splitlines()
     assert out[0].startswith(f"BAD {srv.url(shard)}: block 16 of field 'x' (256 bytes at offset 0) fails its "
                              f"crc32c check"), out
     assert out[-1] == f"{url}: 50 block(s) checked, 1 bad", out
     srv.delete(shard)  # the open itself refuses: the skeleton names the shard object gone
-    assert cli.main(["verify", url, "--quiet"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("gdsload verify: error: ") and srv.url(shard) in err and "404" in err, err
+    done = run("-m", "gdsload", "verify", url, "--quiet", env=env)
+    err = done.stderr
+    assert done.returncode == 2 and err.startswith("gdsload verify: error: ") and srv.url(shard) in err, err
+    assert "404" in err, err
     assert os.listdir(tmp_path / "tmp") == [], "the skeletons' temporary folders are removed"
 
 

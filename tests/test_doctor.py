@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from gdsload.tools.doctor import diagnose, gather, main, render
-from gdsload.tools.doctor_probe import LiveRead, Target, cufile_version, o_direct_read
+from gdsload.tools.doctor_probe import HostProbes, LiveRead, Target, cufile_version, o_direct_read
 from gdsload.format.layout import DatasetLayout
 from gdsload.format.meta import read_metadata
 from gdsload.conversion.source_types import ArraySource
@@ -453,19 +453,18 @@ def test_doctor_on_this_machine(dataset_dir):
     assert text.returncode == 0 and text.stdout.splitlines()[-1] == rep["verdict"]
 
 
-def test_unaligned_dataset_and_plain_file(make_dataset, tmp_path, monkeypatch):
+def test_unaligned_dataset_and_plain_file(make_dataset, tmp_path):
     path = make_dataset({"x": np.zeros((300, 7), np.uint8)}, samples_per_block=10)
 
-    def doctor_json(p: str) -> dict:
+    def doctor_json(p: str, resident_bytes: int | None = None) -> dict:
         out = io.StringIO()
-        assert main(p, as_json=True, out=out) == 0
+        assert main(p, as_json=True, probes=HostProbes(resident_bytes), out=out) == 0
         return json.loads(out.getvalue())
 
     small = doctor_json(path)  # a field this small is read whole at open: its blocks are never read singly
     assert small["aligned"] is False and check(small, "alignment")["ok"] is None
     assert "read whole at open (at most resident_bytes=67108864)" in check(small, "alignment")["found"]
-    monkeypatch.setattr("gdsload.pipeline.reader.DEFAULT_RESIDENT_BYTES", 0)
-    rep = doctor_json(path)
+    rep = doctor_json(path, resident_bytes=0)  # as a dataset opened with resident_bytes=0 reads it
     align = check(rep, "alignment")
     assert rep["aligned"] is False and align["ok"] is False and "array 'x': 30 of 30 blocks unaligned" in align["found"]
     assert "multiple of 4 KiB" in align["fix"]
@@ -512,7 +511,7 @@ def test_auto_is_asked_with_the_datasets_size(tmp_path):
     assert machine.asked_bytes is None
 
 
-def test_alignment_calls_small_what_gdsdataset_holds_whole(tmp_path, monkeypatch):
+def test_alignment_calls_small_what_gdsdataset_holds_whole(tmp_path):
     """The doctor judged a field "read whole at open" by block bytes times the dataset's blocks; GDSDataset
     holds whole by its chunks. In a foreign store whose chunks are smaller than the block they disagreed."""
     import zarr
@@ -521,9 +520,8 @@ def test_alignment_calls_small_what_gdsdataset_holds_whole(tmp_path, monkeypatch
     g = zarr.create_group(path)
     g.create_array("a", shape=(700, 1000), dtype="uint8", chunks=(7, 1000), compressors=None)[:] = 1
     g.create_array("b", shape=(700, 1024), dtype="uint8", chunks=(64, 1024), compressors=None)[:] = 2
-    monkeypatch.setattr("gdsload.pipeline.reader.DEFAULT_RESIDENT_BYTES", 100_000)  # 'a' holds 700,000 bytes
     out = io.StringIO()
-    assert main(path, as_json=True, out=out) == 0
+    assert main(path, as_json=True, probes=HostProbes(resident_bytes=100_000), out=out) == 0  # 'a': 700,000 bytes
     found = check(json.loads(out.getvalue()), "alignment")
     assert found["ok"] is False and "array 'a'" in found["found"] and "read whole" not in found["found"]
 

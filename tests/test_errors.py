@@ -13,7 +13,7 @@ import pytest
 import gdsload
 from _helpers import labelled, wait_no_readers
 from gdsload import GDSDataset, GDSLoadError
-from gdsload.backends.cpu import CpuBackend
+from gdsload.backends import info
 from gdsload.errors import with_context
 from gdsload.remote.shard_cache import CacheFull
 
@@ -86,24 +86,25 @@ def dataset(make_dataset):
     return make_dataset(data, samples_per_block=8, shard_bytes=8 * 60 * 10), data
 
 
-def _fail_on(monkeypatch, n: int = 0, field: str | None = None) -> None:
-    """The cpu backend's n-th submit (or the first of ``field``'s reads) raises a CacheFull, whose __init__
-    takes need and pinned."""
-    calls, submit = [0], CpuBackend.submit
+def _fail_on(plug, n: int = 0, field: str | None = None) -> str:
+    """A cpu backend (its name, registered) whose n-th submit (or the first of ``field``'s reads) raises a
+    CacheFull, whose __init__ takes need and pinned."""
+    calls = [0]
 
-    def failing(self, dest, requests, stop):
-        calls[0] += 1
-        if calls[0] == n or (field is not None and f"/{field}/" in requests[0].path):
-            raise CacheFull(f"{requests[0].path}: no room", need=77, pinned=88)
-        return submit(self, dest, requests, stop)
+    class Failing(info("cpu").backend_class):  # type: ignore[misc,valid-type]
+        def submit(self, dest, requests, stop):
+            calls[0] += 1
+            if calls[0] == n or (field is not None and f"/{field}/" in requests[0].path):
+                raise CacheFull(f"{requests[0].path}: no room", need=77, pinned=88)
+            return super().submit(dest, requests, stop)
 
-    monkeypatch.setattr(CpuBackend, "submit", failing)
+    return plug(Failing)
 
 
-def test_a_cache_full_in_a_later_window_reaches_the_consumer_as_itself(dataset, monkeypatch):
+def test_a_cache_full_in_a_later_window_reaches_the_consumer_as_itself(dataset, plug):
     path, data = dataset
-    _fail_on(monkeypatch, n=4)
-    with GDSDataset(path, batch_size=16, backend="cpu", window_blocks=2, resident_bytes=0) as ds:
+    failing = _fail_on(plug, n=4)
+    with GDSDataset(path, batch_size=16, backend=failing, window_blocks=2, resident_bytes=0) as ds:
         with pytest.raises(CacheFull, match=r"no room \(reading ") as caught:
             for b in ds:
                 np.testing.assert_array_equal(b["x"], data["x"][b["idx"]])
@@ -111,10 +112,10 @@ def test_a_cache_full_in_a_later_window_reaches_the_consumer_as_itself(dataset, 
     assert wait_no_readers() == []
 
 
-def test_a_cache_full_reading_a_resident_field_reaches_the_consumer_as_itself(dataset, monkeypatch):
+def test_a_cache_full_reading_a_resident_field_reaches_the_consumer_as_itself(dataset, plug):
     path, _ = dataset
-    _fail_on(monkeypatch, field="idx")
-    with GDSDataset(path, batch_size=16, backend="cpu", window_blocks=2) as ds:
+    failing = _fail_on(plug, field="idx")
+    with GDSDataset(path, batch_size=16, backend=failing, window_blocks=2) as ds:
         assert "idx" in ds.resident_fields
         with pytest.raises(CacheFull, match="reading resident field 'idx'") as caught:
             next(iter(ds))

@@ -42,6 +42,44 @@ def to_host(a):
     return cupy.asnumpy(a)
 
 
+def kept(plug, backend: str, made: list) -> str:
+    """``backend``'s class registered under a name of the test's (gdsload.backends.register), each instance it
+    makes appended to ``made``: the backend a dataset reads with, reached through the registry."""
+    from gdsload.backends import info
+
+    class Kept(info(backend).backend_class):  # type: ignore[misc,valid-type]
+        def __init__(self, **options):
+            super().__init__(**options)
+            made.append(self)
+
+    return plug(Kept, on_device=True)
+
+
+def registered_host_memory(ptr: int) -> bool:
+    """Whether host memory at ``ptr`` is registered with CUDA (pinned) now."""
+    import cupy
+
+    try:
+        return cupy.cuda.runtime.pointerGetAttributes(ptr).type != 0  # cudaMemoryTypeUnregistered
+    except cupy.cuda.runtime.CUDARuntimeError:  # older drivers refuse unregistered pointers
+        return False
+
+
+def o_direct_files(under: str) -> list[str]:
+    """Files below ``under`` this process holds open with O_DIRECT (/proc/self/fdinfo's flags)."""
+    found, under = [], os.path.realpath(under)
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            with open(f"/proc/self/fdinfo/{fd}") as f:
+                flags = int(next(ln for ln in f if ln.startswith("flags:")).split()[1], 8)
+        except (OSError, StopIteration):
+            continue
+        if target.startswith(under) and flags & os.O_DIRECT:
+            found.append(target)
+    return found
+
+
 def check(batch, data):
     idx = to_host(batch["idx"])
     np.testing.assert_array_equal(to_host(batch["x"]), data["x"][idx])
@@ -159,24 +197,27 @@ def test_torch_output_on_a_non_default_torch_stream(small, backend):
 
 
 @pytest.mark.parametrize("slots", [1, 3])
-def test_pinned_pool_is_bounded_and_freed(small, slots):
+def test_pinned_pool_is_bounded_and_freed(small, slots, plug):
     """One slot (reads and copies take turns) or a few (one kept for copies in flight): right batches, the
-    pinned bytes held never above the pool."""
+    pinned bytes held never above the pool, every slot given back, the pinned memory freed on close."""
     path, data = small
     pool_bytes = slots * 8192
     opts = {"pool_bytes": pool_bytes, "slot_bytes": 8192, "num_threads": 8,  # blocks (8064 B) span slots
             "reader": "kvikio"}
-    ds = Dataset(path, batch_size=64, backend="pinned", backend_options=opts, window_blocks=8)
-    pool = ds._reader.backend.pool
-    assert pool.total_bytes == pool_bytes
-    assert ds.describe()["backend_stats"]["reading_slots"] == max(1, slots - 1)
+    made: list = []
+    ds = Dataset(path, batch_size=64, backend=kept(plug, "pinned", made), backend_options=opts, window_blocks=8)
+    pool = made[0].pool
+    stats = ds.describe()["backend_stats"]
+    assert stats["pool_bytes"] == pool_bytes and stats["reading_slots"] == max(1, slots - 1)
+    assert registered_host_memory(pool.ptr(0))
     for b in ds:
         check(b, data)
     ds.stop()  # the next epoch's reads ahead hold slots too
-    assert 0 < pool.peak_bytes_in_use <= pool_bytes
+    stats = ds.describe()["backend_stats"]
+    assert 0 < stats["peak_slots_in_use"] * stats["slot_bytes"] <= pool_bytes
     assert pool.in_use == 0
     ds.close()
-    assert pool._mem is None
+    assert not registered_host_memory(pool.ptr(0)), "close() frees the pinned pool"
 
 
 @pytest.mark.parametrize("reader", ["native", "kvikio", "threads"])
@@ -186,13 +227,14 @@ def test_pinned_readers(small, reader):
     opts = {"reader": reader, "slot_bytes": 8192, "pool_bytes": 4 * 8192}  # many slot loads per window
     before = len(os.listdir("/proc/self/task"))
     with Dataset(path, batch_size=64, backend="pinned", shuffle=True, window_blocks=5, backend_options=opts) as ds:
-        assert ds._reader.backend.reader == reader
+        assert ds.describe()["backend_stats"]["reader"] == reader
         seen = np.concatenate([check(b, data) for b in ds])
         np.testing.assert_array_equal(seen, epoch_plan(ds.config, 0).sample_ids())
+        stats = ds.describe()["backend_stats"]
         if reader == "native":
-            assert ds._reader.backend.pool is None and ds.describe()["backend_stats"]["pool_bytes"] > 0
+            assert stats["pool_bytes"] > 0
         else:
-            assert ds._reader.backend.pool.peak_bytes_in_use <= 4 * 8192
+            assert 0 < stats["peak_slots_in_use"] * stats["slot_bytes"] <= 4 * 8192
     assert not [t.name for t in threading.enumerate() if t.name.startswith("gdsload-pinned")]
     if reader == "native":
         assert len(os.listdir("/proc/self/task")) <= before  # the stager's pthreads joined
@@ -201,7 +243,7 @@ def test_pinned_readers(small, reader):
 def test_pinned_auto_reader_is_native_where_it_builds(small):
     path, data = small
     with Dataset(path, batch_size=64, backend="pinned") as ds:
-        assert ds._reader.backend.reader == "native", ds.describe()["backend_stats"]
+        assert ds.describe()["backend_stats"]["reader"] == "native", ds.describe()["backend_stats"]
         assert ds.describe()["backend_stats"]["num_threads"] == native_threads(rank_cores())
         for b in ds:
             check(b, data)
@@ -222,7 +264,7 @@ def test_pinned_with_o_direct(tmp_path):
             i = to_host(b["idx"])
             np.testing.assert_array_equal(to_host(b["x"]), x[i])
             seen.append(i)
-        assert ds._reader.backend._staging._direct_files._fds, "aligned blocks went through the O_DIRECT descriptors"
+        assert o_direct_files(path), "aligned blocks went through O_DIRECT descriptors"
     assert sorted(np.concatenate(seen).tolist()) == list(range(n))
 
 
@@ -252,18 +294,20 @@ def test_lifecycle_threads_and_errors(small, backend, tmp_path):
     assert wait_no_readers() == []
 
 
-def test_mmap_locks_at_open_within_budget(small, tmp_path):
+def test_mmap_locks_at_open_within_budget(small, tmp_path, plug):
     from gdsload import BackendUnavailable
+    from gdsload.format.layout import DatasetLayout
 
     path, data = small
-    with Dataset(path, batch_size=64, backend="mmap", shuffle=True) as ds:
-        shards = ds._reader.layout.shard_paths()
+    made: list = []
+    with Dataset(path, batch_size=64, backend=kept(plug, "mmap", made), shuffle=True) as ds:
+        with DatasetLayout(ds.meta, ds.fields) as layout:
+            shards = layout.shard_paths()
         assert ds.io_mode == "mmap"
-        backend = ds._reader.backend
-        assert backend.pinned_bytes == sum(os.path.getsize(p) for p in shards) and backend.register_s > 0
+        stats = ds.describe()["backend_stats"]
+        assert stats["locked_bytes"] == sum(os.path.getsize(p) for p in shards) and stats["open_s"] > 0
         first = [check(b, data) for b in ds]
-        backend = ds._reader.backend
-    assert backend.pinned_bytes == 0, "close() unlocks every file"
+    assert made[0].pinned_bytes == 0, "close() unlocks every file"
     assert sorted(np.concatenate(first).tolist()) == list(range(len(data["idx"])))
     with pytest.raises(BackendUnavailable, match=r"would lock .* over its budget"):
         Dataset(path, batch_size=64, backend="mmap", backend_options={"max_bytes": 4096})
@@ -283,43 +327,47 @@ def test_mmap_locks_at_open_within_budget(small, tmp_path):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_the_open_reads_the_first_window_and_the_first_pass_does_not_read_it_again(small, backend, monkeypatch):
+def test_the_open_reads_the_first_window_and_the_first_pass_does_not_read_it_again(small, backend, plug):
     """The open reads the window a pass from the dataset's start reads first into the first window buffer
     (each backend's own start happens there, not under the first batch); that pass submits every other
     window, and its batches are right."""
     import cupy
 
-    from gdsload.backends.kvikio import KvikioBackend
-    from gdsload.backends.mmap.backend import MmapBackend
-    from gdsload.backends.pinned.backend import PinnedBackend
+    from _helpers import window_map
+    from gdsload.backends import info
+    from gdsload.format.layout import DatasetLayout
 
     path, data = small
-    kind = {"kvikio": KvikioBackend, "pinned": PinnedBackend, "mmap": MmapBackend}[backend]
-    submitted, real = [], kind.submit
-    monkeypatch.setattr(kind, "submit", lambda self, dest, requests, stop: (
-        submitted.append(list(requests)), real(self, dest, requests, stop))[1])
-    with Dataset(path, batch_size=64, backend=backend, shuffle=True, window_blocks=3, resident_bytes=0,
-                 prefetch_next_epoch=False) as ds:
-        plan = ds._position.plan(0)
-        first = ds._reader.window_map.first_requests(ds._reader.layout, plan)
-        assert submitted == [first] and ds._buffers[0].loaded is not None
+    submitted, buffers = [], []
+
+    class Recording(info(backend).backend_class):  # type: ignore[misc,valid-type]
+        def submit(self, dest, requests, stop):
+            submitted.append(list(requests))
+            buffers.append(dest)
+            return super().submit(dest, requests, stop)
+
+    with Dataset(path, batch_size=64, backend=plug(Recording, on_device=True), shuffle=True, window_blocks=3,
+                 resident_bytes=0, prefetch_next_epoch=False) as ds, DatasetLayout(ds.meta, ds.fields) as layout:
+        plan = epoch_plan(ds.config, 0)
+        first = window_map(ds, layout).first_requests(layout, plan)
+        assert submitted == [first] and ds.describe()["window_buffers"] == 1
         cupy.cuda.Device().synchronize()
-        buffer = ds._buffers[0].buffer
+        buffer = buffers[0]
         for r in first:
             if hasattr(r, "path"):
                 with open(r.path, "rb") as f:
                     f.seek(r.offset)
                     assert cupy.asnumpy(buffer[r.dest_offset:r.dest_offset + r.nbytes]).tobytes() == f.read(r.nbytes)
         if backend == "mmap":
-            loaded = ds._reader.backend.stats()["loaded_bytes"]
-            assert 0 < loaded < ds._reader.backend.pinned_bytes, "the first window's ranges only, before any pass"
+            stats = ds.describe()["backend_stats"]
+            assert 0 < stats["loaded_bytes"] < stats["locked_bytes"], "the first window's ranges only, before any pass"
         submitted.clear()
         assert sorted(np.concatenate([check(b, data) for b in ds]).tolist()) == list(range(len(data["idx"])))
         assert len(submitted) == len(plan.windows) - 1
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_stopping_waits_for_the_gpu_work_its_pipeline_queued(small, backend, monkeypatch):
+def test_stopping_waits_for_the_gpu_work_its_pipeline_queued(small, backend, monkeypatch, plug):
     """Memory freed with a stopped pipeline (index uploads, batches nobody took) goes back to CuPy's pool and
     out again at once, so none of its gathers may still be queued: on the H100, stop/start in a loop made a
     gather read indices overwritten by a later pipeline's data (cudaErrorInvalidAddressSpace, or an illegal
@@ -328,8 +376,18 @@ def test_stopping_waits_for_the_gpu_work_its_pipeline_queued(small, backend, mon
 
     import cupy
 
+    import gdsload.dataset
     from gdsload.pipeline import assembler
     from gdsload.tools.steps import Spin
+
+    pipelines: list = []
+
+    class Recorded(gdsload.dataset.Pipeline):  # type: ignore[misc,name-defined]
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            pipelines.append(self)
+
+    monkeypatch.setattr(gdsload.dataset, "Pipeline", Recorded)
 
     path, data = small
     # One gather per batch: the batches assembled after the step is launched are gathered then (in groups,
@@ -341,7 +399,7 @@ def test_stopping_waits_for_the_gpu_work_its_pipeline_queued(small, backend, mon
     with consumer, Dataset(path, batch_size=64, backend=backend, shuffle=True, seed=2, window_blocks=3) as ds:
         it = iter(ds)
         check(next(it), data)
-        pipeline = ds._active[0]
+        pipeline = pipelines[-1]  # the one running: the dataset's first
         Spin(3000.0).launch()  # on the consumer's stream: what the assembler queues from now on waits for it
         next(it)  # room given back: the assembler gathers the next batches (once their windows are read), behind it
         deadline = time.monotonic() + 2.5
@@ -459,23 +517,38 @@ def test_io_mode_is_reported_honestly(small, monkeypatch):
     with Dataset(path, batch_size=8) as ds:
         assert ds.backend_name == ("kvikio" if gds_available() else "pinned") and ds.backend_reason
         # KvikIO is installed there, and a C compiler: pinned's reader is the native stager
-        assert ds.backend_name == "kvikio" or ds._reader.backend.reader == "native", ds.describe()["backend_stats"]
+        stats = ds.describe()["backend_stats"]
+        assert ds.backend_name == "kvikio" or stats["reader"] == "native", stats
 
 
 def test_few_cuda_queues_warn_at_open_and_in_info(small, monkeypatch):
     """With CUDA_DEVICE_MAX_CONNECTIONS=1 the steps queue behind the loader's copies: a GPU dataset's open
-    warns (once per process), and gdsload info shows the note with its fix beside the GPU."""
+    warns (once per process: a fresh one here), and gdsload info shows the note with its fix beside the GPU."""
+    import json
     import subprocess
     import sys
 
     from gdsload.system import env
 
     path, _ = small
-    monkeypatch.setattr(env, "_connections_warned", threading.Event())
     monkeypatch.setenv(env.CONNECTIONS_ENV, "1")
-    with pytest.warns(RuntimeWarning, match="^CUDA_DEVICE_MAX_CONNECTIONS=1: CUDA gives this process 1 hardware"):
-        Dataset(path, batch_size=8, backend="mmap").close()
-    assert env._connections_warned.is_set()
+    script = f"""
+import json, warnings
+from gdsload import GDSDataset
+from gdsload.system import env
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    GDSDataset({path!r}, batch_size=8, backend="mmap").close()
+    GDSDataset({path!r}, batch_size=8, backend="mmap").close()
+print(json.dumps([[str(w.message) for w in caught if w.category is RuntimeWarning], env.warn_few_connections()]))
+"""
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert res.returncode == 0, res.stderr
+    warned, again = json.loads(res.stdout.splitlines()[-1])
+    assert len(warned) == 1 and warned[0].startswith("CUDA_DEVICE_MAX_CONNECTIONS=1: CUDA gives this process 1 "
+                                                     "hardware"), warned
+    assert again is False, "warned once per process"
     res = subprocess.run([sys.executable, "-m", "gdsload", "info"], capture_output=True, text=True,
                          timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert res.returncode == 0, res.stderr

@@ -11,7 +11,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from gdsload.cuda import kernels as kernel_cache
 from gdsload.cuda.kernels import cache_dir, cache_key, load_module
 
 
@@ -93,14 +92,25 @@ def test_a_folder_that_cannot_be_written_falls_back_to_cupys_own_cache(tmp_path)
     assert module.code == "src" and cupy.from_code == ["src"]
 
 
-def test_a_failed_write_leaves_no_temporary_file(tmp_path, monkeypatch):
-    def fail(*args, **kwargs):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(kernel_cache.os, "replace", fail)
-    cupy = FakeCupy()
-    load_module(cupy, "src", 0, probe="k", folder=str(tmp_path))
-    assert cupy.from_code == ["src"] and os.listdir(tmp_path) == []
+def test_a_failed_write_leaves_no_temporary_file(tmp_path):
+    """A write the file system refuses (here: past the process's file-size limit, EFBIG): CuPy's own module,
+    and nothing left in the folder. In a process of its own, whose limit is what fails the write."""
+    script = textwrap.dedent(f"""
+        import os, resource, signal
+        from test_kernel_cache import FakeCupy
+        from gdsload.cuda.kernels import load_module
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        cupy = FakeCupy()
+        load_module(cupy, "src", 0, probe="k", folder={str(tmp_path)!r})
+        print(cupy.from_code, os.listdir({str(tmp_path)!r}))
+    """)
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": path})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[0] == "['src'] []", done.stdout
 
 
 def test_the_cache_folder_follows_the_environment(tmp_path):

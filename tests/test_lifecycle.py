@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from _helpers import labelled, open_fds, threads_left_after_use, wait_no_readers, window_map
-from gdsload import BackendUnavailable, ChecksumError, GDSDataset, GDSLoadError, ReadError
+from gdsload import ChecksumError, GDSDataset, GDSLoadError, ReadError
+from gdsload.backends import info
 from gdsload.tools.cli import main as cli_main
 from gdsload.format.layout import DatasetLayout
 from gdsload.format.meta import read_metadata
@@ -176,22 +177,24 @@ def test_no_thread_survives_close(data_path):
     assert threads_left_after_use(Dataset(path, batch_size=32, shuffle=True)) == set()
 
 
-def test_a_stopped_pipeline_waits_for_its_device_work_after_its_threads(data_path, monkeypatch):
+def test_a_stopped_pipeline_waits_for_its_device_work_after_its_threads(data_path, monkeypatch, plug):
     """close() quiesces the ops (gathers, uploads), the backend (copies) and the decoder, in that order after
     the threads are joined; on the GPU that is what keeps freed memory from being handed out while queued
     work still uses it (tests/test_gpu.py checks the streams)."""
-    from gdsload.backends.cpu import CpuBackend
     from gdsload.cuda.ops import HostOps
 
     calls = []
 
-    def quiesce(self, what):
+    def quiesce(what):
         calls.append((what, sorted(t.name for t in gdsload_threads() if "reader" in t.name)))
 
-    monkeypatch.setattr(HostOps, "quiesce", lambda self: quiesce(self, "ops"), raising=False)
-    monkeypatch.setattr(CpuBackend, "quiesce", lambda self: quiesce(self, "backend"), raising=False)
+    class Quiescing(info("cpu").backend_class):  # type: ignore[misc,valid-type]
+        def quiesce(self):
+            quiesce("backend")
+
+    monkeypatch.setattr(HostOps, "quiesce", lambda self: quiesce("ops"), raising=False)
     path, _ = data_path
-    with Dataset(path, batch_size=32, shuffle=True) as ds:
+    with Dataset(path, batch_size=32, shuffle=True, backend=plug(Quiescing)) as ds:
         for i, _batch in enumerate(ds):
             if i == 3:
                 break  # leaving a pass stops its pipeline
@@ -203,29 +206,42 @@ def test_a_stopped_pipeline_waits_for_its_device_work_after_its_threads(data_pat
         assert [c[0] for c in calls] == ["ops", "backend"] * 2
 
 
-@pytest.fixture
-def submitted(monkeypatch):
-    """Every read the cpu backend is given, as (buffer, requests), the open's included."""
-    from gdsload.backends.cpu import CpuBackend
+class Calls(list):
+    """What a recording backend was given: reads as (buffer, requests) in the list, buffers in ``allocated``;
+    ``backend``: its name for ``backend=``."""
 
-    calls = []
-    real_submit = CpuBackend.submit
-    monkeypatch.setattr(CpuBackend, "submit", lambda self, dest, requests, stop: (
-        calls.append((dest, list(requests))), real_submit(self, dest, requests, stop))[1])
+    backend: str
+    allocated: list
+
+
+@pytest.fixture
+def submitted(plug) -> Calls:
+    """Every read a cpu backend registered for the test is given, as (buffer, requests), the open's included,
+    and every buffer it allocates."""
+    calls = Calls()
+    calls.allocated = []
+
+    class Recording(info("cpu").backend_class):  # type: ignore[misc,valid-type]
+        def allocate(self, nbytes):
+            calls.allocated.append(super().allocate(nbytes))
+            return calls.allocated[-1]
+
+        def submit(self, dest, requests, stop):
+            calls.append((dest, list(requests)))
+            return super().submit(dest, requests, stop)
+
+    calls.backend = plug(Recording)
     return calls
 
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_the_open_reads_the_window_the_first_pass_reads_first_and_that_pass_does_not_read_it_again(
-        data_path, submitted, monkeypatch, rank):
-    from gdsload.backends.cpu import CpuBackend
-
-    allocated, real_allocate = [], CpuBackend.allocate
-    monkeypatch.setattr(CpuBackend, "allocate", lambda self, nbytes: (
-        allocated.append(real_allocate(self, nbytes)), allocated[-1])[1])
+        data_path, submitted, rank):
+    allocated = submitted.allocated
     path, data = data_path
     with Dataset(path, batch_size=16, shuffle=True, seed=5, window_blocks=3, rank=rank, world_size=2,
-                 resident_bytes=0, prefetch_next_epoch=False) as ds, DatasetLayout(ds.meta, ds.fields) as layout:
+                 resident_bytes=0, prefetch_next_epoch=False, backend=submitted.backend) as ds, \
+            DatasetLayout(ds.meta, ds.fields) as layout:
         plan, wm = epoch_plan(ds.config, 0), window_map(ds, layout)
         first = wm.first_requests(layout, plan)
         assert len(submitted) == 1 and submitted[0][1] == first, "the first window, at open"
@@ -268,7 +284,7 @@ def test_nothing_is_read_between_the_open_and_the_first_batch_unless_that_batch_
     monkeypatch.setattr(Assembler, "batches", batches)
     path, data = data_path
     with Dataset(path, batch_size=16, shuffle=True, seed=5, window_blocks=window_blocks, resident_bytes=0,
-                 prefetch_next_epoch=False) as ds:
+                 prefetch_next_epoch=False, backend=submitted.backend) as ds:
         assert len(submitted) == 1, "the open reads the first window"
         got = list(ds)
     if window_blocks == 3:
@@ -283,7 +299,7 @@ def test_a_first_window_read_at_open_serves_no_pass_but_one_from_the_start(data_
     path, data = data_path
     for leave_early in (False, True):
         with Dataset(path, batch_size=16, shuffle=True, seed=5, window_blocks=3, resident_bytes=0,
-                     prefetch_next_epoch=False) as ds:
+                     prefetch_next_epoch=False, backend=submitted.backend) as ds:
             ds.set_epoch(3)  # another window first
             if leave_early:
                 next(iter(ds))  # the first pass stops after its first window
@@ -301,7 +317,7 @@ def test_a_first_window_read_at_open_serves_no_pass_but_one_from_the_start(data_
 def test_stopping_before_any_pass_keeps_the_window_read_at_open(data_path, submitted):
     path, data = data_path
     with Dataset(path, batch_size=16, shuffle=True, seed=5, window_blocks=3, resident_bytes=0,
-                 prefetch_next_epoch=False) as ds:
+                 prefetch_next_epoch=False, backend=submitted.backend) as ds:
         submitted.clear()
         ds.stop()  # no pipeline runs, none wrote the buffer
         batches = list(ds)
@@ -310,17 +326,15 @@ def test_stopping_before_any_pass_keeps_the_window_read_at_open(data_path, submi
             np.testing.assert_array_equal(b["x"], data["x"][b["idx"]])
 
 
-def test_a_first_window_that_cannot_be_read_fails_the_open_and_leaves_nothing_open(data_path, monkeypatch):
-    from gdsload.backends.cpu import CpuBackend
+def test_a_first_window_that_cannot_be_read_fails_the_open_and_leaves_nothing_open(data_path, plug):
+    class Failing(info("cpu").backend_class):  # type: ignore[misc,valid-type]
+        def submit(self, dest, requests, stop):
+            raise ReadError(f"{requests[0].path}: cannot read")
 
-    def fail(self, dest, requests, stop):
-        raise ReadError(f"{requests[0].path}: cannot read")
-
-    monkeypatch.setattr(CpuBackend, "submit", fail)
     path, _ = data_path
     before = open_fds()
     with pytest.raises(ReadError, match="cannot read"):
-        Dataset(path, batch_size=16)
+        Dataset(path, batch_size=16, backend=plug(Failing))
     assert open_fds() == before and wait_no_readers() == []
 
 
@@ -373,20 +387,27 @@ def test_bad_arguments_name_the_argument(data_path, kwargs, error, match):
         Dataset(path, **kwargs)
 
 
-def test_torch_output_without_torch_names_the_extra(data_path, monkeypatch):
-    import builtins
+def test_torch_output_without_torch_names_the_extra(data_path, tmp_path):
+    """In a process where ``import torch`` fails (a torch package that cannot be imported comes first on its
+    path), output="torch" is refused at open, naming the extra to install."""
+    import subprocess
+    import sys
 
-    real_import = builtins.__import__
-
-    def no_torch(name, *args, **kwargs):
-        if name == "torch" or name.startswith("torch."):
-            raise ModuleNotFoundError("No module named 'torch'")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_torch)
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'torch'\")\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path, _ = data_path
-    with pytest.raises(BackendUnavailable, match=r"gdsload\[torch\]"):
-        Dataset(path, batch_size=8, output="torch")
+    script = f"""
+from gdsload import BackendUnavailable, GDSDataset
+try:
+    GDSDataset({path!r}, batch_size=8, backend="cpu", output="torch")
+except BackendUnavailable as e:
+    print(e)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), root])})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "gdsload[torch]" in done.stdout, done.stdout
 
 
 def test_a_single_field_name_as_a_string(data_path):

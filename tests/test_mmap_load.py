@@ -226,12 +226,12 @@ def test_mmap_backend_copies_wait_for_their_ranges_and_never_span_two(tmp_path, 
     from gdsload.backends.base import ReadRequest
     from gdsload.format.files import ShardFiles
 
-    monkeypatch.setattr(mmap_backend, "RANGE_BYTES", 64 << 10)
     paths, _ = _files(tmp_path, [300 << 10, 100 << 10])
     files = ShardFiles.open(paths)
     gate, real = threading.Event(), os.preadv
     monkeypatch.setattr(os, "preadv", lambda *a: (gate.wait(5), real(*a))[1])  # the loader reads once let
-    backend = mmap_backend.MmapBackend(copy_bytes=1 << 30, register_threads=2)  # reads RANGE_BYTES here
+    backend = mmap_backend.MmapBackend(copy_bytes=1 << 30, register_threads=2)
+    backend.range_bytes = 64 << 10  # locked and copied in ranges of this: several per file here
     t0 = time.perf_counter()
     backend.prepare(files)
     assert time.perf_counter() - t0 < 1, "the open does not wait for the files to load"
@@ -258,16 +258,16 @@ def test_mmap_backend_copies_wait_for_their_ranges_and_never_span_two(tmp_path, 
     files.close()
 
 
-def test_mmap_backend_locks_only_a_windows_ranges_until_the_pipeline_started(tmp_path, fake_cupy, monkeypatch):
+def test_mmap_backend_locks_only_a_windows_ranges_until_the_pipeline_started(tmp_path, fake_cupy):
     """The first window's ranges load alone (nothing else queued before them); started() loads the rest."""
     from gdsload.backends.mmap import backend as mmap_backend
     from gdsload.backends.base import ReadRequest
     from gdsload.format.files import ShardFiles
 
-    monkeypatch.setattr(mmap_backend, "RANGE_BYTES", 64 << 10)
     paths, _ = _files(tmp_path, [512 << 10])
     files = ShardFiles.open(paths)
     backend = mmap_backend.MmapBackend(register_threads=4)
+    backend.range_bytes = 64 << 10
     backend.prepare(files)
     dest = _Dest(100 << 10)
     backend.submit(dest, [ReadRequest(paths[0], 200 << 10, 100 << 10, 0)], threading.Event()).finish()
@@ -360,11 +360,9 @@ def test_with_few_cuda_queues_a_windows_copies_are_queued_two_pieces_ahead(tmp_p
             stop.set()
         real_copy(*a)
 
-    monkeypatch.setattr(fake_cupy, "memcpyAsync", copy)
+    fake_cupy.memcpyAsync = copy  # this test's fake driver, made by its fixture
     cuda = sys.modules["cupy"].cuda
-    monkeypatch.setattr(cuda, "Stream", Stream)
-    monkeypatch.setattr(cuda, "Event", Event)
-    monkeypatch.setattr(mmap_backend, "RANGE_BYTES", 64 << 10)
+    cuda.Stream, cuda.Event = Stream, Event
     assert mmap_backend.queue_bytes_for({"CUDA_DEVICE_MAX_CONNECTIONS": "1"}) == mmap_backend.PACED_QUEUE_BYTES
     assert mmap_backend.queue_bytes_for({"CUDA_DEVICE_MAX_CONNECTIONS": "8"}) == 0 == mmap_backend.queue_bytes_for({})
     paths, _ = _files(tmp_path, [512 << 10])
@@ -375,8 +373,10 @@ def test_with_few_cuda_queues_a_windows_copies_are_queued_two_pieces_ahead(tmp_p
             monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
         else:
             monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", env)
-        monkeypatch.setattr(mmap_backend, "PACED_QUEUE_BYTES", 32 << 10)  # pieces of 16 KiB here
-        backend = mmap_backend.MmapBackend(register_threads=2)
+        # Paced where the environment asks for it (queue_bytes_for, the default), here 32 KiB: pieces of 16 KiB
+        backend = mmap_backend.MmapBackend(register_threads=2,
+                                           queue_bytes=(32 << 10) if mmap_backend.queue_bytes_for() else None)
+        backend.range_bytes = 64 << 10
         backend.prepare(files)
         ahead.clear(), events.clear(), fake_cupy.copies.clear()
         stop = threading.Event()

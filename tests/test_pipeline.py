@@ -473,27 +473,32 @@ def test_gpu_backend_without_gpu_is_a_clear_error(data_path):
     assert reader_threads() == []
 
 
-def test_backend_is_prepared_with_every_shard_it_may_read(data_path, monkeypatch):
+def test_backend_is_prepared_with_every_shard_it_may_read(data_path, plug):
     """A backend that maps files (mmap) gets them all at open, and a failure there leaves nothing running."""
-    from gdsload.backends.cpu import CpuBackend
-
     path, _ = data_path
-    seen, prepare = [], CpuBackend.prepare
-    monkeypatch.setattr(CpuBackend, "prepare", lambda self, files: (seen.append(list(files)), prepare(self, files)))
-    with Dataset(path, batch_size=8, backend="cpu", fields=["x"]) as ds, DatasetLayout(ds.meta, ds.fields) as layout:
+    seen: list[list[str]] = []
+
+    class Preparing(info("cpu").backend_class):  # type: ignore[misc,valid-type]
+        def prepare(self, files):
+            seen.append(list(files))
+            super().prepare(files)
+
+    class Refusing(info("cpu").backend_class):  # type: ignore[misc,valid-type]
+        def prepare(self, files):
+            raise ReadError(f"{list(files)[0]}: refused")
+
+    preparing = plug(Preparing)
+    with Dataset(path, batch_size=8, backend=preparing, fields=["x"]) as ds, \
+            DatasetLayout(ds.meta, ds.fields) as layout:
         want = layout.shard_paths()
     assert seen == [want] and want and all(os.path.isfile(p) and "/x/" in p for p in want)
 
     with pytest.raises(ValueError, match="batch_size must be at least 1"):
-        Dataset(path, batch_size=0, backend="cpu")
+        Dataset(path, batch_size=0, backend=preparing)
     assert len(seen) == 1, "arguments are checked before the backend reads anything"
 
-    def refuse(self, files):
-        raise ReadError(f"{list(files)[0]}: refused")
-
-    monkeypatch.setattr(CpuBackend, "prepare", refuse)
     with pytest.raises(ReadError, match="refused"):
-        Dataset(path, batch_size=8, backend="cpu")
+        Dataset(path, batch_size=8, backend=plug(Refusing))
     assert wait_no_readers() == [] and not [t for t in threading.enumerate() if t.name.startswith("gdsload-cpu")]
 
 
@@ -567,21 +572,27 @@ def test_a_stopped_producer_gives_up_at_once_even_where_room_was_given_back():
     assert len(handoff) == 0
 
 
-def test_the_backend_is_told_once_that_the_first_batch_was_assembled(data_path, monkeypatch):
+def test_the_backend_is_told_once_that_the_first_batch_was_assembled(data_path, monkeypatch, plug):
     """Backend.started() (what the mmap backend's background load waits for) comes once per pipeline, right
     after its first batch was assembled (so that load does not compete with that batch), after the resident
     fields and the first window were read."""
     from gdsload.pipeline import pipeline as pipeline_module
-    from gdsload.backends.cpu import CpuBackend
 
     path, data = data_path
     calls: list[str] = []
-    submit, put = CpuBackend.submit, pipeline_module.Handoff.put
-    monkeypatch.setattr(CpuBackend, "submit", lambda self, *a, **k: (calls.append("submit"), submit(self, *a, **k))[1])
-    monkeypatch.setattr(CpuBackend, "started", lambda self: calls.append("started"), raising=False)
+
+    class Told(info("cpu").backend_class):  # type: ignore[misc,valid-type]
+        def submit(self, *a, **k):
+            calls.append("submit")
+            return super().submit(*a, **k)
+
+        def started(self):
+            calls.append("started")
+
+    put = pipeline_module.Handoff.put
     monkeypatch.setattr(pipeline_module.Handoff, "put", lambda self, item, stop: (calls.append("batch"),
                                                                                  put(self, item, stop))[1])
-    with Dataset(path, backend="cpu", batch_size=32, window_blocks=2, prefetch_next_epoch=False) as ds:
+    with Dataset(path, backend=plug(Told), batch_size=32, window_blocks=2, prefetch_next_epoch=False) as ds:
         for b in ds:
             check_batch(b, data)
         assert calls.count("started") == 1

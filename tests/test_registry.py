@@ -90,8 +90,42 @@ def test_the_cpu_backend_is_made_with_its_options():
         b.close()
 
 
+def test_a_registered_backend_is_opened_by_name_and_never_by_auto(make_dataset, plug, monkeypatch):
+    """register(name, cls): backend=name opens cls with the dataset's backend_options; auto and the
+    environment variable's pick are unchanged; built-in names and classes that are not backends are refused."""
+    import numpy as np
+
+    from gdsload import GDSDataset
+
+    made = []
+
+    class Mine(registry.info("cpu").backend_class):  # type: ignore[misc,valid-type]
+        def __init__(self, **options):
+            super().__init__(**options)
+            made.append(options)
+
+    name = plug(Mine)
+    assert registry.known(name) and registry.info(name).backend_class is Mine and not registry.info(name).on_device
+    assert name not in registry.BACKENDS and registry.resolve(name) == (name, "requested")
+    monkeypatch.delenv(registry.ENV_BACKEND, raising=False)
+    assert registry.resolve("auto")[0] in registry.NAMES
+    path = make_dataset({"x": np.arange(100, dtype=np.int64)}, samples_per_block=10)
+    with GDSDataset(path, batch_size=10, backend=name, backend_options={"num_threads": 2}) as ds:
+        assert ds.backend_name == name and ds.io_mode == "cpu" and made == [{"num_threads": 2}]
+        assert np.array_equal(np.concatenate([b["x"] for b in ds]), np.arange(100))
+    with pytest.raises(ValueError, match="'cpu' is built in"):
+        registry.register("cpu", Mine)
+    with pytest.raises(TypeError, match="expected a subclass of gdsload.backends.base.Backend"):
+        registry.register("other", dict)  # type: ignore[arg-type]
+    registry.unregister(name)
+    assert not registry.known(name)
+    with pytest.raises(ValueError, match=f"unknown backend '{name}'"):
+        GDSDataset(path, batch_size=10, backend=name)
+
+
 def test_the_package_re_exports_the_registry():
-    for name in ("BACKENDS", "make_backend", "resolve", "choose", "info", "RAM_TIER_SHARE", "ENV_BACKEND"):
+    for name in ("BACKENDS", "make_backend", "resolve", "choose", "info", "RAM_TIER_SHARE", "ENV_BACKEND", "register",
+                 "unregister", "known"):
         assert getattr(backends, name) is getattr(registry, name)
 
 

@@ -101,21 +101,28 @@ def test_a_dataset_on_s3_reads_exactly_as_the_local_one(local, s3, tmp_path):
     _same_as_local(upload(s3, path, "sets/d.gds"), path, str(tmp_path / "cache"))
 
 
-def test_a_listing_that_fails_is_an_error_not_another_route(local, s3, tmp_path, monkeypatch):
+def test_a_listing_that_fails_is_an_error_not_another_route(local, s3, tmp_path):
     """Where the store lists (S3), a failed listing ends the open with its error: the objects are not then
-    guessed from the metadata, which would pass over whatever the dataset holds beyond it."""
+    guessed from the metadata, which would pass over whatever the dataset holds beyond it. The process's S3
+    client (gdsload.remote.use_client) reads moto's objects and is refused every listing."""
+    from gdsload.remote import use_client
     from gdsload.remote.s3 import S3Client
 
     path, _ = local
     url = upload(s3, path, "sets/d.gds")
 
-    def refused(self, prefix):
-        raise ReadError(f"{prefix}: HTTP 403 AccessDenied on LIST")
+    class Refused(S3Client):
+        def list(self, prefix):
+            raise ReadError(f"{prefix}: HTTP 403 AccessDenied on LIST")
 
-    monkeypatch.setattr(S3Client, "list", refused)
-    monkeypatch.setattr(S3Client, "list_info", refused)  # what the open lists with (sizes and ETags too)
-    with pytest.raises(ReadError, match=r"sets/d\.gds: HTTP 403 AccessDenied on LIST"):
-        GDSDataset(url, 32, backend="cpu", cache_dir=str(tmp_path / "cache"))
+        list_info = list  # what the open lists with (sizes and ETags too)
+
+    previous = use_client(url, Refused())
+    try:
+        with pytest.raises(ReadError, match=r"sets/d\.gds: HTTP 403 AccessDenied on LIST"):
+            GDSDataset(url, 32, backend="cpu", cache_dir=str(tmp_path / "cache"))
+    finally:
+        use_client(url, previous)
 
 
 def test_a_missing_dataset_on_s3_is_not_found_naming_the_url(s3, tmp_path):

@@ -72,10 +72,13 @@ class BackendInfo:
     locks_dataset: bool = False
     capacity: Callable[[], int | None] = _no_limit
     threads: Callable[[Mapping[str, Any]], int | None] | None = None
+    registered: type[Backend] | None = None
 
     @property
     def backend_class(self) -> type[Backend]:
         """The backend's class (imports its module, never a GPU package)."""
+        if self.registered is not None:
+            return self.registered
         cls: type[Backend] = getattr(importlib.import_module(f"{__package__}.{self.module}"), self.class_name)
         return cls
 
@@ -140,10 +143,40 @@ BACKENDS: tuple[str, ...] = ("auto", *NAMES)
 BENCH_ORDER: tuple[str, ...] = ("kvikio", "pinned", "mmap", "cpu")
 
 
+#: Backends added by :func:`register`, by name.
+_REGISTERED: dict[str, BackendInfo] = {}
+
+
+def register(name: str, backend_class: type[Backend], on_device: bool = False) -> BackendInfo:
+    """Make ``backend=name`` open ``backend_class`` (a :class:`Backend` of one's own: a storage gdsload does not
+    know, or a subclass of a built-in one that records or changes what it does), constructed with the
+    dataset's ``backend_options`` (and ``device_id`` when ``on_device``). ``auto`` never picks it. A
+    built-in name is refused (ValueError); registering a name again replaces its class."""
+    if name in BACKENDS or name in _ROUTED:
+        raise ValueError(f"backend {name!r} is built in: register another name")
+    if not (isinstance(backend_class, type) and issubclass(backend_class, Backend)):
+        raise TypeError(f"backend {name!r}: expected a subclass of gdsload.backends.base.Backend "
+                        f"(found {backend_class!r})")
+    mode = getattr(backend_class, "io_mode", name)
+    _REGISTERED[name] = entry = BackendInfo(name, on_device, (mode,), backend_class.__module__,
+                                            backend_class.__qualname__, registered=backend_class)
+    return entry
+
+
+def unregister(name: str) -> None:
+    """Forget a backend :func:`register` added (nothing when none is registered under ``name``)."""
+    _REGISTERED.pop(name, None)
+
+
+def known(name: str) -> bool:
+    """Whether ``name`` is a backend ``backend=`` accepts: built in or added by :func:`register`."""
+    return name in BACKENDS or name in _REGISTERED
+
+
 def info(name: str) -> BackendInfo:
     """The concrete backend ``name``'s info; ValueError naming it and the known ones otherwise."""
     try:
-        return _INFOS[name] if name in _INFOS else _ROUTED[name]
+        return _INFOS[name] if name in _INFOS else _ROUTED[name] if name in _ROUTED else _REGISTERED[name]
     except (KeyError, TypeError):
         raise ValueError(f"unknown backend {name!r} (expected one of {BACKENDS})") from None
 
@@ -176,7 +209,7 @@ def resolve(name: str, dataset_bytes: int | None = None, dataset_path: str | Non
             raise ValueError(f"environment variable {ENV_BACKEND}={raw!r} is not a backend (expected one of "
                              f"{BACKENDS})")
         return forced, f"{ENV_BACKEND}={forced}"
-    if name not in BACKENDS:
+    if name not in BACKENDS and name not in _REGISTERED:
         raise ValueError(f"unknown backend {name!r} (expected one of {BACKENDS})")
     if name != "auto":
         return name, "requested"

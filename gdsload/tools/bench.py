@@ -148,6 +148,31 @@ class Bounded:
             it.close()  # a pass left early stops its readers now, inside the timing
 
 
+@dataclass(frozen=True)
+class Machine:
+    """What a run's plan depends on (the plan itself is pure: :meth:`Bench.tasks`): a GPU, KvikIO, the
+    memory available, whether the page cache can be dropped (root), ``auto``'s pick and why, and the backends
+    that can run for the dataset. :meth:`here` probes this machine."""
+
+    gpu: bool
+    kvikio: bool
+    memory: int
+    can_drop: bool
+    auto: tuple[str | None, str]
+    runnable: tuple[str, ...]
+
+    @classmethod
+    def here(cls, target: Target) -> Machine:
+        try:
+            first = target.files[0] if target.files else None
+            auto: tuple[str | None, str] = resolve("auto", target.nbytes, first)
+        except ValueError as e:  # GDSLOAD_BACKEND names no backend
+            auto = (None, str(e))
+        return cls(gpu_available(), kvikio_installed(), memory_available(),
+                   os.geteuid() == 0 and os.access("/proc/sys/vm/drop_caches", os.W_OK), auto,
+                   tuple(runnable(target.nbytes)))
+
+
 @dataclass
 class Task:
     """One step of the run: ``run()`` gives the figures of the row labelled ``where`` (None: no row)."""
@@ -158,26 +183,22 @@ class Task:
 
 
 class Bench:
-    """Plans and runs the measurements of one ``gdsload bench`` invocation."""
+    """Plans and runs the measurements of one ``gdsload bench`` invocation; ``machine`` (default: this one,
+    probed) is what the plan is made for."""
 
     def __init__(self, target: Target, requested: Sequence[str] | None, cold: bool, seconds: float,
-                 batch_size: int):
+                 batch_size: int, machine: Machine | None = None):
         self.target, self.cold, self.seconds, self.batch_size = target, cold, seconds, batch_size
-        self.gpu = gpu_available()
-        try:
-            first = target.files[0] if target.files else None
-            self.auto: tuple[str | None, str] = resolve("auto", target.nbytes, first)
-        except ValueError as e:  # GDSLOAD_BACKEND names no backend
-            self.auto = (None, str(e))
-        names = list(requested) if requested else ["auto"] + runnable(target.nbytes)
+        self.machine = machine = Machine.here(target) if machine is None else machine
+        self.gpu, self.auto, self.can_drop = machine.gpu, machine.auto, machine.can_drop
+        names = list(requested) if requested else ["auto", *machine.runnable]
         self.backends = list(dict.fromkeys(self.auto[0] if n == "auto" else n for n in names))
-        self.fits = target.nbytes <= memory_available()
-        self.can_drop = os.geteuid() == 0 and os.access("/proc/sys/vm/drop_caches", os.W_OK)
+        self.fits = target.nbytes <= machine.memory
 
     # -- the plan --------------------------------------------------------------------------------------
     def tasks(self) -> list[Task]:
         warm = "warm" if self.fits else "uncached"
-        gpu, kvikio = self.gpu, self.gpu and kvikio_installed()
+        gpu, kvikio = self.gpu, self.gpu and self.machine.kvikio
         plan: list[Task] = []
         if None in self.backends:
             plan.append(Task("auto", lambda: _raise(GDSLoadError(self.auto[1])),

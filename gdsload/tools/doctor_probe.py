@@ -64,15 +64,17 @@ def _errname(e: OSError) -> str:
     return f"{name} ({e.strerror or e})"
 
 
-def dataset_alignment(layout: Any) -> tuple[bool, bool | None, str]:
+def dataset_alignment(layout: Any, resident: int | None = None) -> tuple[bool, bool | None, str]:
     """Whether every stored block of an open :class:`~gdsload.format.meta.DatasetLayout` starts and ends on
-    4 KiB; the check's verdict (None: only fields small enough to be read whole at open are unaligned, and
-    their blocks are not read one by one); where the first unaligned block lies."""
+    4 KiB; the check's verdict (None: only fields small enough to be read whole at open, by a dataset opened
+    with ``resident_bytes=resident`` (default: GDSDataset's), are unaligned, and their blocks are not read one
+    by one); where the first unaligned block lies."""
     import numpy as np
 
     from ..pipeline.reader import DEFAULT_RESIDENT_BYTES, resident_fields
 
-    resident, blocks, bad_keys = DEFAULT_RESIDENT_BYTES, 0, []
+    resident = DEFAULT_RESIDENT_BYTES if resident is None else resident
+    blocks, bad_keys = 0, []
     small_fields = resident_fields(layout.meta, layout.keys, resident)
     for key in layout.keys:
         offsets = layout.block_offsets[key]
@@ -94,8 +96,9 @@ def dataset_alignment(layout: Any) -> tuple[bool, bool | None, str]:
     return False, False, bad_keys[0][1] + (f" (+{len(bad_keys) - 1} more array(s))" if len(bad_keys) > 1 else "")
 
 
-def inspect_path(path: str) -> Target:
-    """PATH as a dataset (a directory: must be a gdsload dataset) or a regular file; PathError otherwise."""
+def inspect_path(path: str, resident_bytes: int | None = None) -> Target:
+    """PATH as a dataset (a directory: must be a gdsload dataset; its alignment judged for a dataset opened with
+    ``resident_bytes``, default GDSDataset's) or a regular file; PathError otherwise."""
     from ..errors import GDSLoadError
     from ..format.layout import DatasetLayout
     from ..format.meta import read_metadata
@@ -115,7 +118,7 @@ def inspect_path(path: str) -> Target:
         meta = read_metadata(real)
         with DatasetLayout(meta) as layout:
             files = layout.shard_paths()
-            aligned, align_ok, note = dataset_alignment(layout)
+            aligned, align_ok, note = dataset_alignment(layout, resident_bytes)
             nbytes = sum(layout.files[p].size for p in files)
     except (GDSLoadError, OSError) as e:
         raise PathError(f"{path}: not a readable gdsload dataset ({e})") from None
@@ -229,7 +232,11 @@ def kvikio_live_read(files: list[str], limit: int) -> LiveRead:
 
 
 class HostProbes:
-    """The real machine, for :func:`gdsload.tools.doctor.gather` (tests pass a stand-in with these methods)."""
+    """The real machine, for :func:`gdsload.tools.doctor.gather` (tests pass a stand-in with these methods).
+    ``resident_bytes``: the dataset's alignment is judged for a GDSDataset opened with it (default its own)."""
+
+    def __init__(self, resident_bytes: int | None = None):
+        self.resident_bytes = resident_bytes
 
     def gpu(self) -> dict[str, Any]:
         """:func:`gdsload.system.env.gpu_info`, plus ``pci_bus_id`` of CUDA device 0 when CuPy can tell (the NUMA
@@ -277,7 +284,7 @@ class HostProbes:
         return platform.machine()
 
     def inspect(self, path: str) -> Target:
-        return inspect_path(path)
+        return inspect_path(path, self.resident_bytes)
 
     def o_direct(self, path: str) -> tuple[bool, str]:
         return o_direct_read(path)
