@@ -283,6 +283,44 @@ def test_mmap_backend_locks_only_a_windows_ranges_until_the_pipeline_started(tmp
     files.close()
 
 
+def test_ranges_not_yet_locked_are_read_through_the_stager_and_locked_ones_copied(tmp_path, fake_cupy):
+    """unlocked="stage": a window whose ranges are not locked is read at once through the native stager (here in
+    host mode), never waiting for the loader; once every range is locked the same window is copied from the
+    locked memory alone. Exact bytes both ways; close() gives the stager back."""
+    from gdsload.backends.base import ReadRequest
+    from gdsload.backends.mmap.backend import MmapBackend
+    from gdsload.backends.native import stager
+    from gdsload.format.files import ShardFiles
+
+    if stager.load() is None:
+        pytest.skip(f"the native stager cannot be built here: {stager.unavailable_reason()}")
+    paths, _ = _files(tmp_path, [300 << 10, 100 << 10])
+    files = ShardFiles.open(paths)
+    backend = MmapBackend(register_threads=2, copy_bytes=1 << 30)
+    backend.range_bytes, backend.stager_mode = 64 << 10, "host"
+    backend.prepare(files)  # held: nothing is locked until a window waits for it or started()
+    assert backend.stage_reason is None
+    reads = [ReadRequest(paths[0], 10, 250 << 10, 0), ReadRequest(paths[1], 0, 100 << 10, 250 << 10),
+             ReadRequest(paths[0], 290 << 10, 10 << 10, 350 << 10)]
+    want = np.concatenate([np.fromfile(paths[0], np.uint8)[10:10 + (250 << 10)], np.fromfile(paths[1], np.uint8),
+                           np.fromfile(paths[0], np.uint8)[290 << 10:]])
+    first = _Dest(360 << 10)
+    backend.submit(first, reads, threading.Event()).finish()
+    np.testing.assert_array_equal(first.array, want)
+    assert backend.staged_bytes == 360 << 10 and not fake_cupy.copies and not fake_cupy.registered
+    backend.started()
+    deadline = time.monotonic() + 5
+    while sum(fake_cupy.registered.values()) < (400 << 10) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    again = _Dest(360 << 10)
+    backend.submit(again, reads, threading.Event()).finish()
+    np.testing.assert_array_equal(again.array, want)
+    assert backend.staged_bytes == 360 << 10 and sum(n for _, n in fake_cupy.copies) == 360 << 10
+    assert backend.stats()["staged_bytes"] == 360 << 10
+    backend.close()
+    files.close()
+
+
 def test_mmap_backend_checks_budget_and_locking_at_open(tmp_path, fake_cupy):
     from gdsload.backends.mmap.backend import MmapBackend
     from gdsload.format.files import ShardFiles

@@ -18,7 +18,8 @@ import pytest
 from gdsload.backends.native import stager
 from gdsload.backends.base import FileHandles, ReadRequest, coalesce
 from gdsload.backends.kvikio import default_threads
-from gdsload.backends.pinned.native_reader import NativeReader, release_stager, shared_stager
+from gdsload.backends.native.shared import release_stager, shared_stager
+from gdsload.backends.pinned.native_reader import NativeReader
 from gdsload.backends.pinned.staging_pool import STATS_KEYS
 from gdsload.backends.sizing import (DEFAULT_THREADS, NATIVE_BUF_BYTES, NATIVE_BUFS_PER_THREAD, NATIVE_SHARED_BUF_BYTES,
                                      PIPELINE_THREADS, native_buf_bytes, native_threads)

@@ -9,7 +9,9 @@ ability to lock are checked when the dataset opens, so a dataset too large fails
 the files are then read and locked in ranges of ``RANGE_BYTES`` on background threads (gdsload.backends.mmap.preload),
 the ranges a window needs first (only those until the first batch is assembled), so the first pass runs
 while the rest loads: a copy waits only for the ranges it reads, and never spans two of them (each is
-registered on its own).
+registered on its own). By default (``unlocked="stage"``) a copy does not wait: the reads of ranges not yet
+locked go through the process's native stager (the pinned backend's reader, shared), so a fresh open's first
+pass reads at the pinned path's rate while the locking goes on behind it (docs/design.md, "The RAM tier").
 
 As with any memory-mapped file, a shard file truncated in place while the dataset is open kills the
 process with SIGBUS. Replacing the dataset is safe: ``gdsload shard --overwrite`` renames a new folder
@@ -34,9 +36,11 @@ from ...errors import BackendUnavailable, ReadError
 from .copier import Copier, CopyFailed
 from .preload import Preloader
 from ..._tasks import Pending, Queued
+from ...system.env import local_ranks, rank_cores
 from ..base import ReadRequest, Request
 from ...format.files import read_error
 from ..cuda import CudaBackend
+from ..sizing import NATIVE_BUFS_PER_THREAD, native_buf_bytes, native_threads
 from ...system.placement import for_device
 
 DEFAULT_COPY_BYTES = 64 << 20
@@ -81,6 +85,10 @@ class Copies:
     def __len__(self) -> int:
         return len(self.nbytes)
 
+    def take(self, which: np.ndarray) -> "Copies":
+        """The copies where ``which`` (bool) is set."""
+        return Copies(self.paths, self.file[which], self.offsets[which], self.nbytes[which], self.dest[which])
+
     def read(self, i: int) -> ReadRequest:
         """Copy ``i`` as a read request (for messages)."""
         return ReadRequest(self.paths[int(self.file[i])], int(self.offsets[i]), int(self.nbytes[i]), int(self.dest[i]))
@@ -122,6 +130,29 @@ def plan_copies(reads: Sequence[ReadRequest], sizes: dict[str, int], max_bytes: 
     owner = run[seg]
     return Copies(paths, run_file[owner], piece_start, piece_end - piece_start,
                   run_dest[owner] + piece_start - run_start[owner])
+
+
+def _stager(device_id: int, mode: str) -> tuple[Any, str | None]:
+    """The jobs of this backend on the process's shared native stager, sized as the pinned backend's; (None,
+    why) where the library does not load."""
+    from ..native.shared import Jobs, shared_stager
+
+    try:
+        return Jobs(shared_stager(device_id, native_threads(rank_cores()), native_buf_bytes(local_ranks()),
+                                  NATIVE_BUFS_PER_THREAD, mode)), None
+    except BackendUnavailable as e:
+        return None, f"wait: {e}"
+
+
+class _Staged(Pending):
+    """A window read partly by the copier (``event`` after its copies) and partly by a stager job."""
+
+    def __init__(self, jobs: Any, job: tuple[int, list[str]], stop: threading.Event, event: Any):
+        self.jobs, self.job, self.stop, self.event = jobs, job, stop, event
+
+    def finish(self) -> Any:
+        self.jobs.finish(self.job[0], self.stop, self.job[1])  # its copies are done when the job is
+        return self.event
 
 
 def _cut(start: np.ndarray, end: np.ndarray, unit: int, origin: np.ndarray) -> tuple[np.ndarray, np.ndarray,
@@ -210,7 +241,7 @@ class MmapBackend(CudaBackend):
 
     def __init__(self, device_id: int = 0, max_bytes: int | None = None, num_streams: int = DEFAULT_STREAMS,
                  copy_bytes: int = DEFAULT_COPY_BYTES, register_threads: int = 16, copier: str = "auto",
-                 queue_bytes: int | None = None):
+                 queue_bytes: int | None = None, unlocked: str = "stage"):
         """``max_bytes`` caps the bytes locked (default half of RAM); copies of at most ``copy_bytes`` (and
         never across two locked ranges) go round robin over ``num_streams`` non-blocking streams;
         ``register_threads`` read and lock the files in the background (a window's ranges when it is
@@ -218,13 +249,17 @@ class MmapBackend(CudaBackend):
         queues a window's copies in one call (gdsload.backends.mmap.copier), "cupy" one CuPy call per copy, "auto" the
         native one where the library loads (``copier_reason`` says why not). ``queue_bytes``: when positive,
         a window's copies (then at most half of it each) are queued a piece at a time, at most that many bytes
-        ahead; 0 queues them at once; default :func:`queue_bytes_for`."""
+        ahead; 0 queues them at once; default :func:`queue_bytes_for`. ``unlocked``: "stage" reads ranges not
+        yet locked through the native stager (where it loads; ``stage_reason`` says why not), "wait" waits for
+        them to be locked."""
         queue_bytes = queue_bytes_for() if queue_bytes is None else queue_bytes
         if num_streams < 1 or copy_bytes < 1 or register_threads < 1 or queue_bytes < 0 or queue_bytes == 1:
             raise ValueError(f"num_streams, copy_bytes and register_threads must be positive and queue_bytes 0 or "
                              f"at least 2 (found {num_streams}, {copy_bytes}, {register_threads}, {queue_bytes})")
         if copier not in ("auto", "native", "cupy"):
             raise ValueError(f"copier must be 'auto', 'native' or 'cupy' (found {copier!r})")
+        if unlocked not in ("stage", "wait"):
+            raise ValueError(f"unlocked must be 'stage' or 'wait' (found {unlocked!r})")
         super().__init__(device_id)
         # The loader threads run on the GPU's NUMA node: a cold file's pages are allocated there as they read
         # it; pages already cached stay where they were first read (docs/design.md, "NUMA placement").
@@ -253,6 +288,12 @@ class MmapBackend(CudaBackend):
         self._loader: Preloader | None = None
         self._ranges: dict[tuple[str, int], tuple[str, int, int]] = {}  # what the loader loads (file_ranges)
         self.register_s = 0.0  # time prepare() took: the checks, mapping the files, starting the loader
+        self.unlocked = unlocked
+        self.stager_mode = "cuda"  # where the stager copies to ("host" in tests without a GPU)
+        self.stage_reason: str | None = None  # why ranges not yet locked are waited for, with unlocked="stage"
+        self._staged: Any = None  # the stager's jobs of this backend (gdsload.backends.native.shared.Jobs)
+        self._fd: Any = None
+        self.staged_bytes = 0  # read through the stager: ranges not yet locked
 
     @property
     def pinned_bytes(self) -> int:
@@ -264,7 +305,8 @@ class MmapBackend(CudaBackend):
         return {"locked_bytes": self.pinned_bytes, "open_s": self.register_s,
                 "loaded_bytes": loader.get("bytes_loaded", 0), "load_s": loader.get("load_s"),
                 "num_streams": len(self._streams), "copy_bytes": self.copy_bytes, "queue_bytes": self.queue_bytes,
-                "copier": "cupy" if self._copier is None else "native", "numa": self.placer.describe()}
+                "copier": "cupy" if self._copier is None else "native", "numa": self.placer.describe(),
+                "staged_bytes": self.staged_bytes, "stage": self.stage_reason or self.unlocked}
 
     def prepare(self, files: Any) -> None:
         """Check the whole set against the budget, map every file, check that this process can lock and
@@ -284,6 +326,9 @@ class MmapBackend(CudaBackend):
                 probe.register(0, min(probe.size, mmap.PAGESIZE))
                 probe.close_ranges()
         self._ranges = file_ranges(sizes, self.range_bytes)
+        self._fd = files.fd
+        if self.unlocked == "stage":
+            self._staged, self.stage_reason = _stager(self.device_id, self.stager_mode)
         # Held until the first batch is assembled (started()): the ranges a window waits for load alone.
         self._loader = Preloader(self._ranges, files.fd, self._lock_range, self.register_threads, hold=True,
                                  on_start=lambda: self.placer.bind_thread("loader threads"))
@@ -305,8 +350,16 @@ class MmapBackend(CudaBackend):
         copies = plan_copies(reads, self._sizes, self.copy_bytes, self.range_bytes)
         if self._loader is None:
             raise ReadError("internal error: the mmap backend was not prepared with the dataset's files")
-        ranges = dict.fromkeys(zip(copies.file.tolist(), (copies.offsets // self.range_bytes).tolist()))
-        if not self._loader.wait([(copies.paths[f], i) for f, i in ranges], stop):
+        keys = [(copies.paths[f], i) for f, i in zip(copies.file.tolist(),
+                                                     (copies.offsets // self.range_bytes).tolist())]
+        job = None
+        if self._staged is not None:  # ranges not yet locked are read now, through the stager
+            locked = self._loader.ready(dict.fromkeys(keys))
+            later = np.array([k not in locked for k in keys], bool)
+            if later.any():
+                job = self._stage(copies, later, int(dest.data.ptr))
+                copies = copies.take(~later)
+        elif not self._loader.wait(list(dict.fromkeys(keys)), stop):
             return Queued(None)  # stopped while its ranges loaded: nothing copied, nobody reads it
         bases = np.array([self._maps[p].ptr for p in copies.paths], np.uint64)
         dst = np.uint64(int(dest.data.ptr)) + copies.dest.astype(np.uint64)
@@ -314,7 +367,8 @@ class MmapBackend(CudaBackend):
         self.write_fills(dest, requests)  # on self.stream: the event recorded last covers them
         with self.device:
             if not self.queue_bytes:
-                self._queue(copies, dst, src, 0, len(copies))
+                if len(copies):
+                    self._queue(copies, dst, src, 0, len(copies))
             else:
                 ahead: deque[Any] = deque()  # the events of the pieces queued and maybe not done
                 for i in range(len(copies)):
@@ -324,7 +378,17 @@ class MmapBackend(CudaBackend):
                         ahead.popleft().synchronize()
                     self._queue(copies, dst, src, i, i + 1)
                     ahead.append(record_event(self.stream))
-            return Queued(record_event(self.stream))
+            event = record_event(self.stream)
+        return Queued(event) if job is None else _Staged(self._staged, job, stop, event)
+
+    def _stage(self, copies: Copies, which: np.ndarray, dest: int) -> tuple[int, list[str]]:
+        """Copies ``which`` read through the stager into ``dest`` (one job): (job, each piece's path)."""
+        at = np.flatnonzero(which)
+        paths = [copies.paths[int(f)] for f in copies.file[at]]
+        fds = np.array([self._fd(p) for p in copies.paths], np.int64)[copies.file[at]]
+        pieces = np.stack([fds, copies.offsets[at], copies.nbytes[at], dest + copies.dest[at]], axis=1)
+        self.staged_bytes += int(copies.nbytes[at].sum())
+        return self._staged.submit(pieces), paths
 
     def _queue(self, copies: Copies, dst: np.ndarray, src: np.ndarray, lo: int, hi: int) -> None:
         """Queue copies ``lo`` to ``hi`` over the copy streams; ``self.stream`` waits for them."""
@@ -351,6 +415,9 @@ class MmapBackend(CudaBackend):
     def close(self) -> None:
         if self._loader is not None:
             self._loader.close()  # no range is locked after this
+        if self._staged is not None:
+            self._staged.close()  # no read of its own still lands in a window buffer
+            self._staged = None
         self.quiesce()  # no copy may still read a mapping that is about to go
         if self._copier is not None:
             self._copier.close()

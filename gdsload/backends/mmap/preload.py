@@ -133,6 +133,15 @@ class Preloader:
                     return False
                 self._cond.wait(POLL_S)
 
+    def ready(self, keys: Iterable[Hashable]) -> set[Hashable]:
+        """Which units of ``keys`` are done, without waiting or moving any forward (a unit that failed raises its
+        error, as :meth:`wait`)."""
+        with self._cond:
+            for k in keys:
+                if k in self._errors:
+                    raise _as_read_error(self._units[k][0], self._errors[k])
+            return {k for k in keys if k in self._ready}
+
     def start(self) -> None:
         """Let the threads go on to every unit, in load order (idempotent; nothing to do without ``hold``)."""
         with self._cond:

@@ -22,7 +22,8 @@ from ..._tasks import Pending
 from ..base import FileHandles, ReadRequest, Request, coalesce
 from ..cuda import CudaBackend
 from ..sizing import DEFAULT_THREADS, NATIVE_BUFS_PER_THREAD, native_buf_bytes, native_threads
-from .native_reader import NativeReader, shared_stager
+from ..native.shared import shared_stager
+from .native_reader import NativeReader
 from .slot_readers import KvikioReader, ThreadReader
 from .staging_pool import StagingPool, StagingReader, pack
 

@@ -3,14 +3,12 @@ through it (:class:`NativeReader`); its default size for this rank is in :mod:`g
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 from ...cuda.runtime import record_event
-from ...errors import ReadError
-from ..handoff import POLL_S
+from ..native.shared import Jobs
 from ..._tasks import Pending
 from ..base import FileHandles, ReadRequest
 from .staging_pool import StagingReader
@@ -20,31 +18,25 @@ class NativeReader(StagingReader):
     """The pinned backend's native reader: ``stager``'s C threads read each piece into buffers of their own and
     copy it to the device; a piece's data is there when its job finishes. Reads go to the descriptors of
     ``files``; ``device`` and ``stream`` (the backend's) are where the event of a window without fills is
-    recorded. Closing it closes the stager, whose every copy is then complete."""
+    recorded. The stager may be shared (:mod:`gdsload.backends.native.shared`): closing the reader cancels and
+    waits for its own jobs, so none of its copies lands after that."""
 
     name = "native"
 
     def __init__(self, stager: Any, files: FileHandles, device: Any, stream: Any):
         self._stager, self._files, self._device, self._stream = stager, files, device, stream
         self.num_threads: int = stager.num_threads
-        self._jobs: set[int] = set()  # submitted and not yet finished: what close() cancels and waits for
-        self._jobs_lock = threading.Lock()
+        self._jobs = Jobs(stager)  # what close() cancels and waits for
 
     @property
     def pinned_bytes(self) -> int:
         return int(self._stager.pinned_bytes)
 
     def submit(self, dest_ptr: int, reads: Sequence[ReadRequest], stop: threading.Event, fills: Any) -> Pending:
-        job = self._stager.submit([(self._files.get(r.path), r.offset, r.nbytes, dest_ptr + r.dest_offset)
-                                   for r in reads])
-        with self._jobs_lock:
-            self._jobs.add(job)
-        return _NativeJob(self, job, [r.path for r in reads], stop, fills)
-
-    def finished(self, job: int) -> None:
-        """``job`` was waited for to its end (done, failed or cancelled)."""
-        with self._jobs_lock:
-            self._jobs.discard(job)
+        paths = [r.path for r in reads]
+        job = self._jobs.submit([(self._files.get(r.path), r.offset, r.nbytes, dest_ptr + r.dest_offset)
+                                 for r in reads])
+        return _NativeJob(self, job, paths, stop, fills)
 
     def stats(self) -> dict[str, Any]:
         st = self._stager
@@ -57,51 +49,7 @@ class NativeReader(StagingReader):
     def close(self) -> None:
         """Cancel this reader's jobs and wait until none is in flight (no copy of theirs writes after this), then
         give the stager back (closed by its last user)."""
-        from ..native.stager import JobCancelled
-
-        with self._jobs_lock:
-            jobs, self._jobs = sorted(self._jobs), set()
-        for job in jobs:
-            self._stager.cancel(job)
-        for job in jobs:
-            try:
-                self._stager.wait(job)
-            except (JobCancelled, ReadError):  # cancelled, failed, or the stager closed: nothing of it in flight
-                pass
-        release_stager(self._stager)
-
-
-def shared_stager(device_id: int, num_threads: int, buf_bytes: int, bufs_per_thread: int, mode: str = "cuda") -> Any:
-    """The native stager of this process for these settings, made by the first pinned backend that asks and shared
-    by the others (one thread pool for every dataset a process reads, a mixture's sources among them); each asker
-    gives it back with :func:`release_stager`."""
-    from ..native.stager import Stager
-
-    key = (os.getpid(), mode, device_id, num_threads, buf_bytes, bufs_per_thread)  # a forked child makes its own
-    with _SHARED_LOCK:
-        entry = _SHARED.get(key)
-        if entry is None or entry[0].closed:
-            entry = _SHARED[key] = [Stager(mode, device_id, num_threads, buf_bytes, bufs_per_thread), 0]
-        entry[1] += 1
-        return entry[0]
-
-
-def release_stager(stager: Any) -> None:
-    """One user of a :func:`shared_stager` is done with it; the last closes it (every copy it issued complete)."""
-    last = True
-    with _SHARED_LOCK:
-        for key, entry in list(_SHARED.items()):
-            if entry[0] is stager:
-                entry[1] -= 1
-                last = entry[1] <= 0
-                if last:
-                    del _SHARED[key]
-    if last:
-        stager.close()
-
-
-_SHARED: dict[tuple[Any, ...], list[Any]] = {}  # (process, settings) -> [stager, users]
-_SHARED_LOCK = threading.Lock()
+        self._jobs.close()
 
 
 class _NativeJob(Pending):
@@ -109,25 +57,11 @@ class _NativeJob(Pending):
     (its threads wait for their own copies)."""
 
     def __init__(self, reader: NativeReader, job: int, paths: list[str], stop: threading.Event, fills: Any):
-        self.reader, self.stager, self.job, self.paths, self.stop = reader, reader._stager, job, paths, stop
-        self.fills, self.device, self.stream = fills, reader._device, reader._stream
+        self.reader, self.job, self.paths, self.stop, self.fills = reader, job, paths, stop, fills
 
     def finish(self) -> Any:
-        from ..native.stager import JobCancelled
-
-        cancelled = False
-        try:
-            while True:
-                if self.stop.is_set() and not cancelled:
-                    self.stager.cancel(self.job)  # pieces not started are dropped; the wait ends once none is in flight
-                    cancelled = True
-                if self.stager.wait(self.job, POLL_S, self.paths):
-                    break
-        except JobCancelled:
-            if not self.stop.is_set():
-                raise
-        finally:
-            self.reader.finished(self.job)
+        reader = self.reader
+        reader._jobs.finish(self.job, self.stop, self.paths)
         # The reads' copies are complete; the fills, if any, are queued on the backend's stream.
-        with self.device:
-            return self.fills if self.fills is not None else record_event(self.stream)
+        with reader._device:
+            return self.fills if self.fills is not None else record_event(reader._stream)
