@@ -253,3 +253,17 @@ def window_map(ds, layout: DatasetLayout | None = None) -> WindowMap:
                    chunk_lengths=layout.chunk_lengths if layout is not None else None)
     assert wm.window_blocks == ds.describe()["window_blocks"] and wm.nbytes == ds.describe()["window_bytes"]
     return wm
+
+
+def host_batches(ds) -> list[dict[str, np.ndarray]]:
+    """Every batch of a new pass over ``ds``, as numpy (CuPy arrays copied to the host)."""
+    return [{k: v.get() if hasattr(v, "get") else np.asarray(v) for k, v in b.items()} for b in ds]
+
+
+def assert_same_batches(got: list[dict[str, np.ndarray]], want: list[dict[str, np.ndarray]]) -> None:
+    """``got`` is ``want``: as many batches, each with the same fields, every field equal."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.keys() == w.keys()
+        for name in w:
+            np.testing.assert_array_equal(g[name], w[name], err_msg=name)
