@@ -235,6 +235,17 @@ def ragged_source(seqs: list[np.ndarray]) -> RaggedSource:
     return RaggedSource("<tokens>", ArraySource("<tokens>", np.concatenate(seqs)), offsets)
 
 
+def write_images(path: str, images: list[bytes], fmt: str = "jpeg", **options: object) -> str:
+    """Write ``images`` (encoded files of format ``fmt``) as a dataset's image field "image", beside "label"
+    (0, 1, ...); ``options`` go to write_dataset. Returns ``path``."""
+    from gdsload import write_dataset
+
+    write_dataset(path, {"label": ArraySource("l", np.arange(len(images)))}, progress=False,
+                  ragged={"image": ragged_source([np.frombuffer(d, np.uint8) for d in images])},
+                  field_attrs={"image": {"image": {"formats": [fmt]}}}, **options)
+    return path
+
+
 def flip_byte(path: str, at: int, mask: int = 0xFF) -> None:
     """Flip the bits of ``mask`` in byte ``at`` of ``path``, in place (a damaged disk, as a test makes one)."""
     with open(path, "r+b") as f:
