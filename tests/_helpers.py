@@ -246,6 +246,19 @@ def write_images(path: str, images: list[bytes], fmt: str = "jpeg", **options: o
     return path
 
 
+def assert_epochs_once(reads: dict[int, list[int]], end, n: int, name: str = "the source") -> None:
+    """``reads`` (epoch -> the samples read in it) of a source of ``n`` samples now at the stretch ``end``
+    (gdsload.mixture.schedule.Stretch): every epoch all ranks have finished holds every sample exactly once, a
+    later one no sample twice."""
+    done = min(end.rank_position(r, n)[0] for r in range(end.world_size))
+    for epoch in range(max(reads, default=-1) + 1):
+        got = sorted(reads.get(epoch, []))
+        if epoch < done:
+            assert got == list(range(n)), f"{name}: epoch {epoch} holds every sample once"
+        else:
+            assert len(set(got)) == len(got), f"{name}: epoch {epoch} holds no sample twice"
+
+
 def flip_byte(path: str, at: int, mask: int = 0xFF) -> None:
     """Flip the bits of ``mask`` in byte ``at`` of ``path``, in place (a damaged disk, as a test makes one)."""
     with open(path, "r+b") as f:
