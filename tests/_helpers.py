@@ -235,6 +235,30 @@ def ragged_source(seqs: list[np.ndarray]) -> RaggedSource:
     return RaggedSource("<tokens>", ArraySource("<tokens>", np.concatenate(seqs)), offsets)
 
 
+def write_images(path: str, images: list[bytes], fmt: str = "jpeg", **options: object) -> str:
+    """Write ``images`` (encoded files of format ``fmt``) as a dataset's image field "image", beside "label"
+    (0, 1, ...); ``options`` go to write_dataset. Returns ``path``."""
+    from gdsload import write_dataset
+
+    write_dataset(path, {"label": ArraySource("l", np.arange(len(images)))}, progress=False,
+                  ragged={"image": ragged_source([np.frombuffer(d, np.uint8) for d in images])},
+                  field_attrs={"image": {"image": {"formats": [fmt]}}}, **options)
+    return path
+
+
+def assert_epochs_once(reads: dict[int, list[int]], end, n: int, name: str = "the source") -> None:
+    """``reads`` (epoch -> the samples read in it) of a source of ``n`` samples now at the stretch ``end``
+    (gdsload.mixture.schedule.Stretch): every epoch all ranks have finished holds every sample exactly once, a
+    later one no sample twice."""
+    done = min(end.rank_position(r, n)[0] for r in range(end.world_size))
+    for epoch in range(max(reads, default=-1) + 1):
+        got = sorted(reads.get(epoch, []))
+        if epoch < done:
+            assert got == list(range(n)), f"{name}: epoch {epoch} holds every sample once"
+        else:
+            assert len(set(got)) == len(got), f"{name}: epoch {epoch} holds no sample twice"
+
+
 def flip_byte(path: str, at: int, mask: int = 0xFF) -> None:
     """Flip the bits of ``mask`` in byte ``at`` of ``path``, in place (a damaged disk, as a test makes one)."""
     with open(path, "r+b") as f:
@@ -253,3 +277,17 @@ def window_map(ds, layout: DatasetLayout | None = None) -> WindowMap:
                    chunk_lengths=layout.chunk_lengths if layout is not None else None)
     assert wm.window_blocks == ds.describe()["window_blocks"] and wm.nbytes == ds.describe()["window_bytes"]
     return wm
+
+
+def host_batches(ds) -> list[dict[str, np.ndarray]]:
+    """Every batch of a new pass over ``ds``, as numpy (CuPy arrays copied to the host)."""
+    return [{k: v.get() if hasattr(v, "get") else np.asarray(v) for k, v in b.items()} for b in ds]
+
+
+def assert_same_batches(got: list[dict[str, np.ndarray]], want: list[dict[str, np.ndarray]]) -> None:
+    """``got`` is ``want``: as many batches, each with the same fields, every field equal."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.keys() == w.keys()
+        for name in w:
+            np.testing.assert_array_equal(g[name], w[name], err_msg=name)

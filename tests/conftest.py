@@ -13,7 +13,7 @@ import pytest
 from gdsload.system.env import gpu_available
 from gdsload.conversion.source_types import ArraySource
 from gdsload.conversion.writer import write_dataset
-from remote_servers import MotoS3, RangeServer, moto_endpoint, moto_server
+from remote_servers import MotoS3, RangeServer, client_for_server, moto_endpoint, moto_server
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -69,6 +69,15 @@ def srv() -> Iterator[RangeServer]:
     """An HTTP/1.1 server of objects with ranged GETs, ETags and injectable faults, empty to begin with."""
     with RangeServer() as server:
         yield server
+
+
+@pytest.fixture
+def fast_client(srv: RangeServer, request: pytest.FixtureRequest) -> Iterator[object]:
+    """The process's client for ``srv``: few retries, short backoff, and a timeout short enough for the faults
+    (the test module's ``CLIENT_TIMEOUT_S``, 0.5 s where it sets none)."""
+    timeout_s = getattr(request.module, "CLIENT_TIMEOUT_S", 0.5)
+    with client_for_server(srv, retries=2, backoff_s=0.01, timeout_s=timeout_s) as client:
+        yield client
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numcodecs
 import numpy as np
@@ -438,23 +438,30 @@ def test_a_decode_is_checked_when_confirmed_not_when_queued(tmp_path):
             decoder.close()
 
 
+class LoggedLane(HostOps):
+    """A lane that logs its drain and its close in ``events``, each followed by ``note(lane)``."""
+
+    def __init__(self, events: list[str], note: Callable[[HostOps], str], stream_ptr: int = 0x5EED):
+        super().__init__(stream_ptr)
+        self.events, self.note = events, note
+
+    def quiesce(self, timeout_s=None):
+        self.events.append(f"drained{self.note(self)}")
+
+    def close(self):
+        self.events.append(f"closed{self.note(self)}")
+
+
 def test_a_closed_decoder_lets_its_scratch_memory_go_after_its_stream_is_drained(tmp_path):
     """nvCOMP's scratch memory may be in use by a decode still queued: a decoder that closes drains its
     stream first, then lets the memory go, and only then closes its device side (which releases the memory
     pool's blocks of its streams: the scratch memory must be among them)."""
     events: list[str] = []
-
-    class Ops(HostOps):
-        def quiesce(self, timeout_s=None):
-            events.append(f"drained, scratch held: {decoder.scratch_bytes > 0}")
-
-        def close(self):
-            events.append(f"closed, scratch held: {decoder.scratch_bytes > 0}")
-
     path = store(tmp_path, z=(10, 40, [ZstdCodec()]))
     meta = read_metadata(path)
     with DatasetLayout(meta) as layout:
-        decoder = Decoder(layout, True, 0, ["z"], threads=1, nvcomp=FakeZstd(), ops=[Ops()])
+        lane = LoggedLane(events, lambda _: f", scratch held: {decoder.scratch_bytes > 0}")
+        decoder = Decoder(layout, True, 0, ["z"], threads=1, nvcomp=FakeZstd(), ops=[lane])
         wl, work, wb = one_window(layout, meta)
         decoder.decode(wb, work, None, threading.Event())[1].confirm()
         decoder.close()
@@ -466,17 +473,10 @@ def test_successive_windows_take_turns_on_the_lanes_each_with_its_own_scratch_me
     goes to its lane's stream, with that lane's scratch memory (one lane's memory reused by the other while a
     decode may still run there would corrupt both), and closing drains and closes every lane."""
     events: list[str] = []
-
-    class Ops(HostOps):
-        def quiesce(self, timeout_s=None):
-            events.append(f"drained {self.stream_ptr:#x}")
-
-        def close(self):
-            events.append(f"closed {self.stream_ptr:#x}")
-
     path = store(tmp_path, z=(10, 40, [ZstdCodec()]))
     meta = read_metadata(path)
-    lanes, fake = [Ops(0xA), Ops(0xB)], FakeZstd()
+    lanes = [LoggedLane(events, lambda lane: f" {lane.stream_ptr:#x}", ptr) for ptr in (0xA, 0xB)]
+    fake = FakeZstd()
     with DatasetLayout(meta) as layout:
         decoder = Decoder(layout, True, 0, ["z"], threads=1, nvcomp=fake, ops=lanes)
         for _ in range(4):
@@ -492,12 +492,14 @@ def test_successive_windows_take_turns_on_the_lanes_each_with_its_own_scratch_me
     assert events == ["drained 0xa", "drained 0xb", "closed 0xa", "closed 0xb"]
 
 
-def one_window(layout, meta, blocks: int = 4):
-    """Field z's window of its first ``blocks`` blocks, read into a host window buffer: (map, work, buffer)."""
-    wl = WindowMap([meta.fields["z"]], blocks, samples_per_block=meta.samples_per_block,
+def one_window(layout, meta, blocks: int | list[int] = 4):
+    """Field z's window of ``blocks`` (a number: the first ones), read into a host window buffer:
+    (map, work, buffer)."""
+    blocks = np.arange(blocks) if isinstance(blocks, int) else np.asarray(blocks)
+    wl = WindowMap([meta.fields["z"]], len(blocks), samples_per_block=meta.samples_per_block,
                    chunk_lengths=layout.chunk_lengths)
     wb = WindowBuffer(np.zeros(wl.nbytes, np.uint8))
-    work = wl.work(layout, np.arange(blocks))
+    work = wl.work(layout, blocks)
     backend = CpuBackend()
     backend.prepare(layout.files)
     try:

@@ -23,7 +23,7 @@ import pytest
 from gdsload import ArraySource, ChecksumError, GDSDataset, GDSLoadError, RaggedSource, ReadError, write_dataset
 from gdsload.errors import FormatError
 
-from _helpers import flip_byte
+from _helpers import assert_same_batches, flip_byte
 
 N = 196  # 4 * 7 * 7: batch sizes 14 and 49 divide it, 8 and 30 do not; 24.5 blocks of 8 (a short last block)
 SPB = 8
@@ -147,14 +147,6 @@ class BackendConformance:
     def ids_of(self, batches: list[dict[str, np.ndarray]], src: Source) -> np.ndarray:
         return np.concatenate([self.check(b, src) for b in batches]) if batches else np.empty(0, np.int64)
 
-    @staticmethod
-    def assert_same_batches(got: list[dict[str, np.ndarray]], want: list[dict[str, np.ndarray]]) -> None:
-        assert len(got) == len(want)
-        for g, w in zip(got, want):
-            assert g.keys() == w.keys()
-            for name in w:
-                np.testing.assert_array_equal(g[name], w[name], err_msg=name)
-
     # -- exact samples ---------------------------------------------------------------------------------
     @pytest.mark.parametrize("batch_size,drop_last,shuffle,window_blocks", [
         (14, False, False, None),  # divides N
@@ -248,8 +240,8 @@ class BackendConformance:
             rest = self.take(second)
             after = self.take(second)
         assert len(rest) == len(full[0]) - cut
-        self.assert_same_batches(head + rest, full[0])
-        self.assert_same_batches(after, full[1])
+        assert_same_batches(head + rest, full[0])
+        assert_same_batches(after, full[1])
         self.ids_of(rest + after, source)
 
     def test_resume_across_an_epoch_boundary(self, source: Source) -> None:
@@ -258,7 +250,7 @@ class BackendConformance:
         with self.open(source.path, 16, **self.RESUME) as ref:
             full = [self.take(ref) for _ in range(3)]
         with self.open(source.path, 16, **self.RESUME) as first:
-            self.assert_same_batches(self.take(first), full[0])
+            assert_same_batches(self.take(first), full[0])
             head = self.take(first, 4)
             state = first.state_dict()
         assert state["epoch"] == 1
@@ -266,8 +258,8 @@ class BackendConformance:
             second.load_state_dict(state)
             rest = self.take(second)
             after = self.take(second)
-        self.assert_same_batches(head + rest, full[1])
-        self.assert_same_batches(after, full[2])
+        assert_same_batches(head + rest, full[1])
+        assert_same_batches(after, full[2])
 
     # -- ranks -----------------------------------------------------------------------------------------
     @pytest.mark.parametrize("exact_shares", [True, False])
@@ -352,10 +344,10 @@ class BackendConformance:
         with self.open(source.path, 8, shuffle=True, seed=1, window_blocks=2) as ds:
             head = self.take(ds, 3)
             self.ids_of(head, source)
-            self.assert_same_batches(self.take(ds), epoch1)
+            assert_same_batches(self.take(ds), epoch1)
             old = iter(ds)
             next(old)  # epoch 2, left mid-pass
-            self.assert_same_batches(self.take(ds), epoch3)
+            assert_same_batches(self.take(ds), epoch3)
             with pytest.raises(GDSLoadError):
                 next(old)
         assert new_threads(before) == set()

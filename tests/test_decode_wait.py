@@ -18,9 +18,8 @@ from gdsload.codecs.decode import Decoder
 from gdsload.cuda.runtime import wait_event
 from gdsload.format.layout import DatasetLayout
 from gdsload.format.meta import read_metadata
-from gdsload.pipeline.window import WindowBuffer, WindowMap
 
-from test_compression import FakeZstd, HostOps, store
+from test_compression import FakeZstd, HostOps, one_window, store
 
 
 class Event:
@@ -69,22 +68,6 @@ class BusyLane(HostOps):
         self.closed = True
 
 
-def _window(layout, meta, blocks):
-    """Field z's window of ``blocks``, read into a host window buffer: (work, buffer)."""
-    from gdsload.backends.cpu import CpuBackend
-
-    wl = WindowMap([meta.fields["z"]], len(blocks), samples_per_block=meta.samples_per_block,
-                   chunk_lengths=layout.chunk_lengths)
-    wb, work = WindowBuffer(np.zeros(wl.nbytes, np.uint8)), wl.work(layout, np.asarray(blocks))
-    backend = CpuBackend()
-    backend.prepare(layout.files)
-    try:
-        backend.load(wb.buffer, work.requests, threading.Event())
-    finally:
-        backend.close()
-    return work, wb
-
-
 def test_a_decoder_stopping_while_a_lane_is_busy_raises_a_decode_error_naming_the_window(tmp_path, monkeypatch):
     """Two windows decode on one lane; the first one's event has passed, the second one's never does: the
     decoder's quiesce waits the bound (GDSLOAD_DECODE_WAIT_S), then names the file, the second window's
@@ -97,7 +80,7 @@ def test_a_decoder_stopping_while_a_lane_is_busy_raises_a_decode_error_naming_th
     with DatasetLayout(meta) as layout:
         decoder = Decoder(layout, True, 0, ["z"], threads=1, nvcomp=FakeZstd(), ops=[lane])
         for blocks in ([0, 1], [4, 5, 6]):
-            work, wb = _window(layout, meta, blocks)
+            _, work, wb = one_window(layout, meta, blocks)
             decoder.decode(wb, work, None, threading.Event())[1].confirm()
         loc = layout.locate("z", 4)
         msg = (rf"^{re.escape(loc.path)}: chunk 4 of array 'z' \(.*\) does not decode: the decode of its window "
@@ -226,20 +209,13 @@ def test_on_the_device_damaged_entropy_data_without_a_checksum_ends_within_the_b
     in samples (unchecked: docs/format.md says so); never a hang. The store mended, a new process reads it
     exactly on the device."""
     from gdsload.codecs.chunks import load_nvcomp
-    from test_zstd_walk import _blocks
+    from test_zstd_walk import put_frame, stored_frame
 
     if load_nvcomp() is None:
         pytest.skip("needs libnvcomp (nvidia-libnvcomp-cu13, gdsload[nvcomp])")
-    path = store(tmp_path, z=(10, 40, [ZstdCodec(level=3)]))
-    with DatasetLayout(read_metadata(path)) as layout:
-        loc = layout.locate("z", 4)
-    with open(loc.path, "rb") as f:
-        frame = os.pread(f.fileno(), loc.nbytes, loc.offset)
-    at = _blocks(frame)[0]
+    path, loc, frame, at = stored_frame(tmp_path, 4)
     body = at + 3 + (len(frame) - at - 3) // 4  # inside the first block's bytes
-    bad = frame[:body] + bytes(b ^ 0xFF for b in frame[body:body + 16]) + frame[body + 16:]
-    with open(loc.path, "r+b") as f:
-        os.pwrite(f.fileno(), bad, loc.offset)
+    put_frame(loc, frame[:body] + bytes(b ^ 0xFF for b in frame[body:body + 16]) + frame[body + 16:])
     got = _read_in_child(path, backend, 5.0)
     assert got["seconds"] < 4 * 5.0 + 30, got
     if got["error"] == "DecodeError":
@@ -247,7 +223,6 @@ def test_on_the_device_damaged_entropy_data_without_a_checksum_ends_within_the_b
         assert re.search(r"after 5 s \(GDSLOAD_DECODE_WAIT_S\).*may have to exit", got["message"]), got
     elif got["error"] is not None:
         assert got["error"] == "ReadError" and "chunk 4 of array 'z'" in got["message"], got
-    with open(loc.path, "r+b") as f:
-        os.pwrite(f.fileno(), frame, loc.offset)
+    put_frame(loc, frame)
     again = _read_in_child(path, backend, 5.0)
     assert again["error"] is None and again["exact"], again

@@ -10,11 +10,12 @@ import os
 import numpy as np
 import pytest
 
-from gdsload import GDSDataset, ImageSpec, ReadError, convert_images, write_dataset
+from gdsload import GDSDataset, ImageSpec, ReadError, convert_images
 from gdsload.codecs.image_host import decode_host
 from gdsload.codecs.image_params import (batch_taps, crop_boxes, resize_hwc, resize_taps, transform_params,
                                         uniforms)
-from gdsload.conversion.source_types import ArraySource, RaggedSource
+
+from _helpers import write_images
 
 Image = pytest.importorskip("PIL.Image")
 
@@ -131,12 +132,7 @@ def _epoch(ds) -> list[dict[str, np.ndarray]]:
 
 def test_whole_images_at_their_own_size_come_out_as_pillow_decodes_them(tmp_path):
     data = [encode(24, 32, i) for i in range(6)]
-    offsets = np.concatenate([[0], np.cumsum([len(d) for d in data])])
-    values = np.frombuffer(b"".join(data), np.uint8)
-    path = str(tmp_path / "o.gds")
-    write_dataset(path, {"label": ArraySource("l", np.arange(6))}, progress=False,
-                  ragged={"image": RaggedSource("v", ArraySource("v", values), offsets)},
-                  field_attrs={"image": {"image": {"formats": ["jpeg"]}}})
+    path = write_images(str(tmp_path / "o.gds"), data)
     with GDSDataset(path, batch_size=4, backend="cpu", images={"image": ImageSpec((24, 32))}) as ds:
         batches = _epoch(ds)
     assert [b["image"].shape for b in batches] == [(4, 24, 32, 3), (2, 24, 32, 3)]
@@ -183,12 +179,7 @@ def test_the_same_sample_gets_the_same_crop_whatever_the_batch(images_ds):
 def test_a_damaged_image_names_the_dataset_field_and_sample(tmp_path):
     data = [encode(16, 16, i) for i in range(5)]
     data[3] = b"\xff\xd8\xff\xe0\x00\x10JFIF" + b"\x07" * 300 + b"\xff\xd9"
-    offsets = np.concatenate([[0], np.cumsum([len(d) for d in data])])
-    path = str(tmp_path / "o.gds")
-    write_dataset(path, {"label": ArraySource("l", np.arange(5))}, progress=False,
-                  ragged={"image": RaggedSource("v", ArraySource("v", np.frombuffer(b"".join(data), np.uint8)),
-                                                offsets)},
-                  field_attrs={"image": {"image": {"formats": ["jpeg"]}}})
+    path = write_images(str(tmp_path / "o.gds"), data)
     with GDSDataset(path, batch_size=2, backend="cpu", images={"image": ImageSpec(8)}) as ds:
         with pytest.raises(ReadError, match=r"o.gds: field 'image', sample 3: the image does not decode \(\w+"):
             _epoch(ds)

@@ -4,15 +4,15 @@ decoders' difference (nvJPEG's IDCT and upsampling against libjpeg-turbo's: a fe
 
 from __future__ import annotations
 
-import os
-
 import io
+import os
 
 import numpy as np
 import pytest
 
-from gdsload import GDSDataset, ImageSpec, write_dataset
-from gdsload.conversion.source_types import ArraySource, RaggedSource
+from gdsload import GDSDataset, ImageSpec
+
+from _helpers import write_images
 
 Image = pytest.importorskip("PIL.Image")
 pytestmark = pytest.mark.gpu
@@ -35,14 +35,7 @@ def _images(n: int, fmt: str) -> list[bytes]:
 
 
 def _dataset(tmp_path, fmt: str, n: int = 24) -> str:
-    data = _images(n, fmt)
-    offsets = np.concatenate([[0], np.cumsum([len(d) for d in data])])
-    path = str(tmp_path / f"{fmt}.gds")
-    write_dataset(path, {"label": ArraySource("l", np.arange(n))}, progress=False, samples_per_block=5,
-                  ragged={"image": RaggedSource("v", ArraySource("v", np.frombuffer(b"".join(data), np.uint8)),
-                                                offsets)},
-                  field_attrs={"image": {"image": {"formats": [fmt.lower()]}}})
-    return path
+    return write_images(str(tmp_path / f"{fmt}.gds"), _images(n, fmt), fmt.lower(), samples_per_block=5)
 
 
 def _read(path: str, backend: str, spec: ImageSpec) -> tuple[np.ndarray, np.ndarray]:
@@ -97,12 +90,7 @@ def test_jpeg_pixels_match_pillow_within_the_decoders_tolerance(tmp_path):
 def test_a_damaged_jpeg_names_the_sample_on_the_gpu(tmp_path):
     data = _images(4, "JPEG")
     data[2] = data[2][:200] + b"\x00" * (len(data[2]) - 202) + b"\xff\xd9"  # header kept, scan data zeroed
-    offsets = np.concatenate([[0], np.cumsum([len(d) for d in data])])
-    path = str(tmp_path / "bad.gds")
-    write_dataset(path, {"label": ArraySource("l", np.arange(4))}, progress=False,
-                  ragged={"image": RaggedSource("v", ArraySource("v", np.frombuffer(b"".join(data), np.uint8)),
-                                                offsets)},
-                  field_attrs={"image": {"image": {"formats": ["jpeg"]}}})
+    path = write_images(str(tmp_path / "bad.gds"), data)
     from gdsload import ReadError
 
     with GDSDataset(path, batch_size=4, backend="pinned", images={"image": ImageSpec(32)}) as ds:

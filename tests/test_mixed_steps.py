@@ -1,5 +1,6 @@
 """The pieces of the one pipeline a mixture reads through that need no data: the schedule's steps, made once and
-in order whichever thread asks first, and the options a mixture refuses for its sources."""
+in order whichever thread asks first, passes made once per key, and the options a mixture refuses for its
+sources."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import threading
 
 import pytest
 
+from gdsload.pipeline.once import MadeOnce
 from gdsload.pipeline.steps import Step, Steps
 
 
@@ -32,6 +34,33 @@ def test_steps_are_made_once_in_order_whichever_thread_asks_and_forgotten_once_p
         steps.get(29)  # passed by every thread: forgotten, never made again
     steps.forget(1000)  # beyond what was made: drops what was made, nothing more
     assert steps.get(41).after == "after 41" and made[-1] == 41
+
+
+def test_a_pass_is_made_once_by_the_first_asker_while_askers_of_another_wait_for_none():
+    passes: MadeOnce[object] = MadeOnce()
+    made: list[int] = []
+    making, gate = threading.Event(), threading.Event()
+
+    def slow(k: int) -> object:
+        made.append(k)
+        making.set()
+        assert gate.wait(5), "the gate opens"
+        return object()
+
+    got: list[object] = []
+    threads = [threading.Thread(target=lambda: got.append(passes.get(1, lambda: slow(1)))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    assert making.wait(5)
+    other = passes.get(2, lambda: made.append(2) or "two")  # while pass 1 is being made
+    gate.set()
+    for t in threads:
+        t.join(5)
+    assert other == "two" and made == [1, 2], "pass 1 made once; pass 2 made meanwhile, not behind it"
+    assert len(got) == 2 and got[0] is got[1] is passes.get(1, lambda: slow(1))
+    passes.get(3, lambda: "three", keep=lambda j: j >= 2)
+    assert passes.drop(3) == ["two"] and passes.get(3, lambda: "again") == "three"
+    assert passes.get(1, lambda: "anew") == "anew", "a pass dropped is made again"
 
 
 def test_a_mixture_refuses_to_decode_images_naming_the_source(tmp_path):

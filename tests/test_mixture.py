@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from _helpers import labelled, ragged_source, sequences, threads_left_since, wait_no_readers
+from _helpers import assert_epochs_once, labelled, ragged_source, sequences, threads_left_since, wait_no_readers
 from gdsload import GDSLoadError, ReadError, merge_states
 from gdsload.mixture.mixture import Mixture
 from gdsload.mixture.schedule import Stretch
@@ -178,13 +178,7 @@ def check_once_per_epoch(legs, end) -> None:
                 for i, idx in enumerate(got.get(s, [])):
                     reads.setdefault(start[name].taken(i).rank_position(r, n)[0], []).append(idx - OFFSET[name])
         final = Stretch(**{**end["positions"][name], "hops": tuple(end["positions"][name]["hops"])})
-        done = min(final.rank_position(r, n)[0] for r in range(final.world_size))
-        for epoch in range(max(reads, default=-1) + 1):
-            got = sorted(reads.get(epoch, []))
-            if epoch < done:
-                assert got == list(range(n)), f"{name}: epoch {epoch} holds every sample once"
-            else:
-                assert len(set(got)) == len(got), f"{name}: epoch {epoch} holds no sample twice"
+        assert_epochs_once(reads, final, n, name)
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from _helpers import assert_epochs_once
 from gdsload.mixture.schedule import (Schedule, Stretch, exact_weights, next_counts, parse_schedule, parse_stretch,
                                       schedule_state)
 from gdsload.mixture.source import Placement, SourceStream
@@ -333,13 +334,7 @@ def test_an_elastic_resume_of_a_source_reads_every_sample_once_per_epoch(case):
         for i in range(taken + 1):
             check_one_apart(starts[0].taken(i), n)
         stretch = starts[0].taken(taken)
-    done = min(stretch.rank_position(r, n)[0] for r in range(stretch.world_size))
-    for epoch in range(max(reads, default=-1) + 1):
-        got = sorted(reads.get(epoch, []))
-        if epoch < done:
-            assert got == list(range(n)), f"epoch {epoch}: every sample once"
-        else:
-            assert len(set(got)) == len(got), f"epoch {epoch}: nothing twice"
+    assert_epochs_once(reads, stretch, n)
 
 
 def test_rest_shares_continue_the_exact_shares_of_later_epochs():

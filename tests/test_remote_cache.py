@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -19,17 +18,11 @@ import pytest
 from gdsload import GDSDataset, ReadError
 from gdsload.remote.mirror import open_version
 
-from remote_servers import Seen, client_for_server, upload
+from _helpers import assert_same_batches, host_batches
+from remote_servers import Seen, upload
 
 N = 600
 SPB = 16  # samples per block; 4 blocks per shard of x, 12 per shard of idx
-
-
-@pytest.fixture
-def fast_client(srv) -> Iterator[object]:
-    """The process's client for the server: few retries, short backoff and timeout (what the faults need)."""
-    with client_for_server(srv, retries=2, backoff_s=0.01, timeout_s=0.5) as client:
-        yield client
 
 
 @pytest.fixture
@@ -41,18 +34,6 @@ def local(make_dataset) -> str:
 def _open(url: str, cache: str | None, **kw) -> GDSDataset:
     kw = {"backend": "cpu", "resident_bytes": 0, "window_blocks": 2, "cache_dir": cache, **kw}
     return GDSDataset(url, 32, **kw)
-
-
-def _batches(ds: GDSDataset) -> list[dict[str, np.ndarray]]:
-    return [{k: np.asarray(v) for k, v in b.items()} for b in ds]
-
-
-def _same(got: list[dict[str, np.ndarray]], want: list[dict[str, np.ndarray]]) -> None:
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        assert g.keys() == w.keys()
-        for k in w:
-            np.testing.assert_array_equal(g[k], w[k])
 
 
 def _data_gets(requests: list[Seen]) -> list[str]:
@@ -104,7 +85,7 @@ def test_the_open_fetches_only_the_skeleton(local, srv, tmp_path):
 def test_every_sample_exact_under_a_bound_smaller_than_the_dataset_with_eviction(local, srv, tmp_path):
     url, cache = upload(srv, local), str(tmp_path / "c")
     with _open(local, None, shuffle=True, seed=5) as ref:
-        want = _batches(ref) + _batches(ref)
+        want = host_batches(ref) + host_batches(ref)
     with _open(url, cache) as probe:
         version = open_version(url, cache)  # the version the probe opened, complete in the cache: found there
         assert version.root == probe.describe()["remote"]["version"]
@@ -115,10 +96,10 @@ def test_every_sample_exact_under_a_bound_smaller_than_the_dataset_with_eviction
     assert bound < total
     srv.reset_log()
     with _open(url, cache, shuffle=True, seed=5, cache_bytes=bound) as ds:
-        got = _batches(ds) + _batches(ds)  # two epochs: the second finds part of the first evicted
+        got = host_batches(ds) + host_batches(ds)  # two epochs: the second finds part of the first evicted
         stats = ds.describe()["remote"]
         assert _present_bytes(cache) <= bound
-    _same(got, want)
+    assert_same_batches(got, want)
     fetched = _data_gets(srv.requests)
     assert stats["evicted_pieces"] > 0 and stats["cache_bytes"] == bound
     assert len(fetched) > len(set(fetched)), "shards evicted in the first epoch are fetched again in the second"
@@ -133,9 +114,9 @@ def test_a_bound_that_holds_everything_scans_the_cache_folder_once_not_per_piece
     monkeypatch.setattr(shard_cache, "_scan", lambda cache_dir: scans.append(cache_dir) or real(cache_dir))
     url, cache = upload(srv, local), str(tmp_path / "c")
     with _open(local, None) as ref:
-        want = _batches(ref)
+        want = host_batches(ref)
     with _open(url, cache, cache_bytes=1 << 30) as ds:
-        _same(_batches(ds), want)
+        assert_same_batches(host_batches(ds), want)
         fetched = ds.describe()["remote"]["fetched_pieces"]
     assert fetched >= 10 and len(scans) == 1, "the ledger decides while it leaves room; the first fetch scans"
     with open(os.path.join(cache, shard_cache.LEDGER)) as f:
@@ -148,7 +129,7 @@ def test_a_rank_fetches_only_the_shards_of_its_share(local, srv, tmp_path):
     for rank in range(2):
         srv.reset_log()
         with _open(url, str(tmp_path / f"c{rank}"), rank=rank, world_size=2) as ds:
-            assert len(_batches(ds)) == len(ds)
+            assert len(host_batches(ds)) == len(ds)
         blocks = np.array_split(np.arange(num_blocks), 2)[rank]
         want = {f"/d.gds/x/c/{b // 4}/0" for b in blocks} | {f"/d.gds/idx/c/{b // 12}" for b in blocks}
         fetched = _data_gets(srv.requests)
@@ -235,10 +216,10 @@ def test_two_processes_share_one_cache_and_fetch_no_shard_twice(local, srv, tmp_
 def test_5xx_then_success_is_retried(local, srv, tmp_path, fast_client):
     url = upload(srv, local)
     with _open(local, None) as ref:
-        want = _batches(ref)
+        want = host_batches(ref)
     with _open(url, str(tmp_path / "c")) as ds:
         srv.fail_next(2, 503)
-        _same(_batches(ds), want)
+        assert_same_batches(host_batches(ds), want)
 
 
 def test_a_stall_beyond_the_timeout_is_a_clear_error_in_bounded_time(local, srv, tmp_path, fast_client):
@@ -248,7 +229,7 @@ def test_a_stall_beyond_the_timeout_is_a_clear_error_in_bounded_time(local, srv,
         t0 = time.monotonic()
         with pytest.raises(ReadError, match=r"127\.0\.0\.1.*/d\.gds/.*: no response for 0\.5 s \(GET, 2 tries; "
                                             r"before: TimeoutError"):
-            _batches(ds)
+            host_batches(ds)
         assert time.monotonic() - t0 < 15
         assert _no_fetch_threads(), "the fetcher threads stop on an error"
         srv.clear_faults()
@@ -257,7 +238,7 @@ def test_a_stall_beyond_the_timeout_is_a_clear_error_in_bounded_time(local, srv,
 def test_an_object_replaced_mid_epoch_is_a_read_error_never_mixed_data(local, srv, tmp_path, fast_client):
     url = upload(srv, local)
     with _open(local, None) as ref:
-        want = _batches(ref)
+        want = host_batches(ref)
     got = []
     with _open(url, str(tmp_path / "c"), cache_bytes=1 << 20) as ds:
         last = "d.gds/x/c/9/0"  # the last shard of x, read at the epoch's end: not fetched yet
@@ -268,7 +249,7 @@ def test_an_object_replaced_mid_epoch_is_a_read_error_never_mixed_data(local, sr
                 got.append({k: np.asarray(v) for k, v in b.items()})
         assert _no_fetch_threads()
     assert 0 < len(got) < len(want)
-    _same(got, want[:len(got)])
+    assert_same_batches(got, want[:len(got)])
 
 
 _FULL = """
@@ -296,9 +277,9 @@ def test_a_full_disk_is_a_clear_error_and_leaves_nothing_that_looks_complete(loc
     present = _present_bytes(cache)
     assert present <= 2 * 2000, "only the shards of the first window (fetched before the limit) look complete"
     with _open(local, None) as ref:
-        want = _batches(ref)
+        want = host_batches(ref)
     with _open(url, cache) as ds:  # the same cache, without the limit: exact
-        _same(_batches(ds), want)
+        assert_same_batches(host_batches(ds), want)
 
 
 def test_a_bound_below_one_shard_is_a_clear_error_naming_cache_bytes(local, srv, tmp_path):
@@ -345,9 +326,9 @@ def test_a_server_without_etags_reads_exactly_from_a_private_version_removed_at_
     url, cache = upload(srv, local), str(tmp_path / "c")
     srv.send_etags = False
     with _open(local, None) as ref:
-        want = _batches(ref)
+        want = host_batches(ref)
     with _open(url, cache, cache_bytes=1 << 20) as ds:
         root = ds.describe()["remote"]["version"]
         assert "@private-" in root and os.path.isdir(root)
-        _same(_batches(ds), want)
+        assert_same_batches(host_batches(ds), want)
     assert not os.path.exists(root) and not os.path.exists(root + ".shards"), "removed when the dataset closed"

@@ -15,6 +15,7 @@ from gdsload import GDSDataset, ReadError
 from gdsload.errors import FormatError
 from gdsload.remote.mirror import MARKER, mirror, mirror_path
 
+from _helpers import assert_same_batches, host_batches
 from remote_servers import client_for_server, upload
 
 N = 600
@@ -26,19 +27,12 @@ def local(make_dataset) -> tuple[str, dict[str, np.ndarray]]:
     return make_dataset(data, samples_per_block=16, shard_bytes=4 * 16 * 6 * 4), data
 
 
-def _batches(ds: GDSDataset) -> list[dict[str, np.ndarray]]:
-    return [{k: np.asarray(v) for k, v in b.items()} for b in ds]
-
-
 def _same_as_local(url: str, path: str, cache: str) -> None:
     with GDSDataset(path, 32, backend="cpu", shuffle=True, seed=3) as want_ds:
-        want = _batches(want_ds)
+        want = host_batches(want_ds)
     with GDSDataset(url, 32, backend="cpu", shuffle=True, seed=3, cache_dir=cache) as ds:
-        got = _batches(ds)
-    assert len(got) == len(want) and all(g.keys() == w.keys() for g, w in zip(got, want))
-    for g, w in zip(got, want):
-        for k in w:
-            np.testing.assert_array_equal(g[k], w[k])
+        got = host_batches(ds)
+    assert_same_batches(got, want)
 
 
 # -- HTTP ------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ in a wheel folder of its own)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -27,19 +28,13 @@ from gdsload.remote.mirror import open_version
 from gdsload.remote import route as rules
 from gdsload.remote.objects import ObjectChanged, ObjectInfo, join
 
-from _helpers import ragged_source
-from remote_servers import Seen, client_for_server, upload
+from _helpers import assert_same_batches, host_batches, ragged_source
+from remote_servers import Seen, upload
 
 N = 600
 SPB = 16
 S3_ENV = {"AWS_ACCESS_KEY_ID": "AKIAX", "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAULT_REGION": "us-east-1"}
-
-
-@pytest.fixture
-def fast_client(srv) -> Iterator[object]:
-    """The process's client for the server (the pin checks'): few retries, short backoff and timeout."""
-    with client_for_server(srv, retries=2, backoff_s=0.01, timeout_s=2.0) as client:
-        yield client
+CLIENT_TIMEOUT_S = 2.0  # conftest's fast_client: the pin checks' (no fault here waits on it)
 
 
 @pytest.fixture
@@ -212,14 +207,23 @@ def _data_requests(version, objects) -> tuple[list[ReadRequest], int]:
     return requests, at
 
 
-def test_reads_come_from_the_objects_and_an_object_changed_since_is_an_error_naming_it(local, srv, tmp_path,
-                                                                                     fast_client):
-    url = upload(srv, local)
-    version = open_version(url, str(tmp_path / "c"))
+@contextlib.contextmanager
+def _direct_reads(local: str, srv, tmp_path, check_threads: int) -> Iterator[tuple]:
+    """``local`` uploaded to ``srv``, and direct reads of its objects through the stand-in for KvikIO:
+    (version, objects, requests of every shard's data, their bytes, reads), the reads closed after."""
+    version = open_version(upload(srv, local), str(tmp_path / "c"))
     objects = rd.object_map(version.shards)
     requests, nbytes = _data_requests(version, objects)
-    reads = rd.DirectReads(objects, _RangedGet, check_threads=4)
+    reads = rd.DirectReads(objects, _RangedGet, check_threads=check_threads)
     try:
+        yield version, objects, requests, nbytes, reads
+    finally:
+        reads.close()
+
+
+def test_reads_come_from_the_objects_and_an_object_changed_since_is_an_error_naming_it(local, srv, tmp_path,
+                                                                                     fast_client):
+    with _direct_reads(local, srv, tmp_path, 4) as (version, objects, requests, nbytes, reads):
         buf = np.zeros(nbytes, dtype=np.uint8)
         reads.submit(buf, requests, threading.Event()).finish()
         for r in requests:  # the bytes of the local dataset's files (the cache's sparse files hold none of them)
@@ -251,24 +255,15 @@ def test_reads_come_from_the_objects_and_an_object_changed_since_is_an_error_nam
         assert srv.count == 0, "nothing is asked of the server for a range past the pinned size, nor once stopped"
         with pytest.raises(ReadError, match="/nowhere: not a file of this remote dataset"):
             reads.submit(buf, [ReadRequest("/nowhere", 0, 4, 0)], threading.Event()).finish()
-    finally:
-        reads.close()
 
 
 def test_a_read_that_fails_on_an_unchanged_object_is_a_read_error_naming_its_url(local, srv, tmp_path,
                                                                                 fast_client):
-    url = upload(srv, local)
-    version = open_version(url, str(tmp_path / "c"))
-    objects = rd.object_map(version.shards)
-    requests, nbytes = _data_requests(version, objects)
-    reads = rd.DirectReads(objects, _RangedGet, check_threads=2)
-    try:
+    with _direct_reads(local, srv, tmp_path, 2) as (_, _, requests, nbytes, reads):
         srv.fail_next(1, 500)  # the stand-in does not retry (KvikIO does: http_max_attempts)
         with pytest.raises(ReadError, match=r"http://127\.0\.0\.1:\d+/d\.gds/.*: read of \d+ bytes at offset 0 "
                                             r"failed \(RuntimeError: curl_easy_perform\(\) error \(HTTP Error 500"):
             reads.submit(np.zeros(nbytes, dtype=np.uint8), requests[:1], threading.Event()).finish()
-    finally:
-        reads.close()
 
 
 def test_the_cpu_backend_on_a_remote_dataset_says_its_route_and_why(local, srv, tmp_path):
@@ -321,14 +316,14 @@ def test_the_reader_on_the_direct_route_fetches_no_shard_and_stops_at_an_object_
     url = upload(srv, local)
     opts = dict(shuffle=True, seed=3, window_blocks=2, prefetch=1, pad_to="max", resident_bytes=0)
     with GDSDataset(local, 32, backend="cpu", **opts) as ref:
-        want = _batches(ref)
+        want = host_batches(ref)
     got = []
     with GDSDataset(url, 32, backend="cpu", **opts) as ds:
         opened = ds.describe()  # at the open: a remote version (its skeleton), the direct route, nothing fetched
         assert "remote" in opened and opened["remote"]["route"] == "direct" and ds.backend_name == rd.BACKEND
         assert opened["remote"]["fetched_shards"] == 0
         assert ds.backend_reason == "a remote dataset's direct route, in place of 'cpu' (requested)"
-        _same(_batches(ds), want)
+        assert_same_batches(host_batches(ds), want)
         d = ds.describe()
         assert d["remote"]["route"] == "direct" and d["remote"]["fetched_shards"] == 0
         assert d["backend_stats"]["pin_checks"] > 0 and d["io_mode"] == rd.IO_MODE
@@ -345,21 +340,6 @@ def test_the_reader_on_the_direct_route_fetches_no_shard_and_stops_at_an_object_
 
 
 # -- on a GPU: whole datasets by the direct route ----------------------------------------------------------
-def _batches(ds: GDSDataset) -> list[dict[str, np.ndarray]]:
-    out = []
-    for b in ds:
-        out.append({k: v.get() if hasattr(v, "get") else np.asarray(v) for k, v in b.items()})
-    return out
-
-
-def _same(got: list[dict[str, np.ndarray]], want: list[dict[str, np.ndarray]]) -> None:
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        assert g.keys() == w.keys()
-        for k in w:
-            np.testing.assert_array_equal(g[k], w[k], err_msg=k)
-
-
 def _kvikio_gets(requests: list[Seen]) -> list[Seen]:
     """The data reads KvikIO sent: ranged GETs of shards without If-Match (the pin checks carry one)."""
     return [r for r in requests if r.method == "GET" and r.header("If-Match") is None
@@ -387,12 +367,12 @@ def test_every_sample_exact_by_the_direct_route_on_two_ranks(local, srv, gds_cac
                 else 64 << 20)
     for rank in range(2):
         with GDSDataset(local, 32, backend="cpu", rank=rank, **opts) as ref:
-            want = _batches(ref) + _batches(ref)
+            want = host_batches(ref) + host_batches(ref)
         with GDSDataset(url, 32, backend=backend, rank=rank, **opts) as ds:
             srv.reset_log()  # the open fetched the skeleton (rank 0) and read the first window
-            got = _batches(ds) + _batches(ds)
+            got = host_batches(ds) + host_batches(ds)
             d = ds.describe()
-        _same(got, want)
+        assert_same_batches(got, want)
         assert ds.backend_name == "remote" and ds.io_mode == "remote-kvikio" and d["io_mode"] == "remote-kvikio"
         assert "a remote dataset's direct route, in place of" in ds.backend_reason
         assert d["remote"]["route"] == "direct" and "KvikIO's RemoteFile" in d["remote"]["route_reason"]
@@ -414,10 +394,10 @@ def test_compressed_fields_decoded_by_cpu_threads_are_read_by_the_direct_route(m
     path = make_dataset(data, samples_per_block=SPB, compress="zstd")
     url = upload(srv, path)
     with GDSDataset(path, 32, backend="cpu", shuffle=True, resident_bytes=0) as ref:
-        want = _batches(ref)
+        want = host_batches(ref)
     with GDSDataset(url, 32, backend="kvikio", shuffle=True, resident_bytes=0) as ds:
         assert ds.describe()["decode"] == {"x": "cpu threads", "idx": "cpu threads"}
-        _same(_batches(ds), want)
+        assert_same_batches(host_batches(ds), want)
         assert ds.describe()["remote"]["route"] == "direct"
 
 
@@ -425,14 +405,14 @@ def test_compressed_fields_decoded_by_cpu_threads_are_read_by_the_direct_route(m
 def test_mmap_by_name_and_a_cache_dir_take_the_cached_route(local, srv, tmp_path, gds_cache, fast_client):
     url = upload(srv, local)
     with GDSDataset(local, 32, backend="cpu", pad_to="max") as ref:
-        want = _batches(ref)
+        want = host_batches(ref)
     with GDSDataset(url, 32, backend="mmap", pad_to="max") as ds:
-        _same(_batches(ds), want)
+        assert_same_batches(host_batches(ds), want)
         remote = ds.describe()["remote"]
         assert ds.backend_name == "mmap" and remote["route"] == "whole"
         assert "the mmap backend was asked for by name" in remote["route_reason"]
     with GDSDataset(url, 32, backend="kvikio", pad_to="max", cache_dir=str(tmp_path / "c")) as ds:
-        _same(_batches(ds), want)
+        assert_same_batches(host_batches(ds), want)
         remote = ds.describe()["remote"]
         assert ds.backend_name == "kvikio" and remote["route"] == "cached" and remote["fetched_shards"] > 0
         assert remote["route_reason"].startswith("cache_dir was given")
@@ -443,7 +423,7 @@ def test_mmap_by_name_and_a_cache_dir_take_the_cached_route(local, srv, tmp_path
 def test_an_object_replaced_mid_epoch_is_a_read_error_naming_its_url(local, srv, gds_cache, fast_client, verify):
     url = upload(srv, local)
     with GDSDataset(local, 32, backend="cpu", pad_to="max") as ref:
-        want = _batches(ref)
+        want = host_batches(ref)
     got = []
     with GDSDataset(url, 32, backend="kvikio", window_blocks=1, prefetch=1, pad_to="max", verify=verify,
                     resident_bytes=0) as ds:  # x read window by window, not whole at the first pass
@@ -458,7 +438,7 @@ def test_an_object_replaced_mid_epoch_is_a_read_error_naming_its_url(local, srv,
                         srv.put(key, bytes(len(old) - 8) + old[-8:])
         assert time.monotonic() - t0 < 30
     assert 2 <= len(got) < len(want)
-    _same(got, want[:len(got)])  # batches served came from the objects as opened, never mixed
+    assert_same_batches(got, want[:len(got)])  # batches served came from the objects as opened, never mixed
 
 
 @pytest.mark.gpu
@@ -467,18 +447,18 @@ def test_server_errors_are_retried_by_kvikio_then_a_read_error_naming_the_url(lo
 
     url = upload(srv, local)
     with GDSDataset(local, 32, backend="cpu", pad_to="max", resident_bytes=0) as ref:
-        want = _batches(ref)
+        want = host_batches(ref)
     with kvikio.defaults.set({"http_max_attempts": 3}):
         with GDSDataset(url, 32, backend="kvikio", pad_to="max", resident_bytes=0) as ds:
             srv.reset_log()
             srv.fail_next(2, 503)  # at most two failures of any request: KvikIO's third attempt succeeds
-            _same(_batches(ds), want)
+            assert_same_batches(host_batches(ds), want)
             assert sum(r.status == 503 for r in srv.requests) == 2
             srv.fail_next(100_000, 503)
             t0 = time.monotonic()
             # KvikIO's read of a window, or the check of one read before the faults began
             with pytest.raises(ReadError, match=r"http://127\.0\.0\.1:\d+/d\.gds/\S+: .*503"):
-                _batches(ds)
+                host_batches(ds)
             assert time.monotonic() - t0 < 30  # KvikIO: 3 attempts, 0.5 s and 1 s apart, per task
             srv.clear_faults()
 
@@ -489,11 +469,11 @@ def test_a_server_without_etags_reads_exactly_and_its_private_version_goes_at_cl
     url = upload(srv, local)
     srv.send_etags = False
     with GDSDataset(local, 32, backend="cpu", pad_to="max") as ref:
-        want = _batches(ref)
+        want = host_batches(ref)
     with GDSDataset(url, 32, backend="kvikio", pad_to="max") as ds:
         root = ds.describe()["remote"]["version"]
         assert "@private-" in root and ds.describe()["remote"]["route"] == "direct"
-        _same(_batches(ds), want)
+        assert_same_batches(host_batches(ds), want)
     assert not os.path.exists(root), "removed when the dataset closed"
 
 
@@ -505,11 +485,11 @@ def test_every_sample_exact_by_the_direct_route_from_s3_on_two_ranks(local, s3, 
     opts = dict(shuffle=True, seed=7, world_size=2, window_blocks=3, pad_to="max", resident_bytes=0)
     for rank in range(2):
         with GDSDataset(local, 32, backend="cpu", rank=rank, **opts) as ref:
-            want = _batches(ref) + _batches(ref)
+            want = host_batches(ref) + host_batches(ref)
         with GDSDataset(url, 32, backend=backend, rank=rank, **opts) as ds:
-            got = _batches(ds) + _batches(ds)
+            got = host_batches(ds) + host_batches(ds)
             d = ds.describe()
-        _same(got, want)
+        assert_same_batches(got, want)
         assert url.startswith("s3://") and d["io_mode"] == "remote-kvikio"
         assert d["remote"]["route"] == "direct" and d["remote"]["fetched_shards"] == 0
         assert d["backend_stats"]["reads"] > 0 and d["backend_stats"]["pin_checks"] > 0
@@ -519,7 +499,7 @@ def test_every_sample_exact_by_the_direct_route_from_s3_on_two_ranks(local, s3, 
 def test_an_s3_object_replaced_mid_epoch_is_a_read_error_naming_its_url(local, s3, gds_cache):
     url = upload(s3, local)
     with GDSDataset(local, 32, backend="cpu", pad_to="max") as ref:
-        want = _batches(ref)
+        want = host_batches(ref)
     keys = [o["Key"] for o in s3.client.list_objects_v2(Bucket=s3.bucket, Prefix="d.gds/x/c/")["Contents"]]
     got = []
     with GDSDataset(url, 32, backend="kvikio", window_blocks=1, prefetch=1, pad_to="max",
@@ -534,4 +514,4 @@ def test_an_s3_object_replaced_mid_epoch_is_a_read_error_naming_its_url(local, s
                         s3.put(key, bytes(len(old) - 8) + old[-8:])
         assert time.monotonic() - t0 < 30
     assert 2 <= len(got) < len(want)
-    _same(got, want[:len(got)])
+    assert_same_batches(got, want[:len(got)])

@@ -127,18 +127,21 @@ class Leg:
 
 
 @st.composite
-def epochs(draw):
-    n = draw(st.integers(1, 300))
-    k = draw(st.integers(1, 12))
-    world = st.integers(1, min(-(-n // k), 6))
-    legs = [(draw(world), draw(st.integers(1, 40)), draw(st.integers(1, 6)), draw(st.integers(0, 9)))
+def epochs(draw, samples: int, block: int, world: int, batch: int, window: int, flags: int):
+    """An epoch cut into legs: (samples, samples per block, seed, ``flags`` booleans, legs), each leg (world size,
+    batch size, window blocks, batches taken; the last leg None: to the end), every number up to the bound
+    named."""
+    n = draw(st.integers(1, samples))
+    k = draw(st.integers(1, block))
+    worlds = st.integers(1, min(-(-n // k), world))
+    legs = [(draw(worlds), draw(st.integers(1, batch)), draw(st.integers(1, window)), draw(st.integers(0, 9)))
             for _ in range(draw(st.integers(1, 3)))]
-    legs.append((draw(world), draw(st.integers(1, 40)), draw(st.integers(1, 6)), None))
-    return n, k, draw(st.integers(0, 99)), draw(st.booleans()), draw(st.booleans()), legs
+    legs.append((draw(worlds), draw(st.integers(1, batch)), draw(st.integers(1, window)), None))
+    return (n, k, draw(st.integers(0, 99)), *[draw(st.booleans()) for _ in range(flags)], legs)
 
 
 @settings(max_examples=300, deadline=None, derandomize=True, database=None)
-@given(epochs())
+@given(epochs(samples=300, block=12, world=6, batch=40, window=6, flags=2))
 def test_every_sample_once_over_legs(case):
     """Legs on any world sizes, batch sizes and windows, cut anywhere: every sample of the epoch is yielded
     once, plus exactly the padding positions the ranks reached (with drop_last: none twice, and exactly the
@@ -759,19 +762,8 @@ def test_exact_shares_is_part_of_the_state_and_every_rank_resumes_its_last_batch
 
 
 # -- exact shares: the rest dealt out without padding, nothing read twice -----------------------------------
-@st.composite
-def exact_epochs(draw):
-    n = draw(st.integers(1, 200))
-    k = draw(st.integers(1, 10))
-    world = st.integers(1, min(-(-n // k), 5))
-    legs = [(draw(world), draw(st.integers(1, 30)), draw(st.integers(1, 5)), draw(st.integers(0, 9)))
-            for _ in range(draw(st.integers(1, 3)))]
-    legs.append((draw(world), draw(st.integers(1, 30)), draw(st.integers(1, 5)), None))
-    return n, k, draw(st.integers(0, 99)), draw(st.booleans()), legs
-
-
 @settings(max_examples=200, deadline=None, derandomize=True, database=None)
-@given(exact_epochs())
+@given(epochs(samples=200, block=10, world=5, batch=30, window=5, flags=1))
 def test_exact_shares_read_every_sample_once_over_legs(case):
     """GDSDataset(exact_shares=True) plans resumed on any world sizes, batch sizes and windows, cut anywhere
     (ranks yielding the same batches, or all they hold): the epoch's samples exactly once, none padded, and

@@ -14,7 +14,7 @@ from zarr.codecs import ZstdCodec
 
 from gdsload.codecs.screen import BLOCK_MAX, KERNEL_SOURCE, walk_frame
 from gdsload.errors import ReadError
-from gdsload.format.layout import DatasetLayout
+from gdsload.format.layout import BlockLocation, DatasetLayout
 from gdsload.format.meta import read_metadata
 
 rng = np.random.default_rng(7)
@@ -81,6 +81,25 @@ def test_trailing_bytes_after_the_frame_are_stopped_where_the_frame_ends():
     cap = len(PAYLOADS["noise, 300 KiB (raw blocks)"])
     longer = MULTI + b"\0" * 8
     assert walk_frame(longer, len(longer), cap) == len(MULTI)
+
+
+def stored_frame(tmp_path, chunk: int, level: int = 3) -> tuple[str, BlockLocation, bytes, int]:
+    """test_compression's store of field z in zstd chunks without a checksum: (its path, chunk ``chunk``'s
+    location, that chunk's frame, where the frame's first block header starts)."""
+    from test_compression import store
+
+    path = store(tmp_path, z=(10, 40, [ZstdCodec(level=level)]))
+    with DatasetLayout(read_metadata(path)) as layout:
+        loc = layout.locate("z", chunk)
+    with open(loc.path, "rb") as f:
+        frame = os.pread(f.fileno(), loc.nbytes, loc.offset)
+    return path, loc, frame, _blocks(frame)[0]
+
+
+def put_frame(loc: BlockLocation, frame: bytes) -> None:
+    """Write ``frame`` over the chunk at ``loc`` (a damaged one, or the sound one back)."""
+    with open(loc.path, "r+b") as f:
+        os.pwrite(f.fileno(), frame, loc.offset)
 
 
 def _set_block(frame: bytes, at: int, kind: int | None = None, size: int | None = None) -> bytes:
@@ -151,17 +170,11 @@ def test_the_kernel_walks_as_the_host_does():
 def test_the_device_path_names_a_damaged_frame_and_never_hands_it_to_nvcomp(tmp_path):
     """A store without checksums whose zstd chunk has a block size inflated: the screen stops it before the
     (fake) nvCOMP; the error names the file, the chunk and the walk."""
-    from test_compression import FakeZstd, HostOps, store
+    from test_compression import FakeZstd, HostOps
 
-    path = store(tmp_path, z=(10, 40, [ZstdCodec()]))
-    with DatasetLayout(read_metadata(path)) as layout:
-        loc = layout.locate("z", 5)
-    with open(loc.path, "rb") as f:
-        frame = os.pread(f.fileno(), loc.nbytes, loc.offset)
-    at = _blocks(frame)[0]
+    path, loc, frame, at = stored_frame(tmp_path, 5, level=0)  # zarr's default level
     bad = _set_block(frame, at, size=(int.from_bytes(frame[at:at + 3], "little") >> 3) + 2)
-    with open(loc.path, "r+b") as f:
-        os.pwrite(f.fileno(), bad, loc.offset)
+    put_frame(loc, bad)
     fake = FakeZstd()
     with pytest.raises(ReadError, match=rf"^{re.escape(loc.path)}: chunk 5 of array 'z' .*does not decode: a damaged "
                                         rf"zstd frame: .* \(the walk stopped at byte {at}\)"):
@@ -221,20 +234,13 @@ def test_on_the_device_a_damaged_frame_without_a_checksum_is_an_error_not_a_hang
     import threading
 
     from gdsload.codecs.chunks import load_nvcomp
-    from test_compression import read_all, rows, store
+    from test_compression import read_all, rows
 
     monkeypatch.setenv("GDSLOAD_NVCOMP", "1")
     if load_nvcomp() is None:
         pytest.skip("needs libnvcomp (nvidia-libnvcomp-cu13, gdsload[nvcomp])")
-    path = store(tmp_path, z=(10, 40, [ZstdCodec(level=3)]))
-    with DatasetLayout(read_metadata(path)) as layout:
-        loc = layout.locate("z", 4)
-    with open(loc.path, "rb") as f:
-        frame = os.pread(f.fileno(), loc.nbytes, loc.offset)
-    at = _blocks(frame)[0]
-    with open(loc.path, "r+b") as f:
-        os.pwrite(f.fileno(), _set_block(frame, at, size=(int.from_bytes(frame[at:at + 3], "little") >> 3) + 64),
-                  loc.offset)
+    path, loc, frame, at = stored_frame(tmp_path, 4)
+    put_frame(loc, _set_block(frame, at, size=(int.from_bytes(frame[at:at + 3], "little") >> 3) + 64))
     caught: list[BaseException] = []
 
     def read() -> None:
@@ -249,6 +255,5 @@ def test_on_the_device_a_damaged_frame_without_a_checksum_is_an_error_not_a_hang
     assert not t.is_alive(), "the decode of a damaged frame hung"
     assert len(caught) == 1 and isinstance(caught[0], ReadError), caught
     assert re.search(r"chunk 4 of array 'z' .*a damaged zstd frame", str(caught[0])), caught[0]
-    with open(loc.path, "r+b") as f:
-        os.pwrite(f.fileno(), frame, loc.offset)
+    put_frame(loc, frame)
     np.testing.assert_array_equal(read_all(path, backend, resident_bytes=0)["z"], rows())

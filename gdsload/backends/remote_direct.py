@@ -160,9 +160,7 @@ class DirectReads:
                         raise ReadError(f"{r.path}: not a file of this remote dataset")
                     future = self._local.get(r.path).pread(view, r.nbytes, r.offset)
                 else:
-                    if r.offset < 0 or r.offset + r.nbytes > info.size:
-                        raise ReadError(f"{info.url}: bytes {r.offset}..{r.offset + r.nbytes} lie past its end "
-                                        f"({info.size} bytes when the dataset was opened)")
+                    info.check_range(r.offset, r.nbytes)
                     future = self.handle(info).pread(view, r.nbytes, r.offset)
             except BaseException as e:
                 pending.error = self.failed(r, info, e)

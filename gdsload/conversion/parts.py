@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConversionError
+from ..format.arrays import shard_files
 from ..format.meta import DatasetMeta, read_metadata
 from .spans import SpanCrc, join_spans
 from .plan import DEFAULT_SLICE_BYTES, ConversionPlan, plan_dataset
@@ -301,8 +302,7 @@ def read_parts(where: str, expect: dict[str, Any] | None = None) -> Parts:
                                       f"{r['part']} (expected one)")
             owner[key, shard] = r["part"]
     for a in plan["arrays"]:
-        num_chunks = -(-a["rows"] // a["per_chunk"])
-        for s in range(-(-num_chunks // a["chunks_per_shard"])):
+        for s in range(shard_files(a["rows"], a["per_chunk"], a["chunks_per_shard"])):
             if (a["key"], s) not in owner:
                 raise ConversionError(f"{where}: no part holds shard {a['key']}/c/{s}: a part is damaged")
     return Parts(where, records)

@@ -20,6 +20,7 @@ import numpy as np
 
 from .._units import ALIGN
 from ..errors import ConversionError
+from ..format.arrays import shard_files
 from .auto_compress import worth_compressing
 from .checks import check_dtype, check_sources
 from .source_types import RaggedSource, Source
@@ -85,12 +86,8 @@ class ArrayPlan:
         return self.row_bytes * self.per_chunk
 
     @property
-    def num_chunks(self) -> int:
-        return -(-self.rows // self.per_chunk)
-
-    @property
     def num_shards(self) -> int:
-        return -(-self.num_chunks // self.chunks_per_shard)
+        return shard_files(self.rows, self.per_chunk, self.chunks_per_shard)
 
     def shard_rows(self, shard: int) -> tuple[int, int]:
         """The rows shard file ``shard`` holds: ``first`` to ``stop``."""

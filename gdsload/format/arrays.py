@@ -50,6 +50,13 @@ INDEX_ENTRY_BYTES = 16
 CRC_BYTES = 4
 
 
+def shard_files(rows: int, rows_per_chunk: int, chunks_per_shard: int) -> int:
+    """Files the chunk grid of an array implies: ``rows`` rows, ``rows_per_chunk`` a chunk, ``chunks_per_shard``
+    chunks a file."""
+    chunks = -(-rows // rows_per_chunk)
+    return -(-chunks // chunks_per_shard)
+
+
 @dataclass(frozen=True)
 class FieldMeta:
     """One array of shape (num_rows, *sample_shape) read by rows: a fixed-size field (a row is a sample),
@@ -95,7 +102,7 @@ class FieldMeta:
     @property
     def num_shards(self) -> int:
         """Files the chunk grid implies (for an unsharded array, one per chunk)."""
-        return -(-self.num_chunks // self.blocks_per_shard)
+        return shard_files(self.num_rows, self.samples_per_block, self.blocks_per_shard)
 
     @property
     def sample_bytes(self) -> int:

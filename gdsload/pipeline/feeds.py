@@ -10,7 +10,6 @@ by whichever thread asks first (:class:`Passes`). Nothing here reads or waits on
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -19,6 +18,7 @@ import numpy as np
 
 from ..errors import GDSLoadError
 from .assembler import Assembler, EpochIndex, ResidentField
+from .once import MadeOnce
 from .position import Cursor
 from .pacing import Pacer
 from .plan import EpochPlan
@@ -106,40 +106,25 @@ class Passes:
 
     def __init__(self, feed: Feed, assembler: Assembler, pacing: Callable[[], bool]):
         self.feed, self.assembler, self._pacing = feed, assembler, pacing
-        self._made: dict[int, FeedPass] = {}
-        self._lock = threading.Lock()
-        self._making: dict[int, threading.Lock] = {}
+        self._made: MadeOnce[FeedPass] = MadeOnce()
 
     def get(self, k: int) -> FeedPass:
-        p = self._made.get(k)
-        if p is not None:
-            return p
-        with self._lock:
-            making = self._making.setdefault(k, threading.Lock())
-        with making:
-            p = self._made.get(k)
-            if p is not None:
-                return p
-            pace = Pacer() if self._pacing() else None
-            f = self.feed
-            epoch = f.first.epoch + k
-            plan = f.first_plan if k == 0 else f.plans(epoch, pace)
-            n = len(plan.positions)
-            starts = np.searchsorted(plan.window_of, np.arange(len(plan.windows) + 1))
-            breaks = np.ones(n, dtype=bool)
-            breaks[1:] = np.diff(plan.positions) != 1
-            p = FeedPass(k, epoch, plan, starts, np.cumsum(breaks), self.assembler.index(plan, pace))
-            with self._lock:
-                self._made = {**self._made, k: p}  # replaced whole: askers read it without the lock
-                self._making.pop(k, None)
-            return p
+        return self._made.get(k, lambda: self._make(k))
+
+    def _make(self, k: int) -> FeedPass:
+        pace = Pacer() if self._pacing() else None
+        f = self.feed
+        epoch = f.first.epoch + k
+        plan = f.first_plan if k == 0 else f.plans(epoch, pace)
+        n = len(plan.positions)
+        starts = np.searchsorted(plan.window_of, np.arange(len(plan.windows) + 1))
+        breaks = np.ones(n, dtype=bool)
+        breaks[1:] = np.diff(plan.positions) != 1
+        return FeedPass(k, epoch, plan, starts, np.cumsum(breaks), self.assembler.index(plan, pace))
 
     def forget(self, below: int) -> None:
         """Passes before ``below`` are not asked for again: their index arrays may go."""
-        with self._lock:
-            gone = [p for j, p in self._made.items() if j < below]
-            self._made = {j: p for j, p in self._made.items() if j >= below}
-        for p in gone:
+        for p in self._made.drop(below):
             self.assembler.ops.retire(p.index.dev)
 
 

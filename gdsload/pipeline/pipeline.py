@@ -38,6 +38,7 @@ from ..cuda.ops import Ops
 from ..errors import GDSLoadError, ReadError, with_context
 from .complete import complete, raise_failure
 from .assembler import Assembler, BatchStep, EpochIndex, ResidentField
+from .once import MadeOnce
 from .position import Cursor
 from .pacing import Pacer
 from .plan import EpochPlan
@@ -133,9 +134,7 @@ class Pipeline:
         self._first_out = threading.Event()
         for b in self.buffers:
             self._free.put(b)
-        self._passes: dict[int, _Pass] = {}
-        self._passes_lock = threading.Lock()
-        self._making: dict[int, threading.Lock] = {}  # a lock per pass being made (_pass)
+        self._passes: MadeOnce[_Pass] = MadeOnce()
         self._begun = threading.Condition()
         self._begun_pass = 0  # the last pass the consumer began (the first counts as begun: it was asked for)
         self._consumer_pass = 0  # the pass the consumer is in, or takes next
@@ -157,30 +156,18 @@ class Pipeline:
         On a pipeline thread that work is paced (gdsload.pipeline.pacing): it runs while the consumer's steps do.
         Only askers for pass ``k`` wait while it is made: the consumer and the assembler, asking for the pass
         they are in, never wait for the readers making the next one."""
-        p = self._passes.get(k)
-        if p is not None:
-            return p
-        with self._passes_lock:
-            making = self._making.setdefault(k, threading.Lock())
-        with making:
-            p = self._passes.get(k)
-            if p is not None:  # made by another thread while this one waited
-                return p
-            pace = Pacer() if threading.current_thread() in self._threads else None
-            epoch, start = (self._first.epoch, self._first.batch) if k == 0 else (self._first.epoch + k, 0)
-            plan = self._plan0 if k == 0 else self._plans(epoch, pace)  # type: ignore[misc]
-            first = plan.first_window(start)
-            # The index arrays go up now, before any read of this pass is submitted (Assembler.index).
-            p = _Pass(k, epoch, plan, start, first, EpochStats(io_mode=self.reader.io_mode),
-                      self.assembler.index(plan, pace))
-            with self._passes_lock:
-                # Only passes the consumer is done with are dropped: every other thread may still ask for
-                # the others, and must get the same object (its stats are shared).
-                passes = {j: q for j, q in self._passes.items() if j >= self._consumer_pass}
-                passes[k] = p
-                self._passes = passes  # replaced whole: askers read it without the lock
-                self._making.pop(k, None)
-            return p
+        # Only passes the consumer is done with are dropped: every other thread may still ask for the others,
+        # and must get the same object (its stats are shared).
+        return self._passes.get(k, lambda: self._make_pass(k), keep=lambda j: j >= self._consumer_pass)
+
+    def _make_pass(self, k: int) -> _Pass:
+        pace = Pacer() if threading.current_thread() in self._threads else None
+        epoch, start = (self._first.epoch, self._first.batch) if k == 0 else (self._first.epoch + k, 0)
+        plan = self._plan0 if k == 0 else self._plans(epoch, pace)  # type: ignore[misc]
+        first = plan.first_window(start)
+        # The index arrays go up now, before any read of this pass is submitted (Assembler.index).
+        return _Pass(k, epoch, plan, start, first, EpochStats(io_mode=self.reader.io_mode),
+                     self.assembler.index(plan, pace))
 
     @property
     def closed(self) -> bool:

@@ -265,8 +265,7 @@ class HttpClient:
         url = info.url
         if nbytes <= 0:
             return b""
-        if offset < 0 or offset + nbytes > info.size:
-            raise ReadError(redact(f"{url}: bytes {offset}..{offset + nbytes} lie past its end ({info.size} bytes)"))
+        info.check_range(offset, nbytes)
         headers = {"Range": f"bytes={offset}-{offset + nbytes - 1}"}
         if info.etag is not None:
             headers["If-Match"] = info.etag

@@ -64,6 +64,12 @@ class ObjectInfo:
     size: int
     etag: str | None
 
+    def check_range(self, offset: int, nbytes: int) -> None:
+        """A ReadError naming the URL unless bytes ``offset .. offset + nbytes`` all lie inside the object."""
+        if offset < 0 or offset + nbytes > self.size:
+            raise ReadError(redact(f"{self.url}: bytes {offset}..{offset + nbytes} lie past its end ({self.size} "
+                                   f"bytes when it was opened)"))
+
 
 class Stopped(Exception):
     """A request (or a wait) given up because its stop event was set: not an error, the reading stops."""

@@ -159,8 +159,7 @@ class S3Client:
         url = info.url
         if nbytes <= 0:
             return b""
-        if offset < 0 or offset + nbytes > info.size:
-            raise ReadError(redact(f"{url}: bytes {offset}..{offset + nbytes} lie past its end ({info.size} bytes)"))
+        info.check_range(offset, nbytes)
         bucket, key = split(url)
         extra = {"IfMatch": info.etag} if info.etag is not None else {}
 

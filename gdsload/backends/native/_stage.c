@@ -149,6 +149,20 @@ static void set_msg(char *buf, size_t len, const char *fmt, ...) {
     va_end(ap);
 }
 
+/* calloc(n, size), saying "out of memory" in err where it fails. */
+static void *calloc_or_say(size_t n, size_t size, char *err, size_t errlen) {
+    void *p = calloc(n, size);
+    if (p == NULL) set_msg(err, errlen, "out of memory");
+    return p;
+}
+
+/* 0 for MODE_HOST or MODE_CUDA; else -1, saying so in err. */
+static int check_mode(int mode, char *err, size_t errlen) {
+    if (mode == MODE_HOST || mode == MODE_CUDA) return 0;
+    set_msg(err, errlen, "mode must be 0 (host) or 1 (cuda), not %d", mode);
+    return -1;
+}
+
 static const char *cu_name(const cuda_api *cu, CUresult r) {
     const char *name = NULL;
     if (cu->GetErrorName == NULL || cu->GetErrorName(r, &name) != 0 || name == NULL) return "CUDA_ERROR_UNKNOWN";
@@ -585,29 +599,30 @@ void gds_stager_destroy(gds_stager *s) {
     free(s);
 }
 
-gds_stager *gds_stager_create(int mode, int device, int nthreads, size_t buf_bytes, int bufs_per_thread, int flags,
-                              char *err, size_t errlen) {
-    if (mode != MODE_HOST && mode != MODE_CUDA) {
-        set_msg(err, errlen, "mode must be 0 (host) or 1 (cuda), not %d", mode);
-        return NULL;
-    }
+/* A stager's staging memory: `count` buffers of `per_buf` bytes (buf_bytes rounded up to ALIGN). 0, or -1 with
+ * the reason in err where a size is out of its range or the whole overflows the address space. */
+static int staging_sizes(int nthreads, int bufs_per_thread, size_t buf_bytes, size_t *per_buf, size_t *count,
+                         char *err, size_t errlen) {
     if (nthreads < 1 || nthreads > 4096 || bufs_per_thread < 1 || bufs_per_thread > 4096 || buf_bytes < 1 ||
         buf_bytes > ((size_t)1 << 40)) {
         set_msg(err, errlen, "bad sizes: nthreads %d (1..4096), bufs_per_thread %d (1..4096), buf_bytes %zu "
                 "(1..2^40)", nthreads, bufs_per_thread, buf_bytes);
-        return NULL;
+        return -1;
     }
-    size_t per_buf = (buf_bytes + ALIGN - 1) / ALIGN * ALIGN;
-    size_t count = (size_t)nthreads * (size_t)bufs_per_thread;
-    if (per_buf > SIZE_MAX / count) {
-        set_msg(err, errlen, "%zu buffers of %zu bytes overflow the address space", count, per_buf);
-        return NULL;
-    }
-    gds_stager *s = calloc(1, sizeof *s);
-    if (s == NULL) {
-        set_msg(err, errlen, "out of memory");
-        return NULL;
-    }
+    *per_buf = (buf_bytes + ALIGN - 1) / ALIGN * ALIGN;
+    *count = (size_t)nthreads * (size_t)bufs_per_thread;
+    if (*per_buf <= SIZE_MAX / *count) return 0;
+    set_msg(err, errlen, "%zu buffers of %zu bytes overflow the address space", *count, *per_buf);
+    return -1;
+}
+
+gds_stager *gds_stager_create(int mode, int device, int nthreads, size_t buf_bytes, int bufs_per_thread, int flags,
+                              char *err, size_t errlen) {
+    size_t per_buf, count;
+    if (check_mode(mode, err, errlen) != 0 ||
+        staging_sizes(nthreads, bufs_per_thread, buf_bytes, &per_buf, &count, err, errlen) != 0) return NULL;
+    gds_stager *s = calloc_or_say(1, sizeof *s, err, errlen);
+    if (s == NULL) return NULL;
     s->mode = mode;
     s->device = device;
     s->nthreads = nthreads;
@@ -657,13 +672,13 @@ gds_stager *gds_stager_create(int mode, int device, int nthreads, size_t buf_byt
         }
         s->mem = p;
     }
-    s->workers = calloc((size_t)nthreads, sizeof *s->workers);
-    if (s->workers == NULL) { set_msg(err, errlen, "out of memory"); goto fail; }
+    s->workers = calloc_or_say((size_t)nthreads, sizeof *s->workers, err, errlen);
+    if (s->workers == NULL) goto fail;
     for (int i = 0; i < nthreads; i++) {
         worker_t *w = &s->workers[i];
         w->s = s;
-        w->bufs = calloc((size_t)bufs_per_thread, sizeof *w->bufs);
-        if (w->bufs == NULL) { set_msg(err, errlen, "out of memory"); goto fail; }
+        w->bufs = calloc_or_say((size_t)bufs_per_thread, sizeof *w->bufs, err, errlen);
+        if (w->bufs == NULL) goto fail;
         for (int k = 0; k < bufs_per_thread; k++) w->bufs[k].ptr = s->mem + ((size_t)i * bufs_per_thread + k) * per_buf;
     }
     if (mode == MODE_CUDA && cuda_resources(s, err, errlen) != 0) goto fail;
@@ -866,46 +881,41 @@ void gds_copier_destroy(gds_copier *c) {
     free(c);
 }
 
-gds_copier *gds_copier_create(int mode, int device, int nstreams, const uint64_t *streams, char *err, size_t errlen) {
-    if (mode != MODE_HOST && mode != MODE_CUDA) {
-        set_msg(err, errlen, "mode must be 0 (host) or 1 (cuda), not %d", mode);
-        return NULL;
-    }
-    if (nstreams < 1 || nstreams > 4096) {
-        set_msg(err, errlen, "nstreams must be 1..4096, not %d", nstreams);
-        return NULL;
-    }
-    gds_copier *c = calloc(1, sizeof *c);
-    if (c == NULL) {
-        set_msg(err, errlen, "out of memory");
-        return NULL;
-    }
-    c->mode = mode;
-    c->device = device;
-    c->nstreams = nstreams;
-    c->streams = calloc((size_t)nstreams, sizeof *c->streams);
-    c->joins = calloc((size_t)nstreams, sizeof *c->joins);
-    if (c->streams == NULL || c->joins == NULL) {
-        set_msg(err, errlen, "out of memory");
-        goto fail;
-    }
-    for (int i = 0; i < nstreams; i++) c->streams[i] = (CUstream)(uintptr_t)streams[i];
-    if (mode == MODE_HOST) return c;
-    if (load_cuda(&c->cu, &c->libcuda, device, &c->dev, &c->ctx, &c->ctx_retained, err, errlen) != 0) goto fail;
+/* The copier's CUDA side: the driver, the device's primary context, one join event per stream. 0, or -1 with
+ * the reason in err (what was made is given back by gds_copier_destroy). */
+static int copier_cuda(gds_copier *c, char *err, size_t errlen) {
+    if (load_cuda(&c->cu, &c->libcuda, c->device, &c->dev, &c->ctx, &c->ctx_retained, err, errlen) != 0) return -1;
     CUcontext saved = NULL;
     CUresult r = c->cu.CtxGetCurrent(&saved);
     if (r == 0 && (r = c->cu.CtxSetCurrent(c->ctx)) == 0) {
-        for (int i = 0; i < nstreams && r == 0; i++) {
+        for (int i = 0; i < c->nstreams && r == 0; i++) {
             r = c->cu.EventCreate(&c->joins[i], CU_EVENT_DISABLE_TIMING);
             if (r != 0) c->joins[i] = NULL;
         }
         c->cu.CtxSetCurrent(saved);
     }
-    if (r != 0) {
-        set_msg(err, errlen, "cuEventCreate (device %d) failed: %s", device, cu_name(&c->cu, r));
-        goto fail;
+    if (r == 0) return 0;
+    set_msg(err, errlen, "cuEventCreate (device %d) failed: %s", c->device, cu_name(&c->cu, r));
+    return -1;
+}
+
+gds_copier *gds_copier_create(int mode, int device, int nstreams, const uint64_t *streams, char *err, size_t errlen) {
+    if (check_mode(mode, err, errlen) != 0) return NULL;
+    if (nstreams < 1 || nstreams > 4096) {
+        set_msg(err, errlen, "nstreams must be 1..4096, not %d", nstreams);
+        return NULL;
     }
-    return c;
+    gds_copier *c = calloc_or_say(1, sizeof *c, err, errlen);
+    if (c == NULL) return NULL;
+    c->mode = mode;
+    c->device = device;
+    c->nstreams = nstreams;
+    c->streams = calloc_or_say((size_t)nstreams, sizeof *c->streams, err, errlen);
+    if (c->streams == NULL) goto fail;
+    c->joins = calloc_or_say((size_t)nstreams, sizeof *c->joins, err, errlen);
+    if (c->joins == NULL) goto fail;
+    for (int i = 0; i < nstreams; i++) c->streams[i] = (CUstream)(uintptr_t)streams[i];
+    if (mode == MODE_HOST || copier_cuda(c, err, errlen) == 0) return c;
 fail:
     gds_copier_destroy(c);
     return NULL;
