@@ -2,9 +2,9 @@
 
 zarr writes the group and array metadata; the shard files are written here, sequentially, in exactly the
 sharding codec's layout (why: docs/design.md, "The converter"). A crc32c of every block, computed as the bytes
-stream past, goes into ``_checksums/FIELD`` (docs/format.md, "Block checksums"). Every number the files depend
-on comes from :mod:`gdsload.conversion.plan`; a conversion in parts writes with :func:`write_shards` and
-:func:`write_metadata`, the same bytes. Sources are checked before anything is written
+stream past, goes into ``_checksums/FIELD`` (docs/format.md, "Block checksums: _checksums/FIELD"). Every
+number the files depend on comes from :mod:`gdsload.conversion.plan`; a conversion in parts writes with
+:func:`write_shards` and :func:`write_metadata`, the same bytes. Sources are checked before anything is written
 (:mod:`gdsload.conversion.checks`) and the output is published atomically (:mod:`gdsload.conversion.publish`).
 """
 

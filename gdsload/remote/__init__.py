@@ -2,7 +2,7 @@
 
 Every object is read by ranged GETs pinned to the size and ETag it had when first seen; every call ends within
 the client's ``timeout_s``, its tries included, and a refusal names the URL and the HTTP status. The wing's
-modules: docs/remote.md, "Where the code is"; the backends of its two routes are in backends/.
+modules: docs/design.md, "Module map"; the backends of its two routes are in backends/.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ version) and serves a version only while every object is unchanged, else fetches
 (:mod:`gdsload.remote.skeleton`). A version is a folder named after the URL and a digest of every object's size
 and ETag, made under the URL's file lock, renamed into place whole with its marker and never changed after; the
 version returned is held (a shared lock on its ``open.lock``) for the shard cache. Every message is redacted
-(:func:`gdsload.remote.objects.redact`). Why: docs/remote.md, "A shard cache per node" and "Versions".
+(:func:`gdsload.remote.objects.redact`). Why: docs/remote.md, its opening and "Versions, and the cache folder".
 """
 
 from __future__ import annotations

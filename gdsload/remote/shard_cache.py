@@ -5,8 +5,8 @@ pin, exclusive a fetch or an eviction), ``<id>.ok`` (the *present* marker, renam
 written and synced; its mtime is the last use), ``<id>.fill`` while it is fetched (naming the pid, touched after
 each ranged read) and ``<id>.failed`` (a failed fetch's error, for those that waited on it); ``open.lock`` is held
 shared while a dataset has the version open, and ``<cache_dir>/.gdsload-cache.lock`` serialises making room. A
-piece is read only while pinned and marked; every wait ends within ``timeout_s``. Why: docs/remote.md, "A shard
-cache per node" and "Time bounds".
+piece is read only while pinned and marked; every wait ends within ``timeout_s``. Why: docs/remote.md, its
+opening and "Time bounds".
 """
 
 from __future__ import annotations
