@@ -1,12 +1,9 @@
 """What a forked child does with the datasets it inherited: nothing that touches CUDA.
 
-A child made by ``fork`` (a torch DataLoader worker, a multiprocessing pool) inherits every open dataset,
-but not the parent's CUDA context: any CUDA call there fails, and a CuPy object freed there prints a
-``cudaErrorInitializationError`` traceback from its destructor. So in the child every inherited dataset is
-marked unusable (iterating it raises :class:`GDSLoadError`), its finalizer is detached, and what it holds is
-kept referenced until the child exits, so nothing of it is ever freed there; objects the parent had already
-dropped but not yet collected (reference cycles) are frozen out of the child's garbage collector for the
-same reason. A dataset opened in the child itself is unaffected.
+In the child every inherited dataset is marked unusable (iterating it raises :class:`GDSLoadError`), its
+finalizer detached and what it holds kept referenced until the child exits; objects the parent dropped but had
+not yet collected are frozen out of the child's garbage collector. A dataset opened in the child is unaffected.
+Why: docs/design.md, "Fork safety".
 """
 
 from __future__ import annotations

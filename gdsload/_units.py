@@ -1,11 +1,8 @@
 """The one alignment unit of gdsload, 4 KiB, and sizes as people read them.
 
-Reads that bypass the page cache (``O_DIRECT``) and GPUDirect Storage (cuFile) need file offsets, sizes
-and buffer addresses that are multiples of 4 KiB: ``O_DIRECT`` refuses anything else (EINVAL), and cuFile
-takes it only through its own bounce buffers instead of reading straight into GPU memory. Layouts that
-are to be read that way (block sizes chosen by the converter, positions of fields in a window buffer,
-staging slots) are therefore rounded to this unit. Every such rounding uses :data:`ALIGN` and
-:func:`align_up`, never a literal 4096.
+Layouts read through O_DIRECT or GPUDirect Storage (block sizes, field regions of a window buffer, staging
+slots) are rounded to it with :data:`ALIGN` and :func:`align_up`, never a literal 4096 (why 4 KiB:
+docs/design.md, "Glossary", unit).
 """
 
 from __future__ import annotations

@@ -1,28 +1,11 @@
-"""What torch's DataLoader, PyTorch Lightning and torchdata's StatefulDataLoader expect of a dataset, without
-importing torch: :class:`LoaderProtocols`, the base of :class:`gdsload.GDSDataset` and :class:`gdsload.Mixture`.
+"""What torch's DataLoader, Lightning and torchdata's StatefulDataLoader expect of a dataset, without importing torch.
 
-torch decides between a map-style and an iterable dataset with ``isinstance(ds, IterableDataset)``. Importing
-torch costs seconds, so gdsload never imports it; instead :class:`LoaderProtocols` is registered as a virtual
-subclass of ``torch.utils.data.IterableDataset`` (an ``abc.ABCMeta`` class) as soon as that class exists: at
-``import gdsload`` when torch was imported first, else by :class:`RegisterOnImport`, a finder at the front of
-``sys.meta_path`` that does nothing but, when ``torch.utils.data.dataset`` is imported, run that module and
-then register. It answers for no other module and leaves ``sys.meta_path`` once it has registered.
-
-Then, for any dataset built on :class:`LoaderProtocols`:
-
-- ``DataLoader(ds, batch_size=None)`` iterates it in the main process and hands its batches on (torch's
-  default conversion turns numpy arrays into tensors sharing their memory, and leaves tensors and CuPy
-  arrays as they are); ``len()`` is the dataset's. A DataLoader that batches (``batch_size`` not None, its
-  default being 1) is refused when it starts iterating, with a ValueError saying to pass ``batch_size=None``
-  (:func:`refuse_collation`).
-- In a DataLoader worker process (``num_workers > 0``) iterating is refused with a :class:`GDSLoadError`
-  saying why and what to do (:func:`refuse_worker`), and pickling (how ``spawn`` workers receive it) with a
-  TypeError saying the same.
-- Lightning's ``Trainer.fit(model, train_dataloaders=ds)`` saves ``ds.state_dict()`` in its checkpoints and
-  restores it through ``load_state_dict`` (any iterable with both is "stateful" to it), and gives each
-  epoch's number to ``ds.sampler.set_epoch`` (as it does for a DistributedSampler): a fit's epoch N reads
-  gdsload's epoch N, a fit resumed from any checkpoint included.
-- torchdata's ``StatefulDataLoader(ds, batch_size=None)`` saves and restores the same state.
+:class:`LoaderProtocols`, the base of :class:`gdsload.GDSDataset` and :class:`gdsload.Mixture`, is registered as
+a virtual subclass of ``torch.utils.data.IterableDataset`` as soon as that class exists: at ``import gdsload``
+when torch came first, else by :class:`RegisterOnImport`, a ``sys.meta_path`` finder that answers only for
+``torch.utils.data.dataset`` and leaves once it has registered. A batching DataLoader is refused when it starts
+iterating (:func:`refuse_collation`), as are worker processes (:func:`refuse_worker`) and pickling. Why, and
+what each loader does with a dataset: docs/design.md, "Fork safety".
 """
 
 from __future__ import annotations

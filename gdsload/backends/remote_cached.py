@@ -1,11 +1,10 @@
-"""The cached route of a remote dataset: a backend that wraps the local one, which reads the shard files of the
-version in the node's cache (:mod:`gdsload.remote.shard_fetch`; docs/remote.md).
+"""The cached route of a remote dataset: the local backend wrapped, each read's pieces pinned from submit to finish.
 
-``submit`` (and ``load``) first waits until the pieces its requests read are present and pins them (a fetch error
-is that window's ReadError); the pins go once its reads are over (the work's ``finish``). ``expect`` hands a
-pass's windows to the fetch threads, ``passed`` drops one its buffer holds since the open, ``idle`` stops the
-threads, ``check_room`` refuses at open what ``cache_bytes`` cannot hold. A backend that locks every file in
-memory (mmap) has every shard fetched in ``prepare`` and pinned for the dataset's life (:attr:`CachedBackend.whole`).
+``submit`` (and ``load``) waits until the pieces its requests read are present and pins them (a fetch error is
+that window's ReadError); the pins go with the work's ``finish``. ``expect`` hands a pass's windows to the fetch
+threads (:mod:`gdsload.remote.shard_fetch`), ``passed`` drops one already held, ``idle`` stops the threads,
+``check_room`` refuses at open what ``cache_bytes`` cannot hold; under mmap every shard is pinned from
+``prepare`` on (:attr:`CachedBackend.whole`). docs/remote.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
-"""The direct route of a remote dataset: each window's byte ranges read from the shard objects by KvikIO's
-``RemoteFile``, in parallel ranged GETs, straight into the window buffer (docs/remote.md, "Routes").
+"""The direct route of a remote dataset: KvikIO ``RemoteFile`` ranged GETs straight into the window buffer.
 
-The route. :mod:`gdsload.remote.route` decides between ``"direct"`` and ``"cached"`` (the node's shard cache,
-:mod:`gdsload.remote.shard_fetch`); on the direct route the dataset's source (gdsload/backends/source.py) makes
-the ``remote`` backend (:class:`RemoteDirectBackend`) in place of the one ``auto`` or the user chose.
-
-Reads. One RemoteFile per shard object, opened with the size pinned at open (no request is made) on first use
-and kept for the dataset's life; ``pread`` splits a read into KvikIO's tasks, run on its process-wide thread pool
-(shared with local KvikIO reads, :class:`gdsload.backends.cuda.KvikioPool`). KvikIO checks nothing of the object:
-it sends no ``If-Match``, does not look at the ETag or ``Content-Range``, and counts a short body as read. So
-after a window's reads are over, every object they read is read once more, one byte pinned to the size and ETag
-of the skeleton (``If-Match``; :meth:`gdsload.remote.objects.ObjectClient.read`): an object replaced or removed
-is ``ObjectChanged`` naming the URL, and the window is not served. A read that fails is looked at the same way,
-so a changed object is named as such. The block checksums (``verify``) check the bytes besides.
-
-Time bounds. KvikIO's ``http_timeout`` (per try) and ``http_max_attempts`` are set, process-wide, so that a
-request's tries end within the dataset's ``timeout_s`` (:func:`kvikio_http`); and a window whose reads have not
-moved for ``timeout_s`` is a ReadError naming the URL and ``no response for N s``, raised once KvikIO's requests
-in flight have ended (none may still write into the buffer). KvikIO's messages lose its C++ source path.
+:mod:`gdsload.remote.route` chooses the route; the dataset's source (backends/source.py) then makes
+:class:`RemoteDirectBackend` in place of the backend ``auto`` or the user chose. One RemoteFile per object, opened
+with its pinned size and kept; after a window's reads (or a failed one) every object read is checked once more,
+one byte pinned to the skeleton's size and ETag, so a replaced object is ``ObjectChanged`` and the window is not
+served. KvikIO's timeouts are set process-wide to fit ``timeout_s`` (:func:`kvikio_http`); a window that has not
+moved for ``timeout_s`` is a ReadError. Why: docs/remote.md, "Routes: direct or cached" and "Time bounds".
 """
 
 from __future__ import annotations

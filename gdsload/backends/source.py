@@ -1,9 +1,10 @@
-"""Where a dataset's files are, and the backend that reads them: :class:`Source` for local files;
-:class:`RemoteSource` for a remote dataset, whose version (its skeleton) is in the node's cache and whose shards
-come by the direct route or the cached one (:mod:`gdsload.remote.route`; docs/remote.md, "Routes").
+"""Where a dataset's files are, and the backend that reads them: local files, or a remote version in the node's cache.
 
-The reader opens a dataset at its source's ``root``, has the source make its backend and name its errors; it
-knows nothing of where the files came from. :func:`open_source` is the only way in from a dataset's path.
+:class:`Source` is local files; :class:`RemoteSource` a remote dataset, whose skeleton is in the node's cache
+and whose shards come by the direct route or the cached one (:mod:`gdsload.remote.route`; docs/remote.md,
+"Routes: direct or cached"). The reader opens a dataset at its source's ``root``, has the source make its
+backend and name its errors; it knows nothing of where the files came from. :func:`open_source` is the only way
+in from a dataset's path.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """crc32c of block data: the host check, and the GF(2) algebra the device kernel is built on (pure numpy).
 
-Every block a dataset stores has a crc32c (the standard Castagnoli CRC, as ``crc32c.crc32c`` computes it)
-in a small per-field array written by the converter. Verifying a window means recomputing the CRC of each
-block's bytes where they landed in the window buffer. On the host that is ``crc32c.crc32c`` per block (the
-package uses the CPU's CRC instruction and releases the GIL). On the device the kernel in
-:mod:`gdsload.codecs.checksum_cuda` splits blocks into tiles that many thread blocks work on at once, which only
-works because a CRC without initial value or final xor ("raw") is linear over GF(2):
-
-    raw(A || B) = shift(raw(A), len(B)) ^ raw(B)        raw(zeros || X) = raw(X)
-
-where ``shift(c, n)`` is the CRC state ``c`` advanced over ``n`` zero bytes, a 32x32 bit matrix applied as
-four byte-table lookups. So every 16-byte word's CRC can be computed independently, moved to the end of its
-block by a shift, and the results XORed together in any order. The relation to the standard CRC is
-``crc32c(X) = raw(X) ^ crc32c(zeros(len(X)))``. :func:`reference_device_crcs` runs that exact algorithm in
-numpy, so its math is tested on machines without a GPU.
+On the host, ``crc32c.crc32c`` per block (the CPU's CRC instruction, GIL released). On the device the kernel
+of :mod:`gdsload.codecs.checksum_cuda` joins per-word raw CRCs by shifts (the algebra: docs/design.md,
+"Verification"); :func:`reference_device_crcs` runs that exact algorithm in numpy, so its math is tested
+without a GPU.
 """
 
 from __future__ import annotations

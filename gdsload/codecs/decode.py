@@ -1,29 +1,12 @@
 """The decode step: a window's compressed chunks, already read, turned into its decoded cells.
 
-A compressed field's window region has two parts (:class:`gdsload.pipeline.window.WindowMap`): its decoded cells,
-laid out exactly as a raw field's (so the row mapping and the assembler do not change), and a region for the
-window's compressed chunks, back to back. Reads carry the compressed chunks into that region like any other
-bytes; then, in the completer thread, after the window's reads have finished and before the verifier, this
-module's decode step writes each chunk, decoded, into its cell, and returns the event after which the decoded
-window is there (GPU backends) or None (cpu: it is there when the call returns). Where each field's bytes go:
-
-- ``zstd`` on a GPU backend with nvCOMP installed (``gdsload[nvcomp]``, in ``gdsload[gpu]`` too; off with
-  ``GDSLOAD_NVCOMP=0``): the compressed region lies in the device
-  window buffer (kvikio reads it straight there, pinned stages and copies it, mmap copies it from its
-  locked pages); one batched nvCOMP call per field and window decodes every chunk on the device
-  (:mod:`gdsload.codecs.nvcomp`). Successive windows take turns on :data:`DECODE_LANES` streams, each with its
-  own scratch memory, so one window's decode runs beside the next one's.
-- any other codec on a GPU backend (and ``zstd`` without nvCOMP, after a one-time warning): the compressed
-  region lies in a pinned *host* buffer of the window, read by threaded POSIX reads; CPU threads decode each
-  chunk into a host mirror of the field's cells, and one host-to-device copy per field moves them. Reading
-  them into device memory would only make the CPU copy them back before it could decode them.
-- the cpu backend: the compressed region lies in the (host) window buffer, and CPU threads decode straight
-  into the cells.
-
-CPU decoding goes through the codec classes zarr uses (numcodecs); nothing is reimplemented. A ``crc32c`` codec after
-a compressor is verified. Errors: a chunk that does not decode (or decodes to the wrong size, or fails its crc32c)
-raises :class:`ReadError` naming the file, offset, array, chunk and codec; a codec that cannot be read raises
-:class:`FormatError` (from :func:`gdsload.format.chunk_codecs.check_codec`) naming the codec and the array.
+It runs in the completer thread after the window's reads and before the verifier, and returns the event after
+which the decoded window is there (GPU backends) or None (cpu). ``zstd`` on a GPU backend with nvCOMP decodes on
+the device (:mod:`gdsload.codecs.nvcomp`), successive windows taking turns on :data:`DECODE_LANES` streams; any
+other codec is decoded by CPU threads through numcodecs (where each field's bytes go, and why: docs/format.md,
+"Compressed chunks"). A chunk that does not decode, decodes to the wrong size or fails its crc32c is a
+ReadError naming the file, offset, array, chunk and codec; a codec that cannot be read is a FormatError
+(:func:`gdsload.format.chunk_codecs.check_codec`).
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
-"""Image fields decoded on the device with nvImageCodec: a batch's images in one batched call, on the
-assembler's stream, then cropped, resized, flipped and laid out by one kernel into the batch tensor.
+"""Image fields decoded on the device by nvImageCodec, then cropped, resized, flipped and laid out by one kernel.
 
-The encoded bytes are gathered on the device like any variable-length field; nvImageCodec's Python API
-takes host buffers, so each batch's bytes (tens of kB per image) are copied to the host first. Each
-image's size comes from its header (:mod:`gdsload.format.image_header`), the crop and flip from
-:func:`~gdsload.codecs.image_params.transform_params`, and the resize taps from
-:func:`~gdsload.codecs.image_params.resize_taps`: the same as the ``cpu`` backend's, so the two differ only
-by their decoders. Only the rows and columns the taps read are decoded (nvImageCodec's region of interest);
-an image the decoder cannot decode by region is decoded whole (the taps are then taken from the whole
-image). The decoded images are kept until an event after the kernel has passed.
-
-Without nvImageCodec (``gdsload[gpu]`` installs ``nvidia-nvimgcodec-cu13``), the batch is decoded by the
-host path (Pillow) and copied to the device, with one warning.
+One batched decode per batch on the assembler's stream; the batch's encoded bytes are copied to the host first
+(nvImageCodec's Python API takes host buffers), and only the region the resize taps read is decoded where the
+decoder can. Crops, flips and taps are :mod:`gdsload.codecs.image_params`'s, as on the host path. The decoded
+images are kept until an event after the kernel has passed. Without nvImageCodec the batch is decoded on the
+host (Pillow) and copied, with one warning (docs/images.md, "Decoding").
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """The transforms of decoded images, as pure numpy: what to crop, whether to flip, and the resize's taps.
 
-Every random choice is a function of ``(seed, epoch, global sample index)`` alone (a counter-based hash,
-:func:`uniforms`), never of a generator's state: the crop and flip of a sample are the same whichever rank
-reads it, in whatever batch, after any resume, on the CPU or the GPU path. Both paths resize with the same
-taps (:func:`resize_taps`), so they differ only by their JPEG decoders.
-
-- **Random-resized-crop** (:func:`crop_boxes`) follows torchvision's ``RandomResizedCrop.get_params``: up to
-  10 tries of an area fraction drawn from ``scale`` and an aspect ratio drawn log-uniformly from ``ratio``;
-  the first box that fits is placed uniformly; if none fits, the centre crop of the image clamped to
-  ``ratio``.
-- **Resize** is antialiased bilinear (a triangle filter widened by the downscale factor, as Pillow's
-  ``BILINEAR``), separable, on a box of the image: output pixel ``i`` samples around ``start + (i + 0.5) *
-  length / out``, reading pixels of the whole image near the box's edges.
+Every random choice is a function of ``(seed, epoch, global sample index)`` alone (:func:`uniforms`), never of
+a generator's state. The CPU and GPU paths share :func:`crop_boxes` (torchvision's ``RandomResizedCrop`` rule)
+and :func:`resize_taps` (antialiased bilinear as Pillow's ``BILINEAR``; output pixel ``i`` samples around
+``start + (i + 0.5) * length / out``), so they differ only by their decoders (docs/images.md, "Decoding").
 """
 
 from __future__ import annotations

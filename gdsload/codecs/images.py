@@ -1,15 +1,10 @@
 """Image fields decoded into one batch tensor: the batch step the assembler runs before it hands a batch on.
 
-A batch arrives from the gathers with each image field as its encoded bytes back to back plus offsets (a
-variable-length field). :class:`ImageStep` replaces them with the decoded, transformed batch of one shape
-(:class:`~gdsload.codecs.image_params.ImageSpec`): uint8 ``(B, H, W, 3)``, or float32 ``(B, 3, H, W)``
-normalised. It runs on the assembler's thread inside the batch's scope (for a GPU backend, the assembler's
-stream is current), so the batch's ready event comes after it.
-
-Decoders: on the ``cpu`` backend Pillow, one image after another; on a GPU backend nvImageCodec
-(:mod:`gdsload.codecs.image_cuda`), batched on the device. Crops, flips and the resize are the same on
-both (:mod:`gdsload.codecs.image_params`). An image that does not decode is a ReadError naming the dataset,
-the field, the global sample index and why.
+:class:`ImageStep` replaces an image field's encoded bytes and offsets with the decoded, transformed batch of one
+shape (:class:`~gdsload.codecs.image_params.ImageSpec`: uint8 ``(B, H, W, 3)`` or float32 ``(B, 3, H, W)``), on
+the assembler's thread inside the batch's scope, so the batch's ready event comes after it: Pillow on ``cpu``,
+nvImageCodec on a GPU backend (:mod:`gdsload.codecs.image_cuda`). An image that does not decode is a ReadError
+naming the dataset, the field, the global sample index and why.
 """
 
 from __future__ import annotations

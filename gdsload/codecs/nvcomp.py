@@ -1,26 +1,13 @@
 """Decoding on the device: zstd chunks batched through nvCOMP, and the decode step's CUDA side.
 
-nvCOMP (``nvidia-libnvcomp-cu13`` >= 6, NVIDIA-proprietary, the optional ``gdsload[nvcomp]`` extra) is loaded
-only when a dataset with device-decoded fields opens, and called through its C API
-(:mod:`gdsload.codecs.nvcomp_lib`): ``nvcompBatchedZstdDecompressAsync`` decodes a batch of chunks, each from
-its place in the window buffer's compressed region straight into its cell, and only queues the work on the
-decoder's stream. Nothing waits for the stream or the decode, and nothing is allocated per window but a small
-table of addresses and sizes (device memory from CuPy's pool, filled by one copy from a pinned buffer).
-
-One call decodes every chunk of one field in one window, up to :data:`CALL_BYTES` decoded (a call per chunk is
-far slower: few chunks leave the GPU underused). Its scratch memory is the decoder's, kept and grown as needed.
-Before the call, each chunk's crc32c (when its codecs end with one) and its zstd magic number are checked on the
-device in the same stream (:mod:`gdsload.codecs.screen`): nvCOMP checks neither, and a damaged frame can make its
-decode run on without end, so a chunk that fails is not handed to it. After the call, each chunk's verdict,
-status and decoded size come back to the host with the window's other checks (:class:`DecodeCheck`, confirmed
-before a sample of the window is handed on): a chunk that failed its checks, that nvCOMP fails on, or that
-decodes to another size than its cell's, is a ReadError naming it; a decode still running after
-:func:`decode_wait_s` is a :class:`gdsload.errors.DecodeError` (the host never waits on it without end; nor does
-:meth:`DecodeDevice.quiesce` when given the bound, as the decoder gives it).
-
-:class:`NvcompBatch` does the batching and the mapping of chunks to cells through an ``ops`` object
-(:class:`DecodeDevice` here; tests pass host stand-ins and a library that decodes host memory, so this logic
-runs without a GPU).
+nvCOMP is loaded only when a dataset with device-decoded fields opens, and called through its C API
+(:mod:`gdsload.codecs.nvcomp_lib`): one call per field and window, up to :data:`CALL_BYTES` decoded, each chunk
+from the window's compressed region straight into its cell, only queued on the decoder's stream. Chunks are
+screened on the device first (:mod:`gdsload.codecs.screen`); each chunk's verdict, status and decoded size come
+back with the window's checks (:class:`DecodeCheck`), a failure being a ReadError naming it, and a decode still
+running after :func:`decode_wait_s` a :class:`gdsload.errors.DecodeError`. :class:`NvcompBatch` maps chunks to
+cells through an ``ops`` object (:class:`DecodeDevice`; tests pass host stand-ins). docs/format.md, "Compressed
+chunks".
 """
 
 from __future__ import annotations

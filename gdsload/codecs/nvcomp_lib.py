@@ -1,13 +1,7 @@
 """nvCOMP's batched zstd decoder, called through its C API (``libnvcomp`` of the ``nvidia-libnvcomp`` wheel) by ctypes.
 
-Why the C API rather than nvCOMP's Python API: ``nvcompBatchedZstdDecompressAsync`` only queues the decode on a
-stream. It does not wait for the stream or for the decode, allocates and frees nothing (its scratch memory is the
-caller's), and, called through ctypes, lets go of the GIL. The Python API's ``decode`` returns only once the decode
-is done, allocates scratch memory on every call through allocators that wait for the whole device, and crashes
-the process at exit when Python allocators are left set in it. Here each chunk's status and decoded size are
-written on the device, read back after the decode and checked before a sample of the window is handed on.
-
-The declarations follow ``nvcomp/zstd.h`` and ``nvcomp/shared_types.h`` of nvCOMP 6 (the wheel ships them).
+The declarations follow ``nvcomp/zstd.h`` and ``nvcomp/shared_types.h`` of nvCOMP 6 (the wheel ships them). Why
+the C API rather than nvCOMP's Python API: docs/format.md, "Compressed chunks".
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
-"""Screening zstd frames before nvCOMP decodes them: each chunk's crc32c (when its codecs end with one), its
-magic number and its structure (the frame header, then every block header walked: the blocks must end the frame
-exactly at its stated length), checked on the device in the decoder's stream order, with nothing waiting on the
-host.
+"""zstd frames screened on the device before nvCOMP decodes them: crc32c, magic number and block structure.
 
-nvCOMP checks neither, and a damaged frame can make its decode run on without end. A chunk that fails is not
-handed to nvCOMP: its entry in the call's table is pointed at :data:`STAND_IN`, a valid one-byte frame, and
-why it failed comes back with nvCOMP's statuses, with its first four bytes (or, for a broken structure, the
-offset where the walk stopped), so the window's check names it
-(:class:`gdsload.codecs.nvcomp.DecodeCheck`). Checking on the host first would make every window's decode wait
-for the device: the checks of one window queue behind the decode of the one before.
-
-A call's table is one device array: :data:`ROWS` rows of ``m`` uint64 (compressed address and size, cell size
-and address, the chunk's CRC pad, then the decoded sizes nvCOMP writes), followed by ``m`` int32 statuses
-(nvCOMP's), ``m`` int32 reasons and ``m`` uint32 heads (this module's). :func:`screen_host` does on host memory
-what the kernel does, for the tests of the device path without a GPU.
+In the decoder's stream order, nothing waiting on the host. A chunk that fails is not handed to nvCOMP: its
+table entry points at :data:`STAND_IN`, a valid one-byte frame, and why it failed (with its first four bytes, or
+where the walk stopped) comes back with nvCOMP's statuses (:class:`gdsload.codecs.nvcomp.DecodeCheck`). A call's
+table is one device array: :data:`ROWS` rows of ``m`` uint64 (compressed address and size, cell size and
+address, the chunk's CRC pad, the decoded sizes), then ``m`` int32 statuses, ``m`` int32 reasons and ``m``
+uint32 heads. :func:`screen_host` does the same on host memory, for tests without a GPU. Why: docs/format.md,
+"Compressed chunks".
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """Checking data against the checksums a store carries, before any sample of it is served.
 
-Two kinds of checksum: the crc32c the converter stores for every block of a gdsload dataset (checked when
-``verify`` is on), and the crc32c codec zarr writes after each chunk (``bytes`` then ``crc32c``; always
-checked, as zarr-python does). A compressed chunk's codec is checked as it is decoded (:mod:`gdsload.codecs.decode`);
-a raw chunk's 4 stored bytes are read beside it (:func:`read_trailers`) and its data checked here. A shard
-index's crc32c is checked as the index is read (:mod:`gdsload.format.shard_index`).
-
-A window's checks (:class:`WindowChecks`) are segments of its buffer, each with the CRC stored for it. The
-host verifier computes them with ``crc32c`` on a thread of its own; the device verifier queues a kernel on
-a stream of its own after the window's "filled" event and copies back only the CRCs. Either returns at once: the
-assembler gathers the window meanwhile (both only read it) and confirms the verdict (:class:`Verdict`)
-before it hands on any batch drawn from the window, and before the window buffer is released for reuse.
-A mismatch is a :class:`ChecksumError` (a ReadError) naming the file, field, block or chunk, and offset.
-Whole datasets are checked by :mod:`gdsload.tools.audit` (``gdsload verify``).
+The converter's block crc32c (when ``verify`` is on) and zarr's ``crc32c`` codec (always): a raw chunk's 4
+stored bytes are read beside it (:func:`read_trailers`) and checked here, a compressed chunk's as it decodes
+(:mod:`gdsload.codecs.decode`), a shard index's as it is read (:mod:`gdsload.format.shard_index`). A window's
+checks (:class:`WindowChecks`) run on a host thread or a device stream and return at once; the assembler confirms
+the :class:`Verdict` before it hands on a batch of the window or releases it. A mismatch is a
+:class:`ChecksumError` naming the file, field, block or chunk, and offset (docs/design.md, "Verification").
 """
 
 from __future__ import annotations

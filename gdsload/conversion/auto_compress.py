@@ -1,10 +1,9 @@
 """``--compress auto``: whether zstd is worth it for a fixed field, judged on a sample of its chunks.
 
-A field whose chunks zstd shrinks by less than :data:`MIN_SAVING` (images, already compressed or noisy data)
-would cost a decode per read and give back little, so it is stored raw. The sample is a fixed set of chunks
-spread evenly over the field (the same chunks every time, so every process of a conversion in parts decides
-alike), each compressed as the writer compresses it (numcodecs' zstd at the level asked, then the 4 bytes of
-its crc32c). Pure: a source's rows in, a decision out.
+Pure: a source's rows in, a decision out. A field whose sampled chunks zstd shrinks by less than
+:data:`MIN_SAVING` is stored raw; the sample is a fixed set of chunks spread evenly over the field (so every
+process of a conversion in parts decides alike), each compressed as the writer compresses it (docs/format.md,
+"Compressed chunks").
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
-"""What ``gdsload shard`` runs: one conversion, one part of a conversion spread over processes, or the
-publishing of the parts; each to a local folder or, uploaded once complete, to ``s3://``.
+"""What ``gdsload shard`` runs: one conversion, one part of one spread over processes, or the parts' publishing.
 
-The command line (:mod:`gdsload.tools.cli`) parses and prints; this module picks the route:
-
-- no ``part``, no ``publish``: :func:`gdsload.conversion.writer.convert` (to ``s3://``: into a temporary local
-  folder, then :func:`gdsload.conversion.upload.upload_dataset`);
-- ``part="I/N"`` (or ``auto``): :func:`gdsload.conversion.parts.write_part` into the staging folder;
-- ``publish``: :func:`gdsload.conversion.parts.publish_parts` (to ``s3://``: the parts assembled in the staging
-  folder, uploaded, then removed). Inputs given with it are planned again and must match the parts.
-
+The command line (:mod:`gdsload.tools.cli`) parses and prints; this module picks
+:func:`gdsload.conversion.writer.convert`, :func:`gdsload.conversion.parts.write_part` (``part="I/N"`` or
+``auto``) or :func:`gdsload.conversion.parts.publish_parts` (``publish``; inputs given with it must match the
+parts), each to a local folder or, through a local staging folder, uploaded to ``s3://``.
 :func:`conversion_signals` makes SIGINT, SIGTERM and SIGHUP stop any of them cleanly (nothing half-written).
 """
 

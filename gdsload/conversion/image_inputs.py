@@ -1,21 +1,9 @@
-"""The images an image conversion reads, listed from its inputs: an ImageFolder tree, a list file, or
-WebDataset ``.tar`` shards. Listing opens no image; each :class:`ImageItem` says where its bytes lie (a file,
-or a range of a tar file) and its label. Problems of one sample found while listing (a tar sample without
-its label) travel with it as ``problem``, to be listed and skipped like an unreadable image; problems of
-the input itself (a list line that does not parse, a compressed tar) are a ConversionError naming it.
+"""The images an image conversion reads, listed from its inputs: an ImageFolder tree, a list file, or WebDataset tars.
 
-- **ImageFolder** (a directory): each sub-directory is a class; labels are the index of the class folder in
-  sorted order of the folder names (as torchvision's ``ImageFolder``). Images are the files under a class
-  folder, at any depth, whose extension is one of :data:`IMAGE_EXTENSIONS` (any case), in sorted order of
-  their paths; other files are not images and are counted, not read.
-- **List file** (any other file): one sample per line, ``PATH LABEL``: the path, whitespace, then an integer
-  label; the path is everything before the last run of whitespace (so it may hold spaces) and, if
-  relative, is relative to the list file's folder. Blank lines and lines starting with ``#`` are skipped.
-- **WebDataset shards** (files ending ``.tar``, one or more, in the order given): members are grouped into
-  samples by key (the member's path up to the first ``.`` of its base name); a sample's image is its
-  ``jpg``, ``jpeg`` or ``png`` member (the first of those present), its label the integer in its ``cls``
-  member. Samples come in the order of their first member. Uncompressed tar only: a sample's bytes are
-  read straight from the shard by offset.
+Listing opens no image: each :class:`ImageItem` says where its bytes lie (a file, or a range of a tar) and its
+label. A problem of one sample (a tar sample without its label) travels with it as ``problem``, to be listed and
+skipped; a problem of the input itself (a list line that does not parse, a compressed tar) is a ConversionError
+naming it. The rules of each kind of input: docs/images.md, "Converting".
 """
 
 from __future__ import annotations

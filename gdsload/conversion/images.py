@@ -1,16 +1,11 @@
 """Converting encoded images (JPEG, PNG) into a dataset, bytes unchanged: ``gdsload shard --images``.
 
-The inputs are listed (:mod:`gdsload.conversion.image_inputs`), then each image's header is read
-(:mod:`gdsload.format.image_header`: format, height, width, and that the file ends as its format ends);
-nothing is decoded. The dataset holds a variable-length uint8 field (``image`` by default) of the encoded
-bytes, its formats recorded in the field's entry of the metadata (``"image": {"formats": [...]}``), and
-fixed fields ``label`` (int64), ``height`` and ``width`` (int32). The bytes are written by the converter's
-own writer (:func:`gdsload.conversion.writer.write_dataset`), streamed from the files a slice at a time, so
-memory is bounded by the slice plus each image's path and a few numbers, and published atomically.
-
-An image that cannot be read or whose header is wrong is *skipped*: listed (file and why) in the result,
-each on a ``log`` line, and counted in a warning; with ``strict`` the conversion is refused instead, naming
-the first such file. None is dropped silently.
+The inputs are listed (:mod:`gdsload.conversion.image_inputs`) and each image's header read
+(:mod:`gdsload.format.image_header`); nothing is decoded. The dataset holds a variable-length uint8 field of the
+encoded bytes (``image`` by default, its formats in the field's metadata) and fixed fields ``label``, ``height``
+and ``width``, written by :func:`gdsload.conversion.writer.write_dataset` a slice at a time and published
+atomically. An unreadable image is skipped (listed in the result, logged, counted in a warning) or, with
+``strict``, refused, naming the first; none is dropped silently (docs/images.md, "Converting").
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """Conversion spread over N processes: part I of N writes its share of the shard files, one step publishes.
 
-Every part plans the whole dataset from the inputs' metadata (:mod:`gdsload.conversion.plan`), so all agree
-on every shard's rows, and writes the shards :func:`assign` gives it (whole shard files, contiguous runs
-balanced by bytes) into ``STAGING/part-I-of-N/data/`` with the writer's own code, so each file is the bytes a
-single conversion writes. Part 0 also writes the metadata (every ``zarr.json``, the offsets arrays). Beside
-the data: ``pieces.npy`` (the crc32c of the spans of blocks its shards cover, :mod:`gdsload.conversion.spans`)
-and ``part.json`` (the part's shards and files, and a fingerprint of the plan, the inputs' names, sizes and
-modification times, and the zarr and numcodecs versions). A part is written into a temporary sibling and
-renamed into place once complete, so a part directory is complete or absent.
-
-:func:`read_parts` refuses, naming the part, any that is missing, damaged, of another N or of another
-fingerprint; :func:`assemble` hard-links (else copies) the parts' files into one tree and writes the
-checksum arrays, which makes a dataset bit-identical to a single ``gdsload shard`` of the same inputs and
-options; :func:`publish_parts` publishes it as a conversion does (temporary sibling, atomic rename).
+Every part plans the whole dataset (:mod:`gdsload.conversion.plan`) and writes the whole shard files
+:func:`assign` gives it into ``STAGING/part-I-of-N/data/`` with the writer's own code (part 0 the metadata too),
+beside ``pieces.npy`` (:mod:`gdsload.conversion.spans`) and ``part.json`` (its shards, files and a fingerprint);
+a part is renamed into place once complete. :func:`read_parts` refuses, naming it, a part missing, damaged, or of
+another N or fingerprint; :func:`assemble` hard-links (else copies) the parts into one tree and writes the
+checksum arrays; :func:`publish_parts` publishes it atomically. Why the result is bit-identical to one
+conversion: docs/remote.md, "Conversion at scale".
 """
 
 from __future__ import annotations

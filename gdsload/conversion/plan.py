@@ -1,11 +1,9 @@
 """The plan of a conversion: every number the written files depend on, from the sources' metadata alone.
 
 A single conversion (:mod:`gdsload.conversion.writer`) and a conversion in parts (:mod:`gdsload.conversion.parts`)
-both follow it, so N processes that plan the same inputs with the same options agree on the sample count,
-samples per block, and every array's rows per chunk, chunks per shard and shard boundaries; each shard file
-is then a function of its rows alone, and the same bytes whichever process writes it. Planning reads no
-sample (a variable-length field's offsets excepted; with ``--compress auto``, a few chunks of each fixed field),
-so it is cheap to repeat in every process.
+both follow it, so processes that plan the same inputs with the same options write the same bytes for every
+shard. Planning reads no sample (a variable-length field's offsets excepted; with ``--compress auto``, a few
+chunks of each fixed field).
 """
 
 from __future__ import annotations

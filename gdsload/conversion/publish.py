@@ -1,22 +1,12 @@
 """Publishing a conversion's output safely: temporary directory, overwrite rules, atomic rename, signals.
 
-Nothing the user owns is ever lost. A conversion writes into a temporary sibling ``.NAME.tmp-<pid>-<hex>``
-(:func:`make_temp`), flushes it to disk, and publishes it with one atomic rename (:func:`publish_output`)
-that fails if the output appeared meanwhile (``renameat2`` with ``RENAME_NOREPLACE``), or, with
-``overwrite``, swaps it with the old dataset (``RENAME_EXCHANGE``) before the old one is removed.
-``overwrite`` replaces only a gdsload dataset, never a file, a directory holding an input or the working
-directory (:func:`check_output`, checked before
-anything is written and again on the swapped-out directory). A temporary directory left by a killed
-converter is recognised by its pid and removed by the next conversion to the same output
-(:func:`remove_stale_temps`).
-
-Signals: :func:`on_signal` (installed by ``shard_main``) stops a conversion with :class:`Interrupted`,
-except inside a :func:`protected` step (a zarr write, cleanup, the final rename) or once the output is
-published; a signal arriving then stops the conversion as soon as the step ends, or, after publishing, is
-returned by :func:`reset_signals`.
-
-Messages name the option that replaces an output as the caller spells it
-(:func:`gdsload.conversion.spelling.overwrite_option`).
+A conversion writes into a temporary sibling (:func:`make_temp`) and publishes it with one rename
+(:func:`publish_output`: ``RENAME_NOREPLACE``, or ``RENAME_EXCHANGE`` with ``overwrite``); :func:`check_output`
+refuses to replace anything but a gdsload dataset; :func:`remove_stale_temps` removes a killed converter's
+leftovers (docs/format.md, "Writing and replacing a dataset"). :func:`on_signal` stops a conversion with
+:class:`Interrupted`, except inside a :func:`protected` step (a zarr write, cleanup, the final rename) or once
+published: the signal then takes effect when the step ends, or is returned by :func:`reset_signals`. Messages
+spell the overwrite option as the caller does (:func:`gdsload.conversion.spelling.overwrite_option`).
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """The sources the converter writes from: arrays read sequentially in slices along axis 0, never whole.
 
-Every source reads into buffers of the caller's slice size, so peak memory is bounded by the slice, not by
-the input. ``.npy`` payloads are read with ``readinto`` rather than memory-mapped, so the pages read do not
-count against the process's resident memory either.
-
-Every failure of an input, whatever raised it (the OS, zipfile, zlib, numpy's header parser, zarr's codecs),
-becomes a :class:`ConversionError` naming the input (:func:`input_error`), where it happens; an array's size
-is checked against its file with Python ints before anything is allocated. Opening inputs by path (which
-source for which file or directory) is :mod:`gdsload.conversion.sources`.
+Every source reads into buffers of the caller's slice size (``.npy`` through ``readinto``, not memory-mapped),
+so peak memory is one slice (docs/design.md, "The converter"). Every failure of an input becomes a
+:class:`ConversionError` naming it (:func:`input_error`), where it happens; sizes are checked against the file as
+Python ints before anything is allocated. Opening inputs by path is :mod:`gdsload.conversion.sources`.
 """
 
 from __future__ import annotations

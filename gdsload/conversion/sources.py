@@ -1,13 +1,10 @@
 """Inputs of the converter: paths (.npy, .npz, zarr arrays and groups, directories of them) opened as sources.
 
-Each path becomes one or more :class:`~gdsload.conversion.source_types.Source` (fields named after the file, the
-archive member or the zarr array); a variable-length field comes from a directory of per-sample ``.npy``
-files or a ``.npz`` holding ``values`` and ``offsets`` (:func:`open_ragged`). Files of a directory input are
-taken in natural order (``2.npy`` before ``10.npy``), so numbered parts keep their samples in step with
-other fields; two names with the same natural order are refused. Every failure is a ConversionError naming
-the input.
-
-The source types themselves live in :mod:`gdsload.conversion.source_types` and are re-exported here.
+Each path becomes one or more :class:`~gdsload.conversion.source_types.Source` (re-exported here), named after
+the file, archive member or zarr array; a variable-length field comes from a directory of per-sample ``.npy``
+files or a ``.npz`` of ``values`` and ``offsets`` (:func:`open_ragged`). A directory's files are taken in
+natural order (``2.npy`` before ``10.npy``); two names of one natural order are refused. Every failure is a
+ConversionError naming the input.
 """
 
 from __future__ import annotations

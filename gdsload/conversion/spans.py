@@ -1,11 +1,8 @@
-"""Block checksums of a dataset written in parts: each part records the crc32c of the spans of blocks its
-shard files cover, and the publishing step joins them into the crc32c of every whole block.
+"""Block checksums of a dataset written in parts: the crc32c of each part's spans, joined into each block's.
 
-A fixed field's block is one inner chunk, always inside one shard file, so it is one span. A variable-length
-field's block is its samples' value rows, which may straddle shard files written by different processes:
-its spans are joined with :func:`crc32c_combine` (zlib's ``crc32_combine`` for the Castagnoli polynomial),
-which needs only the spans' checksums and lengths, never their bytes again. The result equals, bit for bit,
-the crc32c a single conversion computes from the bytes as they stream past.
+A fixed field's block is one span; a variable-length field's may straddle shard files written by different
+processes, its spans joined by :func:`crc32c_combine` (zlib's ``crc32_combine`` for the Castagnoli polynomial)
+from their checksums and lengths alone. The result equals, bit for bit, a single conversion's crc32c.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """Uploading a finished local dataset to ``s3://BUCKET/PREFIX/NAME``, published only once complete.
 
-Readers know a remote dataset's version by the size and ETag of every object under it (:mod:`gdsload.remote.mirror`)
-and fetch nothing without its root ``zarr.json``, so that is uploaded last, after every other file and after
-the objects of an older version that the new one lacks are deleted. An upload cut short leaves no root
-``zarr.json`` and so no dataset a reader opens; a marker object (:data:`MARKER`) says the prefix holds an
-unfinished upload, which the next run to the same URL completes without ``overwrite``. Replacing a dataset
-(``overwrite``) deletes its root ``zarr.json`` first: in between, readers find no dataset rather than two
-versions mixed. Objects under a prefix that holds neither a dataset nor the marker are never touched.
-
-Through botocore, as :mod:`gdsload.remote.s3` reads: credentials, region and endpoint the standard way (the
-``AWS_*`` environment, ``~/.aws``, ``AWS_ENDPOINT_URL``), botocore's standard retries. Files larger than
-``part_bytes`` go up as multipart uploads (aborted on failure); files go up on ``threads`` threads. Every
-failure is a ConversionError naming the URL and, where S3 answered, the HTTP status and S3's error code.
+The root ``zarr.json`` goes up last, after every other file and after the objects of an older version that the
+new one lacks are deleted; a marker object (:data:`MARKER`) says the prefix holds an unfinished upload, which the
+next run completes; ``overwrite`` deletes the root ``zarr.json`` first; a prefix holding neither a dataset nor
+the marker is never touched (why: docs/remote.md, "Conversion at scale"). Through botocore, as
+:mod:`gdsload.remote.s3`; files above ``part_bytes`` go up multipart (aborted on failure), on ``threads`` threads.
+Every failure is a ConversionError naming the URL and, where S3 answered, the status and S3's error code.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """Writing datasets: metadata through zarr, shard files streamed block by block.
 
-zarr writes the group and array metadata (so plain zarr opens the result); the shard files themselves are
-written here, sequentially, because zarr rewrites a whole shard on every partial write: streaming blocks
-keeps memory at one slice and each byte is written once. The layout is exactly the sharding codec's
-(blocks back to back, index and crc32c at the end); the tests read every dataset back through zarr.
-
-A crc32c of every block is computed from the bytes as they stream past and stored beside the data, in plain
-zarr arrays ``_checksums/FIELD`` (uint32, one value per block), listed in the ``checksums`` entry of the
-group attributes. A fixed field's value covers its inner chunk exactly as stored (the final block's zero
-padding included); a variable-length field's covers the values rows of the block's samples.
-
-Every number the files depend on (samples per block, rows per chunk, shard boundaries) comes from the plan
-(:mod:`gdsload.conversion.plan`), which a conversion in parts (:mod:`gdsload.conversion.parts`) shares, writing
-its shards with :func:`write_shards` and its metadata with :func:`write_metadata`: the same bytes either way.
-Sources are checked before anything is written (:mod:`gdsload.conversion.checks`); everything is written into
-a temporary directory and published atomically (:mod:`gdsload.conversion.publish`), so a failure or a signal leaves
-nothing at the output and an existing dataset there untouched.
+zarr writes the group and array metadata; the shard files are written here, sequentially, in exactly the
+sharding codec's layout (why: docs/design.md, "The converter"). A crc32c of every block, computed as the bytes
+stream past, goes into ``_checksums/FIELD`` (docs/format.md, "Block checksums: _checksums/FIELD"). Every
+number the files depend on comes from :mod:`gdsload.conversion.plan`; a conversion in parts writes with
+:func:`write_shards` and :func:`write_metadata`, the same bytes. Sources are checked before anything is written
+(:mod:`gdsload.conversion.checks`) and the output is published atomically (:mod:`gdsload.conversion.publish`).
 """
 
 from __future__ import annotations

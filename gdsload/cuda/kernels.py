@@ -1,15 +1,8 @@
-"""gdsload's CUDA kernels compiled once per machine and kept on disk, so that a process loads them without
-running the compiler.
+"""gdsload's CUDA kernels compiled once per machine and kept on disk, so that a process loads them without NVRTC.
 
-CuPy keeps compiled kernels on disk too, but finds them by a key that includes NVRTC's output for an empty
-file: every process runs NVRTC once before its first cached kernel loads, on the path of a training
-script's first batch. Here the key is made of facts CuPy already knows without compiling (the source, the
-device's compute capability, CuPy's, the CUDA runtime's and the driver's versions), and the file holds
-what NVRTC made (a cubin, or PTX where NVRTC cannot target the device) for the driver to load.
-
-A file the driver refuses (truncated, written for another setup) is compiled again and replaced; a cache
-folder that cannot be written falls back to CuPy's own cache. Files are written whole under a temporary
-name and renamed, so ranks starting together on one node never read half a file.
+A kernel's file is named by facts known without compiling (the source, compute capability, CuPy's, the
+runtime's and the driver's versions), written whole and renamed, recompiled where the driver refuses it; an
+unwritable folder falls back to CuPy's cache. Why not CuPy's own cache: docs/design.md, "Memory reuse".
 """
 
 from __future__ import annotations

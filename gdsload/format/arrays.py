@@ -1,23 +1,10 @@
 """One Zarr v3 array gdsload reads: its ``zarr.json`` checked and reduced to a :class:`FieldMeta`.
 
-An array is read sample by sample along axis 0, so whatever holds its bytes must keep samples whole:
-chunks (or a shard's inner chunks) cover axes 1..n entirely and are serialized by the ``bytes`` codec
-(little endian), then either stored raw or passed through bytes-to-bytes codecs (compressors such as
-``zstd``, ``gzip``, ``blosc``, checksums), which :mod:`gdsload.codecs.decode` undoes chunk by chunk.
-:func:`read_array` checks exactly that, in two modes:
-
-- ``strict`` (a field of a dataset the converter wrote, listed in its ``gdsload`` attribute): the format
-  of docs/format.md, exactly: one ``sharding_indexed`` codec, inner chunks of the dataset's block size,
-  raw or ``zstd``-compressed, a ``bytes`` + ``crc32c`` shard index, the default chunk key encoding.
-- foreign (an array of any Zarr v3 store): also unsharded arrays (a file per chunk), the ``v2`` chunk
-  key encoding, an index without checksum, any rows per chunk, any bytes-to-bytes codecs zarr's registry
-  knows and gdsload can decode, and a ``crc32c`` codec after ``bytes`` or after a compressor
-  (``chunk_checksum`` for raw chunks; checked before a sample of the chunk is served, :mod:`gdsload.codecs.verify`).
-  ``transpose`` and other array-to-array codecs, unknown codecs, chunks that split a sample, big-endian data
-  and storage transformers are refused by name.
-
-Error contract: a FormatError (a ValueError) ``PATH/zarr.json: what is wrong``; values are checked as
-Python ints before anything is allocated; no exception of json, numpy or zarr escapes.
+:func:`read_array` checks that chunks keep samples whole along axis 0, in two modes: ``strict`` (a field the
+converter wrote: exactly the format of docs/format.md) and foreign (any Zarr v3 store's array: what is read and
+what is refused by name, docs/format.md, "Reading existing Zarr stores"). Errors: a FormatError (a ValueError)
+``PATH/zarr.json: what is wrong``; values are checked as Python ints before anything is allocated; no exception
+of json, numpy or zarr escapes.
 """
 
 from __future__ import annotations

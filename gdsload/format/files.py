@@ -1,17 +1,10 @@
 """Shard files opened once, safely, and held while a dataset is open (pure POSIX I/O, no GPU).
 
-A dataset is read through the descriptors opened when it opens, never through its paths again: the index
-checked at open and the bytes read later then come from the same inode, whatever happens to the paths
-afterwards. A dataset replaced by rename (``shard.py --overwrite``) keeps being read from the files that
-were opened; a file truncated in place gives a short read, which is a ReadError. Every ReadError for a
-failed read (here and in the backends) is built by :func:`read_error`, so its wording is the same everywhere.
-
-Opening refuses, without blocking, anything that is not a regular file: a FIFO in a shard's place would
-otherwise block ``open()`` until some writer appeared, a directory would fail later with a confusing
-error, and a device or socket is not data. Each refusal is a FormatError naming the path and what it is.
-
-A store with a file per chunk may hold more files than the process may open (``RLIMIT_NOFILE``):
-:func:`reserve_descriptors` raises the soft limit toward the hard one before they are opened, or refuses.
+A dataset is read through the descriptors opened at its open, never through its paths again. Opening refuses,
+without blocking, anything that is not a regular file (a FormatError naming the path and what it is);
+:func:`reserve_descriptors` raises the soft ``RLIMIT_NOFILE`` toward the hard one, or refuses. Every ReadError for
+a failed read (here and in the backends) is built by :func:`read_error`, so its wording is the same everywhere.
+Why: docs/design.md, "Files: an open dataset is pinned to its files".
 """
 
 from __future__ import annotations

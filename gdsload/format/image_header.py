@@ -1,10 +1,8 @@
 """An encoded image's format and size from its header, and whether its end is there (pure Python, no decode).
 
-The converter stores JPEG and PNG files unchanged and records each one's height and width: they come from
-the JPEG frame header (the SOF marker segment) or the PNG ``IHDR`` chunk, found by walking the markers or
-chunks, never by decoding. A file is also checked to end as its format ends (a JPEG's end-of-image marker
-``FFD9``, a PNG's ``IEND`` chunk), which catches a file cut short without decoding it. Anything else is an
-:class:`ImageHeaderError` saying what is wrong, for the caller to name the file.
+Height and width come from the JPEG frame header (the SOF segment) or the PNG ``IHDR`` chunk, found by walking
+the markers or chunks; a file must end as its format ends (JPEG ``FFD9``, PNG ``IEND``), which catches one cut
+short. Anything else is an :class:`ImageHeaderError` saying what is wrong, for the caller to name the file.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """DatasetLayout: where every chunk of an open dataset lies, and the files that hold them, held open.
 
-At open, every shard file of the selected arrays (for an unsharded array, every chunk file) is opened once
-(:mod:`gdsload.format.files`) and its index read and checked through that descriptor
-(:mod:`gdsload.format.shard_index`); the offsets of variable-length fields and the block checksums are read whole.
-After that, turning (array, chunk) into (file, offset, nbytes) is arithmetic on arrays held here: no zarr, no
-metadata, no path lookups, and the bytes come from the very inodes whose index was checked. A chunk of a dataset the
-converter wrote is one of its blocks; a foreign store's arrays have chunks of their own size
-(:mod:`gdsload.pipeline.window` maps blocks to them).
-
-Error contract: as :mod:`gdsload.format.meta` (FormatError for the dataset on disk, ReadError for an I/O failure),
-and nothing stays open when opening fails.
+At open every shard (or chunk) file of the selected arrays is opened once (:mod:`gdsload.format.files`) and its
+index read and checked through that descriptor (:mod:`gdsload.format.shard_index`); the offsets of
+variable-length fields and the block checksums are read whole. After that, (array, chunk) -> (file, offset,
+nbytes) is arithmetic on arrays held here. Errors as :mod:`gdsload.format.meta`; nothing stays open when opening
+fails.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
-"""The on-disk format's metadata: a Zarr v3 group of arrays read along the sample axis.
+"""The on-disk format's metadata: a Zarr v3 group of arrays read along the sample axis, as a :class:`DatasetMeta`.
 
-A dataset the converter wrote is a Zarr v3 group whose attributes carry a ``gdsload`` entry
-(:data:`ATTRS_KEY`: format version, number of samples, samples per block, the fields and their kinds, the
-checksum arrays). Each field is one sharded array (a variable-length field: ``NAME/values`` sharded,
-``NAME/offsets`` read whole) whose inner chunks are raw little-endian blocks of ``samples_per_block`` rows
-and whose shard index is ``bytes`` + ``crc32c``. A Zarr v3 group without that entry, or a single array, is
-a *foreign* store (:mod:`gdsload.format.zarr_store`): its arrays are its fields, each with its own rows per chunk.
-:func:`read_metadata` reads every ``zarr.json`` with plain ``json`` and checks it key by key
-(:mod:`gdsload.format.zarr_json`, :mod:`gdsload.format.arrays`), sizes as Python ints before anything is allocated or
-looped over; zarr then opens each array as a second opinion (data type, fill value). The result is a
-:class:`DatasetMeta`.
-
-The rest of the format lives beside this module: the shard index in :mod:`gdsload.format.shard_index`, the
-block locations of an open dataset in :mod:`gdsload.format.layout`.
-
-Error contract: anything wrong with a dataset on disk (metadata, shard index, a file that is not a regular
-file) is a FormatError, also a ValueError, whose one-line message starts with the offending path and
-``': '``; an I/O failure while reading it is a ReadError, also an OSError. No exception of json, numpy or
-zarr escapes.
+A group whose attributes carry a ``gdsload`` entry (:data:`ATTRS_KEY`) is a dataset the converter wrote
+(docs/format.md); any other Zarr v3 group, or a single array, is a *foreign* store
+(:mod:`gdsload.format.zarr_store`). :func:`read_metadata` reads every ``zarr.json`` with plain ``json`` and
+checks it key by key (:mod:`gdsload.format.zarr_json`, :mod:`gdsload.format.arrays`). Errors: anything wrong on
+disk is a FormatError (also a ValueError) whose one-line message starts with the offending path and ``': '``; an
+I/O failure is a ReadError (also an OSError); no exception of json, numpy or zarr escapes.
 """
 
 from __future__ import annotations

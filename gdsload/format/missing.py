@@ -1,12 +1,9 @@
-"""Chunks a dataset lacks: marked never written in a shard's index, or in a shard (or chunk) file that does not
-exist. Pure logic over the chunk tables :class:`gdsload.format.layout.DatasetLayout` reads at open; no I/O.
+"""Chunks a dataset lacks: never written in a shard's index, or in a shard (or chunk) file that does not exist.
 
-The Zarr spec reads a missing chunk as the array's fill value, but in training data a missing chunk is almost
-always damage (a file lost in a copy, an upload cut short, an index rewritten), and zeros served as samples
-are silent. So an open refuses one by default (``missing_chunks="error"``), naming the file, the field and
-the chunks; ``missing_chunks="fill"`` reads the fill value, as zarr does. zarr-python writes no chunk whose
-values all equal the fill value unless ``write_empty_chunks`` is on: a store written that way needs "fill".
-The converter writes every chunk, so in its datasets a missing chunk is always damage.
+Pure logic over the chunk tables :class:`gdsload.format.layout.DatasetLayout` reads at open; no I/O. An open
+refuses them by default (``missing_chunks="error"``), naming the file, the field and the chunks;
+``missing_chunks="fill"`` reads the fill value, as zarr does. Why: docs/format.md, "Reading existing Zarr
+stores" (Missing data).
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """The shard index: where each inner chunk of one shard file lies, as the sharding codec writes it.
 
-An index is ``n_chunks x (offset, nbytes)``, uint64 little endian, followed by the crc32c of those bytes
-(the ``bytes`` + ``crc32c`` index codecs; a foreign store's index may lack the crc32c), at the end or the
-start of the shard file. A chunk never written
-has both values all ones (:data:`MAX_UINT_64`). This module encodes an index (the writer), parses and
-checksums one (:func:`parse_shard_index`), reads it through an open shard file (:func:`read_shard_index`)
-and checks its entries against that file (:func:`chunk_table`): for a dataset gdsload's converter wrote,
-also that the chunks tile the file exactly as it lays them out, so that a byte inserted, deleted or
-appended anywhere fails the open even without block checksums.
-
-Error contract: a malformed index is a FormatError whose one-line message starts with the shard's path and
-``': '``; an I/O failure reading it is a ReadError (:func:`gdsload.format.files.read_error`).
+An index is ``n_chunks x (offset, nbytes)``, uint64 little endian, then (optionally, in foreign stores) the
+crc32c of those bytes, at the end or the start of the file; a chunk never written has both values all ones
+(:data:`MAX_UINT_64`). This module encodes an index, parses and checks one (:func:`parse_shard_index`,
+:func:`read_shard_index`) and checks its entries against the file (:func:`chunk_table`: for a converted dataset,
+that the chunks tile it exactly: docs/format.md, "Shard files"). Errors: a FormatError starting with the shard's
+path and ``': '``; an I/O failure is a ReadError (:func:`gdsload.format.files.read_error`).
 """
 
 from __future__ import annotations

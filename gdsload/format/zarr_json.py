@@ -1,10 +1,9 @@
 """Checked reading of Zarr v3 metadata documents (``zarr.json``).
 
-Each document is read with plain ``json`` through :func:`gdsload.format.files.read_small` (refused unread above
-:data:`MAX_METADATA_BYTES`, or if it is not a regular file) and its values are taken out one key at a time
-through these accessors, which check type and range as Python ints before anything is allocated or looped
-over. Every refusal is a FormatError ``WHERE: what is wrong (expected X, found Y)`` on one line, with any
-value from the document shown cut short (:func:`show`): no exception of ``json`` escapes.
+A document is read through :func:`gdsload.format.files.read_small` (refused unread above
+:data:`MAX_METADATA_BYTES`) and its values taken one key at a time through these accessors, type and range
+checked as Python ints before anything is allocated. Every refusal is a FormatError ``WHERE: what is wrong
+(expected X, found Y)`` on one line, values cut short (:func:`show`); no exception of ``json`` escapes.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """Foreign stores: Zarr v3 groups and arrays written by zarr-python, tensorstore or any other writer.
 
-A group without the ``gdsload`` attribute is read as a dataset whose fields are its arrays, found by walking
-its subgroups (a nested array is the field ``a/b``); a path that is an array node is a dataset of one
-field, named after the array's directory. The selected arrays must share their length along axis 0 (the
-samples) and be readable (:func:`gdsload.format.arrays.read_array`); others may be anything. When no fields are
-selected, arrays of a data type gdsload does not read (strings, objects, dates) are skipped with a warning
-naming them (:func:`skipped_arrays`); asked for by name, they are refused, naming the field. Each array keeps its
-own rows per chunk; :func:`block_rows` chooses the plan's block K for them, and a block of K samples is
-carried, for each array, by the whole chunks that cover it (:mod:`gdsload.pipeline.window`).
-
-Files: a chunk key names a shard (sharded arrays) or a chunk (unsharded ones, a file per chunk). Foreign
-stores may lack any of them, as zarr writes nothing for chunks equal to the fill value; what is missing
-reads as the fill value. :func:`present_shards` lists the files that exist, from the directory listing, so
-its cost is bounded by what is on disk, never by what the shape implies.
-
-Error contract: as :mod:`gdsload.format.meta` (a FormatError starting with the offending path).
+A group without the ``gdsload`` attribute is a dataset whose fields are its arrays (a nested one is ``a/b``); an
+array path is a dataset of one field. Arrays of a type gdsload does not read are skipped with a warning
+(:func:`skipped_arrays`), or refused when asked for; :func:`block_rows` chooses the plan's block for arrays of
+different rows per chunk; :func:`present_shards` lists the files that exist, so its cost is bounded by what is
+on disk. What is accepted: docs/format.md, "Reading existing Zarr stores". Errors as :mod:`gdsload.format.meta`.
 """
 
 from __future__ import annotations

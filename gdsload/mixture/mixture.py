@@ -1,12 +1,9 @@
 """Mixture: several datasets in one stream of batches, at exact proportions that may change at any step.
 
-Each source is a :class:`GDSDataset` of its own (its own backend and options, this process's rank and world
-size), read in exact shares (``PlanConfig.exact_shares``): across ranks, every sample of a source once per epoch
-of that source, and a source that runs out begins its next epoch while the others go on. The schedule
-(schedule.py) says how many samples each source gives to each batch. One pipeline serves every source
-(gdsload/pipeline/mixed.py): one submitter reads the sources' windows in the order the batches need them, each
-through its source's reader and backend, and one assembler gathers each batch's samples straight from those
-windows into the batch. Its threads stop on ``close()``, on leaving a pass early and on an error.
+Each source is a :class:`GDSDataset` of its own, read in exact shares (``PlanConfig.exact_shares``); the
+schedule (:mod:`gdsload.mixture.schedule`) says how many samples each source gives each batch, and one pipeline
+(gdsload/pipeline/mixed.py) serves every source. Its threads stop on ``close()``, on leaving a pass early and on
+an error. docs/mixtures.md.
 """
 
 from __future__ import annotations

@@ -1,27 +1,11 @@
 """A mixture's schedule and its sources' positions: pure logic (Python ints and exact fractions), no I/O.
 
-**The schedule** says, batch by batch, how many samples (or, with whole batches, how many batches) each source
-gives. Weights are exact fractions (a float counts as the decimal it prints as: ``0.6`` is 3/5) normalised
-to sum 1; a *segment* runs from the mixture's start or from a weight change, and counts restart with it.
-After batch ``t`` of a segment (``h = t * unit`` samples), source ``i`` has given ``c_i`` with
-``|c_i - w_i h| < 1``, for every ``t``: over any run of batches of one segment the error is below 2, and a
-batch holds ``w_i * unit`` of source ``i`` up to less than 2.
-
-How: the ``j``-th sample of source ``i`` must come by batch ``ceil(j / (w_i unit))`` (else ``c_i`` falls
-below ``w_i h - 1``) and not before batch ``floor((j - 1) / (w_i unit)) + 1`` (else it rises above
-``w_i h + 1``). Each batch takes, of the samples already allowed, the ``unit`` with the earliest deadlines
-(ties by a seeded order of the sources); that is at most one sample per source beyond those due. Earliest
-deadline first is optimal for unit jobs on ``unit`` identical slots per step, and a schedule meeting every
-deadline exists (a Pfair schedule of the weights, sample by sample, grouped into batches), so this one never
-misses one. Largest remainder on the cumulative target would also keep ``|c_i - w_i h| < 1`` at each batch
-taken alone, but not from one batch to the next: its counts can fall (the Alabama paradox).
-
-**Positions.** A source read by a mixture splits every epoch into ranks' shares of samples
-(``PlanConfig.exact_shares``), so ranks, which all take the same counts, may be up to one sample apart in their
-epochs. A source's position is therefore the same on every rank: a :class:`Stretch` (the samples each rank took
-since a start all ranks shared), from which each rank works out its own epoch and position, exact to the sample;
-so a resume on another number of ranks can close the old ranks' leg where each of them stood
-(:meth:`Stretch.end_hop`) and deal out exactly what none of them took.
+The schedule says, batch by batch, how many samples (or whole batches) each source gives. Weights are exact
+fractions normalised to sum 1 (a float counts as the decimal it prints as); a *segment* runs from the start or
+a weight change. After ``h`` samples of a segment source ``i`` has given ``c_i`` with ``|c_i - w_i h| < 1``
+(earliest deadline first; why it holds: docs/mixtures.md, "The schedule and its guarantees"). A source's
+position is a :class:`Stretch`, the same on every rank, from which each rank works out its own epoch and
+position; :meth:`Stretch.end_hop` closes the old ranks' leg when a resume changes the ranks.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
-"""A mixture's state dict: its keys, how a state is checked against the mixture it is loaded into, and whose
-position each saved position is.
+"""A mixture's state dict: its keys, how a state is checked against the mixture, and whose each position is.
 
-A source's position (a :class:`~gdsload.mixture.schedule.Stretch`) is a handful of counts that would fit any
-source, so each is saved under its source's name *with* that name and the digest of its source's dataset
-fingerprint (``datasets[name]``: the dataset's fields, size, layout and content digests, and the options that
-fix its order, shuffle and seed). A state whose positions were swapped between sources, or taken from another
-state, is refused naming the source, instead of one source repeating samples while another skips as many.
-Every number is range-checked (up to 2**63 - 1, as GDSDataset's arguments), and the whole state is checked
-before anything changes.
+Each source's position (a :class:`~gdsload.mixture.schedule.Stretch`) is saved under its source's name with that
+name and the digest of its dataset's fingerprint, so positions swapped between sources, or taken from another
+state, are refused naming the source. Every number is range-checked (up to 2**63 - 1), and the whole state is
+checked before anything changes.
 """
 
 from __future__ import annotations

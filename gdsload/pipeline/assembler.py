@@ -1,13 +1,10 @@
-"""Batch assembly: gathering a batch's samples out of window buffers into fresh arrays. No threads here:
-the pipeline runs :meth:`Assembler.batches` on its assembler thread and supplies the windows.
+"""Batch assembly: a batch's samples gathered out of window buffers into freshly allocated arrays.
 
-A batch is cut from one or more windows (one segment per window). A field whose samples sit at their plan
-positions in a window (:meth:`WindowMap.direct`) is gathered by the plan's positions: a segment whose
-positions are consecutive is one copy, otherwise a gather by index. Any other field (a foreign store's
-array whose chunks do not divide the block) is gathered by rows of its own (:meth:`WindowMap.
-stream_rows`), uploaded once per epoch. Resident fields are gathered by global sample id;
-variable-length fields are concatenated (with offsets) or padded (with lengths). Every output array is
-allocated before ``ops.fence()``: memory the consumer freed is rewritten only after the work it queued.
+No threads here: the pipeline runs :meth:`Assembler.batches` on its assembler thread and supplies the windows. A
+batch is one segment per window it draws from; a field is gathered by plan positions (:meth:`WindowMap.direct`),
+by rows of its own (:meth:`WindowMap.stream_rows`), by global sample id (resident fields), or concatenated or
+padded (variable-length fields). Every output array is allocated before ``ops.fence()``: memory the consumer
+freed is rewritten only after the work it queued (docs/design.md, "Memory reuse").
 """
 
 from __future__ import annotations

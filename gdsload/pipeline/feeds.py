@@ -1,11 +1,9 @@
 """One source of a pipeline that serves several (a mixture's sources): what it reads with, and its stream.
 
-A :class:`Feed` is what a source's dataset lends the pipeline: its reader, its window buffers, where it stands
-(the cursor of its current epoch and the samples of that epoch's stream already taken) and how to plan the
-epochs after it. Its samples are one stream: the passes of its epochs, one after another. A :class:`Walk`
-follows that stream for one thread, taking a given number of samples at a time as :class:`Part` s (a range of
-one pass's stream) and saying which windows they touch. The passes (plan, segments, index arrays) are made once,
-by whichever thread asks first (:class:`Passes`). Nothing here reads or waits on a device.
+A :class:`Feed` is what a source's dataset lends the pipeline: its reader, window buffers, position and how to
+plan its later epochs; its samples are one stream, its epochs' passes one after another. A :class:`Walk` follows
+that stream for one thread, a :class:`Part` (a range of one pass) at a time; :class:`Passes` makes each pass once,
+for whichever thread asks first. Nothing here reads or waits on a device.
 """
 
 from __future__ import annotations

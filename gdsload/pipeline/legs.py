@@ -1,25 +1,10 @@
 """The plans of a partly read epoch: what one leg leaves, and how the rest is dealt out to the next (pure numpy).
 
-An epoch is read in *legs*, one per (world_size, batch_size, window_blocks); a :class:`Hop` records a leg that
-ended. The next leg's plans are built from what the last one left: each old rank's stream positions not yet
-consumed (padding excluded), concatenated rank after rank. That is the epoch's global order (ranks split the
-block order into consecutive shares, so rank 0's stream precedes rank 1's), and the new ranks split it again
-into consecutive shares (a block on a boundary is read by both ranks, each taking its own samples). Every
-unconsumed sample thus lands in exactly one new rank's stream. Each share is read in windows of at most
-``window_blocks`` blocks: the rests of old windows, packed in order, an old window split only when it holds
-more blocks than a new window may, every window taking its samples in their old order.
-
-How the shares are sized depends on how the epoch is split across ranks:
-
-- By default every rank yields as many batches: the shares differ by at most one sample and the shorter ones
-  are padded (the rank's own last window repeated; a rank left with none repeats the remainder's last
-  sample), at most ``world_size - 1`` samples per leg; with ``drop_last`` the remainder's tail is dropped
-  instead (fewer than ``world_size * batch_size`` samples).
-- Under ``exact_shares`` nothing is padded or dropped: a leg of the rest of epoch ``e`` is cut as the exact
-  shares of one continuous stream that ends where the epoch ends (:func:`rest_shares`), so a rank that
-  finishes its part begins the next epoch at once and ranks stay at most one sample apart over the rest and
-  every later epoch. Each rank's consumed positions are its own (:func:`leg_taken`): a hop's ``shift`` says
-  which ranks of the leg had taken one sample fewer of it when the leg ended.
+A :class:`Hop` records a leg that ended. Every sample a leg left lands in exactly one new rank's stream, read in
+windows of at most ``window_blocks`` blocks; shares are padded (or cut, with ``drop_last``) so that every rank
+yields as many batches, except under ``exact_shares`` (:func:`rest_shares`, :func:`leg_taken`, a hop's
+``shift``), where nothing is padded or dropped. The procedure step by step: docs/multi-gpu.md, "How the rest of
+an epoch is dealt out".
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """Pacing the pipeline threads' longer Python work, so the training loop gets the GIL when its step ends.
 
-The consumer gives the GIL up while it waits for its step on the GPU and needs it back the moment the step
-ends. A thread holding the GIL keeps it until it blocks, or until a waiting thread has waited the
-interpreter's switch interval (``sys.getswitchinterval()``); giving it up for an instant (a numpy shuffle,
-``time.sleep(0)``) does not hand it over, because the holder takes it back before the waiter has woken. So a
-pipeline thread that makes the next epoch's plan (a long stretch of Python) holds back every step that ends
-meanwhile until the plan is made. A :class:`Pacer` cuts such work into pieces of at most ``piece_s``, with a
-nap between them long enough for a waiting thread to wake and take the GIL. Nothing here touches data.
+A :class:`Pacer` cuts such work into pieces of at most ``piece_s``, with a nap between them long enough for a
+waiting thread to wake and take the GIL (docs/design.md, "Pacing", says why a nap). Nothing here touches data.
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
-"""The read-ahead pipeline: three threads between the files and the consumer.
+"""The read-ahead pipeline: three threads (submitter, completer, assembler) between the files and the consumer.
 
-Thread protocol. Every window buffer has one owner at a time. The *submitter* takes a free buffer, waits
-for the event recorded after the last gather from it (``released``), and submits the window's reads to the
-backend (a buffer that already holds the window, read at the dataset's open, needs none:
-``WindowBuffer.take_loaded``); the *completer* finishes those reads in submission order, decodes
-compressed chunks into their cells and starts the window's checks (all through the reader), then hands the
-buffer on with the event after which its data is there (``filled``) and the check's ``Verdict``; the
-*assembler* makes its stream wait on ``filled``, gathers every batch that draws from the window
-(assembler.py), confirms the verdict before it hands on the first batch gathered since (a device check runs
-beside the gathers), records ``released`` after the window's last gather, once the check is over, and gives
-the buffer back. Finished batches go to the consumer through a bounded
-hand-off with the event after which they are written ("ready"); the consumer's stream waits on it in
-``next()``. Submission runs ahead of completion, so the next window's reads queue behind the current one's
-and the readers never idle at a window boundary; assembly runs ``ahead`` batches before the consumer, so
-``next()`` only takes a finished batch. Once the consumer has begun a pass, the
-threads go on into the next epoch (at most one pass ahead), so a new pass does not start by waiting.
-
-Stopping: ``close()`` (from any thread but the pipeline's own) sets ``stop`` and ``halt``, wakes every
-waiter and joins the threads; a reader's error sets ``halt`` only, and travels to the consumer through the
-assembler with the window it was reading. The completer drains everything submitted before it ends, so no
-read still writes into a buffer once the threads are gone; then ``close()`` waits for the device work the
-pipeline queued (gathers, index uploads, copies), so none of it touches memory that changes hands.
+Every window buffer has one owner at a time, handed on with its events: ``released`` (its last gather done),
+``filled`` (its data there) and the check's ``Verdict``; batches reach the consumer through a bounded hand-off
+with their ``ready`` event. ``close()`` (from any thread but the pipeline's own) sets ``stop`` and ``halt``,
+wakes every waiter, joins the threads, then waits for the device work the pipeline queued; a reader's error sets
+``halt`` and reaches the consumer with its window. The protocol and why: docs/design.md, "Threads and events".
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """The read plan of one epoch on one rank: pure numpy, no I/O.
 
-Blocks are permuted per epoch (seeded), split across ranks, grouped into windows of ``window_blocks``
-blocks read together; samples are permuted inside each window and cut into batches. Windowed shuffling
-trades mixing for memory: only W blocks need be resident, at the cost of samples from one window landing
-near each other in the epoch. Everything is a function of the config and the epoch, so resuming means
-recomputing the plan and skipping batches; no index arrays are ever stored.
-
-Ranks split an epoch in one of two ways. By default each rank takes a share of whole blocks and every rank
-yields as many batches (the shorter ranks repeat a few samples, or with ``drop_last`` the longer drop a
-few), so collectives in a training step never wait. With ``exact_shares`` each rank takes a share of the
-epoch's samples (sizes differing by at most one; a block on a boundary is read by both ranks, each taking
-its own samples) and nothing is repeated or dropped: every sample once per epoch, at the cost of ranks
-yielding different numbers of samples (what a mixture of datasets wants, gdsload/mixture.py).
+Blocks are permuted per epoch (seeded), split across ranks and grouped into windows of ``window_blocks``
+blocks; samples are permuted inside each window and cut into batches. The plan is a function of the config and
+the epoch, so a resume recomputes it. Ranks take shares of whole blocks, every rank yielding as many batches,
+or under ``exact_shares`` shares of samples, nothing repeated or dropped (docs/multi-gpu.md, "How an epoch is
+split across ranks"; docs/mixtures.md, "Epochs per source, and ranks"; the windows' mixing: docs/shuffling.md).
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
-"""The reader: everything an open dataset reads with, and the one place where "these blocks into this buffer"
-becomes backend calls.
+"""The reader: what an open dataset reads with, and the one place where blocks for a buffer become backend calls.
 
-:meth:`Reader.open` reads the metadata (format/) and has the dataset's source make the backend (backends/): cheap,
-so a bad argument found next costs nothing more. Once the plan chose the windows' size, :meth:`Opened.start`
-builds the :class:`Reader` in one step: the window map (window.py), the decoder and the verifier (codecs/), and
-the backend prepared (last: mmap may read the whole dataset there). The pipeline's windows, the first window
-read at open and the resident fields all go through :meth:`Reader.submit` / :meth:`Reader.load_first` /
-:meth:`Reader.read_resident`, so each is read, decoded and checked the same way.
+:meth:`Reader.open` reads the metadata and has the dataset's source make the backend (cheap);
+:meth:`Opened.start` builds the :class:`Reader` in one step once the windows' size is known. The pipeline's
+windows, the first window and the resident fields all go through :meth:`Reader.submit`,
+:meth:`Reader.load_first` and :meth:`Reader.read_resident`, so each is read, decoded and checked the same way.
+Not thread-safe by itself; its life and its callers: docs/design.md, "The reader".
 """
 
 from __future__ import annotations

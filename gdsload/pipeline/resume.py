@@ -1,15 +1,9 @@
 """Resume state: what a checkpoint holds, how it is checked, and where a resumed rank continues.
 
-An epoch is read in *legs*: a leg runs under one set of (world_size, batch_size, window_blocks); a resume
-under other values ends the leg and starts the next one, recorded as a *hop*. The state holds the epoch,
-the batches each rank yielded in the current leg, and one small hop per earlier leg of the epoch — never a
-sample list: every leg's plans are recomputed from the config, as the first leg's always were. How the rest
-of an epoch is dealt out to the next leg is :mod:`gdsload.pipeline.legs`; docs/multi-gpu.md gives the state
-format and a worked example.
-
-States of datasets read in exact shares have their own format (:data:`EXACT_FORMAT`): their hops carry a
-``shift`` and their rest is dealt out without padding, so an older exact-shares state in the middle of a
-dealt-out rest (its hops padded) is refused; one without hops means what it meant and resumes.
+A state holds the epoch, the batches each rank yielded in the current leg and one small hop per earlier leg,
+never a sample list: every leg's plans are recomputed from the config (:mod:`gdsload.pipeline.legs`). States
+read in exact shares have their own format (:data:`EXACT_FORMAT`): an older one in the middle of a dealt-out
+rest is refused, one without hops resumes. The format and a worked example: docs/multi-gpu.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
 """Window buffers: where each field's data lies in one, and what carries a window's blocks into it.
 
-A window is the set of blocks read together (``window_blocks`` of them, see the plan), a block being K
-samples (``samples_per_block``). A window buffer holds, per fixed-size field, one *cell* per block of the
-window, back to back: the whole chunks of that field that cover the block's samples. A field whose chunks
-of c rows divide K has cells of exactly K rows, and sample j of the window's i-th block sits at row
-``i * K + j``, its plan position (the plan's positions gather it, one copy per run of consecutive ones).
-Otherwise (a foreign store, K = the largest chunk) a cell holds :func:`cell_rows` rows, the most chunks a
-block can touch, and sample j of block b sits at row ``i * cell + (b * K) % c + j`` (:meth:`WindowMap.
-stream_rows`); a chunk straddling two blocks is read for each. Per variable-length field, the values of the
-window's blocks lie back to back, in a region sized for the largest ``window_blocks`` blocks of the dataset.
-Each field's region starts on the 4 KiB alignment.
-
-A compressed field (:mod:`gdsload.codecs.decode`) has, beside its cells, a region for the window's compressed chunks,
-back to back in the order of their files and offsets, sized for the largest total compressed size of any
-``window_blocks`` blocks' covering chunks (:func:`compressed_capacity`, from the chunk table, like the value
-rows of a variable-length field). It lies in the window buffer, or, for a field decoded by CPU threads on a GPU
-backend (``host_fields``), in the window's host buffer beside a host mirror of the field's cells.
-:meth:`WindowMap.work` says what carries a window in: the backend's requests, the reads into the host buffer,
-and the decode jobs. Pure layout: no I/O, no device code.
+Pure layout: no I/O, no device code. Per fixed field a window buffer holds one *cell* per block (the whole
+chunks covering its samples; :func:`cell_rows` rows where chunks do not divide the block), per variable-length
+field the blocks' value rows, and per compressed field a region for its compressed chunks
+(:func:`compressed_capacity`), in the device buffer or the window's host buffer (``host_fields``); each region
+starts 4 KiB aligned. :meth:`WindowMap.work` lists what carries a window in: the backend's requests, the host
+reads and the decode jobs. docs/design.md, "Window buffers"; docs/format.md, "Blocks over chunks of different
+sizes" and "Compressed chunks".
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
-"""Objects beyond the node: ``s3://`` and ``http(s)://`` URLs read by ranged GETs, each pinned to the size and
-ETag it had when first seen, retried with backoff where a retry can help, and refused with the URL and the
-HTTP status where it cannot. Every call ends within the client's ``timeout_s``, its tries included.
+"""Objects beyond the node (``s3://``, ``http(s)://`` clients) and a remote dataset's copy in the node's cache.
 
-The clients are here (``objects.py``, ``http.py``, ``s3.py``); so is a remote dataset's copy in the node's cache,
-built on the format: ``skeleton.py`` and ``mirror.py`` (a version's metadata and shard indexes, checked),
-``pieces.py``, ``shard_cache.py`` and ``shard_fetch.py`` (its shards' pieces fetched ahead of the reads, pinned,
-evicted), ``cache_folder.py`` (``gdsload cache``), and ``route.py`` (direct or cached). The backends that read
-by either route are in backends/ (``source.py``, ``remote_cached.py``, ``remote_direct.py``)."""
+Every object is read by ranged GETs pinned to the size and ETag it had when first seen; every call ends within
+the client's ``timeout_s``, its tries included, and a refusal names the URL and the HTTP status. The wing's
+modules: docs/design.md, "Module map"; the backends of its two routes are in backends/.
+"""
 
 from __future__ import annotations
 

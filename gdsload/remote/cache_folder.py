@@ -1,12 +1,9 @@
-"""The node's cache folder of remote datasets as a whole (``gdsload cache ls|clear``): the versions it holds
-(:mod:`gdsload.remote.mirror`), what each takes on disk, and the removal of those no dataset has open.
+"""The node's cache folder of remote datasets as a whole: what ``gdsload cache ls`` lists and ``clear`` removes.
 
-A version is in use while a dataset holds the shared lock on its ``open.lock`` (:mod:`gdsload.remote.shard_cache`;
-an open in progress holds it from the moment the version is chosen). :func:`clear` takes the URL's lock
-(without waiting: an open in progress is passed over), then the version's ``open.lock`` exclusively (without
-waiting: a version in use is kept), and only then removes the folder and its state; an open that comes
-after finds no version and fetches it again. Besides versions it lists and removes the folders an open left
-unfinished (a crash mid-fetch) and versions of an older format of the cache, which no open serves.
+It lists the versions a folder holds (:mod:`gdsload.remote.mirror`), what each takes on disk, unfinished fetches
+and versions of an older cache format. A version is in use while a dataset holds the shared lock on its
+``open.lock``: :func:`clear` takes the URL's lock, then the version's ``open.lock`` exclusively, both without
+waiting, and passes over what it cannot take (docs/remote.md, "Versions, and the cache folder").
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
-"""``http(s)://`` objects by ranged GETs over kept-alive connections (one per thread and host), through the
-standard library: an object is pinned by its ETag (``If-Match``) and size, 5xx answers, timeouts and dropped
-connections are retried with exponential backoff, and every refusal names the URL (its password redacted) and
-the HTTP status or the cause. A URL's ``user:password@`` is sent as HTTP Basic authentication.
+"""``http(s)://`` objects by ranged GETs over kept-alive connections (one per thread and host), standard library only.
 
-Time bounds. A request ends within ``timeout_s``, all its tries together. The connection is made in slices
-that look at the clock and the stop event; while the request waits for bytes, the watchdog (:class:`_Watch`)
-shuts its socket down at the deadline, or once its stop event is set, which wakes the blocked read at once:
-a socket timeout alone restarts with every byte, so a server that trickles a byte a second would never end.
+An object is pinned by its ETag (``If-Match``) and size; 5xx answers, timeouts and dropped connections are
+retried with exponential backoff; a refusal names the URL (its password redacted) and the HTTP status or the
+cause. A URL's ``user:password@`` is sent as HTTP Basic authentication. A request ends within ``timeout_s``, its
+tries included: the watchdog (:class:`_Watch`) shuts its socket down at the deadline or on its stop event
+(docs/remote.md, "Time bounds", says why a socket timeout alone is not enough).
 """
 
 from __future__ import annotations

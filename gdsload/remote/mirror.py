@@ -1,31 +1,11 @@
-"""The skeleton of a remote dataset (``s3://`` or ``http(s)://``) in a node-local cache: what opening it needs,
-fetched once per node (:mod:`gdsload.remote.skeleton`); the shards' data is fetched later, as ranks read it
-(:mod:`gdsload.remote.shard_cache`).
+"""A remote dataset's version in the node's cache: its skeleton, made once per node, served while the server agrees.
 
-A *version* of a URL is a folder of the cache named after the URL and the version's *identity*: a digest of
-the size and ETag of every object it serves (and of the objects its metadata names that the server lacks).
-It holds the dataset's tree: every metadata file and every small array read whole at open in full, and
-every shard file as a sparse file of its full size holding only its index, written in place. A marker lists
-every object with the size and ETag it had then: the shard cache fetches the rest of each pinned to them
-(``If-Match``), so a shard replaced on the server is ``ObjectChanged``, never mixed into an epoch.
-
-Every open looks at the server first and serves a version only while every object of it is unchanged: on
-S3, one listing (its sizes and ETags are the identity, so the version's folder is known at once); over
-HTTP, which has no listing, a HEAD of every object the newest version of the URL holds (and of the ones it
-found missing), in parallel. Any object changed, added or removed: a new version is fetched beside the old
-one, which a dataset still open keeps reading and ``gdsload cache clear`` removes once none is
-(:mod:`gdsload.remote.cache_folder`). A republished dataset whose root ``zarr.json`` came out byte-identical
-is so a new version too.
-
-The skeleton is made once per node under the URL's file lock (the node's other ranks wait, then find it
-complete), in a folder of its own renamed into place whole with the marker, so an interrupted fetch, or one
-that failed on a missing, truncated or replaced object, leaves nothing that looks complete; shard files are
-never renamed afterwards, so the descriptors a dataset holds see the bytes the cache writes into them. The
-version an open returns is held (a shared lock on its ``open.lock``, taken under the URL's lock and handed to
-the shard cache), so no ``cache clear`` removes it between the two. A version never changes once made. A
-server that sends no ETag pins nothing: every open then gets a private version, removed when it closes.
-Every message is redacted (:func:`gdsload.remote.objects.redact`): no password in a URL is printed or
-written into the cache.
+:func:`open_version` looks at the server first (S3: one listing; HTTP: a HEAD of every object of the newest
+version) and serves a version only while every object is unchanged, else fetches a new one beside it
+(:mod:`gdsload.remote.skeleton`). A version is a folder named after the URL and a digest of every object's size
+and ETag, made under the URL's file lock, renamed into place whole with its marker and never changed after; the
+version returned is held (a shared lock on its ``open.lock``) for the shard cache. Every message is redacted
+(:func:`gdsload.remote.objects.redact`). Why: docs/remote.md, its opening and "Versions, and the cache folder".
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""The pieces of a remote dataset's shard files: the unit the node's shard cache fetches, pins, marks present and
-evicts (:mod:`gdsload.remote.shard_cache`), so that a rank fetches the byte ranges its plan reads, not whole
-shards (every shard holds blocks of every rank). Pure: no I/O.
+"""The pieces of a remote dataset's shard files: the unit the node's shard cache fetches, pins, marks and evicts.
 
-A shard file's data (all but the bytes the skeleton kept: its index) is cut at its chunks' starts, as the shard
-index places them, into consecutive pieces; runs of chunks smaller than :data:`MIN_PIECE_BYTES` are joined into
-one piece of at least that many bytes (a small field's chunks: one ranged GET for many of them). The cut is a
-function of the shard's index alone, so every process of a node cuts a shard alike and two pieces never
-overlap: a piece is present, fetched or evicted whole, and no eviction can free bytes another piece holds.
-A shard whose chunks are not known (no division given) is one piece: all its data.
+Pure: no I/O. A shard's data (all but its index) is cut at its chunks' starts, runs of chunks smaller than
+:data:`MIN_PIECE_BYTES` joined into one piece; the cut depends on the shard's index alone, so every process cuts
+a shard alike and pieces never overlap. A shard whose chunks are not known is one piece (docs/remote.md).
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
-"""``s3://bucket/key`` objects through botocore, the well-kept client every AWS tool builds on: credentials,
-region and endpoint come the standard way (the ``AWS_*`` environment, ``~/.aws`` files, instance roles;
-``AWS_ENDPOINT_URL`` for an S3-compatible store), retries are botocore's standard mode (5xx, throttling,
-timeouts, with backoff), reads are pinned with ``IfMatch``, and every refusal names the URL and the status.
+"""``s3://bucket/key`` objects through botocore: standard credentials, retries and endpoints, reads pinned by ETag.
 
-Time bounds. botocore bounds the connection and each wait for bytes (``connect_timeout``, ``read_timeout``),
-but not a call: its tries add up, and a body that trickles never times out. So each call runs on a thread of
-its own (``gdsload-s3``) while the caller waits at most ``timeout_s`` and looks at its stop event; a call given
-up has its body shut down (urllib3's ``shutdown``), and a thread still waiting for an answer ends with
-botocore's own timeouts, holding nothing but its connection."""
+Credentials, region and endpoint come the standard way (``AWS_*``, ``~/.aws``, instance roles;
+``AWS_ENDPOINT_URL``); retries are botocore's standard mode; reads carry ``IfMatch``; a refusal names the URL and
+the status. Each call runs on a ``gdsload-s3`` thread while the caller waits at most ``timeout_s`` and watches its
+stop event; a call given up has its body shut down (docs/remote.md, "Time bounds"; why botocore: "The CPU
+route's client").
+"""
 
 from __future__ import annotations
 

@@ -1,30 +1,12 @@
-"""The node's shard cache: a remote dataset's shards fetched into their sparse files as ranks need them, piece by
-piece (:mod:`gdsload.remote.pieces`: a rank fetches the byte ranges its windows read, not whole shards), held
-(pinned) while a window reads them, and the least recently used evicted when ``cache_bytes`` would be exceeded.
+"""The node's shard cache: a remote dataset's pieces fetched into their sparse files, pinned, evicted under a bound.
 
-On disk, beside each version's folder (:mod:`gdsload.remote.mirror`) a folder of state, ``<version>.shards``:
-per piece (``<id>``: a digest of its shard's key, then its byte range) ``<id>.lock`` (a file lock, ``flock``)
-and ``<id>.ok``, the *present* marker (JSON: the shard's path, the piece's byte range, the shard's size and
-ETag; its mtime is the piece's last use), written (renamed into place) only after the piece's bytes are
-written in place and synced; ``<id>.fill`` while it is fetched (the bytes it will take: counted against the
-bound before they are written). Pieces of a shard never overlap, so what one eviction frees no other piece
-holds. ``open.lock`` is held shared while a dataset is open on the version. ``<cache_dir>/.gdsload-cache.lock``
-serialises the decisions that make room.
-
-Locks, all ``flock`` (one per open file description, so two datasets of one process exclude each other as two
-processes do): a piece's lock held *shared* is a pin (a window reads it, or will soon); held *exclusive*, its
-fetch or its eviction. A reader reads a piece only while it holds a pin and the marker is there, so it never
-reads a byte not fully fetched and checked (length; the ETag pinned at open, by ``If-Match``); a rank that
-finds another fetching waits for the lock, then uses the piece: no piece is fetched twice. Eviction takes
-the lock exclusively without waiting (a pinned piece is passed over), removes the marker, then punches the
-piece out of the file (``fallocate(PUNCH_HOLE)``; without it, the piece is overwritten with zeros). A crash
-mid-fetch leaves no marker: the piece reads as absent and is fetched again.
-
-Waits are bounded by ``timeout_s``. A fetch touches its ``.fill`` (which names its pid) after each ranged read,
-each of which ends within ``timeout_s``; a rank waiting for another's fetch watches it and gives up with a
-ReadError once it has not moved for ``timeout_s`` (a stalled owner). A fetch that fails leaves ``<id>.failed``
-(its error) for those that waited on it, so they raise the owner's error (the URL and its cause) at once
-instead of trying again; a pin that did not wait ignores it.
+On disk, ``<version>.shards/`` beside the version's folder holds per piece ``<id>.lock`` (``flock``: shared is a
+pin, exclusive a fetch or an eviction), ``<id>.ok`` (the *present* marker, renamed into place once the bytes are
+written and synced; its mtime is the last use), ``<id>.fill`` while it is fetched (naming the pid, touched after
+each ranged read) and ``<id>.failed`` (a failed fetch's error, for those that waited on it); ``open.lock`` is held
+shared while a dataset has the version open, and ``<cache_dir>/.gdsload-cache.lock`` serialises making room. A
+piece is read only while pinned and marked; every wait ends within ``timeout_s``. Why: docs/remote.md, its
+opening and "Time bounds".
 """
 
 from __future__ import annotations

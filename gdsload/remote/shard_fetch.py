@@ -1,22 +1,11 @@
-"""A remote dataset's shards fetched ahead of this rank's reads: the fetcher threads, and the waits of the reads
-(the cached route's backend, gdsload/backends/remote_cached.py).
+"""A rank's shard pieces fetched ahead of its reads, for the cached route's backend (backends/remote_cached.py).
 
-Threads. :class:`RemoteShards` runs up to :data:`FETCH_THREADS` ``gdsload-fetch`` threads. They take the
-windows the pipeline will submit, in plan order (:meth:`RemoteShards.expect`: block arrays, turned into the
-byte ranges they read by ``paths_of``, at most :data:`AHEAD_WINDOWS` ahead of the reads), and
-the pieces of windows a read waits for now (:meth:`RemoteShards.acquire`, first). The ranges are the
-pieces of shards they touch (:mod:`gdsload.remote.pieces`, cut at the chunks' starts of the dataset's layout, once,
-:meth:`RemoteShards.divide`), so a rank fetches its share, not every shard it touches whole. Each thread pins
-a piece in the node's cache (:class:`gdsload.remote.shard_cache.ShardCache`: fetched unless present, ranged
-GETs of a few MiB) and hands the pin back here, where it is held while a window that reads the piece is ahead
-or in flight; :meth:`RemoteShards.release` (the window's reads are over) unpins what no window needs any more.
-A fetch error is kept for the piece and raised, naming the URL, by the ``acquire`` of a window that reads it.
-The threads stop with :meth:`RemoteShards.stop` (the pipeline stops: a break, an error, ``stop()``, ``close()``), which
-wakes them, waits for them (a ranged read in flight ends at once: the client's stop) and unpins everything;
-they start again with the next ``expect`` or ``acquire``. No wait is unbounded, and each is bounded by
-``timeout_s``: a stalled server is the client's ReadError (``no response for N s``), a fetch by another
-process that stops moving is the cache's, no room under ``cache_bytes`` while nothing moves is a CacheFull.
-A bound too small for one read (a window, a resident field) is a CacheFull at open (:meth:`RemoteShards.check_room`).
+:class:`RemoteShards` runs up to :data:`FETCH_THREADS` ``gdsload-fetch`` threads over the windows ``expect`` hands
+it in plan order (at most :data:`AHEAD_WINDOWS` ahead), the pieces a read waits for (``acquire``) first. A piece
+fetched stays pinned in :class:`gdsload.remote.shard_cache.ShardCache` while a window that reads it is ahead or in
+flight; ``release`` unpins what no window needs. A fetch error is raised, naming the URL, by the ``acquire`` of a
+window that reads the piece. ``stop`` wakes and joins the threads and unpins everything; every wait ends within
+``timeout_s``; ``check_room`` refuses at open a ``cache_bytes`` too small for one read (docs/remote.md).
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
-"""Fetching a remote dataset's skeleton into a folder (:mod:`gdsload.remote.mirror` names it, keeps it and
-decides when a new one is needed): every metadata file and every small array read whole at open in full,
-and every shard file as a sparse file of its full size holding only its index, written in place.
+"""Fetching a remote dataset's skeleton into a folder: its metadata, small arrays and shard indexes, all checked.
 
-Which objects: every one under the URL where the store lists them (S3: :func:`listing`, whose sizes and
-ETags then pin every read of the fetch); else (HTTP) the metadata first, then the shard files it names (a
-gdsload dataset's group names its arrays; a foreign group cannot be listed), each pinned by what its first
-answer said.
-
-The server's metadata is hostile input, checked before anything is built from it: the attributes key by
-key with the accessors a local dataset's metadata goes through (:mod:`gdsload.format.zarr_json`), a
-``zarr.json`` larger than a local one may be refused by the size its HEAD or listing gives, and every
-array's shape bounded before its shard keys are made (what a local dataset's open checks: the files its
-folder holds, the descriptors the process may open, the machine's memory for its tables). Every shard index
-fetched is checked as the local open checks it (its crc32c; for a dataset the converter wrote, that its chunks
-tile the file), so a shard missing, truncated or replaced on the server is an error naming its URL while the
-skeleton is made, and nothing of it is kept. Messages name URLs as given: :func:`gdsload.remote.mirror.open_version`
-redacts them.
+Objects: every one a listing gives (S3: :func:`listing`, whose sizes and ETags pin every read), else (HTTP) the
+metadata, then the shard files it names. A shard file becomes a sparse file of its full size holding only its
+index. The server's metadata is hostile input, checked as a local dataset's is before anything is built from it,
+and every shard index as a local open checks it: a bad object is an error naming its URL (docs/remote.md,
+"Versions, and the cache folder"). :mod:`gdsload.remote.mirror` names the folder, keeps it and redacts messages.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """Which NUMA node a GPU sits on, and whether this process may run on that node's CPUs.
 
-On a multi-socket host a rank's pinned buffers and reader threads belong on its GPU's node: host-to-device
-copies from the other socket cross the inter-socket link. This module only finds the facts, from system
-files read through a :class:`~gdsload.system.sysfiles.SystemFiles` (so tests use recorded trees); it places
-nothing. Sources of the formats:
-
-* ``/proc/driver/nvidia/gpus/<bus id>/information``: the NVIDIA driver's ``Bus Location:`` and ``GPU UUID:``
-  lines, one directory per GPU, named by its PCI bus id (``0000:c1:00.0``); nvidia-smi numbers GPUs in this
-  (PCI bus id) order.
-* ``/sys/bus/pci/devices/<bus id>/numa_node``: the PCI device's node, ``-1`` when the firmware gives none
-  (one node, or a VM); Documentation/ABI/testing/sysfs-bus-pci.
-* ``/sys/devices/system/node/node<N>/cpulist`` and ``/proc/self/status``'s ``Cpus_allowed_list:``: CPU
-  lists in the kernel's format (``0-55,112-167``), Documentation/admin-guide/cputopology.rst and proc(5).
+It only finds the facts, from system files read through a :class:`~gdsload.system.sysfiles.SystemFiles` (tests
+use recorded trees); it places nothing (:mod:`gdsload.system.placement` does). Formats:
+``/proc/driver/nvidia/gpus/<bus id>/information`` (the driver's ``Bus Location:`` and ``GPU UUID:``),
+``/sys/bus/pci/devices/<bus id>/numa_node`` (``-1``: none given; sysfs-bus-pci), node ``cpulist`` and
+``Cpus_allowed_list:`` (the kernel's CPU list format; cputopology.rst, proc(5)).
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Placing a rank's reader threads and staging memory on its GPU's NUMA node (Linux only).
 
-On a multi-socket host a pinned buffer's pages sit on the node of the CPU whose thread first touched them
-(the kernel's default "local" memory policy), and a DMA from the other socket's memory to the GPU crosses
-the inter-socket link. :func:`plan` (pure: recorded system files in tests) picks the CPUs: the node of the
-GPU's PCI device, intersected with the CPUs this process may use; or none, with the reason. A
-:class:`Placer` applies it with nothing but ``os.sched_setaffinity`` on the calling thread:
-
-* a thread binds itself when it starts (:meth:`Placer.bind_thread`): Python reader threads;
-* a creating thread binds itself around a creation (:meth:`Placer.around`) and gets its mask back after:
-  threads it starts inherit the mask (native C threads), and pages it faults in (``MAP_POPULATE``) are
-  allocated on the node of the CPU it runs on.
-
-Affinity rather than ``mbind``/``set_mempolicy``: it needs no libnuma, covers threads and first-touch
-memory with one call, and the kernel still falls back to another node when the node's memory is full
-(``mbind(MPOL_BIND)`` would fail the allocation instead). Nothing here raises for a placement that cannot
-be done: it is recorded (:meth:`Placer.describe`). ``GDSLOAD_NUMA=0`` switches placement off.
+:func:`plan` (pure) picks the CPUs: the GPU's node's, intersected with the CPUs this process may use, or none
+with the reason. A :class:`Placer` applies it with ``os.sched_setaffinity`` on the calling thread alone: a thread
+binds itself as it starts (:meth:`Placer.bind_thread`), or a creating thread around a creation
+(:meth:`Placer.around`), getting its mask back after. Nothing here raises for a placement that cannot be done:
+it is recorded (:meth:`Placer.describe`). ``GDSLOAD_NUMA=0`` switches placement off. Why affinity:
+docs/design.md, "NUMA placement".
 """
 
 from __future__ import annotations

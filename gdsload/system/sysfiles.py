@@ -1,19 +1,10 @@
 """The system files ``gdsload doctor`` reads, and what they say about GPUDirect Storage.
 
-Parsing is pure: every function here but :class:`SystemFiles`'s methods takes file contents (or values) and
-returns a value, so tests drive it with recorded files. :class:`SystemFiles` is the one thin layer that
-reads files and environment variables, below a root directory: ``SystemFiles("tests/fixtures/doctor/xfs")``
-reads ``tests/fixtures/doctor/xfs/proc/self/mountinfo`` where the real one reads ``/proc/self/mountinfo``.
-
-Sources of the formats and rules (not re-stated here in full):
-
-* mountinfo: proc(5) (``/proc/pid/mountinfo``), fields and octal escapes of the kernel's ``show_mountinfo``.
-* nvidia-fs stats: the driver's ``nvfs_stats_show`` in NVIDIA/gds-nvidia-fs ``src/nvfs-stat.c`` (one
-  ``Reads : n=.. ok=.. err=.. readMiB=.. io_state_err=..`` line while the driver's ``rw_stats_enabled``
-  parameter is 1; only ``Reads : err=.. io_state_err=..`` while it is 0, the default), and the sample
-  output in the GDS troubleshooting guide,
-  https://docs.nvidia.com/gpudirect-storage/troubleshooting-guide/displaying-gds-nvidia-fs-driver-statistics.html
-* the file systems GDS reads directly: see :func:`fs_support`.
+Parsing is pure: every function but :class:`SystemFiles`'s methods takes file contents and returns a value, so
+tests drive it with recorded files. :class:`SystemFiles` is the one thin layer that reads files and environment
+variables below a root directory (``SystemFiles("tests/fixtures/doctor/xfs")``). Formats: mountinfo, proc(5);
+nvidia-fs stats, ``nvfs_stats_show`` in NVIDIA/gds-nvidia-fs ``src/nvfs-stat.c`` and the GDS troubleshooting
+guide; the file systems GDS reads directly, :func:`fs_support`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """``gdsload verify``: re-read a whole dataset or Zarr store and check every checksum it carries, on threads.
 
-A gdsload dataset's blocks against their block checksums; a Zarr store's written chunks against their
-``crc32c`` codec (raw: the 4 bytes stored after the chunk; compressed: as the chunk decodes); every shard
-index's crc32c as the layout opens. What cannot be checked is named, not skipped silently, and every chunk
-that is missing (:mod:`gdsload.format.missing`) is counted and named. A remote dataset (``s3://``,
-``http(s)://``) is checked as its server holds it now: its skeleton fetched into a temporary folder (removed
-after), the blocks read from the objects themselves, each pinned to the ETag seen at open.
+Block checksums, a Zarr store's ``crc32c`` codec and every shard index's crc32c; what cannot be checked is
+named, and every missing chunk (:mod:`gdsload.format.missing`) counted and named. A remote dataset is checked as
+its server holds it now: its skeleton in a temporary folder, the blocks read from the objects, pinned by ETag.
 """
 
 from __future__ import annotations

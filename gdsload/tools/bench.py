@@ -1,37 +1,11 @@
-"""``gdsload bench PATH``: how fast each backend reads *your* dataset on this machine, beside the machine's
-ceilings measured in the same run on the same files.
+"""``gdsload bench PATH``: how fast each backend reads *your* dataset here, beside ceilings taken on the same files.
 
-Contract:
-
-- **Rows.** Each measurement is one row ``{backend, io_mode, regime, shuffle, gbps, samples_per_s,
-  cpu_s_per_gb}`` plus ``seconds`` and ``bytes`` (what was timed) and ``auto`` (True on the backend that
-  ``auto`` picks here). A ceiling row has ``ceiling`` (its name) and ``backend`` None. What could not be
-  measured is a row with ``error`` (the reason) and no figures: a backend that cannot run here (no GPU,
-  KvikIO missing, mmap over its lock budget), a cold regime without root. A backend that failed once is
-  not tried again in the run.
-- **Regimes.** ``warm``: the shard files were read once just before (done when they fit in available
-  memory). ``uncached``: they do not fit, so they were not read first and the page cache holds what it
-  holds. ``cold`` (``--cold``): the page cache dropped before each measurement, which needs root.
-- **Timing.** :func:`gdsload.tools.measure.time_pass` from rest (nothing read ahead before the clock starts),
-  back-to-back passes filling ``seconds``, the last pass cut once ``seconds`` have passed: a measurement
-  lasts about ``seconds`` whatever the dataset's size. Before a warm measurement a few batches are taken
-  untimed (CUDA modules, kernels, resident fields). A cold measurement is one pass, cut the same way; for
-  ``mmap`` it is open (which reads and locks the whole dataset) plus the pass. GB/s count bytes delivered
-  (GB = 1e9 bytes); CPU core-s/GB is this process's CPU time per GB delivered.
-- **Ceilings** (same files: the shard files of every field the measured datasets read): the pinned
-  host-to-device copy (GPU); the page cache into pinned memory (GPU) or host memory (warm); raw KvikIO of
-  the same blocks in shuffled order (GPU with KvikIO; warm, and cold with ``--cold`` as root); the disk
-  through O_DIRECT (``--cold``; no root needed). Each makes a first read, whose rate then picks what is
-  measured: warm, the files or blocks from the first on that it reads in about ``seconds`` (the whole
-  dataset when it is that small); cold, the ones after the first read (:func:`sized`). Except a cold
-  KvikIO read, a measurement repeats its passes over those bytes for at least :data:`MIN_TIMED_S`.
-- **Duration.** About ``seconds`` per measurement, plus opening each backend (``mmap`` locks the
-  dataset) and, warm, reading the dataset once into the page cache; a progress bar (stderr, on a
-  terminal) names each step.
-- **Exit.** 0 when it ran (failed rows included); 2, with one line on stderr, for a path that is not a
-  dataset or a ``--json`` file whose folder does not exist.
-
-Every figure printed is measured in the run; none is kept here.
+Rows, regimes, timing and ceilings: docs/benchmarks.md, "gdsload bench and the training examples". Beyond it:
+a backend that failed once is not tried again; a cold ``mmap`` row is the open (which locks the dataset) plus
+the pass; each ceiling's first read picks by its rate how many bytes fill ``seconds`` (:func:`sized`), passed
+over for at least :data:`MIN_TIMED_S` except a cold KvikIO read. Exit 0 when it ran (failed rows included); 2,
+with one line on stderr, for a path that is not a dataset or a ``--json`` file whose folder does not exist.
+Every figure printed is measured in the run.
 """
 
 from __future__ import annotations

@@ -1,28 +1,12 @@
-"""``gdsload bench URL``: a remote dataset (``s3://``, ``http(s)://``) read by its default route, beside raw KvikIO
-``RemoteFile`` reads of the same byte ranges (the direct route's ceiling) and the CPU route's client reading them
-into host memory, all in the same run against the same server (docs/remote.md).
+"""``gdsload bench URL``: a remote dataset read by its route, beside raw KvikIO ``RemoteFile`` and the CPU client.
 
-Contract:
-
-- **Rows** have the shape of ``gdsload bench``'s (``backend``, ``io_mode``, ``regime`` ``"remote"``, ``shuffle``,
-  ``gbps``, ``samples_per_s``, ``cpu_s_per_gb``, ``seconds``, ``bytes``) plus ``route``: the dataset's route
-  (``describe()["remote"]["route"]``) or, on a ceiling row (``ceiling`` its name, ``backend`` None), how it reads.
-  A row that cannot run here (no GPU, KvikIO without remote support, the dataset failing to open) has ``error``
-  and no figures; the run goes on.
-- **The ranges** (:func:`remote_blocks`): every written block of the dataset's fixed-size fields, located through
-  the skeleton (the shard indexes fetched at open), as (object, offset, bytes), in a shuffled order (seed 0), as
-  a shuffled pass reads them. The raw and client rows read the same ranges.
-- **Raw RemoteFile** (:func:`raw_remote_file`): one ``RemoteFile`` per object, opened with its pinned size (no
-  request), one ``pread`` per block into its place in one buffer, every future in flight, on KvikIO's pool as
-  the direct route sets it (``default_threads(rank_cores())`` threads, 4 MiB tasks): what the direct route could
-  reach through KvikIO alone, and a lower bound on the server's own ceiling.
-- **CPU client** (:func:`client_blocks`): the process's client of the URL (gdsload's ``HttpClient``, or
-  ``S3Client`` for ``s3://``), one ranged GET per block pinned to the ETag, copied into a host buffer, on
-  :data:`CPU_THREADS` threads.
-- **Timing.** Each ceiling makes a first read (:data:`PROBE_BYTES`) whose rate picks how many blocks fill
-  ``seconds`` (:func:`budgeted`); passes over them repeat for at least 0.2 s. The dataset rows take a few batches
-  untimed, then :func:`gdsload.tools.measure.time_pass` over a pass cut after ``seconds`` (``bounded``: bench.py's
-  ``Bounded``, passed in because bench.py imports this module, so this one cannot import it back).
+All in one run against one server, on the same ranges (:func:`remote_blocks`: every written block of the fixed
+fields, located through the skeleton, shuffled with seed 0). Rows have ``gdsload bench``'s shape, regime
+``"remote"``, plus ``route`` (the dataset's, or how a ceiling reads); a row that cannot run has ``error``.
+:func:`raw_remote_file` reads a ``pread`` per block on KvikIO's pool as the direct route sets it (its ceiling);
+:func:`client_blocks` a ranged GET per block on :data:`CPU_THREADS` threads into host memory. Each ceiling's
+first read (:data:`PROBE_BYTES`) picks how many blocks fill ``seconds`` (:func:`budgeted`); ``bounded`` is
+bench.py's ``Bounded``, passed in because bench.py imports this module (docs/remote.md, "Speed").
 """
 
 from __future__ import annotations

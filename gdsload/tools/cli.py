@@ -1,10 +1,8 @@
-"""Command line: ``gdsload info [PATH]``, ``demo``, ``shard`` (same as scripts/shard.py), ``verify``, ``doctor``,
-``bench``, ``cache``.
+"""Command line: ``gdsload info``, ``demo``, ``shard``, ``verify``, ``doctor``, ``bench`` and ``cache``.
 
-Errors: every command ends an expected error -- a GDSLoadError, a ValueError or TypeError of an argument
-check (an environment variable's included), an OSError on a path the user gave -- with one line
-``gdsload CMD: error: message`` on stderr and exit status 2 (:func:`fail`); argparse's own usage errors
-also exit 2. Anything else is a bug and keeps its traceback.
+Every command ends an expected error (a GDSLoadError, an argument check's ValueError or TypeError, an OSError on
+a path the user gave) with one line ``gdsload CMD: error: message`` on stderr and exit status 2 (:func:`fail`),
+as argparse's usage errors do; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
-"""``gdsload doctor [PATH] [--json]``: whether GPUDirect Storage serves PATH and, if not, the first reason
-and its fix.
+"""``gdsload doctor [PATH] [--json]``: whether GPUDirect Storage serves PATH and, if not, the first reason and fix.
 
-Three layers: :func:`gather` collects :class:`Facts` through a :class:`~gdsload.system.sysfiles.SystemFiles`
-(/proc, /sys, /etc, /run, environment variables) and a probes object
-(:class:`~gdsload.tools.doctor_probe.HostProbes`: GPU, KvikIO, libcufile, PATH, O_DIRECT, a live read); the pure
-functions :func:`checks` and :func:`diagnose` turn facts into checks (✔/✘/–, what was found, the fix) and
-a verdict; :func:`render` prints one screen. Tests drive the pure layers with recorded system files.
-
-"GDS: active" is said only when observed: the nvidia-fs driver's read counters rose during the live read.
+:func:`gather` collects :class:`Facts` through a :class:`~gdsload.system.sysfiles.SystemFiles` and a probes
+object (:class:`~gdsload.tools.doctor_probe.HostProbes`); the pure :func:`checks` and :func:`diagnose` turn them
+into checks and a verdict; :func:`render` prints one screen. "GDS: active" is said only when observed: the
+nvidia-fs driver's read counters rose during the live read.
 """
 
 from __future__ import annotations

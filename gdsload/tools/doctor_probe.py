@@ -1,11 +1,8 @@
-"""What ``gdsload doctor`` asks of this machine beyond /proc, /sys and /etc: the GPU stack, libcufile, the
-PATH (dataset or file), an O_DIRECT read and a live read through KvikIO.
+"""What ``gdsload doctor`` asks of this machine beyond /proc, /sys and /etc: GPU stack, libcufile, PATH, live reads.
 
-:class:`HostProbes` is the real machine; tests pass an object with the same methods instead. Everything
-here reports what it found or why it could not (a dict, a :class:`Target`, a :class:`LiveRead`), never
-raises, except :meth:`HostProbes.inspect`, whose :class:`PathError` is a bad PATH (exit 2).
-
-libcufile's version is probed here (``cuFileGetVersion``, 1000 * major + 10 * minor): :mod:`gdsload.system.env`
+:class:`HostProbes` is the real machine; tests pass an object with the same methods. Everything here reports
+what it found or why it could not, and never raises, except :meth:`HostProbes.inspect`, whose :class:`PathError`
+is a bad PATH (exit 2). libcufile's version (``cuFileGetVersion``) is probed here: :mod:`gdsload.system.env`
 does not report it.
 """
 

@@ -1,11 +1,9 @@
-"""``gdsload doctor URL`` for ``s3://`` and ``http(s)://`` datasets: whether the dataset is reachable, how long a
-small ranged GET takes and how fast one large range comes, through the clients the CPU route reads with
-(:mod:`gdsload.remote`), and for S3 where the endpoint and credentials came from (never the secrets).
+"""``gdsload doctor URL``: whether a remote dataset is reachable, a small GET's latency and a large range's rate.
 
-Every request is made once (no retries: the doctor reports what it saw, where the library would retry) and
-bounded by ``timeout_s``, so a stalled server costs seconds, not the library's minutes of backoff. A root
-``zarr.json`` that cannot be fetched is a bad PATH, as for a local one: one line ``URL: what; fix: ...`` and
-exit 2 (:class:`Unreachable`); a later step that fails is a ✘ line with its fix, and the checks ran (exit 0).
+Through the CPU route's clients (:mod:`gdsload.remote`), and for S3 where the endpoint and credentials came from
+(never the secrets). Every request is made once, bounded by ``timeout_s``: the doctor reports what it saw. A
+root ``zarr.json`` out of reach is a bad PATH, one line ``URL: what; fix: ...`` and exit 2 (:class:`Unreachable`);
+a later step that fails is a ✘ line with its fix (exit 0).
 """
 
 from __future__ import annotations

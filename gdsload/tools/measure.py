@@ -1,15 +1,10 @@
 """Measuring primitives shared by ``gdsload bench`` and the benchmark suite: passes, steps and ceilings.
 
-Every function here works on any gdsload dataset (or on its shard files) and returns what it measured; none
-prints, writes files or keeps state between calls. Rates are GB/s with GB = 1e9 bytes. CPU time is that of
-this process and of its children that have finished (``resource.getrusage``), so a contender whose worker
-processes are still alive is undercounted until they are joined. GPU packages (CuPy, KvikIO) are imported
-inside the functions that need them: the module imports on a machine without a GPU, and everything that
-does not name a GPU works there.
-
-Regimes: *warm* passes read files already in the page cache (read them once first); *cold* passes follow
-:func:`drop_page_cache`, which needs root; without it a cold figure cannot be taken and the caller must say
-so rather than report a warm one.
+Every function works on any gdsload dataset (or its shard files) and returns what it measured; none prints,
+writes files or keeps state. Rates are GB/s (GB = 1e9 bytes); CPU time is this process's and its finished
+children's (a contender's live workers are undercounted until joined). GPU packages are imported inside the
+functions that need them. *Cold* passes follow :func:`drop_page_cache`, which needs root: without it the
+caller must say a cold figure could not be taken, not report a warm one.
 """
 
 from __future__ import annotations

@@ -1,31 +1,12 @@
-"""The native stager: C worker threads (``_stage.c``) read pieces of files into their own small staging
-buffers and copy them to destination addresses, with no Python per piece (the pinned backend's Python
-driver loop is held back by the GIL and its per-slot work).
+"""The native stager: C threads (``_stage.c``) read pieces of files into their own staging buffers and copy them on.
 
-Design. ``num_threads`` pthreads share one FIFO of jobs (mutex + condition variable). A job is a list of
-pieces ``(fd, offset, nbytes, dest)``; a piece larger than ``buf_bytes`` is split into sub-pieces, which
-still report errors under the piece's index. A worker takes the next sub-piece, picks its next staging
-buffer round-robin (``bufs_per_thread`` of ``buf_bytes`` each), waits for that buffer's previous copy if
-one is outstanding, reads the sub-piece whole (``pread``), then copies it: ``memcpy`` in "host" mode,
-``cuMemcpyHtoDAsync`` on the worker's own non-blocking stream plus an event in "cuda" mode (buffers
-mmap'd with ``MAP_POPULATE`` and registered with ``cuMemHostRegister``; libcuda is opened with ``dlopen``
-at creation, so the library builds and its host mode runs without CUDA). A piece taken whole goes on into
-a run: the job's following pieces, while each one's destination starts where the last one's ended and the
-run fits the buffer, are read back to back into it and copied with one call (a compressed window's small
-chunks would otherwise pay a copy and an event each; :attr:`Stager.copies` counts them).
-A worker that finds the queue empty first synchronizes its outstanding copies, so a job's last pieces
-never wait for more work. A job is done when every sub-piece is read and its copy complete:
-:meth:`Stager.wait` returning True means the data is at the destination. The first error fails the job
-(naming its piece, even inside a run, whose copy is then not made), its queued pieces are dropped; cancel
-drops queued pieces, lets pieces being read finish without copying them. Either way wait() returns only
-once nothing of the job is in flight, so no worker writes into the destination after it. ``close()``
-cancels everything, lets each worker finish its current read and copies, joins the threads and frees the
-memory.
-
-Finding the library: a build installed next to this module (``pip install`` runs setup.py), else one
-compiled at first use into :func:`gdsload.system.env.cache_dir` (named by the source's hash) with ``$CC`` or ``cc``:
-tests and source checkouts import the package from the repository, where pip's copy is not on the path.
-``GDSLOAD_NATIVE=0`` switches the native path off (:func:`load` returns None; callers use pure Python).
+Loaded by ctypes: a build installed beside this module, else one compiled at first use into
+:func:`gdsload.system.env.cache_dir` (named by the source's hash) with ``$CC`` or ``cc``; ``GDSLOAD_NATIVE=0``
+switches it off (:func:`load` returns None; callers use pure Python). A job is a list of pieces
+``(fd, offset, nbytes, dest)``, copied by ``memcpy`` ("host") or ``cuMemcpyHtoDAsync`` ("cuda").
+:meth:`Stager.wait` returns only once nothing of the job is in flight, True meaning the data is at the
+destination; the first error fails the job, naming its piece. ``close()`` cancels everything, joins the threads
+and frees the memory. How the workers run: docs/design.md, "`pinned` and the staging pool".
 """
 
 from __future__ import annotations

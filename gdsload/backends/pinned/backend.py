@@ -1,15 +1,9 @@
-"""The pinned backend: reads land in a small pool of pinned host slots, copies go async to the device.
+"""The pinned backend: reads land in pinned host memory, copies go async to the device on non-blocking streams.
 
-Three readers. The default, where the native stager builds (:mod:`gdsload.backends.native.stager`; a C compiler at
-install or first use): C threads read each piece into a small pinned buffer of their own and copy it on a
-non-blocking stream of their own, with no Python per piece, so nothing on the consumer's path competes for
-the GIL; its buffers (``num_threads`` x 2 x 4 MiB) replace the staging pool. Otherwise two readers fill the
-pool's slots. With KvikIO installed, KvikIO's C++ thread pool reads into them
-(host memory: plain POSIX reads, no bounce buffer) and one driver thread copies each finished slot on a
-non-blocking stream: no Python thread per read, so the consumer's thread is not fighting 16 readers for
-the GIL. Otherwise (or with O_DIRECT) a pool of Python threads reads with ``os.preadv`` and copies on
-per-thread non-blocking streams. Either way the copies never serialize with work on the legacy default
-stream, which KvikIO's own device reads in compat mode do (its internal streams are blocking ones).
+Three readers behind :class:`~gdsload.backends.pinned.staging_pool.StagingReader`: the native stager's
+(:mod:`gdsload.backends.pinned.native_reader`, the default where it builds), else KvikIO's or Python threads
+filling the staging pool's slots (:mod:`gdsload.backends.pinned.slot_readers`). Why each, and why non-blocking
+streams: docs/design.md, "`pinned` and the staging pool" and "`auto`".
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
-"""The pinned backend's staging: the interface of its readers (:class:`StagingReader`), and the staging pool, a
-fixed set of pinned host buffers ("staging slots") allocated once, reused, never grown, that two of them read
-into.
+"""The pinned backend's staging: its readers' interface (:class:`StagingReader`) and the pool of pinned slots.
 
-A staging slot has one owner at a time: a reader acquires it, reads into it, queues its host-to-device
-copies and records the slot's event after them (:meth:`StagingPool.copy_out`); the next owner waits on that
-event before writing. Pinned bytes held are exactly ``num_slots * slot_bytes`` from construction to ``close()``.
+The pool is a fixed set of pinned host buffers ("staging slots") allocated once and never grown: exactly
+``num_slots * slot_bytes`` pinned from construction to ``close()``. A slot has one owner at a time, which reads
+into it, queues its copies and records the slot's event (:meth:`StagingPool.copy_out`); the next owner waits on it.
 """
 
 from __future__ import annotations
