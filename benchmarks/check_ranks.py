@@ -1,22 +1,11 @@
 #!/usr/bin/env python3
-"""Check that ranks together read every sample of an epoch exactly once (multi-GPU, one process per GPU).
+"""Check that ranks together read every sample of an epoch exactly once, every byte checked on the device.
 
     torchrun --nproc_per_node=2 -m benchmarks.check_ranks --data /tmp/ranks --out results/
-
-Each rank reads its share into its LOCAL_RANK device (rank and world size come from torch.distributed),
-checks every sample's content on the GPU, and the ranks' sample ids are gathered on rank 0, which checks
-coverage, duplicates and batch counts for two epochs and writes a JSON summary.
-
-Elastic mode checks a resumed epoch on another number of ranks, on GPUs or on the CPU:
-
     python -m benchmarks.check_ranks --elastic 3,2,4 --cut 5 --backend cpu --data /tmp/ranks --out results/
 
-launches the ranks of each leg itself, one process each with RANK / WORLD_SIZE / LOCAL_RANK set (no
-torch.distributed): 3 ranks read 5 batches of epoch 0 and checkpoint, 2 ranks resume from their merged
-state, read 5 batches and checkpoint, 4 ranks read the rest of the epoch and then epoch 1. Every rank checks
-every byte of every sample it gets and writes its sample ids and state to a file; the launcher checks that
-the legs' union is the epoch (repeats: only the padding), that every rank of a leg yielded the same batches,
-and that epoch 1 is what a fresh 4-rank run reads.
+Elastic: one epoch in legs of 3, 2, then 4 ranks (processes launched here, no torch.distributed), each resuming
+from the merged state of the last; the legs' union must be the epoch, and epoch 1 what a fresh run reads.
 """
 
 from __future__ import annotations
