@@ -25,9 +25,9 @@ from gdsload import GDSDataset
 from gdsload.pipeline.plan import epoch_plan
 from gdsload.pipeline.resume import merge_states
 from gdsload.conversion.source_types import ArraySource
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where ``-m benchmarks...`` resolves
 from gdsload.conversion.writer import write_dataset
+
+from .common import ROOT as _ROOT, Generated  # ROOT: where ``-m benchmarks...`` resolves
 
 SAMPLE = (64, 1024)  # 64 KiB of uint8 per sample
 
@@ -37,25 +37,12 @@ def pattern(idx: np.ndarray) -> np.ndarray:
     return ((idx[:, None] * 13 + j[None, :]) % 253).astype(np.uint8).reshape(len(idx), *SAMPLE)
 
 
-class Pattern:
-    origin = "<pattern>"
-    dtype = np.dtype(np.uint8)
-
-    def __init__(self, n: int):
-        self.shape = (n, *SAMPLE)
-
-    def read(self, start: int, stop: int) -> np.ndarray:
-        return pattern(np.arange(start, stop, dtype=np.int64))
-
-    def close(self) -> None:
-        pass
-
-
 def make_data(data: str, samples: int) -> str:
     path = os.path.join(data, "ranks.gds" if samples == 30011 else f"ranks-{samples}.gds")
     if not os.path.exists(path):
-        write_dataset(path, {"x": Pattern(samples), "idx": ArraySource("idx", np.arange(samples))},
-                      block_bytes=1 << 20, progress=False)
+        x = Generated("<pattern>", np.uint8, (samples, *SAMPLE), lambda a, b: pattern(np.arange(a, b, dtype=np.int64)))
+        write_dataset(path, {"x": x, "idx": ArraySource("idx", np.arange(samples))}, block_bytes=1 << 20,
+                      progress=False)
     return path
 
 

@@ -25,37 +25,26 @@ RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-class RandomImages:
-    """Noise images generated slice by slice (incompressible, like decoded data): a gdsload ArraySource."""
+class Generated:
+    """A gdsload source whose rows ``read(start, stop)`` makes on demand: synthetic data, never held whole."""
 
-    origin = "<random>"
-    dtype = np.dtype(np.uint8)
-
-    def __init__(self, n: int):
-        self.shape = (n, *IMAGE_SHAPE)
-        self.rng = np.random.default_rng(0)
-
-    def read(self, start: int, stop: int) -> np.ndarray:
-        return self.rng.integers(0, 256, (stop - start, *self.shape[1:]), dtype=np.uint8)
+    def __init__(self, origin: str, dtype: Any, shape: tuple[int, ...], read: Callable[[int, int], np.ndarray]):
+        self.origin, self.dtype, self.shape, self.read = origin, np.dtype(dtype), shape, read
 
     def close(self) -> None:
         pass
 
 
-class Labels:
+def random_images(n: int) -> Generated:
+    """``n`` noise images (incompressible, like decoded data), generated slice by slice."""
+    rng = np.random.default_rng(0)
+    return Generated("<random>", np.uint8, (n, *IMAGE_SHAPE),
+                     lambda a, b: rng.integers(0, 256, (b - a, *IMAGE_SHAPE), dtype=np.uint8))
+
+
+def labels(n: int) -> Generated:
     """Label i = i: a reader's output can be checked against the sample ids it claims."""
-
-    origin = "<labels>"
-    dtype = np.dtype(np.int64)
-
-    def __init__(self, n: int):
-        self.shape = (n,)
-
-    def read(self, start: int, stop: int) -> np.ndarray:
-        return np.arange(start, stop, dtype=np.int64)
-
-    def close(self) -> None:
-        pass
+    return Generated("<labels>", np.int64, (n,), lambda a, b: np.arange(a, b, dtype=np.int64))
 
 
 def dataset_tag(size_gib: float, block_bytes: int) -> str:
@@ -75,7 +64,7 @@ def make_dataset(data_dir: str, size_gib: float, block_bytes: int = 4 << 20) -> 
     os.makedirs(data_dir, exist_ok=True)
     n = max(1, int(size_gib * 2**30 // SAMPLE_BYTES))
     t0 = time.perf_counter()
-    write_dataset(path, {"image": RandomImages(n), "label": Labels(n)}, block_bytes=block_bytes, progress=False)
+    write_dataset(path, {"image": random_images(n), "label": labels(n)}, block_bytes=block_bytes, progress=False)
     os.sync()
     print(f"wrote {path}: {n} samples in {time.perf_counter() - t0:.1f} s", flush=True)
     return path

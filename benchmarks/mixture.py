@@ -35,9 +35,8 @@ from gdsload.tools.measure import (THREADS, PassResult, block_locations, device_
 from gdsload.tools.steps import Step, make_step
 
 from .common import (BATCH, SAMPLE_BYTES, Rows, device_used_bytes, free_device_memory, make_dataset, parse_probe_args,
-                     probe_parser, write_probe_table)
+                     probe_parser, run_child, write_probe_table)
 from .plots import gbps_plot, line_label
-from .summary_rows import ROOT
 
 SHARES = {"half": 3, "third": 2, "sixth": 1}  # sixths of the total
 PAGE_CACHE = "ceiling: page cache -> host memory"
@@ -82,14 +81,6 @@ def single_waiting(ds: GDSDataset, step: Step, passes: int = 3) -> float:
     """The same for one dataset (:func:`time_passes`)."""
     later = time_passes(ds, step, passes)[1:]
     return statistics.median(r.wait_s for r in later) / later[0].alone_s  # type: ignore[operator]
-
-
-CHILD = """
-import json, sys
-sys.path.insert(0, {root!r})
-from benchmarks.mixture import child
-print(json.dumps(child({kind!r}, {backend!r}, {single!r}, {sources!r}, {batch_size}, {min_seconds}, {step_ms})))
-"""
 
 
 def device_used() -> int:
@@ -138,11 +129,8 @@ def child(kind: str, backend: str, single_path: str, sources: dict[str, str], ba
 
 def fresh(kind: str, backend: str, single: str, sources: dict[str, str], batch_size: int, min_seconds: float,
           step_ms: float = 0.0) -> dict[str, Any]:
-    from .common import run_fresh
-
-    return run_fresh(CHILD.format(root=ROOT, kind=kind, backend=backend, single=single, sources=sources,
-                                  batch_size=batch_size, min_seconds=min_seconds, step_ms=step_ms),
-                     f"{kind} run of {backend} in a fresh process")
+    return run_child(f"{kind} run of {backend} in a fresh process", "benchmarks.mixture", "child", kind, backend,
+                     single, sources, batch_size, min_seconds, step_ms)
 
 
 def spread(values: list[float]) -> list[float]:

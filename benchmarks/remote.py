@@ -109,14 +109,17 @@ def median_of(runs: list[dict[str, Any]], key: str = "gbps") -> tuple[float | No
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """The summary: each client's median and the ceiling, the routes' medians, every median's spread."""
     spread: dict[str, list[float]] = {}
-    clients: dict[str, float | None] = {}
     notes: dict[str, str] = {}
-    for name in (c for c in CLIENTS if c in runs):
-        clients[name], rates = median_of(runs[name])
+
+    def median(key: str, case: str, field: str = "gbps") -> float | None:
+        value, rates = median_of(runs.get(case, []), field)
         if rates:
-            spread[name] = [min(rates), max(rates)]
-        elif runs.get(name):
-            notes[name] = runs[name][0].get("skip") or runs[name][0].get("error") or "no figure"
+            spread[key] = [min(rates), max(rates)]
+        elif runs.get(case):
+            notes[key] = runs[case][0].get("skip") or runs[case][0].get("error") or "no figure"
+        return value
+
+    clients = {name: median(name, name) for name in CLIENTS if name in runs}
     measured = {k: v for k, v in clients.items() if v is not None}
     best = max(measured, key=measured.__getitem__) if measured else None
     out: dict[str, Any] = {"ceiling_gbps": measured.get(best) if best else None, "ceiling_client": best,
@@ -128,11 +131,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                              ("cached_warm_gbps", "cached", "warm_gbps"), ("cached_open_s", "cached", "open_s"),
                              ("one_process_gbps", "one_process", "gbps"), ("nodes4_gbps", "nodes4", "gbps"),
                              ("nodes4_fetched_ratio", "nodes4", "fetched_ratio")):
-        out[key], rates = median_of(runs.get(case, []), field)
-        if rates:
-            spread[key] = [min(rates), max(rates)]
-        elif runs.get(case):
-            notes[key] = runs[case][0].get("skip") or runs[case][0].get("error") or "no figure"
+        out[key] = median(key, case, field)
     ceiling = out["ceiling_gbps"]
     out["of_ceiling"] = {k: round(out[k] / ceiling, 3) for k in ("direct_gbps", "direct_tuned_gbps",
                                                                  "cached_cold_gbps", "cached_warm_gbps")

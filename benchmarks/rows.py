@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,36 +31,27 @@ def lazy(build: Callable[[], Run]) -> Run:
     return run
 
 
-@dataclass(frozen=True)
-class Timing:
-    """How a warm measurement is timed (:func:`gdsload.tools.measure.time_pass`): back-to-back passes filling
-    ``min_seconds``, from rest (``from_rest=False``: the earlier method, kept for comparisons)."""
-
-    min_seconds: float = 0.0
-    from_rest: bool = True
-
-
 class GdsRun:
     """A GDSDataset kept open across passes; each call times one pass (:func:`gdsload.tools.measure.time_pass`),
     with a simulated training step per batch when ``step`` is given."""
 
     def __init__(self, path: str, backend: str, batch_size: int, shuffle: bool = False, threads: int | None = None,
                  step: Step | None = None, backend_options: dict[str, Any] | None = None,
-                 timing: Timing | None = None, **dataset_options: Any):
+                 min_seconds: float = 0.0, **dataset_options: Any):
         options = dict(backend_options or {})
         if threads:
             options["num_threads"] = threads
         self.ds = GDSDataset(path, batch_size=batch_size, backend=backend, shuffle=shuffle,
                              backend_options=options or None, **dataset_options)
         self.step = step
-        self.timing = timing or Timing()
+        self.min_seconds = min_seconds  # a warm call's back-to-back passes, from rest
         self._cold = False
 
     def __call__(self) -> PassResult:
         if self._cold:  # one pass from the dropped cache, nothing read ahead
             self._cold = False
             return time_pass(self.ds, self.step)
-        return time_pass(self.ds, self.step, self.timing.min_seconds, self.timing.from_rest)
+        return time_pass(self.ds, self.step, self.min_seconds)
 
     def passes(self, n: int) -> list[PassResult]:
         """The pass from rest and ``n`` passes after it, each timed on its own (:func:`time_passes`)."""

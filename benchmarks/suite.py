@@ -28,7 +28,7 @@ from . import canaries, report, summary_rows
 from .common import BATCH, DATA_DIR, RESULTS_DIR, SAMPLE_BYTES, describe_machine, free_device_memory, \
     make_dataset, dataset_tag, open_and_pass, results_dir, today, write_json
 from .contenders import dali_run, naive_run, torch_run, zarr_run
-from .rows import GdsRun, Recorder, Timing, lazy
+from .rows import GdsRun, Recorder, lazy
 
 GPU_BACKENDS = ("kvikio", "pinned", "mmap")
 THREADS = 16  # reader threads of the ceilings (KvikIO's pool as the kvikio backend sets it by default)
@@ -53,7 +53,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--resident-bytes", type=int, default=None, help="GDSDataset(resident_bytes=), every row")
     ap.add_argument("--no-cold", action="store_true", help="never drop the page cache (no cold rows)")
     ap.add_argument("--warm-seconds", type=float, default=0.5, help="a warm row's back-to-back passes, from rest")
-    ap.add_argument("--keep-read-ahead", action="store_true", help="warm rows: one pass, not from rest (older files)")
     ap.add_argument("--fresh-starts", type=int, default=5, help="fresh processes per backend (0: none)")
     ap.add_argument("--contender-seconds", type=float, default=2.0, help="a contender's pass ends then (0: whole)")
     ap.add_argument("--continuous-epochs", type=int, default=6, help="epochs of the 10 ms step row (0: none)")
@@ -77,7 +76,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.sizes = sizes[-1:] if args.stall_only else sizes
     args.options = {} if args.resident_bytes is None else {"resident_bytes": args.resident_bytes}
     args.contender_s = args.contender_seconds or None
-    args.timing = Timing(0.0, False) if args.keep_read_ahead else Timing(args.warm_seconds, True)
     args.name = args.name or ("stall" if args.stall_only else "suite")
     args.compressed = (args.compressed or args.full) and not args.stall_only
     args.canary_cores = canaries.canary_cores(args.canaries)
@@ -100,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"backends": list(args.backends), "sizes_gib": args.sizes, "batch_size": args.batch_size,
                      "sample_bytes": SAMPLE_BYTES, "repeats": args.repeats, "stall_repeats": args.stall_repeats,
                      "batches_ahead": args.batches_ahead, "dataset_options": args.options,
-                     "page_cache_dropped": can_drop, "warm_seconds": args.timing.min_seconds,
-                     "from_rest": args.timing.from_rest, "fresh_starts": args.fresh_starts,
+                     "page_cache_dropped": can_drop, "warm_seconds": args.warm_seconds,
+                     "from_rest": True, "fresh_starts": args.fresh_starts,
                      "continuous_epochs": args.continuous_epochs, "canary_cores": args.canary_cores,
                      "canary_threshold": args.canary_threshold, "contender_seconds": args.contender_s,
                      "compressed_mib": args.compressed_mib if args.compressed else None,
@@ -245,7 +243,7 @@ def backends(args: argparse.Namespace, rec: Recorder, path: str, tag: str, main_
                                                      **args.options),
                                kind="gdsload", **labels)
                 run = rec.attempt(tag, f"gdsload {backend}", config, lambda: GdsRun(
-                    path, backend, args.batch_size, shuffle=shuffle, threads=t, timing=args.timing,
+                    path, backend, args.batch_size, shuffle=shuffle, threads=t, min_seconds=args.warm_seconds,
                     **args.options))
                 if run is None:
                     continue
@@ -301,7 +299,7 @@ def contenders(args: argparse.Namespace, rec: Recorder, path: str, tag: str, pat
 def warmed(args: argparse.Namespace, rec: Recorder, tag: str, name: str, config: str, path: str,
            backend: str) -> GdsRun | None:
     """A :class:`GdsRun` of ``path`` on ``backend``, its first pass taken; None where it could not open."""
-    run = rec.attempt(tag, name, config, lambda: GdsRun(path, backend, args.batch_size, timing=args.timing,
+    run = rec.attempt(tag, name, config, lambda: GdsRun(path, backend, args.batch_size, min_seconds=args.warm_seconds,
                                                          **args.options))
     if run is not None:
         run()
@@ -344,8 +342,8 @@ def stall(args: argparse.Namespace, rec: Recorder, path: str, tag: str, paths: l
         batch_read_ms = r.seconds / -(-r.samples // args.batch_size) * 1e3
         for factor, sync_every in STEPS:
             ms = batch_read_ms * factor
-            run = GdsRun(path, backend, args.batch_size, step=make_step(ms, sync_every, args.gpu), timing=args.timing,
-                         **options)
+            run = GdsRun(path, backend, args.batch_size, step=make_step(ms, sync_every, args.gpu),
+                         min_seconds=args.warm_seconds, **options)
             run()  # the process's first pass with this step: its kernel compiled, its buffers set up
             synced = "" if sync_every == 1 else f", host syncs every {sync_every} steps"
             cores = args.canary_cores if (factor, sync_every) == (1.5, 1) else []
