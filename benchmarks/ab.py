@@ -1,8 +1,6 @@
-"""Same-run A/B of two source trees of gdsload (before and after a change) on the same data: warm and cold
-GB/s per backend, and waiting beside a training step. Each measurement is a fresh process that imports
-gdsload from one tree; the trees alternate (A B B A ...) so drift of the machine falls on both. Only the
-public API is used, so any two versions of the package compare. With ``--readers`` the arms are the pinned
-backend's readers on one tree instead, alternating the same way (A B C C B A ...).
+"""Same-run A/B of two gdsload source trees (or, with ``--readers``, of the pinned backend's readers on one tree):
+warm and cold GB/s and waiting beside a step, each figure a fresh process using the public API only, the arms
+alternating (A B B A) so the machine's drift falls on all.
 
     python -m benchmarks.ab --trees BEFORE_DIR . --out DIR          # GPU machine; root for the cold rows
     python -m benchmarks.ab --readers native,kvikio,threads --out DIR

@@ -1,9 +1,6 @@
-"""Canaries beside a training-step row: processes pinned to one core each, timing fixed units of pure Python
-work, that say which of the row's passes the machine itself slowed down.
-
-A canary shares no GIL, GPU or memory with the loader; a pass's slowdown for one canary is its units' mean
-length over the canary's median unit. A pass in which even the least slowed canary ran ``threshold`` times
-slower than its median is the machine's, and is left out of ``wait_fraction_unslowed``.
+"""Canaries beside a training-step row: processes pinned to a core each, timing units of pure Python, sharing
+nothing with the loader. A pass in which even the least slowed canary ran ``threshold`` times slower than its
+median is the machine's, and left out of ``wait_fraction_unslowed``.
 
     python -m benchmarks.canaries SECONDS OUT    # one canary (the suite starts them itself)
 """
@@ -124,8 +121,7 @@ def pass_windows(stamps: list[float], passes: int) -> list[tuple[float, float]] 
 def unslowed(waits: list[float], windows: list[tuple[float, float]], units: list[np.ndarray],
              threshold: float = CANARY_THRESHOLD) -> tuple[float | None, list[float | None]]:
     """The median of ``waits`` over the passes the machine did not slow down (None: none left), and every
-    pass's least canary slowdown (None: no canary unit in it, and the pass left out, being unjudged). A pass
-    is the machine's when even its least slowed canary ran slow."""
+    pass's least canary slowdown (None: unjudged, left out)."""
     least: list[float | None] = []
     for t0, t1 in windows:
         known = [s for s in slowdowns(units, t0, t1) if s is not None]
@@ -137,9 +133,8 @@ def unslowed(waits: list[float], windows: list[tuple[float, float]], units: list
 @contextlib.contextmanager
 def judged_by_canaries(cores: list[int], seconds: float, step: Step, passes: int,
                        threshold: float = CANARY_THRESHOLD) -> Iterator[Callable[[list[float]], dict[str, Any]] | None]:
-    """Canaries on ``cores`` for ``seconds`` around ``time_passes(ds, step, passes)``: yields the ``judge`` of
-    :meth:`benchmarks.rows.Recorder.steps`, or None without cores or where the canaries do not start (said on
-    stdout)."""
+    """Canaries on ``cores`` around ``time_passes(ds, step, passes)``: yields :meth:`Recorder.steps`'s ``judge``,
+    or None without cores or where they do not start."""
     canaries = None
     if cores:
         stamps = stamp_finishes(step)

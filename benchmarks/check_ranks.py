@@ -1,22 +1,11 @@
 #!/usr/bin/env python3
-"""Check that ranks together read every sample of an epoch exactly once (multi-GPU, one process per GPU).
+"""Check that ranks together read every sample of an epoch exactly once, every byte checked on the device.
 
     torchrun --nproc_per_node=2 -m benchmarks.check_ranks --data /tmp/ranks --out results/
-
-Each rank reads its share into its LOCAL_RANK device (rank and world size come from torch.distributed),
-checks every sample's content on the GPU, and the ranks' sample ids are gathered on rank 0, which checks
-coverage, duplicates and batch counts for two epochs and writes a JSON summary.
-
-Elastic mode checks a resumed epoch on another number of ranks, on GPUs or on the CPU:
-
     python -m benchmarks.check_ranks --elastic 3,2,4 --cut 5 --backend cpu --data /tmp/ranks --out results/
 
-launches the ranks of each leg itself, one process each with RANK / WORLD_SIZE / LOCAL_RANK set (no
-torch.distributed): 3 ranks read 5 batches of epoch 0 and checkpoint, 2 ranks resume from their merged
-state, read 5 batches and checkpoint, 4 ranks read the rest of the epoch and then epoch 1. Every rank checks
-every byte of every sample it gets and writes its sample ids and state to a file; the launcher checks that
-the legs' union is the epoch (repeats: only the padding), that every rank of a leg yielded the same batches,
-and that epoch 1 is what a fresh 4-rank run reads.
+Elastic: one epoch in legs of 3, 2, then 4 ranks (processes launched here, no torch.distributed), each resuming
+from the merged state of the last; the legs' union must be the epoch, and epoch 1 what a fresh run reads.
 """
 
 from __future__ import annotations
@@ -36,9 +25,9 @@ from gdsload import GDSDataset
 from gdsload.pipeline.plan import epoch_plan
 from gdsload.pipeline.resume import merge_states
 from gdsload.conversion.source_types import ArraySource
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where ``-m benchmarks...`` resolves
 from gdsload.conversion.writer import write_dataset
+
+from .common import ROOT as _ROOT, Generated  # ROOT: where ``-m benchmarks...`` resolves
 
 SAMPLE = (64, 1024)  # 64 KiB of uint8 per sample
 
@@ -48,25 +37,12 @@ def pattern(idx: np.ndarray) -> np.ndarray:
     return ((idx[:, None] * 13 + j[None, :]) % 253).astype(np.uint8).reshape(len(idx), *SAMPLE)
 
 
-class Pattern:
-    origin = "<pattern>"
-    dtype = np.dtype(np.uint8)
-
-    def __init__(self, n: int):
-        self.shape = (n, *SAMPLE)
-
-    def read(self, start: int, stop: int) -> np.ndarray:
-        return pattern(np.arange(start, stop, dtype=np.int64))
-
-    def close(self) -> None:
-        pass
-
-
 def make_data(data: str, samples: int) -> str:
     path = os.path.join(data, "ranks.gds" if samples == 30011 else f"ranks-{samples}.gds")
     if not os.path.exists(path):
-        write_dataset(path, {"x": Pattern(samples), "idx": ArraySource("idx", np.arange(samples))},
-                      block_bytes=1 << 20, progress=False)
+        x = Generated("<pattern>", np.uint8, (samples, *SAMPLE), lambda a, b: pattern(np.arange(a, b, dtype=np.int64)))
+        write_dataset(path, {"x": x, "idx": ArraySource("idx", np.arange(samples))}, block_bytes=1 << 20,
+                      progress=False)
     return path
 
 

@@ -1,5 +1,5 @@
-"""What every benchmark shares and the library does not: synthetic datasets, the machine's description and
-name, and writing results (JSON first; tables and plots are rendered from it by ``benchmarks.report``)."""
+"""What the benchmarks share and the library does not: synthetic datasets, the machine's description, fresh
+processes, and writing results (JSON first, then markdown and plots rendered from it)."""
 
 from __future__ import annotations
 
@@ -25,37 +25,26 @@ RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-class RandomImages:
-    """Noise images generated slice by slice (incompressible, like decoded data): a gdsload ArraySource."""
+class Generated:
+    """A gdsload source whose rows ``read(start, stop)`` makes on demand: synthetic data, never held whole."""
 
-    origin = "<random>"
-    dtype = np.dtype(np.uint8)
-
-    def __init__(self, n: int):
-        self.shape = (n, *IMAGE_SHAPE)
-        self.rng = np.random.default_rng(0)
-
-    def read(self, start: int, stop: int) -> np.ndarray:
-        return self.rng.integers(0, 256, (stop - start, *self.shape[1:]), dtype=np.uint8)
+    def __init__(self, origin: str, dtype: Any, shape: tuple[int, ...], read: Callable[[int, int], np.ndarray]):
+        self.origin, self.dtype, self.shape, self.read = origin, np.dtype(dtype), shape, read
 
     def close(self) -> None:
         pass
 
 
-class Labels:
+def random_images(n: int) -> Generated:
+    """``n`` noise images (incompressible, like decoded data), generated slice by slice."""
+    rng = np.random.default_rng(0)
+    return Generated("<random>", np.uint8, (n, *IMAGE_SHAPE),
+                     lambda a, b: rng.integers(0, 256, (b - a, *IMAGE_SHAPE), dtype=np.uint8))
+
+
+def labels(n: int) -> Generated:
     """Label i = i: a reader's output can be checked against the sample ids it claims."""
-
-    origin = "<labels>"
-    dtype = np.dtype(np.int64)
-
-    def __init__(self, n: int):
-        self.shape = (n,)
-
-    def read(self, start: int, stop: int) -> np.ndarray:
-        return np.arange(start, stop, dtype=np.int64)
-
-    def close(self) -> None:
-        pass
+    return Generated("<labels>", np.int64, (n,), lambda a, b: np.arange(a, b, dtype=np.int64))
 
 
 def dataset_tag(size_gib: float, block_bytes: int) -> str:
@@ -75,7 +64,7 @@ def make_dataset(data_dir: str, size_gib: float, block_bytes: int = 4 << 20) -> 
     os.makedirs(data_dir, exist_ok=True)
     n = max(1, int(size_gib * 2**30 // SAMPLE_BYTES))
     t0 = time.perf_counter()
-    write_dataset(path, {"image": RandomImages(n), "label": Labels(n)}, block_bytes=block_bytes, progress=False)
+    write_dataset(path, {"image": random_images(n), "label": labels(n)}, block_bytes=block_bytes, progress=False)
     os.sync()
     print(f"wrote {path}: {n} samples in {time.perf_counter() - t0:.1f} s", flush=True)
     return path
@@ -163,16 +152,43 @@ def free_device_memory() -> None:
     cupy.get_default_memory_pool().free_all_blocks()
 
 
+def open_and_pass(path: str, batch_size: int, **options: Any) -> Any:
+    """A fresh ``GDSDataset(path, batch_size, **options)``'s open and first pass from rest, as one
+    :class:`~gdsload.tools.measure.PassResult` (the open added to its seconds, first batch and stall)."""
+    from gdsload import GDSDataset
+    from gdsload.tools.measure import time_pass
+
+    t0 = time.perf_counter()
+    with GDSDataset(path, batch_size=batch_size, **options) as ds:
+        opened = time.perf_counter() - t0
+        r = time_pass(ds)
+    r.seconds += opened
+    r.first_batch_s = (r.first_batch_s or 0.0) + opened
+    r.stall_s = (r.stall_s or 0.0) + opened
+    return r
+
+
+def device_used_bytes(gpu: bool) -> int | None:
+    """Bytes in use on the current GPU, every allocator's: total less free (None without a GPU). Taken around a
+    measurement, it shows whether memory stays bounded."""
+    if not gpu:
+        return None
+    import cupy
+
+    cupy.cuda.Device().synchronize()
+    free, total = cupy.cuda.runtime.memGetInfo()
+    return int(total - free)
+
+
 def probe_parser(description: str, size_gib: float = 4.0) -> argparse.ArgumentParser:
-    """The options every diagnostic takes: dataset, output, a tag for the file name, and Python's thread
-    switch interval (:func:`parse_probe_args` applies it)."""
+    """The options every probe takes: dataset, output, a tag for the file name, and Python's thread switch
+    interval (:func:`parse_probe_args` applies it)."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--data", default=DATA_DIR)
     ap.add_argument("--size-gib", type=float, default=size_gib)
     ap.add_argument("--out", default=RESULTS_DIR)
     ap.add_argument("--tag", default="", help="added to the result file's name")
-    ap.add_argument("--switch-interval", type=float, default=None,
-                    help="sys.setswitchinterval for this run (seconds; Python's default is 0.005)")
+    ap.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval for this run (s)")
     return ap
 
 
@@ -183,17 +199,13 @@ def parse_probe_args(ap: argparse.ArgumentParser, argv: list[str] | None = None)
     return args
 
 
-def write_probe(args: argparse.Namespace, name: str, rows: list[dict[str, Any]], **extra: Any) -> str:
-    """A diagnostic's rows with the machine described, as ``OUT/<machine>/<name>[-<tag>].json``."""
-    info = describe_machine(args.data)
-    path = os.path.join(results_dir(args.out, info), name + (f"-{args.tag}" if args.tag else "") + ".json")
-    return write_json(path, {"benchmark": name, "date": today(), "machine": info, **extra, "results": rows})
-
-
 def write_probe_table(args: argparse.Namespace, name: str, rows: list[dict[str, Any]], table: str,
                       **extra: Any) -> str:
-    """:func:`write_probe`, with ``table`` (the rows as markdown) beside the JSON and printed."""
-    out = write_probe(args, name, rows, **extra)
+    """A probe's rows with the machine described, as ``OUT/<machine>/<name>[-<tag>].json``, and ``table`` (the
+    rows as markdown) beside it as ``.md``, printed."""
+    info = describe_machine(args.data)
+    out = os.path.join(results_dir(args.out, info), name + (f"-{args.tag}" if args.tag else "") + ".json")
+    write_json(out, {"benchmark": name, "date": today(), "machine": info, **extra, "results": rows})
     with open(os.path.splitext(out)[0] + ".md", "w") as f:
         f.write(table)
     print("wrote", out, flush=True)
@@ -211,9 +223,8 @@ def save_figure(fig: Any, png: str, dpi: int = 100) -> None:
 
 
 def write_report(json_path: str, text: str, plot: Callable[[str], None], command: str) -> list[str]:
-    """``text`` as ``<json_path without .json>.md`` and ``plot(png_path)`` beside it; returns the files written.
-    Without matplotlib (``plot`` raises ImportError) the PNG is left out, and said so with ``command``, which
-    makes it where matplotlib is installed."""
+    """``text`` as ``<json_path without .json>.md`` and ``plot(png_path)`` beside it; the files written. Without
+    matplotlib the PNG is left out, and ``command`` named to make it."""
     base = os.path.splitext(json_path)[0]
     with open(base + ".md", "w") as f:
         f.write(text)

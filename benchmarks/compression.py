@@ -1,13 +1,6 @@
-"""The compressed stores of the suite's ``compressed`` rows (``python -m benchmarks.suite --compressed``): the
-data, written raw and with zstd by the converter, a gdsload pass over them, and nvCOMP's batch decode alone on
-the same chunks (the decoder's ceiling).
-
-Data, per kind: ``tokens`` int32 ids of real text (the Python standard library's source and documentation files,
-split into words and punctuation, ids by frequency rank in a 50,000-word vocabulary, the stream repeated to size:
-no corpus or tokenizer is on the benchmark machine), ``images`` uint8 (smooth gradients plus noise), ``float16``
-(smooth signals plus noise). The standalone benchmark that also swept chunk sizes and timed zarr-python on the
-same stores (its last run: ``results/H200/compression.*``) is in git history.
-"""
+"""The stores of the suite's ``compressed`` rows, written raw and with zstd: ``tokens`` (word-level ids of the
+Python standard library's text), ``images`` (gradients plus noise), ``float16`` (signals plus noise); a gdsload
+pass over them, and nvCOMP's batch decode alone on their chunks (the decoder's ceiling)."""
 
 from __future__ import annotations
 
@@ -26,7 +19,7 @@ from gdsload import GDSDataset, write_dataset
 from gdsload.codecs import screen
 from gdsload.codecs.decode import DECODE_LANES
 from gdsload.conversion.source_types import ArraySource
-from gdsload.tools.measure import cold_pass, cpu_seconds, drop_page_cache, time_pass
+from gdsload.tools.measure import cold_pass, drop_page_cache, time_pass
 
 from .common import free_device_memory
 
@@ -35,7 +28,7 @@ _WORD = re.compile(r"\w+|([^\w\s])\1*")
 
 
 def make_kind(kind: str, nbytes: int, seed: int = 0) -> np.ndarray:
-    """About ``nbytes`` of one kind of data (see the module's docstring)."""
+    """About ``nbytes`` of one kind of data (the module's docstring)."""
     rng = np.random.default_rng(seed)
     if kind == "tokens":
         n = max(2, nbytes // (2048 * 4))
@@ -52,9 +45,8 @@ def make_kind(kind: str, nbytes: int, seed: int = 0) -> np.ndarray:
 
 @functools.lru_cache(maxsize=1)
 def text_ids(max_words: int = 6_000_000) -> np.ndarray:
-    """Word-level token ids of real text: the standard library's ``.py``, ``.txt`` and ``.rst`` files in a fixed
-    order, split into words and runs of one punctuation mark; ids are frequency ranks, words past the
-    vocabulary share the last id."""
+    """Word-level token ids of the standard library's ``.py``, ``.txt`` and ``.rst`` files: frequency ranks,
+    words past the vocabulary sharing the last id."""
     words: list[str] = []
     root = sysconfig.get_paths()["stdlib"]
     for dirpath, dirnames, files in os.walk(root):
@@ -69,17 +61,14 @@ def text_ids(max_words: int = 6_000_000) -> np.ndarray:
     return np.fromiter((vocab.get(w, VOCAB - 1) for w in words), dtype=np.int32, count=len(words))
 
 
-def write_pair(data_dir: str, kind: str, data: np.ndarray, level: int, chunk_bytes: int | None = None,
-               raw: bool = True) -> dict[str, str]:
-    """The raw and the compressed dataset of ``data`` (rewritten every run: the data are generated)."""
+def write_pair(data_dir: str, kind: str, data: np.ndarray, level: int) -> dict[str, str]:
+    """The raw and the zstd dataset of ``data`` (rewritten every run: the data are generated)."""
     paths = {}
-    for mode in (("raw", "zstd") if raw else ("zstd",)):
-        tag = f"{kind}-{mode}" + (f"-{chunk_bytes >> 10}KiB" if chunk_bytes and mode == "zstd" else "")
-        path = os.path.join(data_dir, tag + ".gds")
+    for mode in ("raw", "zstd"):
+        path = os.path.join(data_dir, f"{kind}-{mode}.gds")
         shutil.rmtree(path, ignore_errors=True)
         fields = {kind: ArraySource(f"<{kind}>", data), "label": ArraySource("<label>", np.arange(len(data)))}
-        options: dict[str, Any] = {"compress": f"zstd:{level}", "chunk_bytes": chunk_bytes} if mode == "zstd" else {}
-        write_dataset(path, fields, progress=False, **options)
+        write_dataset(path, fields, progress=False, **({"compress": f"zstd:{level}"} if mode == "zstd" else {}))
         paths[mode] = path
     os.sync()
     return paths
@@ -96,48 +85,32 @@ def stored_ratio(path: str, field: str) -> float:
         return 1.0 if lengths is None else float(lengths.sum()) / (f.block_bytes * f.num_chunks)
 
 
-def gdsload_pass(path: str, backend: str, batch: int, warm_s: float, cold: bool,
-                 resident_bytes: int | None = None) -> dict[str, Any]:
-    """Cold (from a dropped page cache; for mmap, which reads its files at open, open + pass) and warm GB/s of
-    decoded data delivered, CPU core-s/GB, where each field decodes. ``resident_bytes``: GDSDataset's (None:
-    its default, as users get it)."""
-    out: dict[str, Any] = {}
+def cold_gbps(path: str, backend: str, batch: int, resident_bytes: int | None = None) -> float | None:
+    """GB/s of decoded data of one shuffled pass from a dropped page cache (mmap, which reads its files at open:
+    open + pass); None where the cache cannot be dropped. ``resident_bytes``: GDSDataset's (None: its default)."""
     opts: dict[str, Any] = {} if resident_bytes is None else {"resident_bytes": resident_bytes}
-    if cold and backend == "mmap":
-        if drop_page_cache():
-            c0, t0 = cpu_seconds(), time.perf_counter()
+    try:
+        if backend == "mmap":
+            if not drop_page_cache():
+                return None
+            t0 = time.perf_counter()
             with GDSDataset(path, batch_size=batch, backend=backend, shuffle=True, **opts) as ds:
-                opened = time.perf_counter() - t0
                 r = time_pass(ds)
-            seconds = time.perf_counter() - t0
-            out["cold_gbps"] = r.bytes / seconds / 1e9
-            out["cold_cpu_core_s_per_gb"] = (cpu_seconds() - c0) / (r.bytes / 1e9)
-            out["cold_open_s"], out["cold_pass_s"] = opened, r.seconds
-        else:
-            out["cold_gbps"] = None
-    with GDSDataset(path, batch_size=batch, backend=backend, shuffle=True, **opts) as ds:
-        out["decode"] = ds.describe()["decode"]
-        if cold and backend != "mmap":
+            return r.bytes / (time.perf_counter() - t0) / 1e9
+        with GDSDataset(path, batch_size=batch, backend=backend, shuffle=True, **opts) as ds:
             next(iter(ds), None)  # buffers, streams, kernels set up outside the timed pass (cold_pass stops it)
             try:
-                c = cold_pass(ds)
-                out["cold_gbps"], out["cold_cpu_core_s_per_gb"] = c.gb_per_s, c.cpu_core_s_per_gb
+                return cold_pass(ds).gb_per_s
             except PermissionError:
-                out["cold_gbps"] = None
-        time_pass(ds)  # warm the page cache and CUDA
-        r = time_pass(ds, min_seconds=warm_s)
-        out.update(warm_gbps=r.gb_per_s, warm_cpu_core_s_per_gb=r.cpu_core_s_per_gb, io_mode=r.io_mode)
-    free_device_memory()
-    return out
+                return None
+    finally:
+        free_device_memory()
 
 
 def nvcomp_decode_gbps(path: str, field: str, window_bytes: int = 256 << 20, repeats: int = 3,
                        lanes: int | None = None) -> float | None:
-    """nvCOMP's batched decode alone, as the decode step calls it: ``lanes`` windows' worth of ``field``'s
-    chunks (the decoder's :data:`gdsload.codecs.decode.DECODE_LANES` by default), each window back to back in
-    a device buffer and decoded by one call into cells of its own, the calls on as many streams at once;
-    decoded GB/s (best of ``repeats``, timed by events from the first call's start to the last one's end).
-    Windows beyond the field's chunks decode its first chunks again. None without nvCOMP or CuPy."""
+    """nvCOMP's batched decode alone, as the decode step calls it: ``lanes`` windows of ``field``'s chunks, a
+    call each on its own stream; decoded GB/s (best of ``repeats``, timed by events). None without nvCOMP."""
     from gdsload.codecs.chunks import load_nvcomp
     from gdsload.codecs.nvcomp import decompress_table
     from gdsload.format.arrays import CRC_BYTES

@@ -1,19 +1,13 @@
-"""The loaders gdsload is compared with, each reading the same dataset: torch DataLoader over its blocks,
-zarr-python, naive ``np.fromfile`` per shard file, and NVIDIA DALI's file reader when DALI is installed.
-
-Each ``*_run`` function sets a contender up and returns a callable timing one pass as a
-:class:`gdsload.tools.measure.PassResult`; with ``max_s`` a pass ends after that many seconds (its bytes over
-its time: the rate of the reading done; whole only when it takes less). With ``gpu`` the bytes end in device
-memory (as gdsload's GPU backends put them), else in host memory (beside the cpu backend). A contender that
-cannot run here raises from the callable (ImportError when its package is missing), and the suite records why.
-"""
+"""The loaders gdsload is compared with on the same dataset: torch DataLoader, zarr-python, ``np.fromfile`` per
+shard file, DALI. Each ``*_run`` returns a callable timing one pass (a ``PassResult``), into device memory with
+``gpu``, cut after ``max_s`` where given; one that cannot run here raises from it (ImportError: not installed)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -114,6 +108,21 @@ def torch_run(path: str, workers: int, gpu: bool, step: Step | None = None, shuf
     return run
 
 
+def _read_pass(reads: Iterable[Callable[[], tuple[int, int]]], sync: Callable[[], None], io_mode: str,
+               max_s: float | None) -> PassResult:
+    """Each of ``reads`` in turn (its bytes and samples) until ``max_s`` has passed, then ``sync()``: the pass."""
+    c0, t0 = cpu_seconds(), time.perf_counter()
+    nbytes = n = 0
+    for read in reads:
+        if nbytes and _over(t0, max_s):
+            break
+        b, k = read()
+        nbytes, n = nbytes + b, n + k
+    sync()
+    return PassResult(bytes=nbytes, seconds=time.perf_counter() - t0, io_mode=io_mode, samples=n or None,
+                      cpu_s=cpu_seconds() - c0)
+
+
 def zarr_run(path: str, gpu: bool, gpu_buffers: bool = False, max_s: float | None = None) -> Run:
     """zarr-python reading shard-sized slices of the image and label arrays, then ``cupy.asarray`` (with
     ``gpu_buffers``: zarr's own GPU buffers, ``zarr.config.enable_gpu()``)."""
@@ -126,19 +135,13 @@ def zarr_run(path: str, gpu: bool, gpu_buffers: bool = False, max_s: float | Non
             g = zarr.open_group(path, mode="r")
             image, label = g["image"], g["label"]
             step = image.shards[0]
-            c0, t0 = cpu_seconds(), time.perf_counter()
-            nbytes = n = 0
-            for a in range(0, image.shape[0], step):
-                if n and _over(t0, max_s):
-                    break
-                x = put(image[a:a + step])
-                y = put(label[a:a + step])
-                nbytes += x.nbytes + y.nbytes
-                n += y.shape[0]
-            sync()
-            wall = time.perf_counter() - t0
-        mode = "zarr-gpu-buffers" if gpu_buffers else "zarr-host"
-        return PassResult(bytes=nbytes, seconds=wall, io_mode=mode, samples=n, cpu_s=cpu_seconds() - c0)
+
+            def read(a: int) -> tuple[int, int]:
+                x, y = put(image[a:a + step]), put(label[a:a + step])
+                return x.nbytes + y.nbytes, y.shape[0]
+
+            return _read_pass((lambda a=a: read(a) for a in range(0, image.shape[0], step)), sync,
+                              "zarr-gpu-buffers" if gpu_buffers else "zarr-host", max_s)
 
     return run
 
@@ -146,26 +149,14 @@ def zarr_run(path: str, gpu: bool, gpu_buffers: bool = False, max_s: float | Non
 def naive_run(paths: list[str], gpu: bool, max_s: float | None = None) -> Run:
     """What people write first: ``np.fromfile`` per shard file, then ``cupy.asarray`` (a pageable copy)."""
     put, sync = _device(gpu)
-
-    def run() -> PassResult:
-        c0, t0 = cpu_seconds(), time.perf_counter()
-        total = 0
-        for p in paths:
-            if total and _over(t0, max_s):
-                break
-            d = put(np.fromfile(p, dtype=np.uint8))
-            total += d.nbytes
-            del d
-        sync()
-        return PassResult(bytes=total, seconds=time.perf_counter() - t0, io_mode="posix-pageable",
-                          cpu_s=cpu_seconds() - c0)
-
-    return run
+    reads = [lambda p=p: (put(np.fromfile(p, dtype=np.uint8)).nbytes, 0) for p in paths]
+    return lambda: _read_pass(reads, sync, "posix-pageable", max_s)
 
 
 def dali_run(paths: list[str], threads: int = 16, max_s: float | None = None) -> Run:
     """NVIDIA DALI's file reader over the shard files (one file per sample, whole), moved to the GPU by
     the pipeline (``.gpu()``): DALI's generic path for bytes it does not decode. GPU only."""
+    import cupy
     from nvidia.dali import fn, pipeline_def
 
     @pipeline_def(batch_size=1, num_threads=threads, device_id=0, prefetch_queue_depth=2)
@@ -176,18 +167,8 @@ def dali_run(paths: list[str], threads: int = 16, max_s: float | None = None) ->
     pipe = files()
     pipe.build()
 
-    def run() -> PassResult:
-        import cupy
+    def read() -> tuple[int, int]:
+        (out,) = pipe.run()
+        return sum(int(np.prod(s)) for s in out.shape()), 0
 
-        c0, t0 = cpu_seconds(), time.perf_counter()
-        total = 0
-        for _ in paths:
-            if total and _over(t0, max_s):
-                break
-            (out,) = pipe.run()
-            total += sum(int(np.prod(s)) for s in out.shape())
-        cupy.cuda.runtime.deviceSynchronize()
-        return PassResult(bytes=total, seconds=time.perf_counter() - t0, io_mode="dali-file-reader",
-                          cpu_s=cpu_seconds() - c0)
-
-    return run
+    return lambda: _read_pass([read] * len(paths), cupy.cuda.runtime.deviceSynchronize, "dali-file-reader", max_s)

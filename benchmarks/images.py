@@ -1,21 +1,8 @@
-"""Encoded images to a 224x224 training batch: gdsload against the decoders and loaders users have.
+"""Encoded JPEGs to 224x224 training batches, images/s: gdsload per backend against nvImageCodec's batched decode
+(the ceiling), torchvision's GPU decode, a PIL DataLoader and DALI (docs/images.md).
 
     python -m benchmarks.images                          # GPU machine: every row (root for the cold rows)
     python -m benchmarks.images --tiny --backends cpu    # anywhere: a smoke test of the gdsload rows
-
-Data, written by the benchmark: ``--images`` synthetic JPEGs of about 500x375 (sizes vary by up to 10 %),
-quality 90, smooth colour fields plus noise (ImageNet-like sizes in bytes), as an ImageFolder tree of 100
-classes, converted with ``gdsload shard --images``. Every row turns them into uint8 (B, 224, 224, 3) or
-(B, 3, 224, 224) batches of ``--batch`` with a random-resized-crop (0.08, 1) and a flip, and reports images/s:
-
-- ``gdsload``: per backend, warm (page cache full) and cold (dropped; root only), ``images=`` decoding.
-- ``ceiling``: nvImageCodec's batched decode of the same JPEG bytes already in memory (full size, no resize).
-- ``torchvision_gpu``: ``torchvision.io.decode_jpeg(device="cuda")`` on batches, then a resized crop each.
-- ``dataloader_pil``: a torch DataLoader, 8 workers, PIL decode + ``RandomResizedCrop`` + flip.
-- ``dali``: ``fn.readers.file`` + ``fn.decoders.image(device="mixed")`` + ``fn.random_resized_crop`` + flip,
-  when DALI imports (skipped otherwise, and said so).
-
-Writes ``results/<machine>/images.json`` with a ``summary`` of images/s per row.
 """
 
 from __future__ import annotations

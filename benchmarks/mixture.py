@@ -11,27 +11,10 @@ epoch), the device synchronised at the end; GB/s counts the bytes of the batches
 a simulated step of ``--step-factor`` times a batch's read time at the single dataset's rate of the first round
 (the suite's method, ``time_passes``), and reports the device memory it holds (``memGetInfo``, after the pass).
 
-Rows (``results``, one per backend): ``gdsload <backend>`` with its io mode, every run's GB/s of one dataset and
-of the mixture, their medians, the mixture's share of one (median over median) with the spread of the rounds'
-shares, the waiting beside the step and the device memory, medians of the runs. ``first_epoch`` rows: a fresh
-open of the single dataset per backend (``auto`` too), its first and second epoch's GB/s, the median of the runs
-with ``pinned``'s beside it. ``continuous`` rows: a fresh open, a 10 ms step per batch over 3 epochs without a sync
-(the suite's ``stall_10ms_continuous``). ``summary`` gathers them: ``mixture``, ``first_epoch``,
-``stall_10ms_continuous``, per backend, with ``runs`` and ``spread``. A backend that cannot run here is a row
-without figures whose ``note`` says why (``not run: ...``).
-
-Ceilings (``ceilings``, measured in the same run on the single dataset's files, before the backends, each the best of
-``--rounds`` stretches of at least ``--min-seconds``), with their io mode:
-
-- ``ceiling: page cache -> host memory``: ``read_files`` (16 threads, 8 MiB pieces) of the warm files: the cpu
-  backend's ceiling, and the host side of the others'.
-- ``ceiling: raw KvikIO (blocks, shuffled)``: ``raw_kvikio_blocks`` of every block a reader of the single dataset
-  reads (``block_locations``), one ``pread`` each in a shuffled order, into one device buffer (GPU and KvikIO).
-- ``ceiling: pinned H2D copy``: ``pinned_h2d_gbps`` of 256 MiB, best of 5 copies (GPU).
-
-A ceiling that cannot run here says ``not run: <reason>``, one that fails ``error: ...``; the run goes on. Writes
-``results/<machine>/mixture[-TAG].json``, a markdown table of both beside it and ``mixture[-TAG].png`` (GB/s per
-backend, one dataset and mixture as bars, the ceilings as lines; where matplotlib imports)."""
+Rows (``results``): per backend, every run's GB/s of one dataset and of the mixture, their medians and ratio,
+the waiting and the device memory; with ``--first-epoch``, a fresh open's first epochs and a continuous 10 ms
+step (``summary``). Ceilings, same run, on the single dataset's files: page cache -> host memory, raw KvikIO of
+its blocks shuffled, pinned H2D copy. A backend or ceiling that cannot run here is a row saying why."""
 
 from __future__ import annotations
 
@@ -51,10 +34,9 @@ from gdsload.tools.measure import (THREADS, PassResult, block_locations, device_
                                    raw_kvikio_blocks, read_files, shard_paths, time_pass, time_passes)
 from gdsload.tools.steps import Step, make_step
 
-from .common import (BATCH, SAMPLE_BYTES, Rows, free_device_memory, make_dataset, parse_probe_args, probe_parser,
-                     write_probe_table)
+from .common import (BATCH, SAMPLE_BYTES, Rows, device_used_bytes, free_device_memory, make_dataset, parse_probe_args,
+                     probe_parser, run_child, write_probe_table)
 from .plots import gbps_plot, line_label
-from .summary_rows import ROOT
 
 SHARES = {"half": 3, "third": 2, "sixth": 1}  # sixths of the total
 PAGE_CACHE = "ceiling: page cache -> host memory"
@@ -101,23 +83,9 @@ def single_waiting(ds: GDSDataset, step: Step, passes: int = 3) -> float:
     return statistics.median(r.wait_s for r in later) / later[0].alone_s  # type: ignore[operator]
 
 
-CHILD = """
-import json, sys
-sys.path.insert(0, {root!r})
-from benchmarks.mixture import child
-print(json.dumps(child({kind!r}, {backend!r}, {single!r}, {sources!r}, {batch_size}, {min_seconds}, {step_ms})))
-"""
-
-
 def device_used() -> int:
     """Bytes of device memory in use (0 without a GPU)."""
-    if not gpu_available():
-        return 0
-    import cupy
-
-    cupy.cuda.runtime.deviceSynchronize()
-    free, total = cupy.cuda.runtime.memGetInfo()
-    return int(total - free)
+    return device_used_bytes(gpu_available()) or 0
 
 
 def child(kind: str, backend: str, single_path: str, sources: dict[str, str], batch_size: int, min_seconds: float,
@@ -161,11 +129,8 @@ def child(kind: str, backend: str, single_path: str, sources: dict[str, str], ba
 
 def fresh(kind: str, backend: str, single: str, sources: dict[str, str], batch_size: int, min_seconds: float,
           step_ms: float = 0.0) -> dict[str, Any]:
-    from .common import run_fresh
-
-    return run_fresh(CHILD.format(root=ROOT, kind=kind, backend=backend, single=single, sources=sources,
-                                  batch_size=batch_size, min_seconds=min_seconds, step_ms=step_ms),
-                     f"{kind} run of {backend} in a fresh process")
+    return run_child(f"{kind} run of {backend} in a fresh process", "benchmarks.mixture", "child", kind, backend,
+                     single, sources, batch_size, min_seconds, step_ms)
 
 
 def spread(values: list[float]) -> list[float]:

@@ -24,10 +24,8 @@ def line_label(what: str, io_mode: str | None) -> str:
 
 def gbps_plot(json_path: str, title: str, groups: dict[str, dict[str, float | None]],
               ceilings: dict[str, float | None]) -> str | None:
-    """Write ``<json_path without .json>.png``: a group of bars per key of ``groups`` (its series side by side,
-    a series the same colour in every group) and each ceiling a labelled horizontal line across them. A value of
-    None (a row not run) is neither drawn nor drawn as zero; it is named in the legend as not run. Returns the
-    PNG's path, or None (and a printed note) where matplotlib does not import."""
+    """Write ``<json_path without .json>.png``: bars per group (a series one colour throughout), ceilings as
+    lines, None named as not run; its path, or None without matplotlib (said so)."""
     try:
         import matplotlib
 

@@ -1,31 +1,13 @@
-"""Remote datasets' throughput against a ceiling that means something (issue 61): plain clients and gdsload's
-routes reading the same objects from the same server, in one run.
+"""Remote datasets against a ceiling of plain clients reading the same objects from benchmarks/sendfile_server.py;
+every measurement a fresh process (benchmarks/remote_worker.py), the cases alternating over ``--runs``.
 
     python -m benchmarks.remote [--size-gib 2] [--runs 3] [--backend kvikio] [--out DIR]
 
-The synthetic dataset (``make_dataset``) is read once into the page cache, then served over HTTP by
-benchmarks/sendfile_server.py (a threaded server in a process of its own that sends every range with
-``sendfile`` from the files, with ETags; not gdsload's test server). Every figure is GB/s of dataset bytes
-delivered (GB = 1e9), and every measurement is a fresh process (benchmarks/remote_worker.py). The cases run
-``--runs`` times, in an order rotated each run (alternating, so drift of the machine falls on all), and the
-summary gives each one's median with its spread (lowest, highest) printed:
-
-- ``clients``: plain clients on every block of the dataset, shuffled, each at the best setting of a small
-  sweep (benchmarks/remote_worker.py lists them). ``ceiling_gbps`` is the best client's median,
-  ``ceiling_client`` its name.
-- ``direct_gbps``: ``GDSDataset(url, backend=--backend)`` with no cache (the direct route; GPU only), a few
-  batches untimed, then a pass of at least ``--seconds``; ``direct_tuned_gbps`` the same with the
-  ``backend_options`` of ``--direct-options`` (e.g. KvikIO's threads and task size), where given.
-- ``cached_cold_gbps``, ``cached_warm_gbps``: the cached route into an empty cache folder: the open and the
-  first pass timed together, then a warm pass; ``cached_open_s`` the open alone (it fetches the skeleton and
-  the first window's pieces).
-- ``one_process_gbps`` and ``nodes4_gbps``: one process (``WORLD_SIZE=1``), then 4 at once (``WORLD_SIZE=4``,
-  ranks 0-3), each with its own empty cache folder, the open and one epoch (no reading on into the next):
-  the dataset's bytes over the wall time from the first open to the last end. ``nodes4_fetched_ratio``: the
-  bytes the 4 fetched (``describe()["remote"]["fetched_bytes"]``) over the dataset's shard bytes.
-
-Writes ``results/<machine>/remote[-TAG].json`` (``summary`` and every run), a markdown table beside it and
-``remote[-TAG].png`` where matplotlib imports.
+GB/s of dataset bytes, medians with their spread: ``ceiling_gbps`` (the best client at its best setting),
+``direct_gbps`` (no cache; ``direct_tuned_gbps`` with ``--direct-options``), ``cached_cold_gbps`` (the open and
+first pass into an empty cache; ``cached_open_s`` the open), ``cached_warm_gbps``, ``one_process_gbps`` and
+``nodes4_gbps`` (4 processes, a cache each, the open and one epoch; ``nodes4_fetched_ratio``: bytes fetched over
+the dataset's).
 """
 
 from __future__ import annotations
@@ -127,14 +109,17 @@ def median_of(runs: list[dict[str, Any]], key: str = "gbps") -> tuple[float | No
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """The summary: each client's median and the ceiling, the routes' medians, every median's spread."""
     spread: dict[str, list[float]] = {}
-    clients: dict[str, float | None] = {}
     notes: dict[str, str] = {}
-    for name in (c for c in CLIENTS if c in runs):
-        clients[name], rates = median_of(runs[name])
+
+    def median(key: str, case: str, field: str = "gbps") -> float | None:
+        value, rates = median_of(runs.get(case, []), field)
         if rates:
-            spread[name] = [min(rates), max(rates)]
-        elif runs.get(name):
-            notes[name] = runs[name][0].get("skip") or runs[name][0].get("error") or "no figure"
+            spread[key] = [min(rates), max(rates)]
+        elif runs.get(case):
+            notes[key] = runs[case][0].get("skip") or runs[case][0].get("error") or "no figure"
+        return value
+
+    clients = {name: median(name, name) for name in CLIENTS if name in runs}
     measured = {k: v for k, v in clients.items() if v is not None}
     best = max(measured, key=measured.__getitem__) if measured else None
     out: dict[str, Any] = {"ceiling_gbps": measured.get(best) if best else None, "ceiling_client": best,
@@ -146,11 +131,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                              ("cached_warm_gbps", "cached", "warm_gbps"), ("cached_open_s", "cached", "open_s"),
                              ("one_process_gbps", "one_process", "gbps"), ("nodes4_gbps", "nodes4", "gbps"),
                              ("nodes4_fetched_ratio", "nodes4", "fetched_ratio")):
-        out[key], rates = median_of(runs.get(case, []), field)
-        if rates:
-            spread[key] = [min(rates), max(rates)]
-        elif runs.get(case):
-            notes[key] = runs[case][0].get("skip") or runs[case][0].get("error") or "no figure"
+        out[key] = median(key, case, field)
     ceiling = out["ceiling_gbps"]
     out["of_ceiling"] = {k: round(out[k] / ceiling, 3) for k in ("direct_gbps", "direct_tuned_gbps",
                                                                  "cached_cold_gbps", "cached_warm_gbps")

@@ -1,23 +1,8 @@
-"""One measurement of benchmarks/remote.py in a process of its own (nothing one leaves warm, KvikIO's pool or a
-client's connections, carries into the next): a plain client's sweep, the ceiling, or one of gdsload's routes.
+"""One measurement of benchmarks/remote.py in a process of its own (no pool or connection carries over): a plain
+client's sweep (``client``), or a gdsload route: ``direct``, ``cached`` (cold open and pass, then warm) or one
+``node`` of many (``RANK``, ``WORLD_SIZE``: the open and one epoch, its wall-clock start and end).
 
-    python -m benchmarks.remote_worker JSON    # the last line printed is ``RESULT {...}``
-
-``JSON`` names the case and its settings:
-
-- ``{"case": "client", "client": NAME, "url", "skeleton", "concurrency"}``: a plain client reading every block of
-  the dataset, shuffled, at its best setting of a small sweep. ``http.client`` and ``urllib3``: a thread per
-  request slot, kept-alive connections, each body read straight into its place in one host buffer (pinned where
-  CuPy has a GPU); ``botocore`` (path-style, signature ignored), ``obstore`` and ``fsspec`` (``cat_ranges``),
-  where importable; ``kvikio``: ``RemoteFile`` into device memory, one ``pread`` per range or per 64 MiB piece,
-  over ``num_threads`` and ``task_size`` (GPU only). A client that cannot run says why (``skip``).
-- ``{"case": "direct", "url", "backend", "seconds", "batch_size"}``: the direct route (with ``backend_options``
-  where given), a few batches untimed, then a pass of at least ``seconds``;
-- ``{"case": "cached", ...,  "cache"}``: the cached route into the empty folder ``cache``: the open and first pass
-  (cold), then a warm pass of at least ``seconds``;
-- ``{"case": "node", ..., "cache"}``: one node of many (``RANK`` and ``WORLD_SIZE`` from the environment): the open
-  and one epoch into its own empty cache folder, cold, no reading on into the next epoch; its wall-clock start
-  and end (``time.time()``), the bytes it delivered and the bytes it fetched.
+    python -m benchmarks.remote_worker JSON    # {"case": ..., settings}; the last line printed is RESULT {...}
 """
 
 from __future__ import annotations
@@ -189,9 +174,8 @@ def fsspec_rate(ranges: Sequence[Range], buf: np.ndarray, batch: int) -> float:
 
 
 def kvikio_rate(ranges: Sequence[Range], threads: int, task_bytes: int, pieces: bool) -> float:
-    """GB/s of KvikIO ``RemoteFile`` into device memory: one ``pread`` per range, or (``pieces``) per 64 MiB piece
-    of each object's bytes that the ranges cover (as many bytes), all in flight, on KvikIO's pool held with
-    ``threads`` and ``task_bytes``."""
+    """GB/s of KvikIO ``RemoteFile`` into device memory: a ``pread`` per range, or per 64 MiB piece
+    (``pieces``), all in flight, on KvikIO's pool held with ``threads`` and ``task_bytes``."""
     import cupy
     import kvikio
 

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
-#: Version of the JSON shape; ``report`` refuses another. 2: the summary gained ``startup`` (fresh processes),
-#: ``stall_10ms_continuous``, ``stall_1p5x_unslowed`` and ``compressed`` (None where not measured); 3:
-#: ``stall_10ms_continuous_fresh`` (the continuous row in a fresh process). A suite JSON of an earlier schema
-#: has the same shape with fewer rows, and still renders.
+#: Version of the JSON shape (each adds summary keys, None where a run did not measure them); ``READS``: rendered.
 SCHEMA = 3
 READS = (1, 2, 3)
 RAW_SHUFFLED = "raw KvikIO (blocks, shuffled)"
@@ -297,33 +295,40 @@ def markdown(doc: dict[str, Any]) -> str:
               "| dataset | cache | what | config | io mode | GB/s | samples/s | CPU core-s/GB | stall | waiting "
               "| pinned |", "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
     lines += [_row(r) for r in rows if r.get("kind") not in ("startup", "compressed")]
-    startup = [r for r in rows if r.get("kind") == "startup"]
-    if startup:
-        lines += ["", "## Startup", "", "Seconds to open the dataset (`describe()['open_s']`) and to its first "
-                  "batch (`stats.first_batch_s`), and from the constructor's call to the first batch in hand. "
-                  "Cache warm-fresh: each a new process (medians), timing its imports, the open and the first "
-                  "batch on its own clock.", "",
-                  "| dataset | cache | backend | io mode | import s | open s | first batch s | total s |",
-                  "|---|---|---|---|---:|---:|---:|---:|"]
-        lines += [f"| {r['dataset']} | {r['regime']} | {r['backend']} | " + (
-            f"{r['io_mode']} | {r.get('import_s', '')} | {r['open_s']} | {r['first_batch_s']} | {r['seconds']} |"
-            if "open_s" in r else f"failed: {r.get('error') or r.get('skipped')} | | | | |") for r in startup]
-    packed = [r for r in rows if r.get("kind") == "compressed"]
-    if packed:
-        lines += ["", "## Compressed", "", "The stores of `benchmarks.compression`, zstd: ratio (stored / decoded "
-                  "bytes); warm: the median of fresh processes' best epochs (each run's best beside it), then the "
-                  "median run's every epoch in a row; cold (raw store's cold beside it); nvCOMP's batch decode "
-                  "alone on the same chunks.", "",
-                  "| store | backend | ratio | warm GB/s (runs) | warm GB/s per epoch | cold GB/s | raw cold GB/s | "
-                  "nvCOMP decode GB/s |", "|---|---|---:|---|---|---:|---:|---:|"]
-        lines += [f"| {r['dataset']} | {r['backend']} | " + (
-            f"{r['ratio']} | {r.get('gb_per_s')} ({', '.join(str(x['gb_per_s']) for x in r.get('runs') or [])}) | "
-            f"{', '.join(map(str, r['warm_epochs_gbps']))} | {r['cold_gbps']} | {r['raw_cold_gbps']} "
-            f"| {r['decoder_ceiling_gbps'] or 'n/a: ' + str(r['decoder_ceiling_why'])} |" if "warm_epochs_gbps" in r
-            else f"failed: {r.get('error') or r.get('skipped')} | | | | | |") for r in packed]
+    lines += _section("Startup", "Seconds to open the dataset (`describe()['open_s']`) and to its first batch "
+                      "(`stats.first_batch_s`), and from the constructor's call to the first batch in hand. Cache "
+                      "warm-fresh: each a new process (medians), timing its imports, the open and the first batch on "
+                      "its own clock.", "| dataset | cache | backend | io mode | import s | open s | first batch s | "
+                      "total s |", "|---|---|---|---|---:|---:|---:|---:|", "open_s",
+                      [r for r in rows if r.get("kind") == "startup"],
+                      lambda r: f"| {r['dataset']} | {r['regime']} | {r['backend']} |",
+                      lambda r: f" {r['io_mode']} | {r.get('import_s', '')} | {r['open_s']} | {r['first_batch_s']} | "
+                                f"{r['seconds']} |")
+    lines += _section("Compressed", "The stores of `benchmarks.compression`, zstd: ratio (stored / decoded bytes); "
+                      "warm: the median of fresh processes' best epochs (each run's best beside it), then the median "
+                      "run's every epoch in a row; cold (raw store's cold beside it); nvCOMP's batch decode alone on "
+                      "the same chunks.", "| store | backend | ratio | warm GB/s (runs) | warm GB/s per epoch | cold "
+                      "GB/s | raw cold GB/s | nvCOMP decode GB/s |", "|---|---|---:|---|---|---:|---:|---:|",
+                      "warm_epochs_gbps", [r for r in rows if r.get("kind") == "compressed"],
+                      lambda r: f"| {r['dataset']} | {r['backend']} |",
+                      lambda r: f" {r['ratio']} | {r.get('gb_per_s')} "
+                                f"({', '.join(str(x['gb_per_s']) for x in r.get('runs') or [])}) | "
+                                f"{', '.join(map(str, r['warm_epochs_gbps']))} | {r['cold_gbps']} | "
+                                f"{r['raw_cold_gbps']} | "
+                                f"{r['decoder_ceiling_gbps'] or 'n/a: ' + str(r['decoder_ceiling_why'])} |")
     lines += ["", "## Summary (summary.json)", ""] + summary_table(summarize(doc))
     lines += ["", "## Targets", ""] + [f"- {t}" for t in targets(doc)]
     return "\n".join(lines) + "\n"
+
+
+def _section(title: str, intro: str, header: str, align: str, measured: str, rows: list[dict[str, Any]],
+             lead: Callable[[dict[str, Any]], str], cells: Callable[[dict[str, Any]], str]) -> list[str]:
+    """A titled table of ``rows`` (nothing without rows): ``lead(r)`` then ``cells(r)`` where ``r`` has
+    ``measured``, else why it failed and blank cells."""
+    blanks = " |" * (header.count("|") - lead(rows[0]).count("|") - 1) if rows else ""
+    return ["", f"## {title}", "", intro, "", header, align] + [
+        lead(r) + (cells(r) if measured in r else f" failed: {r.get('error') or r.get('skipped')} |{blanks}")
+        for r in rows] if rows else []
 
 
 def plot(doc: dict[str, Any], png: str) -> None:

@@ -1,20 +1,11 @@
-"""Turning timed passes into result rows: gdsload runs, repeats and regimes, and failures recorded.
-
-A row is a flat JSON object: ``kind`` (ceiling, gdsload, contender, step or startup), ``dataset``,
-``regime`` (warm, cold, shm or -), ``name``, ``config``, ``io_mode`` and the figures (``gb_per_s``,
-``samples_per_s``, ``cpu_core_s_per_gb``, ``seconds``, ``stall_fraction``, ``steady_stall_fraction``,
-``wait_fraction`` and every repeat's ``wait_fraction_runs``; training-step rows: the median of the passes
-after the one from rest, and that pass's ``first_pass_wait_fraction``, where canaries ran the median of the
-passes the machine did not slow down, ``wait_fraction_unslowed``); gdsload rows add ``backend``, ``shuffle``,
-``threads``, ``default`` (the suite's standard configuration) and what ``GDSDataset.describe()`` says. A
-contender that could not run has ``error`` (or ``skipped``, its package missing) instead of figures.
-"""
+"""Timed passes into result rows: flat JSON objects of ``kind`` (ceiling, gdsload, contender, step, startup),
+``dataset``, ``regime``, ``name``, ``config``, ``io_mode`` and the figures; a row that could not be measured
+has ``error`` (or ``skipped``: a package missing) instead."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -40,36 +31,27 @@ def lazy(build: Callable[[], Run]) -> Run:
     return run
 
 
-@dataclass(frozen=True)
-class Timing:
-    """How a warm measurement is timed (:func:`gdsload.tools.measure.time_pass`): back-to-back passes filling
-    ``min_seconds``, from rest (``from_rest=False``: the earlier method, kept for comparisons)."""
-
-    min_seconds: float = 0.0
-    from_rest: bool = True
-
-
 class GdsRun:
     """A GDSDataset kept open across passes; each call times one pass (:func:`gdsload.tools.measure.time_pass`),
     with a simulated training step per batch when ``step`` is given."""
 
     def __init__(self, path: str, backend: str, batch_size: int, shuffle: bool = False, threads: int | None = None,
                  step: Step | None = None, backend_options: dict[str, Any] | None = None,
-                 timing: Timing | None = None, **dataset_options: Any):
+                 min_seconds: float = 0.0, **dataset_options: Any):
         options = dict(backend_options or {})
         if threads:
             options["num_threads"] = threads
         self.ds = GDSDataset(path, batch_size=batch_size, backend=backend, shuffle=shuffle,
                              backend_options=options or None, **dataset_options)
         self.step = step
-        self.timing = timing or Timing()
+        self.min_seconds = min_seconds  # a warm call's back-to-back passes, from rest
         self._cold = False
 
     def __call__(self) -> PassResult:
         if self._cold:  # one pass from the dropped cache, nothing read ahead
             self._cold = False
             return time_pass(self.ds, self.step)
-        return time_pass(self.ds, self.step, self.timing.min_seconds, self.timing.from_rest)
+        return time_pass(self.ds, self.step, self.min_seconds)
 
     def passes(self, n: int) -> list[PassResult]:
         """The pass from rest and ``n`` passes after it, each timed on its own (:func:`time_passes`)."""
@@ -106,6 +88,14 @@ def figures(r: PassResult, waits: list[float]) -> dict[str, Any]:
             "stall_fraction": rnd(r.stall_fraction, 4), "steady_stall_fraction": rnd(r.steady_stall_fraction, 4),
             "first_batch_s": rnd(r.first_batch_s, 6), "wait_fraction": rnd(r.wait_fraction, 4),
             **({"wait_fraction_runs": waits} if len(waits) > 1 else {})}
+
+
+def summed(passes: list[PassResult]) -> PassResult:
+    """Passes as one stretch: their bytes, seconds, samples, CPU, stall and waiting added up."""
+    return PassResult(bytes=sum(r.bytes for r in passes), seconds=sum(r.seconds for r in passes),
+                      io_mode=passes[0].io_mode, samples=sum(r.samples or 0 for r in passes),
+                      cpu_s=sum(r.cpu_s for r in passes), stall_s=sum(r.stall_s or 0.0 for r in passes),
+                      wait_s=sum(r.wait_s or 0.0 for r in passes))
 
 
 class Recorder:
@@ -154,21 +144,16 @@ class Recorder:
 
     def steps(self, dataset: str, name: str, config: str, run: GdsRun, passes: int,
               judge: Callable[[list[float]], dict[str, Any]] | None = None, **labels: Any) -> dict[str, Any] | None:
-        """A training-step row from ``run.passes(passes)``: the figures of the passes after the one from rest
-        (their bytes over their time; waiting: their median, each in ``wait_fraction_runs``), the pass
-        from rest beside them (``first_pass_wait_fraction``, ``first_batch_s``: the pipeline's start), and
-        how much longer the steps alone took when timed again after the passes (``alone_drift_fraction``,
-        negative when shorter). ``judge(waits)``, when given, adds its fields (the canaries' verdict on the
-        passes after the one from rest: :func:`benchmarks.summary_rows.judged_by_canaries`)."""
+        """A training-step row from ``run.passes(passes)``: the passes after the one from rest (waiting: their
+        median), the pass from rest beside them, the steps alone's drift (``alone_drift_fraction``); ``judge``'s
+        fields (the canaries' verdict) where given."""
         where = {"kind": "step", "dataset": dataset, "regime": "warm", "name": name, "config": config}
         try:
             first, *steady = run.passes(passes)
         except Exception as e:
             self.failed({**where, **labels}, e)
             return None
-        total = PassResult(bytes=sum(r.bytes for r in steady), seconds=sum(r.seconds for r in steady),
-                           io_mode=first.io_mode, samples=sum(r.samples or 0 for r in steady),
-                           cpu_s=sum(r.cpu_s for r in steady), stall_s=sum(r.stall_s or 0.0 for r in steady))
+        total = summed(steady)
         waits = [round(r.wait_fraction or 0.0, 4) for r in steady]
         row = {**figures(total, waits), "wait_fraction": round(float(np.median(waits)), 4), "wait_fraction_runs": waits,
                "first_pass_wait_fraction": round(first.wait_fraction or 0.0, 4),
@@ -180,8 +165,7 @@ class Recorder:
         return self.emit({**where, **labels, **row, **run.extra()})
 
     def startup(self, dataset: str, regime: str, backend: str, path: str, batch_size: int, **options: Any) -> None:
-        """Open a fresh dataset and take its first batch: ``open_s`` (``describe()``), ``first_batch_s``
-        (``ds.stats``), and ``seconds`` from the constructor's call to the first batch in hand."""
+        """Open a fresh dataset and take its first batch: ``open_s``, ``first_batch_s`` and ``seconds`` in all."""
         where = {"kind": "startup", "dataset": dataset, "regime": regime, "name": f"gdsload {backend} startup",
                  "config": "open + first batch", "backend": backend}
         if regime == "cold" and not drop_page_cache():

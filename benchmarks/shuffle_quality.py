@@ -1,16 +1,8 @@
-"""How well the windowed shuffle mixes, for several window sizes W, against a full sample permutation.
+"""How well the windowed shuffle mixes a dataset stored sorted by class, per window size, against a full
+permutation: pure computation on the read plan (docs/shuffling.md).
 
     python -m benchmarks.shuffle_quality
     python benchmarks/shuffle_quality.py --samples 20000 --classes 100 --out /tmp/shuffle   # as a file too
-
-Pure computation on the read plan (no I/O, any machine). The dataset is modelled as stored sorted by
-class (the worst case, e.g. ImageFolder order), N samples, K per block. Metrics, per epoch:
-- rank correlation between a sample's source index and its position in the epoch (0 = no trace of order);
-- same-block pairs: share of sample pairs within a batch that come from one block (a full permutation
-  gives about (K-1)/(N-1));
-- classes per batch: distinct classes in a batch, averaged (a full permutation gives the most);
-- class entropy per batch, as a fraction of the entropy of a perfectly mixed batch.
-Writes ``results/shuffle-quality.json``, ``.md`` and (with matplotlib) ``.png``.
 """
 
 from __future__ import annotations

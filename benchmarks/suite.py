@@ -1,23 +1,10 @@
-"""gdsload against the loaders people use today, beside the ceilings, in one run on the same data.
+"""gdsload against the loaders people use today, beside the ceilings, in one run on the same data
+(docs/benchmarks.md, "Method"; ``benchmarks.report`` renders the JSON).
 
     python -m benchmarks.suite --quick          # minutes: 1 + 4 GiB, main contenders, training-step rows
-    python -m benchmarks.suite --full           # 1 GiB in 1/4/16 MiB blocks, 8/16/32 threads; 8 GiB
+    python -m benchmarks.suite --full           # 1 GiB in 1/4/16 MiB blocks, 8/16/32 threads; 8 GiB; compressed
     python -m benchmarks.suite --stall-only     # the training-step rows alone, on the larger dataset
     python -m benchmarks.suite --quick --backends cpu   # no GPU: the cpu backend beside host-memory contenders
-    python -m benchmarks.suite --quick --compressed --compressed-mib 64   # the compressed rows in a quick run
-
-Rows (``benchmarks/rows.py`` builds them): ceilings (pinned H2D copy, O_DIRECT disk read, page cache into
-pinned memory, raw KvikIO of whole files and of the same blocks shuffled), gdsload per backend (warm, cold,
-shuffled; mmap cold = open + pass), each backend's startup (open, first batch, cold when the page cache can
-be dropped), contenders (torch DataLoader, zarr-python, naive np.fromfile, DALI if installed), the /dev/shm
-regime, and with a simulated training step the share of the pass spent waiting for data (also with a 10 ms
-step over epochs in one continuous loop, in the suite's process and in a fresh one, and, where canaries run,
-without the passes the machine slowed down); each backend's start in fresh processes, and with ``--full`` (or
-``--compressed``) the compressed tokens, images and float16 stores (``benchmarks/summary_rows.py`` builds
-these). Writes ``results/<machine>/suite.json`` first (after every stage, with each stage's seconds), then
-``suite.md``, ``suite.png`` (with matplotlib) and ``summary.json`` (``benchmarks.report``); ``--stall-only``
-writes ``stall.json`` / ``.md``. A run stopped by SIGTERM (a time limit's kill) or SIGINT writes them all from what
-it measured, marked ``cut_short``, and exits with 128 + the signal's number.
 """
 
 from __future__ import annotations
@@ -33,15 +20,15 @@ from typing import Any
 
 from gdsload import GDSDataset
 from gdsload.system.env import gpu_available
-from gdsload.tools.measure import (PassResult, block_locations, drop_page_cache, pinned_h2d_gbps, raw_kvikio_blocks,
+from gdsload.tools.measure import (block_locations, drop_page_cache, pinned_h2d_gbps, raw_kvikio_blocks,
                                    raw_kvikio_files, read_files, shard_paths)
 from gdsload.tools.steps import make_step
 
 from . import canaries, report, summary_rows
 from .common import BATCH, DATA_DIR, RESULTS_DIR, SAMPLE_BYTES, describe_machine, free_device_memory, \
-    make_dataset, dataset_tag, results_dir, today, write_json
+    make_dataset, dataset_tag, open_and_pass, results_dir, today, write_json
 from .contenders import dali_run, naive_run, torch_run, zarr_run
-from .rows import GdsRun, Recorder, Timing, lazy
+from .rows import GdsRun, Recorder, lazy
 
 GPU_BACKENDS = ("kvikio", "pinned", "mmap")
 THREADS = 16  # reader threads of the ceilings (KvikIO's pool as the kvikio backend sets it by default)
@@ -61,34 +48,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sizes-gib", default=None, help="comma list of dataset sizes replacing the mode's")
     ap.add_argument("--batch-size", type=int, default=BATCH)
     ap.add_argument("--repeats", type=int, default=3, help="passes per warm row (the best is reported)")
-    ap.add_argument("--stall-repeats", type=int, default=3,
-                    help="passes per training-step row, after the one from rest (their median is reported)")
+    ap.add_argument("--stall-repeats", type=int, default=3, help="step rows: passes after the one from rest")
     ap.add_argument("--batches-ahead", type=int, default=None, help="GDSDataset(batches_ahead=) for step rows")
-    ap.add_argument("--resident-bytes", type=int, default=None,
-                    help="GDSDataset(resident_bytes=) for every gdsload row (default: the library's)")
+    ap.add_argument("--resident-bytes", type=int, default=None, help="GDSDataset(resident_bytes=), every row")
     ap.add_argument("--no-cold", action="store_true", help="never drop the page cache (no cold rows)")
-    ap.add_argument("--warm-seconds", type=float, default=0.5,
-                    help="a warm measurement times back-to-back passes filling this long, from rest")
-    ap.add_argument("--keep-read-ahead", action="store_true",
-                    help="time one pass without stopping what was read ahead before it (the method of result "
-                         "files before this option existed; for comparisons with them)")
-    ap.add_argument("--fresh-starts", type=int, default=5,
-                    help="fresh processes per backend timing import, open and first batch (0: none)")
-    ap.add_argument("--contender-seconds", type=float, default=2.0,
-                    help="a contender's pass ends after this many seconds (its rate is that reading's; 0: whole "
-                         "passes)")
-    ap.add_argument("--continuous-epochs", type=int, default=6,
-                    help="epochs of the continuous 10 ms step row, in one loop (0: no such row)")
+    ap.add_argument("--warm-seconds", type=float, default=0.5, help="a warm row's back-to-back passes, from rest")
+    ap.add_argument("--fresh-starts", type=int, default=5, help="fresh processes per backend (0: none)")
+    ap.add_argument("--contender-seconds", type=float, default=2.0, help="a contender's pass ends then (0: whole)")
+    ap.add_argument("--continuous-epochs", type=int, default=6, help="epochs of the 10 ms step row (0: none)")
     ap.add_argument("--canaries", default="auto", help="cores for the canaries (benchmarks.canaries) around the "
                                                        "1.5x step rows ('auto': 3 where 8 or more cores; '': none)")
-    ap.add_argument("--canary-threshold", type=float, default=canaries.CANARY_THRESHOLD,
-                    help="a pass is the machine's when every canary ran this much slower than its median")
+    ap.add_argument("--canary-threshold", type=float, default=canaries.CANARY_THRESHOLD, help="the machine's slowdown")
     ap.add_argument("--compressed", action="store_true", help="the compressed rows (on with --full)")
-    ap.add_argument("--compressed-mib", type=int, default=4096, help="decoded MiB of each compressed store "
-                    "(epochs long enough that the first one's start does not decide its rate)")
+    ap.add_argument("--compressed-mib", type=int, default=4096, help="decoded MiB of each compressed store")
     ap.add_argument("--compressed-runs", type=int, default=3, help="fresh processes per compressed row (median)")
-    ap.add_argument("--compressed-kinds", default=",".join(summary_rows.COMPRESSED_KINDS),
-                    help="the compressed stores (of benchmarks.compression's kinds)")
+    ap.add_argument("--compressed-kinds", default=",".join(summary_rows.COMPRESSED_KINDS), help="the stores' kinds")
     ap.add_argument("--data", default=DATA_DIR, help="directory on the disk under test (datasets are kept)")
     ap.add_argument("--shm", default="/dev/shm/gdsload-bench", help="tmpfs copy for the /dev/shm regime")
     ap.add_argument("--out", default=RESULTS_DIR, help="results root: files go to OUT/<machine>/")
@@ -102,7 +76,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.sizes = sizes[-1:] if args.stall_only else sizes
     args.options = {} if args.resident_bytes is None else {"resident_bytes": args.resident_bytes}
     args.contender_s = args.contender_seconds or None
-    args.timing = Timing(0.0, False) if args.keep_read_ahead else Timing(args.warm_seconds, True)
     args.name = args.name or ("stall" if args.stall_only else "suite")
     args.compressed = (args.compressed or args.full) and not args.stall_only
     args.canary_cores = canaries.canary_cores(args.canaries)
@@ -125,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"backends": list(args.backends), "sizes_gib": args.sizes, "batch_size": args.batch_size,
                      "sample_bytes": SAMPLE_BYTES, "repeats": args.repeats, "stall_repeats": args.stall_repeats,
                      "batches_ahead": args.batches_ahead, "dataset_options": args.options,
-                     "page_cache_dropped": can_drop, "warm_seconds": args.timing.min_seconds,
-                     "from_rest": args.timing.from_rest, "fresh_starts": args.fresh_starts,
+                     "page_cache_dropped": can_drop, "warm_seconds": args.warm_seconds,
+                     "from_rest": True, "fresh_starts": args.fresh_starts,
                      "continuous_epochs": args.continuous_epochs, "canary_cores": args.canary_cores,
                      "canary_threshold": args.canary_threshold, "contender_seconds": args.contender_s,
                      "compressed_mib": args.compressed_mib if args.compressed else None,
@@ -256,8 +229,8 @@ def ceilings(args: argparse.Namespace, rec: Recorder, path: str, tag: str, paths
 
 def backends(args: argparse.Namespace, rec: Recorder, path: str, tag: str, main_block: bool,
              threads: list[int | None]) -> None:
-    """Each backend warm (ordered and shuffled) and cold; mmap's cold figure is open + one pass. A thread
-    count of None is the backend's default (the rows the summary takes), others are the full mode's sweep."""
+    """Each backend warm (ordered and shuffled) and cold (mmap: open + pass); thread counts other than None (the
+    backend's default, the rows the summary takes) are the full mode's sweep."""
     regimes = ["cold", "warm"] if main_block else ["warm"]
     for backend in args.backends:
         for t in threads if backend != "mmap" else [None]:
@@ -266,10 +239,11 @@ def backends(args: argparse.Namespace, rec: Recorder, path: str, tag: str, main_
                 labels = {"backend": backend, "shuffle": shuffle, "threads": t, "default": t is None}
                 if backend == "mmap" and "cold" in regimes and not shuffle:
                     rec.record(tag, "cold", "gdsload mmap", config + " (open + pass)",
-                               lambda: mmap_open_and_pass(path, shuffle, args.batch_size, args.options),
+                               lambda: open_and_pass(path, args.batch_size, backend="mmap", shuffle=shuffle,
+                                                     **args.options),
                                kind="gdsload", **labels)
                 run = rec.attempt(tag, f"gdsload {backend}", config, lambda: GdsRun(
-                    path, backend, args.batch_size, shuffle=shuffle, threads=t, timing=args.timing,
+                    path, backend, args.batch_size, shuffle=shuffle, threads=t, min_seconds=args.warm_seconds,
                     **args.options))
                 if run is None:
                     continue
@@ -288,25 +262,8 @@ def backends(args: argparse.Namespace, rec: Recorder, path: str, tag: str, main_
                 free_device_memory()
 
 
-def mmap_open_and_pass(path: str, shuffle: bool, batch_size: int, options: dict[str, Any]) -> PassResult:
-    """The mmap backend from a cold cache: it reads the files while it locks them at open, so its cold
-    figure is open + one pass (a pass alone would replay what the open already loaded)."""
-    t0 = time.perf_counter()
-    run = GdsRun(path, "mmap", batch_size, shuffle=shuffle, **options)
-    opened = time.perf_counter() - t0
-    try:
-        r = run()
-    finally:
-        run.close()
-    r.seconds += opened
-    r.first_batch_s = (r.first_batch_s or 0.0) + opened
-    r.stall_s = (r.stall_s or 0.0) + opened
-    return r
-
-
 def startup(args: argparse.Namespace, rec: Recorder, path: str, tag: str) -> None:
-    """Each backend's time to open the dataset and to its first batch: from a dropped cache where allowed,
-    and warm (the files read into the page cache first), the regime the start-up targets are set for."""
+    """Each backend's open and first batch, from a dropped cache where allowed, then warm."""
     for regime in (["cold"] if rec.can_drop else []) + ["warm"]:
         for backend in args.backends:
             if regime == "warm":
@@ -341,9 +298,8 @@ def contenders(args: argparse.Namespace, rec: Recorder, path: str, tag: str, pat
 
 def warmed(args: argparse.Namespace, rec: Recorder, tag: str, name: str, config: str, path: str,
            backend: str) -> GdsRun | None:
-    """A :class:`GdsRun` of ``path`` on ``backend`` with the run's options, its first pass taken; None where it
-    could not be opened (``rec`` recorded why)."""
-    run = rec.attempt(tag, name, config, lambda: GdsRun(path, backend, args.batch_size, timing=args.timing,
+    """A :class:`GdsRun` of ``path`` on ``backend``, its first pass taken; None where it could not open."""
+    run = rec.attempt(tag, name, config, lambda: GdsRun(path, backend, args.batch_size, min_seconds=args.warm_seconds,
                                                          **args.options))
     if run is not None:
         run()
@@ -371,14 +327,9 @@ def shm(args: argparse.Namespace, rec: Recorder, path: str, tag: str) -> None:
 
 
 def stall(args: argparse.Namespace, rec: Recorder, path: str, tag: str, paths: list[str]) -> None:
-    """How long a simulated training step waits for data when it is slower than reading a batch: per
-    backend, steps of 1.5x and 3x a batch's read time (timed just before), host syncs after every step or
-    every 8th, as training runs epochs: a pass from rest, then ``--stall-repeats`` passes, each timed on its
-    own; the row's waiting is their median, the pass from rest (the pipeline's start) is reported beside it
-    (at 1.5x with a sync every step, canaries judge which passes the machine slowed down, where they run).
-    Then a 10 ms step over ``--continuous-epochs`` epochs in one loop (:func:`summary_rows.continuous_row`), here
-    and in a fresh process (:func:`summary_rows.fresh_continuous`).
-    Beside them torch DataLoader with a 5 ms step."""
+    """Waiting beside a simulated training step, per backend: steps of 1.5x and 3x a batch's read time, host
+    syncs every step or every 8th (canaries at 1.5x); a 10 ms step over epochs in one loop, here and in a
+    fresh process; torch DataLoader with a 5 ms step beside them."""
     read_files(paths, pinned=args.gpu)
     ahead = {} if args.batches_ahead is None else {"batches_ahead": args.batches_ahead}
     options = {**args.options, **ahead}
@@ -391,8 +342,8 @@ def stall(args: argparse.Namespace, rec: Recorder, path: str, tag: str, paths: l
         batch_read_ms = r.seconds / -(-r.samples // args.batch_size) * 1e3
         for factor, sync_every in STEPS:
             ms = batch_read_ms * factor
-            run = GdsRun(path, backend, args.batch_size, step=make_step(ms, sync_every, args.gpu), timing=args.timing,
-                         **options)
+            run = GdsRun(path, backend, args.batch_size, step=make_step(ms, sync_every, args.gpu),
+                         min_seconds=args.warm_seconds, **options)
             run()  # the process's first pass with this step: its kernel compiled, its buffers set up
             synced = "" if sync_every == 1 else f", host syncs every {sync_every} steps"
             cores = args.canary_cores if (factor, sync_every) == (1.5, 1) else []

@@ -1,16 +1,5 @@
-"""The suite's rows behind issue 46's summary keys (``benchmarks.suite`` calls these; ``benchmarks.report``
-summarises them):
-
-- ``startup`` rows of regime ``warm-fresh``: per backend, pages warm, each measurement a new interpreter
-  (:func:`benchmarks.common.run_fresh`) timing its imports, CUDA's start (GPU), the open
-  and the first batch (synchronised); the row holds the medians and every process's figures.
-- a ``step`` row with ``continuous: True``: a 10 ms step after every batch, epochs in one loop as training
-  runs them (``set_epoch`` each, ``prefetch_next_epoch`` on, nothing stopped between them).
-- ``compressed`` rows: the tokens, images and float16 stores of :mod:`benchmarks.compression`, per backend:
-  ratio, warm epochs in fresh processes (the median of the runs, their spread, each epoch's GB/s), cold GB/s
-  (raw and compressed, where the page cache can be dropped), nvCOMP's batch-decode ceiling on the same chunks
-  with the same lanes (None on the CPU, with the reason), and the GPU memory in use around the warm epochs.
-"""
+"""The suite's rows behind ``summary.json``'s later keys (docs/benchmarks.md): start-up in fresh processes, the
+continuous 10 ms step row (here and in a fresh process) and the compressed stores' rows."""
 
 from __future__ import annotations
 
@@ -24,8 +13,8 @@ from gdsload import GDSDataset
 from gdsload.tools.measure import PassResult, cpu_seconds, device_sync, read_files, shard_paths, time_pass, time_passes
 from gdsload.tools.steps import Step
 
-from .common import ROOT, run_child, run_fresh
-from .rows import GdsRun, Recorder, figures
+from .common import ROOT, device_used_bytes, run_child, run_fresh
+from .rows import GdsRun, Recorder, figures, summed
 
 CONTINUOUS_STEP_MS = 10.0
 
@@ -45,8 +34,7 @@ print(json.dumps(fresh_child({path!r}, {backend!r}, {batch_size}, {options!r}, i
 
 def fresh_child(path: str, backend: str, batch_size: int, options: dict[str, Any], import_s: float,
                 gpu: bool) -> dict[str, Any]:
-    """In the fresh process: CUDA started as a script that built its model has (GPU runs), then the open
-    (shuffled, as training reads) and the first batch, synchronised. Seconds of each, rounded."""
+    """In the fresh process: CUDA started (GPU runs), then the open (shuffled) and the first batch, synchronised."""
     t0 = time.perf_counter()
     if gpu:
         import cupy
@@ -69,9 +57,8 @@ def fresh_child(path: str, backend: str, batch_size: int, options: dict[str, Any
 
 def fresh_startup(rec: Recorder, tag: str, path: str, backends: tuple[str, ...], batch_size: int,
                   options: dict[str, Any], gpu: bool, processes: int) -> None:
-    """Per backend, ``processes`` fresh processes with the dataset's pages warm: a ``startup`` row of regime
-    ``warm-fresh`` with the medians of ``import_s``, ``cuda_start_s``, ``open_s``, ``first_batch_s`` (and
-    ``seconds``: open + first batch) and every process's figures in ``runs``."""
+    """Per backend, ``processes`` fresh processes, pages warm: a ``warm-fresh`` startup row of their medians,
+    every process's figures in ``runs``."""
     imports = "gdsload, cupy" if gpu else "gdsload"
     for backend in backends:
         where = {"kind": "startup", "dataset": tag, "regime": "warm-fresh", "name": f"gdsload {backend} startup",
@@ -98,12 +85,9 @@ def fresh_startup(rec: Recorder, tag: str, path: str, backends: tuple[str, ...],
 
 
 def continuous_passes(ds: Any, step: Step, epochs: int) -> tuple[list[PassResult], float, int]:
-    """``epochs`` epochs in one loop as a training run takes them: ``set_epoch(e)`` then every batch with a
-    step, nothing stopped between epochs (the next is read ahead during this one). One epoch's steps are
-    timed alone first (reading stopped) and every pass's ``wait_s`` is its time beyond them. Returns the
-    passes (each timed from the end of the one before), the steps alone timed again after them, and how
-    many epochs after the first were not read ahead during the one before (``EpochStats.read_ahead``; 0: the
-    run stayed continuous)."""
+    """``epochs`` epochs in one loop as training takes them (``set_epoch`` each, nothing stopped between), each
+    pass's ``wait_s`` its time beyond the steps alone (timed first); the passes, the steps alone timed again,
+    and how many epochs after the first were not read ahead (0: the run stayed continuous)."""
     sync = device_sync(ds)
     ds.stop()
     alone = step.alone(len(ds))
@@ -129,15 +113,11 @@ def continuous_passes(ds: Any, step: Step, epochs: int) -> tuple[list[PassResult
 
 
 def continuous_figures(passes: list[PassResult], again: float) -> dict[str, Any]:
-    """What :func:`continuous_passes` gave, as a row's figures: ``wait_fraction`` is the epochs after the first
-    as one stretch (their time beyond their steps alone over their time), each epoch's in
-    ``wait_fraction_runs``, the first epoch's (the pipeline's start) and the whole run's beside it."""
+    """A row's figures from :func:`continuous_passes`: ``wait_fraction`` of the epochs after the first as one
+    stretch, each epoch's, the first's (the pipeline's start) and the whole run's beside it."""
     first, *steady = passes
     steady = steady or [first]
-    total = PassResult(bytes=sum(r.bytes for r in steady), seconds=sum(r.seconds for r in steady),
-                       io_mode=first.io_mode, samples=sum(r.samples or 0 for r in steady),
-                       cpu_s=sum(r.cpu_s for r in steady), stall_s=sum(r.stall_s or 0.0 for r in steady),
-                       wait_s=sum(r.wait_s or 0.0 for r in steady))
+    total = summed(steady)
     whole = sum(r.wait_s or 0.0 for r in passes) / sum(r.seconds for r in passes)
     return {**figures(total, []), "wait_fraction": round(total.wait_fraction or 0.0, 5),
             "wait_fraction_runs": [round(r.wait_fraction or 0.0, 4) for r in steady],
@@ -155,8 +135,7 @@ def _continuous_where(tag: str, epochs: int, backend: str, fresh: bool) -> dict[
 
 
 def continuous_row(rec: Recorder, tag: str, run: GdsRun, epochs: int, **labels: Any) -> dict[str, Any] | None:
-    """The ``step`` row of :func:`continuous_passes` on ``run``, in the suite's process (which has run every
-    row before it), with ``pipeline_restarts``."""
+    """The continuous ``step`` row on ``run``, in the suite's process (after every row before it)."""
     where = _continuous_where(tag, epochs, labels["backend"], fresh=False)
     try:
         passes, again, restarts = continuous_passes(run.ds, run.step, epochs)
@@ -169,8 +148,8 @@ def continuous_row(rec: Recorder, tag: str, run: GdsRun, epochs: int, **labels: 
 
 def continuous_child(path: str, backend: str, batch_size: int, options: dict[str, Any], gpu: bool,
                      epochs: int) -> dict[str, Any]:
-    """In the fresh process: the dataset opened as the suite's continuous row opens it, one epoch with the
-    step first (its kernel compiled, the buffers made), then :func:`continuous_passes`; the row's figures."""
+    """In the fresh process: the dataset opened as the continuous row opens it, one epoch with the step (kernel
+    compiled, buffers made), then :func:`continuous_passes`; the row's figures."""
     from gdsload.tools.steps import make_step
 
     step = make_step(CONTINUOUS_STEP_MS, 1, gpu)
@@ -185,8 +164,7 @@ def continuous_child(path: str, backend: str, batch_size: int, options: dict[str
 
 def fresh_continuous(rec: Recorder, tag: str, path: str, backend: str, batch_size: int, options: dict[str, Any],
                      gpu: bool, epochs: int, **labels: Any) -> dict[str, Any] | None:
-    """The continuous row measured in a new interpreter (the dataset's pages warm first): ``fresh_process``
-    rows, regime ``warm-fresh``; ``benchmarks.report`` takes ``stall_10ms_continuous_fresh`` from them."""
+    """The continuous row in a new interpreter, pages warm: ``fresh_process`` rows of regime ``warm-fresh``."""
     where = _continuous_where(tag, epochs, backend, fresh=True)
     try:
         read_files(shard_paths(path))
@@ -205,9 +183,8 @@ COMPRESSED_KINDS = ("tokens", "images", "float16")
 
 def compressed_child(path: str, backend: str, batch_size: int, options: dict[str, Any], gpu: bool,
                      epochs: int) -> dict[str, Any]:
-    """In the fresh process: the store opened (shuffled), a pass to set up the page cache and the device, then
-    ``epochs`` warm epochs in a row (the first from rest): decoded GB/s each, and the GPU memory in use around
-    them."""
+    """In the fresh process: the store opened (shuffled), a pass to set up, then ``epochs`` warm epochs in a row:
+    decoded GB/s each, and the GPU memory in use around them."""
     with GDSDataset(path, batch_size=batch_size, backend=backend, shuffle=True, **options) as ds:
         decode = ds.describe()["decode"]
         time_pass(ds)
@@ -225,9 +202,8 @@ def spread(values: list[float], of: float | None = None) -> float:
 
 
 def runs_figures(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """A compressed row's figures from its fresh-process runs (:func:`compressed_child`): ``gb_per_s`` the median
-    of each run's best epoch, ``runs_spread`` their spread over that median; the median run's epochs
-    (``warm_epochs_gbps``, its ``epoch_spread``), first batch and GPU memory; and each run, in order."""
+    """A compressed row's figures from its runs: ``gb_per_s`` the median of the runs' best epochs with their
+    spread; the median run's epochs, first batch and GPU memory; and each run."""
     best = [max(r["epochs"]) for r in runs]
     median = float(np.median(best))
     mid = runs[int(np.argmin([abs(b - median) for b in best]))]
@@ -243,13 +219,11 @@ def runs_figures(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def compressed(rec: Recorder, backends: tuple[str, ...], data_dir: str, mib: int, batch_size: int,
                options: dict[str, Any], gpu: bool, epochs: int = 8, level: int = 3, runs: int = 3,
                kinds: tuple[str, ...] = COMPRESSED_KINDS) -> None:
-    """Per store of ``kinds`` (:mod:`benchmarks.compression`, ``mib`` MiB decoded, raw and zstd) and backend, a
-    ``compressed`` row: the ratio (stored / decoded bytes); ``runs`` fresh processes of ``epochs`` warm epochs
-    each (:func:`runs_figures`); cold GB/s of the zstd and of the raw store where the page cache can be dropped
-    (else None); and nvCOMP's batch decode alone on the same chunks with the decode step's lanes, measured in
-    this run (None, with the reason, where it cannot run)."""
+    """Per store of ``kinds`` (``mib`` MiB decoded) and backend, a ``compressed`` row: the ratio, ``runs`` fresh
+    processes of ``epochs`` warm epochs, cold GB/s of the zstd and raw stores (where the cache can be dropped),
+    and nvCOMP's batch decode alone on the same chunks (None, with the reason, where it cannot run)."""
     from .common import free_device_memory
-    from .compression import gdsload_pass, make_kind, nvcomp_decode_gbps, stored_ratio, write_pair
+    from .compression import cold_gbps, make_kind, nvcomp_decode_gbps, stored_ratio, write_pair
     from gdsload.codecs.decode import DECODE_LANES
 
     resident = options.get("resident_bytes")
@@ -274,8 +248,7 @@ def compressed(rec: Recorder, backends: tuple[str, ...], data_dir: str, mib: int
                                                   gpu, epochs) for _ in range(runs)])
                 cold = raw_cold = None
                 if rec.can_drop:
-                    cold, raw_cold = (gdsload_pass(paths[m], backend, batch_size, 0.0, True,
-                                                   resident_bytes=resident)["cold_gbps"] for m in ("zstd", "raw"))
+                    cold, raw_cold = (cold_gbps(paths[m], backend, batch_size, resident) for m in ("zstd", "raw"))
             except Exception as e:
                 rec.failed(where, e)
                 continue
@@ -286,15 +259,3 @@ def compressed(rec: Recorder, backends: tuple[str, ...], data_dir: str, mib: int
             rec.emit({**where, "store": kind, "ratio": ratio, **figures, "cold_gbps": rnd(cold),
                       "raw_cold_gbps": rnd(raw_cold), "decoder_ceiling_gbps": rnd(ceiling),
                       "decoder_ceiling_why": why, "decoder_lanes": DECODE_LANES})
-
-
-def device_used_bytes(gpu: bool) -> int | None:
-    """Bytes in use on the current GPU, every allocator's (CuPy's pool, nvCOMP's, the driver's): total less
-    free (None without a GPU). Taken before and after the warm epochs, it shows whether memory stays bounded."""
-    if not gpu:
-        return None
-    import cupy
-
-    cupy.cuda.Device().synchronize()
-    free, total = cupy.cuda.runtime.memGetInfo()
-    return int(total - free)

@@ -1,19 +1,10 @@
-"""What ``verify`` (crc32c of every block read, on the GPU beside the gathers) costs each backend, warm and
-cold, in one run on the same data.
+"""What ``verify`` costs each backend, warm and cold, in one run on the same data. GPU only.
 
     python -m benchmarks.verify_cost [--size-gib 8] [--cold-gib 2] [--backends mmap,pinned,kvikio]
 
-Warm: shuffled stretches of back-to-back passes for at least ``--min-seconds`` from rest (the suite's warm
-method), verify off and on interleaved round by round, in alternating order, per backend (each dataset
-stopped after its turn, so neither reads ahead while the other is measured). Cold: one pass from a dropped
-page cache per setting and round, on a smaller dataset of its own (``--cold-gib``; mmap: open + pass, since
-it reads the files while it locks them at open). First pass: a fresh dataset's open and first pass, warm,
-where ``mmap`` checks each block (it checks a block once, the first time it is read: later reads copy the
-same locked bytes). Beside them the pinned H2D ceiling; the io mode on every row. Codec: the same samples in
-two Zarr stores written by zarr-python, with and without zarr's ``crc32c`` codec (always checked), warm,
-alternating (``--codec-gib``).
-Cost = 1 - best(on) / best(off). Writes ``results/<machine>/verify-cost[-TAG].json`` and a markdown table
-beside it. GPU only.
+Verify off and on alternating round by round, in alternating order; warm: shuffled stretches from rest; cold: one
+pass from a dropped cache (mmap: open + pass); first pass: a fresh dataset's open and pass; codec: Zarr stores
+with and without zarr's crc32c codec. Cost = 1 - best(on) / best(off).
 """
 
 from __future__ import annotations
@@ -21,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -29,7 +20,7 @@ from gdsload import GDSDataset
 
 from gdsload.tools.measure import cold_pass, drop_page_cache, pinned_h2d_gbps, time_pass
 
-from .common import BATCH, Rows, make_dataset, parse_probe_args, probe_parser, write_probe_table
+from .common import BATCH, Rows, make_dataset, open_and_pass, parse_probe_args, probe_parser, write_probe_table
 
 
 def order(r: int) -> tuple[bool, bool]:
@@ -37,53 +28,51 @@ def order(r: int) -> tuple[bool, bool]:
     return (False, True) if r % 2 == 0 else (True, False)
 
 
-def warm(path: str, backend: str, rounds: int, min_seconds: float,
-         options: dict) -> tuple[str, dict[bool, list[float]]]:
-    datasets = {v: GDSDataset(path, BATCH, backend=backend, shuffle=True, verify=v, **options) for v in (False, True)}
+def alternating(measure: Callable[[bool], float], rounds: int) -> dict[bool, list[float]]:
+    """``measure(False)`` and ``measure(True)`` in :func:`order`, ``rounds`` times: each one's figures."""
     passes: dict[bool, list[float]] = {False: [], True: []}
+    for r in range(rounds):
+        for v in order(r):
+            passes[v].append(measure(v))
+    return passes
+
+
+def alternate(datasets: dict[bool, GDSDataset], rounds: int, min_seconds: float) -> dict[bool, list[float]]:
+    """Warm GB/s of the two ``datasets`` in turn, after a pass each (page cache, kernels, buffers), each stopped
+    after its turn (neither reads ahead while the other is measured); closes them."""
+    def turn(v: bool) -> float:
+        gbps = time_pass(datasets[v], min_seconds=min_seconds).gb_per_s
+        datasets[v].stop()
+        return gbps
+
     try:
         for ds in datasets.values():
-            time_pass(ds)  # page cache, kernels compiled, buffers allocated
+            time_pass(ds)
             ds.stop()
-        for r in range(rounds):
-            for v in order(r):
-                passes[v].append(time_pass(datasets[v], min_seconds=min_seconds).gb_per_s)
-                datasets[v].stop()  # no reading ahead while the other one is measured
-        return datasets[True].io_mode, passes
+        return alternating(turn, rounds)
     finally:
         for ds in datasets.values():
             ds.close()
 
 
-def first(path: str, backend: str, rounds: int) -> dict[bool, list[float]]:
-    """A fresh dataset's first pass, from its open, warm page cache: where the mmap backend checks each block
-    (it checks a block once, the first time it is read)."""
-    passes: dict[bool, list[float]] = {False: [], True: []}
-    for r in range(rounds):
-        for v in order(r):
-            t0 = time.perf_counter()
-            with GDSDataset(path, BATCH, backend=backend, shuffle=True, verify=v) as ds:
-                opened = time.perf_counter() - t0
-                r = time_pass(ds)
-            passes[v].append(r.bytes / (r.seconds + opened) / 1e9)
-    return passes
+def warm(path: str, backend: str, rounds: int, min_seconds: float,
+         options: dict) -> tuple[str, dict[bool, list[float]]]:
+    datasets = {v: GDSDataset(path, BATCH, backend=backend, shuffle=True, verify=v, **options) for v in (False, True)}
+    return datasets[True].io_mode, alternate(datasets, rounds, min_seconds)
 
 
-def cold(path: str, backend: str, rounds: int) -> dict[bool, list[float]]:
-    passes: dict[bool, list[float]] = {False: [], True: []}
-    for r in range(rounds):
-        for v in order(r):
-            if backend == "mmap":  # its open reads the files: open + pass from a dropped cache
-                drop_page_cache()
-                t0 = time.perf_counter()
-                with GDSDataset(path, BATCH, backend=backend, shuffle=True, verify=v) as ds:
-                    opened = time.perf_counter() - t0
-                    r = time_pass(ds)
-                passes[v].append(r.bytes / (r.seconds + opened) / 1e9)
-            else:
-                with GDSDataset(path, BATCH, backend=backend, shuffle=True, verify=v) as ds:
-                    passes[v].append(cold_pass(ds).gb_per_s)
-    return passes
+def first(path: str, backend: str, verify: bool) -> float:
+    """GB/s of a fresh dataset's open and first pass: where mmap checks each block (once, when first read)."""
+    return open_and_pass(path, BATCH, backend=backend, shuffle=True, verify=verify).gb_per_s
+
+
+def cold(path: str, backend: str, verify: bool) -> float:
+    """One pass from a dropped page cache (mmap, whose open reads the files: open + pass)."""
+    if backend == "mmap":
+        drop_page_cache()
+        return first(path, backend, verify)
+    with GDSDataset(path, BATCH, backend=backend, shuffle=True, verify=verify) as ds:
+        return cold_pass(ds).gb_per_s
 
 
 def zarr_store(data_dir: str, size_gib: float, crc: bool) -> str:
@@ -111,19 +100,8 @@ def codec(data_dir: str, size_gib: float, backend: str, rounds: int, min_seconds
     codec and one without, warm, shuffled, alternating."""
     stores = {crc: zarr_store(data_dir, size_gib, crc) for crc in (False, True)}
     datasets = {crc: GDSDataset(p, BATCH, backend=backend, shuffle=True) for crc, p in stores.items()}
-    passes: dict[bool, list[float]] = {False: [], True: []}
-    try:
-        for ds in datasets.values():
-            time_pass(ds)
-            ds.stop()
-        for r in range(rounds):
-            for crc in order(r):
-                passes[crc].append(time_pass(datasets[crc], min_seconds=min_seconds).gb_per_s)
-                datasets[crc].stop()
-        io_mode = datasets[True].io_mode
-    finally:
-        for ds in datasets.values():
-            ds.close()
+    io_mode = datasets[True].io_mode
+    passes = alternate(datasets, rounds, min_seconds)
     top = {v: max(x) for v, x in passes.items()}
     return {"what": f"gdsload {backend}, Zarr store", "io_mode": io_mode, "regime": "warm, crc32c codec",
             "gb_per_s_without_codec": [round(x, 2) for x in passes[False]],
@@ -171,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         io_mode, passes = warm(path, backend, args.rounds, args.min_seconds, args.options)
         rows.emit({**row(backend, io_mode, "warm", passes), "options": args.options})
         if args.first_rounds:
-            rows.emit(row(backend, io_mode, "warm, first pass from open", first(path, backend, args.first_rounds)))
+            rows.emit(row(backend, io_mode, "warm, first pass from open",
+                          alternating(lambda v: first(path, backend, v), args.first_rounds)))
     if args.codec_gib:
         for backend in backends:
             rows.emit(codec(args.data, args.codec_gib, backend, args.rounds, args.min_seconds))
@@ -180,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         for backend in backends:
             with GDSDataset(cold_path, BATCH, backend=backend) as ds:
                 io_mode = ds.io_mode
-            rows.emit(row(backend, io_mode, "cold", cold(cold_path, backend, args.cold_rounds)))
+            rows.emit(row(backend, io_mode, "cold",
+                          alternating(lambda v: cold(cold_path, backend, v), args.cold_rounds)))
     write_probe_table(args, "verify-cost", rows, markdown(rows), rounds=args.rounds, method=__doc__.split("\n\n")[2])
     return 0
 

@@ -1,4 +1,4 @@
-"""The benchmarks never rot: the suite, the report, the sweep and the shuffle-quality benchmark run on a tiny
+"""The benchmarks never rot: the suite, the report, the A/B and the shuffle-quality benchmark run on a tiny
 dataset with the cpu backend (no GPU, torch or matplotlib needed), issue 46's summary keys included.
 gdsload.tools.measure's primitives are checked in tests/test_measure_tools.py."""
 
@@ -150,18 +150,6 @@ def test_report_refuses_another_shape(tmp_path: str) -> None:
         json.dump({"benchmark": "run.py", "results": []}, f)
     done = bench("benchmarks.report", path, check=False)
     assert done.returncode != 0 and "not a suite result of schema 1 or 2 or 3" in done.stderr
-
-
-def test_sweep_cpu(tmp_path: str) -> None:
-    bench("benchmarks.sweep", "--configs", "cpu-threads", "--size-gib", "0.02", "--passes", "1", "--batch-size", "16",
-          "--data", os.path.join(tmp_path, "data"), "--out", os.path.join(tmp_path, "results"))
-    with open(os.path.join(tmp_path, "results", "cpu-only", "sweep-cpu-threads.json")) as f:
-        doc = json.load(f)
-    swept = [r for r in doc["results"] if "config" in r]
-    assert [r["backend_stats"]["num_threads"] for r in swept] == [1, 4, 8]  # the option reached the backend
-    assert [r["config"] for r in swept] == ["cpu num_threads=1", "cpu num_threads=4", "cpu num_threads=8"]
-    assert all(r["io_mode"] == "cpu" and len(r["gb_per_s_runs"]) == 1 for r in swept)
-    assert [r["ceiling"] for r in doc["results"] if "ceiling" in r] == ["page cache -> host memory"] * 2
 
 
 def test_mixture_benchmark_cpu(tmp_path: str) -> None:

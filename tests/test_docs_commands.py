@@ -22,7 +22,6 @@ DOCS = ["README.md", *sorted(os.path.join("docs", f) for f in os.listdir(os.path
 #: Commands that need a GPU (run them on the GPU machine).
 GPU_ONLY = {
     "python -m benchmarks.suite --quick": "the benchmark suite times GPU backends",
-    "python -m benchmarks.sweep --configs copies": "GPU copy configurations",
     "gdsload bench data.gds --backends pinned,mmap --cold --seconds 5 --json bench.json": "pinned and mmap are GPU "
                                                                                          "backends",
     "python -m benchmarks.check_ranks --elastic 8,4 --cut 20 --data /tmp/ranks --out results/": "ranks on 8 GPUs",

@@ -70,11 +70,11 @@ def test_a_run_cut_after_any_row_renders(keep: float) -> None:
 
 
 def test_contenders_read_for_max_s_seconds_at_least_one_piece(tmp_path: str) -> None:
-    from benchmarks.common import SAMPLE_BYTES, Labels, RandomImages
+    from benchmarks.common import SAMPLE_BYTES, labels, random_images
     from gdsload import write_dataset
 
     path, n = os.path.join(tmp_path, "small-shards.gds"), 64
-    write_dataset(path, {"image": RandomImages(n), "label": Labels(n)}, block_bytes=2 * SAMPLE_BYTES,
+    write_dataset(path, {"image": random_images(n), "label": labels(n)}, block_bytes=2 * SAMPLE_BYTES,
                   shard_bytes=8 * SAMPLE_BYTES, progress=False)
     paths = shard_paths(path)
     assert len(paths) > 4
