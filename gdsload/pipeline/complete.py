@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from ..backends.handoff import get
 from ..errors import GDSLoadError, ReadError, with_context
 
 
@@ -46,3 +47,17 @@ def raise_failure(error: BaseException, path: str, where: str, cause: BaseExcept
     if isinstance(error, GDSLoadError):
         raise with_context(error, f"reading {where}") from (cause or error)
     raise ReadError(f"{path}: reading {where} failed ({type(error).__name__}: {error})") from (cause or error)
+
+
+def take_ready(ready: queue.Queue[Any], stop: threading.Event, end: object, failed: type, what: str,
+               on_failure: Callable[[Any], NoReturn]) -> Any:
+    """The assembler's next item from ``ready``: None once ``stop`` is set, ``on_failure(item)`` for a ``failed``
+    one (it raises), a ReadError naming ``what`` ended early where ``end`` comes before the batches are done."""
+    item = get(ready, stop)
+    if item is None:
+        return None
+    if item is end:
+        raise ReadError(f"internal error: the {what} finished before the batches did")
+    if isinstance(item, failed):
+        on_failure(item)
+    return item

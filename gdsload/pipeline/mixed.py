@@ -18,15 +18,15 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 
-from ..backends.handoff import POLL_S, Handoff, get
+from ..backends.handoff import POLL_S, Handoff
 from ..codecs.verify import Verdict
 from ..cuda.ops import Ops
-from ..errors import GDSLoadError, ReadError, with_context
+from ..errors import GDSLoadError, with_context
 from .assembler import Assembler
-from .complete import complete, raise_failure
+from .complete import complete, raise_failure, take_ready
 from .feeds import Feed, FeedPass, Part, Passes, Walk
 from .mixed_gather import GroupGather, Key
 from .pacing import Pacer
@@ -215,17 +215,13 @@ class MixedPipeline:
     # -- assembler thread ----------------------------------------------------------------------------
     def _take_ready(self) -> _Filled | None:
         """The next filled window, or None once the pipeline stops; a reader's error raised with its context."""
-        item = get(self._ready, self._stop)
-        if item is None:
-            return None
-        if item is _END:
-            raise ReadError("internal error: the readers finished before the batches did")
-        if isinstance(item, _Failure):
-            feed = self.feeds[item.feed] if item.feed >= 0 else self.feeds[0]
-            e = item.error
-            raise_failure(feed.reader.named(e) if isinstance(e, GDSLoadError) else e, feed.reader.meta.path,
-                          f"source {feed.name!r}" + (f", {item.where}" if item.where else ""), e)
-        return item
+        return take_ready(self._ready, self._stop, _END, _Failure, "readers", self._raise)
+
+    def _raise(self, item: _Failure) -> NoReturn:
+        feed = self.feeds[item.feed] if item.feed >= 0 else self.feeds[0]
+        e = item.error
+        raise_failure(feed.reader.named(e) if isinstance(e, GDSLoadError) else e, feed.reader.meta.path,
+                      f"source {feed.name!r}" + (f", {item.where}" if item.where else ""), e)
 
     def _assemble_loop(self) -> None:
         held: dict[Key, WindowBuffer] = {}

@@ -16,11 +16,11 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from ..backends.handoff import POLL_S, Handoff, get
+from ..backends.handoff import POLL_S, Handoff
 from ..codecs.verify import Verdict
 from ..cuda.ops import Ops
-from ..errors import GDSLoadError, ReadError, with_context
-from .complete import complete, raise_failure
+from ..errors import GDSLoadError, with_context
+from .complete import complete, raise_failure, take_ready
 from .assembler import Assembler, BatchStep, EpochIndex, ResidentField
 from .once import MadeOnce
 from .position import Cursor
@@ -243,14 +243,8 @@ class Pipeline:
     # -- assembler thread ----------------------------------------------------------------------------
     def _take_ready(self) -> _Filled | None:
         """The next filled window, or None once the pipeline stops."""
-        item = get(self._ready, self._stop)
-        if item is None:
-            return None
-        if item is _END:
-            raise ReadError("internal error: the reader finished before the plan did")
-        if isinstance(item, _Failure):
-            raise_failure(item.error, self.layout.meta.path, item.where)
-        return item
+        return take_ready(self._ready, self._stop, _END, _Failure, "reader",
+                          lambda item: raise_failure(item.error, self.layout.meta.path, item.where))
 
     def _assemble_loop(self) -> None:
         """Assemble pass after pass, ``ahead`` batches before the consumer; a reader's error (or this
