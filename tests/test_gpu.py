@@ -358,10 +358,9 @@ def test_the_open_reads_the_first_window_and_the_first_pass_does_not_read_it_aga
                 with open(r.path, "rb") as f:
                     f.seek(r.offset)
                     assert cupy.asnumpy(buffer[r.dest_offset:r.dest_offset + r.nbytes]).tobytes() == f.read(r.nbytes)
-        if backend == "mmap":  # read through the stager, nothing locked before a pass; locked later, behind it
+        if backend == "mmap":
             stats = ds.describe()["backend_stats"]
-            staged = sum(r.nbytes for r in first if hasattr(r, "path"))
-            assert stats["loaded_bytes"] == 0 and stats["staged_bytes"] == staged
+            assert 0 < stats["loaded_bytes"] < stats["locked_bytes"], "the first window's ranges only, before any pass"
         submitted.clear()
         assert sorted(np.concatenate([check(b, data) for b in ds]).tolist()) == list(range(len(data["idx"])))
         assert len(submitted) == len(plan.windows) - 1

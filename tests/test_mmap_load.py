@@ -296,7 +296,7 @@ def test_ranges_not_yet_locked_are_read_through_the_stager_and_locked_ones_copie
         pytest.skip(f"the native stager cannot be built here: {stager.unavailable_reason()}")
     paths, _ = _files(tmp_path, [300 << 10, 100 << 10])
     files = ShardFiles.open(paths)
-    backend = MmapBackend(register_threads=2, copy_bytes=1 << 30)
+    backend = MmapBackend(register_threads=2, copy_bytes=1 << 30, unlocked="stage")
     backend.range_bytes, backend.stager_mode = 64 << 10, "host"
     backend.prepare(files)  # held: nothing is locked until a window waits for it or started()
     assert backend.stage_reason is None

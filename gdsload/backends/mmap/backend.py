@@ -9,9 +9,9 @@ ability to lock are checked when the dataset opens, so a dataset too large fails
 the files are then read and locked in ranges of ``RANGE_BYTES`` on background threads (gdsload.backends.mmap.preload),
 the ranges a window needs first (only those until the first batch is assembled), so the first pass runs
 while the rest loads: a copy waits only for the ranges it reads, and never spans two of them (each is
-registered on its own). By default (``unlocked="stage"``) a copy does not wait: the reads of ranges not yet
-locked go through the process's native stager (the pinned backend's reader, shared), so a fresh open's first
-pass reads at the pinned path's rate while the locking goes on behind it (docs/design.md, "The RAM tier").
+registered on its own). With ``unlocked="stage"`` a copy does not wait: the reads of ranges not yet locked go
+through the process's native stager (the pinned backend's reader, shared) while the locking goes on behind
+them (docs/design.md, "`mmap`: the RAM tier").
 
 As with any memory-mapped file, a shard file truncated in place while the dataset is open kills the
 process with SIGBUS. Replacing the dataset is safe: ``gdsload shard --overwrite`` renames a new folder
@@ -241,7 +241,7 @@ class MmapBackend(CudaBackend):
 
     def __init__(self, device_id: int = 0, max_bytes: int | None = None, num_streams: int = DEFAULT_STREAMS,
                  copy_bytes: int = DEFAULT_COPY_BYTES, register_threads: int = 16, copier: str = "auto",
-                 queue_bytes: int | None = None, unlocked: str = "stage"):
+                 queue_bytes: int | None = None, unlocked: str = "wait"):
         """``max_bytes`` caps the bytes locked (default half of RAM); copies of at most ``copy_bytes`` (and
         never across two locked ranges) go round robin over ``num_streams`` non-blocking streams;
         ``register_threads`` read and lock the files in the background (a window's ranges when it is
@@ -249,9 +249,9 @@ class MmapBackend(CudaBackend):
         queues a window's copies in one call (gdsload.backends.mmap.copier), "cupy" one CuPy call per copy, "auto" the
         native one where the library loads (``copier_reason`` says why not). ``queue_bytes``: when positive,
         a window's copies (then at most half of it each) are queued a piece at a time, at most that many bytes
-        ahead; 0 queues them at once; default :func:`queue_bytes_for`. ``unlocked``: "stage" reads ranges not
-        yet locked through the native stager (where it loads; ``stage_reason`` says why not), "wait" waits for
-        them to be locked."""
+        ahead; 0 queues them at once; default :func:`queue_bytes_for`. ``unlocked``: "wait" (default) waits for
+        the ranges a window reads to be locked; "stage" reads those not yet locked through the native stager
+        (where it loads; ``stage_reason`` says why not)."""
         queue_bytes = queue_bytes_for() if queue_bytes is None else queue_bytes
         if num_streams < 1 or copy_bytes < 1 or register_threads < 1 or queue_bytes < 0 or queue_bytes == 1:
             raise ValueError(f"num_streams, copy_bytes and register_threads must be positive and queue_bytes 0 or "
