@@ -3,8 +3,7 @@ warm and cold GB/s and waiting beside a step, each figure a fresh process using 
 alternating (A B B A) so the machine's drift falls on all.
 
     python -m benchmarks.ab --trees BEFORE_DIR . --out DIR          # GPU machine; root for the cold rows
-    python -m benchmarks.ab --readers native,kvikio,threads --out DIR
-"""
+    python -m benchmarks.ab --readers native,kvikio,threads --out DIR"""
 
 from __future__ import annotations
 
@@ -181,11 +180,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def plot(doc: dict[str, Any], png: str) -> None:
     """Bars of A's and B's median per row (GB/s rows and waiting rows side by side)."""
-    try:
-        import matplotlib
+    from .common import pyplot, save_figure
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    try:
+        plt = pyplot()
     except ImportError:
         return
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
@@ -200,8 +198,7 @@ def plot(doc: dict[str, Any], png: str) -> None:
         ax.set_xticks(np.arange(len(rows)), labels, fontsize=7)
         ax.set_ylabel("waiting % (median of 3)" if waiting else "GB/s (best of 3)")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
+    save_figure(fig, png)
 
 
 def _figure(runs: list[dict[str, Any]], key: str) -> str:

@@ -2,8 +2,7 @@
 nothing with the loader. A pass in which even the least slowed canary ran ``threshold`` times slower than its
 median is the machine's, and left out of ``wait_fraction_unslowed``.
 
-    python -m benchmarks.canaries SECONDS OUT    # one canary (the suite starts them itself)
-"""
+    python -m benchmarks.canaries SECONDS OUT    # one canary (the suite starts them itself)"""
 
 from __future__ import annotations
 
@@ -40,15 +39,6 @@ def canary(seconds: float, out: str) -> None:
         units.append((t0, time.perf_counter() - t0))
     with open(out, "w") as f:
         json.dump(units, f)
-
-
-def slowdowns(units: list[np.ndarray], t0: float, t1: float) -> list[float | None]:
-    """Per canary: its units' mean length between ``t0`` and ``t1`` over its median unit (None: no unit)."""
-    out: list[float | None] = []
-    for u in units:
-        m = (u[:, 0] >= t0) & (u[:, 0] < t1)
-        out.append(round(float(u[m, 1].mean() / np.median(u[:, 1])), 2) if m.any() else None)
-    return out
 
 
 class Canaries:
@@ -121,10 +111,12 @@ def pass_windows(stamps: list[float], passes: int) -> list[tuple[float, float]] 
 def unslowed(waits: list[float], windows: list[tuple[float, float]], units: list[np.ndarray],
              threshold: float = CANARY_THRESHOLD) -> tuple[float | None, list[float | None]]:
     """The median of ``waits`` over the passes the machine did not slow down (None: none left), and every
-    pass's least canary slowdown (None: unjudged, left out)."""
+    pass's least canary slowdown: the least over the canaries of their units' mean length in the pass over their
+    median unit (None: no unit in it, unjudged, left out)."""
     least: list[float | None] = []
     for t0, t1 in windows:
-        known = [s for s in slowdowns(units, t0, t1) if s is not None]
+        inside = [(u[:, 0] >= t0) & (u[:, 0] < t1) for u in units]
+        known = [round(float(u[m, 1].mean() / np.median(u[:, 1])), 2) for u, m in zip(units, inside) if m.any()]
         least.append(min(known) if known else None)
     kept = [w for w, s in zip(waits, least) if s is not None and s <= threshold]
     return (round(float(np.median(kept)), 4) if kept else None), least

@@ -5,8 +5,7 @@
     python -m benchmarks.check_ranks --elastic 3,2,4 --cut 5 --backend cpu --data /tmp/ranks --out results/
 
 Elastic: one epoch in legs of 3, 2, then 4 ranks (processes launched here, no torch.distributed), each resuming
-from the merged state of the last; the legs' union must be the epoch, and epoch 1 what a fresh run reads.
-"""
+from the merged state of the last; the legs' union must be the epoch, and epoch 1 what a fresh run reads."""
 
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ from gdsload.pipeline.resume import merge_states
 from gdsload.conversion.source_types import ArraySource
 from gdsload.conversion.writer import write_dataset
 
-from .common import ROOT as _ROOT, Generated  # ROOT: where ``-m benchmarks...`` resolves
+from .common import ROOT as _ROOT, Generated, add_options, write_json  # ROOT: where ``-m benchmarks...`` resolves
 
 SAMPLE = (64, 1024)  # 64 KiB of uint8 per sample
 
@@ -49,15 +48,11 @@ def make_data(data: str, samples: int) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", required=True)
-    ap.add_argument("--samples", type=int, default=30011)  # prime: uneven split on purpose
-    ap.add_argument("--batch-size", default="128", help="samples per batch (elastic: one per leg, e.g. 16,24,12)")
-    ap.add_argument("--backend", default="auto")
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--elastic", default=None, help="world sizes of the legs of an epoch, e.g. 3,2,4")
-    ap.add_argument("--cut", default="5", help="elastic: batches each leg but the last reads before its "
-                    "checkpoint (one value, or one per leg)")
-    ap.add_argument("--gpus", type=int, default=0, help="elastic: devices to spread ranks over (LOCAL_RANK = "
-                    "rank %% gpus; default: one per rank)")
+    add_options(ap, samples=30011, batch_size=("128", "samples per batch (elastic: one per leg, e.g. 16,24,12)"),
+                backend="auto", out=None, elastic=(None, "world sizes of the legs of an epoch, e.g. 3,2,4"),
+                cut=("5", "elastic: batches each leg but the last reads before its checkpoint (one value, or one per "
+                     "leg)"), gpus=(0, "elastic: devices to spread ranks over (LOCAL_RANK = rank %% gpus; default: "
+                                   "one per rank)"))  # samples: a prime, an uneven split on purpose
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # elastic: one rank of a leg (JSON args)
     args = ap.parse_args()
     if args.worker:
@@ -121,19 +116,24 @@ def distributed(args: argparse.Namespace) -> int:
                        "rank0_gb_per_s": round(ds.stats.bytes_read / wall / 1e9, 2)}
                 summary["epochs"].append(row)
                 print(json.dumps(row), flush=True)
-    ok = True
+    code = 0
     if rank == 0:
         e = summary["epochs"]
         ok = all(r["every_sample_read"] and r["mismatched_bytes"] == 0 and len(set(r["per_rank_batches"])) == 1
                  and r["repeated_for_padding"] < world * 2 * batch_size for r in e)
         ok = ok and e[0]["per_rank_samples"] == e[1]["per_rank_samples"]
-        summary["ok"] = ok
-        print(f"ranks cover each epoch exactly once: {ok}", flush=True)
-        if args.out:
-            os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, f"ranks-{world}gpu-{args.backend}.json"), "w") as f:
-                json.dump(summary, f, indent=1)
+        code = finish(args, f"ranks-{world}gpu-{args.backend}.json", summary, ok, "ranks cover each epoch")
     dist.destroy_process_group()
+    return code
+
+
+def finish(args: argparse.Namespace, name: str, summary: dict, ok: bool, what: str) -> int:
+    """Say whether ``what`` holds, write ``summary`` with ``ok`` to ``OUT/name`` (with --out); the exit status."""
+    summary["ok"] = ok
+    print(f"{what} exactly once: {ok}", flush=True)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        write_json(os.path.join(args.out, name), summary)
     return 0 if ok else 1
 
 
@@ -250,16 +250,10 @@ def elastic(args: argparse.Namespace) -> int:
     }
     # Padding: the first leg's (under a block per rank) plus at most one sample per rank in each later leg.
     spb = max(1, (1 << 20) // int(np.prod(SAMPLE)))
-    summary["ok"] = (summary["every_sample_read"] and summary["mismatched_bytes"] == 0
-                     and summary["equal_batches_per_leg"] and summary["next_epoch_is_fresh"]
-                     and repeated < worlds[0] * spb + sum(worlds[1:]))
-    print(f"legs {args.elastic} cover the epoch exactly once: {summary['ok']}", flush=True)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        name = f"elastic-{'-'.join(map(str, worlds))}-{args.backend}.json"
-        with open(os.path.join(args.out, name), "w") as f:
-            json.dump(summary, f, indent=1)
-    return 0 if summary["ok"] else 1
+    ok = (summary["every_sample_read"] and summary["mismatched_bytes"] == 0 and summary["equal_batches_per_leg"]
+          and summary["next_epoch_is_fresh"] and repeated < worlds[0] * spb + sum(worlds[1:]))
+    return finish(args, f"elastic-{'-'.join(map(str, worlds))}-{args.backend}.json", summary, ok,
+                  f"legs {args.elastic} cover the epoch")
 
 
 if __name__ == "__main__":

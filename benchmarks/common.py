@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 import time
 from typing import Any, Callable
 
@@ -83,16 +84,11 @@ def describe_machine(data_dir: str | None = None) -> dict[str, Any]:
     return info
 
 
-def machine_name(info: dict[str, Any]) -> str:
-    """The results folder of a machine: its GPU's name without "NVIDIA ", spaces as dashes
-    (``H100-80GB-HBM3``); ``cpu-only`` without a GPU."""
-    gpu = info.get("gpu")
-    return gpu.replace("NVIDIA ", "").strip().replace(" ", "-") if gpu else "cpu-only"
-
-
 def results_dir(out: str, info: dict[str, Any]) -> str:
-    """``out/<machine>``, created."""
-    path = os.path.join(out, machine_name(info))
+    """``out/<machine>``, created: the GPU's name without "NVIDIA ", spaces as dashes (``H100-80GB-HBM3``);
+    ``cpu-only`` without a GPU."""
+    gpu = info.get("gpu")
+    path = os.path.join(out, gpu.replace("NVIDIA ", "").strip().replace(" ", "-") if gpu else "cpu-only")
     os.makedirs(path, exist_ok=True)
     return path
 
@@ -180,19 +176,23 @@ def device_used_bytes(gpu: bool) -> int | None:
     return int(total - free)
 
 
-def probe_parser(description: str, size_gib: float = 4.0) -> argparse.ArgumentParser:
-    """The options every probe takes: dataset, output, a tag for the file name, and Python's thread switch
-    interval (:func:`parse_probe_args` applies it)."""
-    ap = argparse.ArgumentParser(description=description)
-    ap.add_argument("--data", default=DATA_DIR)
-    ap.add_argument("--size-gib", type=float, default=size_gib)
-    ap.add_argument("--out", default=RESULTS_DIR)
-    ap.add_argument("--tag", default="", help="added to the result file's name")
-    ap.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval for this run (s)")
+def add_options(ap: argparse.ArgumentParser, **options: Any) -> argparse.ArgumentParser:
+    """``--name`` (``_`` as ``-``) per keyword: its default, or (default, help[, type]); the type is the default's
+    (False: a switch; None: a string) unless given."""
+    for name, spec in options.items():
+        default, text, kind = (*spec, None)[:3] if isinstance(spec, tuple) else (spec, None, None)
+        kind = kind or type("" if default is None else default)
+        how = {"action": "store_true"} if default is False else {"type": kind}
+        ap.add_argument("--" + name.replace("_", "-"), default=default, help=text, **how)
     return ap
 
 
-def parse_probe_args(ap: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+def probe_args(description: str, argv: list[str] | None, size_gib: float = 4.0, **options: Any) -> argparse.Namespace:
+    """The options every probe takes (dataset, output, a tag for the file name, Python's thread switch interval,
+    applied here) and ``options`` (:func:`add_options`), parsed from ``argv``."""
+    ap = add_options(argparse.ArgumentParser(description=description), data=DATA_DIR, size_gib=size_gib,
+                     out=RESULTS_DIR, tag=("", "added to the result file's name"),
+                     switch_interval=(None, "sys.setswitchinterval for this run (s)", float), **options)
     args = ap.parse_args(argv)
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
@@ -213,10 +213,19 @@ def write_probe_table(args: argparse.Namespace, name: str, rows: list[dict[str, 
     return out
 
 
-def save_figure(fig: Any, png: str, dpi: int = 100) -> None:
-    """Lay ``fig`` out, write it to ``png`` and free it (pyplot keeps every open figure otherwise)."""
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` drawing to files (Agg); ImportError without matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def save_figure(fig: Any, png: str, dpi: int = 100) -> None:
+    """Lay ``fig`` out, write it to ``png`` and free it (pyplot keeps every open figure otherwise)."""
+    plt = pyplot()
     fig.tight_layout()
     fig.savefig(png, dpi=dpi)
     plt.close(fig)
@@ -235,3 +244,51 @@ def write_report(json_path: str, text: str, plot: Callable[[str], None], command
     except ImportError as e:
         print(f"no plot ({e}): run '{command} {json_path}' where matplotlib is installed")
     return written
+
+
+#: Line styles of :func:`gbps_plot`'s ceilings, in turn (a colour each from matplotlib's cycle after the bars').
+CEILING_STYLES = ("--", ":", "-.", (0, (5, 1, 1, 1)))
+
+
+def line_label(what: str, io_mode: str | None) -> str:
+    """A ceiling's name on the plot: its row's name without ``ceiling: ``, with its io mode where it has one."""
+    return what.removeprefix("ceiling: ") + (f" ({io_mode})" if io_mode else "")
+
+
+def gbps_plot(json_path: str, title: str, groups: dict[str, dict[str, float | None]],
+              ceilings: dict[str, float | None]) -> str | None:
+    """The PNG beside a probe's JSON (:func:`write_probe_table`): bars per group (a series one colour
+    throughout), ceilings as lines, None named as not run; its path, or None without matplotlib (said so)."""
+    out = os.path.splitext(json_path)[0] + ".png"
+    try:
+        plt = pyplot()
+    except ImportError as e:
+        print(f"no plot ({e}): install matplotlib (pip install 'gdsload[bench]') and run again for {out}", flush=True)
+        return None
+    series = list(dict.fromkeys(s for values in groups.values() for s in values))
+    width = 0.8 / max(1, len(series))
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.6 * len(groups) * max(1, len(series)) + 2), 5.0))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, name in enumerate(series):
+        xs = [g + (i - (len(series) - 1) / 2) * width for g, values in enumerate(groups.values())
+              if values.get(name) is not None]
+        ys = [values[name] for values in groups.values() if values.get(name) is not None]
+        bars = ax.bar(xs, ys, width, label=name, color=colours[i % len(colours)])
+        ax.bar_label(bars, fmt="%.2f", fontsize=8)
+    for j, (name, value) in enumerate(ceilings.items()):
+        style = CEILING_STYLES[j % len(CEILING_STYLES)]
+        colour = colours[(len(series) + j) % len(colours)]
+        if value is None:
+            ax.plot([], [], linestyle=style, color=colour, label=f"{name}: not run")
+        else:
+            ax.axhline(value, linestyle=style, color=colour, label=f"{name}: {value:.2f}")
+    ax.set_xticks(range(len(groups)), [textwrap.fill(g, 22) for g in groups], fontsize=8)
+    ax.set_ylabel("GB/s (GB = 1e9 bytes)")
+    ax.set_title(title, fontsize=10)
+    drawn = [v for values in groups.values() for v in values.values() if v is not None]
+    drawn += [v for v in ceilings.values() if v is not None]
+    ax.set_ylim(0, 1.5 * max(drawn) if drawn else 1.0)  # head room: the legend above the bars and lines
+    ax.legend(fontsize=7, loc="upper left", ncol=2 if len(series) + len(ceilings) > 3 else 1)
+    save_figure(fig, out)
+    print("wrote", out, flush=True)
+    return out

@@ -2,8 +2,7 @@
 (the ceiling), torchvision's GPU decode, a PIL DataLoader and DALI (docs/images.md).
 
     python -m benchmarks.images                          # GPU machine: every row (root for the cold rows)
-    python -m benchmarks.images --tiny --backends cpu    # anywhere: a smoke test of the gdsload rows
-"""
+    python -m benchmarks.images --tiny --backends cpu    # anywhere: a smoke test of the gdsload rows"""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from benchmarks.common import describe_machine, results_dir, today, write_json
+from benchmarks.common import RESULTS_DIR, add_options, describe_machine, results_dir, today, write_json
 from gdsload import GDSDataset, ImageSpec, convert_images
 from gdsload.tools.measure import cold_pass, time_pass
 
@@ -202,15 +201,11 @@ def contender(name: str, fn: Callable[[], float], rows: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data-dir", default=os.environ.get("GDSLOAD_BENCH_DIR", "/tmp/gdsload-bench"))
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    ap.add_argument("--images", type=int, default=200_000)
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--backends", default="mmap,pinned,kvikio")
-    ap.add_argument("--tiny", action="store_true", help="at most 2,000 images, gdsload rows only (a smoke test)")
-    ap.add_argument("--min-seconds", type=float, default=5.0, help="each gdsload warm row's timed stretch")
-    args = ap.parse_args(argv)
+    args = add_options(argparse.ArgumentParser(description=__doc__.splitlines()[0]),
+                       data_dir=os.environ.get("GDSLOAD_BENCH_DIR", "/tmp/gdsload-bench"), out=RESULTS_DIR,
+                       images=200_000, batch=256, backends="mmap,pinned,kvikio",
+                       tiny=(False, "at most 2,000 images, gdsload rows only (a smoke test)"),
+                       min_seconds=(5.0, "each gdsload warm row's timed stretch")).parse_args(argv)
     count = min(args.images, 2000) if args.tiny else args.images
     tree, gds, nbytes = make_images(args.data_dir, count)
     info = describe_machine(args.data_dir)

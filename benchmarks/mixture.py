@@ -2,19 +2,16 @@
 
     python -m benchmarks.mixture [--size-gib 4] [--backends mmap,pinned,kvikio] [--rounds 3]
 
-The three sources hold 1/2, 1/3 and 1/6 of ``--size-gib`` of the suite's images and are mixed in those
-proportions (every source with the same backend); the single dataset holds ``--size-gib``. Every figure comes
-from ``--rounds`` fresh processes per contender, the two alternating (A B, B A, ...), the data warm in the page
-cache: each process opens, reads one pass (kernels, buffers), then times back-to-back batches for at least
-``--min-seconds`` (the mixture's stretch is whole passes of ``num_batches`` = the single dataset's batches per
-epoch), the device synchronised at the end; GB/s counts the bytes of the batches delivered. It then waits beside
-a simulated step of ``--step-factor`` times a batch's read time at the single dataset's rate of the first round
-(the suite's method, ``time_passes``), and reports the device memory it holds (``memGetInfo``, after the pass).
+Three sources of 1/2, 1/3 and 1/6 of ``--size-gib`` (the suite's images, one backend) mixed in those shares,
+against one dataset of ``--size-gib``: ``--rounds`` fresh processes each, alternating (A B, B A, ...), data warm.
+A process opens, reads a pass, times back-to-back batches for at least ``--min-seconds`` (the mixture: whole
+passes of the single dataset's batches per epoch; GB/s of the batches delivered, device synchronised), then waits
+beside a step of ``--step-factor`` times a batch's read time at the single dataset's first-round rate
+(``time_passes``) and reports the device memory it holds (``memGetInfo``).
 
-Rows (``results``): per backend, every run's GB/s of one dataset and of the mixture, their medians and ratio,
-the waiting and the device memory; with ``--first-epoch``, a fresh open's first epochs and a continuous 10 ms
-step (``summary``). Ceilings, same run, on the single dataset's files: page cache -> host memory, raw KvikIO of
-its blocks shuffled, pinned H2D copy. A backend or ceiling that cannot run here is a row saying why."""
+Rows: per backend, each run's GB/s, their medians and ratio, the waiting and device memory; ``--first-epoch``
+adds a fresh open's first epochs and a continuous 10 ms step (``summary``). Ceilings on the single dataset's
+files: page cache -> host memory, raw KvikIO of its blocks shuffled, pinned H2D. What cannot run is a row saying why."""
 
 from __future__ import annotations
 
@@ -34,9 +31,8 @@ from gdsload.tools.measure import (THREADS, PassResult, block_locations, device_
                                    raw_kvikio_blocks, read_files, shard_paths, time_pass, time_passes)
 from gdsload.tools.steps import Step, make_step
 
-from .common import (BATCH, SAMPLE_BYTES, Rows, device_used_bytes, free_device_memory, make_dataset, parse_probe_args,
-                     probe_parser, run_child, write_probe_table)
-from .plots import gbps_plot, line_label
+from .common import (BATCH, SAMPLE_BYTES, Rows, device_used_bytes, free_device_memory, gbps_plot, line_label,
+                     make_dataset, probe_args, run_child, write_probe_table)
 
 SHARES = {"half": 3, "third": 2, "sixth": 1}  # sixths of the total
 PAGE_CACHE = "ceiling: page cache -> host memory"
@@ -77,12 +73,6 @@ def mixture_waiting(mix: Mixture, step: Step, sync: Any, passes: int = 3) -> flo
     return statistics.median(waits[1:]) / alone
 
 
-def single_waiting(ds: GDSDataset, step: Step, passes: int = 3) -> float:
-    """The same for one dataset (:func:`time_passes`)."""
-    later = time_passes(ds, step, passes)[1:]
-    return statistics.median(r.wait_s for r in later) / later[0].alone_s  # type: ignore[operator]
-
-
 def device_used() -> int:
     """Bytes of device memory in use (0 without a GPU)."""
     return device_used_bytes(gpu_available()) or 0
@@ -112,8 +102,10 @@ def child(kind: str, backend: str, single_path: str, sources: dict[str, str], ba
             time_pass(single)
             out["memory_bytes"] = device_used() - base
             out["gbps"] = time_pass(single, min_seconds=min_seconds).gb_per_s
-            if step_ms:
-                out["waiting_pct"] = 100 * single_waiting(single, make_step(step_ms, gpu=backend != "cpu"))
+            if step_ms:  # as mixture_waiting, for one dataset (time_passes)
+                later = time_passes(single, make_step(step_ms, gpu=backend != "cpu"), 3)[1:]
+                alone = later[0].alone_s or 0.0  # set by time_passes, as every pass's wait_s
+                out["waiting_pct"] = 100 * statistics.median(r.wait_s or 0.0 for r in later) / alone
         return out
     num_batches = len(single)
     single.close()
@@ -227,12 +219,6 @@ def _raw_kvikio(single_path: str, rounds: int, min_seconds: float) -> list[PassR
         free_device_memory()
 
 
-def _h2d(rounds: int) -> list[PassResult]:
-    nbytes = 256 << 20
-    return [PassResult(bytes=nbytes, seconds=nbytes / (pinned_h2d_gbps(nbytes) * 1e9), io_mode="cuda-memcpy")
-            for _ in range(rounds)]
-
-
 def ceilings(single_path: str, rounds: int, min_seconds: float) -> Rows:
     """The ceilings of the module docstring on ``single_path``'s files (read into the page cache first), in the
     order page cache, raw KvikIO, pinned H2D; each the best of ``rounds``, or a row saying why it did not run
@@ -249,7 +235,9 @@ def ceilings(single_path: str, rounds: int, min_seconds: float) -> Rows:
         (RAW_KVIKIO, f"{THREADS} threads, one read per block",
          why_not or (None if kvikio_installed() else "KvikIO is not installed"),
          lambda: _raw_kvikio(single_path, rounds, min_seconds)),
-        (H2D, "256 MiB, best of 5 copies each run", why_not, lambda: _h2d(rounds)),
+        (H2D, "256 MiB, best of 5 copies each run", why_not,
+         lambda: [PassResult(bytes=256 << 20, seconds=(256 << 20) / (pinned_h2d_gbps(256 << 20) * 1e9),
+                             io_mode="cuda-memcpy") for _ in range(rounds)]),
     ]
     for what, config, why, measure_it in cases:
         if why is not None:
@@ -307,16 +295,10 @@ def backend_not_run(backend: str, why: str) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = probe_parser(__doc__.splitlines()[0], size_gib=4.0)
-    ap.add_argument("--backends", default="mmap,pinned,kvikio")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--min-seconds", type=float, default=0.5)
-    ap.add_argument("--batch-size", type=int, default=BATCH)
-    ap.add_argument("--step-factor", type=float, default=1.5,
-                    help="waiting beside a simulated step of this many times a batch's read time at the single "
-                         "dataset's rate (0: not measured)")
-    ap.add_argument("--first-epoch", action="store_true", help="also the first-epoch and continuous rows")
-    args = parse_probe_args(ap, argv)
+    args = probe_args(__doc__.splitlines()[0], argv, 4.0, backends="mmap,pinned,kvikio", rounds=3,
+                      min_seconds=0.5, batch_size=BATCH, step_factor=(1.5, "waiting beside a simulated step of this "
+                      "many times a batch's read time at the single dataset's rate (0: not measured)"),
+                      first_epoch=(False, "also the first-epoch and continuous rows"))
     single = make_dataset(args.data, args.size_gib)
     sources = {name: make_dataset(args.data, args.size_gib * n / 6) for name, n in SHARES.items()}
     limits = ceilings(single, args.rounds, args.min_seconds)

@@ -7,8 +7,7 @@ GB/s of dataset bytes, medians with their spread: ``ceiling_gbps`` (the best cli
 ``direct_gbps`` (no cache; ``direct_tuned_gbps`` with ``--direct-options``), ``cached_cold_gbps`` (the open and
 first pass into an empty cache; ``cached_open_s`` the open), ``cached_warm_gbps``, ``one_process_gbps`` and
 ``nodes4_gbps`` (4 processes, a cache each, the open and one epoch; ``nodes4_fetched_ratio``: bytes fetched over
-the dataset's).
-"""
+the dataset's)."""
 
 from __future__ import annotations
 
@@ -27,14 +26,11 @@ from typing import Any
 from gdsload.system.env import gpu_available
 from gdsload.tools.measure import read_files, shard_paths
 
-from .common import BATCH, make_dataset, parse_probe_args, probe_parser, write_probe_table
-from .plots import gbps_plot
+from .common import BATCH, ROOT, gbps_plot, make_dataset, probe_args, write_probe_table
 from .remote_worker import CLIENTS
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: The routes' cases, beside one per client.
 ROUTES = ("direct", "cached", "one_process", "nodes4")
-Row = dict[str, Any]
 
 
 @contextmanager
@@ -165,27 +161,17 @@ def markdown(summary: dict[str, Any], runs: int, backend: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def print_run(name: str, r: dict[str, Any]) -> None:
-    figures = {k: v for k, v in r.items() if k not in ("sweep",)}
-    print(f"  {name}: {json.dumps(figures)}", flush=True)
-    if r.get("sweep"):
-        print("    sweep: " + ", ".join(f"{k} {v}" for k, v in r["sweep"].items()), flush=True)
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = probe_parser(__doc__.splitlines()[0], size_gib=2.0)
-    ap.add_argument("--block-kib", type=int, default=4096, help="the dataset's block size (KiB)")
-    ap.add_argument("--runs", type=int, default=3, help="fresh-process runs of every case (median reported)")
-    ap.add_argument("--seconds", type=float, default=1.0, help="least seconds of each warm measurement")
-    ap.add_argument("--batch-size", type=int, default=BATCH)
-    ap.add_argument("--backend", default=None, help="gdsload's backend (default: kvikio with a GPU, else cpu)")
-    ap.add_argument("--concurrency", default="16,64", help="the threaded clients' sweep")
-    ap.add_argument("--clients", default=",".join(CLIENTS), help="which plain clients to measure")
-    ap.add_argument("--timeout", type=float, default=300.0, help="seconds a measurement may take")
-    ap.add_argument("--direct-options", default=None,
-                    help="JSON backend_options of a second direct case, direct_tuned (e.g. num_threads, task_bytes)")
-    ap.add_argument("--resident-bytes", type=int, default=None, help="gdsload's resident_bytes (default: its own)")
-    args = parse_probe_args(ap, argv)
+    args = probe_args(
+        __doc__.splitlines()[0], argv, 2.0, block_kib=(4096, "the dataset's block size (KiB)"),
+        runs=(3, "fresh-process runs of every case (median reported)"), batch_size=BATCH,
+        seconds=(1.0, "least seconds of each warm measurement"), concurrency=("16,64", "the threaded clients' sweep"),
+        backend=(None, "gdsload's backend (default: kvikio with a GPU, else cpu)"),
+        clients=(",".join(CLIENTS), "which plain clients to measure"),
+        timeout=(300.0, "seconds a measurement may take"), resident_bytes=(None, "gdsload's resident_bytes "
+                                                                           "(default: its own)", int),
+        direct_options=(None, "JSON backend_options of a second direct case, direct_tuned (e.g. num_threads, "
+                        "task_bytes)"))
     backend = args.backend or ("kvikio" if gpu_available() else "cpu")
     path = make_dataset(args.data, args.size_gib, args.block_kib << 10)
     files = shard_paths(path)
@@ -208,8 +194,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"run {run + 1} of {args.runs}", flush=True)
                 for name in names[run % len(names):] + names[:run % len(names)]:
                     t0 = time.perf_counter()
-                    runs[name].append(run_case(name, base, work, dataset_bytes, args.timeout))
-                    print_run(f"{name} ({time.perf_counter() - t0:.1f} s)", runs[name][-1])
+                    r = run_case(name, base, work, dataset_bytes, args.timeout)
+                    runs[name].append(r)
+                    figures = json.dumps({k: v for k, v in r.items() if k != "sweep"})
+                    print(f"  {name} ({time.perf_counter() - t0:.1f} s): {figures}", flush=True)
+                    if r.get("sweep"):
+                        print("    sweep: " + ", ".join(f"{k} {v}" for k, v in r["sweep"].items()), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     summary = summarize(runs)

@@ -2,8 +2,7 @@
 client's sweep (``client``), or a gdsload route: ``direct``, ``cached`` (cold open and pass, then warm) or one
 ``node`` of many (``RANK``, ``WORLD_SIZE``: the open and one epoch, its wall-clock start and end).
 
-    python -m benchmarks.remote_worker JSON    # {"case": ..., settings}; the last line printed is RESULT {...}
-"""
+    python -m benchmarks.remote_worker JSON    # {"case": ..., settings}; the last line printed is RESULT {...}"""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""Render a suite JSON (the one shape ``benchmarks.suite`` writes): a markdown table with the targets
-checked, a PNG (when matplotlib imports), and ``summary.json`` with the headline figures. Nothing here
-measures anything.
+"""Render a suite JSON (the one shape ``benchmarks.suite`` writes): a markdown table with the targets checked, a
+PNG (when matplotlib imports) and ``summary.json`` with the headline figures. Nothing here measures anything.
 
-    python -m benchmarks.report benchmarks/results/H200/suite.json
-"""
+    python -m benchmarks.report benchmarks/results/H200/suite.json"""
 
 from __future__ import annotations
 
@@ -11,6 +9,8 @@ import os
 import sys
 from collections.abc import Callable
 from typing import Any
+
+from .common import load_result, pyplot, save_figure, write_json, write_report
 
 #: Version of the JSON shape (each adds summary keys, None where a run did not measure them); ``READS``: rendered.
 SCHEMA = 3
@@ -333,13 +333,7 @@ def _section(title: str, intro: str, header: str, align: str, measured: str, row
 
 def plot(doc: dict[str, Any], png: str) -> None:
     """Bar charts of GB/s and CPU core-s/GB on the main dataset. Raises ImportError without matplotlib."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from .common import save_figure
-
+    plt = pyplot()
     main = main_dataset(doc["results"])
     rows = [r for r in doc["results"] if "gb_per_s" in r and r["dataset"] in ("-", main) and r.get("kind") != "step"]
     labels = [f"{r['name']} [{r['regime']}] {r['config']}" for r in rows]
@@ -360,8 +354,6 @@ def plot(doc: dict[str, Any], png: str) -> None:
 
 def load(path: str) -> dict[str, Any]:
     """A suite JSON, refused unless it has this module's shape (``schema``)."""
-    from .common import load_result
-
     return load_result(path, lambda doc: None if doc.get("schema") in READS
                        else f"not a suite result of schema {' or '.join(map(str, READS))} "
                             f"(found {doc.get('schema')!r})")
@@ -370,8 +362,6 @@ def load(path: str) -> dict[str, Any]:
 def render(path: str, summary: bool = True) -> list[str]:
     """Write the markdown (and PNG, and ``summary.json`` beside it) of the suite JSON at ``path``; returns
     the files written. Without matplotlib the PNG is left out, and said so."""
-    from .common import write_json, write_report
-
     doc = load(path)
     extra = [write_json(os.path.join(os.path.dirname(path), "summary.json"), summarize(doc))] if summary else []
     return write_report(path, markdown(doc), lambda png: plot(doc, png), "python -m benchmarks.report") + extra

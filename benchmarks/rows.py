@@ -76,12 +76,12 @@ class GdsRun:
         self.ds.close()
 
 
+def rnd(v: float | None, n: int = 3) -> float | None:
+    return None if v is None else round(v, n)
+
+
 def figures(r: PassResult, waits: list[float]) -> dict[str, Any]:
     """A pass's figures, rounded as the results show them."""
-
-    def rnd(v: float | None, n: int) -> float | None:
-        return None if v is None else round(v, n)
-
     return {"io_mode": r.io_mode, "gb_per_s": round(r.gb_per_s, 2),
             "samples_per_s": round(r.samples_per_s) if r.samples_per_s else None,
             "cpu_core_s_per_gb": rnd(r.cpu_core_s_per_gb, 3), "seconds": round(r.seconds, 3),

@@ -4,8 +4,8 @@ page cache, so the server copies no byte through Python and is not what is measu
     python -m benchmarks.sendfile_server ROOT [--port 0]    # prints PORT, then serves until killed
 
 The files under ROOT (links followed) at their paths; an S3 client reaches it path-style, its signature ignored.
-:class:`RangeHandler` (the HTTP semantics) is shared with the tests' fault-injecting server. Standard library only.
-"""
+:class:`RangeHandler` (the HTTP semantics) is shared with the tests' fault-injecting server. Standard library
+only."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 permutation: pure computation on the read plan (docs/shuffling.md).
 
     python -m benchmarks.shuffle_quality
-    python benchmarks/shuffle_quality.py --samples 20000 --classes 100 --out /tmp/shuffle   # as a file too
-"""
+    python benchmarks/shuffle_quality.py --samples 20000 --classes 100 --out /tmp/shuffle   # as a file too"""
 
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ if not __package__:  # run as a file: its package (benchmarks) from the checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     __package__ = "benchmarks"
 
-from .common import RESULTS_DIR, save_figure, write_json  # noqa: E402
+from .common import RESULTS_DIR, pyplot, save_figure, write_json  # noqa: E402
 
 
 def metrics(order: np.ndarray, k: int, batch: int, classes: int, n: int) -> dict[str, float]:
@@ -95,11 +94,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def plot(rows: list[dict], k: int, png: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     ws = [r for r in rows if isinstance(r["window_blocks"], int)]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.semilogx([r["window_blocks"] for r in ws], [r["class_entropy_fraction"] for r in ws], "o-",

@@ -4,8 +4,7 @@
     python -m benchmarks.suite --quick          # minutes: 1 + 4 GiB, main contenders, training-step rows
     python -m benchmarks.suite --full           # 1 GiB in 1/4/16 MiB blocks, 8/16/32 threads; 8 GiB; compressed
     python -m benchmarks.suite --stall-only     # the training-step rows alone, on the larger dataset
-    python -m benchmarks.suite --quick --backends cpu   # no GPU: the cpu backend beside host-memory contenders
-"""
+    python -m benchmarks.suite --quick --backends cpu   # no GPU: the cpu backend beside host-memory contenders"""
 
 from __future__ import annotations
 
@@ -126,7 +125,11 @@ def main(argv: list[str] | None = None) -> int:
         where[0] = f"after {name}"
         print(f"{name}: {stages[name]:.0f} s (elapsed {time.perf_counter() - started:.0f} s)", flush=True)
 
-    cut_on_signals()
+    def cut(signum: int, frame: Any) -> None:
+        raise Cut(signal.Signals(signum).name)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, cut)
     try:
         run_stages(args, rec, doc, stage)
     except Cut as e:
@@ -143,14 +146,6 @@ def main(argv: list[str] | None = None) -> int:
 class Cut(BaseException):
     """SIGTERM (a time limit's kill) or SIGINT stops the run where it is; a BaseException, so that no row's
     ``except Exception`` records it as that row's failure and goes on."""
-
-
-def cut_on_signals() -> None:
-    def handler(signum: int, frame: Any) -> None:
-        raise Cut(signal.Signals(signum).name)
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, handler)
 
 
 def run_stages(args: argparse.Namespace, rec: Recorder, doc: dict[str, Any],

@@ -14,7 +14,7 @@ from gdsload.tools.measure import PassResult, cpu_seconds, device_sync, read_fil
 from gdsload.tools.steps import Step
 
 from .common import ROOT, device_used_bytes, run_child, run_fresh
-from .rows import GdsRun, Recorder, figures, summed
+from .rows import GdsRun, Recorder, figures, rnd, summed
 
 CONTINUOUS_STEP_MS = 10.0
 
@@ -73,13 +73,9 @@ def fresh_startup(rec: Recorder, tag: str, path: str, backends: tuple[str, ...],
         except Exception as e:
             rec.failed(where, e)
             continue
-
-        def med(key: str) -> float:
-            return round(float(np.median([r[key] for r in runs])), 6)
-
         rec.emit({**where, "io_mode": runs[0]["io_mode"], "imports": imports, "processes": processes,
-                  "import_s": med("import_s"), "cuda_start_s": med("cuda_start_s"), "open_s": med("open_s"),
-                  "first_batch_s": med("first_batch_s"),
+                  **{k: round(float(np.median([r[k] for r in runs])), 6)
+                     for k in ("import_s", "cuda_start_s", "open_s", "first_batch_s")},
                   "seconds": round(float(np.median([r["open_s"] + r["first_batch_s"] for r in runs])), 4),
                   "runs": runs})
 
@@ -181,6 +177,7 @@ def fresh_continuous(rec: Recorder, tag: str, path: str, backend: str, batch_siz
 #: (about 1.1x) and float16 signals.
 COMPRESSED_KINDS = ("tokens", "images", "float16")
 
+
 def compressed_child(path: str, backend: str, batch_size: int, options: dict[str, Any], gpu: bool,
                      epochs: int) -> dict[str, Any]:
     """In the fresh process: the store opened (shuffled), a pass to set up, then ``epochs`` warm epochs in a row:
@@ -252,10 +249,6 @@ def compressed(rec: Recorder, backends: tuple[str, ...], data_dir: str, mib: int
             except Exception as e:
                 rec.failed(where, e)
                 continue
-
-            def rnd(v: float | None) -> float | None:
-                return None if v is None else round(v, 3)
-
             rec.emit({**where, "store": kind, "ratio": ratio, **figures, "cold_gbps": rnd(cold),
                       "raw_cold_gbps": rnd(raw_cold), "decoder_ceiling_gbps": rnd(ceiling),
                       "decoder_ceiling_why": why, "decoder_lanes": DECODE_LANES})

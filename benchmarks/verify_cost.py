@@ -4,8 +4,7 @@
 
 Verify off and on alternating round by round, in alternating order; warm: shuffled stretches from rest; cold: one
 pass from a dropped cache (mmap: open + pass); first pass: a fresh dataset's open and pass; codec: Zarr stores
-with and without zarr's crc32c codec. Cost = 1 - best(on) / best(off).
-"""
+with and without zarr's crc32c codec. Cost = 1 - best(on) / best(off)."""
 
 from __future__ import annotations
 
@@ -17,22 +16,17 @@ from collections.abc import Callable
 import numpy as np
 
 from gdsload import GDSDataset
-
 from gdsload.tools.measure import cold_pass, drop_page_cache, pinned_h2d_gbps, time_pass
 
-from .common import BATCH, Rows, make_dataset, open_and_pass, parse_probe_args, probe_parser, write_probe_table
-
-
-def order(r: int) -> tuple[bool, bool]:
-    """Verify off then on in even rounds, on then off in odd ones: neither is always measured second."""
-    return (False, True) if r % 2 == 0 else (True, False)
+from .common import BATCH, Rows, make_dataset, open_and_pass, probe_args, write_probe_table
 
 
 def alternating(measure: Callable[[bool], float], rounds: int) -> dict[bool, list[float]]:
-    """``measure(False)`` and ``measure(True)`` in :func:`order`, ``rounds`` times: each one's figures."""
+    """``measure(False)`` and ``measure(True)``, ``rounds`` times, off first in even rounds and on first in odd
+    ones (neither is always measured second): each one's figures."""
     passes: dict[bool, list[float]] = {False: [], True: []}
     for r in range(rounds):
-        for v in order(r):
+        for v in (False, True) if r % 2 == 0 else (True, False):
             passes[v].append(measure(v))
     return passes
 
@@ -100,23 +94,21 @@ def codec(data_dir: str, size_gib: float, backend: str, rounds: int, min_seconds
     codec and one without, warm, shuffled, alternating."""
     stores = {crc: zarr_store(data_dir, size_gib, crc) for crc in (False, True)}
     datasets = {crc: GDSDataset(p, BATCH, backend=backend, shuffle=True) for crc, p in stores.items()}
-    io_mode = datasets[True].io_mode
-    passes = alternate(datasets, rounds, min_seconds)
+    return {"what": f"gdsload {backend}, Zarr store", "io_mode": datasets[True].io_mode, "regime": "warm, crc32c codec",
+            **costs(alternate(datasets, rounds, min_seconds), "without_codec", "with_codec")}
+
+
+def costs(passes: dict[bool, list[float]], off: str, on: str) -> dict:
+    """Every run's GB/s off (``gb_per_s_<off>``) and on, the best of each, and the cost."""
     top = {v: max(x) for v, x in passes.items()}
-    return {"what": f"gdsload {backend}, Zarr store", "io_mode": io_mode, "regime": "warm, crc32c codec",
-            "gb_per_s_without_codec": [round(x, 2) for x in passes[False]],
-            "gb_per_s_with_codec": [round(x, 2) for x in passes[True]],
-            "best_off": round(top[False], 2), "best_on": round(top[True], 2),
-            "cost_pct": round(100 * (1 - top[True] / top[False]), 1)}
+    return {f"gb_per_s_{off}": [round(x, 2) for x in passes[False]],
+            f"gb_per_s_{on}": [round(x, 2) for x in passes[True]], "best_off": round(top[False], 2),
+            "best_on": round(top[True], 2), "cost_pct": round(100 * (1 - top[True] / top[False]), 1)}
 
 
 def row(backend: str, io_mode: str, regime: str, passes: dict[bool, list[float]]) -> dict:
-    top = {v: max(x) for v, x in passes.items()}
     return {"what": f"gdsload {backend}", "io_mode": io_mode, "regime": regime, "shuffle": True,
-            "gb_per_s_verify_off": [round(x, 2) for x in passes[False]],
-            "gb_per_s_verify_on": [round(x, 2) for x in passes[True]],
-            "best_off": round(top[False], 2), "best_on": round(top[True], 2),
-            "cost_pct": round(100 * (1 - top[True] / top[False]), 1)}
+            **costs(passes, "verify_off", "verify_on")}
 
 
 def markdown(rows: list[dict]) -> str:
@@ -131,16 +123,10 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = probe_parser(__doc__.splitlines()[0], size_gib=8.0)
-    ap.add_argument("--cold-gib", type=float, default=2.0)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--cold-rounds", type=int, default=2)
-    ap.add_argument("--first-rounds", type=int, default=2)
-    ap.add_argument("--codec-gib", type=float, default=2.0, help="Zarr stores for the crc32c codec rows (0: none)")
-    ap.add_argument("--min-seconds", type=float, default=0.5)
-    ap.add_argument("--backends", default="mmap,pinned,kvikio")
-    ap.add_argument("--options", type=json.loads, default={}, help="GDSDataset options as JSON (warm rows)")
-    args = parse_probe_args(ap, argv)
+    args = probe_args(__doc__.splitlines()[0], argv, 8.0, cold_gib=2.0, rounds=3, cold_rounds=2, first_rounds=2,
+                      codec_gib=(2.0, "Zarr stores for the crc32c codec rows (0: none)"), min_seconds=0.5,
+                      backends="mmap,pinned,kvikio",
+                      options=({}, "GDSDataset options as JSON (warm rows)", json.loads))
     path = make_dataset(args.data, args.size_gib)
     rows = Rows()
     rows.emit({"what": "ceiling: pinned H2D copy", "gb_per_s": round(pinned_h2d_gbps(), 2)})

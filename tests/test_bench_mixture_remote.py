@@ -95,7 +95,7 @@ def test_mixture_png(mixture_run: Run) -> None:
 
 def test_plot_without_matplotlib_says_so(tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
                                          capsys: pytest.CaptureFixture[str]) -> None:
-    from benchmarks.plots import gbps_plot
+    from benchmarks.common import gbps_plot
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
     json_path = str(tmp_path / "x.json")
@@ -105,7 +105,7 @@ def test_plot_without_matplotlib_says_so(tmp_path: Any, monkeypatch: pytest.Monk
 
 def test_plot_leaves_out_rows_not_run(tmp_path: Any) -> None:
     pytest.importorskip("matplotlib")
-    from benchmarks.plots import gbps_plot
+    from benchmarks.common import gbps_plot
 
     json_path = str(tmp_path / "x.json")
     png = gbps_plot(json_path, "t", {"a": {"one": 1.0, "two": None}, "b": {"one": 0.5, "two": 0.7}},

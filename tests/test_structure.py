@@ -50,8 +50,6 @@ def test_benchmark_docs_and_results_stay_within_bounds():
     assert 0 < len(results) <= 20, f"benchmarks/results: {len(results)} files (at most 20): {sorted(results)}"
 
 
-@pytest.mark.xfail(strict=True, reason="benchmarks/ holds about 4,100 lines: the last 100 need more merged or retired "
-                   "(issue 60); strict, so this marker goes once the bound holds")
 def test_benchmarks_stay_within_4000_lines():
     """benchmarks/ is at most 4,000 lines of Python (it had grown to 6,200): measurements whose question is
     answered leave with their code to git history, and what the benchmarks share lives in benchmarks/common.py."""
