@@ -6,12 +6,26 @@ from __future__ import annotations
 import queue
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Self
 
 #: How often a thread that waits (on a queue, an event, a condition) looks again at its stop event and the clock.
 POLL_S = 0.05
+
+
+def close_each(closers: Iterable[Callable[[], Any]]) -> None:
+    """Call every closer, even after one raised; then raise the first error. What frees one resource must not
+    leave the next one open (threads running, files held)."""
+    first: BaseException | None = None
+    for close in closers:
+        try:
+            close()
+        except BaseException as e:  # noqa: BLE001 - kept, raised once every closer ran
+            if first is None:
+                first = e
+    if first is not None:
+        raise first
 
 
 class Pending(ABC):

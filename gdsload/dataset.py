@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from . import _fork
-from ._tasks import REAPER, Closing
+from ._tasks import REAPER, Closing, close_each
 from .errors import GDSLoadError, warn
 from .format.missing import check_missing_chunks
 from .integrations import LoaderProtocols, refuse_collation, refuse_worker
@@ -316,7 +316,5 @@ class GDSDataset(LoaderProtocols, Closing):
 
 def _shutdown(active: list[Pipeline], reader: Reader, buffers: list[WindowBuffer], closing: threading.Event) -> None:
     closing.set()
-    while active:
-        active.pop().close()
-    reader.close()
-    buffers.clear()
+    pipelines = [active.pop() for _ in range(len(active))]
+    close_each((*(p.close for p in pipelines), reader.close, buffers.clear))

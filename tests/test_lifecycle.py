@@ -177,6 +177,25 @@ def test_no_thread_survives_close(data_path):
     assert threads_left_after_use(Dataset(path, batch_size=32, shuffle=True)) == set()
 
 
+def test_a_part_that_fails_to_close_leaves_none_of_the_others_open(data_path, plug):
+    """The defect: close() stopped at the first part that raised, so the shard files (and whatever came after
+    the failing part) stayed open. Now every part is closed and the first error is raised after."""
+    path, _ = data_path
+    before = open_fds()
+
+    class Failing(info("cpu").backend_class):  # type: ignore[misc,valid-type]
+        def close(self):
+            super().close()
+            raise RuntimeError("the backend could not close")
+
+    ds = Dataset(path, batch_size=32, shuffle=True, backend=plug(Failing))
+    next(iter(ds))
+    with pytest.raises(RuntimeError, match="the backend could not close"):
+        ds.close()
+    assert open_fds() == before, "the shard files were closed after the backend failed to"
+    ds.close()  # a second close does nothing
+
+
 def test_a_stopped_pipeline_waits_for_its_device_work_after_its_threads(data_path, monkeypatch, plug):
     """close() quiesces the ops (gathers, uploads), the backend (copies) and the decoder, in that order after
     the threads are joined; on the GPU that is what keeps freed memory from being handed out while queued

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .._tasks import Pending, Queued, drain
+from .._tasks import Pending, Queued, close_each, drain
 from ..backends import info, make_backend, resolve
 from ..backends.base import Backend, Request
 from ..backends.cpu import CpuBackend
@@ -124,10 +124,9 @@ class Opened:
         return self.source.named(e)
 
     def close(self) -> None:
-        """Free the backend, the file handles and the source. Idempotent."""
-        self.backend.close()
-        self.layout.close()
-        self.source.close()
+        """Free the backend, the file handles and the source, each even where one before failed (the first error
+        is raised after). Idempotent."""
+        close_each((self.backend.close, self.layout.close, self.source.close))
 
 
 class Reader(Opened):
@@ -378,9 +377,8 @@ class Reader(Opened):
                 "backend_stats": self.backend.stats(), **self.source.describe()}
 
     def close(self) -> None:
-        """Free the backend, decoder, verifier, file handles and source. Idempotent; parts never made are skipped."""
-        for part in (self._host_reader, self.decoder, self.verification):
-            if part is not None:
-                part.close()
+        """Free the backend, decoder, verifier, file handles and source, each even where one before failed (the
+        first error is raised after). Idempotent; parts never made are skipped."""
+        parts = [p.close for p in (self._host_reader, self.decoder, self.verification) if p is not None]
         self._resident = {}
-        super().close()
+        close_each((*parts, super().close))
