@@ -1,18 +1,10 @@
-"""Row gathers on the device (``out[i] = src[idx[i]]``) that leave the GPU room for the training step.
+"""Row gathers on the device, by index or by row address, on a bounded grid that leaves room for the step.
 
-A gather as CuPy's ``take`` launches it has one thread per element and as many blocks as that takes,
-thousands for a batch of images; the GPU dispatches a later kernel's blocks (the consumer's next step, on
-another stream of the same priority) only once every block of the earlier one has been dispatched, so a
-step launched while a batch is gathered starts only near the gather's end. These kernels run a bounded
-grid (:func:`launch_shape`: a few blocks per multiprocessor, each looping over its rows) that is dispatched
-at once and leaves every multiprocessor room for other kernels' blocks: a gather runs beside the step
-instead of in front of it. Rows move as whole words of up to 16 bytes (:func:`word_bytes`).
-
-A gather by pointers (:meth:`Gather.by_pointers`) takes each output row from an address of its own, read from a
-table in pinned host memory that the kernel reads where it lies (no copy queued behind a window's host-to-device
-copies): rows of several arrays (a mixture's sources, several windows) in one launch.
-
-The launch arithmetic is pure and tested on the CPU; only :class:`Gather` touches the device.
+The kernels run a few blocks per multiprocessor, each looping over its rows (:func:`launch_shape`), so a
+kernel of the consumer's stream starts beside a gather rather than after it; rows move as words of up to 16
+bytes (:func:`word_bytes`). A gather by pointers reads each row's address from a pinned host table in place
+(:meth:`Gather.by_pointers`): rows of several arrays in one launch. The launch arithmetic is pure (tested on
+the CPU); only :class:`Gather` touches the device. Why: docs/design.md, "Threads and events".
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""Batch assembly on the device: the assembler's stream and gathers, and the events that order it against
-the readers (window filled / released) and against the consumer's stream (batch ready, memory reuse).
+"""The assembler's device work: its stream, gathers and allocations, and the events ordering it with the rest.
 
-Host arrays need none of this (numpy is synchronous), so :class:`HostOps` is all no-ops and the same
-pipeline code runs on machines without a GPU.
+:class:`CudaOps` orders the assembler's stream against the readers (window filled / released) and the
+consumer's stream (batch ready, memory reuse); :class:`HostOps` is the same interface with numpy, all no-ops
+where CUDA orders work, so the same pipeline code runs without a GPU.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """One pipeline serving several sources (a mixture's): three threads, whatever the number of sources.
 
-The sources' streams (feeds.py) are read as the steps ask: a :class:`Steps` says how many samples each source
-gives to each batch (the mixture's schedule, made once per step, in order, by whichever thread asks first).
-The *submitter* walks the steps a group at a time and submits, in the order the batches need them, the
-windows they touch, each through its source's reader into one of that source's window buffers; the
-*completer* finishes them in that order (reads, decode, the start of the checks); the *assembler* walks the
-same steps and gathers each batch's samples straight from the windows into the batch's arrays, source after
-source, with each sample's source index beside them, then releases the windows it is done with. Each sample is
-gathered once. Finished batches go to the consumer as in the single pipeline (pipeline.py: events, hand-off,
-stopping). A source's buffers are its dataset's; a group that touches more of a source's windows than it has
-buffers gets more (so no wait can deadlock), else reading waits for one to be released.
+The submitter walks the steps (steps.py) a group at a time and submits the windows they touch in the order the
+batches need them, each through its source's reader into one of that source's buffers; the completer
+finishes them in that order; the assembler gathers each batch straight from the windows (mixed_gather.py) and
+releases the windows it is done with. A source holds the buffers a group needs plus ``extra`` (no wait can
+deadlock). Stopping and hand-off as in pipeline.py; the design: docs/mixtures.md, "One pipeline for every
+source".
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Gathering a group of a mixture's steps from its sources' windows (gdsload/pipeline/mixed.py's assembler):
-each step's batch is laid out source after source, each part gathered straight from its windows by that source's
-:class:`Assembler`, with each sample's source index beside it. No threads here: it runs on the assembler thread,
-inside the ops' scope."""
+"""A group of a mixture's steps gathered from its sources' windows, each sample once, source after source.
+
+Runs on the assembler thread of pipeline/mixed.py, inside the ops' scope; no threads here.
+"""
 
 from __future__ import annotations
 

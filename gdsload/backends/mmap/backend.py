@@ -1,21 +1,10 @@
-"""The mmap backend (the RAM tier): shard files mapped read-only and registered for DMA once, then copied
-to the device.
+"""The mmap backend (the RAM tier): shard files mapped, locked and registered for DMA once, then copied.
 
-For datasets that fit in RAM. Registering a mapping page-locks it (``cudaHostRegister`` with the
-read-only flag), so every later "read" is a host-to-device DMA copy, with no page-cache read in between.
-The price is memory: the dataset's pages stay locked in RAM for the dataset's life (shared with other
-processes that map the same files), and a cold dataset is read once, all of it. The budget and the
-ability to lock are checked when the dataset opens, so a dataset too large fails there, never mid-epoch;
-the files are then read and locked in ranges of ``RANGE_BYTES`` on background threads (gdsload.backends.mmap.preload),
-the ranges a window needs first (only those until the first batch is assembled), so the first pass runs
-while the rest loads: a copy waits only for the ranges it reads, and never spans two of them (each is
-registered on its own). With ``unlocked="stage"`` a copy does not wait: the reads of ranges not yet locked go
-through the process's native stager (the pinned backend's reader, shared) while the locking goes on behind
-them (docs/design.md, "`mmap`: the RAM tier").
-
-As with any memory-mapped file, a shard file truncated in place while the dataset is open kills the
-process with SIGBUS. Replacing the dataset is safe: ``gdsload shard --overwrite`` renames a new folder
-into place, and the open dataset keeps reading the files it locked.
+Contract: the budget and the ability to lock are checked at open (a dataset too large fails there, never
+mid-epoch); the files then load in ranges of ``RANGE_BYTES`` on background threads (preload.py), a window's
+ranges first; a copy never spans two ranges. ``unlocked="stage"`` reads ranges not yet locked through the
+native stager instead of waiting. A shard file truncated in place while open kills the process (SIGBUS);
+replacing the dataset is safe. Why: docs/design.md, "`mmap`: the RAM tier".
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """Host-to-device copies queued by one native call: the mmap backend's copies of a window.
 
-A window is dozens of copies (one per block, cut where the locked ranges end). Queued through CuPy, each is a Python
-call that gives the GIL up and takes it back, on the submitter's thread, beside the consumer's, which needs the GIL
-the moment its training step ends. :class:`Copier` queues the whole list in one ctypes call (``gds_copier_copy`` in
-``_stage.c``, loaded as :mod:`gdsload.backends.native.stager` loads it): the GIL is given up once per window. The
-copies go round robin over the caller's streams; the call ends by making one stream wait for all of them, through
-events the copier owns and records again on each call (a stream wait takes the event's latest record at the time it
-is queued, so reusing them is safe once the call returned).
-
-"host" mode copies with ``memcpy`` on host addresses: the same call, tested without CUDA.
+The copies go round robin over the backend's streams, which the backend's own stream then waits for (two
+events recorded again on every call); host mode copies with memcpy (tests). Why one call instead of one CuPy
+call per copy: docs/design.md, "`mmap`: the RAM tier".
 """
 
 from __future__ import annotations

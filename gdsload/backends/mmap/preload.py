@@ -1,15 +1,9 @@
-"""Reading parts of files once, in the background, parts asked for first: the mmap backend's load at open.
+"""Parts of files read once in the background, those waited for first: the mmap backend's load at open.
 
-A *unit* is a byte range of a file. Threads read each unit in chunks through the page cache (what a cold
-file needs; a warm one is only walked), units in the order given, except that units a caller waits for
-move to the front. Made with ``hold``, the threads load only units waited for until :meth:`Preloader.start`:
-the mmap backend holds the bulk back until the first batch is assembled, so a window's units do not queue
-behind chunks already handed out and the pipeline's start does not share the GIL and the driver's
-registration lock with every loader thread. When a unit's last chunk is read, ``done(key)`` runs on that
-reader thread (the mmap backend locks the range there); ``on_start()`` runs first on each thread (the mmap
-backend binds it to the GPU's NUMA node there, so cold pages land on that node). A failure of a read or of
-``done`` is kept with its unit and raised to whoever waits for it; the other units go on loading. No CUDA
-here: the callbacks are the caller's.
+A *unit* is a byte range of a file, read in chunks through the page cache; ``done(key)`` runs on the reader
+thread once its last chunk is in (the mmap backend locks the range there), ``on_start()`` first on each thread.
+Made with ``hold``, only units waited for load until :meth:`Preloader.start`. A failure is kept with its unit
+and raised to whoever waits for it. No CUDA here (docs/design.md, "`mmap`: the RAM tier").
 """
 
 from __future__ import annotations
