@@ -7,6 +7,7 @@ client's sweep (``client``), or a gdsload route: ``direct``, ``cached`` (cold op
 from __future__ import annotations
 
 import dataclasses
+import functools
 import http.client
 import json
 import sys
@@ -120,16 +121,20 @@ def _botocore(ranges: Sequence[Range], buf: np.ndarray, threads: int) -> Callabl
     return one
 
 
-def _obstore(ranges: Sequence[Range], buf: np.ndarray, threads: int) -> Callable[[int], None]:
+def _obstore(ranges: Sequence[Range], buf: np.ndarray, threads: int, s3: bool = False) -> Callable[[int], None]:
     import obstore
-    from obstore.store import HTTPStore
+    from obstore.store import HTTPStore, S3Store
 
     parts = urllib.parse.urlsplit(ranges[0].url)
-    store = HTTPStore.from_url(f"{parts.scheme}://{parts.netloc}", client_options={"allow_http": True})
+    endpoint, bucket = f"{parts.scheme}://{parts.netloc}", parts.path.lstrip("/").split("/", 1)[0]
+    store = S3Store(bucket, endpoint=endpoint, region="us-east-1", access_key_id="bench", secret_access_key="bench",
+                    virtual_hosted_style_request=False, client_options={"allow_http": True}) if s3 else \
+        HTTPStore.from_url(endpoint, client_options={"allow_http": True})
+    skip = len(bucket) + 1 if s3 else 0  # S3 keys are below the bucket
 
     def one(i: int) -> None:
         r = ranges[i]
-        data = obstore.get_range(store, urllib.parse.urlsplit(r.url).path.lstrip("/"), start=r.offset,
+        data = obstore.get_range(store, urllib.parse.urlsplit(r.url).path.lstrip("/")[skip:], start=r.offset,
                                  end=r.offset + r.nbytes)
         buf[r.dest:r.dest + r.nbytes] = np.frombuffer(memoryview(data), dtype=np.uint8)
     return one
@@ -137,7 +142,8 @@ def _obstore(ranges: Sequence[Range], buf: np.ndarray, threads: int) -> Callable
 
 #: name -> the maker of one request's reader (threads: the concurrency).
 THREADED: dict[str, Callable[[Sequence[Range], np.ndarray, int], Callable[[int], None]]] = {
-    "http.client": _http_client, "urllib3": _urllib3, "botocore": _botocore, "obstore": _obstore}
+    "http.client": _http_client, "urllib3": _urllib3, "botocore": _botocore, "obstore": _obstore,
+    "obstore-s3": functools.partial(_obstore, s3=True)}
 #: Every client's name, in the order measured.
 CLIENTS = (*THREADED, "fsspec", "kvikio")
 
