@@ -76,8 +76,9 @@ class Assembler:
         pace()
         value_index = {n: epoch_value_index(plan, self.ragged_offsets[n]) for n in self.ragged}  # host: sizes
         host: dict[Any, np.ndarray] = {}
-        if self.resident:
-            host["ids"] = _compact(plan.sample_ids())
+        ids = plan.sample_ids() if self.resident else None
+        if ids is not None:
+            host["ids"] = _compact(ids)
         if self.direct:
             host["positions"] = _compact(plan.positions)
         for name in self.mapped:
@@ -87,7 +88,7 @@ class Assembler:
         last_batch = plan.last_batch_of_window()
         pace()
         dev, ready = self.ops.upload(host)
-        return EpochIndex(plan, table, last_batch, value_index, dev, ready)
+        return EpochIndex(plan, table, last_batch, value_index, dev, ready, ids)
 
     def batches(self, index: EpochIndex, start_batch: int, window: Callable[[int], dict[str, Any] | None],
                 release: Callable[[int], None], stopped: Callable[[], bool]
@@ -251,7 +252,8 @@ class EpochIndex:
     value_index: dict[str, tuple[np.ndarray, np.ndarray]]
     dev: dict[Any, Any]
     ready: Any
-    ids: np.ndarray | None = None  # global sample ids of the stream, made at the first batch step
+    ids: np.ndarray | None = None  # global sample ids of the stream (host): made here with resident fields, else
+    # at the first batch step that asks
 
 
 def batch_groups(table: Sequence[Sequence[tuple[int, int, int, int]]], last_batch: np.ndarray, start: int,

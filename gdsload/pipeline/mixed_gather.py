@@ -33,6 +33,9 @@ class GroupGather:
         self._names = [([(n, f.out_name(n)) for n in (*a.shapes, *(f"{r}{x}" for r in a.ragged
                                                                   for x in ("", "/offsets", "/lengths")))],
                         sum(m.sample_bytes for m in a.shapes.values())) for f, a in zip(feeds, asm)]
+        # by_rows, per source: its (field, output name) pairs gathered from windows, and those of resident fields.
+        self._split = [([(n, o) for n, o in names if n not in a.resident],
+                        [(n, o) for n, o in names if n in a.resident]) for (names, _), a in zip(self._names, asm)]
 
     def gather(self, batches: list[tuple[int, Step, list[list[Part]]]], held: dict[Key, WindowBuffer],
                 waited: set[tuple[int, int]]) -> list[tuple[int, Step, dict[str, Any], tuple[int, ...]]]:
@@ -99,24 +102,20 @@ class GroupGather:
         for (s, st, parts), size in zip(batches, sizes):
             lo, nbytes = at, []
             for i, ps in enumerate(parts):
-                names, row_bytes = self._names[i]
-                resident = self.asm[i].resident
-                windowed = [(n, o) for n, o in names if o in taken and n not in resident]
+                row_bytes, resident = self._names[i][1], self.asm[i].resident
+                windowed, kept = self._split[i]
                 n_source = 0
                 for part in ps:
-                    plan, k, index = part.p.plan, part.p.k, part.p.index
-                    starts, positions = part.p.starts, plan.positions
+                    k, starts, positions = part.p.k, part.p.starts, part.p.plan.positions
                     for w in part.windows():
                         a, b = max(part.a, int(starts[w])), min(part.b, int(starts[w + 1]))
                         views = held[(i, k, w)].views(self.feeds[i].reader.window_map)
                         for n, o in windowed:
-                            taken[o].append((views[n], positions[a:b]))
-                    if resident:
-                        if index.ids is None:  # resident fields: rows by global sample id
-                            index.ids = plan.sample_ids()
-                        for n, o in names:
-                            if n in resident and o in taken:
-                                taken[o].append((resident[n].array, index.ids[part.a:part.b]))
+                            if o in taken:
+                                taken[o].append((views[n], positions[a:b]))
+                    for n, o in kept:  # resident fields: rows by global sample id (made with the pass's index)
+                        if o in taken:
+                            taken[o].append((resident[n].array, part.p.index.ids[part.a:part.b]))
                     n_source += part.b - part.a
                 if n_source:
                     taken[SOURCE_KEY].append((self._sources[i], np.zeros(n_source, np.int64)))
