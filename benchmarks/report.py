@@ -359,14 +359,14 @@ def load(path: str) -> dict[str, Any]:
                             f"(found {doc.get('schema')!r})")
 
 
-def render(path: str, summary: bool = True) -> list[str]:
+def render(path: str) -> list[str]:
     """Write the markdown (and PNG, and ``summary.json`` beside it) of the suite JSON at ``path``; returns
     the files written. Without matplotlib the PNG is left out, and said so."""
     doc = load(path)
-    extra = [write_json(os.path.join(os.path.dirname(path), "summary.json"), summarize(doc))] if summary else []
-    return write_report(path, markdown(doc), lambda png: plot(doc, png), "python -m benchmarks.report") + extra
+    return write_report(path, markdown(doc), lambda png: plot(doc, png), "python -m benchmarks.report") + [
+        write_json(os.path.join(os.path.dirname(path), "summary.json"), summarize(doc))]
 
 
 if __name__ == "__main__":
     for p in sys.argv[1:]:
-        print("wrote", ", ".join(render(p, summary=not os.path.basename(p).startswith("stall"))))
+        print("wrote", ", ".join(render(p)))

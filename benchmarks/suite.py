@@ -3,7 +3,6 @@
 
     python -m benchmarks.suite --quick          # minutes: 1 + 4 GiB, main contenders, training-step rows
     python -m benchmarks.suite --full           # 1 GiB in 1/4/16 MiB blocks, 8/16/32 threads; 8 GiB; compressed
-    python -m benchmarks.suite --stall-only     # the training-step rows alone, on the larger dataset
     python -m benchmarks.suite --quick --backends cpu   # no GPU: the cpu backend beside host-memory contenders"""
 
 from __future__ import annotations
@@ -42,13 +41,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="1 + 4 GiB, the main contenders (default)")
     mode.add_argument("--full", action="store_true", help="1 GiB in three block sizes and thread counts; 8 GiB")
-    ap.add_argument("--stall-only", action="store_true", help="only the training-step rows, on the larger dataset")
     ap.add_argument("--backends", default=None, help="comma list (default: kvikio,pinned,mmap with a GPU, else cpu)")
     ap.add_argument("--sizes-gib", default=None, help="comma list of dataset sizes replacing the mode's")
     ap.add_argument("--batch-size", type=int, default=BATCH)
     ap.add_argument("--repeats", type=int, default=3, help="passes per warm row (the best is reported)")
     ap.add_argument("--stall-repeats", type=int, default=3, help="step rows: passes after the one from rest")
-    ap.add_argument("--batches-ahead", type=int, default=None, help="GDSDataset(batches_ahead=) for step rows")
     ap.add_argument("--resident-bytes", type=int, default=None, help="GDSDataset(resident_bytes=), every row")
     ap.add_argument("--no-cold", action="store_true", help="never drop the page cache (no cold rows)")
     ap.add_argument("--warm-seconds", type=float, default=0.5, help="a warm row's back-to-back passes, from rest")
@@ -65,18 +62,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--data", default=DATA_DIR, help="directory on the disk under test (datasets are kept)")
     ap.add_argument("--shm", default="/dev/shm/gdsload-bench", help="tmpfs copy for the /dev/shm regime")
     ap.add_argument("--out", default=RESULTS_DIR, help="results root: files go to OUT/<machine>/")
-    ap.add_argument("--name", default=None, help="base name of the result files (default: suite, or stall)")
     args = ap.parse_args(argv)
     args.mode = "full" if args.full else "quick"
     args.backends = tuple(args.backends.split(",")) if args.backends else (
         GPU_BACKENDS if gpu_available() else ("cpu",))
     args.gpu = any(b != "cpu" for b in args.backends)
-    sizes = [float(s) for s in args.sizes_gib.split(",")] if args.sizes_gib else [1.0, 8.0 if args.full else 4.0]
-    args.sizes = sizes[-1:] if args.stall_only else sizes
+    args.sizes = [float(s) for s in args.sizes_gib.split(",")] if args.sizes_gib else [1.0, 8.0 if args.full else 4.0]
     args.options = {} if args.resident_bytes is None else {"resident_bytes": args.resident_bytes}
     args.contender_s = args.contender_seconds or None
-    args.name = args.name or ("stall" if args.stall_only else "suite")
-    args.compressed = (args.compressed or args.full) and not args.stall_only
+    args.compressed = args.compressed or args.full
     args.canary_cores = canaries.canary_cores(args.canaries)
     return args
 
@@ -89,16 +83,14 @@ def main(argv: list[str] | None = None) -> int:
     print(info, flush=True)
     can_drop = not args.no_cold and drop_page_cache()
     rec = Recorder(can_drop, args.batch_size)
-    base = os.path.join(results_dir(args.out, info), args.name)
+    base = os.path.join(results_dir(args.out, info), "suite")
     doc: dict[str, Any] = {
-        "schema": report.SCHEMA, "benchmark": "benchmarks.suite",
-        "mode": args.mode + ("-stall" if args.stall_only else ""),
-        "date": today(), "machine": info, "auto_backend": None,
+        "schema": report.SCHEMA, "benchmark": "benchmarks.suite", "date": today(), "machine": info,
+        "mode": args.mode, "auto_backend": None,
         "settings": {"backends": list(args.backends), "sizes_gib": args.sizes, "batch_size": args.batch_size,
                      "sample_bytes": SAMPLE_BYTES, "repeats": args.repeats, "stall_repeats": args.stall_repeats,
-                     "batches_ahead": args.batches_ahead, "dataset_options": args.options,
-                     "page_cache_dropped": can_drop, "warm_seconds": args.warm_seconds,
-                     "from_rest": True, "fresh_starts": args.fresh_starts,
+                     "dataset_options": args.options, "page_cache_dropped": can_drop, "from_rest": True,
+                     "warm_seconds": args.warm_seconds, "fresh_starts": args.fresh_starts,
                      "continuous_epochs": args.continuous_epochs, "canary_cores": args.canary_cores,
                      "canary_threshold": args.canary_threshold, "contender_seconds": args.contender_s,
                      "compressed_mib": args.compressed_mib if args.compressed else None,
@@ -138,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):  # the files are written whole, once
         signal.signal(sig, signal.SIG_IGN)
     save()
-    report.render(base + ".json", summary=not args.stall_only)
+    report.render(base + ".json")
     print(f"wrote {base}.json", flush=True)
     return 128 + signal.Signals[doc["cut_short"]["signal"]].value if "cut_short" in doc else 0
 
@@ -148,10 +140,9 @@ class Cut(BaseException):
     ``except Exception`` records it as that row's failure and goes on."""
 
 
-def run_stages(args: argparse.Namespace, rec: Recorder, doc: dict[str, Any],
-               stage: Callable[..., None]) -> None:
+def run_stages(args: argparse.Namespace, rec: Recorder, doc: dict[str, Any], stage: Callable[..., None]) -> None:
     """Every stage of the run, in order, each through ``stage`` (timed, then the JSON saved)."""
-    if args.gpu and not args.stall_only:
+    if args.gpu:
         rec.emit({"kind": "ceiling", "dataset": "-", "regime": "-", "name": "ceiling: pinned H2D copy",
                   "config": "1 GiB", "io_mode": "cuda-memcpy", "gb_per_s": round(pinned_h2d_gbps(1 << 30), 2)})
     for size in args.sizes:
@@ -162,9 +153,6 @@ def run_stages(args: argparse.Namespace, rec: Recorder, doc: dict[str, Any],
             paths = shard_paths(path)
             if doc["auto_backend"] is None:
                 doc["auto_backend"] = auto_backend(path, args.batch_size)
-            if args.stall_only:
-                stage(f"{tag} steps", stall, args, rec, path, tag, paths)
-                continue
             main_block = block == MAIN_BLOCK
             stage(f"{tag} ceilings", ceilings, args, rec, path, tag, paths, main_block)
             # None: the backend's own default (the pinned native reader leaves the pipeline's threads a core).
@@ -197,15 +185,13 @@ def auto_backend(path: str, batch_size: int) -> dict[str, Any]:
     return {"backend": d["backend"], "reason": d["backend_reason"], "io_mode": d["io_mode"]}
 
 
-def ceilings(args: argparse.Namespace, rec: Recorder, path: str, tag: str, paths: list[str],
-             main_block: bool) -> None:
+def ceilings(args: argparse.Namespace, rec: Recorder, path: str, tag: str, paths: list[str], main_block: bool) -> None:
     """The disk, the page cache into (pinned) host memory, and raw KvikIO of the same bytes."""
     rec.record(tag, "cold", "ceiling: O_DIRECT disk read", f"{THREADS} threads, 8 MiB",
                lambda: read_files(paths, direct=True), kind="ceiling")
-    pinned = args.gpu
-    read_files(paths, pinned=pinned)  # warm the page cache
-    rec.record(tag, "warm", f"ceiling: page cache -> {'pinned' if pinned else 'host memory'}",
-               f"{THREADS} threads, 8 MiB", lambda: read_files(paths, pinned=pinned), repeats=args.repeats,
+    read_files(paths, pinned=args.gpu)  # warm the page cache
+    rec.record(tag, "warm", f"ceiling: page cache -> {'pinned' if args.gpu else 'host memory'}",
+               f"{THREADS} threads, 8 MiB", lambda: read_files(paths, pinned=args.gpu), repeats=args.repeats,
                kind="ceiling")
     if not args.gpu:
         return
@@ -326,8 +312,6 @@ def stall(args: argparse.Namespace, rec: Recorder, path: str, tag: str, paths: l
     syncs every step or every 8th (canaries at 1.5x); a 10 ms step over epochs in one loop, here and in a
     fresh process; torch DataLoader with a 5 ms step beside them."""
     read_files(paths, pinned=args.gpu)
-    ahead = {} if args.batches_ahead is None else {"batches_ahead": args.batches_ahead}
-    options = {**args.options, **ahead}
     for backend in args.backends:
         probe = warmed(args, rec, tag, f"gdsload {backend} + training step", "-", path, backend)
         if probe is None:
@@ -338,7 +322,7 @@ def stall(args: argparse.Namespace, rec: Recorder, path: str, tag: str, paths: l
         for factor, sync_every in STEPS:
             ms = batch_read_ms * factor
             run = GdsRun(path, backend, args.batch_size, step=make_step(ms, sync_every, args.gpu),
-                         min_seconds=args.warm_seconds, **options)
+                         min_seconds=args.warm_seconds, **args.options)
             run()  # the process's first pass with this step: its kernel compiled, its buffers set up
             synced = "" if sync_every == 1 else f", host syncs every {sync_every} steps"
             cores = args.canary_cores if (factor, sync_every) == (1.5, 1) else []
@@ -348,19 +332,19 @@ def stall(args: argparse.Namespace, rec: Recorder, path: str, tag: str, paths: l
                 rec.steps(tag, f"gdsload {backend} + training step",
                           f"step = {factor} x batch read time ({ms:.2f} ms){synced}", run, args.stall_repeats,
                           judge=judge, backend=backend, step_factor=factor, step_ms=round(ms, 3),
-                          sync_every=sync_every, **ahead)
+                          sync_every=sync_every)
             run.close()
         if args.continuous_epochs > 0:
             ms = summary_rows.CONTINUOUS_STEP_MS
             run = GdsRun(path, backend, args.batch_size, shuffle=True, step=make_step(ms, 1, args.gpu),
-                         prefetch_next_epoch=True, **options)
+                         prefetch_next_epoch=True, **args.options)
             run()  # as above: the step's kernel and the buffers set up outside the timing
             summary_rows.continuous_row(rec, tag, run, args.continuous_epochs, backend=backend, step_ms=ms,
-                                        sync_every=1, **ahead)
+                                        sync_every=1)
             run.close()
             free_device_memory()  # the child has the device to itself, as a training script would
-            summary_rows.fresh_continuous(rec, tag, path, backend, args.batch_size, options, args.gpu,
-                                          args.continuous_epochs, step_ms=ms, sync_every=1, **ahead)
+            summary_rows.fresh_continuous(rec, tag, path, backend, args.batch_size, args.options, args.gpu,
+                                          args.continuous_epochs, step_ms=ms, sync_every=1)
         free_device_memory()
     rec.record(tag, "warm", "torch DataLoader + training step", f"num_workers=8, step {TORCH_STEP_MS:g} ms",
                lazy(lambda: torch_run(path, 8, args.gpu, make_step(TORCH_STEP_MS, 1, args.gpu))), kind="step",
