@@ -33,6 +33,7 @@ from gdsload.tools.steps import Step, make_step
 
 from .common import (BATCH, SAMPLE_BYTES, Rows, device_used_bytes, free_device_memory, gbps_plot, line_label,
                      make_dataset, probe_args, run_child, write_probe_table)
+from .report import fresh_tables
 
 SHARES = {"half": 3, "third": 2, "sixth": 1}  # sixths of the total
 PAGE_CACHE = "ceiling: page cache -> host memory"
@@ -153,25 +154,26 @@ def measure(backend: str, single_path: str, sources: dict[str, str], rounds: int
         values = [x[key] for x in runs[what] if x.get(key) is not None]
         return round(statistics.median(values), 2) if values else None
     return {"what": f"gdsload {backend}", "io_mode": runs["single"][0]["io_mode"], "regime": "warm-fresh",
-            "shuffle": True, "runs": rounds,
-            "gb_per_s_single": [round(x, 2) for x in gb["single"]],
-            "gb_per_s_mixture": [round(x, 2) for x in gb["mixture"]],
-            "best_single": round(med["single"], 2), "best_mixture": round(med["mixture"], 2),
+            "shuffle": True, "runs": rounds, **{f"gb_per_s_{k}": [round(x, 2) for x in v] for k, v in gb.items()},
+            **{f"best_{k}": round(m, 2) for k, m in med.items()},
             "mixture_of_single_pct": round(100 * med["mixture"] / med["single"], 1), "spread_pct": spread(shares),
-            "step_factor": step_factor, "waiting_pct_single": median_of("single", "waiting_pct"),
-            "waiting_pct_mixture": median_of("mixture", "waiting_pct"),
-            "memory_bytes_single": median_of("single", "memory_bytes"),
-            "memory_bytes_mixture": median_of("mixture", "memory_bytes")}
+            "step_factor": step_factor, **{f"{key}_{what}": median_of(what, key)
+                                           for key in ("waiting_pct", "memory_bytes") for what in runs}}
+
+
+def alternating(kind: str, backends: list[str], single: str, rounds: int, batch_size: int) -> dict[str, list[Any]]:
+    """Per backend, ``rounds`` fresh runs of :func:`child` ``kind`` on ``single``, the order reversed every round."""
+    got: dict[str, list[Any]] = {b: [] for b in backends}
+    for r in range(rounds):
+        for b in backends if r % 2 == 0 else backends[::-1]:
+            got[b].append(fresh(kind, b, single, {}, batch_size, 0.0))
+    return got
 
 
 def first_epochs(backends: list[str], single: str, rounds: int, batch_size: int) -> dict[str, dict[str, Any]]:
     """Per backend (``pinned`` among them), a fresh open's epochs 1 and 2 over ``rounds`` alternating runs."""
-    got: dict[str, list[dict[str, Any]]] = {b: [] for b in backends}
-    for r in range(rounds):
-        for b in backends if r % 2 == 0 else backends[::-1]:
-            got[b].append(fresh("first", b, single, {}, batch_size, 0.0))
     out = {}
-    for b, runs in got.items():
+    for b, runs in alternating("first", backends, single, rounds, batch_size).items():
         first = [x["epochs_gbps"][0] for x in runs]
         out[b] = {"io_mode": runs[0]["io_mode"], "chose": runs[0]["backend"],
                   "gbps": round(statistics.median(first), 2), "runs": first, "spread": spread(first),
@@ -184,10 +186,8 @@ def first_epochs(backends: list[str], single: str, rounds: int, batch_size: int)
 
 def continuous(backends: list[str], single: str, rounds: int, batch_size: int) -> dict[str, dict[str, Any]]:
     """Per backend, waiting beside a 10 ms step over 3 epochs without a sync, fresh processes, alternating."""
-    got: dict[str, list[float]] = {b: [] for b in backends}
-    for r in range(rounds):
-        for b in backends if r % 2 == 0 else backends[::-1]:
-            got[b].append(100 * fresh("continuous", b, single, {}, batch_size, 0.0)["wait_fraction"])
+    got = {b: [100 * x["wait_fraction"] for x in runs]
+           for b, runs in alternating("continuous", backends, single, rounds, batch_size).items()}
     return {b: {"waiting_pct": round(statistics.median(v), 3), "runs": [round(x, 3) for x in v],
                 "spread": spread(v)} for b, v in got.items()}
 
@@ -237,8 +237,7 @@ def ceilings(single_path: str, rounds: int, min_seconds: float) -> Rows:
          lambda: _raw_kvikio(single_path, rounds, min_seconds)),
         (H2D, "256 MiB, best of 5 copies each run", why_not,
          lambda: [PassResult(bytes=256 << 20, seconds=(256 << 20) / (pinned_h2d_gbps(256 << 20) * 1e9),
-                             io_mode="cuda-memcpy") for _ in range(rounds)]),
-    ]
+                             io_mode="cuda-memcpy") for _ in range(rounds)])]
     for what, config, why, measure_it in cases:
         if why is not None:
             out.emit(not_run(what, config, why))
@@ -254,16 +253,17 @@ def markdown(rows: list[dict[str, Any]], ceiling_rows: list[dict[str, Any]] | No
     """The backends' table, then the ceilings' (same run, same data) where given."""
     lines = ["| backend | io mode | GB/s one dataset | GB/s mixture of 3 | mixture / one (spread) | waiting, one | "
              "waiting, mixture | device GB, one / mixture | note |", "|---|---|---:|---:|---:|---:|---:|---|---|"]
-    lines += [f"| {r['what']} | {r['io_mode'] or '-'} | {_v(r['best_single'])} | {_v(r['best_mixture'])} | "
-              f"{_pct(r['mixture_of_single_pct'])} {r.get('spread_pct') or ''} | {_pct(r['waiting_pct_single'])} | "
-              f"{_pct(r['waiting_pct_mixture'])} | {_gb(r.get('memory_bytes_single'))} / "
-              f"{_gb(r.get('memory_bytes_mixture'))} | {r.get('note', '')} |" for r in rows]
+    lines += [f"| {r['what']} | {_v(r['io_mode'])} | {_v(r['best_single'])} | {_v(r['best_mixture'])} | "
+              f"{_v(r['mixture_of_single_pct'], '{} %', '')} {r.get('spread_pct') or ''} | "
+              f"{_v(r['waiting_pct_single'], '{} %', '')} | {_v(r['waiting_pct_mixture'], '{} %', '')} | "
+              f"{_gb(r.get('memory_bytes_single'))} / {_gb(r.get('memory_bytes_mixture'))} | "
+              f"{r.get('note', '')} |" for r in rows]
     if ceiling_rows:
         lines += ["", "Ceilings, same run, on the single dataset's files (warm, best of the runs):", "",
                   "| ceiling | io mode | config | GB/s | runs | CPU s/GB | note |", "|---|---|---|---:|---|---:|---|"]
-        lines += [f"| {c['what']} | {c['io_mode'] or '-'} | {c['config']} | "
-                  f"{'-' if c['gbps'] is None else c['gbps']} | {' '.join(str(x) for x in c['runs']) or '-'} | "
-                  f"{'-' if c['cpu_s_per_gb'] is None else c['cpu_s_per_gb']} | {c['note']} |" for c in ceiling_rows]
+        lines += [f"| {c['what']} | {_v(c['io_mode'])} | {c['config']} | {_v(c['gbps'])} | "
+                  f"{' '.join(str(x) for x in c['runs']) or '-'} | {_v(c['cpu_s_per_gb'])} | {c['note']} |"
+                  for c in ceiling_rows]
     return "\n".join(lines) + "\n"
 
 
@@ -275,23 +275,39 @@ def plot(json_path: str, rows: list[dict[str, Any]], ceiling_rows: list[dict[str
     return gbps_plot(json_path, "mixture of 3 datasets vs one dataset, warm, shuffled", groups, lines)
 
 
-def _pct(value: float | None) -> str:
-    return "" if value is None else f"{value} %"
+def _v(value: Any, form: str = "{}", none: str = "-") -> str:
+    return none if value is None else form.format(value)
 
 
-def _gb(value: float | None) -> str:
-    return "-" if value is None else f"{value / 1e9:.2f}"
+def _gb(nbytes: float | None) -> str:
+    return _v(None if nbytes is None else nbytes / 1e9, "{:.2f}")
 
 
-def _v(value: float | None) -> str:
-    return "-" if value is None else str(value)
+def make_sources(data_dir: str, size_gib: float) -> tuple[str, dict[str, str]]:
+    """The single dataset of ``size_gib`` GiB and the sources of its shares (:data:`SHARES`), made unless there."""
+    return make_dataset(data_dir, size_gib), {n: make_dataset(data_dir, size_gib * k / 6) for n, k in SHARES.items()}
 
 
-def backend_not_run(backend: str, why: str) -> dict[str, Any]:
-    """A backend that cannot run here: the row, without figures, says why."""
-    return {"what": f"gdsload {backend}", "io_mode": None, "best_single": None, "best_mixture": None,
-            "mixture_of_single_pct": None, "waiting_pct_single": None, "waiting_pct_mixture": None,
-            "note": f"not run: {why}"}
+def fresh_figures(backends: list[str], single: str, sources: dict[str, str], rounds: int, min_seconds: float,
+                  batch_size: int, step_factor: float, first_epoch: bool = True) -> tuple[Rows, dict[str, Any]]:
+    """Each backend's row (:func:`measure`, or why it did not run) and the summary: ``mixture`` per backend that
+    ran, and with ``first_epoch`` :func:`first_epochs` of those that run here, ``pinned`` and ``auto`` among them."""
+    rows, summary = Rows(), {"mixture": {}}
+    for backend in backends:
+        try:
+            row = measure(backend, single, sources, rounds, min_seconds, batch_size, step_factor)
+            summary["mixture"][backend] = {k: row[k] for k in (
+                "mixture_of_single_pct", "spread_pct", "runs", "best_single", "best_mixture", "waiting_pct_single",
+                "waiting_pct_mixture", "memory_bytes_single", "memory_bytes_mixture", "io_mode")}
+        except (BackendUnavailable, RuntimeError) as e:
+            row = {"what": f"gdsload {backend}", "io_mode": None, "best_single": None, "best_mixture": None,
+                   "mixture_of_single_pct": None, "waiting_pct_single": None, "waiting_pct_mixture": None,
+                   "note": "not run: " + " ".join(str(e).split())[:300]}
+        rows.emit(row)
+    if first_epoch:
+        here = [b for b in sorted({*backends, "pinned", "auto"}) if b not in NAMES or info(b).available()[0]]
+        summary["first_epoch"] = first_epochs(here, single, rounds, batch_size)
+    return rows, summary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -299,45 +315,19 @@ def main(argv: list[str] | None = None) -> int:
                       min_seconds=0.5, batch_size=BATCH, step_factor=(1.5, "waiting beside a simulated step of this "
                       "many times a batch's read time at the single dataset's rate (0: not measured)"),
                       first_epoch=(False, "also the first-epoch and continuous rows"))
-    single = make_dataset(args.data, args.size_gib)
-    sources = {name: make_dataset(args.data, args.size_gib * n / 6) for name, n in SHARES.items()}
+    single, sources = make_sources(args.data, args.size_gib)
     limits = ceilings(single, args.rounds, args.min_seconds)
-    rows = Rows()
-    backends = args.backends.split(",")
-    summary: dict[str, Any] = {"mixture": {}}
-    for backend in backends:
-        try:
-            row = measure(backend, single, sources, args.rounds, args.min_seconds, args.batch_size, args.step_factor)
-            summary["mixture"][backend] = {k: row[k] for k in (
-                "mixture_of_single_pct", "spread_pct", "runs", "best_single", "best_mixture", "waiting_pct_single",
-                "waiting_pct_mixture", "memory_bytes_single", "memory_bytes_mixture", "io_mode")}
-        except (BackendUnavailable, RuntimeError) as e:
-            row = backend_not_run(backend, " ".join(str(e).split())[:300])
-        rows.emit(row)
+    rows, summary = fresh_figures(args.backends.split(","), single, sources, args.rounds, args.min_seconds,
+                                  args.batch_size, args.step_factor, args.first_epoch)
     if args.first_epoch:
-        here = [b for b in sorted({*backends, "pinned", "auto"}) if b not in NAMES or info(b).available()[0]]
-        summary["first_epoch"] = first_epochs(here, single, args.rounds, args.batch_size)
-        summary["stall_10ms_continuous"] = continuous(here, single, args.rounds, args.batch_size)
+        summary["stall_10ms_continuous"] = continuous(list(summary["first_epoch"]), single, args.rounds,
+                                                      args.batch_size)
         print(json.dumps(summary, indent=1), flush=True)
-    out = write_probe_table(args, "mixture", rows, markdown(rows, limits) + _summary_md(summary), rounds=args.rounds,
+    tables = "\n".join(fresh_tables(summary, ("first_epoch", "stall_10ms_continuous")) + [""])
+    out = write_probe_table(args, "mixture", rows, markdown(rows, limits) + tables, rounds=args.rounds,
                             method=__doc__.split("\n\n")[2], ceilings=limits, summary=summary)
     plot(out, rows, limits)
     return 0
-
-
-def _summary_md(summary: dict[str, Any]) -> str:
-    lines = []
-    if "first_epoch" in summary:
-        lines += ["", "First epoch of a fresh open (median GB/s of the runs, spread, pinned's beside it):", "",
-                  "| backend | chose | io mode | epoch 1 GB/s | spread | epoch 2 GB/s | pinned epoch 1 | open s |",
-                  "|---|---|---|---:|---|---:|---:|---:|"]
-        lines += [f"| {b} | {r['chose']} | {r['io_mode']} | {r['gbps']} | {r['spread']} | {r['epoch2_gbps']} | "
-                  f"{r['pinned_gbps']} | {r['open_s']} |" for b, r in summary["first_epoch"].items()]
-    if "stall_10ms_continuous" in summary:
-        lines += ["", "Waiting beside a 10 ms step, 3 epochs, no sync, fresh process (median, spread):", "",
-                  "| backend | waiting % | spread |", "|---|---:|---|"]
-        lines += [f"| {b} | {r['waiting_pct']} | {r['spread']} |" for b, r in summary["stall_10ms_continuous"].items()]
-    return "\n".join(lines) + ("\n" if lines else "")
 
 
 if __name__ == "__main__":

@@ -13,8 +13,8 @@ from typing import Any
 from .common import load_result, pyplot, save_figure, write_json, write_report
 
 #: Version of the JSON shape (each adds summary keys, None where a run did not measure them); ``READS``: rendered.
-SCHEMA = 3
-READS = (1, 2, 3)
+SCHEMA = 4
+READS = (1, 2, 3, 4)
 RAW_SHUFFLED = "raw KvikIO (blocks, shuffled)"
 RAW_FILES = "raw KvikIO (whole files)"
 
@@ -56,8 +56,7 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
             "raw_kvikio_shuffled_gbps": raw and raw["gb_per_s"],
             "raw_kvikio_whole_files_gbps": raw_files and raw_files["gb_per_s"],
             "stall_1p5x_sync_every_step": per_backend("wait_fraction", kind="step", step_factor=1.5, sync_every=1),
-            "startup_regime": warm_or_cold,
-            "open_s": per_backend("open_s", kind="startup", regime=warm_or_cold),
+            "startup_regime": warm_or_cold, "open_s": per_backend("open_s", kind="startup", regime=warm_or_cold),
             "first_batch_s": per_backend("first_batch_s", kind="startup", regime=warm_or_cold),
             "open_s_cold": per_backend("open_s", kind="startup", regime="cold"),
             "first_batch_s_cold": per_backend("first_batch_s", kind="startup", regime="cold"),
@@ -69,6 +68,7 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
             "stall_1p5x_unslowed": per_backend("wait_fraction_unslowed", kind="step", step_factor=1.5, sync_every=1),
             "compressed": [{k: r.get(k) for k in COMPRESSED_KEYS + (RUNS_KEYS if "runs" in r else ())}
                            for r in compressed] if compressed else None,
+            **{k: doc.get(k) or dict.fromkeys(backends) for k in ("mixture", "first_epoch")},  # benchmarks.mixture's
             **({"cut_short": doc["cut_short"]} if doc.get("cut_short") else {})}
 
 
@@ -242,8 +242,7 @@ def summary_table(summary: dict[str, Any]) -> list[str]:
              f"{v(summary['raw_kvikio_whole_files_gbps'])}); startup regime: {v(summary['startup_regime'])}. "
              f"n/a: not measured in this run.", "",
              "| backend | io mode | warm shuffled GB/s | waiting, step 1.5x, sync every step | open s "
-             "| first batch s |",
-             "|---|---|---:|---:|---:|---:|"]
+             "| first batch s |", "|---|---|---:|---:|---:|---:|"]
     for b, mode in summary["io_mode"].items():
         wait = summary["stall_1p5x_sync_every_step"].get(b)
         lines.append(f"| {b} | {v(mode)} | {v(summary['warm_shuffled_gbps'].get(b))} | {_pct(wait) or 'n/a'} | "
@@ -264,7 +263,20 @@ def summary_table(summary: dict[str, Any]) -> list[str]:
                      f"GB/s (runs spread {v(c.get('runs_spread'))}), epochs {c['warm_epochs_gbps']} GB/s (spread "
                      f"{v(c.get('epoch_spread'))}), cold {v(c['cold_gbps'])}, nvCOMP decode "
                      f"{v(c['decoder_ceiling_gbps'])} GB/s ({c.get('decoder_lanes')} lanes)."]
-    return lines
+    return lines + fresh_tables(summary)
+
+
+def fresh_tables(summary: dict[str, Any], keys: tuple[str, ...] = ("mixture", "first_epoch")) -> list[str]:
+    """A table per key of ``keys`` measured in ``summary`` in benchmarks.mixture's shape (per backend a dict, its
+    keys the columns); nothing for a key not measured."""
+    out = []
+    for key in keys:
+        got = {b: r for b, r in (summary.get(key) or {}).items() if isinstance(r, dict)}
+        cols = list(next(iter(got.values()), {}))
+        out += ["", f"`{key}` (benchmarks.mixture: fresh processes, alternating; medians, spread [min, max]):", "",
+                f"| backend | {' | '.join(cols)} |", "|---" * (len(cols) + 1) + "|"] + [
+            f"| {b} | {' | '.join(str(r.get(c)) for c in cols)} |" for b, r in got.items()] if got else []
+    return out
 
 
 def markdown(doc: dict[str, Any]) -> str:

@@ -2,7 +2,7 @@
 (docs/benchmarks.md, "Method"; ``benchmarks.report`` renders the JSON).
 
     python -m benchmarks.suite --quick          # minutes: 1 + 4 GiB, main contenders, training-step rows
-    python -m benchmarks.suite --full           # 1 GiB in 1/4/16 MiB blocks, 8/16/32 threads; 8 GiB; compressed
+    python -m benchmarks.suite --full           # 1 GiB: 1/4/16 MiB blocks, 8/16/32 threads; 8 GiB; compressed, mixture
     python -m benchmarks.suite --quick --backends cpu   # no GPU: the cpu backend beside host-memory contenders"""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from gdsload.tools.measure import (block_locations, drop_page_cache, pinned_h2d_
                                    raw_kvikio_files, read_files, shard_paths)
 from gdsload.tools.steps import make_step
 
-from . import canaries, report, summary_rows
+from . import canaries, mixture, report, summary_rows
 from .common import BATCH, DATA_DIR, RESULTS_DIR, SAMPLE_BYTES, describe_machine, free_device_memory, \
     make_dataset, dataset_tag, open_and_pass, results_dir, today, write_json
 from .contenders import dali_run, naive_run, torch_run, zarr_run
@@ -59,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--compressed-mib", type=int, default=4096, help="decoded MiB of each compressed store")
     ap.add_argument("--compressed-runs", type=int, default=3, help="fresh processes per compressed row (median)")
     ap.add_argument("--compressed-kinds", default=",".join(summary_rows.COMPRESSED_KINDS), help="the stores' kinds")
+    ap.add_argument("--mixture", type=int, nargs="?", const=3, help="benchmarks.mixture's rounds (3; on with --full)")
     ap.add_argument("--data", default=DATA_DIR, help="directory on the disk under test (datasets are kept)")
     ap.add_argument("--shm", default="/dev/shm/gdsload-bench", help="tmpfs copy for the /dev/shm regime")
     ap.add_argument("--out", default=RESULTS_DIR, help="results root: files go to OUT/<machine>/")
@@ -71,6 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.options = {} if args.resident_bytes is None else {"resident_bytes": args.resident_bytes}
     args.contender_s = args.contender_seconds or None
     args.compressed = args.compressed or args.full
+    args.mixture = 3 * args.full if args.mixture is None else args.mixture
     args.canary_cores = canaries.canary_cores(args.canaries)
     return args
 
@@ -94,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
                      "continuous_epochs": args.continuous_epochs, "canary_cores": args.canary_cores,
                      "canary_threshold": args.canary_threshold, "contender_seconds": args.contender_s,
                      "compressed_mib": args.compressed_mib if args.compressed else None,
-                     "compressed_runs": args.compressed_runs if args.compressed else None},
-        "results": rec.rows}
+                     "compressed_runs": args.compressed_runs if args.compressed else None,
+                     "mixture_rounds": args.mixture}, "results": rec.rows}
 
     def save() -> None:
         """After every stage: a run cut short still leaves what it measured."""
@@ -173,6 +175,20 @@ def run_stages(args: argparse.Namespace, rec: Recorder, doc: dict[str, Any], sta
         stage("compressed", summary_rows.compressed, rec, args.backends, args.data, args.compressed_mib,
               args.batch_size, args.options, args.gpu, 8, 3, args.compressed_runs,
               tuple(args.compressed_kinds.split(",")))
+    if args.mixture:
+        stage("mixture", mixtures, args, doc)
+
+
+def mixtures(args: argparse.Namespace, doc: dict[str, Any]) -> None:
+    """``mixture`` and ``first_epoch`` of :func:`benchmarks.mixture.fresh_figures` on the largest dataset, warm
+    (a failure is a note: the summary says not measured)."""
+    try:
+        single, sources = mixture.make_sources(args.data, args.sizes[-1])
+        read_files(shard_paths(single))
+        doc.update(mixture.fresh_figures(list(args.backends), single, sources, args.mixture, args.warm_seconds,
+                                         args.batch_size, STEPS[0][0])[1])
+    except Exception as e:  # noqa: BLE001 - the run goes on
+        doc.setdefault("notes", []).append(f"mixture: {type(e).__name__}: {e}"[:400])
 
 
 def auto_backend(path: str, batch_size: int) -> dict[str, Any]:

@@ -22,7 +22,7 @@ SUMMARY_KEYS = {"auto_backend", "io_mode", "warm_shuffled_gbps", "raw_kvikio_shu
 #: What schema 2 added (issue 46): None where a run did not measure them.
 NEW_SUMMARY_KEYS = {"startup", "stall_10ms_continuous", "stall_1p5x_unslowed", "compressed"}
 #: The keys each later schema added, None where a run did not measure them.
-ADDED_KEYS = {2: NEW_SUMMARY_KEYS, 3: {"stall_10ms_continuous_fresh"}}
+ADDED_KEYS = {2: NEW_SUMMARY_KEYS, 3: {"stall_10ms_continuous_fresh"}, 4: {"mixture", "first_epoch"}}
 
 
 def bench(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -42,11 +42,12 @@ def has_matplotlib() -> bool:
 @pytest.fixture(scope="module")
 def suite_run(tmp_path_factory: pytest.TempPathFactory) -> str:
     """One quick suite on two tiny datasets, cpu backend, no cold rows, no canaries, two fresh starts, the
-    continuous step over 4 epochs and a 2 MiB compressed store: its results folder."""
+    continuous step over 4 epochs, a 2 MiB compressed store and the mixture's 3 rounds: its results folder."""
     tmp = tmp_path_factory.mktemp("suite")
     bench("benchmarks.suite", "--quick", "--backends", "cpu", "--sizes-gib", "0.01,0.02", "--batch-size", "16",
           "--resident-bytes", "0", "--repeats", "2", "--stall-repeats", "2", "--no-cold", "--fresh-starts", "2",
           "--continuous-epochs", "4", "--canaries", "", "--compressed", "--compressed-mib", "2",
+          "--mixture", "--warm-seconds", "0.1",
           "--data", str(tmp / "data"), "--out", str(tmp / "results"), "--shm", str(tmp / "shm"))
     return str(tmp / "results" / "cpu-only")
 
@@ -56,7 +57,7 @@ def test_suite_writes_one_shape(suite_run: str) -> None:
         doc = json.load(f)
     from benchmarks.report import SCHEMA
 
-    assert doc["schema"] == SCHEMA == 3 and doc["mode"] == "quick" and doc["machine"]["gpu"] is None
+    assert doc["schema"] == SCHEMA == 4 and doc["mode"] == "quick" and doc["machine"]["gpu"] is None
     assert doc["settings"]["backends"] == ["cpu"] and doc["settings"]["page_cache_dropped"] is False
     assert doc["auto_backend"]["backend"] == "cpu"
     rows = doc["results"]
@@ -149,7 +150,7 @@ def test_report_refuses_another_shape(tmp_path: str) -> None:
     with open(path, "w") as f:
         json.dump({"benchmark": "run.py", "results": []}, f)
     done = bench("benchmarks.report", path, check=False)
-    assert done.returncode != 0 and "not a suite result of schema 1 or 2 or 3" in done.stderr
+    assert done.returncode != 0 and "not a suite result of schema 1 or 2 or 3 or 4" in done.stderr
 
 
 def test_mixture_benchmark_cpu(tmp_path: str) -> None:
@@ -254,7 +255,7 @@ def test_summary_startup_from_fresh_processes(suite_run: str) -> None:
     """Each figure is the median of the processes' own, every process a new interpreter (its own pid-less
     clock: the import of gdsload is timed, which an in-process row could not do)."""
     doc, summary = _suite(suite_run)
-    assert NEW_SUMMARY_KEYS <= set(summary) and summary["schema"] == 3
+    assert NEW_SUMMARY_KEYS <= set(summary) and summary["schema"] == 4
     (row,) = [r for r in doc["results"]
               if r["kind"] == "startup" and r["regime"] == "warm-fresh" and r["dataset"] == summary["dataset"]]
     assert row["kind"] == "startup" and row["imports"] == "gdsload" and row["processes"] == len(row["runs"]) == 2
@@ -371,3 +372,28 @@ def test_the_cold_compressed_target_is_capped_by_the_decoders_ceiling() -> None:
     assert _compressed({**row, "cold_gbps": 1.5})[2].endswith("= 1.60 -> MISSED")
     uncapped = _compressed({**row, "decoder_ceiling_gbps": 10.0, "cold_gbps": 3.0})[2]
     assert "capped" not in uncapped and uncapped.endswith("= 3.20 -> MISSED")
+
+
+def test_summary_mixture_and_first_epoch(suite_run: str) -> None:
+    """``--mixture``: benchmarks.mixture's figures in the suite's summary, from 3 rounds of fresh processes on the
+    main dataset: the mixture's rate as a share of one dataset's with its spread, and a fresh open's first epoch
+    per backend (``auto`` among them) with ``pinned``'s beside it (None: no GPU here)."""
+    doc, summary = _suite(suite_run)
+    assert doc["settings"]["mixture_rounds"] == 3 and "mixture" in doc["stage_seconds"] and not doc.get("notes")
+    (mix,) = summary["mixture"].values()
+    assert list(summary["mixture"]) == ["cpu"] and mix["io_mode"] == "cpu" and mix["runs"] == 3
+    assert mix["best_single"] > 0 and mix["best_mixture"] > 0 and mix["mixture_of_single_pct"] > 0
+    low, high = mix["spread_pct"]
+    assert 0 < low <= high  # each run's share of its own round's single dataset
+    assert mix["waiting_pct_single"] >= 0 and mix["waiting_pct_mixture"] >= 0
+    assert summary["mixture"] == doc["mixture"] and summary["first_epoch"] == doc["first_epoch"]
+    assert set(summary["first_epoch"]) == {"auto", "cpu"}  # pinned needs a GPU
+    for backend, first in summary["first_epoch"].items():
+        assert first["chose"] == "cpu" and first["io_mode"] == "cpu" and first["pinned_gbps"] is None
+        assert len(first["runs"]) == 3 and all(g > 0 for g in first["runs"]) and first["epoch2_gbps"] > 0
+        assert first["gbps"] == round(float(np.median(first["runs"])), 2) and first["open_s"] > 0
+        assert first["spread"] == [round(min(first["runs"]), 3), round(max(first["runs"]), 3)]
+    with open(os.path.join(suite_run, "suite.md")) as f:
+        md = f.read()
+    assert "`mixture` (benchmarks.mixture" in md and "`first_epoch` (benchmarks.mixture" in md
+    assert f"| cpu | {mix['mixture_of_single_pct']} | {mix['spread_pct']} | 3 | {mix['best_single']} |" in md
