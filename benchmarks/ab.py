@@ -3,7 +3,7 @@ warm and cold GB/s and waiting beside a step, each figure a fresh process using 
 alternating (A B B A) so the machine's drift falls on all.
 
     python -m benchmarks.ab --trees BEFORE_DIR . --out DIR          # GPU machine; root for the cold rows
-    python -m benchmarks.ab --readers native,kvikio,threads --out DIR"""
+    python -m benchmarks.ab --readers native,threads --out DIR"""
 
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker", nargs=4, metavar=("PATH", "BACKEND", "MODE", "OPTIONS"), help=argparse.SUPPRESS)
     ap.add_argument("--trees", nargs=2, metavar=("A", "B"), default=None, help="two source trees (A: before)")
     ap.add_argument("--readers", default=None, help="the pinned backend's readers to compare on one tree (the "
-                    "second of --trees, else .), e.g. native,kvikio,threads; replaces the two trees' arms")
+                    "second of --trees, else .), e.g. native,threads; replaces the two trees' arms")
     ap.add_argument("--backends", default="kvikio,pinned,mmap")
     ap.add_argument("--gib", type=float, default=8.0)
     ap.add_argument("--rounds", type=int, default=2, help="A-B then B-A pairs per row")

@@ -234,13 +234,13 @@ def test_ab_sets_each_arm_against_the_first_as_with_the_pinned_readers() -> None
     from benchmarks.ab import table
 
     runs = {"native": [{"gbps": 40.0, "io_mode": "pinned"}, {"gbps": 42.0, "io_mode": "pinned"}],
-            "kvikio": [{"gbps": 20.5, "io_mode": "pinned"}, {"gbps": 20.5, "io_mode": "pinned"}],
-            "threads": [{"error": "BackendUnavailable: no GPU"}]}
+            "threads": [{"gbps": 20.5, "io_mode": "pinned"}, {"gbps": 20.5, "io_mode": "pinned"}],
+            "auto": [{"error": "BackendUnavailable: no GPU"}]}
     doc = {"trees": ["."], "arms": list(runs), "labels": [f"`.` reader={r}" for r in runs], "gib": 1.0,
            "batch": 256, "rows": [{"backend": "pinned", "mode": "warm", **runs}]}
     md = table(doc)
-    assert md.startswith("native: `.` reader=native, kvikio: `.` reader=kvikio, threads: `.` reader=threads;")
-    assert "| figure | native | kvikio | threads | kvikio / native | threads / native |" in md
+    assert md.startswith("native: `.` reader=native, threads: `.` reader=threads, auto: `.` reader=auto;")
+    assert "| figure | native | threads | auto | threads / native | auto / native |" in md
     assert ("| pinned | pinned | warm | GB/s | 40.00 / 42.00 | 20.50 / 20.50 | error: BackendUnavailable: no GPU "
             "| 0.500 | – |") in md
 

@@ -431,11 +431,6 @@ class TestPinnedNative(BackendConformance):
 
 
 @pytest.mark.gpu
-class TestPinnedKvikioReader(BackendConformance):
-    backend, backend_options = "pinned", {"reader": "kvikio"}
-
-
-@pytest.mark.gpu
 class TestPinnedThreads(BackendConformance):
     backend, backend_options = "pinned", {"reader": "threads"}
 

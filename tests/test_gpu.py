@@ -198,17 +198,17 @@ def test_torch_output_on_a_non_default_torch_stream(small, backend):
 
 @pytest.mark.parametrize("slots", [1, 3])
 def test_pinned_pool_is_bounded_and_freed(small, slots, plug):
-    """One slot (reads and copies take turns) or a few (one kept for copies in flight): right batches, the
-    pinned bytes held never above the pool, every slot given back, the pinned memory freed on close."""
+    """One slot (the reader threads take turns) or a few: right batches, the pinned bytes held never above the
+    pool, every slot given back, the pinned memory freed on close."""
     path, data = small
     pool_bytes = slots * 8192
     opts = {"pool_bytes": pool_bytes, "slot_bytes": 8192, "num_threads": 8,  # blocks (8064 B) span slots
-            "reader": "kvikio"}
+            "reader": "threads"}
     made: list = []
     ds = Dataset(path, batch_size=64, backend=kept(plug, "pinned", made), backend_options=opts, window_blocks=8)
     pool = made[0].pool
     stats = ds.describe()["backend_stats"]
-    assert stats["pool_bytes"] == pool_bytes and stats["reading_slots"] == max(1, slots - 1)
+    assert stats["pool_bytes"] == pool_bytes and stats["reading_slots"] == slots
     assert registered_host_memory(pool.ptr(0))
     for b in ds:
         check(b, data)
@@ -220,9 +220,9 @@ def test_pinned_pool_is_bounded_and_freed(small, slots, plug):
     assert not registered_host_memory(pool.ptr(0)), "close() frees the pinned pool"
 
 
-@pytest.mark.parametrize("reader", ["native", "kvikio", "threads"])
+@pytest.mark.parametrize("reader", ["native", "threads"])
 def test_pinned_readers(small, reader):
-    """The native stager, KvikIO's thread pool or Python threads: same batches, threads stopped on close."""
+    """The native stager or Python threads: same batches, threads stopped on close."""
     path, data = small
     opts = {"reader": reader, "slot_bytes": 8192, "pool_bytes": 4 * 8192}  # many slot loads per window
     before = len(os.listdir("/proc/self/task"))

@@ -107,7 +107,7 @@ def test_whole_batches_and_padded_fields_on_the_device(paths, read_ahead):
 def test_sources_with_reader_pools_of_their_own_share_the_default_threads():
     """Three pinned sources reading through Python threads would each start a pool sized for the process alone;
     they split it instead (one pool's worth in all), unless a source sets num_threads. Readers the process shares
-    (the native stager, KvikIO's pool) and backends without a pool of their own are left be."""
+    (the native stager, the kvikio backend's KvikIO pool) and backends without a pool of their own are left be."""
     from gdsload.backends import info
     from gdsload.backends.sizing import DEFAULT_THREADS
     from gdsload.mixture.specs import MIN_THREADS, source_specs

@@ -1,6 +1,6 @@
 """The pinned backend's readers on the CPU: the native one through the stager's host mode, as the backend hands
-it a window's reads (coalesced, named by path), with its stop, its errors and its stats; the Python-thread and
-KvikIO ones through the backend, on stand-ins for CuPy and KvikIO."""
+it a window's reads (coalesced, named by path), with its stop, its errors and its stats; the Python-thread one
+through the backend, on a stand-in for CuPy."""
 
 from __future__ import annotations
 
@@ -197,34 +197,18 @@ class _Event:
         return self
 
 
-class _CuFile:
-    """KvikIO's file on the CPU: ``pread`` into host memory, a future of the bytes read."""
-
-    def __init__(self, path: str, mode: str):
-        self.fd = os.open(path, os.O_RDONLY)
-
-    def pread(self, view, nbytes: int, offset: int):
-        return SimpleNamespace(get=lambda n=os.preadv(self.fd, [view[:nbytes]], offset): n)
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    """CuPy and KvikIO stand-ins: "device" memory is host memory, a copy is a memmove, events are no-ops."""
+    """A CuPy stand-in: "device" memory is host memory, a copy is a memmove, events are no-ops."""
     runtime = SimpleNamespace(memcpyAsync=lambda dst, src, n, kind, stream: ctypes.memmove(dst, src, n),
                               setDevice=lambda i: None, hostRegister=lambda *a: None, hostUnregister=lambda *a: None)
     cuda = SimpleNamespace(runtime=runtime, Device=lambda i=0: contextlib.nullcontext(), Stream=_Stream, Event=_Event)
     monkeypatch.setitem(sys.modules, "cupy", SimpleNamespace(cuda=cuda, uint8=np.uint8))
-    defaults = SimpleNamespace(get=lambda key: None, set=lambda settings: None)
-    monkeypatch.setitem(sys.modules, "kvikio", SimpleNamespace(CuFile=_CuFile, defaults=defaults))
-    monkeypatch.setitem(sys.modules, "kvikio.defaults", defaults)
 
 
-@pytest.mark.parametrize("reader,direct", [("threads", False), ("threads", True), ("kvikio", False)])
+@pytest.mark.parametrize("reader,direct", [("threads", False), ("threads", True)])
 def test_the_slot_readers_land_a_window_exactly_and_report_the_common_stats(backend, fake_gpu, reader, direct):
-    """The pinned backend's Python-thread and KvikIO readers, through the backend, on the CPU stand-ins."""
+    """The pinned backend's Python-thread reader, through the backend, on the CPU stand-in."""
     from gdsload.backends.pinned.backend import PinnedBackend
 
     _, paths, datas = backend
@@ -248,9 +232,33 @@ def test_the_slot_readers_land_a_window_exactly_and_report_the_common_stats(back
         stats = b.stats()
         assert tuple(stats) == (*STATS_KEYS, "native", "numa") and stats["reader"] == b.reader == reader
         assert stats["pool_bytes"] == b.pinned_bytes == 4 * (64 << 10) and stats["slots"] == 4
-        assert stats["reading_slots"] == (3 if reader == "kvikio" else 4) and 1 <= stats["peak_slots_in_use"] <= 4
+        assert stats["reading_slots"] == 4 and 1 <= stats["peak_slots_in_use"] <= 4
         with pytest.raises(ReadError, match=rf"{paths[2]}.*offset {(1 << 20) - 100}"):
             b.submit(window, [ReadRequest(paths[2], (1 << 20) - 100, 300, 0)], threading.Event()).finish()
     finally:
         b.close()
         files.close()
+
+
+def test_auto_reads_through_python_threads_where_the_native_stager_is_off(fake_gpu, monkeypatch):
+    """Without the native stager, "auto" is the Python-thread reader, KvikIO installed or not, and says why."""
+    from gdsload.backends.pinned.backend import PinnedBackend
+
+    monkeypatch.setenv("GDSLOAD_NATIVE", "0")
+    monkeypatch.setitem(sys.modules, "kvikio", SimpleNamespace())  # installed: no longer a reader of pinned's
+    b = PinnedBackend(slot_bytes=64 << 10, pool_bytes=2 * (64 << 10), num_threads=2)
+    try:
+        assert b.reader == b.stats()["reader"] == "threads" and "GDSLOAD_NATIVE=0" in b.stats()["native"]
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize("reader,direct,said", [
+    ("kvikio", False, r"reader 'kvikio' was removed: its readers are 'auto', 'native' and 'threads'"),
+    ("gds", False, r"reader must be 'auto', 'native' or 'threads' \(found 'gds'\)"),
+    ("native", True, r"O_DIRECT \(direct=True\) needs 'threads'")])
+def test_a_reader_pinned_does_not_have_is_refused_naming_the_ones_it_has(reader, direct, said):
+    from gdsload.backends.pinned.backend import PinnedBackend
+
+    with pytest.raises(ValueError, match=said):
+        PinnedBackend(reader=reader, direct=direct)

@@ -42,12 +42,12 @@ def _mmap_budget() -> int | None:
 
 def _pinned_threads(options: Mapping[str, Any]) -> int | None:
     """The pinned backend's own reader threads with ``options``: none where its reader is the native stager (one
-    per process and device, shared by every dataset) or KvikIO's process-wide pool; else its Python threads."""
+    per process and device, shared by every dataset); else its Python threads."""
     from .sizing import DEFAULT_THREADS
     from .native.stager import load
 
     reader, direct = options.get("reader", "auto"), options.get("direct", False)
-    if direct or reader == "threads" or (reader == "auto" and load() is None and not kvikio_installed()):
+    if direct or reader == "threads" or (reader == "auto" and load() is None):
         return DEFAULT_THREADS
     return None
 

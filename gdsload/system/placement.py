@@ -131,17 +131,15 @@ class Placer:
         return True
 
     @contextmanager
-    def around(self, what: str | None) -> Iterator[None]:
+    def around(self, what: str) -> Iterator[None]:
         """Bind the calling thread for a creation (threads started and pages faulted in there land on the
-        node), its mask restored after; ``what`` is recorded as placed once the block succeeds (None:
-        nothing recorded, the caller notes what it can claim)."""
+        node), its mask restored after; ``what`` is recorded as placed once the block succeeds."""
         if not self.placement.active:
             yield
             return
         with bound(self.placement.cpus) as failed:
             yield
-        if what is not None:
-            self.note(what, failed)
+        self.note(what, failed)
 
     def describe(self) -> dict[str, Any]:
         """JSON-ready: the node, the CPUs bound to (count and list), what was placed (kind -> times), what was

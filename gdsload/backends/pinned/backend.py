@@ -1,9 +1,9 @@
 """The pinned backend: reads land in pinned host memory, copies go async to the device on non-blocking streams.
 
-Three readers behind :class:`~gdsload.backends.pinned.staging_pool.StagingReader`: the native stager's
-(:mod:`gdsload.backends.pinned.native_reader`, the default where it builds), else KvikIO's or Python threads
-filling the staging pool's slots (:mod:`gdsload.backends.pinned.slot_readers`). Why each, and why non-blocking
-streams: docs/design.md, "`pinned` and the staging pool" and "`auto`".
+Two readers behind :class:`~gdsload.backends.pinned.staging_pool.StagingReader`: the native stager's
+(:mod:`gdsload.backends.pinned.native_reader`, the default where it builds), else Python threads filling the
+staging pool's slots (:mod:`gdsload.backends.pinned.slot_readers`; the only one with O_DIRECT). Why each, and why
+non-blocking streams: docs/design.md, "`pinned` and the staging pool" and "`auto`".
 """
 
 from __future__ import annotations
@@ -18,22 +18,20 @@ from ..cuda import CudaBackend
 from ..sizing import DEFAULT_THREADS, NATIVE_BUFS_PER_THREAD, native_buf_bytes, native_threads
 from ..native.shared import shared_stager
 from .native_reader import NativeReader
-from .slot_readers import KvikioReader, ThreadReader
+from .slot_readers import ThreadReader
 from .staging_pool import StagingPool, StagingReader, pack
 
-__all__ = ["PinnedBackend", "pack", "DEFAULT_SLOT_BYTES", "DEFAULT_POOL_BYTES", "DEFAULT_COPY_SHARE"]
+__all__ = ["PinnedBackend", "pack", "DEFAULT_SLOT_BYTES", "DEFAULT_POOL_BYTES"]
 
 # Larger staging slots mean fewer calls per byte in the driver thread (docs/benchmarks.md: the sweep).
 DEFAULT_SLOT_BYTES = 16 << 20
 DEFAULT_POOL_BYTES = 512 << 20
-# One staging slot in DEFAULT_COPY_SHARE is kept out of reading, for copies still in flight: with every
-# slot reading, the slot a finished read frees is the one whose copy was just queued, so the driver would
-# wait for each copy before issuing the next read.
-DEFAULT_COPY_SHARE = 4
+#: The values of the ``reader`` option.
+READERS = ("auto", "native", "threads")
 
 
 class PinnedBackend(CudaBackend):
-    """Pinned host staging, then asynchronous copies to the device, through one of three readers
+    """Pinned host staging, then asynchronous copies to the device, through one of two readers
     (:class:`gdsload.backends.pinned.staging_pool.StagingReader`) picked at construction."""
 
     name = "pinned"
@@ -44,34 +42,33 @@ class PinnedBackend(CudaBackend):
 
     def __init__(self, device_id: int = 0, num_threads: int | None = None, slot_bytes: int = DEFAULT_SLOT_BYTES,
                  pool_bytes: int = DEFAULT_POOL_BYTES, direct: bool = False, reader: str = "auto",
-                 copy_share: int = DEFAULT_COPY_SHARE, spin_events: bool = True, buf_bytes: int | None = None,
+                 spin_events: bool = True, buf_bytes: int | None = None,
                  bufs_per_thread: int = NATIVE_BUFS_PER_THREAD):
         """``pool_bytes`` bounds the pinned memory held (``pool_bytes // slot_bytes`` slots); ``direct`` reads
         aligned blocks with O_DIRECT, bypassing the page cache (for datasets larger than RAM); ``reader``:
-        "native" (the native stager), "kvikio" (KvikIO's thread pool, ``num_threads`` threads), "threads"
-        (Python threads) or "auto" (native where the stager builds, else kvikio when installed, threads with
-        ``direct``); ``copy_share``: with KvikIO's reader, one staging slot in ``copy_share`` is kept for copies
-        in flight (0: every slot reads); ``spin_events``: waits for a slot's last copy spin rather than sleep;
+        "native" (the native stager), "threads" (Python threads) or "auto" (native where the stager builds and
+        without ``direct``, else threads); ``spin_events``: waits for a slot's last copy spin rather than sleep;
         ``buf_bytes`` and ``bufs_per_thread``: the native reader's own pinned buffers per thread (default
         :func:`native_buf_bytes`). ``num_threads`` (reader threads) defaults to :func:`native_threads` of this
-        rank's cores for the native reader, ``DEFAULT_THREADS`` for the others."""
-        from ...system.env import kvikio_installed, local_ranks, rank_cores
+        rank's cores for the native reader, ``DEFAULT_THREADS`` for threads."""
+        from ...system.env import local_ranks, rank_cores
         from ...system.placement import for_device
 
         if num_threads is not None and num_threads < 1:
             raise ValueError(f"num_threads must be positive (found {num_threads})")
         if pool_bytes < slot_bytes:
             raise ValueError(f"pool_bytes ({pool_bytes}) must hold at least one slot of {slot_bytes} bytes")
-        if not isinstance(copy_share, int) or copy_share < 0:
-            raise ValueError(f"copy_share must be a non-negative int (found {copy_share!r})")
-        if reader not in ("auto", "native", "kvikio", "threads"):
-            raise ValueError(f"reader must be 'auto', 'native', 'kvikio' or 'threads' (found {reader!r})")
-        if reader in ("native", "kvikio") and direct:
-            raise ValueError(f"reader={reader!r} reads through the page cache: O_DIRECT (direct=True) needs 'threads'")
+        if reader == "kvikio":
+            raise ValueError("the pinned backend's reader 'kvikio' was removed: its readers are 'auto', 'native' and "
+                             "'threads' (backend='kvikio' reads through KvikIO)")
+        if reader not in READERS:
+            raise ValueError(f"reader must be 'auto', 'native' or 'threads' (found {reader!r})")
+        if reader == "native" and direct:
+            raise ValueError("reader='native' reads through the page cache: O_DIRECT (direct=True) needs 'threads'")
         super().__init__(device_id)
         self.direct = direct
         self.io_mode = "pinned-odirect" if direct else "pinned"
-        self.copy_share, self.spin_events = copy_share, spin_events
+        self.spin_events = spin_events
         self.native_reason: str | None = None  # why "auto" did not get the native stager
         # The GPU's NUMA node: reader threads and staging memory are made there (docs/design.md, "NUMA placement").
         self.placer = placer = for_device(self.device)
@@ -92,9 +89,7 @@ class PinnedBackend(CudaBackend):
                 if reader == "native":
                     raise
                 self.native_reason = str(e)
-        if reader == "auto":
-            reader = "kvikio" if kvikio_installed() and not direct else "threads"
-        self.reader = reader
+        self.reader = reader = "threads" if reader == "auto" else reader
         # The default depends on the reader that runs: the native one leaves the pipeline's threads a core.
         self.num_threads = num_threads = staging.num_threads if staging is not None else num_threads or DEFAULT_THREADS
         # The native stager stages through buffers of its own: the pool is not made.
@@ -102,8 +97,7 @@ class PinnedBackend(CudaBackend):
         if staging is None:
             with placer.around("staging pool"):  # PinnedHost's pages are faulted in by this thread
                 self.pool = pool = StagingPool(slot_bytes, pool_bytes // slot_bytes, device_id, spin_events)
-            staging = (KvikioReader(pool, device_id, num_threads, copy_share, placer) if reader == "kvikio"
-                       else ThreadReader(pool, self._files, direct, device_id, num_threads, self.stream, placer))
+            staging = ThreadReader(pool, self._files, direct, device_id, num_threads, self.stream, placer)
         self._staging: StagingReader = staging
 
     @property

@@ -44,7 +44,7 @@ class NativeReader(StagingReader):
         # Every buffer is held (and used in turn) for the stager's life; each thread reads one at a time.
         return {"reader": self.name, "num_threads": st.num_threads, "slot_bytes": st.buffer_bytes // slots,
                 "slots": slots, "pool_bytes": st.pinned_bytes, "reading_slots": st.num_threads,
-                "peak_slots_in_use": slots, "copy_share": None, "spin_events": not st.blocking_sync}
+                "peak_slots_in_use": slots, "spin_events": not st.blocking_sync}
 
     def close(self) -> None:
         """Cancel this reader's jobs and wait until none is in flight (no copy of theirs writes after this), then

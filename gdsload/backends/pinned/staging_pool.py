@@ -23,11 +23,10 @@ from ..base import FileHandles, ReadRequest
 
 #: The keys of every reader's :meth:`StagingReader.stats`: ``reader`` (its name), ``num_threads`` (reading
 #: threads), ``slot_bytes`` and ``slots`` (its staging buffers: size and count), ``pool_bytes`` (staging bytes
-#: held), ``reading_slots`` (buffers that may be read into at once), ``peak_slots_in_use``, ``copy_share``
-#: (one slot in this many kept for copies in flight; None where the reader keeps none back) and
-#: ``spin_events`` (a wait for a buffer's last copy spins rather than sleeps).
+#: held), ``reading_slots`` (buffers that may be read into at once), ``peak_slots_in_use`` and ``spin_events``
+#: (a wait for a buffer's last copy spins rather than sleeps).
 STATS_KEYS = ("reader", "num_threads", "slot_bytes", "slots", "pool_bytes", "reading_slots", "peak_slots_in_use",
-              "copy_share", "spin_events")
+              "spin_events")
 
 #: A slot load: the pieces read into one staging slot, each with its offset in the slot.
 SlotGroup = list[tuple[int, ReadRequest]]
@@ -37,7 +36,7 @@ class StagingReader(ABC):
     """One way of reading a window's pieces into pinned host memory and copying them to the device on streams
     of its own. Made with everything it uses; shares nothing private with the backend."""
 
-    #: "native", "kvikio" or "threads".
+    #: "native" or "threads".
     name: str
     num_threads: int
 
@@ -104,9 +103,9 @@ class StagingPool:
         self._mem: PinnedHost | None = PinnedHost(self.total_bytes, device_id)
         self._base = self._mem.array
         self._ptr = self._mem.ptr  # once: ndarray.ctypes builds objects on every access
-        # Each slot's view made once: the driver thread slices one per read, holding the GIL.
+        # Each slot's view made once: a reader thread slices one per read, holding the GIL.
         self._views = [memoryview(self._base[i * slot_bytes:(i + 1) * slot_bytes]) for i in range(num_slots)]
-        # C-level: the pinned driver takes and gives back a slot per load, holding the GIL while it does.
+        # C-level: a reader thread takes and gives back a slot per load, holding the GIL while it does.
         self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
         for i in range(num_slots):
             self._free.put(i)
