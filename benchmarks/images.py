@@ -97,7 +97,7 @@ def ceiling_row(tree: str, batch: int) -> float:
     import cupy
     from nvidia import nvimgcodec
 
-    blobs = [nvimgcodec.CodeStream(np.fromfile(f, np.uint8)) for f in _files(tree)]
+    blobs = [nvimgcodec.CodeStream(np.fromfile(f, np.uint8).tobytes()) for f in _files(tree)]  # docs/images.md
     decoder = nvimgcodec.Decoder()
     stream = cupy.cuda.Stream(non_blocking=True)
 

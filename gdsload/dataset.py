@@ -135,7 +135,8 @@ class GDSDataset(LoaderProtocols, Closing):
         # progress stops early), then takes _lock, which starting a pass holds, so no pass starts after it.
         self._closing = threading.Event()
         self._lock = threading.RLock()
-        self._parts = (self._active, reader, self._buffers, self._closing)  # what close() frees; never self
+        # What close() frees; never self.
+        self._parts = (self._active, reader, self._buffers, self._closing, self._images)
         REAPER.start()  # if the collector finds this dataset unclosed, its clean-up runs there (_tasks.Reaper)
         self._finalizer = weakref.finalize(self, REAPER, _shutdown, *self._parts)
         _fork.track(self)
@@ -314,7 +315,9 @@ class GDSDataset(LoaderProtocols, Closing):
                 _shutdown(*self._parts)
 
 
-def _shutdown(active: list[Pipeline], reader: Reader, buffers: list[WindowBuffer], closing: threading.Event) -> None:
+def _shutdown(active: list[Pipeline], reader: Reader, buffers: list[WindowBuffer], closing: threading.Event,
+              images: ImageStep | None) -> None:
     closing.set()
     pipelines = [active.pop() for _ in range(len(active))]
-    close_each((*(p.close for p in pipelines), reader.close, buffers.clear))
+    # The image decoder's device memory goes while the streams it was made on still exist.
+    close_each((*(p.close for p in pipelines), *([images.close] if images else ()), reader.close, buffers.clear))

@@ -79,8 +79,7 @@ class DeviceImageDecoder:
         if os.environ.get(NVIMGCODEC_ENV) != "1":
             self.codec = None
             warn(f"{path}: image fields are decoded with Pillow on the CPU and copied to the device: the nvImageCodec "
-                 f"path is experimental (docs/images.md; {NVIMGCODEC_ENV}=1 turns it on)",
-                 UserWarning)
+                 f"path is experimental (docs/images.md; {NVIMGCODEC_ENV}=1 turns it on)", UserWarning)
             return
         try:
             from nvidia import nvimgcodec
@@ -90,6 +89,9 @@ class DeviceImageDecoder:
                  f"copied to the device (pip install nvidia-nvimgcodec-cu13, or gdsload[gpu])", UserWarning)
             return
         self.codec = nvimgcodec
+        # Its own stream: nvImageCodec frees a decoded image on the stream it was decoded on, so that stream must
+        # outlive the images (close() releases them first); a batch's kernel waits for it by an event.
+        self.stream = cupy.cuda.Stream(non_blocking=True)
         self.decoder = nvimgcodec.Decoder(device_id=cupy.cuda.Device().id, options=":fancy_upsampling=1")
         # EXIF orientation is not applied: Pillow's decode on the cpu backend does not apply it either.
         rgb = getattr(nvimgcodec.ColorSpec, "SRGB", None) or nvimgcodec.ColorSpec.RGB  # RGB before 0.6
@@ -116,6 +118,9 @@ class DeviceImageDecoder:
             sizes[i] = info.height, info.width
         taps = batch_taps(spec, seed, epoch, samples, sizes[:, 0], sizes[:, 1])
         images = self._decode(name, samples, blobs, sizes, taps)
+        decoded = cupy.cuda.Event(block=True, disable_timing=True)
+        decoded.record(self.stream)
+        cupy.cuda.get_current_stream().wait_event(decoded)
         (oh, ow), ky, kx = spec.shape, taps.ry.shape[2], taps.rx.shape[2]
         ptrs = np.array([img.__cuda_array_interface__["data"][0] for img in images], np.uint64)
         pitches = np.array([_pitch(img) for img in images], np.int64)
@@ -132,11 +137,21 @@ class DeviceImageDecoder:
         event.record()
         self._held.append((event, (images, dev)))
 
+    def close(self) -> None:
+        """Wait for the device work on what it holds, then free it: decoded images before their stream.
+        Idempotent; call once no batch is being decoded."""
+        for event, _ in self._held:
+            event.synchronize()
+        self._held = []
+        if self.codec is not None:
+            self.stream.synchronize()
+            self.codec = self.decoder = None
+
     def _decode(self, name: str, samples: np.ndarray, blobs: list[np.ndarray], sizes: np.ndarray,
                 taps: BatchTaps) -> list[Any]:
         """Each image decoded on the current stream: by region (the rows and columns its taps read), else
         whole (its taps then made relative to the whole image); a ReadError naming the sample else."""
-        nv, stream = self.codec, self.cupy.cuda.get_current_stream().ptr
+        nv, stream = self.codec, self.stream.ptr
         regions = [tuple(int(v) for v in reg) for reg in taps.regions]
         sources = [self._source(b, nv.Region(*reg)) for b, reg in zip(blobs, regions)]
         got = self.decoder.decode(sources, params=self.params, cuda_stream=stream)
@@ -158,10 +173,10 @@ class DeviceImageDecoder:
 
     def _source(self, blob: np.ndarray, region: Any = None) -> Any:
         """What the decoder takes: a CodeStream (cut to ``region``), or before nvImageCodec 0.6 a DecodeSource."""
-        nv = self.codec
+        nv, data = self.codec, blob.tobytes()  # a copy nvImageCodec owns: a stream over a numpy view crashed it
         if hasattr(nv, "DecodeSource"):
-            return nv.DecodeSource(blob, region)
-        stream = nv.CodeStream(blob)
+            return nv.DecodeSource(data, region)
+        stream = nv.CodeStream(data)
         return stream if region is None else stream.get_sub_code_stream(region=region)
 
 

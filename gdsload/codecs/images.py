@@ -43,3 +43,8 @@ class ImageStep:
                 self._device.decode(name, spec, values, offsets, self.seed, epoch, samples, out)
             batch[name] = out
         return batch
+
+    def close(self) -> None:
+        """Free the GPU decoder's memory (call once no batch is being decoded; idempotent)."""
+        if self._device is not None:
+            self._device.close()
