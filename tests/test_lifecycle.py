@@ -225,6 +225,24 @@ def test_a_stopped_pipeline_waits_for_its_device_work_after_its_threads(data_pat
         assert [c[0] for c in calls] == ["ops", "backend"] * 2
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the pass's own stop, unseen
+def test_a_decode_still_running_when_the_dataset_closes_is_raised_by_close(data_path, plug):
+    """The defect: a stopping pipeline swallowed every failure of its device work's wait, the DecodeError of a
+    decode still running after its bound among them, so close() returned as if all had ended."""
+    from gdsload import DecodeError
+
+    class Hung(info("cpu").backend_class):  # type: ignore[misc,valid-type]
+        def quiesce(self):
+            raise DecodeError("train.gds: a decode is still running after 0.1 s (test)")
+
+    path, _ = data_path
+    ds = Dataset(path, batch_size=32, shuffle=True, backend=plug(Hung))
+    next(iter(ds))
+    with pytest.raises(DecodeError, match="still running"):
+        ds.close()
+    ds.close()  # a second close does nothing
+
+
 class Calls(list):
     """What a recording backend was given: reads as (buffer, requests) in the list, buffers in ``allocated``;
     ``backend``: its name for ``backend=``."""

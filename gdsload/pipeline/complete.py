@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from ..backends.handoff import get
+from ..errors import DecodeError
 from ..errors import GDSLoadError, ReadError, with_context
 
 
@@ -61,3 +62,25 @@ def take_ready(ready: queue.Queue[Any], stop: threading.Event, end: object, fail
     if isinstance(item, failed):
         on_failure(item)
     return item
+
+
+def settle(ops: Any, readers: Any, buffers: Any) -> None:
+    """After a pipeline's threads have ended: the GPU work it queued ends before anything it used changes hands
+    (its gathers and uploads, whose memory is handed out again at once, and copies still writing into window
+    buffers the next pipeline fills on another stream), then ``buffers`` are marked free of it. A decode still
+    running after its bound is a DecodeError, raised here and kept as each reader's ``unsettled`` for its close()
+    to raise again (a pass left by a break stops its pipeline in a generator's finalizer, where nobody sees an
+    error); any other failure means the interpreter or the CUDA context is shutting down, with nothing left to
+    order against."""
+    try:
+        ops.quiesce()
+        for reader in readers:
+            reader.quiesce()
+    except DecodeError as e:
+        for reader in readers:
+            reader.unsettled = e
+        raise
+    except Exception:
+        return
+    for b in buffers:
+        b.released = None  # nothing of this pipeline reads them any more

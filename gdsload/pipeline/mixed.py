@@ -22,7 +22,7 @@ from ..codecs.verify import Verdict
 from ..cuda.ops import Ops
 from ..errors import GDSLoadError, with_context
 from .assembler import Assembler
-from .complete import complete, raise_failure, take_ready
+from .complete import complete, raise_failure, settle, take_ready
 from .feeds import Feed, FeedPass, Part, Passes, Walk
 from .mixed_gather import GroupGather, Key
 from .pacing import Pacer
@@ -322,15 +322,7 @@ class MixedPipeline:
                 t.join()
         for f in self.feeds:
             f.reader.idle()
-        try:
-            self.ops.quiesce()
-            for f in self.feeds:
-                f.reader.quiesce()
-        except Exception:  # interpreter or CUDA context shutting down: nothing left to order against
-            return
-        for f in self.feeds:
-            for b in f.buffers:
-                b.released = None
+        settle(self.ops, [f.reader for f in self.feeds], [b for f in self.feeds for b in f.buffers])
 
 
 def _done(key: Key, walk: Walk) -> bool:

@@ -20,7 +20,7 @@ from ..backends.handoff import POLL_S, Handoff
 from ..codecs.verify import Verdict
 from ..cuda.ops import Ops
 from ..errors import GDSLoadError, with_context
-from .complete import complete, raise_failure, take_ready
+from .complete import complete, raise_failure, settle, take_ready
 from .assembler import Assembler, BatchStep, EpochIndex, ResidentField
 from .once import MadeOnce
 from .position import Cursor
@@ -384,13 +384,4 @@ class Pipeline:
             if t.is_alive() and t is not threading.current_thread():
                 t.join()
         self.reader.idle()  # no read is in flight any more: what the backend does ahead of them ends
-        try:
-            # The GPU work this pipeline queued ends before anything it used changes hands: its gathers and
-            # uploads (memory freed with this pipeline is handed out again at once), and copies still
-            # writing into window buffers the next pipeline fills (on another stream, unordered with them).
-            self.ops.quiesce()
-            self.reader.quiesce()
-        except Exception:  # interpreter or CUDA context shutting down: nothing left to order against
-            return
-        for b in self.buffers:
-            b.released = None  # nothing of this pipeline reads them any more
+        settle(self.ops, [self.reader], self.buffers)

@@ -139,6 +139,7 @@ class Reader(Opened):
         from ..codecs.chunks import device_fields
 
         o = opened
+        self.unsettled: BaseException | None = None  # a stopped pipeline's DecodeError, raised by close()
         super().__init__(o.meta, o.layout, o.resident_fields, o.backend, o.backend_name, o.backend_reason, o.device,
                          o.verify, o.source)
         meta, layout = self.meta, self.layout
@@ -381,4 +382,10 @@ class Reader(Opened):
         first error is raised after). Idempotent; parts never made are skipped."""
         parts = [p.close for p in (self._host_reader, self.decoder, self.verification) if p is not None]
         self._resident = {}
-        close_each((*parts, super().close))
+        close_each((*parts, super().close, self._raise_unsettled))
+
+    def _raise_unsettled(self) -> None:
+        """Raise, once, the DecodeError a stopping pipeline met (:func:`gdsload.pipeline.complete.settle`)."""
+        error, self.unsettled = self.unsettled, None
+        if error is not None:
+            raise error
