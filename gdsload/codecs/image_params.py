@@ -126,17 +126,61 @@ def resize_taps(size: int, out: int, start: int, length: int) -> tuple[np.ndarra
     """Antialiased bilinear taps of one axis: ``(out, K)`` int32 input indices and float32 weights (rows
     summing to 1; unused taps weigh 0 and point at a valid index) resizing ``[start, start + length)`` of an
     axis of ``size`` pixels to ``out`` pixels."""
+    first, weight = _axis_taps(np.array([size]), out, np.array([start]), np.array([length]))
+    idx = np.minimum(first[0][:, None] + np.arange(len(weight)), size - 1)
+    return idx.astype(np.int32), weight[:, 0].T.copy()
+
+
+def _axis_taps(sizes: np.ndarray, out: int, starts: np.ndarray,
+               lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`resize_taps` of ``B`` images at once, tap-major: each output pixel's first index ``(B, out)``
+    int64 (tap ``j`` reads ``first + j``) and the weights ``(K, B, out)`` float32, K the batch's largest tap
+    count. Image ``b``'s weights are bit for bit ``resize_taps(sizes[b], out, starts[b], lengths[b])``'s, then
+    0 up to K. Pixel indices are computed as whole float64s (exact): the same values as in int64."""
+    size, start, length = (np.asarray(a, np.int64).reshape(-1, 1) for a in (sizes, starts, lengths))
     scale = length / out
-    support = max(scale, 1.0)
-    centers = start + (np.arange(out, dtype=np.float64) + 0.5) * scale
-    lo = np.clip(np.floor(centers - support + 0.5).astype(np.int64), 0, size - 1)
-    hi = np.clip(np.floor(centers + support + 0.5).astype(np.int64), lo + 1, size)
-    k = int((hi - lo).max())
-    idx = lo[:, None] + np.arange(k)[None, :]
-    valid = idx < hi[:, None]
-    weight = np.where(valid, np.maximum(0.0, 1.0 - np.abs((idx + 0.5 - centers[:, None]) / support)), 0.0)
-    weight = weight / np.maximum(weight.sum(axis=1, keepdims=True), 1e-12)  # the nearest pixel always weighs > 0
-    return np.minimum(idx, size - 1).astype(np.int32), weight.astype(np.float32)
+    support = np.maximum(scale, 1.0)
+    centers = (np.arange(out, dtype=np.float64) + 0.5) * scale
+    centers += start.astype(np.float64)
+    lo = np.floor(centers - support + 0.5)
+    np.clip(lo, 0.0, size - 1.0, out=lo)
+    count = np.floor(centers + support + 0.5)
+    np.clip(count, lo + 1.0, size.astype(np.float64), out=count)
+    count -= lo
+    k = count.max(axis=1)
+    weight = np.empty((int(k.max(initial=1)), *lo.shape))
+    at, short = lo + 0.5, count.min(initial=1.0)  # tap j's index plus 0.5, exact
+    for j, plane in enumerate(weight):  # one pass per tap: the batch's pixels are the long axis
+        np.subtract(at, centers, out=plane)
+        at += 1.0
+        np.divide(plane, support, out=plane)
+        np.abs(plane, out=plane)
+        np.subtract(1.0, plane, out=plane)
+        np.maximum(0.0, plane, out=plane)
+        if j >= short:
+            plane *= j < count  # past the row's own taps: 0
+    sums = _tap_sums(weight, k.astype(np.int64))
+    np.maximum(sums, 1e-12, out=sums)  # the nearest pixel always weighs > 0
+    taps = np.empty(weight.shape, np.float32)
+    np.divide(weight, sums, out=taps, casting="same_kind")  # in float64, then rounded, as resize_taps always did
+    return lo.astype(np.int64), taps
+
+
+def _tap_sums(weight: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """``(B, out)`` sums of each output pixel's taps ``weight`` ``(K, B, out)``, each as numpy sums the
+    ``(out, k[b])`` array of image ``b`` alone: fewer than 8 terms in order, so a running sum is the same;
+    past that its pairwise summation depends on the row's length, so images go group by group of one tap
+    count, unpadded."""
+    if len(weight) < 8:
+        sums = weight[0].copy()
+        for plane in weight[1:]:
+            sums += plane
+        return sums
+    sums = np.empty(weight.shape[1:])
+    for n in np.unique(k):
+        sel = np.flatnonzero(k == n)
+        sums[sel] = weight[:n, sel].transpose(1, 2, 0).copy().sum(axis=2)
+    return sums
 
 
 def resize_hwc(image: np.ndarray, box: Sequence[int], shape: tuple[int, int], flip: bool) -> np.ndarray:
@@ -175,25 +219,37 @@ class BatchTaps:
 def batch_taps(spec: ImageSpec, seed: int, epoch: int, samples: np.ndarray, heights: np.ndarray,
                widths: np.ndarray) -> BatchTaps:
     """The tables of :class:`BatchTaps` for images of these sizes: the same boxes, flips and taps as
-    :func:`resize_hwc` on the host, the region being the rows and columns the taps read."""
+    :func:`resize_hwc` on the host (per image, :func:`resize_taps`'s taps, padded to the batch's largest tap
+    count), the region being the rows and columns the taps read."""
     boxes, flips = transform_params(spec, seed, epoch, samples, heights, widths)
-    (oh, ow), rows, cols = spec.shape, [], []
-    for i in range(len(samples)):
-        top, left, h, w = (int(v) for v in boxes[i])
-        rows.append(resize_taps(int(heights[i]), oh, top, h))
-        cols.append(resize_taps(int(widths[i]), ow, left, w))
-    regions = np.array([(r[wr > 0].min(), c[wc > 0].min(), r[wr > 0].max() + 1, c[wc > 0].max() + 1)
-                        for (r, wr), (c, wc) in zip(rows, cols)], np.int64).reshape(-1, 4)
-    ry, wy = _stack([(np.where(w > 0, r - regions[i, 0], 0), w) for i, (r, w) in enumerate(rows)])
-    rx, wx = _stack([(np.where(w > 0, c - regions[i, 1], 0), w) for i, (c, w) in enumerate(cols)])
-    return BatchTaps(regions, ry, wy, rx, wx, flips)
+    (oh, ow) = spec.shape
+    y0, y1, ry, wy = _relative(*_axis_taps(heights, oh, boxes[:, 0], boxes[:, 2]))
+    x0, x1, rx, wx = _relative(*_axis_taps(widths, ow, boxes[:, 1], boxes[:, 3]))
+    return BatchTaps(np.stack([y0, x0, y1, x1], axis=1), ry, wy, rx, wx, flips)
 
 
-def _stack(tables: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
-    """Per-image taps ``(out, K_i)`` as ``(B, out, K)``, K the largest (extra taps: index 0, weight 0)."""
-    k = max(idx.shape[1] for idx, _ in tables)
-    idx = np.zeros((len(tables), tables[0][0].shape[0], k), np.int32)
-    wgt = np.zeros(idx.shape, np.float32)
-    for b, (i, w) in enumerate(tables):
-        idx[b, :, :i.shape[1]], wgt[b, :, :w.shape[1]] = i, w
-    return idx, wgt
+def _relative(first: np.ndarray, weight: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """From :func:`_axis_taps`'s tables: per image the first and one past the last index its weighed taps
+    read, and its ``(B, out, K)`` int32 indices relative to the first (taps of weight 0: index 0) and float32
+    weights."""
+    used = weight > 0
+    # A row's weighed taps are consecutive (the tent is positive on an interval, cut where the row's taps end):
+    # they start after its leading unweighed taps and number ``used.sum``.
+    lead, before = np.zeros(first.shape, np.int64), np.ones(first.shape, bool)
+    for plane in used:
+        np.greater(before, plane, out=before)  # no weighed tap yet
+        if not before.any():
+            break
+        lead += before
+    lowest = first + lead
+    lo = lowest.min(axis=1)
+    lowest += used.sum(axis=0)
+    hi = lowest.max(axis=1)
+    start = (first - lo[:, None]).astype(np.int32)
+    rel = np.empty((*first.shape, len(weight)), np.int32)
+    taps = np.empty(rel.shape, np.float32)
+    for j, plane in enumerate(used):
+        rel[:, :, j] = np.multiply(start, plane)
+        start += 1
+        taps[:, :, j] = weight[j]
+    return lo, hi, rel, taps
