@@ -106,3 +106,32 @@ def test_batches_of_mixed_tap_counts_sum_each_image_as_alone():
     assert_identical(ImageSpec(16), heights, heights[::-1].copy())
     assert_identical(ImageSpec(16, crop=(0.3, 1.0)), heights, heights[::-1].copy())
     assert_identical(ImageSpec((8, 5)), np.array([40, 57, 64, 71, 80, 95, 120]), np.array([9, 16, 24, 32, 40, 47, 3]))
+
+
+def test_an_empty_batch_has_empty_tables():
+    taps = batch_taps(ImageSpec((4, 6)), 0, 0, np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
+    assert taps.regions.shape == (0, 4) and taps.ry.shape == (0, 4, 1) and taps.wx.shape == (0, 6, 1)
+
+
+@pytest.mark.parametrize("k", range(1, 8))
+def test_numpy_sums_fewer_than_8_terms_in_order(k):
+    # what batch_taps relies on to sum padded rows by a running sum: numpy's sum of a row of k < 8 terms
+    rows = np.random.default_rng(k).random((4000, k)) ** 3
+    running = rows[:, 0].copy()
+    for j in range(1, k):
+        running += rows[:, j]
+    assert running.tobytes() == rows.sum(axis=1).tobytes()
+
+
+def test_long_rows_are_summed_as_each_image_alone():
+    # past 8 terms numpy's pairwise sum depends on the row's length: padded rows must not be summed as one
+    # (a float32 result rarely shows the last bit of a float64 sum, so the sums are compared themselves)
+    from gdsload.codecs.image_params import _tap_sums
+
+    rng = np.random.default_rng(3)
+    k = np.array([3, 9, 20, 9, 130, 1, 40])
+    weight = np.zeros((int(k.max()), len(k), 50))
+    for b, n in enumerate(k):
+        weight[:n, b] = rng.random((n, 50))
+    want = np.stack([np.ascontiguousarray(weight[:n, b].T).sum(axis=1) for b, n in enumerate(k)])
+    assert _tap_sums(weight, k).tobytes() == want.tobytes()

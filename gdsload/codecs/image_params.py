@@ -126,26 +126,29 @@ def resize_taps(size: int, out: int, start: int, length: int) -> tuple[np.ndarra
     """Antialiased bilinear taps of one axis: ``(out, K)`` int32 input indices and float32 weights (rows
     summing to 1; unused taps weigh 0 and point at a valid index) resizing ``[start, start + length)`` of an
     axis of ``size`` pixels to ``out`` pixels."""
-    first, weight = _axis_taps(np.array([size]), out, np.array([start]), np.array([length]))
-    idx = np.minimum(first[0][:, None] + np.arange(len(weight)), size - 1)
-    return idx.astype(np.int32), weight[:, 0].T.copy()
+    first, weight, _ = _axis_taps(np.array([size]), out, np.array([start]), np.array([length]))
+    idx = np.minimum(first[0][:, None] + np.arange(weight.shape[2]), size - 1)
+    return idx.astype(np.int32), weight[0]
 
 
 def _axis_taps(sizes: np.ndarray, out: int, starts: np.ndarray,
-               lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`resize_taps` of ``B`` images at once, tap-major: each output pixel's first index ``(B, out)``
-    int64 (tap ``j`` reads ``first + j``) and the weights ``(K, B, out)`` float32, K the batch's largest tap
-    count. Image ``b``'s weights are bit for bit ``resize_taps(sizes[b], out, starts[b], lengths[b])``'s, then
-    0 up to K. Pixel indices are computed as whole float64s (exact): the same values as in int64."""
+               lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`resize_taps` of ``B`` images at once: each output pixel's first index ``(B, out)`` int64 (tap
+    ``j`` reads ``first + j``), the weights ``(B, out, K)`` float32, K the batch's largest tap count, and
+    whether each weighs (> 0), tap-major ``(K, B, out)``. Image ``b``'s weights are bit for bit
+    ``resize_taps(sizes[b], out, starts[b], lengths[b])``'s, then 0 up to K. Pixel indices are computed as
+    whole float64s (exact): the same values as in int64."""
     size, start, length = (np.asarray(a, np.int64).reshape(-1, 1) for a in (sizes, starts, lengths))
     scale = length / out
     support = np.maximum(scale, 1.0)
     centers = (np.arange(out, dtype=np.float64) + 0.5) * scale
     centers += start.astype(np.float64)
     lo = np.floor(centers - support + 0.5)
-    np.clip(lo, 0.0, size - 1.0, out=lo)
+    np.maximum(lo, 0.0, out=lo)
+    np.minimum(lo, size - 1.0, out=lo)
     count = np.floor(centers + support + 0.5)
-    np.clip(count, lo + 1.0, size.astype(np.float64), out=count)
+    np.maximum(count, lo + 1.0, out=count)
+    np.minimum(count, size.astype(np.float64), out=count)
     count -= lo
     k = count.max(axis=1)
     weight = np.empty((int(k.max(initial=1)), *lo.shape))
@@ -154,16 +157,18 @@ def _axis_taps(sizes: np.ndarray, out: int, starts: np.ndarray,
         np.subtract(at, centers, out=plane)
         at += 1.0
         np.divide(plane, support, out=plane)
+        np.clip(plane, -1.0, 1.0, out=plane)  # then 1 - |d|: max(0, 1 - |d|), exactly
         np.abs(plane, out=plane)
         np.subtract(1.0, plane, out=plane)
-        np.maximum(0.0, plane, out=plane)
         if j >= short:
             plane *= j < count  # past the row's own taps: 0
     sums = _tap_sums(weight, k.astype(np.int64))
     np.maximum(sums, 1e-12, out=sums)  # the nearest pixel always weighs > 0
-    taps = np.empty(weight.shape, np.float32)
-    np.divide(weight, sums, out=taps, casting="same_kind")  # in float64, then rounded, as resize_taps always did
-    return lo.astype(np.int64), taps
+    taps = np.empty((*lo.shape, len(weight)), np.float32)
+    for j, plane in enumerate(weight):  # in float64, then rounded, as resize_taps always did
+        np.divide(plane, sums, out=taps[:, :, j], casting="same_kind")
+    # ``weight > 0`` is where ``taps > 0``: a positive weight is at least 2**-53 / K, far above float32's least
+    return lo.astype(np.int64), taps, weight > 0
 
 
 def _tap_sums(weight: np.ndarray, k: np.ndarray) -> np.ndarray:
@@ -223,16 +228,16 @@ def batch_taps(spec: ImageSpec, seed: int, epoch: int, samples: np.ndarray, heig
     count), the region being the rows and columns the taps read."""
     boxes, flips = transform_params(spec, seed, epoch, samples, heights, widths)
     (oh, ow) = spec.shape
-    y0, y1, ry, wy = _relative(*_axis_taps(heights, oh, boxes[:, 0], boxes[:, 2]))
-    x0, x1, rx, wx = _relative(*_axis_taps(widths, ow, boxes[:, 1], boxes[:, 3]))
+    top, wy, used_y = _axis_taps(heights, oh, boxes[:, 0], boxes[:, 2])
+    left, wx, used_x = _axis_taps(widths, ow, boxes[:, 1], boxes[:, 3])
+    (y0, y1, ry), (x0, x1, rx) = _relative(top, used_y), _relative(left, used_x)
     return BatchTaps(np.stack([y0, x0, y1, x1], axis=1), ry, wy, rx, wx, flips)
 
 
-def _relative(first: np.ndarray, weight: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """From :func:`_axis_taps`'s tables: per image the first and one past the last index its weighed taps
-    read, and its ``(B, out, K)`` int32 indices relative to the first (taps of weight 0: index 0) and float32
-    weights."""
-    used = weight > 0
+def _relative(first: np.ndarray, used: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """From :func:`_axis_taps`'s first indices and weighed taps: per image the first and one past the last
+    index its weighed taps read, and its ``(B, out, K)`` int32 indices relative to the first (taps of weight
+    0: index 0)."""
     # A row's weighed taps are consecutive (the tent is positive on an interval, cut where the row's taps end):
     # they start after its leading unweighed taps and number ``used.sum``.
     lead, before = np.zeros(first.shape, np.int64), np.ones(first.shape, bool)
@@ -243,13 +248,10 @@ def _relative(first: np.ndarray, weight: np.ndarray) -> tuple[np.ndarray, np.nda
         lead += before
     lowest = first + lead
     lo = lowest.min(axis=1)
-    lowest += used.sum(axis=0)
-    hi = lowest.max(axis=1)
+    lowest += used.sum(axis=0, dtype=np.min_scalar_type(-len(used)))
     start = (first - lo[:, None]).astype(np.int32)
-    rel = np.empty((*first.shape, len(weight)), np.int32)
-    taps = np.empty(rel.shape, np.float32)
+    rel = np.empty((*first.shape, len(used)), np.int32)
     for j, plane in enumerate(used):
         rel[:, :, j] = np.multiply(start, plane)
         start += 1
-        taps[:, :, j] = weight[j]
-    return lo, hi, rel, taps
+    return lo, lowest.max(axis=1), rel
