@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .._tasks import Pending, Queued, close_each, drain
-from ..backends import info, make_backend, resolve
+from ..backends import info, resolve
 from ..backends.base import Backend, Request
 from ..backends.cpu import CpuBackend
 from ..backends.source import Source
