@@ -508,3 +508,46 @@ def test_client_for_s3_is_one_shared_client(s3):
 def test_s3_many_threads_reading_one_object_all_exact(s3):
     data = _blob(1024 * KiB, seed=9)
     assert _ranges_on_threads(_s3(), s3.put("big.bin", data), data, 160, 64 * KiB, 8, seed=5) == 160
+
+
+# -- read_into: a body straight into the caller's buffer (the shard cache's mapping of a piece) --------------
+def _into(client, info: ObjectInfo, off: int, n: int) -> bytes:
+    from gdsload.remote.objects import read_into
+
+    buf = bytearray(b"\xee" * (n + 2))
+    read_into(client, info, off, memoryview(buf)[1:n + 1])
+    assert buf[:1] == buf[-1:] == b"\xee", "nothing written outside the view"
+    return bytes(buf[1:n + 1])
+
+
+@pytest.mark.parametrize("honour_range", [True, False])
+def test_http_read_into_is_exact_in_place_and_pinned(srv, honour_range):
+    srv.honour_range = honour_range
+    url = srv.put("/a.bin", DATA)
+    client = _http()
+    info = client.head(url)
+    srv.reset_log()
+    for off, n in RANGES:
+        assert _into(client, info, off, n) == DATA[off:off + n], (off, n)
+    assert [(r.status, r.header("If-Match")) for r in srv.requests] == [(206 if honour_range else 200, info.etag)] \
+        * len(RANGES)
+
+
+def test_http_read_into_a_truncated_body_is_retried_then_exact_and_a_change_is_object_changed(srv):
+    url, client, info = _opened(srv, retries=2)
+    srv.truncate_next(1, keep=1000)
+    assert _into(client, info, 0, 100_000) == DATA[:100_000]
+    assert srv.count == 2, "the dropped connection was retried once"
+    srv.truncate_next(100, keep=1000)
+    with pytest.raises(ReadError, match="1000 of 100000 bytes came|no complete response|failed after"):
+        _into(client, info, 0, 100_000)
+    srv.put("/a.bin", _blob(len(DATA), seed=1))
+    with pytest.raises(ObjectChanged):
+        _into(client, info, 0, 1000)
+
+
+def test_s3_read_into_falls_back_on_read(s3):
+    client = _s3()
+    info = client.head(s3.put("c.bin", DATA))
+    assert not hasattr(client, "read_into")
+    assert _into(client, info, 4095, 70_000) == DATA[4095:74_095]

@@ -25,10 +25,10 @@ from collections.abc import Iterator
 
 from ..errors import GDSLoadError, ReadError
 from . import client_for
-from .objects import DEFAULT_TIMEOUT_S, ObjectChanged, Stopped, redact
+from .objects import DEFAULT_TIMEOUT_S, ObjectChanged, Stopped, read_into, redact
 from .mirror import PIECE_BYTES, STATE, Version
-from .piece_files import (BOOT, LEDGER, lock_range, marker_valid, moved, open_range, progress, punch, pwrite_all,
-                          read_json, read_ledger, remove, unheld, write_ledger, write_marker)
+from .piece_files import (BOOT, LEDGER, lock_range, mapped, marker_valid, moved, open_range, progress, punch,
+                          pwrite_all, read_json, read_ledger, remove, unheld, write_ledger, write_marker)
 from .piece_sync import Syncer, Unsynced
 from .pieces import Piece
 
@@ -173,22 +173,26 @@ class ShardCache:
         reserved, written = False, False
         try:
             self._make_room(piece, need)
-            reserved = True
-            for offset in range(piece.lo, piece.hi, PIECE_BYTES):
-                if stop.is_set():
-                    raise Stopped()
-                data = self.client.read(entry.info, offset, min(PIECE_BYTES, piece.hi - offset), stop)  # If-Match
-                written = True
-                pwrite_all(fd, data, offset)
-                moved(base + ".fill")
-                with self._lock:
-                    self.fetched_bytes += len(data)
-                    self.fetched_from.add(entry.key)
+            reserved = written = True  # from here on, on a failure its bytes are punched out
+            with mapped(fd, piece.lo, piece.hi) as view:
+                for offset in range(piece.lo, piece.hi, PIECE_BYTES):
+                    if stop.is_set():
+                        raise Stopped()
+                    n = min(PIECE_BYTES, piece.hi - offset)
+                    if view is not None:  # each body straight into the page cache; If-Match, as every read
+                        read_into(self.client, entry.info, offset, view[offset - piece.lo:offset - piece.lo + n], stop)
+                    else:
+                        pwrite_all(fd, self.client.read(entry.info, offset, n, stop), offset)
+                    moved(base + ".fill")
+                    with self._lock:
+                        self.fetched_bytes += n
+                        self.fetched_from.add(entry.key)
             if BOOT is None:
                 os.fdatasync(fd)
             marker = {"key": entry.key, "path": entry.path, "size": entry.info.size, "etag": entry.info.etag,
-                      "data_bytes": need, "range": [piece.lo, piece.hi], "boot": BOOT, "synced": BOOT is None}
-            with self._room():  # the reservation becomes the marker at once for a scan (which reads no folder whole)
+                      "data_bytes": need, "range": [piece.lo, piece.hi], "boot": BOOT, "synced": BOOT is None,
+                      "fetch": f"{os.getpid()}-{time.time_ns()}"}  # this fetch's: the syncer marks no later one
+            with self._room(self._accounted()):  # the reservation becomes the marker at once for a scan
                 write_marker(base + ".ok", marker)
                 remove(base + ".fill")
             remove(base + ".failed")
@@ -227,6 +231,10 @@ class ShardCache:
             raise CacheFull(redact(f"cache_bytes={bound} is smaller than one piece of a shard: {url} "
                                    f"bytes {piece.name} ({need} bytes; raise cache_bytes to at least {need})"),
                             need, 0)
+        if not self._accounted():  # no bound, no ledger: nothing to reckon, nor to keep
+            write_marker(self._id(piece) + ".fill", {"size": need, "pid": os.getpid(), "path": piece.entry.path,
+                                                     "range": [piece.lo, piece.hi]})
+            return
         with self._room():
             used = read_ledger(self.cache_dir)
             if bound is not None and (used is None or used + need > bound):
@@ -252,10 +260,18 @@ class ShardCache:
         if used is not None:
             write_ledger(self.cache_dir, max(0, used + delta))
 
+    def _accounted(self) -> bool:
+        """Whether room is reckoned: a bound, or a ledger a bounded dataset keeps in the folder (without either,
+        a fetch takes no lock of the folder: a dataset without a bound does not keep one)."""
+        return self.cache_bytes is not None or os.path.exists(os.path.join(self.cache_dir, LEDGER))
+
     @contextlib.contextmanager
-    def _room(self) -> Iterator[None]:
-        """The cache folder's lock, held while room is reckoned, the ledger changed, and while a fetch's
-        reservation becomes its marker (a listing that runs beside a rename may see neither name)."""
+    def _room(self, needed: bool = True) -> Iterator[None]:
+        """The cache folder's lock (where ``needed``), held while room is reckoned, the ledger changed, and while
+        a fetch's reservation becomes its marker (a listing that runs beside a rename may see neither name)."""
+        if not needed:
+            yield
+            return
         lock = os.open(os.path.join(self.cache_dir, CACHE_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)  # held for a scan or a rename: no fetch waits on it long
