@@ -1,6 +1,7 @@
 """The files of the node's shard cache (gdsload/remote/piece_files.py, piece_sync.py): no lock file per piece
 (byte-range locks on the shard files), markers written for the boot before their bytes are synced and marked
-synced behind the reads. Real servers and processes only (tests/remote_servers.py)."""
+synced behind the reads, pieces written through a mapping of their bytes. Real servers and processes only
+(tests/remote_servers.py)."""
 
 from __future__ import annotations
 
@@ -10,28 +11,13 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
-from gdsload import GDSDataset
 from gdsload.remote.piece_files import BOOT, open_range, unheld
 
 from _helpers import assert_same_batches, host_batches
 from remote_servers import upload
-
-N = 600
-SPB = 16
-
-
-@pytest.fixture
-def local(make_dataset) -> str:
-    data = {"x": np.arange(N * 6, dtype=np.float32).reshape(N, 6), "idx": np.arange(N)}
-    return make_dataset(data, samples_per_block=SPB, shard_bytes=4 * SPB * 6 * 4)
-
-
-def _open(url: str, cache: str | None, **kw) -> GDSDataset:
-    kw = {"backend": "cpu", "resident_bytes": 0, "window_blocks": 2, "cache_dir": cache, **kw}
-    return GDSDataset(url, 32, **kw)
+from test_remote_cache import _open, local  # noqa: F401 - the same dataset and options (local: a fixture)
 
 
 def _state(cache: str) -> list[str]:
