@@ -195,7 +195,8 @@ class ShardCache:
             with self._room(self._accounted()):  # the reservation becomes the marker at once for a scan
                 write_marker(base + ".ok", marker)
                 remove(base + ".fill")
-            remove(base + ".failed")
+            if os.path.lexists(base + ".failed"):  # a look, not a change of the folder, where there is none
+                remove(base + ".failed")
             with self._lock:
                 self.fetched += 1
             if BOOT is not None:
@@ -232,8 +233,7 @@ class ShardCache:
                                    f"bytes {piece.name} ({need} bytes; raise cache_bytes to at least {need})"),
                             need, 0)
         if not self._accounted():  # no bound, no ledger: nothing to reckon, nor to keep
-            write_marker(self._id(piece) + ".fill", {"size": need, "pid": os.getpid(), "path": piece.entry.path,
-                                                     "range": [piece.lo, piece.hi]})
+            self._reserve(piece, need)
             return
         with self._room():
             used = read_ledger(self.cache_dir)
@@ -249,10 +249,19 @@ class ShardCache:
                     raise CacheFull(redact(f"cache_bytes={bound} is too small: {url} needs {need} bytes and {used} "
                                            f"bytes of shards are in use by the open datasets' windows (at least "
                                            f"{used + need} bytes needed at once)"), need, used)
-            write_marker(self._id(piece) + ".fill", {"size": need, "pid": os.getpid(), "path": piece.entry.path,
-                                                     "range": [piece.lo, piece.hi]})
+            self._reserve(piece, need)
             if used is not None:  # without a bound and a ledger, nothing to keep: a bound's first fetch scans
                 write_ledger(self.cache_dir, used + need)
+
+    def _reserve(self, piece: Piece, need: int) -> None:
+        """Write the piece's ``.fill`` (its reservation, and where its fetch stands): in place, as a reader takes
+        one it cannot parse for none (under a bound it is written under the folder's lock, which a scan holds)."""
+        fill = os.open(self._id(piece) + ".fill", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            os.write(fill, json.dumps({"size": need, "pid": os.getpid(), "path": piece.entry.path,
+                                       "range": [piece.lo, piece.hi]}).encode())
+        finally:
+            os.close(fill)
 
     def _account(self, delta: int) -> None:
         """Add ``delta`` bytes to the ledger, if there is one (hold :meth:`_room`)."""
