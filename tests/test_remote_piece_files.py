@@ -1,7 +1,6 @@
 """The files of the node's shard cache (gdsload/remote/piece_files.py, piece_sync.py): no lock file per piece
 (byte-range locks on the shard files), markers written for the boot before their bytes are synced and marked
-synced behind the reads, pieces written through a mapping of their bytes. Real servers and processes only
-(tests/remote_servers.py)."""
+synced behind the reads. Real servers and processes only (tests/remote_servers.py)."""
 
 from __future__ import annotations
 
@@ -95,25 +94,3 @@ def test_markers_are_synced_by_close_and_one_of_another_boot_not_synced_is_fetch
     bad = [m for m in _markers(cache).values() if not (m["synced"] is True and m["boot"] == BOOT)]
     assert not bad, bad
 
-
-def test_a_piece_is_written_through_a_mapping_of_its_bytes_and_by_pwrite_under_a_file_size_limit(tmp_path):
-    from gdsload.remote.piece_files import MAPPED_FILE_SYSTEMS, _fs_type, mapped
-
-    path = tmp_path / "shard"
-    path.write_bytes(b"\x01" * 10_000)
-    fd = os.open(path, os.O_RDWR)
-    try:
-        with mapped(fd, 4099, 9000) as view:
-            if _fs_type(fd) not in MAPPED_FILE_SYSTEMS:
-                assert view is None
-                pytest.skip(f"file system {_fs_type(fd):#x} is written by pwrite")
-            view[:] = b"\x02" * (9000 - 4099)
-    finally:
-        os.close(fd)
-    assert path.read_bytes() == b"\x01" * 4099 + b"\x02" * (9000 - 4099) + b"\x01" * 1000, "its bytes, no others"
-    limited = subprocess.run([sys.executable, "-c", (
-        "import os, resource; from gdsload.remote.piece_files import mapped\n"
-        "resource.setrlimit(resource.RLIMIT_FSIZE, (1000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))\n"
-        f"fd = os.open({str(path)!r}, os.O_RDWR)\n"
-        "with mapped(fd, 0, 100) as view:\n    print(view is None)")], capture_output=True, text=True, timeout=60)
-    assert limited.stdout.strip() == "True", limited.stderr

@@ -146,12 +146,11 @@ class HttpClient:
             conn.close()
 
     def _request(self, method: str, url: str, headers: Mapping[str, str] | None = None,
-                 stop: threading.Event | None = None, max_bytes: int | None = None, into: memoryview | None = None
-                 ) -> tuple[int, http.client.HTTPMessage, bytes | memoryview]:
+                 stop: threading.Event | None = None, max_bytes: int | None = None
+                 ) -> tuple[int, http.client.HTTPMessage, bytes]:
         """Status, headers and body of one request, retried with backoff on 5xx, timeouts and connection
         errors, all within ``timeout_s``: a ReadError naming the URL and the last status or cause once the
-        tries or the time are spent; :class:`Stopped` on ``stop``; a body over ``max_bytes`` a FormatError. A
-        206 body of ``len(into)`` bytes is read into ``into`` (returned as the body)."""
+        tries or the time are spent; :class:`Stopped` on ``stop``; a body over ``max_bytes`` a FormatError."""
         try:
             parts = urllib.parse.urlsplit(url)
             parts.port  # noqa: B018 - a port that is not a number is refused here
@@ -190,7 +189,7 @@ class HttpClient:
                     conn.request(method, target, headers=sent)
                     resp = conn.getresponse()
                     status = resp.status
-                    body = self._body(url, resp, max_bytes, into)
+                    body = self._body(url, resp, max_bytes)
             except FormatError:
                 self._drop(parts)
                 raise
@@ -228,18 +227,8 @@ class HttpClient:
         raise ReadError(redact(f"{url}: {method} failed after {tries} tries ({last})"))
 
     @staticmethod
-    def _body(url: str, resp: http.client.HTTPResponse, max_bytes: int | None, into: memoryview | None = None
-              ) -> bytes | memoryview:
-        """The whole body (in ``into``, where it is a 206 of its size); over ``max_bytes`` by its Content-Length
-        (nothing read) or as it comes, a FormatError."""
-        if into is not None and resp.status == 206 and resp.length == len(into):
-            got = 0
-            while got < len(into):
-                n = resp.readinto(into[got:])
-                if not n:
-                    raise http.client.IncompleteRead(bytes(got), len(into) - got)
-                got += n
-            return into
+    def _body(url: str, resp: http.client.HTTPResponse, max_bytes: int | None) -> bytes:
+        """The whole body; over ``max_bytes`` by its Content-Length (nothing read) or as it comes, a FormatError."""
         if resp.length is not None:
             if max_bytes is not None and resp.length > max_bytes:
                 raise too_large(url, resp.length, max_bytes)
@@ -271,16 +260,6 @@ class HttpClient:
         return ObjectInfo(url, int(length), headers.get("ETag"))
 
     def read(self, info: ObjectInfo, offset: int, nbytes: int, stop: threading.Event | None = None) -> bytes:
-        return bytes(self._read(info, offset, nbytes, stop, None))
-
-    def read_into(self, info: ObjectInfo, offset: int, dest: memoryview, stop: threading.Event | None = None
-                  ) -> None:
-        body = self._read(info, offset, len(dest), stop, dest)
-        if body is not dest:  # not read in place (a server that ignores Range)
-            dest[:] = body
-
-    def _read(self, info: ObjectInfo, offset: int, nbytes: int, stop: threading.Event | None,
-              into: memoryview | None) -> bytes | memoryview:
         url = info.url
         if nbytes <= 0:
             return b""
@@ -288,7 +267,7 @@ class HttpClient:
         headers = {"Range": f"bytes={offset}-{offset + nbytes - 1}"}
         if info.etag is not None:
             headers["If-Match"] = info.etag
-        status, got, body = self._request("GET", url, headers, stop, max_bytes=info.size, into=into)
+        status, got, body = self._request("GET", url, headers, stop, max_bytes=info.size)
         if status in (404, 410, 412, 416):  # 416: a range inside the size it was opened with no longer is
             raise ObjectChanged(redact(f"{url}: HTTP {status}: the object changed or was removed since it was "
                                        f"opened (ETag {info.etag}, {info.size} bytes)"))

@@ -97,9 +97,6 @@ class ObjectClient(Protocol):
         """Bytes ``offset .. offset + nbytes`` of the object ``info`` pins (:class:`ObjectChanged` if it is
         no longer that object; a range past its end is a ReadError); :class:`Stopped` once ``stop`` is set."""
 
-    # Optional: ``read_into(info, offset, dest, stop)``, :meth:`read` of ``len(dest)`` bytes into ``dest`` (a
-    # writable memoryview), sparing a copy; :func:`read_into` falls back on :meth:`read` without it.
-
     def get(self, url: str, max_bytes: int = MAX_GET_BYTES) -> bytes:
         """The whole object (small ones: metadata). One larger than ``max_bytes`` (by its Content-Length, or by
         a body that runs past it) is a FormatError naming the URL and the size, and is not read into memory."""
@@ -113,17 +110,6 @@ class ObjectClient(Protocol):
 
     def list(self, url: str) -> list[str]:
         """URLs of the objects under ``url`` (a prefix), sorted; where ``lists`` is False, a ReadError."""
-
-
-def read_into(client: ObjectClient, info: ObjectInfo, offset: int, dest: memoryview,
-              stop: threading.Event | None = None) -> None:
-    """Bytes ``offset .. offset + len(dest)`` of the object ``info`` pins, into ``dest``: by the client's own
-    ``read_into`` where it has one, else through :meth:`ObjectClient.read` and a copy."""
-    own = getattr(client, "read_into", None)
-    if own is not None:
-        own(info, offset, dest, stop)
-    else:
-        dest[:] = client.read(info, offset, len(dest), stop)
 
 
 class NotFound(ReadError, FileNotFoundError):

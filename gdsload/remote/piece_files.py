@@ -6,9 +6,7 @@ shared is a pin, exclusive a fetch or an eviction. Like ``flock`` it belongs to 
 descriptors of one process exclude each other, closing one drops only its own), and no lock file is made, so
 none is left behind. A marker written before its piece's bytes are synced holds the machine's boot id: it stands
 for that boot only (the page cache every process of the node reads holds the bytes), and once the bytes are synced
-it is rewritten ``synced`` (docs/remote.md). A piece is written through a shared mapping of its bytes
-(:func:`mapped`), so the fetch threads fill one shard file at once (buffered writes to one file take its lock in
-turn) and each body is read straight into the page cache.
+it is rewritten ``synced`` (docs/remote.md).
 """
 
 from __future__ import annotations
@@ -19,24 +17,17 @@ import ctypes.util
 import errno
 import fcntl
 import json
-import mmap
 import os
-import resource
 import struct
 import threading
 import time
-from collections.abc import Iterator
 
 #: The cache folder's ledger: the bytes of pieces present and reserved, at least (changed under its lock).
 LEDGER = ".gdsload-cache.used"
 #: Bytes of zeros written at a time where a file system cannot punch holes.
 ZERO_BYTES = 4 << 20
 _PUNCH = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
-_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)  # Linux's values where Python does not name them
-_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
-#: File systems whose ``fallocate`` reserves the blocks a mapping's writes need (ext2/3/4, XFS, tmpfs): elsewhere
-#: (copy-on-write ones) a full disk could end a write through a mapping with SIGBUS, so pieces go by ``pwrite``.
-MAPPED_FILE_SYSTEMS = frozenset({0xEF53, 0x58465342, 0x01021994})
+_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)  # Linux's value where Python does not name it
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 
 
@@ -160,45 +151,6 @@ def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
     while view:
         n = os.pwrite(fd, view, offset)  # a short write (a file size limit) is followed by the error
         view, offset = view[n:], offset + n
-
-
-@contextlib.contextmanager
-def mapped(fd: int, lo: int, hi: int) -> Iterator[memoryview | None]:
-    """Bytes ``lo .. hi`` of ``fd``'s file, their blocks allocated (a full disk is an OSError here, not a SIGBUS
-    later), as a writable view of a shared mapping; None (write them with :func:`pwrite_all`) on a file system not
-    in :data:`MAPPED_FILE_SYSTEMS`, one that cannot allocate ahead, or in a process under a file size limit (which
-    writes through a mapping would pass by)."""
-    if resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY or _fs_type(fd) not in \
-            MAPPED_FILE_SYSTEMS:
-        yield None
-        return
-    if _libc.fallocate(fd, 0, ctypes.c_long(lo), ctypes.c_long(hi - lo)) != 0:
-        err = ctypes.get_errno()
-        if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-            yield None
-            return
-        raise OSError(err, os.strerror(err))
-    start = lo - lo % mmap.ALLOCATIONGRANULARITY
-    whole = mmap.mmap(fd, hi - start, offset=start)
-    with contextlib.suppress(OSError):  # its pages made at once, not in a fault each (Linux 5.14 on)
-        whole.madvise(_POPULATE_WRITE)
-    view = memoryview(whole)[lo - start:]
-    try:
-        yield view
-    finally:
-        view.release()
-        try:
-            whole.close()
-        except BufferError:
-            pass  # a slice of it lives on (in an error's traceback): unmapped once that is collected
-
-
-def _fs_type(fd: int) -> int:
-    """The file system's magic number (``statfs.f_type``) of ``fd``'s file; 0 where it cannot be told."""
-    buf = ctypes.create_string_buffer(256)  # struct statfs (120 bytes on 64-bit Linux), f_type first
-    if _libc.fstatfs(fd, buf) != 0:
-        return 0
-    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
 
 
 def punch(fd: int, lo: int, hi: int) -> None:

@@ -25,10 +25,10 @@ from collections.abc import Iterator
 
 from ..errors import GDSLoadError, ReadError
 from . import client_for
-from .objects import DEFAULT_TIMEOUT_S, ObjectChanged, Stopped, read_into, redact
+from .objects import DEFAULT_TIMEOUT_S, ObjectChanged, Stopped, redact
 from .mirror import PIECE_BYTES, STATE, Version
-from .piece_files import (BOOT, LEDGER, lock_range, mapped, marker_valid, moved, open_range, progress, punch,
-                          pwrite_all, read_json, read_ledger, remove, unheld, write_ledger, write_marker)
+from .piece_files import (BOOT, LEDGER, lock_range, marker_valid, moved, open_range, progress, punch, pwrite_all,
+                          read_json, read_ledger, remove, unheld, write_ledger, write_marker)
 from .piece_sync import Syncer, Unsynced
 from .pieces import Piece
 
@@ -173,20 +173,17 @@ class ShardCache:
         reserved, written = False, False
         try:
             self._make_room(piece, need)
-            reserved = written = True  # from here on, on a failure its bytes are punched out
-            with mapped(fd, piece.lo, piece.hi) as view:
-                for offset in range(piece.lo, piece.hi, PIECE_BYTES):
-                    if stop.is_set():
-                        raise Stopped()
-                    n = min(PIECE_BYTES, piece.hi - offset)
-                    if view is not None:  # each body straight into the page cache; If-Match, as every read
-                        read_into(self.client, entry.info, offset, view[offset - piece.lo:offset - piece.lo + n], stop)
-                    else:
-                        pwrite_all(fd, self.client.read(entry.info, offset, n, stop), offset)
-                    moved(base + ".fill")
-                    with self._lock:
-                        self.fetched_bytes += n
-                        self.fetched_from.add(entry.key)
+            reserved = True
+            for offset in range(piece.lo, piece.hi, PIECE_BYTES):
+                if stop.is_set():
+                    raise Stopped()
+                data = self.client.read(entry.info, offset, min(PIECE_BYTES, piece.hi - offset), stop)  # If-Match
+                written = True
+                pwrite_all(fd, data, offset)
+                moved(base + ".fill")
+                with self._lock:
+                    self.fetched_bytes += len(data)
+                    self.fetched_from.add(entry.key)
             if BOOT is None:
                 os.fdatasync(fd)
             marker = {"key": entry.key, "path": entry.path, "size": entry.info.size, "etag": entry.info.etag,
