@@ -3,8 +3,8 @@
 A fetch marks its piece present for this boot at once (:mod:`gdsload.remote.piece_files`) and hands it here; the
 ``gdsload-sync`` thread syncs the shard files (``fdatasync``, once per file for all the pieces waiting) and
 rewrites each marker ``synced``, holding the piece's shared lock so an eviction cannot come between (a piece
-locked exclusively is tried again; one whose marker changed is left as it is: read in this boot, fetched again
-after a reboot).
+locked exclusively is tried again, a while; one whose marker changed is left as it is: read in this boot, fetched
+again after a reboot).
 :meth:`Syncer.close` stops the thread and syncs what is left (docs/remote.md).
 """
 
@@ -18,8 +18,10 @@ from typing import NamedTuple
 from .piece_files import open_range, read_json, write_marker
 
 
-#: Seconds before a piece another holds exclusively (a fetch converting its lock, an eviction) is tried again.
+#: Seconds before a piece another holds exclusively (a fetch converting its lock, an eviction) is tried again,
+#: and how many times (then it is left as it is: read in this boot, fetched again after a reboot).
 RETRY_S = 0.05
+RETRIES = 100
 
 
 class Unsynced(NamedTuple):
@@ -30,6 +32,7 @@ class Unsynced(NamedTuple):
     path: str
     lo: int
     hi: int
+    tries: int = 0
 
 
 class Syncer:
@@ -75,6 +78,7 @@ class Syncer:
                 batch, self._pending = self._pending, []
             done, busy = sync(batch)
             self.synced += done
+            busy = [p._replace(tries=p.tries + 1) for p in busy if p.tries < RETRIES]
             if busy:
                 with self._cv:
                     self._pending.extend(busy)
