@@ -32,7 +32,7 @@ STATE = ".shards"
 #: The version name of an open on a server that sends no ETag (followed by a unique token).
 PRIVATE = "@private-"
 #: The marker's format (a marker of another is not a version this code serves).
-MARKER_FORMAT = 3  # 3: the shard cache marks pieces of shards present (gdsload.remote.pieces)
+MARKER_FORMAT = 4  # 3: pieces of shards marked present; 4: locked by byte ranges, marked per boot until synced
 
 
 class Entry(NamedTuple):
