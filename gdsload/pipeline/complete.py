@@ -64,14 +64,21 @@ def take_ready(ready: queue.Queue[Any], stop: threading.Event, end: object, fail
     return item
 
 
-def settle(ops: Any, readers: Any, buffers: Any) -> None:
-    """After a pipeline's threads have ended: the GPU work it queued ends before anything it used changes hands
-    (its gathers and uploads, whose memory is handed out again at once, and copies still writing into window
-    buffers the next pipeline fills on another stream), then ``buffers`` are marked free of it. A decode still
+def settle(threads: Any, ops: Any, readers: Any, buffers: Any) -> None:
+    """A stopping pipeline's end, once its threads were told to stop: ``threads`` joined (all but the caller's),
+    what its ``readers``' backends do ahead of reads ended, then the GPU work it queued ends before anything it
+    used changes hands (its gathers and uploads, whose memory is handed out again at once, and copies still
+    writing into window buffers the next pipeline fills on another stream), then ``buffers`` are marked free of
+    it. A decode still
     running after its bound is a DecodeError, raised here and kept as each reader's ``unsettled`` for its close()
     to raise again (a pass left by a break stops its pipeline in a generator's finalizer, where nobody sees an
     error); any other failure means the interpreter or the CUDA context is shutting down, with nothing left to
     order against."""
+    for t in threads:
+        if t.is_alive() and t is not threading.current_thread():
+            t.join()
+    for reader in readers:
+        reader.idle()  # no read is in flight any more
     try:
         ops.quiesce()
         for reader in readers:

@@ -317,12 +317,7 @@ class MixedPipeline:
             q.put(None)  # the submitter, for a window buffer
         self._ready.put(None)  # the assembler, for a window
         self._assembled.clear()  # the assembler, to hand a batch to a full queue
-        for t in self._threads:
-            if t.is_alive() and t is not threading.current_thread():
-                t.join()
-        for f in self.feeds:
-            f.reader.idle()
-        settle(self.ops, [f.reader for f in self.feeds], [b for f in self.feeds for b in f.buffers])
+        settle(self._threads, self.ops, [f.reader for f in self.feeds], [b for f in self.feeds for b in f.buffers])
 
 
 def _done(key: Key, walk: Walk) -> bool:

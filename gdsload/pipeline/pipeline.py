@@ -380,8 +380,4 @@ class Pipeline:
         with self._begun:
             self._begun.notify_all()  # either, for the consumer to begin a pass
         self._assembled.clear()  # the assembler, to hand a batch to a full queue
-        for t in self._threads:
-            if t.is_alive() and t is not threading.current_thread():
-                t.join()
-        self.reader.idle()  # no read is in flight any more: what the backend does ahead of them ends
-        settle(self.ops, [self.reader], self.buffers)
+        settle(self._threads, self.ops, [self.reader], self.buffers)
